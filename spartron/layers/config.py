@@ -1,0 +1,139 @@
+"""Model configuration: the `[model]` section of the run config and its sub-sections.
+
+Field names follow DeepSeek-V3 / V3.2 naming so presets read like the published configs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from spartron.configbase import ConfigSection
+
+
+class YarnConfig(ConfigSection):
+    """YaRN rope scaling (DeepSeek-V3 style)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+class MLAConfig(ConfigSection):
+    """Multi-head latent attention shapes. q_lora_rank 0 means the query is not compressed."""
+
+    q_lora_rank: int = Field(0, ge=0)
+    kv_lora_rank: int = Field(512, ge=1)
+    qk_nope_head_dim: int = Field(128, ge=1)
+    qk_rope_head_dim: int = Field(64, ge=2)
+    v_head_dim: int = Field(128, ge=1)
+    rope_theta: float = 10000.0
+    yarn: YarnConfig | None = None
+
+    @model_validator(mode="after")
+    def _rope_even(self) -> MLAConfig:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.mla.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        return self
+
+
+class DSAConfig(ConfigSection):
+    """DeepSeek sparse attention: lightning indexer + top-k sparse MLA.
+
+    `layers`: which decoder layers use DSA ("moe" = every MoE layer, "all", or explicit indices).
+    `topk_freq`: ids are computed by one source layer and reused by the next topk_freq-1 DSA layers.
+    `indexer_mode`: frozen (no grad, computed once per step, reused on replay), or trained with the
+    KL loss against the main attention distribution, dense or over the top-k only.
+    """
+
+    n_index_heads: int = Field(32, ge=1)
+    index_head_dim: int = Field(128, ge=2)
+    index_topk: int = Field(2048, ge=1)
+    topk_freq: int = Field(1, ge=1)
+    layers: Literal["moe", "all"] | list[int] = "moe"
+    indexer_mode: Literal["frozen", "kl_dense", "kl_sparse"] = "frozen"
+    indexer_loss_coeff: float = Field(0.0, ge=0.0)
+    share_indexer_across_mtp: bool = True
+
+    @model_validator(mode="after")
+    def _loss_needs_training(self) -> DSAConfig:
+        if self.indexer_mode == "frozen" and self.indexer_loss_coeff > 0:
+            raise ValueError("model.dsa.indexer_loss_coeff > 0 needs indexer_mode kl_dense or kl_sparse, "
+                             "a frozen indexer has no loss")
+        if self.indexer_mode != "frozen" and self.indexer_loss_coeff == 0:
+            raise ValueError(f"model.dsa.indexer_mode {self.indexer_mode!r} trains the indexer: set "
+                             "model.dsa.indexer_loss_coeff > 0")
+        return self
+
+
+class MoEConfig(ConfigSection):
+    n_routed_experts: int = Field(64, ge=1)
+    n_shared_experts: int = Field(2, ge=0)
+    top_k: int = Field(6, ge=1)
+    moe_inter_dim: int = Field(1408, ge=1)
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    n_groups: int = Field(1, ge=1)
+    topk_groups: int = Field(1, ge=1)
+    route_scale: float = 1.0
+    norm_topk_prob: bool = True
+    router_fp32: bool = True
+    bias_update_rate: float = Field(1e-3, ge=0.0)
+    aux_loss_coeff: float = Field(0.0, ge=0.0)
+    aux_loss_type: Literal["seq", "batch"] = "seq"
+    dispatcher: Literal["local", "all_to_all", "deepep"] = "all_to_all"
+    deepep_num_sms: int = Field(24, ge=2)
+    grouped_mm: Literal["auto", "grouped", "loop"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.n_routed_experts:
+            raise ValueError(f"model.moe.top_k {self.top_k} must be <= model.moe.n_routed_experts "
+                             f"{self.n_routed_experts}")
+        if self.n_routed_experts % self.n_groups:
+            raise ValueError(f"model.moe.n_groups {self.n_groups} must divide n_routed_experts "
+                             f"{self.n_routed_experts}")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"model.moe.topk_groups {self.topk_groups} must be <= n_groups {self.n_groups}")
+        if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_routed_experts // self.n_groups):
+            raise ValueError("model.moe.top_k exceeds the experts in the selected groups "
+                             f"(topk_groups {self.topk_groups} x {self.n_routed_experts // self.n_groups})")
+        return self
+
+
+class MTPConfig(ConfigSection):
+    depth: int = Field(0, ge=0)
+    share_weights: bool = False
+    loss_scale: float = Field(0.3, ge=0.0)
+
+
+class ModelConfig(ConfigSection):
+    vocab_size: int = Field(1024, ge=2)
+    dim: int = Field(64, ge=1)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    first_k_dense: int = Field(1, ge=0)
+    dense_inter_dim: int = Field(128, ge=1)
+    norm_eps: float = 1e-6
+    max_seq_len: int = Field(4096, ge=1)
+    tie_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    init_std: float = 0.02
+    loss_chunk_size: int = Field(0, ge=0)  # 0: plain cross-entropy; N: chunks of N tokens
+    mla: MLAConfig = Field(default_factory=MLAConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    dsa: DSAConfig | None = None
+    mtp: MTPConfig = Field(default_factory=MTPConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.first_k_dense > self.n_layers:
+            raise ValueError(f"model.first_k_dense {self.first_k_dense} must be <= model.n_layers {self.n_layers}")
+        if self.dsa is not None and isinstance(self.dsa.layers, list):
+            bad = [i for i in self.dsa.layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise ValueError(f"model.dsa.layers has indices outside 0..{self.n_layers - 1}: {bad}")
+        return self

@@ -1,0 +1,212 @@
+"""The run config: TOML, validated by pydantic, the one place every option lives.
+
+`load_config(path, overrides=["parallel.ep=2", ...])` reads a TOML file, applies dotted overrides
+(values parsed as TOML literals, bare words as strings) and validates. Every failure is a
+`ConfigError` whose message names the dotted key and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from spartron.checkpointing.config import ACConfig, OffloadConfig
+from spartron.configbase import ConfigSection
+from spartron.layers.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the dotted key."""
+
+
+class ParallelConfig(ConfigSection):
+    """Parallel sizes. fsdp = -1 fills the ranks left after dp_replicate and cp."""
+
+    fsdp: int = -1
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    dp_replicate: int = Field(1, ge=1)
+    order: str = "tp-cp-ep-dp-pp"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.fsdp == 0 or self.fsdp < -1:
+            raise ValueError(f"parallel.fsdp must be >= 1 or -1 (fill the remaining ranks), got {self.fsdp}")
+        return self
+
+    def resolve_fsdp(self, world_size: int) -> int:
+        if self.fsdp != -1:
+            return self.fsdp
+        if world_size % (self.dp_replicate * self.cp):
+            raise ConfigError(f"parallel: world size {world_size} is not divisible by dp_replicate * cp = "
+                              f"{self.dp_replicate * self.cp}, so parallel.fsdp = -1 cannot fill it")
+        return world_size // (self.dp_replicate * self.cp)
+
+
+class DataConfig(ConfigSection):
+    kind: Literal["synthetic", "mmap"] = "synthetic"
+    path: str | None = None
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.kind == "mmap" and not self.path:
+            raise ValueError("train.data.path is required when train.data.kind = 'mmap'")
+        return self
+
+
+class TrainConfig(ConfigSection):
+    steps: int = Field(10, ge=1)
+    seq_len: int = Field(64, ge=2)
+    global_batch_size: int = Field(4, ge=1)  # sequences per optimizer step, over all dp ranks
+    micro_batch_size: int = Field(1, ge=1)  # sequences per forward on one rank
+    intra_layer_micro_batches: int = Field(1, ge=1)
+    seed: int = 0
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(2, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    compile: bool = False
+    save_every: int = Field(0, ge=0)  # 0: never
+    run_dir: str | None = None  # default runs/<name>
+    resume: bool = True
+    data: DataConfig = Field(default_factory=DataConfig)
+
+
+class LaunchConfig(ConfigSection):
+    nproc: int = Field(1, ge=1)  # ranks spawned on this machine by `spartron train`
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, ge=1)
+    partition: str | None = None
+    account: str | None = None
+    time: str = "01:00:00"
+    env: dict[str, str] = Field(default_factory=dict)
+    venv: str | None = None
+    container: str | None = None
+
+
+class RunConfig(ConfigSection):
+    name: str = "run"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    ac: ACConfig = Field(default_factory=ACConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.model.n_layers and self.model.moe.n_routed_experts % self.parallel.ep:
+            raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be divisible "
+                             f"by parallel.ep {self.parallel.ep}")
+        if self.parallel.ep > 1 and self.model.moe.dispatcher == "local":
+            raise ValueError("model.moe.dispatcher 'local' cannot run with parallel.ep > 1; "
+                             "use 'all_to_all' or 'deepep'")
+        if self.offload.enabled and self.ac.mode == "none":
+            raise ValueError("offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'")
+        if self.train.seq_len % (2 * self.parallel.cp) and self.parallel.cp > 1:
+            raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
+                             f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
+        return self
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"{key}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word is a string
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(text.strip())
+    return data
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def dump_config(config: RunConfig) -> str:
+    """TOML text for a config (round-trips through load_config)."""
+    return _to_toml(config.model_dump(exclude_none=True))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
+
+
+def _to_toml(data: dict, prefix: str = "") -> str:
+    scalars = {k: v for k, v in data.items() if not (isinstance(v, dict) and k != "env")}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict) and k != "env"}
+    out = []
+    if prefix:
+        out.append(f"[{prefix}]")
+    out += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
+    text = "\n".join(out)
+    for key, table in tables.items():
+        text += "\n\n" + _to_toml(table, f"{prefix}.{key}" if prefix else key)
+    return text.strip() + "\n"

@@ -1,0 +1,1 @@
+"""Runtime op boundaries (torch.library custom ops). Importing this package registers them."""
