@@ -1,1 +1,9 @@
-"""Runtime op boundaries (torch.library custom ops). Importing this package registers them."""
+"""Runtime op boundaries: torch.library custom ops. Importing this package registers all of them.
+
+Namespaces (the strings users put in `[ac] targets`):
+- `spartron_collectives`: all_to_all, all_gather, reduce_scatter, splits_to_host (collectives.py)
+- `spartron`: record_routing_stats (telemetry.py), moe_topk (routing.py), sparse_mla (sparse_mla.py)
+- `spartron_deepep`: dispatch, combine (deepep.py, GPU only)
+"""
+
+from spartron.runtime.ops import collectives, routing, sparse_mla, telemetry  # noqa: F401
