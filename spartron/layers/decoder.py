@@ -1,0 +1,91 @@
+"""Decoder layer and THE decoder-stack loop.
+
+The loop lives in one function, `run_decoder_stack`: it passes each layer's explicit outputs (DSA
+top-k ids from source layers) to the next layers and collects aux losses, indexer losses and router
+counts. Variants customise it through the `call_layer` hook, never by copying the loop.
+Activation checkpointing and offload are applied to the layer modules (apply_activation_checkpointing),
+so this loop reads the same with or without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from spartron.layers.config import ModelConfig
+from spartron.layers.ffn import FeedForward
+from spartron.layers.mla import MLA
+from spartron.layers.moe import MoELayer
+from spartron.layers.norms import RMSNorm
+from spartron.layers.outputs import DecoderLayerOutput
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); dense SwiGLU or MoE FFN."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = MLA(cfg, layer_idx, cp_group=cp_group)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.is_moe = layer_idx >= cfg.first_k_dense
+        if self.is_moe:
+            self.ffn = MoELayer(cfg, ep_group=ep_group)
+        else:
+            self.ffn = FeedForward(cfg.dim, cfg.dense_inter_dim)
+
+    def forward(self, x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None = None) -> DecoderLayerOutput:
+        attn = self.attn(self.attn_norm(x), positions, dsa_topk_ids=dsa_topk_ids)
+        h = x + attn["hidden_states"]
+        if self.is_moe:
+            moe = self.ffn(self.ffn_norm(h))
+            return DecoderLayerOutput(hidden_states=h + moe["hidden_states"], dsa_topk_ids=attn["dsa_topk_ids"],
+                                      indexer_loss=attn["indexer_loss"], aux_loss=moe["aux_loss"],
+                                      tokens_per_expert=moe["tokens_per_expert"])
+        return DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=attn["dsa_topk_ids"],
+                                  indexer_loss=attn["indexer_loss"], aux_loss=None, tokens_per_expert=None)
+
+
+@dataclass
+class StackOutput:
+    """What the stack loop gathered: final hidden states, the last ids, the losses and the counts."""
+
+    hidden_states: Tensor
+    dsa_topk_ids: Tensor | None
+    aux_losses: list[Tensor] = field(default_factory=list)
+    indexer_losses: list[Tensor] = field(default_factory=list)
+    tokens_per_expert: list[Tensor] = field(default_factory=list)
+
+
+LayerCall = Callable[[nn.Module, Tensor, Tensor, "Tensor | None"], DecoderLayerOutput]
+
+
+def default_call_layer(layer: nn.Module, h: Tensor, positions: Tensor, ids: Tensor | None) -> DecoderLayerOutput:
+    return layer(h, positions, dsa_topk_ids=ids)
+
+
+def run_decoder_stack(layers: Sequence[nn.Module], h: Tensor, positions: Tensor,
+                      dsa_topk_ids: Tensor | None = None,
+                      call_layer: LayerCall = default_call_layer) -> StackOutput:
+    """Run the layers in order. A layer that returns ids (a DSA source) hands them to the next layers."""
+    out = StackOutput(hidden_states=h, dsa_topk_ids=dsa_topk_ids)
+    for layer in layers:
+        result = call_layer(layer, out.hidden_states, positions, out.dsa_topk_ids)
+        out.hidden_states = result["hidden_states"]
+        if result["dsa_topk_ids"] is not None:
+            out.dsa_topk_ids = result["dsa_topk_ids"]
+        if result["aux_loss"] is not None:
+            out.aux_losses.append(result["aux_loss"])
+        if result["indexer_loss"] is not None:
+            out.indexer_losses.append(result["indexer_loss"])
+        if result["tokens_per_expert"] is not None:
+            out.tokens_per_expert.append(result["tokens_per_expert"])
+    return out
+
+
+def sum_or_none(values: list[Tensor]) -> Tensor | None:
+    return torch.stack([v.float() for v in values]).sum() if values else None

@@ -1,0 +1,71 @@
+"""Language-model loss without materialising full logits.
+
+The fp32 logits / log-softmax are the largest activation surviving to backward in an MoE model
+(vocab x tokens). `linear_cross_entropy` computes them chunk by chunk and, because the loss is a
+scalar, the gradients of each chunk right away: only grad(hidden) [N, D] and grad(weight) [V, D]
+are kept for backward, never [N, V]. Exact: the same sums as the plain path, in the same dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def plain_cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    """Sum of token losses with full logits (reference and short-sequence path)."""
+    logits = (hidden @ weight.t()).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+        needs_h, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if needs_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size]
+            y = labels[start:start + chunk_size]
+            logits = (h @ weight.t()).float()
+            total += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+            if needs_h or needs_w:
+                # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
+                grad_logits = torch.softmax(logits, dim=-1)
+                valid = y != IGNORE_INDEX
+                rows = torch.nonzero(valid).squeeze(1)
+                grad_logits[rows, y[rows]] -= 1.0
+                grad_logits[~valid] = 0.0
+                grad_logits = grad_logits.to(hidden.dtype)
+                if needs_h:
+                    grad_hidden[start:start + chunk_size] = grad_logits @ weight
+                if needs_w:
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden if needs_h else None,
+                              grad_weight if needs_w else None)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gh = grad_hidden * grad_out.to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * grad_out).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None, None
+
+
+def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 0) -> Tensor:
+    """Sum over tokens of CE(hidden @ weight.T, labels); labels == -100 are ignored.
+
+    hidden [N, D], weight [V, D], labels [N]. chunk_size 0 uses full logits.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [N, D] and labels [N]; got {tuple(hidden.shape)} and "
+                         f"{tuple(labels.shape)}")
+    if chunk_size <= 0 or chunk_size >= hidden.shape[0]:
+        return plain_cross_entropy_sum(hidden, weight, labels)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size)

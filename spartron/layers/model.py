@@ -1,0 +1,110 @@
+"""SparseMoEModel: the reference sparse MoE model (embeddings, decoder stack, MTP, head, loss).
+
+Every CP rank receives the full sequence; the model keeps its load-balanced causal shard (chunks r and
+2cp-1-r). The loss on each rank is scaled so that the average over the gradient-averaging group (FSDP
+averages over every data/context-parallel rank) is the exact global token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spartron.layers.config import ModelConfig
+from spartron.layers.context_parallel import cp_positions, cp_shard
+from spartron.layers.decoder import DecoderLayer, run_decoder_stack, sum_or_none
+from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from spartron.layers.mtp import MTP, shift_left
+from spartron.layers.norms import RMSNorm
+from spartron.layers.outputs import ModelOutput
+
+
+class SparseMoEModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None):
+        super().__init__()
+        self.cfg = cfg
+        self.cp_group = cp_group
+        self.loss_group = loss_group
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ep_group, cp_group) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = MTP(cfg, ep_group, cp_group) if cfg.mtp.depth > 0 else None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) for matrices and embeddings, ones for norms (deterministic given the seed)."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, self.cfg.init_std, generator=generator)
+            elif "norm" in name:
+                p.fill_(1.0)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def _cp(self, x: Tensor) -> Tensor:
+        return x if self.cp_group is None else cp_shard(x, self.cp_group, dim=1)
+
+    def _token_mean(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """Sum of CE over local tokens, scaled so the mean over the loss group is the global token mean."""
+        loss_sum = linear_cross_entropy_sum(hidden.flatten(0, 1), self.head_weight, labels.flatten(),
+                                            self.cfg.loss_chunk_size)
+        count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        ranks = 1
+        if self.loss_group is not None and dist.get_world_size(self.loss_group) > 1:
+            count = count.clone()
+            dist.all_reduce(count, group=self.loss_group)
+            ranks = dist.get_world_size(self.loss_group)
+        return loss_sum * ranks / count.clamp(min=1.0)
+
+    def forward(self, tokens: Tensor, labels: Tensor) -> ModelOutput:
+        seq = tokens.shape[1]
+        positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
+                     else cp_positions(seq, self.cp_group, device=tokens.device))
+        h = self.embed(self._cp(tokens))
+        stack = run_decoder_stack(list(self.layers.values()), h, positions)
+        lm_loss = self._token_mean(self.norm(stack.hidden_states), self._cp(labels))
+
+        aux, indexer, counts = stack.aux_losses, stack.indexer_losses, stack.tokens_per_expert
+        mtp_losses: list[Tensor] = []
+        if self.mtp is not None:
+            mtp_out, layer_outs = self.mtp(
+                stack.hidden_states,
+                embed_at_depth=lambda k: self.embed(self._cp(shift_left(tokens, k, 0))),
+                positions=positions, dsa_topk_ids=stack.dsa_topk_ids,
+                loss_at_depth=lambda k, hn: self._token_mean(hn, self._cp(shift_left(labels, k, IGNORE_INDEX))))
+            mtp_losses = mtp_out["losses"]
+            for out in layer_outs:
+                aux += [out["aux_loss"]] if out["aux_loss"] is not None else []
+                indexer += [out["indexer_loss"]] if out["indexer_loss"] is not None else []
+                counts += [out["tokens_per_expert"]] if out["tokens_per_expert"] is not None else []
+        aux_loss, indexer_loss = sum_or_none(aux), sum_or_none(indexer)
+        loss = lm_loss + sum(mtp_losses, torch.zeros((), device=lm_loss.device))
+        for extra in (aux_loss, indexer_loss):
+            if extra is not None:
+                loss = loss + extra
+        return ModelOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, aux_loss=aux_loss,
+                           indexer_loss=indexer_loss,
+                           tokens_per_expert=torch.stack(counts) if counts else None)
+
+    def moe_layers(self) -> list[nn.Module]:
+        mods = [layer.ffn for layer in self.layers.values() if layer.is_moe]
+        if self.mtp is not None:
+            mods += [b.layer.ffn for b in self.mtp.blocks if b.layer.is_moe]
+        return mods
+
+    def update_expert_bias(self, group=None) -> None:
+        """Once per optimizer step: every MoE layer updates its selection bias from the step's counts."""
+        for moe in self.moe_layers():
+            moe.update_expert_bias(group)
+
+
+def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
+    """Build the reference model on the explicit groups (None: single rank)."""
+    if groups is None:
+        return SparseMoEModel(cfg)
+    return SparseMoEModel(cfg, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)

@@ -1,0 +1,72 @@
+"""Multi-token prediction (DeepSeek-V3 style).
+
+Depth k predicts token i+k+1 at position i: it combines the previous depth's hidden state (norm) with
+the embedding of token i+k (norm), projects 2*dim -> dim, runs one decoder layer, and scores with the
+model's shared head. One block can serve every depth (`share_weights`). DSA ids flow explicitly: the
+main stack's last ids go into depth 1 and each depth hands its ids to the next (the MTP layer's
+indexer is shared across depths: computed at the first depth, consumed by the others).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from spartron.layers.config import ModelConfig
+from spartron.layers.decoder import DecoderLayer
+from spartron.layers.norms import RMSNorm
+from spartron.layers.outputs import MTPOutput
+
+
+class MTPBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.embed_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.layer = DecoderLayer(cfg, layer_idx, ep_group=ep_group, cp_group=cp_group)
+        self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, h_prev: Tensor, embedded: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None):
+        h = self.proj(torch.cat([self.hidden_norm(h_prev), self.embed_norm(embedded)], dim=-1))
+        return self.layer(h, positions, dsa_topk_ids=dsa_topk_ids)
+
+
+def shift_left(x: Tensor, k: int, fill: int) -> Tensor:
+    """x[:, i] <- x[:, i + k]; the last k positions get `fill`."""
+    if k == 0:
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+class MTP(nn.Module):
+    """`depth` prediction blocks (or one shared block); returns hidden states and losses per depth."""
+
+    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None):
+        super().__init__()
+        self.depth = cfg.mtp.depth
+        self.loss_scale = cfg.mtp.loss_scale
+        n_blocks = 1 if cfg.mtp.share_weights else self.depth
+        # MTP layers are numbered after the main stack so the DSA schedule treats them as their own group.
+        self.blocks = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + i, ep_group, cp_group) for i in range(n_blocks))
+
+    def block(self, k: int) -> MTPBlock:
+        return self.blocks[0] if len(self.blocks) == 1 else self.blocks[k]
+
+    def forward(self, h: Tensor, embed_at_depth, positions: Tensor, dsa_topk_ids: Tensor | None,
+                loss_at_depth) -> tuple[MTPOutput, list]:
+        """embed_at_depth(k) -> embeddings of tokens shifted by k; loss_at_depth(k, hidden) -> scalar.
+
+        Returns the MTPOutput and the decoder-layer outputs (for aux losses and router counts).
+        """
+        hidden, losses, layer_outputs = [], [], []
+        ids = dsa_topk_ids
+        for k in range(self.depth):
+            out = self.block(k)(h, embed_at_depth(k + 1), positions, ids)
+            layer_outputs.append(out)
+            h = out["hidden_states"]
+            ids = out["dsa_topk_ids"] if out["dsa_topk_ids"] is not None else ids
+            hidden.append(h)
+            losses.append(self.loss_scale / self.depth * loss_at_depth(k + 1, self.block(k).final_norm(h)))
+        return MTPOutput(hidden_states=hidden, losses=losses, dsa_topk_ids=ids), layer_outputs
