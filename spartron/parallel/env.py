@@ -170,6 +170,11 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
                    launcher="single")
 
 
+def process_environ() -> dict[str, str]:
+    """A copy of this process's environment, for launchers that pass it on to the ranks they spawn."""
+    return dict(os.environ)
+
+
 def resolve_backend(backend: str, cuda_available: bool) -> str:
     """'auto' -> NCCL with CUDA, gloo without; an explicit NCCL request without CUDA is an error."""
     if backend == "auto":
