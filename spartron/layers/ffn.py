@@ -1,0 +1,30 @@
+"""SwiGLU feed-forward: the dense FFN of dense decoder layers and the MoE shared experts.
+
+`w2(silu(w1 x) * w3 x)`, no biases, the DeepSeek / Llama parameter names (w1 gate, w3 up, w2 down)
+so checkpoints map one to one. A shared-expert block of n experts of width I is one FFN of width
+n * I: the same function, one larger GEMM instead of n small ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, init_std: float = 0.02):
+        super().__init__()
+        self.init_std = init_std
+        self.w1 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype, device=device)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype, device=device)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False, dtype=dtype, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.w1, self.w3, self.w2):
+            nn.init.normal_(lin.weight, std=self.init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -1,0 +1,151 @@
+"""Token dispatch/combine between the router and the experts, as explicit phases.
+
+    prepare       sort the (token, k) slots by global expert; count them; (EP) exchange counts
+    dispatch      (EP) all-to-all the sorted rows to the ranks owning their experts
+    post_dispatch (EP) regroup received rows by local expert -> rows ready for the grouped GEMM
+    experts       (caller) GroupedExperts(rows, tokens_per_local_expert)
+    combine       (EP) undo the regrouping, reverse all-to-all back to the source rank
+    finalize      unsort the slots, weight by the gates, sum the top-k contributions per token
+
+Every piece of data a later phase needs travels in a per-call `DispatchState`; dispatchers hold
+only configuration, so two micro-batches can be in flight at once (a later issue interleaves one
+micro-batch's communication with another's experts by calling these phases in a different order).
+
+Global expert e lives on EP rank e // E_local. Sorting slots by global expert therefore also makes
+each destination rank's rows contiguous, which is what the all-to-all's split sizes describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spartron.layers.config import MoEConfig
+from spartron.runtime.ops.collectives import all_to_all, splits_to_host
+
+
+@dataclass
+class DispatchState:
+    """The hand-over between the phases of one dispatch/combine call."""
+
+    topk_weights: Tensor  # [tokens, top_k] gate weights, applied in finalize
+    slot_order: Tensor  # [tokens * top_k] flat slot indices sorted by global expert (stable)
+    slot_inverse: Tensor  # inverse permutation of slot_order
+    tokens_per_expert: Tensor  # [n_experts] int64 slots this rank routed to each global expert
+    tokens_per_local_expert: Tensor | None = None  # [E_local] rows per local expert (post_dispatch)
+    input_splits: list[int] | None = None  # EP: rows sent to each EP rank
+    output_splits: list[int] | None = None  # EP: rows received from each EP rank
+    recv_counts: Tensor | None = None  # EP: [ep, E_local] rows received per (source rank, local expert)
+    recv_order: Tensor | None = None  # EP: received rows sorted by local expert (stable)
+
+
+class LocalDispatcher:
+    """No expert parallelism: all experts are local, dispatch and combine move nothing."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.n_local_experts = n_experts
+
+    def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DispatchState]:
+        """x [tokens, dim] -> one row per (token, k) slot, sorted by expert."""
+        top_k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        slot_order = torch.argsort(flat, stable=True)
+        slot_inverse = torch.empty_like(slot_order).scatter_(
+            0, slot_order, torch.arange(flat.numel(), device=flat.device))
+        # scatter_add rather than bincount: no device sync to size the output on CUDA
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        state = DispatchState(topk_weights=topk_weights, slot_order=slot_order, slot_inverse=slot_inverse,
+                              tokens_per_expert=counts)
+        return x[slot_order // top_k], state
+
+    def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
+        return x
+
+    def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
+        state.tokens_per_local_expert = state.tokens_per_expert
+        return x, state.tokens_per_local_expert
+
+    def combine(self, y: Tensor, state: DispatchState) -> Tensor:
+        return y
+
+    def finalize(self, y: Tensor, state: DispatchState) -> Tensor:
+        """Expert outputs in slot order -> [tokens, dim] gate-weighted sums over the top-k."""
+        tokens, top_k = state.topk_weights.shape
+        per_slot = y[state.slot_inverse].view(tokens, top_k, y.shape[-1])
+        return torch.bmm(state.topk_weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)
+
+
+class AllToAllDispatcher(LocalDispatcher):
+    """Expert parallelism over `ep_group` with uneven all-to-alls (spartron_collectives ops)."""
+
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup):
+        super().__init__(n_experts)
+        self.group = ep_group
+        self.ep = dist.get_world_size(ep_group)
+        self.n_local_experts = n_experts // self.ep
+
+    def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DispatchState]:
+        rows, state = super().prepare(x, topk_ids, topk_weights)
+        ep, n_local = self.ep, self.n_local_experts
+        # entry (src, e) of recv_counts: rows source rank src sends to my local expert e
+        recv_counts = all_to_all(state.tokens_per_expert, [n_local] * ep, [n_local] * ep, self.group)
+        send = state.tokens_per_expert.view(ep, n_local).sum(dim=1)
+        host = splits_to_host(torch.cat([send, recv_counts]))  # one device->host copy for both
+        state.input_splits = host[:ep]
+        state.output_splits = [sum(host[ep + r * n_local: ep + (r + 1) * n_local]) for r in range(ep)]
+        state.recv_counts = recv_counts.view(ep, n_local)
+        return rows, state
+
+    def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
+        return all_to_all(x, state.output_splits, state.input_splits, self.group)
+
+    def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
+        local_expert = torch.arange(self.n_local_experts, device=x.device).repeat(self.ep)
+        row_expert = torch.repeat_interleave(local_expert, state.recv_counts.reshape(-1),
+                                             output_size=x.shape[0])
+        state.recv_order = torch.argsort(row_expert, stable=True)
+        state.tokens_per_local_expert = state.recv_counts.sum(dim=0)
+        return x[state.recv_order], state.tokens_per_local_expert
+
+    def combine(self, y: Tensor, state: DispatchState) -> Tensor:
+        back = torch.empty_like(y).index_copy(0, state.recv_order, y)
+        return all_to_all(back, state.input_splits, state.output_splits, self.group)
+
+
+class DeepEPDispatcher:
+    """Slot for DeepEP (GPU, NVLink) dispatch/combine; filled by a later issue."""
+
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup | None):
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as err:
+            raise ValueError("model.moe.dispatcher = 'deepep' needs DeepEP: build it from "
+                             "https://github.com/deepseek-ai/DeepEP (SM90 + NVLink; `pip install "
+                             "--no-build-isolation .` in its checkout), or use 'all_to_all'") from err
+        raise NotImplementedError("model.moe.dispatcher = 'deepep' is not implemented in Spartron yet; "
+                                  "use 'all_to_all'")
+
+
+Dispatcher = LocalDispatcher | AllToAllDispatcher
+
+
+def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None) -> Dispatcher:
+    """The dispatcher `model.moe.dispatcher` names, for an EP group (None = single rank).
+
+    With one EP rank there is nothing to exchange: "all_to_all" runs as the local dispatcher
+    (the same arithmetic, no collective). "local" with more than one EP rank is an error.
+    """
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if cfg.dispatcher == "deepep":
+        return DeepEPDispatcher(cfg.n_routed_experts, ep_group)
+    if ep == 1:
+        return LocalDispatcher(cfg.n_routed_experts)
+    if cfg.dispatcher == "local":
+        raise ValueError(f"model.moe.dispatcher = 'local' cannot serve an EP group of {ep} ranks; "
+                         "use 'all_to_all' or 'deepep'")
+    return AllToAllDispatcher(cfg.n_routed_experts, ep_group)

@@ -1,0 +1,88 @@
+"""The MoE layer: shared experts + routed experts behind a router and a dispatcher.
+
+Expert placement: with an EP group of size ep, this rank holds E_local = E / ep routed experts,
+global experts [rank * E_local, (rank + 1) * E_local). They live in the `experts` submodule (a
+GroupedExperts); the router and the shared experts are replicated like any dense weight.
+
+Routing telemetry: every forward adds its per-expert token counts into the non-persistent buffer
+`step_tokens_per_expert` through the op `spartron::record_routing_stats`. That op is in the
+checkpoint policy's mandatory set, so a replay under full or selective AC never adds twice. The
+trainer reads the buffer after the step's last micro-batch and calls `update_expert_bias(group=
+groups.dp_cp)`, which reduces it, updates the bias and zeroes it. `MoEOutput.tokens_per_expert` is
+the count of the current forward alone (a fresh tensor, for metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spartron.layers.config import ModelConfig
+from spartron.layers.ffn import FeedForward
+from spartron.layers.moe.dispatch import build_dispatcher
+from spartron.layers.moe.experts import GroupedExperts
+from spartron.layers.moe.router import Router
+from spartron.layers.outputs import MoEOutput
+from spartron.runtime.ops.telemetry import record_routing_stats
+
+
+class MoELayer(nn.Module):
+    def __init__(self, model_cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        cfg = model_cfg.moe
+        self.cfg = cfg
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if cfg.n_routed_experts % ep:
+            raise ValueError(f"model.moe.n_routed_experts {cfg.n_routed_experts} is not divisible by the "
+                             f"expert-parallel size {ep} (parallel.ep)")
+        self.ep_group = ep_group
+        self.n_local_experts = cfg.n_routed_experts // ep
+        self.first_local_expert = ep_rank * self.n_local_experts
+        dtype = getattr(torch, model_cfg.dtype)
+        common = {"dtype": dtype, "device": device, "init_std": model_cfg.init_std}
+        self.dispatcher = build_dispatcher(cfg, ep_group)
+        self.router = Router(cfg, model_cfg.dim, **common)
+        self.experts = GroupedExperts(self.n_local_experts, model_cfg.dim, cfg.moe_inter_dim,
+                                      mode=cfg.grouped_mm, **common)
+        self.shared_experts = (FeedForward(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim, **common)
+                               if cfg.n_shared_experts > 0 else None)
+        self.register_buffer("step_tokens_per_expert",
+                             torch.zeros(cfg.n_routed_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        """x [batch, seq, dim] (this rank's tokens) -> MoEOutput."""
+        if x.dim() != 3:
+            raise ValueError(f"MoELayer expects x [batch, seq, dim], got shape {tuple(x.shape)}")
+        routing = self.router(x)
+        topk_ids = routing["topk_ids"]
+        record_routing_stats(topk_ids, self.step_tokens_per_expert)
+        d = self.dispatcher
+        tokens = x.reshape(-1, x.shape[-1])
+        rows, state = d.prepare(tokens, topk_ids, routing["topk_weights"])
+        rows = d.dispatch(rows, state)
+        rows, tokens_per_local_expert = d.post_dispatch(rows, state)
+        rows = self.experts(rows, tokens_per_local_expert)
+        rows = d.combine(rows, state)
+        out = d.finalize(rows, state)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"], topk_ids=topk_ids,
+                         topk_weights=routing["topk_weights"], tokens_per_expert=state.tokens_per_expert,
+                         aux_loss=routing["aux_loss"])
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: Tensor | None = None,
+                           group: dist.ProcessGroup | None = None) -> None:
+        """Once per optimizer step. counts None = this layer's step accumulator, zeroed afterwards.
+
+        `group`: the dp x cp group (`groups.dp_cp`); see Router.update_expert_bias for why.
+        """
+        if counts is None:
+            self.router.update_expert_bias(self.step_tokens_per_expert, group)
+            self.step_tokens_per_expert.zero_()
+        else:
+            self.router.update_expert_bias(counts, group)
