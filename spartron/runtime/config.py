@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
+from spartron.parallel.dims import MEGATRON_ORDER_NAMES
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,9 @@ class ParallelConfig(ConfigSection):
     def _check(self) -> ParallelConfig:
         if self.fsdp == 0 or self.fsdp < -1:
             raise ValueError(f"parallel.fsdp must be >= 1 or -1 (fill the remaining ranks), got {self.fsdp}")
+        if sorted(self.order.split("-")) != sorted(MEGATRON_ORDER_NAMES):
+            raise ValueError(f"parallel.order must be a '-'-joined permutation of "
+                             f"{'-'.join(MEGATRON_ORDER_NAMES)}, got {self.order!r}")
         return self
 
     def resolve_fsdp(self, world_size: int) -> int:
@@ -173,8 +177,8 @@ class RunConfig(ConfigSection):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.model.n_layers and self.model.moe.n_routed_experts % self.parallel.ep:
-            raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be divisible "
-                             f"by parallel.ep {self.parallel.ep}")
+            raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be "
+                             f"divisible by parallel.ep {self.parallel.ep}")
         if self.parallel.ep > 1 and self.model.moe.dispatcher == "local":
             raise ValueError("model.moe.dispatcher 'local' cannot run with parallel.ep > 1; "
                              "use 'all_to_all' or 'deepep'")
@@ -189,13 +193,18 @@ class RunConfig(ConfigSection):
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        elif e["type"] == "literal_error":
+        elif e["type"] == "value_error":
+            msg = str(e["ctx"]["error"])  # our validators' messages already name their dotted keys
+            if not key or msg.startswith(key + "."):
+                lines.append(msg)
+                continue
+        elif isinstance(e.get("input"), (str, int, float, bool)):
             msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{key}: {msg}")
+        lines.append(f"{key or '<root>'}: {msg}")
     return "invalid config: " + "; ".join(lines)
 
 
@@ -212,6 +221,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r} must look like dotted.key=value")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(part.strip() for part in parts):
+            raise ConfigError(f"override {item!r} must look like dotted.key=value "
+                              f"(empty key part in {key!r})")
+        parts = [part.strip() for part in parts]
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
