@@ -1,1 +1,24 @@
-"""spartron.checkpointing"""
+"""Activation checkpointing: one PyTree-aware boundary, replay frames and an operator-level policy.
+
+Public names: ``checkpoint`` (functional boundary), ``CheckpointRegion`` / ``CheckpointOptions``
+(a boundary with bound options), ``reuse_during_recompute``, ``apply_activation_checkpointing``,
+``apply_ac_to_blocks``, ``ACConfig``, ``OffloadConfig``, ``build_policy`` and the policy table.
+"""
+
+from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion, checkpoint
+from spartron.checkpointing.config import ACConfig, OffloadConfig
+from spartron.checkpointing.policy import (
+    DEFAULT_TARGETS,
+    MANDATORY,
+    MANDATORY_DEVICE_TO_HOST,
+    OpPolicy,
+    build_policy,
+)
+from spartron.checkpointing.replay import ReplayFrameError, reuse_during_recompute
+from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
+
+__all__ = [
+    "ACConfig", "OffloadConfig", "CheckpointOptions", "CheckpointRegion", "checkpoint",
+    "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
+    "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",
+]

@@ -1,0 +1,259 @@
+"""The checkpoint boundary: one PyTree-aware region, reentrant by default, non-reentrant on request.
+
+A region runs ``fn(*args, **kwargs)`` once without keeping its activations (the original pass) and
+runs it again during backward (the replay) to rebuild them. What the replay may take from the
+original pass instead of recomputing is decided by the operator policy (``saved_ops.PolicyMode``)
+and by replay frames (``reuse_during_recompute``); both are attached to the region call, never to
+globals.
+
+Reentrant mode (the default): the original pass runs under ``torch.no_grad`` inside a custom
+autograd.Function whose inputs are every tensor leaf of (args, kwargs), flattened with
+torch.utils._pytree, so tensors nested anywhere in the inputs are saved with
+``ctx.save_for_backward`` and an outer ``saved_tensors_hooks`` (an offloader) sees them. A dummy
+anchor that requires grad goes through the Function so its backward, and with it parameter
+gradients, runs even when every input is detached. Outputs come back as the same PyTree.
+
+Non-reentrant mode: torch.utils.checkpoint's non-reentrant implementation carries the autograd
+plumbing; the region supplies the policy and frames through its ``context_fn``.
+
+Options are bound when the region is built (``CheckpointRegion(options)``), so every call-time
+keyword argument, whatever its name, goes to ``fn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from spartron.checkpointing.policy import OpPolicy, build_policy
+from spartron.checkpointing.replay import ReplayFrame, active_frame
+from spartron.checkpointing.saved_ops import CheckpointReplayError, PolicyMode, RegionStats, SavedOps, log
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a region checkpoints. ``name`` identifies the region in errors, summaries and (later)
+    offload windows."""
+
+    policy: OpPolicy = field(default_factory=lambda: build_policy("full"))
+    reentrant: bool = True
+    preserve_rng_state: bool = True
+    debug_summary: bool = False
+    name: str | None = None
+
+
+def _owning_module(fn: Callable[..., Any]) -> nn.Module | None:
+    if isinstance(fn, nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _needs_anchor(fn: Callable[..., Any]) -> bool:
+    """Whether parameters inside the region may need gradients (unknown for plain functions)."""
+    module = _owning_module(fn)
+    return module is None or any(p.requires_grad for p in module.parameters())
+
+
+class _RNGState:
+    """CPU and accelerator RNG states at the start of the original pass, restored for the replay."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], enabled: bool) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.cpu = torch.get_rng_state()
+        self.cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        if not self.cuda_devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda_devices = [torch.cuda.current_device()]
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        with torch.random.fork_rng(devices=self.cuda_devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.cuda_devices, self.cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+class _AutocastState:
+    """Autocast settings of the original pass, re-entered exactly for the reentrant replay."""
+
+    def __init__(self) -> None:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self.settings = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in self.settings:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.cache))
+            yield
+
+
+class _RegionCall:
+    """State of one call of one region: inputs layout, saved ops, replay frame, stats."""
+
+    def __init__(self, options: CheckpointOptions, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self.options = options
+        self.fn = fn
+        self.name = options.name or getattr(fn, "__qualname__", type(fn).__name__)
+        leaves, self.in_spec = tree_flatten((args, kwargs))
+        self.tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.inputs: list[torch.Tensor] = [leaves[i] for i in self.tensor_slots]
+        self.stats = RegionStats(self.name)
+        self.saved = SavedOps(options.policy, self.stats)
+        self.frame = ReplayFrame(self.name)
+        self.out_spec: TreeSpec | None = None
+        self.out_leaves: list[Any] = []
+        self.out_tensor_slots: list[int] = []
+        self.replayed = False
+
+    def call_fn(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.tensor_slots, tensors, strict=True):
+            leaves[slot] = tensor
+        args, kwargs = tree_unflatten(leaves, self.in_spec)
+        return self.fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def original_pass(self) -> Iterator[None]:
+        with active_frame(self.frame, "original"), PolicyMode(self.saved, "original"):
+            yield
+
+    @contextlib.contextmanager
+    def replay_pass(self) -> Iterator[None]:
+        if self.replayed:
+            raise CheckpointReplayError(
+                f"region {self.name!r} is replayed a second time; backward twice through a checkpoint "
+                "region (retain_graph) is not supported")
+        self.replayed = True
+        try:
+            with active_frame(self.frame, "replay"), PolicyMode(self.saved, "replay"):
+                yield
+            self.saved.finish_replay()
+            self.frame.check_consumed()
+        finally:
+            self.saved.release()
+            self.frame.clear()
+        self.stats.replay_count += 1
+        self.stats.results_reused = self.frame.reused
+        if self.options.debug_summary:
+            log.info(self.stats.summary())
+
+    def record_outputs(self, out: Any) -> list[torch.Tensor]:
+        leaves, self.out_spec = tree_flatten(out)
+        self.out_tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.out_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return [leaves[i] for i in self.out_tensor_slots]
+
+    def check_replay_outputs(self, out: Any) -> list[torch.Tensor]:
+        leaves, spec = tree_flatten(out)
+        if spec != self.out_spec:
+            raise CheckpointReplayError(
+                f"region {self.name!r}: the replay returned a different output structure than the original "
+                f"pass.\n  original: {self.out_spec}\n  replay:   {spec}")
+        return [leaves[i] for i in self.out_tensor_slots]
+
+    def rebuild_outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_leaves)
+        for slot, tensor in zip(self.out_tensor_slots, tensors, strict=True):
+            leaves[slot] = tensor
+        return tree_unflatten(leaves, self.out_spec)
+
+    def release(self) -> None:
+        self.inputs = []
+        self.leaves = []
+        self.saved.release()
+        self.frame.clear()
+
+
+class _ReentrantRegion(torch.autograd.Function):
+    """Original pass without grad in forward; replay with grad, then its backward, in backward."""
+
+    @staticmethod
+    def forward(ctx, call: _RegionCall, anchor: torch.Tensor | None, *tensors: torch.Tensor):
+        ctx.call = call
+        ctx.rng = _RNGState(tensors, call.options.preserve_rng_state)
+        ctx.autocast = _AutocastState()
+        ctx.save_for_backward(*tensors)
+        call.stats.bytes_inputs = sum(t.numel() * t.element_size() for t in tensors)
+        call.inputs = []  # the Function owns them now (saved tensors, visible to outer hooks)
+        with call.original_pass():
+            outputs = call.record_outputs(call.call_fn(tensors))
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        call: _RegionCall = ctx.call
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad(), ctx.rng.restored(), ctx.autocast.restored(), call.replay_pass():
+            outputs = call.check_replay_outputs(call.call_fn(inputs))
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        call.release()
+        ctx.call = None
+        return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+def _run_reentrant(call: _RegionCall) -> Any:
+    anchor = torch.empty(0, requires_grad=True) if _needs_anchor(call.fn) else None
+    outputs = _ReentrantRegion.apply(call, anchor, *call.inputs)
+    return call.rebuild_outputs(outputs)
+
+
+def _run_non_reentrant(call: _RegionCall) -> Any:
+    def run(*tensors: torch.Tensor) -> Any:
+        out = call.call_fn(tensors)
+        if call.frame.phase == "original":
+            call.record_outputs(out)
+        else:
+            call.check_replay_outputs(out)
+        return out
+
+    call.stats.bytes_inputs = 0  # torch's non-reentrant checkpoint keeps inputs through saved tensors
+    inputs, call.inputs = call.inputs, []
+    return torch_checkpoint.checkpoint(
+        run, *inputs, use_reentrant=False, preserve_rng_state=call.options.preserve_rng_state,
+        context_fn=lambda: (call.original_pass(), call.replay_pass()), early_stop=False)
+
+
+class CheckpointRegion:
+    """A checkpoint boundary with its options bound: ``region(fn, *args, **kwargs)``.
+
+    ``last_stats`` is the RegionStats of the most recent call (filled in as it replays).
+    """
+
+    def __init__(self, options: CheckpointOptions | None = None) -> None:
+        self.options = options or CheckpointOptions()
+        self.last_stats: RegionStats | None = None
+
+    def __call__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # nothing will replay: run plainly (eval / inference)
+            return fn(*args, **kwargs)
+        call = _RegionCall(self.options, fn, args, kwargs)
+        self.last_stats = call.stats
+        return _run_reentrant(call) if self.options.reentrant else _run_non_reentrant(call)
+
+
+def checkpoint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a checkpoint region with default options (reentrant, full,
+    RNG preserved). Every keyword argument goes to ``fn``; bind options with ``CheckpointRegion``."""
+    return CheckpointRegion()(fn, *args, **kwargs)

@@ -1,0 +1,178 @@
+"""The operator policy: which dispatched operators a checkpoint region keeps for backward.
+
+One declarative table. Models expose no checkpoint target names; the policy sees operators as they
+reach the dispatcher (``aten::mm``, ``spartron::sparse_mla``, ...). Names are strings so this module
+imports none of the ops it refers to (they live in ``spartron.runtime.ops`` and register themselves).
+
+- MANDATORY: operations that must run exactly once per step whatever the mode: they mutate
+  caller-owned state (routing telemetry), make a decision the replay must repeat exactly (top-k),
+  talk to other ranks in a way that cannot be replayed (DeepEP), or synchronise the host with the
+  device (accelerator -> CPU copies of metadata such as split sizes).
+- DEFAULT_TARGETS: what ``mode = "selective"`` additionally keeps unless the user lists targets:
+  attention, matrix multiplication, grouped GEMM and distributed communication. Elementwise ops,
+  norms, reshapes and RoPE replay.
+- REPLAY_ONLY_MARKERS: namespaces whose ops appear on replay only (profiler ranges, FSDP hooks);
+  never saved and ignored when the replayed op sequence is checked against the original one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+# --- the table ----------------------------------------------------------------------------------
+
+MANDATORY: tuple[tuple[str, str], ...] = (
+    ("spartron::record_routing_stats", "adds per-expert counts into a caller-owned buffer in place"),
+    ("spartron::moe_topk", "routing decision: the replay must use the experts chosen in forward"),
+    ("spartron_collectives::splits_to_host", "device->host copy of all-to-all split sizes (sync)"),
+    ("spartron_deepep", "DeepEP dispatch/combine hold communication state that cannot be replayed"),
+)
+"""(operator name or namespace, why it is saved). Cannot be excluded by any config."""
+
+MANDATORY_DEVICE_TO_HOST: tuple[str, ...] = ("aten::_to_copy", "aten::copy_", "aten::_local_scalar_dense")
+"""Ops saved when they move data from an accelerator to the CPU (host sync; metadata such as
+split sizes). ``_local_scalar_dense`` is ``Tensor.item()``; its result is a host scalar."""
+
+DEFAULT_TARGETS: tuple[str, ...] = (
+    # matrix multiplication, as ``nn.Linear`` / ``matmul`` reach the dispatcher
+    "aten::mm",
+    "aten::addmm",
+    "aten::_addmm_activation",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_grouped_mm",
+    "aten::_scaled_mm",
+    # attention
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+    "spartron::sparse_mla",
+    # distributed communication
+    "spartron_collectives",
+)
+
+REPLAY_ONLY_MARKERS: tuple[str, ...] = ("profiler", "fsdp")
+
+Mode = Literal["full", "selective"]
+
+
+# --- name handling ------------------------------------------------------------------------------
+
+def op_packet_name(func: torch._ops.OpOverload) -> str:
+    """``aten::add`` for ``aten.add.Tensor``: targets match every overload of an operator."""
+    return func._schema.name
+
+
+def _registered_names() -> tuple[set[str], set[str]]:
+    """(registered ``ns::op`` names without overload, registered namespaces), read from the dispatcher."""
+    ops = {name.split(".", 1)[0] for name in torch._C._dispatch_get_all_op_names()}
+    return ops, {name.split("::", 1)[0] for name in ops}
+
+
+def validate_targets(targets: Iterable[str]) -> None:
+    """Raise ValueError for a target that names no registered operator or namespace.
+
+    Call after importing ``spartron.runtime.ops`` so Spartron's namespaces exist.
+    """
+    ops, namespaces = _registered_names()
+    for entry in targets:
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"target {entry!r} must be a non-empty string ('ns::op' or 'ns')")
+        base = entry.split(".", 1)[0] if "::" in entry else entry
+        namespace = base.split("::", 1)[0]
+        if namespace in REPLAY_ONLY_MARKERS:
+            raise ValueError(f"target {entry!r} is a replay-only marker namespace and is never saved")
+        if "::" in entry:
+            if base not in ops:
+                raise ValueError(f"target {entry!r} names no registered operator "
+                                 f"(is the library that defines it imported?)")
+        elif namespace not in namespaces:
+            raise ValueError(f"target {entry!r} names no registered operator namespace")
+
+
+# --- the compiled policy ------------------------------------------------------------------------
+
+def _split(entries: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """Split entries into (exact ``ns::op`` names, namespaces); an overload suffix is dropped."""
+    names = {e.split(".", 1)[0] for e in entries if "::" in e}
+    namespaces = {e for e in entries if "::" not in e}
+    return frozenset(names), frozenset(namespaces)
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    """What a region saves: mandatory entries plus targets (names or namespaces).
+
+    ``decide`` answers "mandatory", "target" or None (recompute) for one dispatched call.
+    """
+
+    mode: Mode
+    mandatory_names: frozenset[str]
+    mandatory_namespaces: frozenset[str]
+    target_names: frozenset[str]
+    target_namespaces: frozenset[str]
+    device_to_host: frozenset[str] = frozenset(MANDATORY_DEVICE_TO_HOST)
+
+    def decide(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+        name = op_packet_name(func)
+        namespace = func.namespace
+        if namespace in REPLAY_ONLY_MARKERS:
+            return None
+        if name in self.mandatory_names or namespace in self.mandatory_namespaces:
+            return "mandatory"
+        if name in self.device_to_host and is_device_to_host(name, args, kwargs):
+            return "mandatory"
+        if name in self.target_names or namespace in self.target_namespaces:
+            return "target"
+        return None
+
+    def describe(self) -> dict[str, list[str]]:
+        """The effective table, for logs and debug summaries."""
+        return {
+            "mode": [self.mode],
+            "mandatory": sorted(self.mandatory_names | self.mandatory_namespaces)
+            + [f"{n} (device->host)" for n in sorted(self.device_to_host)],
+            "targets": sorted(self.target_names | self.target_namespaces),
+        }
+
+
+def is_device_to_host(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """True when this call copies from a non-CPU device to the CPU (a host synchronisation)."""
+    if name == "aten::_local_scalar_dense":
+        return _off_host(args[0])
+    if name == "aten::_to_copy":
+        target = kwargs.get("device")
+        return _off_host(args[0]) and target is not None and torch.device(target).type == "cpu"
+    if name == "aten::copy_":
+        dst, src = args[0], args[1]
+        return isinstance(dst, torch.Tensor) and dst.device.type == "cpu" and _off_host(src)
+    return False
+
+
+def _off_host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
+def build_policy(mode: Mode, targets: Sequence[str] | None = None,
+                 extra_mandatory: Sequence[str] = ()) -> OpPolicy:
+    """The policy for ``mode``: full saves MANDATORY only; selective also saves ``targets``.
+
+    ``targets=None`` means DEFAULT_TARGETS; a list replaces them; ``[]`` keeps the mandatory set only.
+    ``extra_mandatory`` adds names/namespaces to the mandatory set (used by tests and by libraries
+    outside Spartron that own non-replayable ops); it can only add, never remove.
+    """
+    if mode not in ("full", "selective"):
+        raise ValueError(f"ac.mode must be 'full' or 'selective' for a checkpoint region, got {mode!r}")
+    if mode == "full" and targets:
+        raise ValueError("ac.targets is only used by ac.mode = 'selective'")
+    m_names, m_namespaces = _split([entry for entry, _ in MANDATORY] + list(extra_mandatory))
+    chosen = () if mode == "full" else (DEFAULT_TARGETS if targets is None else tuple(targets))
+    t_names, t_namespaces = _split(chosen)
+    return OpPolicy(mode, m_names, m_namespaces, t_names, t_namespaces)

@@ -1,0 +1,200 @@
+"""The one mechanism behind the operator policy: a dispatch mode that saves op outputs and replays them.
+
+During a region's original pass, every dispatched operator the policy keeps has its outputs cached
+in call order. During the replay the same mode hands those outputs back instead of running the op
+again, and lets every other op recompute. It sits below autograd, so the replay still builds the
+backward graph of saved ops (their backward formulas receive the cached outputs). It does not care
+how the region replays (reentrant autograd.Function or torch's non-reentrant hooks), so both modes
+share it; torch's own selective-checkpoint contexts are non-reentrant only.
+
+The replay also checks that the saved ops it meets come in the order the original pass recorded,
+and names the first one that differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from spartron.checkpointing.policy import OpPolicy, op_packet_name
+
+log = logging.getLogger("spartron.checkpointing")
+
+
+class CheckpointReplayError(RuntimeError):
+    """The replay diverged from the original pass (different saved ops, structure or mutated saves)."""
+
+
+@dataclass
+class RegionStats:
+    """What one region call did: ops saved vs recomputed, bytes kept, how often it replayed."""
+
+    name: str
+    ops_original: int = 0
+    ops_saved: int = 0
+    ops_recomputed: int = 0
+    bytes_saved: int = 0
+    bytes_inputs: int = 0
+    replay_count: int = 0
+    results_reused: int = 0
+    saved_by_op: collections.Counter = field(default_factory=collections.Counter)
+    recomputed_by_op: collections.Counter = field(default_factory=collections.Counter)
+
+    def summary(self) -> str:
+        def top(counter: collections.Counter) -> str:
+            return ", ".join(f"{k} x{v}" for k, v in counter.most_common(8)) or "-"
+
+        return (f"checkpoint region {self.name!r}: {self.ops_original} ops in forward, "
+                f"{self.ops_saved} saved ({self.bytes_saved / 2**20:.2f} MiB) [{top(self.saved_by_op)}], "
+                f"{self.ops_recomputed} recomputed [{top(self.recomputed_by_op)}], inputs kept "
+                f"{self.bytes_inputs / 2**20:.2f} MiB, replays {self.replay_count}, "
+                f"reused results {self.results_reused}")
+
+
+@dataclass
+class _ArgAlias:
+    """Marks an op output that is (an alias of) argument ``index``: returned as the replay's argument."""
+
+    index: int
+
+
+@dataclass
+class _SavedOp:
+    name: str
+    reason: str
+    outputs: Any
+    versions: list[tuple[torch.Tensor, int]]
+    mutated: list[tuple[int, StorageWeakRef, torch.Tensor]]
+
+
+def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, index: int) -> Any:
+    if index < len(args):
+        return args[index]
+    schema_arg = func._schema.arguments[index]
+    return kwargs.get(schema_arg.name, schema_arg.default_value)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+class SavedOps:
+    """The saved outputs of one region call, in dispatch order, plus the replay cursor."""
+
+    def __init__(self, policy: OpPolicy, stats: RegionStats) -> None:
+        self.policy = policy
+        self.stats = stats
+        self._entries: list[_SavedOp] = []
+        self._cursor = 0
+
+    def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any, reason: str) -> None:
+        schema = func._schema
+        alias_sets = {frozenset(a.alias_info.before_set): i for i, a in enumerate(schema.arguments)
+                      if a.alias_info is not None}
+        alias_returns = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
+                         for r in schema.returns]
+        if len(schema.returns) == 1:
+            stored = _ArgAlias(alias_returns[0]) if alias_returns[0] is not None else \
+                tree_map(_detach, out)
+        else:
+            stored = tuple(_ArgAlias(a) if a is not None else tree_map(_detach, o)
+                           for a, o in zip(alias_returns, out, strict=True))
+        mutated = []
+        for i, a in enumerate(schema.arguments):
+            value = _arg(func, args, kwargs, i)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor):
+                mutated.append((i, StorageWeakRef(value.untyped_storage()), value.detach().clone()))
+        versions = [(t, t._version) for t in tree_leaves(stored) if isinstance(t, torch.Tensor)]
+        name = op_packet_name(func)
+        self._entries.append(_SavedOp(name, reason, stored, versions, mutated))
+        self.stats.ops_saved += 1
+        self.stats.saved_by_op[name] += 1
+        self.stats.bytes_saved += _nbytes(stored) + sum(_nbytes(c) for _, _, c in mutated)
+
+    def replay(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        name = op_packet_name(func)
+        if self._cursor >= len(self._entries):
+            raise CheckpointReplayError(
+                f"region {self.stats.name!r}: the replay dispatched saved op {name} (#{self._cursor}) "
+                f"but the original pass saved only {len(self._entries)} ops")
+        entry = self._entries[self._cursor]
+        if entry.name != name:
+            raise CheckpointReplayError(
+                f"region {self.stats.name!r}: saved op #{self._cursor} differs between passes: the original "
+                f"pass saved {entry.name}, the replay dispatched {name}")
+        for tensor, version in entry.versions:
+            if tensor._version != version:
+                raise CheckpointReplayError(
+                    f"region {self.stats.name!r}: the saved output of {name} (#{self._cursor}) was modified "
+                    "in place after it was saved; clone it before mutating, or do not target this op")
+        for index, storage, value in entry.mutated:
+            target = _arg(func, args, kwargs, index)
+            same = not storage.expired() and StorageWeakRef(target.untyped_storage()) == storage
+            if not same:  # a buffer re-created by the replay receives the saved result; one that
+                target.copy_(value)  # outlives the pass was already updated by the original op
+        self._cursor += 1
+
+        def restore(x: Any) -> Any:
+            return _arg(func, args, kwargs, x.index) if isinstance(x, _ArgAlias) else _detach(x)
+
+        return tree_map(restore, entry.outputs, is_leaf=lambda x: isinstance(x, _ArgAlias))
+
+    def finish_replay(self) -> None:
+        """Check the replay met every saved op, then free the cache."""
+        if self._cursor != len(self._entries):
+            missing = self._entries[self._cursor].name
+            count = len(self._entries)
+            self.release()
+            raise CheckpointReplayError(
+                f"region {self.stats.name!r}: the replay ended after {self._cursor} of {count} saved ops; "
+                f"the first op it did not dispatch is {missing}")
+        self.release()
+
+    def release(self) -> None:
+        self._entries = []
+        self._cursor = 0
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+class PolicyMode(TorchDispatchMode):
+    """Applies the policy to every op of one pass ("original" saves, "replay" reuses or recomputes)."""
+
+    def __init__(self, saved: SavedOps, phase: str) -> None:
+        super().__init__()
+        self.saved = saved
+        self.phase = phase
+        self._decisions: dict[torch._ops.OpOverload, str | None] = {}
+
+    def _decide(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+        if func in self._decisions:
+            return self._decisions[func]
+        reason = self.saved.policy.decide(func, args, kwargs)
+        if op_packet_name(func) not in self.saved.policy.device_to_host:  # arg-dependent: not cached
+            self._decisions[func] = reason
+        return reason
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reason = self._decide(func, args, kwargs)
+        stats = self.saved.stats
+        if self.phase == "original":
+            out = func(*args, **kwargs)
+            stats.ops_original += 1
+            if reason is not None:
+                self.saved.record(func, args, kwargs, out, reason)
+            return out
+        if reason is None:
+            stats.ops_recomputed += 1
+            stats.recomputed_by_op[op_packet_name(func)] += 1
+            return func(*args, **kwargs)
+        return self.saved.replay(func, args, kwargs)
