@@ -1,1 +1,259 @@
-"""Placeholder: filled by its owner."""
+"""Collectives as `spartron_collectives` custom ops: one boundary seen by autograd, AC and compile.
+
+Why custom ops instead of calling torch.distributed directly: the checkpoint policy classifies
+operators by name (`[ac] targets = ["spartron_collectives"]`), torch.compile traces them through
+their fake impls without graph breaks, and autograd uses the registered backward (all-to-all <->
+reverse all-to-all, all-gather <-> reduce-scatter). The ops take a *group name* (a string, which
+every tracer handles) and resolve the ProcessGroup inside; the Python wrappers below take a
+ProcessGroup (None = world), validate everything that can be checked locally, and raise ValueError
+before any rank enters a collective that could hang.
+
+Split-size tensors (the MoE dispatch counts) are moved to the host through
+`spartron_collectives::splits_to_host`, a separate op so the checkpoint policy can mark it
+mandatory: a replay reuses the saved host copy instead of synchronising with the device again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+NAMESPACE = "spartron_collectives"
+
+OPS: tuple[str, ...] = (
+    f"{NAMESPACE}::all_to_all",
+    f"{NAMESPACE}::all_gather",
+    f"{NAMESPACE}::reduce_scatter",
+    f"{NAMESPACE}::splits_to_host",
+)
+
+Splits = Sequence[int] | Tensor | None
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 only has the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The ProcessGroup registered under `group_name`; ValueError naming it when there is none."""
+    try:
+        return _resolve_process_group(group_name)
+    except (ValueError, RuntimeError, KeyError) as err:
+        raise ValueError(f"spartron_collectives: no process group named {group_name!r} "
+                         f"(is torch.distributed initialised and the group created on this rank?)") from err
+
+
+def _front(x: Tensor, dim: int) -> Tensor:
+    """`x` with `dim` moved to the front, contiguous: the layout the flat collectives work on."""
+    return x.movedim(dim, 0).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops: real impls, fake impls, autograd.
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::all_to_all", mutates_args=())
+def _all_to_all(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                group_name: str) -> Tensor:
+    out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(output_split_sizes), list(input_split_sizes),
+                           group=resolve_group(group_name))
+    return out
+
+
+@_all_to_all.register_fake
+def _(x, output_split_sizes, input_split_sizes, group_name):
+    return x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    _, ctx.output_split_sizes, ctx.input_split_sizes, ctx.group_name = inputs
+
+
+def _all_to_all_backward(ctx, grad):
+    grad_x = _all_to_all(grad, list(ctx.input_split_sizes), list(ctx.output_split_sizes), ctx.group_name)
+    return grad_x, None, None, None
+
+
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::all_gather", mutates_args=())
+def _all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
+    pg = resolve_group(group_name)
+    front = _front(x, dim)
+    out = front.new_empty((pg.size() * front.shape[0], *front.shape[1:]))
+    _all_gather_flat(out, front, group=pg)
+    return out.movedim(0, dim).contiguous()
+
+
+@_all_gather.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] *= resolve_group(group_name).size()
+    return x.new_empty(shape)
+
+
+def _dim_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name = inputs
+
+
+_all_gather.register_autograd(
+    lambda ctx, grad: (_reduce_scatter(grad, ctx.dim, ctx.group_name), None, None),
+    setup_context=_dim_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: Tensor, dim: int, group_name: str) -> Tensor:
+    pg = resolve_group(group_name)
+    front = _front(x, dim)
+    out = front.new_empty((front.shape[0] // pg.size(), *front.shape[1:]))
+    _reduce_scatter_flat(out, front, op=dist.ReduceOp.SUM, group=pg)
+    return out.movedim(0, dim).contiguous()
+
+
+@_reduce_scatter.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] //= resolve_group(group_name).size()
+    return x.new_empty(shape)
+
+
+_reduce_scatter.register_autograd(
+    lambda ctx, grad: (_all_gather(grad, ctx.dim, ctx.group_name), None, None),
+    setup_context=_dim_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::splits_to_host", mutates_args=())
+def _splits_to_host(splits: Tensor) -> Tensor:
+    return splits.to(device="cpu", dtype=torch.int64, copy=True)
+
+
+@_splits_to_host.register_fake
+def _(splits):
+    return torch.empty(splits.shape, dtype=torch.int64, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrappers: validate locally, then call the ops.
+# ---------------------------------------------------------------------------------------------
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise ValueError("spartron_collectives: torch.distributed is not initialised "
+                         "(call init_process_group, or pass no group for single-rank code paths)")
+    group = dist.group.WORLD if group is None else group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("spartron_collectives: this rank is not a member of the given process group")
+    return group
+
+
+def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
+    if torch.compiler.is_compiling():  # opaque to dynamo; the traced graph runs the same check eagerly
+        return
+    try:
+        group._get_backend(x.device)
+    except RuntimeError as err:
+        raise ValueError(f"{what}: the process group has no backend for {x.device.type} tensors "
+                         f"(use NCCL for CUDA tensors, gloo for CPU tensors)") from err
+
+
+def splits_to_host(splits: Tensor) -> list[int]:
+    """Split sizes held in a tensor as a Python list, copied through the mandatory-save op."""
+    return _splits_to_host(splits).tolist()
+
+
+def _split_list(splits: Splits, x: Tensor, world: int, name: str) -> list[int]:
+    """`splits` as a validated list of `world` non-negative ints (None = even split of dim 0)."""
+    if splits is None:
+        if x.shape[0] % world:
+            raise ValueError(f"all_to_all: {name}=None needs x.size(0)={x.shape[0]} divisible by the "
+                             f"group size {world}")
+        return [x.shape[0] // world] * world
+    if isinstance(splits, Tensor):
+        if splits.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"all_to_all: {name} tensor must be int64 (or int32), got {splits.dtype}")
+        if splits.dim() != 1:
+            raise ValueError(f"all_to_all: {name} tensor must be 1-D, got shape {tuple(splits.shape)}")
+        if splits.device.type not in ("cpu", x.device.type):
+            raise ValueError(f"all_to_all: {name} tensor is on {splits.device}, expected the host or "
+                             f"x's device {x.device}")
+        splits = splits_to_host(splits)
+    splits = [int(s) for s in splits]
+    if len(splits) != world:
+        raise ValueError(f"all_to_all: {name} has {len(splits)} entries, the group has {world} ranks")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
+    return splits
+
+
+def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: Splits = None,
+               group: dist.ProcessGroup | None = None) -> Tensor:
+    """Differentiable all-to-all along dim 0 with (possibly uneven, possibly zero) split sizes.
+
+    Rank r sends rows `input_split_sizes[j]` to rank j and receives `output_split_sizes[j]` rows
+    from rank j, concatenated in rank order. Splits: list of ints, 1-D int tensor, or None (even).
+    """
+    group = _group(group)
+    world = dist.get_world_size(group)
+    if x.dim() == 0:
+        raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)")
+    _check_backend(x, group, "all_to_all")
+    in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes")
+    if sum(in_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
+                         f"but x.size(0) is {x.shape[0]}")
+    out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes")
+    return _all_to_all(x, out_splits, in_splits, group.group_name)
+
+
+def exchange_split_sizes(input_split_sizes: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Each rank's output split sizes: the all-to-all of the per-destination counts.
+
+    `input_split_sizes[j]` = rows this rank sends to rank j; the result's entry j = rows rank j
+    sends here. Same device as the input (NCCL needs CUDA counts); int64.
+    """
+    group = _group(group)
+    world = dist.get_world_size(group)
+    if input_split_sizes.dtype != torch.int64 or input_split_sizes.shape != (world,):
+        raise ValueError(f"exchange_split_sizes: expected an int64 tensor of shape ({world},), got "
+                         f"{input_split_sizes.dtype} of shape {tuple(input_split_sizes.shape)}")
+    _check_backend(input_split_sizes, group, "exchange_split_sizes")
+    ones = [1] * world
+    return _all_to_all(input_split_sizes, ones, ones, group.group_name)
+
+
+def _check_dim(x: Tensor, dim: int, what: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ValueError(f"{what}: dim {dim} is out of range for a {x.dim()}-D tensor")
+    return dim % x.dim()
+
+
+def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
+    """Differentiable all-gather: every rank's `x` concatenated along `dim` in rank order.
+
+    Every rank must pass the same shape. Backward is a reduce-scatter (sum) of the gradient.
+    """
+    group = _group(group)
+    dim = _check_dim(x, dim, "all_gather")
+    _check_backend(x, group, "all_gather")
+    return _all_gather(x, dim, group.group_name)
+
+
+def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
+    """Differentiable reduce-scatter (sum): rank r gets chunk r along `dim` of the sum over ranks.
+
+    `x.size(dim)` must be divisible by the group size. Backward is an all-gather of the gradient.
+    """
+    group = _group(group)
+    world = dist.get_world_size(group)
+    dim = _check_dim(x, dim, "reduce_scatter")
+    if x.shape[dim] % world:
+        raise ValueError(f"reduce_scatter: x.size({dim})={x.shape[dim]} is not divisible by the "
+                         f"group size {world}")
+    _check_backend(x, group, "reduce_scatter")
+    return _reduce_scatter(x, dim, group.group_name)
