@@ -1,0 +1,216 @@
+"""DeepSeek sparse attention (DSA): the lightning indexer, its top-k, its KL loss, and the
+source/consumer schedule that decides which layers compute ids and which reuse them.
+
+Conventions (DeepSeek-V3.2 reference):
+- index queries come from the compressed query latent (q_lora); with q_lora_rank = 0 there is no
+  latent and they come from the layer input x (as Megatron-core does);
+- ONE key head shared by all index heads, LayerNorm'ed; RoPE (half-split pairs) on the FIRST
+  qk_rope_head_dim dims of index queries and keys;
+- head weights w = weights_proj(x) * H^-1/2 * d^-1/2; I[t,s] = sum_h w[t,h] * ReLU(q[t,h] . k[s]);
+- top-k of min(index_topk, S_kv) over causally visible keys; slots beyond a query's visible keys
+  are -1. Ids index the key axis, which is the global position when positions start at 0.
+Training (`model.dsa.indexer_mode`): `frozen` computes ids under no_grad through
+`reuse_during_recompute` (a checkpoint replay never reruns it); `kl_dense` / `kl_sparse` train the
+indexer with KL(main-attention distribution || softmax(I)) over all visible keys / the top-k only.
+The indexer input is detached in both KL modes (like Megatron-core: the KL loss trains the indexer
+only) and the main attention target is detached. Attention itself is always top-k sparse.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.layers.config import ModelConfig
+from spartron.layers.context_parallel import gather_sequence
+from spartron.layers.rope import apply_rope
+
+DSARole = str | None  # None (dense attention), "source" (computes ids), "consumer" (reuses ids)
+
+# Bytes of [chunk, index_heads, S_kv] score temporaries in the no-grad (frozen) path.
+_INDEX_CHUNK_BUDGET_BYTES = 1 << 29
+
+
+def validate_dsa(cfg: ModelConfig) -> None:
+    """Reject DSA settings that cannot work; messages name the dotted keys."""
+    dsa = cfg.dsa
+    if dsa is None:
+        return
+    if dsa.index_head_dim < cfg.mla.qk_rope_head_dim:
+        raise ValueError(f"model.dsa.index_head_dim {dsa.index_head_dim} must be >= "
+                         f"model.mla.qk_rope_head_dim {cfg.mla.qk_rope_head_dim}: "
+                         "the indexer rotates its first qk_rope_head_dim dims")
+    if isinstance(dsa.layers, list) and len(set(dsa.layers)) != len(dsa.layers):
+        raise ValueError(f"model.dsa.layers has duplicate indices: {dsa.layers}")
+    if not _main_dsa_layers(cfg):
+        raise ValueError(f"model.dsa.layers = {dsa.layers!r} selects no layer (model.first_k_dense "
+                         f"{cfg.first_k_dense}, model.n_layers {cfg.n_layers}); "
+                         "remove [model.dsa] for dense attention")
+
+
+def _main_dsa_layers(cfg: ModelConfig) -> list[int]:
+    layers = cfg.dsa.layers
+    if layers == "all":
+        return list(range(cfg.n_layers))
+    if layers == "moe":
+        return list(range(cfg.first_k_dense, cfg.n_layers))
+    return sorted(layers)
+
+
+def dsa_schedule(cfg: ModelConfig) -> list[DSARole]:
+    """Role of every attention layer: entries 0..n_layers-1 are the decoder layers, entry
+    n_layers + d is MTP depth d.
+
+    DSA layers are grouped in order by `topk_freq`: the first of each group is a source, the rest
+    consume the nearest preceding source's ids. MTP depths are DSA layers when `dsa.layers` is "moe"
+    or "all" (MTP blocks are MoE blocks); depth 0 is a source and, with `share_indexer_across_mtp`,
+    the later depths consume its ids (one indexer for all depths), otherwise each depth is a source.
+    """
+    roles: list[DSARole] = [None] * (cfg.n_layers + cfg.mtp.depth)
+    if cfg.dsa is None:
+        return roles
+    validate_dsa(cfg)
+    for j, layer in enumerate(_main_dsa_layers(cfg)):
+        roles[layer] = "source" if j % cfg.dsa.topk_freq == 0 else "consumer"
+    if cfg.dsa.layers in ("moe", "all"):
+        for d in range(cfg.mtp.depth):
+            share = d > 0 and cfg.dsa.share_indexer_across_mtp
+            roles[cfg.n_layers + d] = "consumer" if share else "source"
+    return roles
+
+
+def ids_for_layer(role: DSARole, latest_ids: Tensor | None) -> Tensor | None:
+    """What a stack loop passes as `dsa_topk_ids`: the latest source's ids to consumers, else None."""
+    if role != "consumer":
+        return None
+    if latest_ids is None:
+        raise ValueError("a DSA consumer layer runs before any source produced ids (check model.dsa.layers)")
+    return latest_ids
+
+
+def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t)."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tensor:
+    """I [B,S_q,S_kv] (float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
+    logits = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
+    scores = torch.einsum("bths,bth->bts", logits, weights.float())
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def topk_ids(scores: Tensor, topk: int) -> Tensor:
+    """int32 ids [B, S_q, min(topk, S_kv)] of the highest scores; -1 where the pick is a masked key."""
+    k = min(topk, scores.shape[-1])
+    values, ids = scores.topk(k, dim=-1)
+    return torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
+
+
+class LightningIndexer(nn.Module):
+    """Projections of the lightning indexer; returns index queries, head weights and gathered keys."""
+
+    def __init__(self, cfg: ModelConfig, cp_group=None) -> None:
+        super().__init__()
+        validate_dsa(cfg)
+        dsa = cfg.dsa
+        self.n_heads = dsa.n_index_heads
+        self.head_dim = dsa.index_head_dim
+        self.rope_dim = cfg.mla.qk_rope_head_dim
+        self.topk = dsa.index_topk
+        self.cp_group = cp_group
+        q_in = cfg.mla.q_lora_rank or cfg.dim
+        self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+
+    def _rope_front(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        pe, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((apply_rope(pe, cos, sin, interleaved=False), rest), dim=-1)
+
+    def forward(self, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B,S,D], q_in [B,S,q_lora or D] -> q [B,S,H,d], weights [B,S,H], keys [B,S_kv,d] (global)."""
+        b, s, _ = x.shape
+        q = self._rope_front(self.wq_b(q_in).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope_front(self.k_norm(self.wk(x)), cos, sin)
+        weights = self.weights_proj(x) * self.weight_scale
+        return q, weights, gather_sequence(k, self.cp_group, dim=1)
+
+    def select_frozen(self, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor, q_positions: Tensor,
+                      k_positions: Tensor) -> Tensor:
+        """Top-k ids under no_grad, chunked over queries so [chunk, H, S_kv] stays bounded."""
+        with torch.no_grad():
+            q, weights, k = self(x, q_in, cos, sin)
+            s_q, s_kv = q.shape[1], k.shape[1]
+            chunk = max(1, _INDEX_CHUNK_BUDGET_BYTES // (4 * q.shape[0] * self.n_heads * s_kv))
+            parts = []
+            for c0 in range(0, s_q, chunk):
+                c1 = min(c0 + chunk, s_q)
+                visible = causal_visible(q_positions[c0:c1], k_positions)
+                parts.append(topk_ids(index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible), self.topk))
+            return torch.cat(parts, dim=1)
+
+
+def _kl(target: Tensor, log_pred: Tensor) -> Tensor:
+    """sum_s p * (log p - log q) per row, with 0 * log 0 = 0 (and masked log q never multiplied)."""
+    positive = target > 0
+    log_target = torch.where(positive, target, torch.ones_like(target)).log()
+    safe_pred = torch.where(positive, log_pred, torch.zeros_like(log_pred))
+    return (target * (log_target - safe_pred)).sum(-1)
+
+
+def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor,
+                          ids: Tensor | None) -> Tensor:
+    """Detached head-summed, L1-normalised main attention distribution.
+
+    Absorbed form (q [B,S,H,D], kv [B,S_kv,D]). Dense: [B,S,S_kv] over visible keys; sparse
+    (`ids` given): [B,S,K] over the selected keys, 0 at empty slots.
+    """
+    with torch.no_grad():
+        if ids is None:
+            scores = torch.einsum("bthd,bsd->bhts", q.float(), kv.float()) * scale
+            scores = scores.masked_fill(~visible, float("-inf"))
+        else:
+            valid = ids >= 0
+            picked = _gather_keys(kv, ids).float()  # [B,S,K,D]
+            scores = torch.einsum("bthd,btkd->bhtk", q.float(), picked) * scale
+            scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
+        return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
+def _gather_keys(keys: Tensor, ids: Tensor) -> Tensor:
+    """keys [B,S_kv,D] at ids [B,S,K] (-1 -> key 0, caller masks) -> [B,S,K,D]."""
+    b, s, k = ids.shape
+    safe = ids.clamp_min(0).long().reshape(b, s * k, 1).expand(-1, -1, keys.shape[-1])
+    return torch.gather(keys, 1, safe).reshape(b, s, k, -1)
+
+
+def indexer_kl_loss(scores: Tensor, target: Tensor, ids: Tensor | None) -> Tensor:
+    """Mean over local queries of KL(target || softmax(I)); sparse when `ids` is given.
+
+    scores [B,S,S_kv] (-inf where not visible); target from `main_attention_target`.
+    """
+    if ids is not None:
+        picked = torch.gather(scores, -1, ids.clamp_min(0).long())
+        scores = picked.masked_fill(ids < 0, float("-inf"))
+    return _kl(target, F.log_softmax(scores, dim=-1)).mean()
+
+
+def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor,
+                                 visible: Tensor, q_abs: Tensor, kv: Tensor, scale: float, sparse: bool,
+                                 coeff: float) -> tuple[Tensor, Tensor]:
+    """KL-trained indexer: ids (selection reused on replay) and coeff * KL loss.
+
+    Inputs are detached so the loss trains only the indexer. Materialises [B,S,H_idx,S_kv]: meant
+    for warm-up lengths; a fused kernel is future work.
+    """
+    q, weights, k = indexer(x.detach(), q_in.detach(), cos, sin)
+    scores = index_scores(q, weights, k, visible)
+    ids = reuse_during_recompute(topk_ids, scores.detach(), indexer.topk)
+    target = main_attention_target(q_abs, kv, scale, visible, ids if sparse else None)
+    return ids, coeff * indexer_kl_loss(scores, target, ids if sparse else None)

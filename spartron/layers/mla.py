@@ -1,0 +1,160 @@
+"""Multi-head latent attention (DeepSeek-V3), with DeepSeek sparse attention on DSA layers.
+
+q = wq_b(q_norm(wq_a(x))) (or wq(x) when q_lora_rank = 0), split per head into a no-RoPE part and
+a RoPE part; wkv_a(x) gives the compressed KV: a latent (kv_lora_rank, RMS-normed) and ONE rope key
+shared by all heads. RoPE pairs are interleaved (DeepSeek reference), optional YaRN scales the
+frequencies and the softmax scale (mscale^2). Under context parallelism the compressed KV
+(latent ++ rope key, kv_lora_rank + rope dims per token) is what is all-gathered.
+
+Dense layers expand the gathered latent with wkv_b and run causal SDPA. DSA layers stay in the
+latent ("absorbed") form: W_uk is folded into the query, so each query attends over the 576-wide
+(V3 shapes) latent rows selected by the indexer through `spartron::sparse_mla`, and W_uv maps the
+attended latent back to per-head values. The two forms are the same function of the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.layers.config import ModelConfig
+from spartron.layers.context_parallel import check_local_positions, cp_size_of, gather_sequence
+from spartron.layers.dsa import (
+    LightningIndexer,
+    causal_visible,
+    dsa_schedule,
+    trained_indexer_ids_and_loss,
+)
+from spartron.layers.norms import RMSNorm
+from spartron.layers.outputs import AttentionOutput
+from spartron.layers.rope import apply_rope, mla_softmax_scale, rope_cos_sin
+from spartron.runtime.ops.sparse_mla import sparse_mla
+
+
+class MLA(nn.Module):
+    """MLA attention of decoder layer `layer_idx` (n_layers + d for MTP depth d).
+
+    forward(x [B,S_local,D], positions [S_local] int64 global positions, dsa_topk_ids) -> AttentionOutput.
+    `dsa_topk_ids` goes to consumer layers only (see `spartron.layers.dsa.ids_for_layer`); an MTP
+    source layer also accepts them, which is how one weight-shared MTP block computes ids at depth 0
+    and reuses them at later depths.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cp_group=None) -> None:
+        super().__init__()
+        mla = cfg.mla
+        roles = dsa_schedule(cfg)
+        if not 0 <= layer_idx < len(roles):
+            raise ValueError(f"MLA layer_idx {layer_idx} outside 0..{len(roles) - 1} "
+                             "(model.n_layers decoder layers, then model.mtp.depth MTP depths)")
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.dsa_role = roles[layer_idx]
+        self.is_mtp = layer_idx >= cfg.n_layers
+        self.cp_group = cp_group
+        self.n_heads = cfg.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.qk_dim = self.nope_dim + self.rope_dim
+        self.softmax_scale = mla_softmax_scale(mla)
+        if mla.q_lora_rank > 0:
+            self.wq_a = nn.Linear(cfg.dim, mla.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(mla.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = nn.Linear(mla.q_lora_rank, self.n_heads * self.qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, self.n_heads * self.qk_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
+        self.indexer = LightningIndexer(cfg, cp_group) if self.dsa_role == "source" else None
+
+    def _query(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head queries [B,S,H,qk_dim] and the indexer's query input (q latent, or x)."""
+        if hasattr(self, "wq_a"):
+            q_latent = self.q_norm(self.wq_a(x))
+            return self.wq_b(q_latent).unflatten(-1, (self.n_heads, self.qk_dim)), q_latent
+        return self.wq(x).unflatten(-1, (self.n_heads, self.qk_dim)), x
+
+    def forward(self, x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None = None) -> AttentionOutput:
+        self._check_inputs(x, positions, dsa_topk_ids)
+        cos, sin = rope_cos_sin(positions, self.cfg.mla)
+        q, q_in = self._query(x)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=True)
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        compressed = torch.cat((self.kv_norm(latent), apply_rope(k_pe, cos, sin, interleaved=True)), dim=-1)
+        kv = gather_sequence(compressed, self.cp_group, dim=1)  # [B, S_kv, kv_lora + rope], global order
+        k_positions = self._key_positions(positions)
+        if self.dsa_role is None:
+            return AttentionOutput(hidden_states=self._dense(q_nope, q_pe, kv, positions, k_positions),
+                                   dsa_topk_ids=None, indexer_loss=None)
+        return self._sparse(x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, dsa_topk_ids)
+
+    def _check_inputs(self, x: Tensor, positions: Tensor, ids: Tensor | None) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
+            raise ValueError(f"MLA expects x [B, S_local, {self.cfg.dim}], got {tuple(x.shape)}")
+        if positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
+            raise ValueError(f"MLA expects positions int64 [{x.shape[1]}], got {positions.dtype} "
+                             f"{tuple(positions.shape)}")
+        check_local_positions(positions, self.cp_group)
+        if ids is None:
+            if self.dsa_role == "consumer":
+                raise ValueError(f"layer {self.layer_idx} is a DSA consumer: pass the source layer's "
+                                 "dsa_topk_ids")
+            return
+        if self.dsa_role is None or (self.dsa_role == "source" and not self.is_mtp):
+            kind = "a dense-attention" if self.dsa_role is None else "a DSA source"
+            raise ValueError(f"layer {self.layer_idx} is {kind} layer and takes no dsa_topk_ids "
+                             "(pass them only to consumers: spartron.layers.dsa.ids_for_layer)")
+        if ids.dtype != torch.int32 or ids.dim() != 3 or ids.shape[:2] != x.shape[:2]:
+            raise ValueError(f"dsa_topk_ids must be int32 [B, S_local, K] matching x {tuple(x.shape[:2])}, "
+                             f"got {ids.dtype} {tuple(ids.shape)}")
+
+    def _key_positions(self, positions: Tensor) -> Tensor:
+        cp = cp_size_of(self.cp_group)
+        if cp == 1:
+            return positions
+        return torch.arange(positions.numel() * cp, device=positions.device)
+
+    def _dense(self, q_nope: Tensor, q_pe: Tensor, kv: Tensor, positions: Tensor,
+               k_positions: Tensor) -> Tensor:
+        b, s, h, _ = q_nope.shape
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_nope, v = self.wkv_b(latent).unflatten(-1, (h, self.nope_dim + self.v_dim)).split(
+            [self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, h, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        if self.cp_group is None:  # keys are the local tokens in order: plain causal
+            mask, causal = None, True
+        else:
+            mask, causal = causal_visible(positions, k_positions), False
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
+        return self.wo(out.transpose(1, 2).reshape(b, s, h * self.v_dim))
+
+    def _absorbed_weights(self) -> tuple[Tensor, Tensor]:
+        """W_uk [H, nope, kv_lora] and W_uv [H, v, kv_lora] views of wkv_b."""
+        w = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
+        b, s, h, _ = q_nope.shape
+        w_uk, w_uv = self._absorbed_weights()
+        q_abs = torch.cat((torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_pe), dim=-1)
+        loss = None
+        if ids is None:  # a source computing its ids
+            dsa = self.cfg.dsa
+            if dsa.indexer_mode == "frozen":
+                ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, positions,
+                                             k_positions)
+            else:
+                ids, loss = trained_indexer_ids_and_loss(
+                    self.indexer, x, q_in, cos, sin, causal_visible(positions, k_positions), q_abs, kv,
+                    self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
+        out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank)
+        out = torch.einsum("bshc,hvc->bshv", out_latent, w_uv)
+        return AttentionOutput(hidden_states=self.wo(out.reshape(b, s, h * self.v_dim)), dsa_topk_ids=ids,
+                               indexer_loss=loss)
