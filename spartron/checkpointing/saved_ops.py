@@ -100,7 +100,9 @@ class SavedOps:
                       if a.alias_info is not None}
         alias_returns = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
                          for r in schema.returns]
-        if len(schema.returns) == 1:
+        if not schema.returns:  # an op returning () (e.g. spartron::record_routing_stats)
+            stored = None
+        elif len(schema.returns) == 1:
             stored = _ArgAlias(alias_returns[0]) if alias_returns[0] is not None else \
                 tree_map(_detach, out)
         else:
