@@ -65,11 +65,11 @@ def mla_softmax_scale(mla: MLAConfig) -> float:
 
 
 def rope_cos_sin(positions: Tensor, mla: MLAConfig) -> tuple[Tensor, Tensor]:
-    """cos, sin tables [S, qk_rope_head_dim/2] (float32) for int64 global `positions` [S]."""
+    """cos, sin tables [S, qk_rope_head_dim/2] (float64; `apply_rope` casts) for int64 `positions` [S]."""
     inv_freq = rope_inv_freq(mla.qk_rope_head_dim, mla.rope_theta, mla.yarn).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     factor = rope_attention_factor(mla.yarn)
-    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
