@@ -84,6 +84,8 @@ class TrainConfig(ConfigSection):
     save_every: int = Field(0, ge=0)  # 0: never
     run_dir: str | None = None  # default runs/<name>
     resume: bool = True
+    peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU; None: measured by a matmul loop
+    progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)
 
 

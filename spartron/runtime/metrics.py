@@ -1,0 +1,266 @@
+"""Training metrics: the FLOP model behind MFU, memory and expert-load statistics, and the JSONL log.
+
+`metrics.jsonl` (rank 0 writes it) holds one ``{"type": "header", ...}`` record per (re)start with the
+config, versions, git commit and hardware, then one ``{"type": "step", ...}`` record per optimizer
+step. After a resume, steps re-run past the last save appear again; readers keep the last record of
+each step (`read_metrics`).
+
+Memory: on CUDA the peak allocated / reserved bytes of the step (allocator stats, reset each
+step). On CPU there is no allocator statistic for torch tensors, so both fields report the process's
+peak resident set size (``ru_maxrss``) since start: an upper bound, monotone over the run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spartron.layers.config import ModelConfig
+
+
+# ---- FLOP model --------------------------------------------------------------------------------
+def _dsa_layers(cfg: ModelConfig) -> set[int]:
+    if cfg.dsa is None:
+        return set()
+    if cfg.dsa.layers == "all":
+        return set(range(cfg.n_layers))
+    if cfg.dsa.layers == "moe":
+        return set(range(cfg.first_k_dense, cfg.n_layers))
+    return set(cfg.dsa.layers)
+
+
+def _attention_matmul_params(cfg: ModelConfig) -> int:
+    m, h = cfg.mla, cfg.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = cfg.dim * h * qk if m.q_lora_rank == 0 else cfg.dim * m.q_lora_rank + m.q_lora_rank * h * qk
+    kv = (cfg.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
+          + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
+    return q + kv + h * m.v_head_dim * cfg.dim
+
+
+def _indexer_matmul_params(cfg: ModelConfig) -> int:
+    d = cfg.dsa
+    q_in = cfg.mla.q_lora_rank or cfg.dim
+    return q_in * d.n_index_heads * d.index_head_dim + cfg.dim * d.index_head_dim + cfg.dim * d.n_index_heads
+
+
+def _ffn_active_params(cfg: ModelConfig, moe: bool) -> int:
+    if not moe:
+        return 3 * cfg.dim * cfg.dense_inter_dim
+    e = cfg.moe
+    return (e.top_k + e.n_shared_experts) * 3 * cfg.dim * e.moe_inter_dim + cfg.dim * e.n_routed_experts
+
+
+def _mean_visible_keys(seq_len: int, cap: int | None) -> float:
+    """Average number of keys a causal query attends to over positions 0..seq_len-1 (capped at top-k)."""
+    if cap is None or cap >= seq_len:
+        return (seq_len + 1) / 2
+    return (cap * (cap + 1) / 2 + cap * (seq_len - cap)) / seq_len
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one trained token: 6 x active matmul parameters + causal attention, dense or
+    sparse (DSA: top-k keys per query plus the lightning indexer's scores), MTP depths included.
+
+    A frozen indexer costs its forward only (2 x params, 2 x scores); everything else forward+backward
+    (3 x forward). Embedding lookups and norms are not counted (no matmul).
+    """
+    m = cfg.mla
+    per_key = 2 * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    dsa = _dsa_layers(cfg)
+    idx_factor = 1 if cfg.dsa is not None and cfg.dsa.indexer_mode == "frozen" else 3
+
+    def layer_flops(i: int, moe: bool) -> float:
+        params = _attention_matmul_params(cfg) + _ffn_active_params(cfg, moe)
+        flops = 6 * params
+        if i in dsa:
+            d = cfg.dsa
+            flops += 3 * per_key * _mean_visible_keys(seq_len, d.index_topk)
+            flops += idx_factor * 2 * _indexer_matmul_params(cfg)
+            flops += idx_factor * 2 * d.n_index_heads * d.index_head_dim * _mean_visible_keys(seq_len, None)
+        else:
+            flops += 3 * per_key * _mean_visible_keys(seq_len, None)
+        return flops
+
+    head = 6 * cfg.dim * cfg.vocab_size
+    total = sum(layer_flops(i, i >= cfg.first_k_dense) for i in range(cfg.n_layers)) + head
+    mtp_layer = layer_flops(cfg.n_layers - 1, cfg.n_layers > cfg.first_k_dense)
+    total += cfg.mtp.depth * (mtp_layer + 6 * 2 * cfg.dim * cfg.dim + head)
+    return float(total)
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul loop on `device`: the 'measured peak' MFU uses when none is configured."""
+    n = 8192 if device.type == "cuda" else 512
+    # Constant operands: the global RNG stream is left untouched (resume must replay it exactly).
+    a = torch.full((n, n), 0.5, device=device, dtype=dtype)
+    b = torch.full((n, n), 0.25, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps = 10 if device.type == "cuda" else 5
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+# ---- memory and expert load ----------------------------------------------------------------------
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, int]:
+    """(peak allocated, peak reserved) bytes; on CPU both are the process's peak RSS (see module doc)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
+    return rss, rss
+
+
+def expert_load_max_violation(tokens_per_expert: Tensor | None) -> float | None:
+    """max over MoE layers of (busiest expert's tokens / mean tokens per expert - 1); 0 = balanced."""
+    if tokens_per_expert is None or tokens_per_expert.numel() == 0:
+        return None
+    counts = tokens_per_expert.double().reshape(-1, tokens_per_expert.shape[-1])
+    mean = counts.mean(dim=-1).clamp_min(1e-12)
+    return float((counts.max(dim=-1).values / mean - 1).max())
+
+
+# ---- run header --------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+                            "device_type": device.type, "world_size": world_size}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["devices_per_node"] = torch.cuda.device_count()
+    return info
+
+
+def versions() -> dict[str, str]:
+    import numpy
+
+    import spartron
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "spartron": getattr(spartron, "__version__", "unknown")}
+
+
+# ---- the log -------------------------------------------------------------------------------------
+SUMMARY_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s",
+                "peak_memory_allocated_bytes", "expert_load_max_violation")
+
+
+class MetricsLog:
+    """Appends JSONL records and drives the progress display; a no-op on ranks other than the writer."""
+
+    def __init__(self, path: Path, total_steps: int, enabled: bool, progress: bool = True) -> None:
+        self.path, self.total_steps, self.enabled = path, total_steps, enabled
+        self.records: list[dict] = []
+        self._progress = None
+        self._task = None
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_last_line(path)
+        self._file = path.open("a")
+        if progress:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                          TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                          console=console)
+                self._task = self._progress.add_task("train", total=total_steps, info="")
+                self._progress.start()
+        self._plain = progress and self._progress is None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if record.get("type") != "step":
+            return
+        self.records.append(record)
+        info = f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"], info=info)
+        elif self._plain:
+            print(f"step {record['step']}/{self.total_steps} {info}", file=sys.stderr, flush=True)
+
+    def close(self, summary: bool = True) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        self._file.close()
+        if summary and self.records:
+            print_summary(self.records)
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """A process killed mid-write leaves a line without its newline; cut it so appends stay valid JSONL."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def print_summary(records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"spartron: {len(records)} steps")
+    table.add_column("metric")
+    for col in ("first", "last", "median"):
+        table.add_column(col, justify="right")
+    for key in SUMMARY_KEYS:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if not values:
+            continue
+        median = sorted(values)[len(values) // 2]
+        table.add_row(key, *(f"{v:.6g}" for v in (values[0], values[-1], median)))
+    Console(stderr=True).print(table)
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(headers, steps) of a metrics.jsonl; steps sorted, the last record of each step kept."""
+    headers, by_step = [], {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("type") == "header":
+            headers.append(record)
+        elif record.get("type") == "step":
+            by_step[record["step"]] = record
+    return headers, [by_step[s] for s in sorted(by_step)]

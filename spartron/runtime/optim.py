@@ -1,0 +1,212 @@
+"""Optimizers, the learning-rate schedule and global-norm gradient clipping.
+
+The schedule is a pure function of the step (linear warmup, then cosine down to
+``lr * min_lr_ratio``): resuming only needs the step number, nothing pickled.
+
+Clipping computes the norm over the WHOLE model although each rank holds only shards: every
+gradient contributes the sum of squares of its local shard, and that partial sum is all-reduced over
+exactly the process groups the tensor is sharded over (the mesh dims where a DTensor placement is
+``Shard``, plus any extra groups the caller names for plain tensors that hold a rank-local slice,
+e.g. expert weights split over EP). Replicated dims are not reduced, so replicas are never counted
+twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spartron.runtime.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of 1-based optimizer step `step`: warmup to cfg.lr, cosine to lr*min_lr_ratio."""
+    if step < 1:
+        raise ValueError(f"optimizer steps are 1-based, got {step}")
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    decay_steps = cfg.steps - cfg.warmup_steps
+    if decay_steps <= 0:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def _decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Matrices decay; vectors (norm weights, biases, expert bias) do not."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return decay, no_decay
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (fused on CUDA), or Muon for hidden matrices with AdamW for the rest."""
+    decay, no_decay = _decay_split(model)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters")
+    on_cuda = all(p.is_cuda for p in decay + no_decay)
+    adam_kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True if on_cuda else None)
+    if cfg.optimizer == "adamw":
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)
+    # Muon orthogonalises whole 2-D updates; embeddings and the LM head stay on AdamW (as in the
+    # Muon paper), recognised by their vocabulary-sized dimension.
+    vocab = max((p.shape[0] for p in decay), default=0)
+    matrices = [p for p in decay if p.ndim == 2 and p.shape[0] != vocab and p.shape[1] != vocab]
+    ids = {id(p) for p in matrices}
+    rest_decay = [p for p in decay if id(p) not in ids]
+    adam_groups = [{"params": rest_decay, "weight_decay": cfg.weight_decay, "muon": False},
+                   {"params": no_decay, "weight_decay": 0.0, "muon": False}]
+    groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + adam_groups
+    return MuonWithAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
+    """Approximate U V^T of g = U S V^T with the quintic Newton-Schulz iteration (Muon's)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if transposed else x).to(g.dtype)
+
+
+def _full(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(full: Tensor, ref: Tensor) -> Tensor:
+    """`full` (replicated on every rank) laid out like `ref` (a no-communication local slice)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(ref, DTensor):
+        return full
+    replicated = DTensor.from_local(full, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim,
+                                    run_check=False)
+    return replicated.redistribute(ref.device_mesh, ref.placements)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon (Nesterov momentum + Newton-Schulz orthogonalised update) on groups with ``muon=True``,
+    AdamW on the others; one standard optimizer so its state dict is the usual per-parameter one.
+
+    Sharded (DTensor) matrices are gathered to orthogonalise the full update, then sliced back
+    without communication; plain matrices must be whole on each rank.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8,
+                 momentum: float = 0.95, ns_steps: int = 5) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
+                        muon=False)
+        super().__init__(param_groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                p.mul_(1 - lr * wd)
+                if group["muon"]:
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    buf = state["momentum_buffer"]
+                    buf.mul_(group["momentum"]).add_(p.grad)
+                    update = p.grad.add(buf, alpha=group["momentum"])
+                    full = newton_schulz_orthogonalize(_full(update), group["ns_steps"])
+                    scale = max(1.0, full.shape[0] / full.shape[1]) ** 0.5
+                    p.add_(_like(full, p), alpha=-lr * scale)
+                    continue
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p.grad)
+                    state["exp_avg_sq"] = torch.zeros_like(p.grad)
+                beta1, beta2 = group["betas"]
+                state["step"] += 1
+                step = state["step"].item()
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+
+def _reduce_groups(t: Tensor, extra: Sequence[dist.ProcessGroup]) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    groups = list(extra)
+    if isinstance(t, DTensor):
+        for dim, placement in enumerate(t.placements):
+            if placement.is_partial():
+                raise ValueError("gradient norm: a gradient with a Partial placement is not reduced "
+                                 "yet (call clipping after backward has finished its reduce-scatter)")
+            if placement.is_shard():
+                groups.append(t.device_mesh.get_group(dim))
+    return tuple(groups)
+
+
+def global_grad_norm(params: Iterable[nn.Parameter],
+                     extra_shard_groups: Mapping[int, Sequence[dist.ProcessGroup]] | None = None) -> Tensor:
+    """L2 norm of all gradients across every shard, equal on every rank (fp32 scalar).
+
+    extra_shard_groups maps id(param) to groups over which that tensor holds a rank-local slice not
+    described by a DTensor placement (e.g. plain local expert weights split over EP).
+    """
+    from torch.distributed.tensor import DTensor
+
+    extra_shard_groups = extra_shard_groups or {}
+    buckets: dict[tuple, Tensor] = {}
+    device = None
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad
+        key = _reduce_groups(grad, extra_shard_groups.get(id(p), ()))
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        device = local.device
+        sq = local.detach().float().pow(2).sum()
+        buckets[key] = buckets[key] + sq if key in buckets else sq
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), device=device)
+    for key in sorted(buckets, key=lambda k: [dist.get_process_group_ranks(g) for g in k]):
+        partial = buckets[key].clone()
+        # Successive sums over each group = the sum over their product (the groups are orthogonal).
+        for group in key:
+            dist.all_reduce(partial, group=group)
+        total += partial
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor) -> None:
+    """Scale every local gradient shard by min(1, max_norm / total_norm) (no-op when max_norm is 0)."""
+    from torch.distributed.tensor import DTensor
+
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(coef.to(local.device, local.dtype))
