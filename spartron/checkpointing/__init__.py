@@ -5,6 +5,12 @@ Public names: ``checkpoint`` (functional boundary), ``CheckpointRegion`` / ``Che
 ``apply_ac_to_blocks``, ``ACConfig``, ``OffloadConfig``, ``build_policy`` and the policy table.
 """
 
+from spartron.checkpointing.apply import (
+    apply_ac_to_blocks,
+    apply_activation_checkpointing,
+    checkpoint_region_of,
+    region_options,
+)
 from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion, checkpoint
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.checkpointing.policy import (
@@ -18,7 +24,8 @@ from spartron.checkpointing.replay import ReplayFrameError, reuse_during_recompu
 from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
 
 __all__ = [
-    "ACConfig", "OffloadConfig", "CheckpointOptions", "CheckpointRegion", "checkpoint",
+    "ACConfig", "OffloadConfig", "apply_activation_checkpointing", "apply_ac_to_blocks",
+    "checkpoint_region_of", "region_options", "CheckpointOptions", "CheckpointRegion", "checkpoint",
     "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
     "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from spartron.configbase import ConfigSection
 
@@ -23,6 +23,17 @@ class ACConfig(ConfigSection):
     reentrant: bool = True
     preserve_rng_state: bool = True
     debug_summary: bool = False
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: list[str] | None) -> list[str] | None:
+        """Every entry must name a registered operator or namespace: a typo is not a silent no-op."""
+        if targets:
+            import spartron.runtime.ops  # noqa: F401  (registers Spartron's op namespaces)
+            from spartron.checkpointing.policy import validate_targets
+
+            validate_targets(targets)
+        return targets
 
     @model_validator(mode="after")
     def _check(self) -> ACConfig:

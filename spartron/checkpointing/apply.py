@@ -1,0 +1,82 @@
+"""Wrapping blocks in checkpoint regions without changing their names, state or call signature.
+
+``apply_activation_checkpointing(block, ac)`` swaps the block's class for a subclass whose
+``forward`` runs the original forward inside a CheckpointRegion (the way FSDP2's ``fully_shard``
+swaps classes). No wrapper submodule is inserted, so parameter names and ``state_dict`` keys stay
+exactly the same, and forward hooks (FSDP2's unshard / reshard) stay OUTSIDE the region: apply
+checkpointing first, then ``fully_shard``, and a replay never re-runs an FSDP forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion
+from spartron.checkpointing.config import ACConfig
+from spartron.checkpointing.policy import build_policy
+
+_REGION_ATTR = "_spartron_ac_region"
+
+
+def region_options(config: ACConfig, name: str | None = None) -> CheckpointOptions:
+    """The CheckpointOptions a config describes (mode must be 'full' or 'selective')."""
+    return CheckpointOptions(policy=build_policy(config.mode, config.targets), reentrant=config.reentrant,
+                             preserve_rng_state=config.preserve_rng_state,
+                             debug_summary=config.debug_summary, name=name)
+
+
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = super(subclass, self).forward  # bound: the region finds the block's parameters
+        return getattr(self, _REGION_ATTR)(original, *args, **kwargs)
+
+    subclass = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return subclass
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return hasattr(module, _REGION_ATTR)
+
+
+def checkpoint_region_of(module: nn.Module) -> CheckpointRegion | None:
+    """The region a wrapped block runs in (its ``last_stats`` is the latest call's RegionStats)."""
+    return getattr(module, _REGION_ATTR, None)
+
+
+def apply_activation_checkpointing(module: nn.Module, config: ACConfig, name: str | None = None) -> nn.Module:
+    """Make every call of ``module`` one checkpoint region; returns the same object.
+
+    ``config.mode == "none"`` leaves it untouched. Raises if the module is already FSDP-sharded
+    (the region must be inside FSDP's hooks) or already checkpointed.
+    """
+    if config.mode == "none":
+        return module
+    from torch.distributed.fsdp import FSDPModule
+
+    label = name or type(module).__name__
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{label}: apply activation checkpointing before fully_shard, so FSDP's "
+                         "all-gather hooks wrap the checkpoint region instead of being replayed inside it")
+    if is_checkpointed(module):
+        raise ValueError(f"{label} is already wrapped in a checkpoint region")
+    object.__setattr__(module, _REGION_ATTR, CheckpointRegion(region_options(config, label)))
+    module.__class__ = _checkpointed_class(type(module))
+    return module
+
+
+def apply_ac_to_blocks(blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
+                       config: ACConfig) -> list[str]:
+    """Checkpoint every ``config.freq``-th block (indices 0, freq, 2*freq, ...); returns their names."""
+    if config.mode == "none":
+        return []
+    items = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
+        [(str(i), b) for i, b in enumerate(blocks)]
+    wrapped = []
+    for position, (key, block) in enumerate(items):
+        if position % config.freq == 0:
+            apply_activation_checkpointing(block, config, name=f"block {key}")
+            wrapped.append(key)
+    return wrapped
