@@ -1,0 +1,86 @@
+"""Regression compare: identical runs pass, each perturbed metric fails with a clear line, plots exist."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spartron.runtime.regression import Tolerances, compare_runs, grad_norm_noise_floor, plot_runs
+
+
+def write_run(path, steps=5, loss_scale=1.0, gn_shift=0.0, mem_shift=0.0, tps_scale=1.0, deterministic=True,
+              first_loss_bump=0.0):
+    lines = [json.dumps({"type": "header", "deterministic": deterministic})]
+    for s in range(1, steps + 1):
+        lines.append(json.dumps({
+            "type": "step", "step": s,
+            "loss": (5.0 - 0.1 * s) * loss_scale + (first_loss_bump if s == 1 else 0),
+            "grad_norm": 1.0 + 0.01 * s + gn_shift, "tokens_per_s": (1000.0 + s) * tps_scale,
+            "peak_memory_allocated_bytes": 2e9 + mem_shift}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_identical_runs_pass(tmp_path):
+    report = compare_runs(write_run(tmp_path / "a.jsonl"), write_run(tmp_path / "b.jsonl"))
+    assert report.passed, report.text()
+    assert [c.name for c in report.checks] == ["steps", "first-step loss (exact)", "loss (relative)",
+                                               "grad norm (absolute)", "peak memory (absolute)",
+                                               "throughput (median tokens/s)"]
+    assert report.text().endswith("result: PASS (6/6 checks passed)")
+
+
+@pytest.mark.parametrize("perturb, failing, phrase", [
+    (dict(loss_scale=1.001), "loss (relative)", "max relative diff 0.001 at step"),
+    (dict(gn_shift=0.2), "grad norm (absolute)", "max abs diff 0.2 at step"),
+    (dict(mem_shift=0.3e9), "peak memory (absolute)", "run 2.300 GB vs baseline 2.000 GB (diff +0.300 GB"),
+    (dict(tps_scale=0.9), "throughput (median tokens/s)", "(-10.00%, allowed -5%)"),
+    (dict(first_loss_bump=1e-7), "first-step loss (exact)", "step 1: run 4.9000001"),
+])
+def test_perturbed_run_fails_with_a_clear_report(tmp_path, perturb, failing, phrase):
+    report = compare_runs(write_run(tmp_path / "run.jsonl", **perturb), write_run(tmp_path / "base.jsonl"))
+    assert not report.passed
+    failed = {c.name: c.detail for c in report.checks if not c.passed}
+    expected = {failing} | ({"first-step loss (exact)"} if "loss_scale" in perturb else set())
+    assert set(failed) == expected
+    assert phrase in failed[failing]
+    assert f"[FAIL] {failing}: " in report.text() and "result: FAIL" in report.text()
+
+
+def test_faster_run_and_nondeterministic_first_step_pass(tmp_path):
+    run = write_run(tmp_path / "r.jsonl", tps_scale=1.5, first_loss_bump=1e-7, deterministic=False)
+    report = compare_runs(run, write_run(tmp_path / "b.jsonl", deterministic=False))
+    assert report.passed, report.text()
+    assert "first-step loss (exact)" not in [c.name for c in report.checks]
+
+
+def test_noise_floor_from_second_baseline_widens_grad_norm_tolerance(tmp_path):
+    base = write_run(tmp_path / "b.jsonl")
+    base2 = write_run(tmp_path / "b2.jsonl", gn_shift=0.3)
+    run = write_run(tmp_path / "r.jsonl", gn_shift=0.25)
+    assert not compare_runs(run, base).passed
+    report = compare_runs(run, base, noise_floor_from=[base2])
+    assert report.passed, report.text()
+    assert "noise floor 0.3" in report.text()
+    from spartron.runtime.metrics import read_metrics
+
+    assert grad_norm_noise_floor(read_metrics(base)[1], read_metrics(base2)[1]) == pytest.approx(0.3)
+
+
+def test_missing_steps_fail(tmp_path):
+    report = compare_runs(write_run(tmp_path / "r.jsonl", steps=3), write_run(tmp_path / "b.jsonl"))
+    assert not report.passed
+    assert "run has 3 steps, baseline 5; missing [4, 5]" in report.text()
+
+
+def test_custom_tolerances(tmp_path):
+    run, base = write_run(tmp_path / "r.jsonl", loss_scale=1.001), write_run(tmp_path / "b.jsonl")
+    assert compare_runs(run, base, Tolerances(loss_rel=1e-2, exact_first_step=False)).passed
+
+
+def test_plot_file_is_a_png(tmp_path):
+    out = plot_runs(write_run(tmp_path / "r.jsonl", loss_scale=1.01), write_run(tmp_path / "b.jsonl"),
+                    tmp_path / "plots" / "cmp.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
