@@ -111,6 +111,7 @@ class ParallelGroups:
     expert_fsdp: ProcessGroup
     expert_dp: ProcessGroup
     _by_name: dict[str, ProcessGroup] = field(default_factory=dict, repr=False)
+    _owned: list[ProcessGroup] = field(default_factory=list, repr=False)  # created here, this rank a member
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> ParallelGroups:
@@ -143,8 +144,10 @@ class ParallelGroups:
             if shard_pg is not None:
                 expert_fsdp_mesh = cls._fsdp_device_mesh(rows, shard_pg, rep_pg, device_type, "expert_fsdp")
         assert expert_fsdp_mesh is not None
+        owned = [pg for pg in factory.made.values() if pg is not None and pg is not dist.group.WORLD]
         return cls(dims=dims, device_type=device_type, dense_mesh=dense_mesh, expert_mesh=expert_mesh,
-                   fsdp_mesh=fsdp_mesh, expert_fsdp_mesh=expert_fsdp_mesh, _by_name=named, **named)
+                   fsdp_mesh=fsdp_mesh, expert_fsdp_mesh=expert_fsdp_mesh, _by_name=named, _owned=owned,
+                   **named)
 
     @staticmethod
     def _fsdp_device_mesh(rows: list[list[int]], shard_pg: ProcessGroup, replicate_pg: ProcessGroup | None,
@@ -154,6 +157,12 @@ class ParallelGroups:
         mesh = torch.tensor(rows, dtype=torch.int)
         return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=mesh,
                                      mesh_dim_names=("dp_replicate", shard_name))
+
+    def destroy(self) -> None:
+        """Destroy the groups this build created (not the default group); other builds keep working."""
+        for pg in self._owned:
+            dist.destroy_process_group(pg)
+        self._owned.clear()
 
     # ---- lookups ---------------------------------------------------------------------------
     def group(self, name: str) -> ProcessGroup:

@@ -78,6 +78,11 @@ def _two_layouts(rank, world):
     assert sums["b", "ep"] == sum(b.group_ranks("ep")) and sums["b", "cp"] == sum(b.group_ranks("cp"))
     assert all(sums["b", name] == sums["b2", name] for _, name in sums)
     assert a.group_ranks("fsdp") == list(range(world)) and b.group_ranks("fsdp") != a.group_ranks("fsdp")
+    b.destroy()  # tearing one build down leaves the others working
+    for groups in (a, b2):
+        x = torch.tensor([1.0])
+        dist.all_reduce(x, group=groups.ep)
+        assert x.item() == groups.size("ep")
     return True
 
 
