@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from spartron.parallel.dims import ParallelDimsError
@@ -73,12 +75,31 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     if entry == "smoke":
         from spartron.launch.smoke import run_smoke
 
-        run_smoke(cfg, environ, run_dir)
-        return 0
+        return _as_rank(lambda: run_smoke(cfg, environ, run_dir))
     from spartron.runtime.trainer import train
 
-    train(cfg)
-    return 0
+    return _as_rank(lambda: train(cfg))
+
+
+def _as_rank(body) -> int:
+    """Run one rank's work; on failure report it and end the process at once.
+
+    A failed rank must not run interpreter teardown: destroying a process group can block on peers
+    still waiting in a collective, and the launcher (local or srun) stops the others.
+    """
+    try:
+        body()
+        return 0
+    except BaseException as err:  # noqa: BLE001 - every failure must surface and end this rank
+        if isinstance(err, Exception) and _is_user_error(err):
+            print(f"spartron: error: {err}", file=sys.stderr)
+            code = USAGE_ERROR
+        else:
+            traceback.print_exc()
+            code = 130 if isinstance(err, KeyboardInterrupt) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

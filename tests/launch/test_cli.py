@@ -1,0 +1,163 @@
+"""The `spartron` command: help everywhere, one-line user errors, plan output, sbatch --dry-run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.cli import main
+from spartron.launch.plan import count_parameters, estimate_memory_per_rank
+from spartron.layers.config import ModelConfig
+from spartron.parallel.dims import GROUP_DIMS, ParallelDims
+from spartron.runtime.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["smoke"], ["sbatch"], ["regress"],
+                                     ["regress", "compare"], ["regress", "run"], ["plan"]])
+def test_help_on_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: " + " ".join(["spartron", *command]))
+
+
+def test_console_script_runs_and_lists_commands():
+    exe = Path(sys.executable).parent / "spartron"
+    proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("train", "smoke", "sbatch", "regress", "plan"):
+        assert command in proc.stdout
+
+
+def test_user_error_in_a_subprocess_is_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", "missing.toml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["spartron: error: config file 'missing.toml' does not exist"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "nope.toml"], "spartron: error: config file 'nope.toml' does not exist"),
+    (["plan", TINY, "--set", "model.bogus=1"], "spartron: error: invalid config: model.bogus: unknown key"),
+    (["plan", TINY, "--set", "nonsense"],
+     "spartron: error: override 'nonsense' must look like dotted.key=value"),
+    (["plan", TINY, "--world-size", "x"],
+     "spartron: error: argument --world-size: invalid int value: 'x' (see `spartron plan --help`)"),
+    (["plan", TINY, "--world-size", "3", "--set", "parallel.cp=2"],
+     "spartron: error: parallel: world size 3 is not divisible by dp_replicate * cp = 2, so "
+     "parallel.fsdp = -1 cannot fill it"),
+    ([], "spartron: error: the following arguments are required: COMMAND (see `spartron --help`)"),
+    (["frobnicate"], "spartron: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["sbatch", TINY, "--dry-run", "--wait"],
+     "spartron: error: --wait needs a submitted job; drop --dry-run"),
+    (["sbatch", TINY, "--dry-run", "--submit"],
+     "spartron: error: argument --submit: not allowed with argument"),
+    (["sbatch", TINY, "--dry-run", "--nodes", "3", "--set", "launch.nproc=2", "--set", "parallel.cp=4"],
+     "spartron: error: parallel: world size 6 is not divisible by dp_replicate * cp = 4"),
+    (["regress", "compare", "no-run", "no-base"],
+     "spartron: error: 'no-run' does not exist (give a run directory or a metrics JSONL)"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_plan_prints_config_groups_and_memory(capsys, tmp_path):
+    argv = ["plan", TINY, "--world-size", "8", "--set", "parallel.ep=2", "--set", "parallel.cp=2",
+            "--set", "parallel.dp_replicate=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(TINY, argv[5::2])
+    dims = ParallelDims(8, fsdp=2, cp=2, ep=2, dp_replicate=2)
+    # The resolved config is TOML that loads back to the same config.
+    toml_text = out.split("# parallel layout")[0].removeprefix("# resolved config\n")
+    (tmp_path / "resolved.toml").write_text(toml_text)
+    assert load_config(tmp_path / "resolved.toml") == cfg
+    assert "# parallel layout: world 8 = dp_replicate 2 x fsdp 2 x cp 2; ep 2 (expert_fsdp 2)" in out
+    for name in GROUP_DIMS:
+        groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in dims.rank_groups(name))
+        assert f"{groups}\n" in out.split(f"\n{name} ", 1)[1], name
+    assert "cp            size 2    4 group(s): [0,1] [2,3] [4,5] [6,7]" in out
+    mem = estimate_memory_per_rank(cfg, dims)
+    assert f"total            {mem['total'] / 2**20:.2f} MiB" in out
+
+
+def test_parameter_count_matches_hand_count():
+    m = ModelConfig(vocab_size=10, dim=4, n_layers=2, n_heads=2, first_k_dense=1, dense_inter_dim=6,
+                    mla={"q_lora_rank": 0, "kv_lora_rank": 3, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
+                         "v_head_dim": 2},
+                    moe={"n_routed_experts": 4, "n_shared_experts": 1, "top_k": 2, "moe_inter_dim": 5})
+    mla = 4 * 2 * 4 + 4 * (3 + 2) + 3 + 3 * 2 * (2 + 2) + 2 * 2 * 4  # wq, wkv_a, kv_norm, wkv_b, wo
+    embed_head_norm = 10 * 4 * 2 + 4
+    dense_layer = 2 * 4 + mla + 3 * 4 * 6
+    moe_layer_dense = 2 * 4 + mla + 3 * 4 * 5 * 1 + 4 * 4 + 4  # norms, attn, shared expert, router + bias
+    count = count_parameters(m)
+    assert count.experts == 4 * 3 * 4 * 5
+    assert count.dense == embed_head_norm + dense_layer + moe_layer_dense
+
+
+def test_memory_estimate_shards_over_fsdp_cp_and_counts_optimizer_state():
+    cfg = load_config(TINY)
+    one = estimate_memory_per_rank(cfg, ParallelDims(1, fsdp=1))
+    four = estimate_memory_per_rank(cfg, ParallelDims(4, fsdp=2, cp=2, ep=2))
+    n = count_parameters(cfg.model).total
+    assert one == {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n, "master_weights": 0,
+                   "total": 16 * n}
+    assert four["parameters"] == one["parameters"] // 4
+    bf16 = estimate_memory_per_rank(load_config(TINY, ['model.dtype="bfloat16"']), ParallelDims(1, fsdp=1))
+    assert bf16["parameters"] == 2 * n and bf16["master_weights"] == 4 * n
+
+
+def test_sbatch_dry_run_prints_script_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["sbatch", TINY, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu,debug", "--time",
+            "1-02:00:00", "--account", "proj_1", "--qos", "high", "--cpus-per-task", "12", "--dry-run",
+            "--set", "parallel.ep=8", "--set", 'launch.env={NCCL_DEBUG="WARN"}',
+            "--set", 'launch.venv="/opt/v"']
+    assert main(argv) == 0
+    script = capsys.readouterr().out
+    lines = script.splitlines()
+    run_dir = tmp_path / "runs" / "tiny"
+    for expected in ["#!/bin/bash", "#SBATCH --job-name=tiny", "#SBATCH --nodes=4",
+                     "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=12",
+                     "#SBATCH --time=1-02:00:00",
+                     "#SBATCH --partition=gpu,debug", "#SBATCH --account=proj_1", "#SBATCH --qos=high",
+                     f"#SBATCH --output={run_dir}/slurm/%j.out", f"#SBATCH --error={run_dir}/slurm/%j.err",
+                     f"#SBATCH --chdir={tmp_path}", "export NCCL_DEBUG=WARN", "export OMP_NUM_THREADS=12",
+                     "source /opt/v/bin/activate",
+                     f"srun --kill-on-bad-exit=1 /opt/v/bin/python -m spartron.launch.cli train "
+                     f"{run_dir}/slurm/config.toml"]:
+        assert expected in lines, expected
+    assert not any(tmp_path.iterdir()), "a dry run must not write anything"
+
+
+def test_sbatch_dry_run_defaults_to_this_venv_and_cpu_tasks_from_nproc(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--dry-run", "--nodes", "2", "--set", "launch.nproc=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "#SBATCH --ntasks-per-node=2" in lines
+    assert not any(line.startswith("#SBATCH --gpus") for line in lines)
+    if sys.prefix != sys.base_prefix:
+        assert f"source {sys.prefix}/bin/activate" in lines
+        srun = f"srun --kill-on-bad-exit=1 {sys.prefix}/bin/python -m spartron.launch.cli train "
+        assert any(line.startswith(srun) for line in lines)
+
+
+def test_sbatch_dry_run_container(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--dry-run", "--set", 'launch.container="nvcr.io/nvidia/pytorch:25.01-py3"',
+                 "--entry", "smoke"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (f"srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
+            f"--container-mounts={tmp_path} --container-workdir={tmp_path} python -m spartron.launch.cli "
+            f"smoke {tmp_path}/runs/tiny/slurm/config.toml") in lines
+    assert not any(line.startswith("source ") for line in lines)
