@@ -96,9 +96,10 @@ def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
 
 
 def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tensor:
-    """I [B,S_q,S_kv] (float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
-    logits = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
-    scores = torch.einsum("bths,bth->bts", logits, weights.float())
+    """I [B,S_q,S_kv] (>= float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.einsum("bthd,bsd->bths", q.to(acc), k.to(acc)).relu()
+    scores = torch.einsum("bths,bth->bts", logits, weights.to(acc))
     return scores.masked_fill(~visible, float("-inf"))
 
 
@@ -170,14 +171,15 @@ def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor,
     Absorbed form (q [B,S,H,D], kv [B,S_kv,D]). Dense: [B,S,S_kv] over visible keys; sparse
     (`ids` given): [B,S,K] over the selected keys, 0 at empty slots.
     """
+    acc = torch.promote_types(q.dtype, torch.float32)
     with torch.no_grad():
         if ids is None:
-            scores = torch.einsum("bthd,bsd->bhts", q.float(), kv.float()) * scale
+            scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
             scores = scores.masked_fill(~visible, float("-inf"))
         else:
             valid = ids >= 0
-            picked = _gather_keys(kv, ids).float()  # [B,S,K,D]
-            scores = torch.einsum("bthd,btkd->bhtk", q.float(), picked) * scale
+            picked = _gather_keys(kv, ids).to(acc)  # [B,S,K,D]
+            scores = torch.einsum("bthd,btkd->bhtk", q.to(acc), picked) * scale
             scores = scores.masked_fill(~valid[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
         return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
