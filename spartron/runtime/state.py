@@ -204,9 +204,11 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     if meta["world_size"] != world:
         raise StateLoadError(f"{path} was saved by {meta['world_size']} ranks; this run has {world} "
                              "(per-rank data positions and RNG cannot be remapped)")
+    reader = SafeFileSystemReader(path)
+    reader.read_metadata()  # on every rank, before DCP's collectives: an unsafe file fails clearly here
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     tensors = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
     plain = json.loads((path / f"rank-{rank:05d}.json").read_text())
