@@ -151,74 +151,87 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
 # ---- regress ---------------------------------------------------------------------------------
 def _add_tolerances(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tolerance", action="append", default=[], metavar="METRIC=TOL",
-                   help="per-metric tolerance, e.g. --tolerance loss=0.01 (repeatable; "
-                        "defaults are the regression module's)")
+    """Tolerance flags; unset ones keep spartron.runtime.regression.Tolerances' defaults."""
+    p.add_argument("--loss-rel", type=float, help="allowed relative loss difference per step")
+    p.add_argument("--grad-norm-abs", type=float,
+                   help="allowed absolute grad-norm difference (the noise floor if that is larger)")
+    p.add_argument("--memory-abs-gb", type=float, help="allowed peak-memory increase in GB")
+    p.add_argument("--throughput-rel", type=float, help="allowed relative drop of median tokens/s")
+    p.add_argument("--no-exact-first-step", action="store_true",
+                   help="do not require a bit-identical step-1 loss between deterministic runs")
+    p.add_argument("--noise-floor-from", action="append", default=[], metavar="RUN",
+                   help="a second baseline run of the same config; the grad-norm noise floor is measured "
+                        "between it and the baseline (repeatable)")
     p.add_argument("--plot", metavar="PNG", help="also write a run-vs-baseline plot")
 
 
-def _tolerances(items: list[str]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        try:
-            out[key.strip()] = float(value)
-        except ValueError:
-            raise UsageError(f"--tolerance {item!r} must look like METRIC=NUMBER") from None
-        if not sep or not key.strip():
-            raise UsageError(f"--tolerance {item!r} must look like METRIC=NUMBER")
-    return out
+def _tolerances(args: argparse.Namespace):
+    import dataclasses
+
+    from spartron.runtime.regression import Tolerances
+
+    given = {"loss_rel": args.loss_rel, "grad_norm_abs": args.grad_norm_abs,
+             "memory_abs_bytes": None if args.memory_abs_gb is None else args.memory_abs_gb * 1e9,
+             "throughput_rel": args.throughput_rel}
+    for key, value in given.items():
+        if value is not None and value < 0:
+            raise UsageError(f"--{key.replace('_bytes', '_gb').replace('_', '-')} must be >= 0, got {value}")
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.no_exact_first_step:
+        given["exact_first_step"] = False
+    return dataclasses.replace(Tolerances(), **given)
+
+
+def _metrics_file(path: str | Path, what: str) -> Path:
+    """A metrics.jsonl given itself or as its run directory."""
+    path = Path(path)
+    found = path / "metrics.jsonl" if path.is_dir() else path
+    if not found.is_file():
+        raise UsageError(f"{what} {str(path)!r} is neither a metrics JSONL nor a run directory with "
+                         "metrics.jsonl")
+    return found
+
+
+def _compare(run: str | Path, baseline: str | Path, args: argparse.Namespace) -> bool:
+    from spartron.runtime import regression
+
+    run_file, base_file = _metrics_file(run, "run"), _metrics_file(baseline, "baseline")
+    noise = [_metrics_file(p, "noise-floor run") for p in args.noise_floor_from]
+    report = regression.compare_runs(run_file, base_file, _tolerances(args), noise_floor_from=noise)
+    print(report.text())
+    if args.plot:
+        print(f"spartron: wrote {regression.plot_runs(run_file, base_file, args.plot)}")
+    return report.passed
 
 
 def cmd_regress_compare(args: argparse.Namespace) -> int:
-    from spartron.runtime import regression
-
-    for path in (args.run, args.baseline):
-        if not Path(path).exists():
-            raise UsageError(f"{path!r} does not exist (give a run directory or a metrics JSONL)")
-    report = regression.compare_runs(args.run, args.baseline, tolerances=_tolerances(args.tolerance))
-    print(report.render() if hasattr(report, "render") else report)
-    if args.plot:
-        regression.plot_runs(args.run, args.baseline, args.plot)
-        print(f"spartron: wrote {args.plot}")
-    return 0 if report.passed else 1
+    return 0 if _compare(args.run, args.baseline, args) else 1
 
 
 def cmd_regress_run(args: argparse.Namespace) -> int:
     """Train the config `repeats` times (run dirs <run dir>-r<i>) and compare each with the baseline."""
-    from spartron.runtime import regression
-
-    cfg = _load(args)
-    if args.baseline and not Path(args.baseline).exists():
-        raise UsageError(f"baseline {args.baseline!r} does not exist")
     from spartron.launch.slurm import run_dir_of
 
+    cfg = _load(args)
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.baseline is None and args.repeats < 2:
+        raise UsageError("give --baseline, or --repeats >= 2 to compare repeats with each other")
+    if args.baseline is not None:
+        _metrics_file(args.baseline, "baseline")
     base_dir = run_dir_of(cfg, Path.cwd())
     runs = []
     for i in range(args.repeats):
         run_dir = base_dir.with_name(f"{base_dir.name}-r{i}")
         overrides = [f"train.run_dir={json.dumps(str(run_dir))}", "train.resume=false"]
-        run_args = argparse.Namespace(config=args.config, set=args.set + overrides)
-        status = _run_ranks(run_args, "train")
+        status = _run_ranks(argparse.Namespace(config=args.config, set=args.set + overrides), "train")
         if status:
             print(f"spartron: repeat {i} failed with exit status {status}", file=sys.stderr)
             return status
         runs.append(run_dir)
-    if not args.baseline:
-        report = regression.compare_runs(runs[-1], runs[0], tolerances=_tolerances(args.tolerance)) \
-            if len(runs) > 1 else None
-        print(f"spartron: no baseline given; recorded {', '.join(map(str, runs))}"
-              + (f"\nrepeat-to-repeat comparison:\n{report.render()}" if report else ""))
-        return 0 if report is None or report.passed else 1
-    passed = True
-    for run_dir in runs:
-        report = regression.compare_runs(run_dir, args.baseline, tolerances=_tolerances(args.tolerance))
-        print(f"# {run_dir} vs {args.baseline}\n{report.render()}")
-        passed &= report.passed
-    if args.plot:
-        regression.plot_runs(runs[0], args.baseline, args.plot)
-        print(f"spartron: wrote {args.plot}")
-    return 0 if passed else 1
+    baseline = args.baseline or runs[0]
+    compared = runs if args.baseline else runs[1:]
+    return 0 if all([_compare(run, baseline, args) for run in compared]) else 1
 
 
 # ---- plan ------------------------------------------------------------------------------------
@@ -284,10 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_regress_compare)
     r = rsub.add_parser("run", help="train a config N times and compare with a baseline",
                         description="Train the config --repeats times (run dirs <run dir>-r<i>) and compare "
-                                    "each with --baseline; without a baseline, compare the repeats.")
+                                    "each with --baseline; without a baseline, compare repeats 1.. with "
+                                    "repeat 0 (a determinism check). Exit 1 if any comparison fails.")
     _add_config(r)
     r.add_argument("--baseline", help="baseline run directory or metrics.jsonl")
-    r.add_argument("--repeats", type=int, default=1, help="how many runs (default 1)")
+    r.add_argument("--repeats", type=int, default=1,
+                   help="how many runs (default 1; at least 2 without --baseline)")
     _add_tolerances(r)
     r.set_defaults(func=cmd_regress_run)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,8 @@ def test_user_error_in_a_subprocess_is_one_line_without_traceback(tmp_path):
     (["sbatch", TINY, "--dry-run", "--nodes", "3", "--set", "launch.nproc=2", "--set", "parallel.cp=4"],
      "spartron: error: parallel: world size 6 is not divisible by dp_replicate * cp = 4"),
     (["regress", "compare", "no-run", "no-base"],
-     "spartron: error: 'no-run' does not exist (give a run directory or a metrics JSONL)"),
+     "spartron: error: run 'no-run' is neither a metrics JSONL nor a run directory with metrics.jsonl"),
+    (["regress", "run", TINY], "spartron: error: give --baseline, or --repeats >= 2"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -161,3 +163,30 @@ def test_sbatch_dry_run_container(capsys, tmp_path, monkeypatch):
             f"--container-mounts={tmp_path} --container-workdir={tmp_path} python -m spartron.launch.cli "
             f"smoke {tmp_path}/runs/tiny/slurm/config.toml") in lines
     assert not any(line.startswith("source ") for line in lines)
+
+
+def _write_metrics(path: Path, losses: list[float]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    records = [{"type": "header", "deterministic": True}]
+    records += [{"type": "step", "step": i + 1, "loss": loss, "grad_norm": 1.0, "lr": 1e-3,
+                 "tokens_per_s": 1000.0, "peak_memory_allocated_bytes": 0} for i, loss in enumerate(losses)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_regress_compare_pass_fail_tolerance_and_plot(tmp_path, capsys):
+    base = _write_metrics(tmp_path / "base", [5.0, 4.0, 3.0])
+    same = _write_metrics(tmp_path / "same", [5.0, 4.0, 3.0])
+    worse = _write_metrics(tmp_path / "worse", [5.0, 4.0, 3.3])
+    assert main(["regress", "compare", str(same), str(base / "metrics.jsonl")]) == 0
+    assert "result: PASS" in capsys.readouterr().out
+    assert main(["regress", "compare", str(worse), str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] loss" in out and "result: FAIL" in out
+    plot = tmp_path / "plot.png"
+    assert main(["regress", "compare", str(worse), str(base), "--loss-rel", "0.2", "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert main(["regress", "compare", str(worse), str(base), "--loss-rel", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "spartron: error: --loss-rel must be >= 0, got -1.0"
+    assert main(["regress", "compare", str(tmp_path), str(base)]) == 2
+    assert "is neither a metrics JSONL nor a run directory with metrics.jsonl" in capsys.readouterr().err
