@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (the first custom-op call imports it: once here, not in each forked rank)
 import torch.distributed as dist
 
 from spartron.runtime.ops import collectives as C
@@ -50,7 +51,11 @@ SPLITS = {
 }
 
 
-def _all_to_all_worker(rank, world, split_kind):
+def _all_to_all_worker(rank, world):
+    return [_all_to_all_case(rank, world, kind) for kind in ("list", "tensor")]
+
+
+def _all_to_all_case(rank, world, split_kind):
     splits = SPLITS[world]
     xs = [_input(j, sum(splits[j])) for j in range(world)]
     want, want_grads = _reference_grads(xs, lambda xs: _reference_all_to_all(xs, splits))
@@ -69,10 +74,10 @@ def _all_to_all_worker(rank, world, split_kind):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("split_kind", ["list", "tensor"])
-def test_all_to_all_uneven_and_zero_splits_match_reference(world, split_kind):
-    rows = run_distributed(_all_to_all_worker, world, split_kind)
-    assert rows == [sum(SPLITS[world][j][r] for j in range(world)) for r in range(world)]
+def test_all_to_all_uneven_and_zero_splits_match_reference(world):
+    """Splits as lists and as tensors (output splits learnt through exchange_split_sizes)."""
+    rows = run_distributed(_all_to_all_worker, world)
+    assert rows == [[sum(SPLITS[world][j][r] for j in range(world))] * 2 for r in range(world)]
 
 
 def _even_all_to_all_worker(rank, world):
@@ -126,12 +131,12 @@ def test_all_to_all_gradient_matches_finite_differences_float64():
     run_distributed(_finite_difference_worker, 2)
 
 
-def _gather_shape(world, dim):
-    shape = [2, 3, 4]
-    return shape
+def _all_gather_worker(rank, world):
+    for dim in (0, 1, -1):
+        _all_gather_case(rank, world, dim)
 
 
-def _all_gather_worker(rank, world, dim):
+def _all_gather_case(rank, world, dim):
     xs = [torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(j)) for j in range(world)]
     want, want_grads = _reference_grads(xs, lambda xs: [torch.cat(xs, dim)] * world)
     x = xs[rank].clone().requires_grad_()
@@ -143,12 +148,16 @@ def _all_gather_worker(rank, world, dim):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dim", [0, 1, -1])
-def test_all_gather_values_and_grads_match_reference(world, dim):
-    run_distributed(_all_gather_worker, world, dim)
+def test_all_gather_values_and_grads_match_reference_along_dims_0_1_and_last(world):
+    run_distributed(_all_gather_worker, world)
 
 
-def _reduce_scatter_worker(rank, world, dim):
+def _reduce_scatter_worker(rank, world):
+    for dim in (0, 1, 2):
+        _reduce_scatter_case(rank, world, dim)
+
+
+def _reduce_scatter_case(rank, world, dim):
     shape = [2, 3, 4]
     shape[dim] = world * 2
     xs = [torch.randn(*shape, generator=torch.Generator().manual_seed(j)) for j in range(world)]
@@ -166,9 +175,8 @@ def _reduce_scatter_worker(rank, world, dim):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dim", [0, 1, 2])
-def test_reduce_scatter_values_and_grads_match_reference(world, dim):
-    run_distributed(_reduce_scatter_worker, world, dim)
+def test_reduce_scatter_values_and_grads_match_reference_along_dims_0_1_2(world):
+    run_distributed(_reduce_scatter_worker, world)
 
 
 def _subgroup_worker(rank, world):
@@ -183,7 +191,14 @@ def test_ops_use_the_given_subgroup():
     assert run_distributed(_subgroup_worker, 4) == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
 
 
-def _bad_input_worker(rank, world, case):
+def _bad_input_worker(rank, world):
+    """Every case on every rank; all ranks must reach the end (no one stuck in a collective)."""
+    messages = {case: _bad_input_case(case) for case in BAD_INPUTS}
+    dist.barrier()
+    return messages
+
+
+def _bad_input_case(case):
     x = torch.zeros(4, 2)
     cases = {
         "sum": lambda: C.all_to_all(x, [2, 2], [1, 2]),
@@ -218,11 +233,11 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_inputs_raise_value_error_on_every_rank(case):
-    messages = run_distributed(_bad_input_worker, 2, case)
-    for message in messages:
-        assert message is not None and BAD_INPUTS[case] in message
+def test_bad_inputs_raise_value_error_on_every_rank():
+    for rank, messages in enumerate(run_distributed(_bad_input_worker, 2)):
+        for case, want in BAD_INPUTS.items():
+            got = messages[case]
+            assert got is not None and want in got, f"rank {rank}, case {case!r}: {got!r}"
 
 
 def test_all_to_all_without_process_group_is_a_clear_error():
