@@ -48,7 +48,8 @@ class TrainableModel(Protocol):
     Required: ``model(tokens[B,S], labels[B,S]) -> ModelOutput`` with ``loss`` = LM + MTP + aux +
     indexer losses, scaled so that the average over the dp_cp ranks is the global token mean.
     Optional methods, used when present:
-    - ``update_expert_bias(groups)``: once per optimizer step, after ``optimizer.step()``.
+    - ``update_expert_bias(group)``: once per optimizer step, after ``optimizer.step()``; ``group`` is
+      the dp x cp ProcessGroup (``groups.dp_cp``) over which the step's expert counts are summed.
     - ``ep_sharded_parameters() -> Iterable[Parameter]``: parameters whose tensors hold only this EP
       rank's experts without saying so in a DTensor placement (their squared norms are summed over
       the EP group for clipping). Without it, parameters under a module path containing ``experts``
@@ -259,7 +260,7 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "update_expert_bias"):
-        model.update_expert_bias(groups)
+        model.update_expert_bias(groups.dp_cp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start

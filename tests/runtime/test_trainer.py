@@ -82,9 +82,9 @@ class TinyCausalLM(nn.Module):
         return []  # every rank holds all experts
 
     @torch.no_grad()
-    def update_expert_bias(self, groups) -> None:
+    def update_expert_bias(self, group) -> None:
         counts = self.step_counts.clone()
-        dist.all_reduce(counts, group=groups.dp_cp)
+        dist.all_reduce(counts, group=group)
         self.expert_bias += 1e-2 * torch.sign(counts.float().mean() - counts.float())
         self.step_counts.zero_()
         self.steps_done += 1

@@ -1,0 +1,163 @@
+"""End-to-end training benchmark: tokens/s per GPU, MFU and peak memory for each activation-
+checkpointing mode (none / full / selective / selective + offload) on a fixed preset.
+
+    python benchmarks/e2e.py --out benchmarks/results/e2e.json            # GPU preset (dsv3-12l)
+    python benchmarks/e2e.py --config configs/dsa-12l.toml --out ...      # the DSA preset
+    python benchmarks/e2e.py --smoke                                      # tiny preset, CPU, seconds
+    torchrun --nproc-per-node 8 benchmarks/e2e.py --config ...            # several GPUs: rank 0 writes
+
+Each mode runs `spartron.runtime.trainer.train` for --steps steps on the same process group; the
+first --warmup steps (allocator and compile warm-up) are excluded from the medians. MFU is over
+--peak-tflops per GPU (default 750 on CUDA, the project's H200 reference; measured on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from spartron.runtime.config import load_config  # noqa: E402
+from spartron.runtime.metrics import git_commit, training_flops_per_token  # noqa: E402
+from spartron.runtime.trainer import train  # noqa: E402
+
+MODES = {
+    "none": ["ac.mode=none", "offload.enabled=false"],
+    "full": ["ac.mode=full", "offload.enabled=false"],
+    "selective": ["ac.mode=selective", "offload.enabled=false"],
+    "selective+offload": ["ac.mode=selective", "offload.enabled=true"],
+}
+
+
+def _factory(spec: str | None):
+    """'module:attr' -> a model factory (attr called with no arguments if it is a class); None: default."""
+    if spec is None:
+        return None
+    module, _, attr = spec.partition(":")
+    obj = getattr(importlib.import_module(module), attr)
+    return obj() if isinstance(obj, type) else obj
+
+
+def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path) -> dict:
+    overrides = MODES[mode] + [f"train.steps={args.steps}", "train.save_every=0", "train.resume=false",
+                               "train.progress=false", f"train.run_dir={run_root / mode.replace('+', '_')}"]
+    if args.peak_tflops:
+        overrides.append(f"train.peak_tflops={args.peak_tflops}")
+    overrides += args.set
+    cfg = load_config(config, overrides)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    result = train(cfg, _factory(args.model_factory))
+    timed = result.records[args.warmup:] or result.records[-1:]
+    return {
+        "mode": mode,
+        "steps": len(result.records),
+        "timed_steps": len(timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed),
+        "peak_memory_allocated_gib": max(r["peak_memory_allocated_bytes"] for r in result.records) / 2**30,
+        "peak_memory_reserved_gib": max(r["peak_memory_reserved_bytes"] for r in result.records) / 2**30,
+        "final_loss": result.records[-1]["loss"],
+        "flops_per_token": training_flops_per_token(cfg.model, cfg.train.seq_len),
+        "seq_len": cfg.train.seq_len,
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="spartron e2e")
+    for col in ("mode", "step ms", "tokens/s/GPU", "MFU", "peak alloc GiB", "peak reserved GiB", "loss"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["mode"], "error", r["error"][:60], "", "", "", "")
+            continue
+        table.add_row(r["mode"], f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s_per_gpu']:.0f}",
+                      f"{r['mfu']:.1%}", f"{r['peak_memory_allocated_gib']:.2f}",
+                      f"{r['peak_memory_reserved_gib']:.2f}", f"{r['final_loss']:.4f}")
+    Console().print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "dsv3-12l.toml")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="per-GPU peak for MFU (default: 750 on CUDA, measured on CPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--model-factory", default=None,
+                        help="module:callable building the model (default: spartron's reference model)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU for 3 steps")
+    args = parser.parse_args()
+    if args.smoke:
+        args.config, args.steps, args.warmup = REPO / "configs" / "tiny.toml", 3, 1
+        args.set = ["device=cpu", *args.set]
+    elif args.peak_tflops is None and torch.cuda.is_available():
+        args.peak_tflops = 750.0
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+
+    from spartron.parallel.env import discover, init_distributed
+
+    own = not dist.is_initialized()
+    if own:
+        init_distributed(discover(), "auto")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="spartron-e2e-") as tmp:
+        for mode in modes:
+            try:
+                rows.append(run_mode(args.config, mode, args, Path(tmp)))
+            except Exception as err:  # noqa: BLE001 - one mode failing (e.g. OOM) must not hide the others
+                if dist.get_world_size() > 1:
+                    raise  # peers may be inside a collective: fail the whole job
+                rows.append({"mode": mode, "error": f"{type(err).__name__}: {err}"})
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    if own:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    print_table(rows)
+    result = {
+        "benchmark": "e2e",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
+        "world_size": world,
+        "torch": torch.__version__,
+        "git_commit": git_commit(),
+        "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
+        "overrides": args.set,
+        "steps": args.steps,
+        "warmup_steps_excluded": args.warmup,
+        "peak_tflops_per_gpu": args.peak_tflops,
+        "results": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
