@@ -11,12 +11,16 @@ want=$(cat "$root/setup.cfg" "$root/scripts/venv.sh" | sha256sum | cut -d' ' -f1
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
+# pip warns once per package about configured index folders that do not exist; only that line is dropped.
+pip_install() {
+  { "$venv/bin/python" -m pip install -q "$@" 2>&1; } | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
-    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    pip_install "torch==2.13.0"
   fi
-  "$venv/bin/python" -m pip install -q -e "$root[test]"
+  pip_install -e "$root[test]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
