@@ -75,3 +75,15 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) ->
     if cp == 1:
         return x
     return unshard_sequence(collectives.all_gather(x.contiguous(), group, dim=dim), cp, dim=dim)
+
+
+def cp_shard(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """This rank's load-balanced shard of a full sequence (identity without CP)."""
+    cp = cp_size_of(group)
+    return x if cp == 1 else shard_sequence(x, cp, dist.get_rank(group), dim=dim)
+
+
+def cp_positions(seq_len: int, group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> Tensor:
+    """int64 global positions of this rank's tokens (0..seq_len-1 without CP)."""
+    cp = cp_size_of(group)
+    return local_positions(seq_len, cp, 0 if cp == 1 else dist.get_rank(group), device)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from spartron.layers.config import ModelConfig
+from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
 from spartron.layers.mla import MLA
 from spartron.layers.moe import MoELayer
@@ -74,7 +75,8 @@ def run_decoder_stack(layers: Sequence[nn.Module], h: Tensor, positions: Tensor,
     """Run the layers in order. A layer that returns ids (a DSA source) hands them to the next layers."""
     out = StackOutput(hidden_states=h, dsa_topk_ids=dsa_topk_ids)
     for layer in layers:
-        result = call_layer(layer, out.hidden_states, positions, out.dsa_topk_ids)
+        ids = ids_for_layer(layer.attn.dsa_role, out.dsa_topk_ids)  # only DSA consumers take ids
+        result = call_layer(layer, out.hidden_states, positions, ids)
         out.hidden_states = result["hidden_states"]
         if result["dsa_topk_ids"] is not None:
             out.dsa_topk_ids = result["dsa_topk_ids"]

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from spartron.layers.config import ModelConfig
 from spartron.layers.decoder import DecoderLayer
+from spartron.layers.dsa import dsa_schedule, ids_for_layer
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import MTPOutput
 
@@ -50,6 +51,7 @@ class MTP(nn.Module):
         n_blocks = 1 if cfg.mtp.share_weights else self.depth
         # MTP layers are numbered after the main stack so the DSA schedule treats them as their own group.
         self.blocks = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + i, ep_group, cp_group) for i in range(n_blocks))
+        self.dsa_roles = dsa_schedule(cfg)[cfg.n_layers:]  # depth 0 computes ids, later depths may reuse
 
     def block(self, k: int) -> MTPBlock:
         return self.blocks[0] if len(self.blocks) == 1 else self.blocks[k]
@@ -63,7 +65,7 @@ class MTP(nn.Module):
         hidden, losses, layer_outputs = [], [], []
         ids = dsa_topk_ids
         for k in range(self.depth):
-            out = self.block(k)(h, embed_at_depth(k + 1), positions, ids)
+            out = self.block(k)(h, embed_at_depth(k + 1), positions, ids_for_layer(self.dsa_roles[k], ids))
             layer_outputs.append(out)
             h = out["hidden_states"]
             ids = out["dsa_topk_ids"] if out["dsa_topk_ids"] is not None else ids
