@@ -130,11 +130,11 @@ class ParallelDims:
         outer = [n for n in sizes if n not in inner]
         groups = []
         for outer_idx in itertools.product(*(range(sizes[n]) for n in outer)):
-            fixed = dict(zip(outer, outer_idx))
+            fixed = dict(zip(outer, outer_idx, strict=True))
             group = []
             # The group's ranks ordered with the LAST inner name fastest, like a flattened mesh.
             for inner_idx in itertools.product(*(range(sizes[n]) for n in inner)):
-                group.append(self._rank_of(mesh, {**fixed, **dict(zip(inner, inner_idx))}))
+                group.append(self._rank_of(mesh, {**fixed, **dict(zip(inner, inner_idx, strict=True))}))
             groups.append(group)
         return sorted(groups, key=lambda g: g[0])
 
@@ -143,5 +143,6 @@ class ParallelDims:
         return math.prod(self.sizes(mesh)[n] for n in inner)
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} x fsdp {self.fsdp} x cp {self.cp}; "
+        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} x fsdp {self.fsdp} "
+                f"x cp {self.cp}; "
                 f"ep {self.ep} (expert_fsdp {self.expert_fsdp}); order {self.order}")
