@@ -220,18 +220,28 @@ def _run_reentrant(call: _RegionCall) -> Any:
 
 
 def _run_non_reentrant(call: _RegionCall) -> Any:
+    # Only differentiable tensors go through torch's checkpoint (which version-checks what it
+    # saves); integer tensors such as a caller-owned counts buffer that a mandatory op updates in
+    # place are held by the call itself, as a reentrant region would hold them.
+    inputs, call.inputs = call.inputs, []
+    through = [i for i, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+
     def run(*tensors: torch.Tensor) -> Any:
-        out = call.call_fn(tensors)
+        merged = list(inputs_held)
+        for slot, tensor in zip(through, tensors, strict=True):
+            merged[slot] = tensor
+        out = call.call_fn(merged)
         if call.frame.phase == "original":
             call.record_outputs(out)
         else:
             call.check_replay_outputs(out)
         return out
 
-    call.stats.bytes_inputs = 0  # torch's non-reentrant checkpoint keeps inputs through saved tensors
-    inputs, call.inputs = call.inputs, []
+    inputs_held = [None if i in through else t for i, t in enumerate(inputs)]
+    call.stats.bytes_inputs = 0  # kept by torch's saved-tensor hooks, not by the region
     return torch_checkpoint.checkpoint(
-        run, *inputs, use_reentrant=False, preserve_rng_state=call.options.preserve_rng_state,
+        run, *[inputs[i] for i in through], use_reentrant=False,
+        preserve_rng_state=call.options.preserve_rng_state,
         context_fn=lambda: (call.original_pass(), call.replay_pass()), early_stop=False)
 
 

@@ -100,14 +100,17 @@ class SavedOps:
                       if a.alias_info is not None}
         alias_returns = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
                          for r in schema.returns]
-        if not schema.returns:  # an op returning () (e.g. spartron::record_routing_stats)
-            stored = None
-        elif len(schema.returns) == 1:
-            stored = _ArgAlias(alias_returns[0]) if alias_returns[0] is not None else \
-                tree_map(_detach, out)
-        else:
-            stored = tuple(_ArgAlias(a) if a is not None else tree_map(_detach, o)
-                           for a, o in zip(alias_returns, out, strict=True))
+        # Detach with ADInplaceOrView re-enabled so the cached alias shares the output's version
+        # counter: an in-place update of the output in the original pass is then detectable.
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            if not schema.returns:  # an op returning () (e.g. spartron::record_routing_stats)
+                stored = None
+            elif len(schema.returns) == 1:
+                stored = _ArgAlias(alias_returns[0]) if alias_returns[0] is not None else \
+                    tree_map(_detach, out)
+            else:
+                stored = tuple(_ArgAlias(a) if a is not None else tree_map(_detach, o)
+                               for a, o in zip(alias_returns, out, strict=True))
         mutated = []
         for i, a in enumerate(schema.arguments):
             value = _arg(func, args, kwargs, i)
