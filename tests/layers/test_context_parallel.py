@@ -128,3 +128,11 @@ def _bad_positions(rank, world):
 def test_cp_rejects_positions_that_are_not_the_balanced_shard():
     messages = run_distributed(_bad_positions, 2)
     assert all("must hold positions" in m for m in messages)
+
+
+def test_group_wrappers_are_identity_without_cp():
+    from spartron.layers.context_parallel import cp_positions, cp_shard
+
+    x = torch.randn(1, 6, 2)
+    assert cp_shard(x, None) is x
+    assert cp_positions(6, None).tolist() == list(range(6))
