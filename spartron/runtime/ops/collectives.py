@@ -147,7 +147,7 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise ValueError("spartron_collectives: torch.distributed is not initialised "
                          "(call init_process_group, or pass no group for single-rank code paths)")
     group = dist.group.WORLD if group is None else group
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
+    if not torch.compiler.is_compiling() and group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("spartron_collectives: this rank is not a member of the given process group")
     return group
 

@@ -1,0 +1,192 @@
+"""The `spartron_collectives::all_to_all` boundary vs the raw `torch.distributed.all_to_all_single`.
+
+    python benchmarks/collectives.py --out benchmarks/results/collectives.json   # 2 CUDA GPUs, NCCL
+    python benchmarks/collectives.py --smoke                                     # 2 CPU ranks, gloo, tiny
+
+The custom op is a thin boundary (wrapper validation + dispatcher + the same NCCL call), so it must
+stay within 5% of the raw call. Each rank sends half of its buffer to each rank (even splits, bf16
+on CUDA). Two timings per variant, alternating raw/custom blocks so drift hits both alike:
+- pipelined: `iters` back-to-back calls between two CUDA events, divided by iters (how a training
+  step issues them: the host runs ahead, so per-call Python cost hides behind transfers);
+- latency: one call between events, synchronised after each (exposes the host-side cost).
+Times are medians over blocks / calls, the max over ranks; GB/s is the per-rank buffer size over
+the time. `within_tolerance` uses the pipelined ratio. Prints a table, writes JSON (device, torch
+version, git commit, shapes, times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spartron.runtime.ops import collectives as C
+
+WORLD = 2
+TOLERANCE = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _elapsed_ms(fn, calls: int, device: torch.device) -> float:
+    """Milliseconds per call for `calls` back-to-back calls, synchronised only at the end."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
+def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int) -> dict:
+    elem = torch.empty((), dtype=dtype).element_size()
+    cols = 1024 if nbytes >= 1024 * elem * WORLD else 1
+    rows = max(WORLD, nbytes // (elem * cols) // WORLD * WORLD)
+    x = torch.randn(rows, cols, device=device).to(dtype)
+    splits = [rows // WORLD] * WORLD
+    out = torch.empty_like(x)
+    group = dist.group.WORLD
+
+    variants = {
+        "raw": lambda: dist.all_to_all_single(out, x, splits, splits, group=group),
+        "custom": lambda: C.all_to_all(x, splits, splits, group),
+    }
+    ref = x.clone()
+    dist.all_to_all_single(ref, x, splits, splits, group=group)
+    torch.testing.assert_close(C.all_to_all(x, splits, splits, group), ref, rtol=0, atol=0)
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    pipelined: dict[str, list[float]] = {k: [] for k in variants}
+    latency: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(blocks):
+        for name, fn in variants.items():
+            dist.barrier()
+            pipelined[name].append(_elapsed_ms(fn, iters, device))
+            dist.barrier()
+            latency[name] += [_elapsed_ms(fn, 1, device) for _ in range(iters)]
+    return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols],
+            "median_ms": {k: _median(v) for k, v in pipelined.items()},
+            "latency_median_ms": {k: _median(v) for k, v in latency.items()}}
+
+
+def _worker(rank: int, args, port: int, result_path: str) -> None:
+    smoke = args.smoke
+    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
+    if not smoke:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo" if smoke else "nccl", store=store, rank=rank, world_size=WORLD,
+                            device_id=None if smoke else device)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for mb in args.sizes_mb:
+        r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks)
+        gathered: list[dict] = [None] * WORLD  # type: ignore[list-item]
+        dist.all_gather_object(gathered, r)
+        worst = {key: {k: max(g[key][k] for g in gathered) for k in r[key]}
+                 for key in ("median_ms", "latency_median_ms")}
+        rows.append({"size_mb": mb, **r, **worst, "per_rank": [
+            {key: g[key] for key in ("median_ms", "latency_median_ms")} for g in gathered]})
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args) -> dict:
+    if not args.smoke and torch.cuda.device_count() < WORLD:
+        raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); "
+                         "use --smoke for the CPU/gloo version")
+    result_path = os.path.join(args.tmpdir, f"collectives-bench-{os.getpid()}.json")
+    mp.spawn(_worker, args=(args, _free_port(), result_path), nprocs=WORLD, join=True)
+    rows = json.loads(Path(result_path).read_text())
+    os.unlink(result_path)
+    for row in rows:
+        ms = row["median_ms"]
+        row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
+        row["custom_over_raw"] = ms["custom"] / ms["raw"]
+        lat = row["latency_median_ms"]
+        row["latency_custom_over_raw"] = lat["custom"] / lat["raw"]
+        row["within_tolerance"] = row["custom_over_raw"] <= 1 + TOLERANCE
+    return {
+        "benchmark": "all_to_all: spartron_collectives op vs dist.all_to_all_single",
+        "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
+        "backend": "gloo" if args.smoke else "nccl",
+        "world_size": WORLD, "dtype": "float32" if args.smoke else "bfloat16",
+        "torch": torch.__version__, "commit": _commit(), "smoke": args.smoke,
+        "iters_per_block": args.iters, "blocks": args.blocks, "warmup": args.warmup,
+        "tolerance": TOLERANCE,
+        "ceiling": "the raw dist.all_to_all_single call (the op adds no transport of its own)",
+        "results": rows,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="write the JSON result here")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU/gloo run (checks the script works)")
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=None, help="per-rank buffer sizes in MiB")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per block")
+    p.add_argument("--blocks", type=int, default=None, help="alternating raw/custom blocks")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--tmpdir", default="/tmp")
+    args = p.parse_args()
+    if args.sizes_mb is None:
+        args.sizes_mb = [0.01, 0.1] if args.smoke else [1, 16, 256]
+    args.iters = args.iters or (5 if args.smoke else 20)
+    args.blocks = args.blocks or (2 if args.smoke else 5)
+    if args.smoke:
+        args.warmup = min(args.warmup, 2)
+
+    report = run(args)
+    print(f"{report['device']}  torch {report['torch']}  commit {report['commit'][:10]}  "
+          f"{report['backend']} x{report['world_size']} {report['dtype']}")
+    print(f"{'MiB/rank':>9} {'raw ms':>9} {'custom ms':>10} {'raw GB/s':>9} {'custom GB/s':>12} {'ratio':>7}"
+          f" | {'latency raw':>12} {'custom':>8} {'ratio':>7}")
+    for r in report["results"]:
+        ms, gb, lat = r["median_ms"], r["gbps"], r["latency_median_ms"]
+        flag = "" if r["within_tolerance"] else f"  > {1 + TOLERANCE:.2f}x"
+        print(f"{r['bytes_per_rank'] / 2**20:9.2f} {ms['raw']:9.3f} {ms['custom']:10.3f} "
+              f"{gb['raw']:9.1f} {gb['custom']:12.1f} {r['custom_over_raw']:7.3f} | "
+              f"{lat['raw']:12.3f} {lat['custom']:8.3f} {r['latency_custom_over_raw']:7.3f}{flag}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
