@@ -111,6 +111,7 @@ def _bad_ep_worker(rank, world):
             MoELayer(model_cfg(**moe), ep_group=dist.group.WORLD)
         except ValueError as err:
             errors.append(str(err))
+    dist.barrier()  # no collective ran: keep every rank alive until all finished connecting
     return errors
 
 
