@@ -100,7 +100,7 @@ class SparseMoEModel(nn.Module):
     def update_expert_bias(self, group=None) -> None:
         """Once per optimizer step: every MoE layer updates its selection bias from the step's counts."""
         for moe in self.moe_layers():
-            moe.update_expert_bias(group)
+            moe.update_expert_bias(group=group)
 
 
 def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
