@@ -46,38 +46,34 @@ def _indexer_params(m: ModelConfig) -> int:
         + m.dim * d.n_index_heads
 
 
-def _dsa_layers(m: ModelConfig) -> set[int]:
-    if m.dsa is None:
-        return set()
-    if m.dsa.layers == "all":
-        return set(range(m.n_layers))
-    if m.dsa.layers == "moe":
-        return set(range(m.first_k_dense, m.n_layers))
-    return set(m.dsa.layers)
-
-
 def _moe_params(m: ModelConfig) -> ParamCount:
     e = m.moe
     shared = 3 * m.dim * e.moe_inter_dim * e.n_shared_experts
-    router = m.dim * e.n_routed_experts + e.n_routed_experts
+    router = m.dim * e.n_routed_experts  # the expert bias is a buffer, not a parameter
     return ParamCount(dense=shared + router, experts=3 * m.dim * e.moe_inter_dim * e.n_routed_experts)
 
 
 def count_parameters(m: ModelConfig) -> ParamCount:
-    """Approximate parameter count of the reference model (norms included, biases of none)."""
-    dsa = _dsa_layers(m)
+    """Parameter count of the reference model (spartron.layers.model), norms included.
+
+    Only DSA source layers own an indexer; consumers reuse the source's top-k ids.
+    """
+    from spartron.layers.dsa import dsa_schedule
+
+    roles = dsa_schedule(m)
     dense, experts = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim, 0
     for layer in range(m.n_layers):
-        dense += 2 * m.dim + _mla_params(m) + (_indexer_params(m) if layer in dsa else 0)
+        dense += 2 * m.dim + _mla_params(m) + (_indexer_params(m) if roles[layer] == "source" else 0)
         if layer < m.first_k_dense:
             dense += 3 * m.dim * m.dense_inter_dim
         else:
             moe = _moe_params(m)
             dense, experts = dense + moe.dense, experts + moe.experts
     mtp_blocks = (1 if m.mtp.share_weights else m.mtp.depth) if m.mtp.depth else 0
-    for _ in range(mtp_blocks):
+    for depth in range(mtp_blocks):
         moe = _moe_params(m)
-        dense += 2 * m.dim * m.dim + 5 * m.dim + _mla_params(m) + moe.dense
+        indexer = _indexer_params(m) if roles[m.n_layers + depth] == "source" else 0
+        dense += 2 * m.dim * m.dim + 5 * m.dim + _mla_params(m) + indexer + moe.dense
         experts += moe.experts
     return ParamCount(dense=dense, experts=experts)
 

@@ -101,10 +101,26 @@ def test_parameter_count_matches_hand_count():
     mla = 4 * 2 * 4 + 4 * (3 + 2) + 3 + 3 * 2 * (2 + 2) + 2 * 2 * 4  # wq, wkv_a, kv_norm, wkv_b, wo
     embed_head_norm = 10 * 4 * 2 + 4
     dense_layer = 2 * 4 + mla + 3 * 4 * 6
-    moe_layer_dense = 2 * 4 + mla + 3 * 4 * 5 * 1 + 4 * 4 + 4  # norms, attn, shared expert, router + bias
+    moe_layer_dense = 2 * 4 + mla + 3 * 4 * 5 * 1 + 4 * 4  # norms, attn, shared expert, router
     count = count_parameters(m)
     assert count.experts == 4 * 3 * 4 * 5
     assert count.dense == embed_head_norm + dense_layer + moe_layer_dense
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["model.mtp.share_weights=false"], ["model.mla.q_lora_rank=0", "model.tie_embeddings=true"],
+    ['model.dsa.layers="all"', "model.mtp.depth=0"],
+    ["model.dsa.share_indexer_across_mtp=false", "model.mtp.share_weights=false"],
+])
+def test_parameter_count_equals_the_reference_model(overrides):
+    from spartron.layers.model import build_model
+
+    cfg = load_config(TINY, overrides)
+    model = build_model(cfg.model)
+    count = count_parameters(cfg.model)
+    assert count.total == sum(p.numel() for p in model.parameters())
+    assert count.experts == sum(p.numel() for n, p in model.named_parameters()
+                                if ".experts." in n and "shared" not in n)
 
 
 def test_memory_estimate_shards_over_fsdp_cp_and_counts_optimizer_state():
