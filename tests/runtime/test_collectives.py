@@ -47,7 +47,7 @@ def _reference_grads(xs, fn):
 # Split matrices: SPLITS[world][j][r] = rows rank j sends to rank r (uneven, with zeros).
 SPLITS = {
     2: [[1, 3], [0, 2]],
-    4: [[1, 0, 2, 1], [0, 0, 0, 0], [3, 1, 0, 2], [1, 1, 1, 0]],
+    4: [[1, 0, 2, 0], [0, 0, 0, 0], [3, 1, 0, 0], [1, 1, 1, 0]],  # rank 1 sends, rank 3 gets: 0 rows
 }
 
 
@@ -203,6 +203,7 @@ def _bad_input_case(case):
     cases = {
         "sum": lambda: C.all_to_all(x, [2, 2], [1, 2]),
         "negative": lambda: C.all_to_all(x, [2, 2], [5, -1]),
+        "not_int": lambda: C.all_to_all(x, [2, 2], [2.0, 2.0]),
         "length": lambda: C.all_to_all(x, [4], [2, 2]),
         "float_tensor": lambda: C.all_to_all(x, [2, 2], torch.tensor([2.0, 2.0])),
         "meta_tensor": lambda: C.all_to_all(x, [2, 2], torch.tensor([2, 2], device="meta")),
@@ -222,6 +223,7 @@ def _bad_input_case(case):
 BAD_INPUTS = {
     "sum": "input_split_sizes [1, 2] sum to 3, but x.size(0) is 4",
     "negative": "input_split_sizes has negative sizes: [5, -1]",
+    "not_int": "input_split_sizes must be ints, got [2.0, 2.0]",
     "length": "output_split_sizes has 1 entries, the group has 2 ranks",
     "float_tensor": "input_split_sizes tensor must be int64 (or int32), got torch.float32",
     "meta_tensor": "input_split_sizes tensor is on meta, expected the host or x's device cpu",

@@ -50,6 +50,38 @@ def test_all_to_all_dispatch_compute_combine_compiles_fullgraph_with_eager_parit
     assert run_distributed(_compile_parity_worker, 2, backend, timeout=120) == [4, 2]
 
 
+def _tensor_splits_compile_worker(rank, world):
+    """MoE-style: counts tensor -> exchange -> host splits (unbacked SymInts) -> dispatch/combine."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    group = dist.group.WORLD
+
+    def fn(x, in_counts):
+        out_counts = C.exchange_split_sizes(in_counts, group)
+        routed = C.all_to_all(x, out_counts, in_counts, group)
+        return C.all_to_all(lin(routed), in_counts, out_counts, group)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for step, counts in enumerate(([1, 3], [4, 0], [0, 4])):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            results = []
+            for f in (fn, compiled):
+                lin.zero_grad()
+                xg = x.clone().requires_grad_()
+                out = f(xg, torch.tensor(counts))
+                (out * out).sum().backward()
+                results.append((out.detach(), xg.grad, lin.weight.grad.clone()))
+            for want, got in zip(*results, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_split_sizes_compile_fullgraph_with_captured_scalars():
+    run_distributed(_tensor_splits_compile_worker, 2, timeout=120)
+
+
 def _gather_scatter_compile_worker(rank, world):
     def fn(x):
         gathered = C.all_gather(x, dim=1)

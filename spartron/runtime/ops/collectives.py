@@ -11,6 +11,9 @@ before any rank enters a collective that could hang.
 Split-size tensors (the MoE dispatch counts) are moved to the host through
 `spartron_collectives::splits_to_host`, a separate op so the checkpoint policy can mark it
 mandatory: a replay reuses the saved host copy instead of synchronising with the device again.
+Under torch.compile(fullgraph=True), list splits are constants (a new split pattern recompiles);
+tensor splits need `torch._dynamo.config.capture_scalar_outputs = True` and become unbacked
+SymInts, with the local checks turned into runtime asserts (torch._check).
 """
 
 from __future__ import annotations
@@ -183,10 +186,15 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str) -> list[int]:
             raise ValueError(f"all_to_all: {name} tensor is on {splits.device}, expected the host or "
                              f"x's device {x.device}")
         splits = splits_to_host(splits)
-    splits = [int(s) for s in splits]
+    elif not torch.compiler.is_compiling() and not all(isinstance(s, int) for s in splits):
+        raise ValueError(f"all_to_all: {name} must be ints, got {list(splits)}")
+    splits = list(splits)
     if len(splits) != world:
         raise ValueError(f"all_to_all: {name} has {len(splits)} entries, the group has {world} ranks")
-    if any(s < 0 for s in splits):
+    if torch.compiler.is_compiling():  # sizes may be unbacked SymInts (from a tensor): assert at run time
+        for size in splits:
+            torch._check(size >= 0, lambda: f"all_to_all: {name} has negative sizes")
+    elif any(s < 0 for s in splits):
         raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     return splits
 
@@ -204,7 +212,10 @@ def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: 
         raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)")
     _check_backend(x, group, "all_to_all")
     in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes")
-    if sum(in_splits) != x.shape[0]:
+    if torch.compiler.is_compiling():
+        torch._check(sum(in_splits) == x.shape[0],
+                     lambda: "all_to_all: input_split_sizes do not sum to x.size(0)")
+    elif sum(in_splits) != x.shape[0]:
         raise ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
                          f"but x.size(0) is {x.shape[0]}")
     out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes")
