@@ -271,3 +271,50 @@ def test_run_distributed_reports_a_failing_rank():
 
 def _raise_worker(rank, world):
     C.all_to_all(torch.zeros(3, 1), [1, 1], [1, 1])
+
+
+def _checkpointed_dispatch_worker(rank, world):
+    """All-to-all inside a checkpoint region: same grads as no AC; selective keeps the collective
+    (no second exchange on replay), full replays it; tensor splits' host copy is always kept."""
+    from spartron.checkpointing import CheckpointOptions, CheckpointRegion, build_policy
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(D, D)
+    splits = SPLITS[world]
+    x = _input(rank, sum(splits[rank]))
+    in_counts = torch.tensor(splits[rank])
+    out_counts = [splits[j][rank] for j in range(world)]
+
+    def block(x):
+        routed = C.all_to_all(x, out_counts, in_counts)
+        return C.all_to_all(lin(routed).relu(), in_counts, out_counts)
+
+    grads, stats = {}, {}
+    for mode in ("none", "full", "selective"):
+        lin.zero_grad()
+        xg = x.clone().requires_grad_()
+        if mode == "none":
+            out = block(xg)
+        else:
+            region = CheckpointRegion(CheckpointOptions(policy=build_policy(mode)))
+            out = region(block, xg)
+        (out * _weight(rank, out.shape)).sum().backward()
+        grads[mode] = (xg.grad, lin.weight.grad.clone())
+        if mode != "none":
+            stats[mode] = (dict(region.last_stats.saved_by_op), dict(region.last_stats.recomputed_by_op))
+    for mode in ("full", "selective"):
+        for want, got in zip(grads["none"], grads[mode], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return stats
+
+
+def test_all_to_all_under_full_and_selective_checkpoint_regions():
+    for stats in run_distributed(_checkpointed_dispatch_worker, 2):
+        full_saved, full_recomputed = stats["full"]
+        sel_saved, sel_recomputed = stats["selective"]
+        assert full_saved.get("spartron_collectives::splits_to_host") == 2
+        assert "spartron_collectives::all_to_all" not in full_saved
+        assert full_recomputed.get("spartron_collectives::all_to_all") == 2
+        assert sel_saved.get("spartron_collectives::all_to_all") == 2
+        assert sel_saved.get("spartron_collectives::splits_to_host") == 2
+        assert "spartron_collectives::all_to_all" not in sel_recomputed
