@@ -81,6 +81,8 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
     port = free_port(master_addr)
     procs: list[subprocess.Popen] = []
     logs: list[Path | None] = []
+    # A SIGTERM to the launcher (scancel, a CI timeout) must stop the ranks too, not orphan them.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         for rank in range(nproc):
             env = rank_environ(environ, rank, nproc, master_addr, port)
@@ -108,9 +110,19 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
-    except BaseException:  # Ctrl-C or an error here: never leave orphan ranks behind
+    except BaseException:  # Ctrl-C, SIGTERM or an error here: never leave orphan ranks behind
         _stop(procs)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class LauncherTerminated(SystemExit):
+    """The launcher got SIGTERM; exits with status 143 after the ranks are stopped."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise LauncherTerminated(128 + signum)
 
 
 def _report_failure(rank: int, status: int, log: Path | None) -> None:

@@ -125,3 +125,33 @@ def test_cli_rank_with_a_launch_mistake_exits_2_with_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "spartron: error: backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
         "use backend 'gloo' (or 'auto') on CPU"]
+
+
+_PARENT = """
+import sys
+from pathlib import Path
+from spartron.launch.local import launch_local
+code = ("import os, time; open(os.environ['OUT'] + os.environ['RANK'], 'w').write(str(os.getpid())); "
+        "time.sleep(60)")
+sys.exit(launch_local([sys.executable, '-c', code], 2, {'OUT': sys.argv[1], 'PATH': '/usr/bin:/bin'},
+                      Path(sys.argv[1] + 'logs')))
+"""
+
+
+def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
+    import os
+    import signal
+
+    prefix = str(tmp_path / "pid")
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, prefix])
+    pid_files = [Path(prefix + "0"), Path(prefix + "1")]
+    deadline = time.monotonic() + 30
+    while not all(p.is_file() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in pid_files]
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=20) == 143
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
