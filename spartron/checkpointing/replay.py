@@ -61,6 +61,9 @@ class ReplayFrame:
         self._names: dict[Any, str] = {}
         self.stored = 0
         self.reused = 0
+        # > 0 while the original pass runs a reused callable: its ops never replay, so the operator
+        # policy must neither save them nor expect them in the replay's op sequence.
+        self.reusing = 0
 
     def store(self, fn: Callable[..., Any], result: Any) -> None:
         for leaf in tree_leaves(result):
@@ -126,7 +129,11 @@ def reuse_during_recompute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
         return fn(*args, **kwargs)
     if frame.phase == "replay":
         return frame.pop(fn)
-    with torch.enable_grad():
-        result = fn(*args, **kwargs)
+    frame.reusing += 1
+    try:
+        with torch.enable_grad():
+            result = fn(*args, **kwargs)
+    finally:
+        frame.reusing -= 1
     frame.store(fn, result)
     return result

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from spartron.checkpointing.policy import OpPolicy, op_packet_name
+from spartron.checkpointing.replay import current_frame
 
 log = logging.getLogger("spartron.checkpointing")
 
@@ -193,6 +194,9 @@ class PolicyMode(TorchDispatchMode):
         reason = self._decide(func, args, kwargs)
         stats = self.saved.stats
         if self.phase == "original":
+            frame = current_frame()
+            if frame is not None and frame.reusing:  # inside reuse_during_recompute: runs once, never replays
+                return func(*args, **kwargs)
             out = func(*args, **kwargs)
             stats.ops_original += 1
             if reason is not None:

@@ -149,3 +149,23 @@ def test_stored_result_that_requires_grad_raises(reentrant):
 
     with pytest.raises(ReplayFrameError, match="returned a tensor that requires grad"):
         region(reentrant)(fn, torch.randn(2, 4))
+
+
+@REENTRANT
+def test_ops_inside_a_reused_callable_are_not_saved_by_the_selective_policy(reentrant):
+    # The reused indexer runs aten::addmm once (original pass) and never on replay: the policy must
+    # neither save it nor expect it in the replay's sequence of saved ops.
+    torch.manual_seed(0)
+    m = Consumer()
+    x = torch.randn(3, 4, requires_grad=True)
+    m(x).sum().backward()
+    expected = [m.lin.weight.grad.clone(), x.grad.clone()]
+    m.zero_grad()
+    x.grad = None
+    m.indexer.calls = 0
+    r = CheckpointRegion(CheckpointOptions(policy=build_policy("selective", ["aten::addmm"]),
+                                           reentrant=reentrant))
+    r(m, x).sum().backward()
+    assert m.indexer.calls == 1
+    assert r.last_stats.saved_by_op == {"aten::addmm": 1}  # the consumer's Linear only
+    assert torch.equal(m.lin.weight.grad, expected[0]) and torch.equal(x.grad, expected[1])
