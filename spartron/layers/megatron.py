@@ -1,0 +1,37 @@
+"""Spartron layers inside megatron-core models: the public entry point.
+
+    side = SideChannel()
+    tcfg = megatron_config_from_spartron(model_cfg)            # or your own MLATransformerConfig
+    block = TransformerBlock(tcfg, spartron_block_spec(tcfg, side, base_config=model_cfg,
+                                                       pg_collection=pgc), pg_collection=pgc)
+    side.reset(); out = block(hidden[s, b, h], attention_mask=None); loss = lm_loss + side.loss()
+
+Config mapping and the list of Megatron settings the adapters cannot honour live in
+`megatron_config`, the SideChannel and the ModuleSpec adapters in `megatron_spec`. megatron-core is
+imported lazily (inside the spec builders and the reverse config mapping) because it is optional.
+"""
+
+from spartron.layers.megatron_config import (
+    MAPPED,
+    MEGATRON_OWNED,
+    REQUIRED,
+    MegatronConfigError,
+    megatron_config_from_spartron,
+    spartron_config_from_megatron,
+)
+from spartron.layers.megatron_spec import (
+    SideChannel,
+    SpartronDenseMLP,
+    SpartronMLAAttention,
+    SpartronMoEMLP,
+    moe_adapters,
+    resolve_group,
+    spartron_block_spec,
+    spartron_layer_spec,
+)
+
+__all__ = [
+    "MAPPED", "MEGATRON_OWNED", "REQUIRED", "MegatronConfigError", "SideChannel", "SpartronDenseMLP",
+    "SpartronMLAAttention", "SpartronMoEMLP", "megatron_config_from_spartron", "moe_adapters",
+    "resolve_group", "spartron_block_spec", "spartron_config_from_megatron", "spartron_layer_spec",
+]

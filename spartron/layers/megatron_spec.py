@@ -1,0 +1,282 @@
+"""Spartron MLA/DSA attention and MoE/dense FFN behind megatron-core ModuleSpecs.
+
+A Megatron-core TransformerLayer calls `self_attention(hidden[s,b,h], attention_mask=..., ...)` and
+`mlp(hidden[s,b,h], padding_mask=...)` and expects `(output, bias)` back. The adapters here turn that
+into Spartron's batch-first calls and back, so the layer's residual/dropout/norm plumbing stays
+Megatron's while the math inside is Spartron's (and returns Spartron's TypedDicts).
+
+Side outputs Megatron has no slot for travel through a `SideChannel` the user creates and puts
+into the spec: DSA source layers store their top-k ids there and consumer layers read them (the
+same hand-over `run_decoder_stack` does), attention layers store their AttentionOutput and MoE
+layers their MoEOutput (aux loss, tokens per expert, routing). Call `side.reset()` before every
+forward (micro-batch) and add `side.loss()` to the LM loss before backward. A layer that writes
+twice without a reset raises: that catches a missing reset and any recompute the channel would
+otherwise see twice.
+
+Groups: attention takes Megatron's `pg_collection` (TransformerLayer passes it); the MLP slot gets
+no groups from TransformerLayer, so `pg_collection` or a Spartron `ParallelGroups` is a spec param.
+When both a ParallelGroups and a ProcessGroupCollection reach an adapter their ranks must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spartron.layers.config import ModelConfig
+from spartron.layers.context_parallel import cp_size_of, local_positions
+from spartron.layers.dsa import ids_for_layer
+from spartron.layers.ffn import FeedForward
+from spartron.layers.megatron_config import spartron_config_from_megatron
+from spartron.layers.mla import MLA
+from spartron.layers.moe import MoELayer
+from spartron.layers.outputs import AttentionOutput, MoEOutput
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from spartron.parallel.groups import ParallelGroups
+
+
+@dataclass
+class SideChannel:
+    """Per-forward outputs of the adapters, keyed by Spartron layer index (Megatron layer_number - 1)."""
+
+    attention: dict[int, AttentionOutput] = field(default_factory=dict)
+    moe: dict[int, MoEOutput] = field(default_factory=dict)
+    dsa_topk_ids: Tensor | None = None  # ids of the latest DSA source layer [B, S_local, K]
+
+    def reset(self) -> None:
+        self.attention.clear()
+        self.moe.clear()
+        self.dsa_topk_ids = None
+
+    def record_attention(self, layer_idx: int, out: AttentionOutput) -> None:
+        _check_fresh(self.attention, layer_idx)
+        self.attention[layer_idx] = out
+        if out["dsa_topk_ids"] is not None:
+            self.dsa_topk_ids = out["dsa_topk_ids"]
+
+    def record_moe(self, layer_idx: int, out: MoEOutput) -> None:
+        _check_fresh(self.moe, layer_idx)
+        self.moe[layer_idx] = out
+
+    def aux_loss(self) -> Tensor | None:
+        losses = [o["aux_loss"].float() for _, o in sorted(self.moe.items()) if o["aux_loss"] is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def indexer_loss(self) -> Tensor | None:
+        losses = [o["indexer_loss"].float() for _, o in sorted(self.attention.items())
+                  if o["indexer_loss"] is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def loss(self) -> Tensor | float:
+        """Aux + indexer losses of this forward: add it to the LM loss (0.0 when there are none)."""
+        terms = [t for t in (self.aux_loss(), self.indexer_loss()) if t is not None]
+        return torch.stack(terms).sum() if terms else 0.0
+
+    def tokens_per_expert(self) -> Tensor | None:
+        """[n_moe_layers, n_routed_experts] counts of this forward, in layer order."""
+        counts = [o["tokens_per_expert"] for _, o in sorted(self.moe.items())]
+        return torch.stack(counts) if counts else None
+
+
+def _check_fresh(store: dict, layer_idx: int) -> None:
+    if layer_idx in store:
+        raise RuntimeError(f"SideChannel already holds layer {layer_idx}'s output: call side.reset() before "
+                           "each forward (Megatron recompute is not supported; use spartron.checkpointing)")
+
+
+def _ranks(pg: dist.ProcessGroup | None) -> list[int]:
+    return [dist.get_rank()] if pg is None else dist.get_process_group_ranks(pg)
+
+
+def resolve_group(name: str, pg_collection: ProcessGroupCollection | None,
+                  groups: ParallelGroups | None) -> dist.ProcessGroup | None:
+    """Spartron's `name` group ("cp" or "ep") from either source; None when it is this rank alone."""
+    from_pgc = getattr(pg_collection, name, None) if pg_collection is not None else None
+    from_groups = getattr(groups, name) if groups is not None else None
+    if pg_collection is not None and groups is not None and _ranks(from_pgc) != _ranks(from_groups):
+        raise ValueError(f"the {name} group of pg_collection has ranks {_ranks(from_pgc)} but "
+                         f"ParallelGroups.{name} has {_ranks(from_groups)}: build pg_collection with "
+                         "spartron.parallel.megatron.to_process_group_collection(groups)")
+    pg = from_groups if groups is not None else from_pgc
+    return pg if pg is not None and dist.get_world_size(pg) > 1 else None
+
+
+def _model_config(config, base: ModelConfig | None) -> ModelConfig:
+    return spartron_config_from_megatron(config, base=base)
+
+
+@torch.no_grad()
+def _init_matrices(module: nn.Module, std: float) -> None:
+    """Normal(0, init_std) matrices, like SparseMoEModel.init_weights (norm weights stay ones)."""
+    for p in module.parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std)
+
+
+def _reject(**unsupported: Any) -> None:
+    given = [k for k, v in unsupported.items() if v is not None]
+    if given:
+        raise ValueError(f"Spartron adapters do not support {given} (causal self-attention over whole "
+                         "sequences: pass None)")
+
+
+class SpartronMLAAttention(nn.Module):
+    """`self_attention` slot: Spartron MLA (dense, DSA source or DSA consumer by the layer's role)."""
+
+    def __init__(self, config, layer_number: int, side_channel: SideChannel,
+                 base_config: ModelConfig | None = None, groups: ParallelGroups | None = None,
+                 pg_collection: ProcessGroupCollection | None = None, cp_comm_type: str | None = None,
+                 submodules: Any = None):
+        super().__init__()
+        if submodules is not None:
+            raise ValueError("SpartronMLAAttention takes no submodules (its projections are Spartron's)")
+        self.config = config  # Megatron's, for Megatron code that reads module.config
+        self.model_cfg = _model_config(config, base_config)
+        self.layer_idx = layer_number - 1
+        self.side_channel = side_channel
+        self.cp_group = resolve_group("cp", pg_collection, groups)
+        self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
+        _init_matrices(self.mla, self.model_cfg.init_std)
+
+    @property
+    def dsa_role(self):
+        return self.mla.dsa_role
+
+    def positions(self, s_local: int, device: torch.device) -> Tensor:
+        """Global positions of this rank's tokens (Megatron's CP layout, chunks r and 2cp-1-r, is ours)."""
+        cp = cp_size_of(self.cp_group)
+        rank = 0 if self.cp_group is None else dist.get_rank(self.cp_group)
+        return local_positions(s_local * cp, cp, rank, device=device)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None) -> tuple[Tensor, None]:
+        _reject(attention_mask=attention_mask, key_value_states=key_value_states,
+                inference_context=inference_context, inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
+        x = hidden_states.transpose(0, 1)  # [b, s, h]
+        ids = ids_for_layer(self.mla.dsa_role, self.side_channel.dsa_topk_ids)
+        if self.mla.dsa_role == "consumer" and ids is None:
+            raise RuntimeError(f"layer {self.layer_idx} is a DSA consumer but the SideChannel holds no ids: "
+                               "its source layer did not run in this forward")
+        out = self.mla(x, self.positions(x.shape[1], x.device), dsa_topk_ids=ids)
+        self.side_channel.record_attention(self.layer_idx, out)
+        return out["hidden_states"].transpose(0, 1), None
+
+
+class _MLPSlot(nn.Module):
+    """Common part of the `mlp` slot adapters: Megatron passes no layer_number, it calls set_layer_number."""
+
+    def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None):
+        super().__init__()
+        self.config = config
+        self.model_cfg = _model_config(config, base_config)
+        self.side_channel = side_channel
+        self.layer_idx: int | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_idx = layer_number - 1
+
+    def _bsh(self, hidden_states: Tensor, padding_mask) -> Tensor:
+        _reject(padding_mask=padding_mask)
+        return hidden_states.transpose(0, 1)
+
+
+class SpartronMoEMLP(_MLPSlot):
+    """`mlp` slot: Spartron MoELayer; its MoEOutput goes to the SideChannel."""
+
+    def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
+                 groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 submodules: Any = None):
+        super().__init__(config, side_channel, base_config)
+        if submodules is not None:
+            raise ValueError("SpartronMoEMLP takes no submodules")
+        self.ep_group = resolve_group("ep", pg_collection, groups)
+        self.moe = MoELayer(self.model_cfg, ep_group=self.ep_group)
+        _init_matrices(self.moe, self.model_cfg.init_std)
+
+    def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
+        if self.layer_idx is None:
+            raise RuntimeError("set_layer_number was not called: build SpartronMoEMLP in a TransformerLayer")
+        out = self.moe(self._bsh(hidden_states, padding_mask))
+        self.side_channel.record_moe(self.layer_idx, out)
+        return out["hidden_states"].transpose(0, 1), None
+
+
+class SpartronDenseMLP(_MLPSlot):
+    """`mlp` slot of dense layers: Spartron's SwiGLU FeedForward of width ffn_hidden_size."""
+
+    def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
+                 submodules: Any = None, **_groups_unused_by_dense_ffn: Any):
+        super().__init__(config, side_channel, base_config)
+        if submodules is not None:
+            raise ValueError("SpartronDenseMLP takes no submodules")
+        unknown = set(_groups_unused_by_dense_ffn) - {"groups", "pg_collection"}
+        if unknown:
+            raise TypeError(f"SpartronDenseMLP got unexpected arguments {sorted(unknown)}")
+        self.ffn = FeedForward(self.model_cfg.dim, self.model_cfg.dense_inter_dim,
+                               init_std=self.model_cfg.init_std)
+
+    def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
+        return self.ffn(self._bsh(hidden_states, padding_mask)).transpose(0, 1), None
+
+
+def moe_adapters(module: nn.Module) -> list[SpartronMoEMLP]:
+    """The MoE adapters of a Megatron model, e.g. to call `.moe.update_expert_bias(group=...)` per step."""
+    return [m for m in module.modules() if isinstance(m, SpartronMoEMLP)]
+
+
+def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_config: ModelConfig | None = None,
+                        groups: ParallelGroups | None = None,
+                        pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
+    """ModuleSpec of a Megatron TransformerLayer with Spartron MLA and a Spartron MoE (`kind="moe"`)
+    or dense SwiGLU (`kind="dense"`) FFN, and Megatron's torch RMSNorms.
+
+    Whether the attention is dense MLA, a DSA source or a DSA consumer follows the Spartron DSA
+    schedule of the layer's index (Megatron config's DSA fields + `base_config.dsa.layers/topk_freq`).
+    `pg_collection`/`groups` give the MoE its EP group (TransformerLayer passes the MLP none).
+    """
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    if kind not in ("moe", "dense"):
+        raise ValueError(f"kind must be 'moe' or 'dense', got {kind!r}")
+    common = {"side_channel": side_channel, "base_config": base_config}
+    moe_params = {**common, "groups": groups, "pg_collection": pg_collection}
+    mlp = (ModuleSpec(module=SpartronMoEMLP, params=moe_params) if kind == "moe"
+           else ModuleSpec(module=SpartronDenseMLP, params=common))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=ModuleSpec(module=SpartronMLAAttention, params={**common, "groups": groups}),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=mlp,
+        mlp_bda=get_bias_dropout_add,
+    ))
+
+
+def spartron_block_spec(config, side_channel: SideChannel, base_config: ModelConfig | None = None,
+                        groups: ParallelGroups | None = None,
+                        pg_collection: ProcessGroupCollection | None = None) -> TransformerBlockSubmodules:
+    """TransformerBlock spec: model.first_k_dense dense layers then MoE layers, final torch RMSNorm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    cfg = spartron_config_from_megatron(config, base=base_config)
+    specs = [spartron_layer_spec(side_channel, "dense" if i < cfg.first_k_dense else "moe", base_config,
+                                 groups, pg_collection) for i in range(cfg.n_layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
