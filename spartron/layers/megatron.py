@@ -27,11 +27,13 @@ from spartron.layers.megatron_spec import (
     moe_adapters,
     resolve_group,
     spartron_block_spec,
+    spartron_layer_key,
     spartron_layer_spec,
 )
 
 __all__ = [
     "MAPPED", "MEGATRON_OWNED", "REQUIRED", "MegatronConfigError", "SideChannel", "SpartronDenseMLP",
     "SpartronMLAAttention", "SpartronMoEMLP", "megatron_config_from_spartron", "moe_adapters",
-    "resolve_group", "spartron_block_spec", "spartron_config_from_megatron", "spartron_layer_spec",
+    "resolve_group", "spartron_block_spec", "spartron_config_from_megatron", "spartron_layer_key",
+    "spartron_layer_spec",
 ]

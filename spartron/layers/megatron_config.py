@@ -234,10 +234,7 @@ def _moe_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
             problems.append(f"moe_router_topk // moe_router_group_topk = {top_k // topk_groups}: Spartron's "
                             f"{func} router ranks groups by their top-{want} scores")
     if func == "softmax":
-        norm = not tcfg.moe_router_pre_softmax
-        if tcfg.moe_router_enable_expert_bias:
-            problems.append("moe_router_enable_expert_bias=True with softmax scores: Megatron's softmax "
-                            "router ignores the bias; use sigmoid")
+        norm = not tcfg.moe_router_pre_softmax  # (Megatron itself rejects an expert bias with softmax)
     else:
         norm = top_k > 1  # Megatron normalises sigmoid gate weights whenever top_k > 1
         if tcfg.moe_router_pre_softmax:
@@ -407,13 +404,16 @@ def megatron_config_from_spartron(cfg: ModelConfig, **overrides: Any) -> MLATran
                                                   else _BALANCE_NAMES[moe.aux_loss_type]),
                   moe_router_dtype="fp32" if moe.router_fp32 else None,
                   moe_token_dispatcher_type="flex" if moe.dispatcher == "deepep" else "alltoall",
-                  moe_enable_deepep=moe.dispatcher == "deepep", moe_deepep_num_sms=moe.deepep_num_sms,
+                  moe_flex_dispatcher_backend="deepep", moe_deepep_num_sms=moe.deepep_num_sms,
                   moe_grouped_gemm=moe.grouped_mm != "loop")
     if cfg.dsa is not None:
         kw.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.dsa.n_index_heads,
                   dsa_indexer_head_dim=cfg.dsa.index_head_dim, dsa_indexer_topk=cfg.dsa.index_topk,
                   dsa_indexer_loss_coeff=cfg.dsa.indexer_loss_coeff,
                   dsa_indexer_use_sparse_loss=cfg.dsa.indexer_mode == "kl_sparse")
+    if cfg.first_k_dense < cfg.n_layers and moe.score_func == "softmax" and moe.bias_update_rate > 0:
+        raise MegatronConfigError(["model.moe.bias_update_rate > 0 with score_func 'softmax': Megatron's "
+                                   "expert bias (moe_router_enable_expert_bias) needs sigmoid scores"])
     kw.update(overrides)
     tcfg = MLATransformerConfig(**kw)
     spartron_config_from_megatron(tcfg, base=cfg)  # raises on anything the adapters cannot honour

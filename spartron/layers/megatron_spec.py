@@ -167,10 +167,10 @@ class SpartronMLAAttention(nn.Module):
                 rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
         x = hidden_states.transpose(0, 1)  # [b, s, h]
-        ids = ids_for_layer(self.mla.dsa_role, self.side_channel.dsa_topk_ids)
-        if self.mla.dsa_role == "consumer" and ids is None:
+        if self.mla.dsa_role == "consumer" and self.side_channel.dsa_topk_ids is None:
             raise RuntimeError(f"layer {self.layer_idx} is a DSA consumer but the SideChannel holds no ids: "
                                "its source layer did not run in this forward")
+        ids = ids_for_layer(self.mla.dsa_role, self.side_channel.dsa_topk_ids)
         out = self.mla(x, self.positions(x.shape[1], x.device), dsa_topk_ids=ids)
         self.side_channel.record_attention(self.layer_idx, out)
         return out["hidden_states"].transpose(0, 1), None
@@ -231,6 +231,19 @@ class SpartronDenseMLP(_MLPSlot):
 
     def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
         return self.ffn(self._bsh(hidden_states, padding_mask)).transpose(0, 1), None
+
+
+# Megatron TransformerLayer prefix -> Spartron DecoderLayer prefix (same tensors, same shapes).
+_LAYER_PREFIXES = {"input_layernorm.": "attn_norm.", "self_attention.mla.": "attn.",
+                   "pre_mlp_layernorm.": "ffn_norm.", "mlp.moe.": "ffn.", "mlp.ffn.": "ffn."}
+
+
+def spartron_layer_key(megatron_key: str) -> str:
+    """Name in Spartron's DecoderLayer of a TransformerLayer parameter/buffer built from these specs."""
+    for ours, theirs in _LAYER_PREFIXES.items():
+        if megatron_key.startswith(ours):
+            return theirs + megatron_key[len(ours):]
+    raise KeyError(f"{megatron_key!r} is not a parameter of a Spartron-spec TransformerLayer")
 
 
 def moe_adapters(module: nn.Module) -> list[SpartronMoEMLP]:
