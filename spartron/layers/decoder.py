@@ -9,12 +9,14 @@ so this loop reads the same with or without them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from spartron.checkpointing import microbatch as mb
+from spartron.checkpointing.microbatch import Phase, drive, interleave
 from spartron.layers.config import ModelConfig
 from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
@@ -39,16 +41,43 @@ class DecoderLayer(nn.Module):
         else:
             self.ffn = FeedForward(cfg.dim, cfg.dense_inter_dim)
 
-    def forward(self, x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None = None) -> DecoderLayerOutput:
+    def forward(self, x: Tensor | list[Tensor], positions: Tensor,
+                dsa_topk_ids: Tensor | list[Tensor] | None = None) -> DecoderLayerOutput:
+        """x: [B, S, D], or a list of intra-layer micro-batches run interleaved (fields become lists)."""
+        if isinstance(x, (list, tuple)):
+            return run_micro_batches(self, list(x), positions, dsa_topk_ids)
+        return drive(self.forward_phases(x, positions, dsa_topk_ids))
+
+    def forward_phases(self, x: Tensor, positions: Tensor,
+                       dsa_topk_ids: Tensor | None = None) -> Generator[Phase, None, DecoderLayerOutput]:
         attn = self.attn(self.attn_norm(x), positions, dsa_topk_ids=dsa_topk_ids)
         h = x + attn["hidden_states"]
+        ids, indexer_loss = attn["dsa_topk_ids"], attn["indexer_loss"]
         if self.is_moe:
-            moe = self.ffn(self.ffn_norm(h))
-            return DecoderLayerOutput(hidden_states=h + moe["hidden_states"], dsa_topk_ids=attn["dsa_topk_ids"],
-                                      indexer_loss=attn["indexer_loss"], aux_loss=moe["aux_loss"],
+            moe = yield from self.ffn.forward_phases(self.ffn_norm(h))
+            return DecoderLayerOutput(hidden_states=h + moe["hidden_states"], dsa_topk_ids=ids,
+                                      indexer_loss=indexer_loss, aux_loss=moe["aux_loss"],
                                       tokens_per_expert=moe["tokens_per_expert"])
-        return DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=attn["dsa_topk_ids"],
-                                  indexer_loss=attn["indexer_loss"], aux_loss=None, tokens_per_expert=None)
+        return DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=ids,
+                                  indexer_loss=indexer_loss, aux_loss=None, tokens_per_expert=None)
+
+
+def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
+                      dsa_topk_ids: Tensor | list[Tensor] | None) -> DecoderLayerOutput:
+    """One layer over N micro-batches, phases interleaved; list fields, mean losses, summed counts."""
+    if isinstance(dsa_topk_ids, Tensor):
+        dsa_topk_ids = list(dsa_topk_ids.chunk(len(xs), dim=0))
+    ids = dsa_topk_ids if dsa_topk_ids is not None else [None] * len(xs)
+    if len(ids) != len(xs):
+        raise ValueError(f"{len(xs)} micro-batches but {len(ids)} dsa_topk_ids entries")
+    outs = interleave([layer.forward_phases(x, positions, i) for x, i in zip(xs, ids, strict=True)],
+                      device=xs[0].device)
+    out_ids = [o["dsa_topk_ids"] for o in outs]
+    return DecoderLayerOutput(hidden_states=[o["hidden_states"] for o in outs],
+                              dsa_topk_ids=None if out_ids[0] is None else out_ids,
+                              indexer_loss=mb.mean_or_none([o["indexer_loss"] for o in outs]),
+                              aux_loss=mb.mean_or_none([o["aux_loss"] for o in outs]),
+                              tokens_per_expert=mb.sum_or_none([o["tokens_per_expert"] for o in outs]))
 
 
 @dataclass

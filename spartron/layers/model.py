@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_batches
 from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, sum_or_none
@@ -31,6 +32,9 @@ class SparseMoEModel(nn.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = MTP(cfg, ep_group, cp_group) if cfg.mtp.depth > 0 else None
+        # Intra-layer micro-batches of the decoder stack (train.intra_layer_micro_batches, set by
+        # runtime.parallelize): each layer runs N batch slices with their phases interleaved.
+        self.intra_layer_micro_batches = 1
         self.init_weights()
 
     @torch.no_grad()
@@ -66,7 +70,11 @@ class SparseMoEModel(nn.Module):
         positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
                      else cp_positions(seq, self.cp_group, device=tokens.device))
         h = self.embed(self._cp(tokens))
+        if self.intra_layer_micro_batches > 1:
+            h = split_micro_batches(h, self.intra_layer_micro_batches)
         stack = run_decoder_stack(list(self.layers.values()), h, positions)
+        stack.hidden_states = merge_micro_batches(stack.hidden_states)
+        stack.dsa_topk_ids = merge_micro_batches(stack.dsa_topk_ids)
         lm_loss = self._token_mean(self.norm(stack.hidden_states), self._cp(labels))
 
         aux, indexer, counts = stack.aux_losses, stack.indexer_losses, stack.tokens_per_expert

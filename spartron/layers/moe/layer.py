@@ -14,10 +14,13 @@ the count of the current forward alone (a fresh tensor, for metrics).
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.checkpointing.microbatch import Phase, drive
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.moe.dispatch import build_dispatcher
@@ -55,6 +58,11 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> MoEOutput:
         """x [batch, seq, dim] (this rank's tokens) -> MoEOutput."""
+        return drive(self.forward_phases(x))
+
+    def forward_phases(self, x: Tensor) -> Generator[Phase, None, MoEOutput]:
+        """The forward as phases (see spartron.checkpointing.microbatch): it yields before each step
+        another micro-batch's work may overlap with; `forward` runs it straight through."""
         if x.dim() != 3:
             raise ValueError(f"MoELayer expects x [batch, seq, dim], got shape {tuple(x.shape)}")
         routing = self.router(x)
@@ -63,10 +71,14 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         tokens = x.reshape(-1, x.shape[-1])
         rows, state = d.prepare(tokens, topk_ids, routing["topk_weights"])
+        yield Phase("dispatch", comm=True, reads=(rows,))
         rows = d.dispatch(rows, state)
+        yield Phase("experts")
         rows, tokens_per_local_expert = d.post_dispatch(rows, state)
         rows = self.experts(rows, tokens_per_local_expert)
+        yield Phase("combine", comm=True, reads=(rows, state.recv_order))
         rows = d.combine(rows, state)
+        yield Phase("finalize")
         out = d.finalize(rows, state)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
