@@ -67,6 +67,7 @@ def apply_fsdp(model: nn.Module, groups, param_dtype: torch.dtype | None) -> Non
 def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
     """Apply AC, compile and FSDP2 per the run config; returns the (same) model."""
     apply_ac(model, cfg.ac)
+    wire_micro_batching(model, cfg)
     if cfg.train.compile:
         for _, _, block in checkpointed_blocks(model):
             block.compile(fullgraph=False)  # in place: parameter names and state_dict keys stay the same
@@ -74,3 +75,11 @@ def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         apply_fsdp(model, groups, dtype)
     return model
+
+
+def wire_micro_batching(model: nn.Module, cfg) -> None:
+    """[train] intra_layer_micro_batches -> the model (owned by checkpointing/microbatch.py). Offload
+    windows need no wiring here: the trainer builds an ActivationOffloader over the model's regions."""
+    from spartron.checkpointing.microbatch import set_intra_layer_micro_batches
+
+    set_intra_layer_micro_batches(model, cfg)

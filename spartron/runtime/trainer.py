@@ -17,6 +17,7 @@ or gradient norm is detected on the all-reduced values, so every rank stops at t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.checkpointing.offload import ActivationOffloader
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
@@ -188,6 +190,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     with device:
         model = model_factory(cfg, groups)
     params = [q for q in model.parameters() if q.requires_grad]
+    # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
+    offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
     optimizer = build_optimizer(model, t)
     ep_extra = _ep_sharded(model, groups)
     loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
@@ -214,7 +218,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     step = start
     try:
         for step in range(start + 1, t.steps + 1):
-            record = _one_step(cfg, step, model, optimizer, loader, params, ep_extra, groups, n_micro, device)
+            record = _one_step(cfg, step, model, optimizer, loader, params, ep_extra, groups, n_micro, device,
+                               offloader)
             counters["tokens"] += tokens_per_step
             tps = tokens_per_step / record["step_time_s"]
             record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / world,
@@ -236,20 +241,21 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
 
 def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loader,
               params: list[nn.Parameter], ep_extra: dict, groups: ParallelGroups, n_micro: int,
-              device: torch.device) -> dict[str, Any]:
+              device: torch.device, offloader: ActivationOffloader | None = None) -> dict[str, Any]:
     t = cfg.train
     lr = lr_at(step, t)
     set_lr(optimizer, lr)
     M.reset_peak_memory(device)
     start = time.perf_counter()
     stats = _StepStats()
-    for micro in range(n_micro):
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(micro == n_micro - 1)
-        tokens, labels = loader.next_batch(t.micro_batch_size)
-        out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
-        (out["loss"] / n_micro).backward()
-        stats.add(out)
+    with offloader.session() if offloader is not None else contextlib.nullcontext():  # closed with the step
+        for micro in range(n_micro):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(micro == n_micro - 1)
+            tokens, labels = loader.next_batch(t.micro_batch_size)
+            out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            (out["loss"] / n_micro).backward()
+            stats.add(out)
     (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, groups.dp_cp)
     grad_norm = global_grad_norm(params, ep_extra)
     norm = float(grad_norm)
