@@ -6,14 +6,15 @@ Order matters and is fixed here, in one place:
 3. FSDP2: the routed experts of each MoE block on the expert mesh (with the gradient divided by the
    full data x context world, since every rank's tokens reach an expert through all-to-all), then
    the block on the dense mesh — its hooks run OUTSIDE the region, so a replay never re-runs a block's
-   all-gather — then embeddings/head/MTP and the root;
-4. explicit backward prefetch: in reverse order each block prefetches the block before it, and the
-   last block's experts are prefetched with it before backward replay starts.
+   all-gather — then the root (embeddings, final norm, head);
+4. explicit backward prefetch: the root prefetches the last block and its experts before backward
+   replay starts, then each block prefetches the block before it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from spartron.checkpointing import apply_activation_checkpointing
@@ -29,13 +30,28 @@ def checkpointed_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Modul
 
 
 def apply_ac(model: nn.Module, ac: ACConfig) -> None:
+    """Wrap every `freq`-th block (main stack, then MTP) in a checkpoint region.
+
+    A weight-shared MTP block runs `depth` times per step. Its region is non-reentrant: with a
+    reentrant region, FSDP2 (torch 2.13) leaves the block's separately sharded experts unsharded
+    after backward, with the gradient of one of the calls never reduce-scattered (see
+    tests/layers/test_model.py parity tests, which caught it).
+    """
     if ac.mode == "none":
         return
+    reused = shared_mtp_block(model)
     for i, (parent, name, block) in enumerate(checkpointed_blocks(model)):
         if i % ac.freq == 0:
-            wrapped = apply_activation_checkpointing(block, ac)
+            cfg = ac.model_copy(update={"reentrant": False}) if parent is reused else ac
+            wrapped = apply_activation_checkpointing(block, cfg)
             if wrapped is not block:
                 setattr(parent, name, wrapped)
+
+
+def shared_mtp_block(model: nn.Module) -> nn.Module | None:
+    """The MTP block that serves several depths (share_weights), else None."""
+    mtp = getattr(model, "mtp", None)
+    return mtp.blocks[0] if mtp is not None and mtp.depth > len(mtp.blocks) else None
 
 
 def apply_fsdp(model: nn.Module, groups, param_dtype: torch.dtype | None) -> None:
@@ -44,24 +60,29 @@ def apply_fsdp(model: nn.Module, groups, param_dtype: torch.dtype | None) -> Non
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kw = {"mp_policy": mp} if mp is not None else {}
     grad_world = groups.size("dp_cp")
+    sum_only = dist.get_backend(groups.world) == "gloo"
     sharded_blocks = []
     for _, _, block in checkpointed_blocks(model):
         experts = getattr(getattr(block, "ffn", None), "experts", None)
         if experts is not None:
             fully_shard(experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True, **kw)
             experts.set_gradient_divide_factor(float(grad_world))
+            if sum_only:  # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=groups.fsdp_mesh, reshard_after_forward=True, **kw)
         sharded_blocks.append((block, experts))
-    for name in ("embed", "head"):
-        mod = getattr(model, name, None)
-        if mod is not None:
-            fully_shard(mod, mesh=groups.fsdp_mesh, **kw)
+    # Embeddings, final norm and head stay with the root: the loss reads the head weight directly
+    # (chunked cross-entropy, tied embeddings), so it must be unsharded for the whole forward.
     fully_shard(model, mesh=groups.fsdp_mesh, **kw)
-    # Backward prefetch: each block (and its experts) prefetches the previous one.
+    # Backward prefetch: the root prefetches the last block and its experts before backward replay
+    # starts; each block then prefetches the block before it. (Prefetching a previous block's experts
+    # from a block that runs several times per step, the shared MTP block, corrupted its expert
+    # gradients in torch 2.13's FSDP2, so experts are only prefetched from the root.)
+    if sharded_blocks:
+        last_block, last_experts = sharded_blocks[-1]
+        model.set_modules_to_backward_prefetch([last_block] + ([last_experts] if last_experts is not None else []))
     for i in range(len(sharded_blocks) - 1, 0, -1):
-        prev_block, prev_experts = sharded_blocks[i - 1]
-        targets = [prev_block] + ([prev_experts] if prev_experts is not None else [])
-        sharded_blocks[i][0].set_modules_to_backward_prefetch(targets)
+        sharded_blocks[i][0].set_modules_to_backward_prefetch([sharded_blocks[i - 1][0]])
 
 
 def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
