@@ -151,46 +151,88 @@ def _slurm_unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    reason = _slurm_unavailable()
-    if reason:
-        pytest.skip(reason)
-
-
 def _spartron(args: list[str], cwd: Path) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "spartron.launch.cli", *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 
 
+TRAIN_ARGS = ["--set", "train.steps=3", "--set", "train.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every CLI run of this module, started at once: Slurm queues the jobs while the CLIs start up.
+
+    The local 4-rank training run (the reference for the Slurm one) runs alongside.
+    """
+    reason = _slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm-jobs")
+    marker = root / "pwned"
+    hostile_env = {f"V{i}": v for i, v in enumerate(_hostile(marker))}
+    env_toml = "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in hostile_env.items()) + "}"
+    procs = {
+        "train": _spartron(["sbatch", TINY, "--nodes", "2", "--wait", "--set", "launch.nproc=2",
+                            "--set", f"launch.env={env_toml}", *TRAIN_ARGS], root / "train"),
+        "local": _spartron(["train", TINY, "--set", "launch.nproc=4", *TRAIN_ARGS], root / "local"),
+        "smoke": _spartron(["sbatch", TINY, "--nodes", "2", "--entry", "smoke", "--wait",
+                            "--set", "launch.nproc=2", "--set", f"launch.env={env_toml}"], root / "smoke"),
+        "failing": _spartron(["sbatch", TINY, "--nodes", "1", "--entry", "smoke", "--wait",
+                              "--set", 'parallel.backend="nccl"'], root / "failing"),
+        "nowait": _spartron(["sbatch", TINY, "--entry", "smoke", "--set", 'name="nowait"'], root / "nowait"),
+    }
+    yield {"root": root, "marker": marker, "hostile_env": hostile_env, "procs": procs}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _steps(metrics: Path) -> list[dict]:
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("type") == "step"]
+
+
 @pytest.mark.slurm
-def test_smoke_job_on_two_nodes_with_hostile_env(slurm, tmp_path):
+def test_sbatch_train_on_two_nodes_matches_a_local_four_rank_run(jobs):
+    """`spartron sbatch --submit --wait` of the tiny preset, 2 nodes x 2 tasks (4 gloo ranks): the job
+    finishes, writes metrics.jsonl into its run dir, and its losses equal a local 4-rank run's."""
+    rc, out, err = _finish(jobs["procs"]["train"])
+    assert rc == 0, out + err
+    assert "COMPLETED with exit status 0" in out
+    rc_local, out_local, err_local = _finish(jobs["procs"]["local"])
+    assert rc_local == 0, out_local + err_local
+    on_slurm = _steps(jobs["root"] / "train" / "runs" / "tiny" / "metrics.jsonl")
+    local = _steps(jobs["root"] / "local" / "runs" / "tiny" / "metrics.jsonl")
+    assert [r["step"] for r in on_slurm] == [1, 2, 3]
+    assert [r["loss"] for r in on_slurm] == [r["loss"] for r in local]
+    assert [r["grad_norm"] for r in on_slurm] == [r["grad_norm"] for r in local]
+    assert not jobs["marker"].exists()
+
+
+@pytest.mark.slurm
+def test_smoke_job_on_two_nodes_with_hostile_env(jobs):
     """2 nodes x 2 tasks, rank env from SLURM_*: world 4 over n1 and n2; hostile exports arrive verbatim."""
-    marker = tmp_path / "pwned"
-    values = {f"V{i}": v for i, v in enumerate(_hostile(marker))}
-    env_toml = "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in values.items()) + "}"
-    args = ["sbatch", TINY, "--nodes", "2", "--entry", "smoke", "--wait", "--set", "launch.nproc=2",
-            "--set", f"launch.env={env_toml}"]
-    rc, out, err = _finish(_spartron(args, tmp_path))
+    rc, out, err = _finish(jobs["procs"]["smoke"])
     assert rc == 0, out + err
     assert "spartron: submitted job" in out and "COMPLETED with exit status 0" in out
-    result = json.loads((tmp_path / "runs" / "tiny" / "smoke.json").read_text())
+    result = json.loads((jobs["root"] / "smoke" / "runs" / "tiny" / "smoke.json").read_text())
     assert result["world_size"] == 4 and result["launcher"] == "slurm" and result["all_reduce_sum"] == 10.0
     assert result["master"].startswith("n1:")
     assert sorted(r["slurm_node"] for r in result["ranks"]) == ["n1", "n1", "n2", "n2"]
-    assert all(r["env"] == values for r in result["ranks"])
-    assert not marker.exists()
+    assert all(r["env"] == jobs["hostile_env"] for r in result["ranks"])
+    assert not jobs["marker"].exists()
 
 
 @pytest.mark.slurm
-def test_failing_job_returns_its_status_and_shows_its_log(slurm, tmp_path):
-    rc, out, err = _finish(_spartron(["sbatch", TINY, "--nodes", "1", "--entry", "smoke", "--wait",
-                                      "--set", 'parallel.backend="nccl"'], tmp_path))
+def test_failing_job_returns_its_status_and_shows_its_log(jobs):
+    rc, out, err = _finish(jobs["procs"]["failing"])
     assert rc == 2, out + err
     assert "FAILED with exit status 2" in out
     assert "---- last lines of" in err
@@ -198,13 +240,14 @@ def test_failing_job_returns_its_status_and_shows_its_log(slurm, tmp_path):
 
 
 @pytest.mark.slurm
-def test_sbatch_without_wait_reports_job_and_run_dir(slurm, tmp_path):
-    rc, out, err = _finish(_spartron(["sbatch", TINY, "--entry", "smoke", "--set", 'name="nowait"'],
-                                     tmp_path))
-    assert rc == 0, err
-    job_id = out.split("submitted job ")[1].split()[0]
-    assert f"run dir {tmp_path}/runs/nowait" in out
+def test_sbatch_without_wait_reports_job_and_run_dir(jobs):
     from spartron.launch.slurm import wait
 
-    assert wait(job_id, timeout_s=120) == ("COMPLETED", 0)
-    assert (tmp_path / "runs" / "nowait" / "slurm" / f"{job_id}.out").is_file()
+    rc, out, err = _finish(jobs["procs"]["nowait"])
+    assert rc == 0, err
+    job_id = out.split("submitted job ")[1].split()[0]
+    run_dir = jobs["root"] / "nowait" / "runs" / "nowait"
+    assert f"run dir {run_dir};" in out
+    assert wait(job_id, timeout_s=240) == ("COMPLETED", 0)
+    assert (run_dir / "slurm" / f"{job_id}.out").is_file()
+    assert json.loads((run_dir / "smoke.json").read_text())["world_size"] == 1
