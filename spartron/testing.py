@@ -35,6 +35,14 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
         payload = fn(rank, world_size, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         status, payload = "error", traceback.format_exc()
+    if status == "ok":
+        try:  # no rank tears gloo down while a peer is still connecting or finishing a collective
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+            else:
+                dist.barrier()
+        except BaseException:  # noqa: BLE001
+            status, payload = "error", traceback.format_exc()
     try:
         conn.send((status, payload))
     except Exception:  # noqa: BLE001 - unpicklable result
@@ -50,6 +58,8 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
                     start_method: str = "fork", **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return each rank's result."""
+    import torch._dynamo  # noqa: F401 - custom ops import it lazily (~3 s): pay once here, not per fork
+
     ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory(prefix="spartron-dist-") as tmp:
         store_path = os.path.join(tmp, "store")

@@ -112,7 +112,13 @@ class SparseMoEModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
-    """Build the reference model on the explicit groups (None: single rank)."""
+    """Build the reference model on the explicit groups (None: single rank).
+
+    Parameters are float32 master weights whatever `model.dtype` says: `model.dtype` is the compute
+    dtype, applied by parallelize's FSDP2 mixed-precision policy (bf16 compute, fp32 gradients
+    reduction and optimizer state), so the optimizer never updates bf16 weights.
+    """
+    master = cfg.model_copy(update={"dtype": "float32"})
     if groups is None:
-        return SparseMoEModel(cfg)
-    return SparseMoEModel(cfg, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)
+        return SparseMoEModel(master)
+    return SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)

@@ -92,8 +92,10 @@ def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
     if cfg.train.compile:
         for _, _, block in checkpointed_blocks(model):
             block.compile(fullgraph=False)  # in place: parameter names and state_dict keys stay the same
-    if groups is not None and groups.size("world") > 1:
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    # One rank with bf16 compute still gets fully_shard: its mixed-precision policy is what casts the
+    # fp32 master weights to bf16 for compute (as torchtitan does with a 1-rank data-parallel mesh).
+    if groups is not None and (groups.size("world") > 1 or dtype is not None):
         apply_fsdp(model, groups, dtype)
     return model
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Run the GPU checks and benchmarks on a lent CUDA machine in one call and bring the results back.
+# Usage (repo root, on the GPU machine): bash benchmarks/run_gpu.sh OUTDIR STEP [STEP ...]
+#   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload
+#          megatron_gpt deepep. Wheels in .whl/ (pure-Python deps the image lacks) are installed first.
+# Every step writes OUTDIR/NAME.log and, for benchmarks, OUTDIR/NAME.json; a failing step does not
+# stop the others. A summary line per step is printed last.
+set -uo pipefail
+out=${1:?usage: run_gpu.sh OUTDIR STEP...}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$out/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+summary=()
+for step in "$@"; do
+  name=${step%%:*}; secs=${step#*:}; [ "$secs" = "$step" ] && secs=300
+  case $name in
+    env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
+    pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
+    *) cmd=(python3 "benchmarks/$name.py" --out "$out/$name.json") ;;
+  esac
+  start=$(date +%s)
+  timeout "$secs" "${cmd[@]}" >"$out/$name.log" 2>&1; rc=$?
+  summary+=("$name rc=$rc $(( $(date +%s) - start ))s")
+  echo "=== $name (rc=$rc)"; tail -n 15 "$out/$name.log"
+done
+echo "=== summary"; printf '%s\n' "${summary[@]}"
