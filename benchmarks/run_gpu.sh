@@ -2,7 +2,7 @@
 # Run the GPU checks and benchmarks on a lent CUDA machine in one call and bring the results back.
 # Usage (repo root, on the GPU machine): bash benchmarks/run_gpu.sh OUTDIR STEP [STEP ...]
 #   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload
-#          megatron_gpt deepep. Wheels in .whl/ (pure-Python deps the image lacks) are installed first.
+#          megatron_gpt deepep; extra arguments for NAME come from the variable ARGS_NAME. Wheels in .whl/ (pure-Python deps the image lacks) are installed first.
 # Every step writes OUTDIR/NAME.log and, for benchmarks, OUTDIR/NAME.json; a failing step does not
 # stop the others. A summary line per step is printed last.
 set -uo pipefail
@@ -22,7 +22,8 @@ for step in "$@"; do
   case $name in
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
     pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
-    *) cmd=(python3 "benchmarks/$name.py" --out "$out/$name.json") ;;
+    *) extra_var="ARGS_$name"; read -r -a extra <<<"${!extra_var:-}"
+       cmd=(python3 "benchmarks/$name.py" --out "$out/$name.json" "${extra[@]}") ;;
   esac
   start=$(date +%s)
   timeout "$secs" "${cmd[@]}" >"$out/$name.log" 2>&1; rc=$?
