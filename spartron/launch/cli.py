@@ -220,9 +220,13 @@ def cmd_regress_run(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         _metrics_file(args.baseline, "baseline")
     base_dir = run_dir_of(cfg, Path.cwd())
+    run_dirs = [base_dir.with_name(f"{base_dir.name}-r{i}") for i in range(args.repeats)]
+    for run_dir in run_dirs:  # a regression run never appends to, or overwrites, an earlier one
+        if run_dir.exists():
+            raise UsageError(f"run directory {run_dir} exists (an earlier regression run?): remove it or "
+                             "give this run another name (--set name=...)")
     runs = []
-    for i in range(args.repeats):
-        run_dir = base_dir.with_name(f"{base_dir.name}-r{i}")
+    for i, run_dir in enumerate(run_dirs):
         overrides = [f"train.run_dir={json.dumps(str(run_dir))}", "train.resume=false"]
         status = _run_ranks(argparse.Namespace(config=args.config, set=args.set + overrides), "train")
         if status:

@@ -206,3 +206,16 @@ def test_regress_compare_pass_fail_tolerance_and_plot(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == "spartron: error: --loss-rel must be >= 0, got -1.0"
     assert main(["regress", "compare", str(tmp_path), str(base)]) == 2
     assert "is neither a metrics JSONL nor a run directory with metrics.jsonl" in capsys.readouterr().err
+
+
+def test_regress_run_repeats_and_compares_with_baseline(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["--set", "train.steps=1", "--set", "train.progress=false", "--set", "train.seq_len=32"]
+    assert main(["regress", "run", TINY, "--repeats", "2", "--throughput-rel", "1.0", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"regression: {tmp_path}/runs/tiny-r1/metrics.jsonl" in out
+    assert f"baseline: {tmp_path}/runs/tiny-r0/metrics.jsonl" in out
+    assert "[PASS] first-step loss (exact)" in out and "result: PASS" in out
+    # Running again would write into the recorded runs (now baselines): refused before training.
+    assert main(["regress", "run", TINY, "--baseline", "runs/tiny-r0", *args]) == 2
+    assert capsys.readouterr().err.startswith(f"spartron: error: run directory {tmp_path}/runs/tiny-r0 exists")

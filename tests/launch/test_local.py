@@ -93,12 +93,14 @@ def _cli(args, cwd, env=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_smoke_spawns_two_real_ranks(tmp_path):
-    proc = _cli(["smoke", TINY, "--set", "launch.nproc=2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads((tmp_path / "runs" / "tiny" / "smoke.json").read_text())
-    assert result["world_size"] == 2 and result["all_reduce_sum"] == 3.0
-    assert result["launcher"] == "torchrun" and [r["rank"] for r in result["ranks"]] == [0, 1]
+def test_cli_train_spawns_two_real_ranks(tmp_path):
+    proc = _cli(["train", TINY, "--set", "launch.nproc=2", "--set", "train.steps=2", "--set",
+                 "train.progress=false"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "step"] == [1, 2]
+    assert (run_dir / "logs" / "rank1.log").is_file()  # rank 1 ran, with its own log
 
 
 def test_cli_under_existing_launcher_does_not_spawn(tmp_path):
