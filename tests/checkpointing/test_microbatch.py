@@ -1,0 +1,141 @@
+"""Intra-layer micro-batches: the interleaved schedule, parity of loss and grads with 1 micro-batch
+(plain, under AC, with EP=2 on gloo), the region receiving a PyTree of micro-batches, and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from spartron.checkpointing import ACConfig, apply_activation_checkpointing, checkpoint_region_of
+from spartron.checkpointing.microbatch import (
+    Phase,
+    drive,
+    interleave,
+    merge_micro_batches,
+    set_intra_layer_micro_batches,
+    split_micro_batches,
+)
+from spartron.layers.decoder import DecoderLayer
+from spartron.layers.model import build_model
+from spartron.runtime.config import load_config
+from spartron.testing import run_distributed
+
+SEQ = 32
+
+
+def tiny(*overrides: str):
+    return load_config("configs/tiny.toml", [f"train.seq_len={SEQ}", "model.moe.aux_loss_coeff=0.01", *overrides])
+
+
+def batch(cfg, n: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.model.vocab_size, (n, SEQ), generator=g),
+            torch.randint(0, cfg.model.vocab_size, (n, SEQ), generator=g))
+
+
+def test_round_robin_schedule_interleaves_phases():
+    log = []
+
+    def layer(mb: int, phases: list[str]):
+        log.append(f"attn{mb}")
+        for name in phases:
+            yield Phase(name, comm=name in ("dispatch", "combine"))
+            log.append(f"{name}{mb}")
+        return mb * 10
+
+    results = interleave([layer(0, ["dispatch", "experts", "combine"]), layer(1, ["dispatch", "experts", "combine"])])
+    assert results == [0, 10]
+    assert log == ["attn0", "attn1", "dispatch0", "dispatch1", "experts0", "experts1", "combine0", "combine1"]
+    log.clear()
+    assert drive(layer(0, ["dispatch", "experts"])) == 0 and log == ["attn0", "dispatch0", "experts0"]
+    log.clear()  # a generator with no phases (a dense layer) finishes in the first round
+    assert interleave([layer(0, []), layer(1, ["experts"])]) == [0, 10]
+    assert log == ["attn0", "attn1", "experts1"]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
+def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
+    cfg = tiny(f"ac.mode={ac_mode}", "train.intra_layer_micro_batches=2", "train.micro_batch_size=4")
+    torch.manual_seed(0)
+    one = build_model(cfg.model)
+    two = copy.deepcopy(one)
+    if ac_mode != "none":
+        for layer in two.layers.values():
+            apply_activation_checkpointing(layer, cfg.ac)
+    set_intra_layer_micro_batches(two, cfg)
+    seen = []
+    two.layers["2"].register_forward_hook(lambda m, a, out: seen.append((a, out)))
+    tokens, labels = batch(cfg)
+    out1, out2 = one(tokens, labels), two(tokens, labels)
+    out1["loss"].backward()
+    out2["loss"].backward()
+    for key in ("loss", "lm_loss", "aux_loss"):
+        torch.testing.assert_close(out2[key], out1[key], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out2["tokens_per_expert"], out1["tokens_per_expert"])
+    g1, g2 = _grads(one), _grads(two)
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+    # the region (layer 2, a DSA consumer) took lists: two hidden-state micro-batches and two id tensors
+    args, out = seen[0]
+    assert isinstance(args[0], list) and len(args[0]) == 2 and args[0][0].shape[0] == 2
+    assert isinstance(out["hidden_states"], list) and isinstance(out["dsa_topk_ids"], list)
+    if ac_mode != "none":
+        assert checkpoint_region_of(two.layers["2"]).last_stats.replay_count == 1
+    for moe1, moe2 in zip(one.moe_layers(), two.moe_layers(), strict=True):  # routing telemetry adds up once
+        assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
+
+
+def _ep_worker(rank, world):
+    cfg = tiny("parallel.ep=2")
+    torch.manual_seed(0)
+    full = DecoderLayer(cfg.model, layer_idx=1)
+    n_local = cfg.model.moe.n_routed_experts // 2
+    state = {n: (t[rank * n_local:(rank + 1) * n_local] if ".experts." in n else t)
+             for n, t in full.state_dict().items()}
+    layer, twin = (DecoderLayer(cfg.model, layer_idx=1, ep_group=torch.distributed.group.WORLD) for _ in "ab")
+    layer.load_state_dict(state)
+    twin.load_state_dict(state)
+    apply_activation_checkpointing(twin, ACConfig(mode="selective"))
+    torch.manual_seed(10 + rank)  # each rank its own tokens
+    x = torch.randn(4, SEQ, cfg.model.dim)
+    positions = torch.arange(SEQ)
+    one = layer(x, positions)
+    two = twin(split_micro_batches(x, 2), positions)
+    h1, h2 = one["hidden_states"], merge_micro_batches(two["hidden_states"])
+    torch.testing.assert_close(h2, h1, rtol=1e-6, atol=1e-6)
+    assert torch.equal(two["tokens_per_expert"], one["tokens_per_expert"])
+    w = torch.randn_like(h1)
+    ((h1 * w).sum() + one["aux_loss"]).backward()
+    ((h2 * w).sum() + two["aux_loss"]).backward()
+    twin_params = dict(twin.named_parameters())
+    for name, p in layer.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.abs().max())  # fp32 sums in another order: error relative to the largest entry
+            torch.testing.assert_close(twin_params[name].grad, p.grad, rtol=1e-5, atol=2e-6 * scale, msg=name)
+    return float(h1.sum())
+
+
+def test_two_micro_batches_match_one_with_ep2_on_gloo():
+    sums = run_distributed(_ep_worker, 2)
+    assert sums[0] != sums[1]  # the ranks really ran different tokens through the exchange
+
+
+def test_micro_batch_errors_name_the_keys():
+    with pytest.raises(ValueError, match=r"train.intra_layer_micro_batches = 3 must divide train.micro_batch_size"):
+        set_intra_layer_micro_batches(build_model(tiny().model), tiny("train.intra_layer_micro_batches=3",
+                                                                      "train.micro_batch_size=4"))
+    cfg = tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_type=batch")
+    with pytest.raises(ValueError, match="needs model.moe.aux_loss_type = 'seq'"):
+        set_intra_layer_micro_batches(build_model(cfg.model), cfg)
+    with pytest.raises(ValueError, match="does not run intra-layer micro-batches"):
+        set_intra_layer_micro_batches(torch.nn.Linear(2, 2), tiny("train.intra_layer_micro_batches=2",
+                                                                  "train.micro_batch_size=2"))
+    with pytest.raises(ValueError, match="must divide the per-forward batch"):
+        split_micro_batches(torch.zeros(3, 4), 2)
