@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from spartron.layers.config import MoEConfig
+from spartron.layers.moe.deepep_buffer import DeepEPBuffer, check_deepep_shape, load_deep_ep
 from spartron.runtime.ops.collectives import all_to_all, splits_to_host
+from spartron.runtime.ops.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 
 
 @dataclass
@@ -117,32 +119,95 @@ class AllToAllDispatcher(LocalDispatcher):
         return all_to_all(back, state.input_splits, state.output_splits, self.group)
 
 
+@dataclass
+class DeepEPDispatchState:
+    """The hand-over between DeepEPDispatcher's phases (one call, one micro-batch)."""
+
+    topk_ids: Tensor  # [tokens, top_k] global expert ids
+    topk_weights: Tensor  # [tokens, top_k] gate weights, sent with the tokens, applied expert-side
+    tokens_per_expert: Tensor  # [n_experts] int64 slots this rank routed to each global expert
+    recv_topk_ids: Tensor | None = None  # [R, top_k] local expert ids of the received tokens, -1 = other rank
+    recv_topk_weights: Tensor | None = None  # [R, top_k] float32, 0 where the id is -1
+    tokens_per_local_expert: Tensor | None = None  # [E_local] int64 on the host (from DeepEP's notify)
+    handle: DeepEPHandle | None = None  # the layout of this exchange; combine and both backwards use it
+    recv_order: Tensor | None = None  # valid (received token, k) slots sorted by local expert (stable)
+
+
 class DeepEPDispatcher:
-    """Slot for DeepEP (GPU, NVLink) dispatch/combine; filled by a later issue."""
+    """Expert parallelism over NVLink with DeepEP's intranode kernels (ops in runtime/ops/deepep.py).
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup | None):
-        try:
-            import deep_ep  # noqa: F401
-        except ImportError as err:
-            raise ValueError("model.moe.dispatcher = 'deepep' needs DeepEP: build it from "
-                             "https://github.com/deepseek-ai/DeepEP (SM90 + NVLink; `pip install "
-                             "--no-build-isolation .` in its checkout), or use 'all_to_all'") from err
-        raise NotImplementedError("model.moe.dispatcher = 'deepep' is not implemented in Spartron yet; "
-                                  "use 'all_to_all'")
+    Unlike the all-to-all path, DeepEP sends each token once per destination rank (not once per
+    (token, k) slot) together with its top-k ids and gate weights. The receiving rank expands the
+    tokens into one row per local (token, k) slot for the experts, weights the expert outputs by
+    the gates and sums them per received token, and DeepEP's combine sums the per-rank partial
+    results on the source rank. So the gates are applied before combine, and their gradient comes
+    back through the dispatch op's backward (a combine that also reduces the top-k weights).
+
+    The buffer is created on the first dispatch (`DeepEPBuffer`); `share_deepep_buffer(model)`
+    points all layers of a model at one buffer per EP group.
+    """
+
+    def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None,
+                 library: object | None = None):
+        """`library`: what provides `Buffer`/`Config` (default: `deep_ep`, imported now)."""
+        if library is None:
+            library = load_deep_ep()
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        check_deepep_shape(cfg.n_routed_experts, cfg.top_k, ep, cfg.deepep_num_sms, hidden)
+        self.n_experts = cfg.n_routed_experts
+        self.ep = ep
+        self.n_local_experts = cfg.n_routed_experts // ep
+        self.buffer = DeepEPBuffer(ep_group, cfg.top_k, cfg.n_routed_experts, cfg.deepep_num_sms, hidden,
+                                   library=library)
+
+    def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DeepEPDispatchState]:
+        """x [tokens, dim] -> the same tokens (DeepEP sends whole tokens); counts per global expert."""
+        self.buffer.check_input(x, topk_ids)
+        flat = topk_ids.reshape(-1)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        return x, DeepEPDispatchState(topk_ids=topk_ids, topk_weights=topk_weights, tokens_per_expert=counts)
+
+    def dispatch(self, x: Tensor, state: DeepEPDispatchState) -> Tensor:
+        recv_x, state.recv_topk_ids, state.recv_topk_weights, state.tokens_per_local_expert, state.handle = \
+            deepep_dispatch(self.buffer, x, state.topk_ids, state.topk_weights)
+        return recv_x
+
+    def post_dispatch(self, x: Tensor, state: DeepEPDispatchState) -> tuple[Tensor, Tensor]:
+        """Received tokens [R, dim] -> one row per local (token, k) slot, grouped by local expert."""
+        top_k = state.recv_topk_ids.shape[1]
+        flat = state.recv_topk_ids.reshape(-1)
+        key = torch.where(flat >= 0, flat, self.n_local_experts)  # other ranks' slots sort last
+        rows = int(state.tokens_per_local_expert.sum())  # a host tensor: no device sync
+        state.recv_order = torch.argsort(key, stable=True)[:rows]
+        return x[state.recv_order // top_k], state.tokens_per_local_expert
+
+    def combine(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
+        """Expert rows -> gate-weighted sum per received token -> summed on the source rank."""
+        received, top_k = state.recv_topk_ids.shape
+        slots = y.new_zeros(received * top_k, y.shape[-1]).index_copy(0, state.recv_order, y)
+        gates = state.recv_topk_weights.to(y.dtype).unsqueeze(1)  # [R, 1, top_k]
+        per_token = torch.bmm(gates, slots.view(received, top_k, -1)).squeeze(1)
+        return deepep_combine(self.buffer, per_token, state.handle)
+
+    def finalize(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
+        return y  # gates applied and top-k summed before combine
 
 
-Dispatcher = LocalDispatcher | AllToAllDispatcher
+Dispatcher = LocalDispatcher | AllToAllDispatcher | DeepEPDispatcher
 
 
-def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None) -> Dispatcher:
+def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None) -> Dispatcher:
     """The dispatcher `model.moe.dispatcher` names, for an EP group (None = single rank).
 
     With one EP rank there is nothing to exchange: "all_to_all" runs as the local dispatcher
     (the same arithmetic, no collective). "local" with more than one EP rank is an error.
+    "deepep" needs DeepEP installed and an EP group of 2, 4 or 8 ranks; `hidden` (model.dim) sizes
+    its buffer (None: taken from the first tokens).
     """
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     if cfg.dispatcher == "deepep":
-        return DeepEPDispatcher(cfg.n_routed_experts, ep_group)
+        return DeepEPDispatcher(cfg, ep_group, hidden)
     if ep == 1:
         return LocalDispatcher(cfg.n_routed_experts)
     if cfg.dispatcher == "local":

@@ -3,7 +3,8 @@
 Namespaces (the strings users put in `[ac] targets`):
 - `spartron_collectives`: all_to_all, all_gather, reduce_scatter, splits_to_host (collectives.py)
 - `spartron`: record_routing_stats (telemetry.py), moe_topk (routing.py), sparse_mla (sparse_mla.py)
-- `spartron_deepep`: dispatch, combine (deepep.py, GPU only)
+- `spartron_deepep`: dispatch, combine, dispatch_backward, cached_dispatch (deepep.py; DeepEP is imported
+  only when a layer selects it)
 """
 
-from spartron.runtime.ops import collectives, routing, sparse_mla, telemetry  # noqa: F401
+from spartron.runtime.ops import collectives, deepep, routing, sparse_mla, telemetry  # noqa: F401

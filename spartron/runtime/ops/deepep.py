@@ -1,0 +1,261 @@
+"""DeepEP intranode dispatch/combine as `spartron_deepep` custom ops (GPU, NVLink).
+
+Why ops: the checkpoint policy lists the whole `spartron_deepep` namespace as mandatory, so a
+replay of an MoE block takes the dispatch and combine outputs from the saved-op cache: no second
+layout computation, no second notify exchange, no second token exchange. torch.compile sees the
+ops through their fake impls.
+
+The handle. DeepEP's intranode handle is six tensors (rank and channel prefix matrices, the
+received tokens' source indices, the token -> rank mask, the send heads). The dispatch op returns
+them as ordinary outputs and the combine op takes them as inputs, so no opaque object crosses the
+op boundary and no store is keyed by ids. Autograd saves them on the op's node (`setup_context`):
+their lifetime is the autograd graph's, freed by backward. On a checkpoint replay the dispatch
+op's outputs, handle included, are the original pass's saved outputs, so the backward of the
+replayed graph uses the very handle the original exchange produced.
+
+    dispatch  = layout + notify + dispatch     backward: dispatch_backward (a combine with the
+                                               handle, also reducing the top-k weight gradients)
+    combine   = combine with the handle        backward: cached_dispatch (a dispatch with the handle)
+
+The buffer. Ops cannot take a `deep_ep.Buffer`; the wrappers below make the caller's DeepEPBuffer
+current (`buffer_scope`, a ContextVar) around the op call, the op reads it, and `setup_context`
+keeps it on the autograd node for backward (which may run on another thread). Nothing here imports
+`deep_ep`: the buffer object does, when a layer selects the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+NAMESPACE = "spartron_deepep"
+OPS: tuple[str, ...] = tuple(f"{NAMESPACE}::{n}" for n in
+                             ("dispatch", "combine", "dispatch_backward", "cached_dispatch"))
+
+_CURRENT: ContextVar[Any | None] = ContextVar("spartron_deepep_buffer", default=None)
+
+
+@contextlib.contextmanager
+def buffer_scope(buffer: Any) -> Iterator[Any]:
+    """Make `buffer` (a DeepEPBuffer) the one the `spartron_deepep` ops use inside the block."""
+    token = _CURRENT.set(buffer)
+    try:
+        yield buffer
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_buffer() -> Any:
+    buffer = _CURRENT.get()
+    if buffer is None:
+        raise RuntimeError("spartron_deepep ops need a DeepEPBuffer: call them through the wrappers in "
+                           "spartron.runtime.ops.deepep (or inside `with buffer_scope(buffer):`)")
+    return buffer
+
+
+@dataclass(frozen=True)
+class DeepEPHandle:
+    """DeepEP's intranode handle, field order as `deep_ep.Buffer.dispatch` returns it."""
+
+    rank_prefix_matrix: Tensor  # [ep, ep] int32
+    channel_prefix_matrix: Tensor  # [ep, channels] int32 (sender side)
+    recv_channel_prefix_matrix: Tensor  # [ep, channels] int32 (receiver side)
+    recv_src_idx: Tensor  # [received tokens] int32
+    is_token_in_rank: Tensor  # [tokens, ep] bool
+    send_head: Tensor  # [tokens, ep] int32
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return self.recv_src_idx.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.send_head.shape[0]
+
+
+def _runtime(num_sms: int) -> tuple[Any, Any]:
+    buffer = current_buffer()
+    if buffer.num_sms != num_sms:
+        raise RuntimeError(f"spartron_deepep: op called for {num_sms} SMs but the current buffer uses "
+                           f"{buffer.num_sms}")
+    return buffer, buffer.runtime()
+
+
+def _deep_ep_handle(handle: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    # Combine rewrites send_head in place (it encodes the skipped slots); the ops are declared pure,
+    # and backward may combine with the same handle again, so hand DeepEP a private copy.
+    return (*handle[:5], handle[5].clone())
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::dispatch", mutates_args=())
+def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, num_ranks: int,
+              num_sms: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buffer, rt = _runtime(num_sms)
+    if (buffer.ep, buffer.n_experts) != (num_ranks, num_experts):
+        raise RuntimeError(f"spartron_deepep::dispatch for {num_ranks} ranks / {num_experts} experts, but the "
+                           f"buffer serves {buffer.ep} / {buffer.n_experts}")
+    per_rank, _, per_expert, in_rank, _ = rt.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_w, counts, handle, _ = rt.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, config=buffer.dispatch_config)
+    host_counts = torch.tensor(list(counts), dtype=torch.int64)
+    return (recv_x, recv_idx, recv_w, host_counts, *handle)
+
+
+@_dispatch.register_fake
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
+    received = torch.library.get_ctx().new_dynamic_size()
+    tokens, top_k = topk_idx.shape
+    channels = num_sms // 2
+    i32 = {"dtype": torch.int32, "device": x.device}
+    return (x.new_empty(received, x.shape[1]), topk_idx.new_empty(received, top_k),
+            topk_weights.new_empty(received, top_k),
+            torch.empty(num_experts // num_ranks, dtype=torch.int64, device="cpu"),
+            torch.empty(num_ranks, num_ranks, **i32), torch.empty(num_ranks, channels, **i32),
+            torch.empty(num_ranks, channels, **i32), torch.empty(received, **i32),
+            torch.empty(tokens, num_ranks, dtype=torch.bool, device=x.device),
+            torch.empty(tokens, num_ranks, **i32))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::combine", mutates_args=())
+def _combine(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+             recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor,
+             send_head: Tensor, num_sms: int) -> Tensor:
+    buffer, rt = _runtime(num_sms)
+    handle = _deep_ep_handle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                              recv_src_idx, is_token_in_rank, send_head))
+    out, _, _ = rt.combine(x, handle, config=buffer.combine_config)
+    return out
+
+
+@_combine.register_fake
+def _(x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+      is_token_in_rank, send_head, num_sms):
+    return x.new_empty(send_head.shape[0], x.shape[1])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dispatch_backward", mutates_args=())
+def _dispatch_backward(grad_recv_x: Tensor, grad_recv_topk_weights: Tensor, rank_prefix_matrix: Tensor,
+                       channel_prefix_matrix: Tensor, recv_channel_prefix_matrix: Tensor,
+                       recv_src_idx: Tensor, is_token_in_rank: Tensor, send_head: Tensor,
+                       num_sms: int) -> tuple[Tensor, Tensor]:
+    buffer, rt = _runtime(num_sms)
+    handle = _deep_ep_handle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                              recv_src_idx, is_token_in_rank, send_head))
+    grad_x, grad_w, _ = rt.combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights,
+                                   config=buffer.combine_config)
+    return grad_x, grad_w
+
+
+@_dispatch_backward.register_fake
+def _(grad_recv_x, grad_recv_topk_weights, rank_prefix_matrix, channel_prefix_matrix,
+      recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head, num_sms):
+    tokens = send_head.shape[0]
+    return (grad_recv_x.new_empty(tokens, grad_recv_x.shape[1]),
+            grad_recv_topk_weights.new_empty(tokens, grad_recv_topk_weights.shape[1]))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cached_dispatch", mutates_args=())
+def _cached_dispatch(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+                     recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor,
+                     send_head: Tensor, num_sms: int) -> Tensor:
+    buffer, rt = _runtime(num_sms)
+    handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+              is_token_in_rank, send_head)
+    recv_x, *_ = rt.dispatch(x, handle=handle, config=buffer.dispatch_config)
+    return recv_x
+
+
+@_cached_dispatch.register_fake
+def _(x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+      is_token_in_rank, send_head, num_sms):
+    return x.new_empty(recv_src_idx.shape[0], x.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: dispatch <-> combine with the saved handle
+# ---------------------------------------------------------------------------------------------
+
+def _dispatch_setup(ctx, inputs, output):
+    x, topk_idx, _, _, _, ctx.num_sms = inputs
+    ctx.buffer = current_buffer()
+    ctx.hidden, ctx.top_k, ctx.x_dtype = x.shape[1], topk_idx.shape[1], x.dtype
+    ctx.save_for_backward(*output[4:])
+
+
+def _dispatch_grad(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, *_grad_handle):
+    handle = ctx.saved_tensors
+    received = handle[3].shape[0]
+    if grad_recv_x is None:
+        grad_recv_x = torch.zeros(received, ctx.hidden, dtype=ctx.x_dtype, device=handle[3].device)
+    if grad_recv_w is None:
+        grad_recv_w = torch.zeros(received, ctx.top_k, dtype=torch.float32, device=handle[3].device)
+    with buffer_scope(ctx.buffer):
+        grad_x, grad_w = _dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.float().contiguous(),
+                                            *handle, ctx.num_sms)
+    return grad_x, None, grad_w, None, None, None
+
+
+_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.num_sms = inputs[7]
+    ctx.buffer = current_buffer()
+    ctx.save_for_backward(*inputs[1:7])
+
+
+def _combine_grad(ctx, grad):
+    with buffer_scope(ctx.buffer):
+        grad_x = _cached_dispatch(grad.contiguous(), *ctx.saved_tensors, ctx.num_sms)
+    return (grad_x,) + (None,) * 7
+
+
+_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers (the buffer is a spartron.layers.moe.deepep_buffer.DeepEPBuffer)
+# ---------------------------------------------------------------------------------------------
+
+def deepep_dispatch(buffer: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, DeepEPHandle]:
+    """Send each token once to every EP rank holding one of its experts.
+
+    Returns (recv_x [R, dim], recv_topk_idx [R, top_k] local expert ids or -1, recv_topk_weights
+    [R, top_k] float32 (0 where -1), rows per local expert [E_local] int64 on the host, handle).
+    Differentiable in x and topk_weights.
+    """
+    buffer.check_input(x, topk_idx)
+    with buffer_scope(buffer):
+        out = _dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
+                        buffer.n_experts, buffer.ep, buffer.num_sms)
+    return out[0], out[1], out[2], out[3], DeepEPHandle(*out[4:])
+
+
+def deepep_combine(buffer: Any, x: Tensor, handle: DeepEPHandle) -> Tensor:
+    """Sum each received token's rows [R, dim] back on its source rank -> [tokens, dim]."""
+    if x.dim() != 2 or x.shape[0] != handle.num_recv_tokens:
+        raise ValueError(f"deepep_combine: x must be [{handle.num_recv_tokens}, dim] (one row per received "
+                         f"token), got {tuple(x.shape)}")
+    with buffer_scope(buffer):
+        return _combine(x.contiguous(), *handle.tensors(), buffer.num_sms)
+
+
+def deepep_cached_dispatch(buffer: Any, x: Tensor, handle: DeepEPHandle) -> Tensor:
+    """Dispatch `x` along an existing handle (no layout, no notify). Not differentiable."""
+    with buffer_scope(buffer):
+        return _cached_dispatch(x.contiguous(), *handle.tensors(), buffer.num_sms)
