@@ -205,6 +205,7 @@ class _HostCopy:
     buffer: torch.Tensor
     host: torch.Tensor  # buffer viewed with the source's dtype, shape and strides
     d2h_done: Any  # CUDA event, None on CPU
+    d2h_started: Any  # CUDA event (timing: benchmarks/offload.py), None on CPU
     source_id: int  # id() of the device tensor (identity key while it is alive)
     users: int = 0
 
@@ -322,18 +323,20 @@ class OffloadSession:
         self.stats._add_device(nbytes)
         if streams is None:
             host.copy_(t.detach())
-            done = None
+            done = started = None
         else:
             compute = torch.cuda.current_stream(t.device)
             streams.d2h.wait_stream(compute)  # the producer of t has finished writing it
             with torch.cuda.stream(streams.d2h):
                 if last_read is not None:
                     streams.d2h.wait_event(last_read)  # the buffer's previous H2D read is done
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(streams.d2h)
                 host.copy_(t.detach(), non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(streams.d2h)
             t.record_stream(streams.d2h)  # its memory is reused only after the copy completes
-        copy = _HostCopy(buffer, host, done, id(t))
+        copy = _HostCopy(buffer, host, done, started, id(t))
         self._by_identity[id(t)] = (weakref.ref(t), copy)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
@@ -399,6 +402,15 @@ class OffloadSession:
             last_read = torch.cuda.Event()
             last_read.record(self.offloader.streams.h2d)  # after every H2D that read this buffer
         self.offloader.pool.release(copy.buffer, last_read)
+
+    def host_copies(self) -> list[_HostCopy]:
+        """This step's distinct host copies (for timing their D2H events)."""
+        seen: dict[int, _HostCopy] = {}
+        for call in self.calls:
+            for handle in call.handles:
+                if handle.host is not None:
+                    seen[id(handle.host)] = handle.host
+        return list(seen.values())
 
     def summary(self) -> dict[str, Any]:
         """Stats of this step and of the run's pool (for metrics / benchmarks)."""
