@@ -67,11 +67,11 @@ def _batch(cfg, device, n: int, seed: int = 0):
             torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device))
 
 
-def measure_single(cfg, device: torch.device, steps: int, warmup: int) -> dict:
+def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -> dict:
     """Step time (forward + backward, no optimizer) and peak memory for one config on one device."""
     torch.manual_seed(0)
     with device:
-        model = parallelize(build_model(cfg.model), None, cfg)
+        model = parallelize(build_model(cfg.model, groups), groups, cfg)
     offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
     tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size)
     times, d2h_bytes, d2h_seconds, summary = [], 0, 0.0, None
@@ -108,23 +108,44 @@ def measure_single(cfg, device: torch.device, steps: int, warmup: int) -> dict:
     return out
 
 
+def _one_rank_groups(device: torch.device, tmp: str):
+    """A 1-rank group on CUDA: parallelize then applies FSDP2's bf16 mixed precision, as the trainer does."""
+    if device.type != "cuda":
+        return None
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+
+    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store1"), 1), rank=0, world_size=1)
+    return ParallelGroups.build(ParallelDims(1, fsdp=1), "cuda")
+
+
 def part_offload(config: Path, overrides: list[str], device: torch.device, steps: int, warmup: int) -> dict:
     ceiling = pinned_ceiling_gbps(device)
     rows = {}
-    for ac in ("full", "selective"):
-        off = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=false"]),
-                             device, steps, warmup)
-        on = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=true"]),
-                            device, steps, warmup)
-        row = {"off": off, "on": on, "step_time_ratio": on["step_ms"] / off["step_ms"]}
-        if off["peak_allocated_bytes"] is not None:
-            saved = off["peak_allocated_bytes"] - on["peak_allocated_bytes"]
-            row["peak_reduction_bytes"] = saved
-            row["peak_reduction_over_offloaded"] = saved / max(on["offloaded_bytes_per_step"], 1)
-        if ceiling and on.get("d2h_gbps"):
-            row["d2h_fraction_of_ceiling"] = on["d2h_gbps"] / ceiling
-        rows[ac] = row
+    with tempfile.TemporaryDirectory() as tmp:
+        groups = _one_rank_groups(device, tmp)
+        for ac in ("full", "selective"):
+            rows[ac] = _compare(config, overrides, ac, device, steps, warmup, groups, ceiling)
+        if groups is not None:
+            groups.destroy()
+            dist.destroy_process_group()
     return {"pinned_d2h_ceiling_gbps": ceiling, "modes": rows}
+
+
+def _compare(config, overrides, ac, device, steps, warmup, groups, ceiling) -> dict:
+    """One AC mode with offload off and on."""
+    off = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=false"]),
+                         device, steps, warmup, groups)
+    on = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=true"]),
+                        device, steps, warmup, groups)
+    row = {"off": off, "on": on, "step_time_ratio": on["step_ms"] / off["step_ms"]}
+    if off["peak_allocated_bytes"] is not None:
+        saved = off["peak_allocated_bytes"] - on["peak_allocated_bytes"]
+        row["peak_reduction_bytes"] = saved
+        row["peak_reduction_over_offloaded"] = saved / max(on["offloaded_bytes_per_step"], 1)
+    if ceiling and on.get("d2h_gbps"):
+        row["d2h_fraction_of_ceiling"] = on["d2h_gbps"] / ceiling
+    return row
 
 
 def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: list[str], steps: int,
