@@ -193,16 +193,18 @@ def _dispatch_setup(ctx, inputs, output):
     x, topk_idx, _, _, _, ctx.num_sms = inputs
     ctx.buffer = current_buffer()
     ctx.hidden, ctx.top_k, ctx.x_dtype = x.shape[1], topk_idx.shape[1], x.dtype
-    ctx.save_for_backward(*output[4:])
+    ctx.save_for_backward(output[1], *output[4:])
 
 
 def _dispatch_grad(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, *_grad_handle):
-    handle = ctx.saved_tensors
-    received = handle[3].shape[0]
+    recv_idx, *handle = ctx.saved_tensors
+    received = recv_idx.shape[0]
     if grad_recv_x is None:
-        grad_recv_x = torch.zeros(received, ctx.hidden, dtype=ctx.x_dtype, device=handle[3].device)
+        grad_recv_x = torch.zeros(received, ctx.hidden, dtype=ctx.x_dtype, device=recv_idx.device)
     if grad_recv_w is None:
-        grad_recv_w = torch.zeros(received, ctx.top_k, dtype=torch.float32, device=handle[3].device)
+        grad_recv_w = torch.zeros(received, ctx.top_k, dtype=torch.float32, device=recv_idx.device)
+    else:  # a received weight whose expert lives elsewhere is the constant 0, not w: no gradient
+        grad_recv_w = grad_recv_w.float().masked_fill(recv_idx < 0, 0.0)
     with buffer_scope(ctx.buffer):
         grad_x, grad_w = _dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.float().contiguous(),
                                             *handle, ctx.num_sms)
