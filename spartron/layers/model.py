@@ -114,11 +114,18 @@ class SparseMoEModel(nn.Module):
 def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
     """Build the reference model on the explicit groups (None: single rank).
 
-    Parameters are float32 master weights whatever `model.dtype` says: `model.dtype` is the compute
-    dtype, applied by parallelize's FSDP2 mixed-precision policy (bf16 compute, fp32 gradients
-    reduction and optimizer state), so the optimizer never updates bf16 weights.
+    `model.dtype` is the parameter dtype (the presets train bf16 parameters with AdamW, as in
+    ARCHITECTURE.md): parameters are initialised in float32 and cast once; buffers such as the
+    router's fp32 expert bias keep their own dtype.
     """
     master = cfg.model_copy(update={"dtype": "float32"})
     if groups is None:
-        return SparseMoEModel(master)
-    return SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)
+        model = SparseMoEModel(master)
+    else:
+        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)
+    model.cfg = cfg
+    dtype = getattr(torch, cfg.dtype)
+    if dtype != torch.float32:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return model

@@ -54,11 +54,11 @@ def shared_mtp_block(model: nn.Module) -> nn.Module | None:
     return mtp.blocks[0] if mtp is not None and mtp.depth > len(mtp.blocks) else None
 
 
-def apply_fsdp(model: nn.Module, groups, param_dtype: torch.dtype | None) -> None:
+def apply_fsdp(model: nn.Module, groups) -> None:
+    """FSDP2 over the dense and expert meshes; gradients are reduced in float32 whatever the param dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kw = {"mp_policy": mp} if mp is not None else {}
+    kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
     grad_world = groups.size("dp_cp")
     sum_only = dist.get_backend(groups.world) == "gloo"
     sharded_blocks = []
@@ -67,7 +67,9 @@ def apply_fsdp(model: nn.Module, groups, param_dtype: torch.dtype | None) -> Non
         if experts is not None:
             fully_shard(experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True, **kw)
             experts.set_gradient_divide_factor(float(grad_world))
-            if sum_only:  # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor
+            # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor. Not with a 1-rank shard
+            # group: there FSDP2 (torch 2.13) already divides while copying and would divide twice.
+            if sum_only and groups.size("expert_fsdp") > 1:
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=groups.fsdp_mesh, reshard_after_forward=True, **kw)
         sharded_blocks.append((block, experts))
@@ -92,11 +94,8 @@ def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
     if cfg.train.compile:
         for _, _, block in checkpointed_blocks(model):
             block.compile(fullgraph=False)  # in place: parameter names and state_dict keys stay the same
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    # One rank with bf16 compute still gets fully_shard: its mixed-precision policy is what casts the
-    # fp32 master weights to bf16 for compute (as torchtitan does with a 1-rank data-parallel mesh).
-    if groups is not None and (groups.size("world") > 1 or dtype is not None):
-        apply_fsdp(model, groups, dtype)
+    if groups is not None and groups.size("world") > 1:
+        apply_fsdp(model, groups)
     return model
 
 

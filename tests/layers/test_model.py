@@ -131,9 +131,9 @@ def _expert_slice(name: str, tensor: torch.Tensor, ep_rank: int, ep: int) -> tor
     return tensor[ep_rank * n_local:(ep_rank + 1) * n_local]
 
 
-def _parity_worker(rank, world, ac_mode):
-    cfg = tiny("parallel.cp=2", "parallel.ep=2", f"ac.mode={ac_mode}")
-    dims = ParallelDims(world, fsdp=2, cp=2, ep=2)
+def _parity_worker(rank, world, ac_mode, cp=2, ep=2):
+    cfg = tiny(f"parallel.cp={cp}", f"parallel.ep={ep}", f"ac.mode={ac_mode}")
+    dims = ParallelDims(world, fsdp=world // cp, cp=cp, ep=ep)
     groups = ParallelGroups.build(dims, "cpu")
     tokens, labels = batch(cfg, 4)
     reference = make_model(tiny())
@@ -147,8 +147,9 @@ def _parity_worker(rank, world, ac_mode):
     model.load_state_dict({n: _expert_slice(n, t, ep_rank, ep) for n, t in reference.state_dict().items()})
     parallelize(model, groups, cfg)
     assert list(model.state_dict()) == keys  # AC and FSDP keep every key
+    per_dp = 4 // groups.size("dp")
     dp = groups.rank_in("dp")
-    out = model(tokens[2 * dp:2 * dp + 2], labels[2 * dp:2 * dp + 2])
+    out = model(tokens[per_dp * dp:per_dp * (dp + 1)], labels[per_dp * dp:per_dp * (dp + 1)])
     out["loss"].backward()
     loss = out["loss"].detach().clone()
     dist.all_reduce(loss, group=groups.dp_cp)
@@ -171,3 +172,7 @@ def _parity_worker(rank, world, ac_mode):
 @pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
 def test_one_rank_and_four_ranks_ep2_cp2_fsdp_give_the_same_loss_and_grads(ac_mode):
     run_distributed(_parity_worker, 4, ac_mode, timeout=240)
+
+
+def test_two_ranks_ep2_without_cp_give_the_same_loss_and_grads():
+    run_distributed(_parity_worker, 2, "selective", 1, 2, timeout=240)
