@@ -1,0 +1,328 @@
+"""DeepEP vs all_to_all MoE dispatcher on 2 GPUs (EP=2, spawned NCCL ranks).
+
+    python benchmarks/deepep.py --out benchmarks/results/deepep.json   # 2 CUDA GPUs + deep_ep, bf16
+    python benchmarks/deepep.py --smoke                                # CPU/gloo: all_to_all side only
+
+Shapes (the MoE benchmark's): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 shared
+experts, 16k tokens per rank, bf16. Median of CUDA-event timed iterations, worst rank reported.
+- dispatch+combine: the dispatcher's whole token path without experts (prepare -> dispatch ->
+  post_dispatch -> combine -> finalize, no grad), and the bare exchanges alone (all_to_all: the two
+  uneven all-to-alls of the rows; DeepEP: the dispatch op incl. layout + the combine op), with the
+  bytes each rank sends per direction and GB/s = 2 * bytes / time.
+- layer: MoELayer forward + backward, each dispatcher (goal: DeepEP >= 1.3x faster).
+- replay dispatch: what a checkpoint replay of the dispatch would cost: `fresh` recomputes the layout
+  + notify + exchange, `cached_handle` re-sends along the original handle, `saved_op` is Spartron's
+  replay (the mandatory-save op's outputs handed back by the checkpoint policy, no communication).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401  (imported lazily by custom ops; load it once before forking)
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spartron.checkpointing import build_policy
+from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
+from spartron.layers.config import ModelConfig
+from spartron.layers.moe import MoELayer
+from spartron.layers.moe.deepep_buffer import load_deep_ep
+from spartron.runtime.ops.collectives import all_to_all
+from spartron.runtime.ops.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
+
+FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
+SMOKE = {"n_experts": 8, "top_k": 2, "dim": 64, "inter": 32, "shared": 1, "tokens": 256}
+GOAL_SPEEDUP = 1.3
+WORLD = 2
+
+
+def model_cfg(shape: dict, dtype: str, dispatcher: str, num_sms: int) -> ModelConfig:
+    moe = {"n_routed_experts": shape["n_experts"], "top_k": shape["top_k"], "moe_inter_dim": shape["inter"],
+           "n_shared_experts": shape["shared"], "score_func": "softmax", "router_fp32": True,
+           "dispatcher": dispatcher, "deepep_num_sms": num_sms, "grouped_mm": "auto"}
+    return ModelConfig.model_validate({"dim": shape["dim"], "dtype": dtype, "moe": moe})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, iters: int, warmup: int, device: torch.device, setup=None) -> float:
+    """Median time of `fn()` in ms (CUDA events on GPU); `setup()` runs untimed before each call."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _token_path(layer: MoELayer, x: torch.Tensor, routing: dict):
+    """The dispatcher's full path without experts (identity experts), no grad."""
+    d = layer.dispatcher
+    with torch.no_grad():
+        rows, state = d.prepare(x, routing["topk_ids"], routing["topk_weights"])
+        rows, _ = d.post_dispatch(d.dispatch(rows, state), state)
+        return d.finalize(d.combine(rows, state), state)
+
+
+def _layer_fwd_bwd(layer: MoELayer, x: torch.Tensor, g: torch.Tensor):
+    xg = x.detach().requires_grad_()
+    layer(xg)["hidden_states"].backward(g)
+
+
+def _measure_all_to_all(layer, x, x3, g, routing, group, iters, warmup) -> dict:
+    dev = x.device
+    d = layer.dispatcher
+    with torch.no_grad():
+        rows, state = d.prepare(x, routing["topk_ids"], routing["topk_weights"])
+
+    def exchanges():
+        with torch.no_grad():
+            all_to_all(d.dispatch(rows, state), state.input_splits, state.output_splits, group)
+
+    sent = rows.numel() * rows.element_size()
+    res = {"bytes_sent_per_direction": sent,
+           "token_path_ms": median_ms(lambda: _token_path(layer, x, routing), iters, warmup, dev),
+           "exchanges_ms": median_ms(exchanges, iters, warmup, dev),
+           "layer_fwd_bwd_ms": median_ms(lambda: _layer_fwd_bwd(layer, x3, g), iters, warmup, dev)}
+    res["exchanges_GBps"] = 2 * sent / res["exchanges_ms"] / 1e6
+    res["token_path_GBps"] = 2 * sent / res["token_path_ms"] / 1e6
+    return res
+
+
+def _measure_deepep(layer, x, x3, g, routing, iters, warmup) -> dict:
+    dev = x.device
+    buf = layer.dispatcher.buffer
+    ids, weights = routing["topk_ids"], routing["topk_weights"]
+    with torch.no_grad():
+        recv, _, _, _, handle = deepep_dispatch(buf, x, ids, weights)
+    sent = int(handle.is_token_in_rank.sum()) * x.shape[1] * x.element_size()
+    recv_rows = torch.randn_like(recv)
+
+    def exchanges():
+        with torch.no_grad():
+            r, _, _, _, h = deepep_dispatch(buf, x, ids, weights)
+            deepep_combine(buf, r, h)
+
+    def fresh():
+        with torch.no_grad():
+            deepep_dispatch(buf, x, ids, weights)
+
+    def cached():
+        with torch.no_grad():
+            deepep_cached_dispatch(buf, x, handle)
+
+    policy = build_policy("full")
+    saved = {}
+
+    def record():  # the original pass of a checkpoint region: the op runs and is saved
+        saved["ops"] = SavedOps(policy, RegionStats("bench"))
+        with torch.no_grad(), PolicyMode(saved["ops"], "original"):
+            deepep_dispatch(buf, x, ids, weights)
+
+    def replay():  # the replay: the policy hands the saved outputs back
+        with torch.no_grad(), PolicyMode(saved["ops"], "replay"):
+            deepep_dispatch(buf, x, ids, weights)
+        saved["ops"].finish_replay()
+
+    res = {"bytes_sent_per_direction": sent, "received_tokens": recv.shape[0],
+           "num_sms": buf.num_sms, "num_nvl_bytes": buf.num_nvl_bytes,
+           "token_path_ms": median_ms(lambda: _token_path(layer, x, routing), iters, warmup, dev),
+           "exchanges_ms": median_ms(exchanges, iters, warmup, dev),
+           "combine_only_ms": median_ms(lambda: deepep_combine(buf, recv_rows, handle), iters, warmup, dev),
+           "layer_fwd_bwd_ms": median_ms(lambda: _layer_fwd_bwd(layer, x3, g), iters, warmup, dev),
+           "replay_dispatch_ms": {
+               "fresh": median_ms(fresh, iters, warmup, dev),
+               "cached_handle": median_ms(cached, iters, warmup, dev),
+               "saved_op": median_ms(replay, iters, warmup, dev, setup=record)}}
+    res["exchanges_GBps"] = 2 * sent / res["exchanges_ms"] / 1e6
+    res["token_path_GBps"] = 2 * sent / res["token_path_ms"] / 1e6
+    return res
+
+
+def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, iters: int,
+                  warmup: int) -> dict:
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    a2a = MoELayer(model_cfg(shape, dtype, "all_to_all", num_sms), ep_group=group, device=device)
+    torch.manual_seed(1 + rank)
+    x3 = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
+    g = torch.randn_like(x3)
+    x = x3.reshape(-1, shape["dim"])
+    with torch.no_grad():
+        routing = a2a.router(x3)
+    res = {"rank": rank, "all_to_all": _measure_all_to_all(a2a, x, x3, g, routing, group, iters, warmup)}
+    try:
+        dep = MoELayer(model_cfg(shape, dtype, "deepep", num_sms), ep_group=group, device=device)
+        dep.load_state_dict(a2a.state_dict())
+        res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)
+    except ValueError as err:  # DeepEP missing or unsupported here: every rank reports the same
+        res["deepep"] = {"error": str(err)}
+    except Exception:  # noqa: BLE001 - keep the all_to_all numbers; the traceback goes into the JSON
+        res["deepep"] = {"error": traceback.format_exc()}
+    if cuda:
+        res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    dist.barrier()
+    return res
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nccl_worker(rank: int, world: int, args: tuple, port: int, path: str) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300),
+                            device_id=torch.device("cuda", rank))
+    try:
+        res = _rank_measure(rank, world, *args)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        if rank == 0:
+            Path(path).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _worst(ranks: list[dict], path: tuple[str, ...]):
+    values = []
+    for r in ranks:
+        v = r
+        for key in path:
+            v = v.get(key) if isinstance(v, dict) else None
+        values.append(v)
+    return max(values) if all(isinstance(v, (int, float)) for v in values) else None
+
+
+def run(args) -> dict:
+    shape = dict(SMOKE if args.smoke else FULL)
+    if args.tokens:
+        shape["tokens"] = args.tokens
+    try:
+        load_deep_ep()
+        deepep_status = "importable"
+    except ValueError as err:
+        deepep_status = str(err)
+        print(f"DeepEP not installed: {err}")
+    cuda = not args.smoke
+    if cuda and torch.cuda.device_count() < WORLD:
+        raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); use --smoke on CPU")
+    dtype = "bfloat16"
+    iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
+    measure_args = (shape, dtype, args.num_sms, iters, warmup)
+    if args.smoke:
+        from spartron.testing import run_distributed
+
+        ranks = run_distributed(_rank_measure, WORLD, *measure_args, timeout=120)
+    else:
+        with tempfile.TemporaryDirectory(prefix="deepep-bench-") as tmp:
+            path = os.path.join(tmp, "ranks.json")
+            mp.spawn(_nccl_worker, args=(WORLD, measure_args, _free_port(), path), nprocs=WORLD, join=True)
+            ranks = json.loads(Path(path).read_text())
+    summary = {}
+    for name in ("all_to_all", "deepep"):
+        summary[name] = {k: _worst(ranks, (name, k)) for k in
+                         ("token_path_ms", "exchanges_ms", "layer_fwd_bwd_ms")}
+    summary["deepep_replay_dispatch_ms"] = {k: _worst(ranks, ("deepep", "replay_dispatch_ms", k))
+                                            for k in ("fresh", "cached_handle", "saved_op")}
+    a, d = summary["all_to_all"]["layer_fwd_bwd_ms"], summary["deepep"]["layer_fwd_bwd_ms"]
+    summary["layer_speedup"] = a / d if a and d else None
+    summary["goal_speedup"] = GOAL_SPEEDUP
+    summary["goal_met"] = None if summary["layer_speedup"] is None else summary["layer_speedup"] >= GOAL_SPEEDUP
+    return {"benchmark": "deepep vs all_to_all MoE dispatcher, EP=2",
+            "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
+            "backend": "gloo" if args.smoke else "nccl", "world_size": WORLD, "dtype": dtype,
+            "torch": torch.__version__, "commit": _commit(), "smoke": args.smoke, "shape": shape,
+            "num_sms": args.num_sms, "iters": iters, "warmup": warmup, "deepep": deepep_status,
+            "summary": summary, "ranks": ranks}
+
+
+def _fmt(v, unit="ms") -> str:
+    return f"{v:8.3f} {unit}" if isinstance(v, (int, float)) else f"{'n/a':>8}   "
+
+
+def print_table(r: dict) -> None:
+    s = r["summary"]
+    print(f"DeepEP vs all_to_all on {r['device']} (torch {r['torch']}, {r['dtype']}, commit {r['commit'][:10]}, "
+          f"{r['num_sms']} SMs): {r['shape']}")
+    print(f"  {'(worst rank)':28s} {'all_to_all':>12s} {'deepep':>12s}")
+    for key, label in (("token_path_ms", "dispatch+combine path"), ("exchanges_ms", "exchanges only"),
+                       ("layer_fwd_bwd_ms", "MoE layer fwd+bwd")):
+        print(f"  {label:28s} {_fmt(s['all_to_all'][key])} {_fmt(s['deepep'][key])}")
+    for rank in r["ranks"]:
+        a, d = rank["all_to_all"], rank["deepep"]
+        line = f"  rank {rank['rank']}: all_to_all {a['exchanges_GBps']:.1f} GB/s"
+        line += f", deepep {d['exchanges_GBps']:.1f} GB/s" if "exchanges_GBps" in d else ""
+        print(line)
+    rp = s["deepep_replay_dispatch_ms"]
+    print(f"  replay dispatch: fresh (layout recomputed) {_fmt(rp['fresh'])}, cached handle "
+          f"{_fmt(rp['cached_handle'])}, saved op (Spartron) {_fmt(rp['saved_op'])}")
+    sp = s["layer_speedup"]
+    print(f"  layer speedup deepep / all_to_all: {'n/a' if sp is None else f'{sp:.2f}x'} "
+          f"(goal >= {s['goal_speedup']}x, met: {s['goal_met']})")
+    for rank in r["ranks"]:
+        if "error" in rank["deepep"]:
+            print(f"  rank {rank['rank']} deepep: {rank['deepep']['error'].strip().splitlines()[-1][:300]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="write the JSON report here")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU/gloo run (checks the script works)")
+    p.add_argument("--tokens", type=int, default=0, help="tokens per rank (default 16384, smoke 256)")
+    p.add_argument("--num-sms", type=int, default=24, help="model.moe.deepep_num_sms")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+    report = run(args)
+    print_table(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
