@@ -186,7 +186,10 @@ def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, 
     try:
         dep = MoELayer(model_cfg(shape, dtype, "deepep", num_sms), ep_group=group, device=device)
         dep.load_state_dict(a2a.state_dict())
-        res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)
+        try:
+            res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)
+        finally:
+            dep.dispatcher.buffer.destroy()  # collective; DeepEP's destructor must not run at exit
     except ValueError as err:  # DeepEP missing or unsupported here: every rank reports the same
         res["deepep"] = {"error": str(err)}
     except Exception:  # noqa: BLE001 - keep the all_to_all numbers; the traceback goes into the JSON

@@ -32,13 +32,24 @@ class Config:
 
 
 class Buffer:
-    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0):
+    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False):
+        assert num_rdma_bytes == 0 and not low_latency_mode  # Spartron uses the intranode kernels only
+        self.explicitly_destroy = explicitly_destroy
+        self.destroyed = False
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.calls: collections.Counter = collections.Counter()
         dist.barrier(group=group)  # creating the real buffer is collective too
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy and not self.destroyed
+        dist.barrier(group=self.group)
+        self.destroyed = True
 
     # --- helpers -------------------------------------------------------------------------------
     def _exchange(self, rows: list[Tensor], recv_counts: list[int]) -> Tensor:

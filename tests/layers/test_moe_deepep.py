@@ -217,6 +217,11 @@ def _parity_worker(rank, world, device_kind, modes):
             # dispatch/combine outputs (handle included); backward = one cached dispatch + one combine
             assert delta == {"layout": n, "dispatch": n, "combine": 2 * n, "cached_dispatch": n}, (mode, delta)
         report[mode] = "ok"
+    runtime = shared_buffer.runtime()
+    shared_buffer.destroy()  # collective, while every rank is alive
+    assert not shared_buffer.created
+    if library is not None:
+        assert runtime.destroyed
     return report
 
 

@@ -7,6 +7,10 @@ a module-level cache. Creation is lazy: constructing a model costs nothing, and 
 dispatch creates it inside the `spartron_deepep::dispatch` op, where a checkpoint policy never
 sees (or replays) the collective set-up traffic.
 
+Lifetime: the owner calls `destroy()` on every rank before the process group goes away (the
+buffer is created with DeepEP's `explicitly_destroy`); a process that exits without it only leaks
+what the OS reclaims anyway.
+
 Sizing (intranode, NVLink): DeepEP streams tokens through per-(channel, peer) ring queues of
 `num_max_nvl_chunked_recv_tokens` slots, so the NVLink buffer depends on hidden size, EP size and
 channel count (= SMs / 2), not on the number of tokens. `nvl_buffer_bytes` mirrors DeepEP v1.2.1's
@@ -116,8 +120,19 @@ class DeepEPBuffer:
                      for c in (self.dispatch_config, self.combine_config)]
             nbytes = max(nvl_buffer_bytes(self.hidden, self.ep, self.num_sms), *hints)
             self.num_nvl_bytes = nbytes
-            self._runtime = lib.Buffer(self.group, nbytes, 0)
+            # explicit destroy: DeepEP's destructor runs a cross-rank barrier, which can hang or abort
+            # when it runs during interpreter shutdown; `destroy()` does it while every rank is alive
+            self._runtime = lib.Buffer(self.group, nbytes, 0, explicitly_destroy=True)
         return self._runtime
+
+    def destroy(self) -> None:
+        """Release the DeepEP buffer (collective: every rank of the group calls it). Idempotent;
+        a later dispatch creates a new one."""
+        if self._runtime is not None:
+            if self.needs_cuda:
+                torch.cuda.synchronize()
+            self._runtime.destroy()
+            self._runtime = None
 
     def check_input(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Local checks before a rank enters a DeepEP collective (a wrong shape there hangs the peers)."""
