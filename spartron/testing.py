@@ -35,7 +35,7 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
         payload = fn(rank, world_size, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         status, payload = "error", traceback.format_exc()
-    if status == "ok":
+    if status == "ok" and dist.is_initialized():
         try:  # no rank tears gloo down while a peer is still connecting or finishing a collective
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout))
