@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spartron.checkpointing import DEFAULT_TARGETS, ACConfig, CheckpointRegion, region_options
+from spartron.runtime.metrics import git_commit  # noqa: E402
 
 
 class Block(nn.Module):
@@ -104,14 +104,6 @@ def measure(fn, x: torch.Tensor, grad: torch.Tensor, iters: int, warmup: int) ->
     return {"step_ms": statistics.median(times), "kept_after_forward_mib": kept, "peak_above_base_mib": peak}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
@@ -156,7 +148,7 @@ def main() -> None:
     for name, value in checks.items():
         print(f"{name:38s} {'-' if value is None else f'{value:.3f}'}")
     report = {
-        "benchmark": "ac_block", "smoke": args.smoke, "commit": _commit(), "torch": torch.__version__,
+        "benchmark": "ac_block", "smoke": args.smoke, "commit": git_commit(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "shape": {"batch": 1, "seq": seq, "dim": dim, "heads": heads, "mlp": mlp, "dtype": str(dtype)},
         "iters": iters, "results": results, "ratio_to_none": ratios, "checks": checks,

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.ops import collectives as C
 
 WORLD = 2
@@ -118,14 +118,6 @@ def _worker(rank: int, args, port: int, result_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args) -> dict:
     if not args.smoke and torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); "
@@ -146,7 +138,7 @@ def run(args) -> dict:
         "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
         "backend": "gloo" if args.smoke else "nccl",
         "world_size": WORLD, "dtype": "float32" if args.smoke else "bfloat16",
-        "torch": torch.__version__, "commit": _commit(), "smoke": args.smoke,
+        "torch": torch.__version__, "commit": git_commit(), "smoke": args.smoke,
         "iters_per_block": args.iters, "blocks": args.blocks, "warmup": args.warmup,
         "tolerance": TOLERANCE,
         "ceiling": "the raw dist.all_to_all_single call (the op adds no transport of its own)",

@@ -22,7 +22,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 import traceback
@@ -39,6 +38,7 @@ from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.deepep_buffer import load_deep_ep
+from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.ops.collectives import all_to_all
 from spartron.runtime.ops.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
 
@@ -221,14 +221,6 @@ def _nccl_worker(rank: int, world: int, args: tuple, port: int, path: str) -> No
         dist.destroy_process_group()
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _worst(ranks: list[dict], path: tuple[str, ...]):
     values = []
     for r in ranks:
@@ -277,7 +269,7 @@ def run(args) -> dict:
     return {"benchmark": "deepep vs all_to_all MoE dispatcher, EP=2",
             "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
             "backend": "gloo" if args.smoke else "nccl", "world_size": WORLD, "dtype": dtype,
-            "torch": torch.__version__, "commit": _commit(), "smoke": args.smoke, "shape": shape,
+            "torch": torch.__version__, "commit": git_commit(), "smoke": args.smoke, "shape": shape,
             "num_sms": args.num_sms, "iters": iters, "warmup": warmup, "deepep": deepep_status,
             "summary": summary, "ranks": ranks}
 

@@ -21,7 +21,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from datetime import timedelta
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.experts import grouped_mm_available
+from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.ops.collectives import all_to_all
 
 FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
@@ -235,14 +235,6 @@ def bench_ep(shape: dict, dtype: str, iters: int, warmup: int, cuda: bool, world
 
 # --------------------------------------------------------------------------------------------
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args) -> dict:
     shape = dict(SMOKE if args.smoke else FULL)
     if args.tokens:
@@ -252,7 +244,7 @@ def run(args) -> dict:
     dtype = "bfloat16" if cuda else "float32"
     iters, warmup = (3, 1) if args.smoke else (args.iters, args.warmup)
     report = {"benchmark": "moe_layer", "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "commit": _commit(), "dtype": dtype, "shape": shape,
+              "torch": torch.__version__, "commit": git_commit(), "dtype": dtype, "shape": shape,
               "iters": iters, "warmup": warmup}
     torch.manual_seed(0)
     layer = MoELayer(model_cfg(shape, dtype), device=device)

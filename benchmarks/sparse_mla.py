@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from spartron.runtime.metrics import git_commit
 from spartron.runtime.ops.sparse_mla import default_chunk_size, sparse_mla
 
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -105,11 +105,7 @@ def run(args) -> dict:
         ms, peak = timed(fn, device, args.iters, args.warmup)
         rows[name] = dict(ms=ms, tflops=flops / ms / 1e9, peak_gib=peak,
                           fraction_of_bf16_peak=(flops / ms / 1e9) / H200_BF16_DENSE_TFLOPS)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = git_commit()
     return dict(
         benchmark="sparse_mla", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__, commit=commit, dtype=str(dtype), smoke=args.smoke,

@@ -143,13 +143,17 @@ def expert_load_max_violation(tokens_per_expert: Tensor | None) -> float | None:
 
 # ---- run header --------------------------------------------------------------------------------
 def git_commit() -> str | None:
+    """HEAD of the checkout; in a copy without .git (a lent GPU machine), the BUILD_COMMIT file beside it."""
     root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+        pass
+    marker = root / "BUILD_COMMIT"
+    return marker.read_text().strip() or None if marker.is_file() else None
 
 
 def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
