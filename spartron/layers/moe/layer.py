@@ -46,7 +46,7 @@ class MoELayer(nn.Module):
         self.first_local_expert = ep_rank * self.n_local_experts
         dtype = getattr(torch, model_cfg.dtype)
         common = {"dtype": dtype, "device": device, "init_std": model_cfg.init_std}
-        self.dispatcher = build_dispatcher(cfg, ep_group)
+        self.dispatcher = build_dispatcher(cfg, ep_group, hidden=model_cfg.dim)
         self.router = Router(cfg, model_cfg.dim, **common)
         self.experts = GroupedExperts(self.n_local_experts, model_cfg.dim, cfg.moe_inter_dim,
                                       mode=cfg.grouped_mm, **common)
