@@ -10,9 +10,11 @@ machine (it is not a GPU number; the GPU runs see this cost only where the host 
     ranks, over the 2-rank group and over each rank's own 1-rank group (`self_*`: gloo without the
     network, so the host cost of the boundary is not buried in transfer time). Also forward+backward.
 (b) checkpointing: a chain of ~50 tiny aten ops under `PolicyMode` (full policy) in the original
-    and the replay pass vs no mode, giving µs per intercepted op; and whole-region forward+backward
-    of the chain: Spartron full (non-reentrant, reentrant) vs `torch.utils.checkpoint`
-    non-reentrant vs no checkpointing.
+    and the replay pass vs no mode, giving µs per intercepted op (the floor: a Python dispatch mode
+    that only forwards each op; selective: both passes with the 10 mm outputs saved and handed
+    back); and whole-region forward+backward of the chain: Spartron full (non-reentrant,
+    reentrant) vs `torch.utils.checkpoint` non-reentrant, the same with forwarding-only dispatch
+    modes in both passes (the floor for any per-op policy), and no checkpointing.
 
 Every number is the minimum over blocks of the mean µs per call (variants interleaved block by
 block; the minimum is the least disturbed by other load on a shared machine); collectives take the
@@ -162,11 +164,23 @@ def bench_policy_mode(calls: int, blocks: int) -> dict[str, float]:
             chain(x, w)
         saved.finish_replay()
 
+    selective = SavedOps(build_policy("selective"), RegionStats("bench"))
+
+    def selective_both():  # selective saves the 10 mm outputs, then the replay hands them back
+        with active_frame(frame, "original"), PolicyMode(selective, "original"):
+            chain(x, w)
+        with active_frame(frame, "replay"), PolicyMode(selective, "replay"):
+            chain(x, w)
+        selective.finish_replay()
+
     with torch.no_grad():
         pass_us = _alternating({"plain": plain, "passthrough_mode": passthrough_mode,
-                                "policy_original": original, "policy_replay": replay}, calls, blocks)
+                                "policy_original": original, "policy_replay": replay,
+                                "selective_original_and_replay": selective_both}, calls, blocks)
     per_op = {f"{k}_us_per_op": (pass_us[k] - pass_us["plain"]) / n_ops
               for k in ("passthrough_mode", "policy_original", "policy_replay")}
+    per_op["selective_original_and_replay_us_per_op"] = \
+        (pass_us["selective_original_and_replay"] - 2 * pass_us["plain"]) / (2 * n_ops)
 
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     full_nr = CheckpointRegion(CheckpointOptions(policy=build_policy("full"), reentrant=False))
@@ -175,6 +189,8 @@ def bench_policy_mode(calls: int, blocks: int) -> dict[str, float]:
         "step_none": lambda: chain(xg, wg).sum().backward(),
         "step_torch_full_nonreentrant": lambda: torch_checkpoint(chain, xg, wg, use_reentrant=False)
         .sum().backward(),
+        "step_torch_full_nonreentrant_passthrough_modes": lambda: torch_checkpoint(
+            chain, xg, wg, use_reentrant=False, context_fn=lambda: (_CountOps(), _CountOps())).sum().backward(),
         "step_spartron_full_nonreentrant": lambda: full_nr(chain, xg, wg).sum().backward(),
         "step_spartron_full_reentrant": lambda: full_r(chain, xg, wg).sum().backward(),
     }

@@ -94,35 +94,48 @@ class SavedOps:
         self.stats = stats
         self._entries: list[_SavedOp] = []
         self._cursor = 0
+        self._schema_infos: dict[torch._ops.OpOverload, tuple[list[int | None], list[int]]] = {}
+
+    def _schema_info(self, func: torch._ops.OpOverload) -> tuple[list[int | None], list[int]]:
+        """(per return: index of the argument it aliases or None, indices of written arguments)."""
+        info = self._schema_infos.get(func)
+        if info is None:
+            schema = func._schema
+            alias_sets = {frozenset(a.alias_info.before_set): i for i, a in enumerate(schema.arguments)
+                          if a.alias_info is not None}
+            alias_returns = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
+                             for r in schema.returns]
+            written = [i for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write]
+            info = self._schema_infos[func] = (alias_returns, written)
+        return info
 
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any, reason: str) -> None:
-        schema = func._schema
-        alias_sets = {frozenset(a.alias_info.before_set): i for i, a in enumerate(schema.arguments)
-                      if a.alias_info is not None}
-        alias_returns = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
-                         for r in schema.returns]
+        alias_returns, written = self._schema_info(func)
         # Detach with ADInplaceOrView re-enabled so the cached alias shares the output's version
         # counter: an in-place update of the output in the original pass is then detectable.
         with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-            if not schema.returns:  # an op returning () (e.g. spartron::record_routing_stats)
+            if not alias_returns:  # an op returning () (e.g. spartron::record_routing_stats)
                 stored = None
-            elif len(schema.returns) == 1:
+            elif len(alias_returns) == 1:
                 stored = _ArgAlias(alias_returns[0]) if alias_returns[0] is not None else \
-                    tree_map(_detach, out)
+                    out.detach() if isinstance(out, torch.Tensor) else tree_map(_detach, out)
             else:
                 stored = tuple(_ArgAlias(a) if a is not None else tree_map(_detach, o)
                                for a, o in zip(alias_returns, out, strict=True))
         mutated = []
-        for i, a in enumerate(schema.arguments):
+        for i in written:
             value = _arg(func, args, kwargs, i)
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):
                 mutated.append((i, StorageWeakRef(value.untyped_storage()), value.detach().clone()))
-        versions = [(t, t._version) for t in tree_leaves(stored) if isinstance(t, torch.Tensor)]
+        leaves = [stored] if isinstance(stored, torch.Tensor) else tree_leaves(stored)
+        versions = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor)]
         name = op_packet_name(func)
         self._entries.append(_SavedOp(name, reason, stored, versions, mutated))
         self.stats.ops_saved += 1
         self.stats.saved_by_op[name] += 1
-        self.stats.bytes_saved += _nbytes(stored) + sum(_nbytes(c) for _, _, c in mutated)
+        self.stats.bytes_saved += sum(t.numel() * t.element_size() for t, _ in versions) \
+            + sum(_nbytes(c) for _, _, c in mutated)
 
     def replay(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         name = op_packet_name(func)
@@ -146,6 +159,8 @@ class SavedOps:
             if not same:  # a buffer re-created by the replay receives the saved result; one that
                 target.copy_(value)  # outlives the pass was already updated by the original op
         self._cursor += 1
+        if isinstance(entry.outputs, torch.Tensor):  # the common case: one tensor, no alias
+            return entry.outputs.detach()
 
         def restore(x: Any) -> Any:
             return _arg(func, args, kwargs, x.index) if isinstance(x, _ArgAlias) else _detach(x)
@@ -172,18 +187,27 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
+_UNDECIDED = object()
+
+
 class PolicyMode(TorchDispatchMode):
-    """Applies the policy to every op of one pass ("original" saves, "replay" reuses or recomputes)."""
+    """Applies the policy to every op of one pass ("original" saves, "replay" reuses or recomputes).
+
+    Every op of the region passes through here, so the common case (an op already decided, nothing
+    to save) is one dict lookup; per-op counts are kept by OpOverload and folded into the region's
+    stats when the pass ends.
+    """
 
     def __init__(self, saved: SavedOps, phase: str) -> None:
         super().__init__()
         self.saved = saved
         self.phase = phase
+        self._original = phase == "original"
         self._decisions: dict[torch._ops.OpOverload, str | None] = {}
+        self._ops_original = 0
+        self._recomputed: dict[torch._ops.OpOverload, int] = {}
 
     def _decide(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
-        if func in self._decisions:
-            return self._decisions[func]
         reason = self.saved.policy.decide(func, args, kwargs)
         if op_packet_name(func) not in self.saved.policy.device_to_host:  # arg-dependent: not cached
             self._decisions[func] = reason
@@ -191,19 +215,28 @@ class PolicyMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reason = self._decide(func, args, kwargs)
-        stats = self.saved.stats
-        if self.phase == "original":
+        reason = self._decisions.get(func, _UNDECIDED)
+        if reason is _UNDECIDED:
+            reason = self._decide(func, args, kwargs)
+        if self._original:
             frame = current_frame()
             if frame is not None and frame.reusing:  # inside reuse_during_recompute: runs once, never replays
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)
-            stats.ops_original += 1
+            self._ops_original += 1
             if reason is not None:
                 self.saved.record(func, args, kwargs, out, reason)
             return out
         if reason is None:
-            stats.ops_recomputed += 1
-            stats.recomputed_by_op[op_packet_name(func)] += 1
+            self._recomputed[func] = self._recomputed.get(func, 0) + 1
             return func(*args, **kwargs)
         return self.saved.replay(func, args, kwargs)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        stats = self.saved.stats
+        stats.ops_original += self._ops_original
+        for func, count in self._recomputed.items():
+            stats.ops_recomputed += count
+            stats.recomputed_by_op[op_packet_name(func)] += count
+        self._ops_original, self._recomputed = 0, {}
+        return super().__exit__(exc_type, exc_value, traceback)
