@@ -13,6 +13,8 @@ imports none of the ops it refers to (they live in ``spartron.runtime.ops`` and 
   norms, reshapes and RoPE replay.
 - REPLAY_ONLY_MARKERS: namespaces whose ops appear on replay only (profiler ranges, FSDP hooks);
   never saved and ignored when the replayed op sequence is checked against the original one.
+- SAVE_WITH_BACKWARD_OUTPUTS: saved ops whose backward-only outputs (attention logsumexp) must be
+  computed in the original pass even though it runs without grad.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 )
 
 REPLAY_ONLY_MARKERS: tuple[str, ...] = ("profiler", "fsdp")
+
+SAVE_WITH_BACKWARD_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "aten::_scaled_dot_product_efficient_attention": ("compute_log_sumexp",),
+    "aten::_scaled_dot_product_cudnn_attention": ("compute_log_sumexp",),
+    "aten::_efficient_attention_forward": ("compute_log_sumexp",),
+}
+"""Bool arguments forced to True when one of these ops is SAVED. SDPA asks for the logsumexp only
+when its inputs need grad; a reentrant region's original pass runs without grad, so the saved output
+would lack what the replay's backward reads (seen on the H200: NaN gradients with cuDNN attention)."""
 
 Mode = Literal["full", "selective"]
 

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from spartron.checkpointing.policy import OpPolicy, op_packet_name
+from spartron.checkpointing.policy import SAVE_WITH_BACKWARD_OUTPUTS, OpPolicy, op_packet_name
 from spartron.checkpointing.replay import current_frame
 
 log = logging.getLogger("spartron.checkpointing")
@@ -190,6 +190,21 @@ def _detach(x: Any) -> Any:
 _UNDECIDED = object()
 
 
+def with_backward_outputs(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Force the SAVE_WITH_BACKWARD_OUTPUTS flags of a saved op to True (see policy.py)."""
+    flags = SAVE_WITH_BACKWARD_OUTPUTS.get(op_packet_name(func))
+    if not flags:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in flags:
+            if i < len(args) and not arg.kwarg_only:
+                args[i] = True
+            else:
+                kwargs[arg.name] = True
+    return tuple(args), kwargs
+
+
 class PolicyMode(TorchDispatchMode):
     """Applies the policy to every op of one pass ("original" saves, "replay" reuses or recomputes).
 
@@ -222,6 +237,8 @@ class PolicyMode(TorchDispatchMode):
             frame = current_frame()
             if frame is not None and frame.reusing:  # inside reuse_during_recompute: runs once, never replays
                 return func(*args, **kwargs)
+            if reason is not None:
+                args, kwargs = with_backward_outputs(func, args, kwargs)
             out = func(*args, **kwargs)
             self._ops_original += 1
             if reason is not None:

@@ -332,3 +332,19 @@ def test_debug_summary_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="spartron.checkpointing"):
         CheckpointRegion(opts)(block, x).sum().backward()
     assert "checkpoint region 'block 3'" in caplog.text and "replays 1" in caplog.text
+
+
+def test_saved_attention_ops_compute_their_logsumexp_even_without_grad():
+    # A reentrant original pass runs without grad, so SDPA asks its kernels for no logsumexp; a SAVED
+    # attention output must carry it, because the replay's backward reads it (NaN grads otherwise).
+    from spartron.checkpointing.saved_ops import with_backward_outputs
+
+    q = torch.empty(1, 1, 4, 8, device="meta")
+    for op in (torch.ops.aten._scaled_dot_product_efficient_attention.default,
+               torch.ops.aten._scaled_dot_product_cudnn_attention.default):
+        args, kwargs = with_backward_outputs(op, (q, q, q, None, False), {"scale": 0.5})
+        assert args[4] is True and kwargs == {"scale": 0.5}
+        args, kwargs = with_backward_outputs(op, (q, q, q, None), {"compute_log_sumexp": False})
+        assert kwargs["compute_log_sumexp"] is True
+    untouched = (q, q)
+    assert with_backward_outputs(torch.ops.aten.mm.default, untouched, {}) == (untouched, {})
