@@ -93,3 +93,15 @@ def test_ffn_is_swiglu():
     x = torch.randn(5, 8)
     ref = (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
     torch.testing.assert_close(ffn(x), ref)
+
+
+@needs_grouped
+def test_grouped_under_autocast_casts_like_linear():
+    # fp32 weights, bf16 autocast: the grouped path computes in bf16 as F.linear would in the loop path.
+    grouped, loop = _pair(torch.float32)
+    counts = torch.tensor([5, 0, 7, 3])
+    x = torch.randn(15, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yg, yl = grouped(x, counts), loop(x, counts)
+    assert yg.dtype == yl.dtype == torch.bfloat16
+    torch.testing.assert_close(yg, yl, atol=2e-2, rtol=2e-2)

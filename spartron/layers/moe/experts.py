@@ -85,15 +85,19 @@ class GroupedExperts(nn.Module):
             if (size * x.element_size()) % 16:
                 raise ValueError(f"model.moe.grouped_mm = 'grouped' needs 16-byte aligned rows: {name} "
                                  f"{size} x {x.element_size()} bytes is not a multiple of 16; use 'loop'")
-        if x.dtype != self.w1.dtype:
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if torch.is_autocast_enabled(x.device.type):  # autocast does not cover _grouped_mm: cast like linear
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
+        if x.dtype != w1.dtype:
             raise ValueError(f"GroupedExperts: input dtype {x.dtype} differs from expert weights "
-                             f"{self.w1.dtype}")
+                             f"{w1.dtype}")
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         try:
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         except (RuntimeError, NotImplementedError) as err:
             raise RuntimeError(f"torch._grouped_mm failed for {x.dtype} on {x.device} (torch "
                                f"{torch.__version__}); set model.moe.grouped_mm = 'loop' to use the "
