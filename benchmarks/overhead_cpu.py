@@ -233,8 +233,9 @@ def main() -> None:
     calls, blocks = (20, 2) if args.smoke else (args.calls, args.blocks)
     torch.set_num_threads(1)
 
-    run = {"commit": _commit(), "collectives": bench_collectives(calls, blocks),
-           "policy_mode": bench_policy_mode(calls, blocks)}
+    run = {"commit": _commit(), "spartron_imported_from": str(Path(C.__file__).parents[3]),
+           "collectives": bench_collectives(calls, blocks), "policy_mode": bench_policy_mode(calls, blocks)}
+    print(f"spartron from {run['spartron_imported_from']} (commit of the working tree: {run['commit']})")
     for section in ("collectives", "policy_mode"):
         print(f"[{section}]")
         for name, value in run[section].items():
