@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from spartron.checkpointing import DEFAULT_TARGETS, ACConfig, CheckpointRegion, region_options
 from spartron.runtime.metrics import git_commit  # noqa: E402
@@ -58,6 +63,15 @@ def _torch_sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _no_early_stop(fn):
+    """torch's non-reentrant checkpoint replaying the whole block, as Spartron's regions do (the
+    boundary validates the full replayed op sequence, so it cannot stop at the last saved tensor)."""
+    def run(x):
+        with set_checkpoint_early_stop(False):
+            return fn(x)
+    return run
+
+
 def variants(block: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     def spartron(mode: str, reentrant: bool):
         region = CheckpointRegion(region_options(ACConfig(mode=mode, reentrant=reentrant), "block"))
@@ -71,6 +85,8 @@ def variants(block: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tenso
         "spartron_full_nonreentrant": spartron("full", False),
         "spartron_selective_nonreentrant": spartron("selective", False),
         "torch_full": lambda x: checkpoint(block, x, use_reentrant=False),
+        "torch_full_reentrant": lambda x: checkpoint(block, x, use_reentrant=True),
+        "torch_full_no_early_stop": _no_early_stop(lambda x: checkpoint(block, x, use_reentrant=False)),
         "torch_selective": lambda x: checkpoint(block, x, use_reentrant=False, context_fn=sac),
     }
 
@@ -134,6 +150,10 @@ def main() -> None:
     checks = {
         "full_vs_torch_full<=1.02": results["spartron_full_nonreentrant"]["step_ms"]
         / results["torch_full"]["step_ms"],
+        "full_reentrant_vs_torch_reentrant<=1.02": results["spartron_full"]["step_ms"]
+        / results["torch_full_reentrant"]["step_ms"],
+        "full_vs_torch_full_no_early_stop<=1.02": results["spartron_full_nonreentrant"]["step_ms"]
+        / results["torch_full_no_early_stop"]["step_ms"],
         "selective_vs_torch_sac<=1.02": results["spartron_selective_nonreentrant"]["step_ms"]
         / results["torch_selective"]["step_ms"],
         "full_step<=1.38x_none": ratios["spartron_full"],
