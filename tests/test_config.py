@@ -62,6 +62,8 @@ def test_defaults_and_overrides():
     (["offload.enabled=true", "ac.mode=none"],
      "invalid config: offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'"),
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),
+    (["train.compile=true"],  # tiny.toml has ac.mode = "selective"
+     "invalid config: train.compile = true cannot be combined with ac.mode = 'selective'"),
     # bad override syntax
     (["parallel.ep"], "override 'parallel.ep' must look like dotted.key=value"),
     (["=3"], "override '=3' must look like dotted.key=value (empty key part in '')"),

@@ -81,6 +81,7 @@ class TrainConfig(ConfigSection):
     beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     save_every: int = Field(0, ge=0)  # 0: never
     run_dir: str | None = None  # default runs/<name>
     resume: bool = True
@@ -184,6 +185,12 @@ class RunConfig(ConfigSection):
         if self.parallel.ep > 1 and self.model.moe.dispatcher == "local":
             raise ValueError("model.moe.dispatcher 'local' cannot run with parallel.ep > 1; "
                              "use 'all_to_all' or 'deepep'")
+        if self.train.compile and self.ac.mode != "none":
+            raise ValueError(
+                "train.compile = true cannot be combined with ac.mode = "
+                f"{self.ac.mode!r}: the checkpoint policy watches every dispatched operator from a "
+                "TorchDispatchMode, which torch.compile cannot trace and whose saves it would fuse away; "
+                "compile with ac.mode = 'none', or keep ac and set train.compile = false")
         if self.offload.enabled and self.ac.mode == "none":
             raise ValueError("offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'")
         if self.train.seq_len % (2 * self.parallel.cp) and self.parallel.cp > 1:

@@ -2,7 +2,9 @@
 
 Order matters and is fixed here, in one place:
 1. activation checkpointing wraps every `freq`-th decoder block's forward (a checkpoint region);
-2. optional torch.compile per block (the region is inside the compiled module's forward);
+2. optional torch.compile per block, only without checkpoint regions (the config rejects compile
+   with ac.mode != 'none': the operator policy is a TorchDispatchMode that dynamo cannot trace, so
+   regions stay eager, as seed 000 keeps dense checkpoint boundaries outside compiled graphs);
 3. FSDP2: the routed experts of each MoE block on the expert mesh (with the gradient divided by the
    full data x context world, since every rank's tokens reach an expert through all-to-all), then
    the block on the dense mesh — its hooks run OUTSIDE the region, so a replay never re-runs a block's
@@ -93,7 +95,9 @@ def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
     wire_micro_batching(model, cfg)
     if cfg.train.compile:
         for _, _, block in checkpointed_blocks(model):
-            block.compile(fullgraph=False)  # in place: parameter names and state_dict keys stay the same
+            # In place: parameter names and state_dict keys stay the same. Not fullgraph: the MoE
+            # dispatcher's host-side split sizes break the graph by design (documented in moe/dispatch.py).
+            block.compile(fullgraph=False, backend=cfg.train.compile_backend)
     if groups is not None and groups.size("world") > 1:
         apply_fsdp(model, groups)
     return model
