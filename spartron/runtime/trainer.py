@@ -170,6 +170,7 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     result = _train(cfg, model_factory or default_model_factory, before_commit)
     # On failure the group is left alone: tearing it down can block on peers still in a collective.
     if owns_pg:
+        dist.barrier()  # no rank tears its transport down while a peer still talks to it (gloo aborts)
         dist.destroy_process_group()
     return result
 
