@@ -18,29 +18,25 @@ experts, 16k tokens per rank, bf16. Median of CUDA-event timed iterations, worst
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import statistics
-import tempfile
-import time
+import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by custom ops; load it once before forking)
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from spartron.checkpointing import build_policy
 from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.deepep_buffer import load_deep_ep
-from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.metrics import git_commit
 from spartron.runtime.ops.collectives import all_to_all
 from spartron.runtime.ops.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import device_name, median_ms, run_ranks, write_report  # noqa: E402
 
 FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
 SMOKE = {"n_experts": 8, "top_k": 2, "dim": 64, "inter": 32, "shared": 1, "tokens": 256}
@@ -53,36 +49,6 @@ def model_cfg(shape: dict, dtype: str, dispatcher: str, num_sms: int) -> ModelCo
            "n_shared_experts": shape["shared"], "score_func": "softmax", "router_fp32": True,
            "dispatcher": dispatcher, "deepep_num_sms": num_sms, "grouped_mm": "auto"}
     return ModelConfig.model_validate({"dim": shape["dim"], "dtype": dtype, "moe": moe})
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn, iters: int, warmup: int, device: torch.device, setup=None) -> float:
-    """Median time of `fn()` in ms (CUDA events on GPU); `setup()` runs untimed before each call."""
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    times = []
-    for _ in range(iters):
-        if setup:
-            setup()
-        _sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _token_path(layer: MoELayer, x: torch.Tensor, routing: dict):
@@ -104,6 +70,7 @@ def _measure_all_to_all(layer, x, x3, g, routing, group, iters, warmup) -> dict:
     d = layer.dispatcher
     with torch.no_grad():
         rows, state = d.prepare(x, routing["topk_ids"], routing["topk_weights"])
+        d.exchange_counts(state)  # split sizes once: exchanges() times the token all-to-alls alone
 
     def exchanges():
         with torch.no_grad():
@@ -200,27 +167,6 @@ def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, 
     return res
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _nccl_worker(rank: int, world: int, args: tuple, port: int, path: str) -> None:
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300),
-                            device_id=torch.device("cuda", rank))
-    try:
-        res = _rank_measure(rank, world, *args)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        if rank == 0:
-            Path(path).write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
-
-
 def _worst(ranks: list[dict], path: tuple[str, ...]):
     values = []
     for r in ranks:
@@ -247,15 +193,7 @@ def run(args) -> dict:
     dtype = "bfloat16"
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     measure_args = (shape, dtype, args.num_sms, iters, warmup)
-    if args.smoke:
-        from spartron.testing import run_distributed
-
-        ranks = run_distributed(_rank_measure, WORLD, *measure_args, timeout=120)
-    else:
-        with tempfile.TemporaryDirectory(prefix="deepep-bench-") as tmp:
-            path = os.path.join(tmp, "ranks.json")
-            mp.spawn(_nccl_worker, args=(WORLD, measure_args, _free_port(), path), nprocs=WORLD, join=True)
-            ranks = json.loads(Path(path).read_text())
+    ranks = run_ranks(_rank_measure, WORLD, *measure_args, cuda=cuda)
     summary = {}
     for name in ("all_to_all", "deepep"):
         summary[name] = {k: _worst(ranks, (name, k)) for k in
@@ -267,7 +205,7 @@ def run(args) -> dict:
     summary["goal_speedup"] = GOAL_SPEEDUP
     summary["goal_met"] = None if summary["layer_speedup"] is None else summary["layer_speedup"] >= GOAL_SPEEDUP
     return {"benchmark": "deepep vs all_to_all MoE dispatcher, EP=2",
-            "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
+            "device": "cpu (gloo, smoke)" if args.smoke else device_name(cuda=True),
             "backend": "gloo" if args.smoke else "nccl", "world_size": WORLD, "dtype": dtype,
             "torch": torch.__version__, "commit": git_commit(), "smoke": args.smoke, "shape": shape,
             "num_sms": args.num_sms, "iters": iters, "warmup": warmup, "deepep": deepep_status,
@@ -313,10 +251,7 @@ def main() -> None:
     args = p.parse_args()
     report = run(args)
     print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -17,25 +17,21 @@ Shapes (issue 5): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 s
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import statistics
-import tempfile
-import time
-from datetime import timedelta
+import sys
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by custom ops; load it once before forking)
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.experts import grouped_mm_available
-from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.metrics import git_commit
 from spartron.runtime.ops.collectives import all_to_all
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import device_name, median_ms, run_ranks, write_report  # noqa: E402
 
 FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
 SMOKE = {"n_experts": 8, "top_k": 2, "dim": 64, "inter": 32, "shared": 1, "tokens": 256}
@@ -46,26 +42,6 @@ def model_cfg(shape: dict, dtype: str) -> ModelConfig:
            "n_shared_experts": shape["shared"], "score_func": "softmax", "router_fp32": True,
            "dispatcher": "all_to_all", "grouped_mm": "auto"}
     return ModelConfig.model_validate({"dim": shape["dim"], "dtype": dtype, "moe": moe})
-
-
-def median_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of `fn()` in ms; CUDA events around each call on GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bench_layer(layer: MoELayer, x: torch.Tensor, iters: int, warmup: int) -> dict:
@@ -149,12 +125,6 @@ def bench_grouped_gemm(layer: MoELayer, x: torch.Tensor, iters: int, warmup: int
 # EP=2: spawned ranks
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warmup: int) -> dict:
     """One EP rank's measurements; the default process group is initialised (NCCL or gloo)."""
     cuda = dist.get_backend() == "nccl"
@@ -168,10 +138,11 @@ def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warm
     with torch.no_grad():
         routing = layer.router(x)
         rows, state = d.prepare(x.reshape(-1, shape["dim"]), routing["topk_ids"], routing["topk_weights"])
+        d.exchange_counts(state)  # split sizes once: the timings below reuse them
 
-    def prepare():
+    def prepare():  # sort + count + count exchange + split sizes to the host
         with torch.no_grad():
-            d.prepare(x.reshape(-1, shape["dim"]), routing["topk_ids"], routing["topk_weights"])
+            d.exchange_counts(d.prepare(x.reshape(-1, shape["dim"]), routing["topk_ids"], routing["topk_weights"])[1])
 
     def dispatch_combine():  # the two token all-to-alls alone (combine without the regrouping)
         with torch.no_grad():
@@ -205,32 +176,8 @@ def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warm
     return res
 
 
-def _nccl_worker(rank: int, world: int, shape: dict, dtype: str, iters: int, warmup: int, port: int,
-                 result_path: str) -> None:
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300),
-                            device_id=torch.device("cuda", rank))
-    try:
-        res = _ep_measure(rank, world, shape, dtype, iters, warmup)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        if rank == 0:
-            Path(result_path).write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
-
-
 def bench_ep(shape: dict, dtype: str, iters: int, warmup: int, cuda: bool, world: int = 2) -> list[dict]:
-    if not cuda:  # CPU smoke: gloo ranks forked by the test harness (fast start)
-        from spartron.testing import run_distributed
-
-        return run_distributed(_ep_measure, world, shape, dtype, iters, warmup, timeout=120)
-    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
-        path = os.path.join(tmp, "ep.json")
-        mp.spawn(_nccl_worker, args=(world, shape, dtype, iters, warmup, _free_port(), path), nprocs=world,
-                 join=True)
-        return json.loads(Path(path).read_text())
+    return run_ranks(_ep_measure, world, shape, dtype, iters, warmup, cuda=cuda)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +190,7 @@ def run(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = "bfloat16" if cuda else "float32"
     iters, warmup = (3, 1) if args.smoke else (args.iters, args.warmup)
-    report = {"benchmark": "moe_layer", "device": torch.cuda.get_device_name() if cuda else "cpu",
+    report = {"benchmark": "moe_layer", "device": device_name(cuda),
               "torch": torch.__version__, "commit": git_commit(), "dtype": dtype, "shape": shape,
               "iters": iters, "warmup": warmup}
     torch.manual_seed(0)
@@ -294,10 +241,7 @@ def main() -> None:
     args = p.parse_args()
     report = run(args)
     print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

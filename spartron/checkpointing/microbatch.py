@@ -11,12 +11,23 @@ schedule of one MoE layer is
 
 and the decoder stack loop is unchanged: a region simply receives lists (a PyTree) of micro-batches.
 
-On CUDA, communication phases (`Phase.comm`) run on a side stream: that stream first waits for the
-compute stream, the tensors the phase reads are recorded on it (so the allocator does not hand
-their memory to compute work while the collective still reads them), and an event recorded at the
-end is what that micro-batch's next phase waits for. Experts of mb0 therefore run while the dispatch
-of mb1 is in flight. The operations and their order per micro-batch are the same as in the plain
-path, so numerics are identical; on CPU phases simply run in order.
+On CUDA, communication steps (the code after a `Phase(comm=True)` yield) run on a side stream of
+their micro-batch, and the streams are ordered by events, never by waiting for a whole stream:
+- a micro-batch's comm step waits for the event recorded after ITS previous compute step, so the
+  combine of mb0 starts as soon as mb0's experts are done, while mb1's experts (queued later on the
+  same compute stream) still run;
+- a compute step waits for the event recorded after its micro-batch's previous comm step;
+- each micro-batch has its own comm stream, so a blocking step inside one (the split-size copy to
+  the host in the all-to-all dispatch) waits only for that micro-batch: the CPU blocks while the
+  compute stream still runs the other micro-batch's queued attention, instead of draining it;
+- tensors a step reads that another stream allocated (`Phase.reads`) are recorded on the stream
+  that reads them, so the caching allocator does not hand their memory out while it is still read.
+With two micro-batches one MoE layer then overlaps dispatch(mb0) with attention(mb1),
+dispatch(mb1) with experts(mb0), combine(mb0) with experts(mb1) and combine(mb1) with the
+finalize + shared experts of mb0. Backward needs no schedule of its own: autograd runs each
+backward op on the stream its forward ran on and follows the interleaved creation order in
+reverse. The operations and their order per micro-batch are those of the plain path, so numerics
+are identical; on CPU the steps simply run in order.
 
 Micro-batches split the batch dimension into equal parts, so per-micro-batch token or sequence
 means average to the whole-batch mean (aux losses, indexer losses) and expert counts add up.
@@ -36,7 +47,9 @@ class Phase(NamedTuple):
 
     name: str
     comm: bool = False  # the step after this yield is communication (side stream on CUDA)
-    reads: tuple[Tensor | None, ...] = ()  # tensors that step reads (recorded on the side stream)
+    # tensors the step after this yield reads that another stream allocated or will read: recorded
+    # on the stream the step runs on (extra entries cost nothing but a delayed memory reuse)
+    reads: tuple[Tensor | None, ...] = ()
 
 
 PhaseGen = Generator[Phase, None, Any]
@@ -51,23 +64,45 @@ def drive(phases: PhaseGen) -> Any:
             return done.value
 
 
-class _CommStream:
-    """The side stream and per-micro-batch events of one interleaved call (CUDA only)."""
+class _Streams:
+    """Per-micro-batch comm streams and the events ordering them against the compute stream (CUDA)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n: int) -> None:
         self.compute = torch.cuda.current_stream(device)
-        self.stream = torch.cuda.Stream(device)
+        self.comm = [torch.cuda.Stream(device) for _ in range(n)]
+        self.computed: list[Any] = [None] * n  # event after micro-batch i's last compute step
+        self.communicated: list[Any] = [None] * n  # event after its last comm step (not yet waited for)
 
-    def run(self, gen: PhaseGen, phase: Phase) -> tuple[Any, torch.cuda.Event]:
-        self.stream.wait_stream(self.compute)
-        for t in phase.reads:
-            if t is not None:
-                t.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            result = _step(gen)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return result, done
+    def comm_step(self, i: int, gen: PhaseGen, phase: Phase) -> Any:
+        stream = self.comm[i]
+        stream.wait_event(self.computed[i])  # its own compute so far, not the other micro-batches'
+        _record(phase.reads, stream)
+        with torch.cuda.stream(stream):
+            out = _step(gen)
+        self.communicated[i] = torch.cuda.Event()
+        self.communicated[i].record(stream)
+        return out
+
+    def compute_step(self, i: int, gen: PhaseGen, phase: Phase | None) -> Any:
+        self.join(i)
+        if phase is not None:
+            _record(phase.reads, self.compute)
+        out = _step(gen)
+        self.computed[i] = torch.cuda.Event()
+        self.computed[i].record(self.compute)
+        return out
+
+    def join(self, i: int) -> None:
+        """The compute stream waits for micro-batch i's last comm step (if it has not yet)."""
+        if self.communicated[i] is not None:
+            self.compute.wait_event(self.communicated[i])
+            self.communicated[i] = None
+
+
+def _record(tensors: Sequence[Tensor | None], stream: Any) -> None:
+    for t in tensors:
+        if t is not None and t.device.type == "cuda":
+            t.record_stream(stream)
 
 
 _FINISHED = object()
@@ -83,26 +118,24 @@ def _step(gen: PhaseGen) -> Any:
 
 def interleave(gens: Sequence[PhaseGen], device: torch.device | None = None) -> list[Any]:
     """Step the generators round-robin, one phase each per round; returns their results in order."""
-    comm = _CommStream(device) if device is not None and device.type == "cuda" else None
+    streams = _Streams(device, len(gens)) if device is not None and device.type == "cuda" else None
     pending: list[Phase | None] = [None] * len(gens)  # the phase each generator yielded last
-    waits: list[Any] = [None] * len(gens)
     results: list[Any] = [None] * len(gens)
     active = list(range(len(gens)))
     while active:
         for i in list(active):
             phase = pending[i]
-            if comm is not None and phase is not None and phase.comm:
-                out, waits[i] = comm.run(gens[i], phase)
-            else:
-                if waits[i] is not None:
-                    torch.cuda.current_stream(device).wait_event(waits[i])
-                    waits[i] = None
+            if streams is None:
                 out = _step(gens[i])
+            elif phase is not None and phase.comm:
+                out = streams.comm_step(i, gens[i], phase)
+            else:
+                out = streams.compute_step(i, gens[i], phase)
             if isinstance(out, tuple) and len(out) == 2 and out[0] is _FINISHED:
                 results[i] = out[1]
                 active.remove(i)
-                if waits[i] is not None:  # finished inside a comm step: join before the caller uses it
-                    torch.cuda.current_stream(device).wait_event(waits[i])
+                if streams is not None:  # finished inside a comm step: join before the caller uses it
+                    streams.join(i)
             else:
                 pending[i] = out
     return results

@@ -139,3 +139,34 @@ def test_micro_batch_errors_name_the_keys():
                                                                   "train.micro_batch_size=2"))
     with pytest.raises(ValueError, match="must divide the per-forward batch"):
         split_micro_batches(torch.zeros(3, 4), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: comm steps on per-micro-batch side streams")
+def test_comm_steps_run_on_their_own_micro_batch_stream_and_results_match_drive():
+    device = torch.device("cuda", torch.cuda.current_device())
+    compute = torch.cuda.current_stream(device)
+    streams: dict[str, object] = {}
+
+    def layer(mb: int, x: torch.Tensor):
+        h = (x * (mb + 2)).sin()  # compute
+        yield Phase("dispatch", comm=True, reads=(h,))
+        streams[f"dispatch{mb}"] = torch.cuda.current_stream(device)
+        torch.cuda._sleep(2_000_000)  # a slow "collective": the compute stream must not wait for it here
+        h = h.flip(0) + 1
+        yield Phase("experts", reads=(h,))
+        streams[f"experts{mb}"] = torch.cuda.current_stream(device)
+        h = h @ h.T
+        yield Phase("combine", comm=True, reads=(h,))
+        streams[f"combine{mb}"] = torch.cuda.current_stream(device)
+        return h.cos().sum(0)
+
+    xs = [torch.randn(256, 256, device=device) for _ in range(2)]
+    expected = [drive(layer(i, x)) for i, x in enumerate(xs)]
+    got = interleave([layer(i, x) for i, x in enumerate(xs)], device=device)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)  # the results are usable on the compute stream right away
+    assert streams["experts0"] == compute and streams["experts1"] == compute
+    assert streams["dispatch0"] != compute and streams["dispatch1"] != compute
+    assert streams["dispatch0"] != streams["dispatch1"]  # one comm stream per micro-batch
+    assert streams["combine0"] == streams["dispatch0"] and streams["combine1"] == streams["dispatch1"]

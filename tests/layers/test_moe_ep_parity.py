@@ -115,3 +115,42 @@ def _interleaved_worker(rank, world):
 
 def test_phases_interleave_across_micro_batches():
     assert run_distributed(_interleaved_worker, 2) == [True, True]
+
+
+def _prepare_is_local_worker(rank, world):
+    """prepare issues no collective and no host copy: the one sync of the path sits in dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cfg = _cfg("sigmoid")
+    torch.manual_seed(rank)
+    layer = MoELayer(cfg, ep_group=dist.group.WORLD)
+    x = torch.randn(BATCH_PER_RANK * SEQ, DIM)
+    routing = layer.router(x.view(BATCH_PER_RANK, SEQ, DIM))
+    d = layer.dispatcher
+    with Ops() as ops:
+        rows, state = d.prepare(x, routing["topk_ids"], routing["topk_weights"])
+    assert not [op for op in ops.seen if "spartron_collectives" in op], ops.seen
+    assert state.input_splits is None and state.output_splits is None and state.recv_counts is None
+    with Ops() as ops:
+        recv = d.dispatch(rows, state)
+    collectives = [op for op in ops.seen if "spartron_collectives" in op]
+    assert collectives == ["spartron_collectives.all_to_all.default", "spartron_collectives.splits_to_host.default",
+                           "spartron_collectives.all_to_all.default"], collectives
+    assert sum(state.input_splits) == rows.shape[0] and sum(state.output_splits) == recv.shape[0]
+    with Ops() as ops:  # split sizes already known (a caller timing the token all-to-all alone)
+        d.dispatch(rows, state)
+    assert [op for op in ops.seen if "spartron_collectives" in op] == ["spartron_collectives.all_to_all.default"]
+    return True
+
+
+def test_prepare_is_local_and_dispatch_holds_the_split_sync():
+    assert run_distributed(_prepare_is_local_worker, 2) == [True, True]

@@ -1,15 +1,22 @@
 """Token dispatch/combine between the router and the experts, as explicit phases.
 
-    prepare       sort the (token, k) slots by global expert; count them; (EP) exchange counts
-    dispatch      (EP) all-to-all the sorted rows to the ranks owning their experts
+    prepare       sort the (token, k) slots by global expert; count them (device work only, no sync)
+    dispatch      (EP) exchange the counts and copy the split sizes to the host (`exchange_counts`),
+                  then all-to-all the sorted rows to the ranks owning their experts
     post_dispatch (EP) regroup received rows by local expert -> rows ready for the grouped GEMM
     experts       (caller) GroupedExperts(rows, tokens_per_local_expert)
     combine       (EP) undo the regrouping, reverse all-to-all back to the source rank
     finalize      unsort the slots, weight by the gates, sum the top-k contributions per token
 
 Every piece of data a later phase needs travels in a per-call `DispatchState`; dispatchers hold
-only configuration, so two micro-batches can be in flight at once (a later issue interleaves one
-micro-batch's communication with another's experts by calling these phases in a different order).
+only configuration, so two micro-batches can be in flight at once (checkpointing/microbatch.py
+interleaves one micro-batch's communication with another's compute).
+
+The one host synchronisation of the all-to-all path (the split sizes the token all-to-all needs on
+the host) sits in `dispatch`, not in `prepare`: under interleaving `dispatch` runs on a
+communication stream that waits only for its own micro-batch, so the blocking device->host copy
+waits for that micro-batch's routing while the compute stream keeps running the other micro-batch's
+queued attention. In `prepare` it would drain the compute stream before any all-to-all is issued.
 
 Global expert e lives on EP rank e // E_local. Sorting slots by global expert therefore also makes
 each destination rank's rows contiguous, which is what the all-to-all's split sizes describe.
@@ -91,8 +98,11 @@ class AllToAllDispatcher(LocalDispatcher):
         self.ep = dist.get_world_size(ep_group)
         self.n_local_experts = n_experts // self.ep
 
-    def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DispatchState]:
-        rows, state = super().prepare(x, topk_ids, topk_weights)
+    def exchange_counts(self, state: DispatchState) -> None:
+        """Exchange the per-expert counts and copy the split sizes to the host (the sync point).
+
+        `dispatch` calls it when the state has no split sizes yet; callers that time the token
+        all-to-all alone call it once beforehand."""
         ep, n_local = self.ep, self.n_local_experts
         # entry (src, e) of recv_counts: rows source rank src sends to my local expert e
         recv_counts = all_to_all(state.tokens_per_expert, [n_local] * ep, [n_local] * ep, self.group)
@@ -101,9 +111,10 @@ class AllToAllDispatcher(LocalDispatcher):
         state.input_splits = host[:ep]
         state.output_splits = [sum(host[ep + r * n_local: ep + (r + 1) * n_local]) for r in range(ep)]
         state.recv_counts = recv_counts.view(ep, n_local)
-        return rows, state
 
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
+        if state.input_splits is None:
+            self.exchange_counts(state)
         return all_to_all(x, state.output_splits, state.input_splits, self.group)
 
     def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:

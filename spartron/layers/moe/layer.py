@@ -30,6 +30,11 @@ from spartron.layers.outputs import MoEOutput
 from spartron.runtime.ops.telemetry import record_routing_stats
 
 
+def _tensors_of(state: object) -> tuple[Tensor, ...]:
+    """The tensor fields of a dispatch state: what a phase running on another stream may read."""
+    return tuple(v for v in vars(state).values() if isinstance(v, Tensor))
+
+
 class MoELayer(nn.Module):
     def __init__(self, model_cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None):
@@ -71,14 +76,15 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         tokens = x.reshape(-1, x.shape[-1])
         rows, state = d.prepare(tokens, topk_ids, routing["topk_weights"])
-        yield Phase("dispatch", comm=True, reads=(rows,))
+        # dispatch: (EP) count exchange, split sizes to the host, token all-to-all
+        yield Phase("dispatch", comm=True, reads=(rows, *_tensors_of(state)))
         rows = d.dispatch(rows, state)
-        yield Phase("experts")
+        yield Phase("experts", reads=(rows, *_tensors_of(state)))
         rows, tokens_per_local_expert = d.post_dispatch(rows, state)
         rows = self.experts(rows, tokens_per_local_expert)
-        yield Phase("combine", comm=True, reads=(rows, state.recv_order))
+        yield Phase("combine", comm=True, reads=(rows, *_tensors_of(state)))
         rows = d.combine(rows, state)
-        yield Phase("finalize")
+        yield Phase("finalize", reads=(rows,))
         out = d.finalize(rows, state)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
