@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,8 +159,10 @@ class ActivationOffloader:
             device = next(model.parameters()).device
         return cls(checkpoint_regions(model), config, device)
 
-    def session(self) -> OffloadSession:
-        return OffloadSession(self)
+    def session(self, on_region_backward: Callable[[int], None] | None = None) -> OffloadSession:
+        """The state of one step. `on_region_backward(region_index)` (optional, diagnostics) is
+        called when a region call's backward starts, before its restores are issued."""
+        return OffloadSession(self, on_region_backward)
 
 
 @contextlib.contextmanager
@@ -216,6 +218,8 @@ class _Handle:
     nbytes: int
     tensor: torch.Tensor | None = None  # kept on device, or the restored copy once prefetched
     host: _HostCopy | None = None
+    device_ref: weakref.ref | None = None  # the device tensor handed to autograd (or restored): alive until
+    # its region's backward has finished
     h2d_done: Any = None
     unpacked: bool = False
 
@@ -244,8 +248,10 @@ def _dense(t: torch.Tensor) -> bool:
 class OffloadSession:
     """The offload state of one training step. Enter it around the step's forward and backward."""
 
-    def __init__(self, offloader: ActivationOffloader) -> None:
+    def __init__(self, offloader: ActivationOffloader,
+                 on_region_backward: Callable[[int], None] | None = None) -> None:
         self.offloader = offloader
+        self.on_region_backward = on_region_backward
         self.config = offloader.config
         self.stats = SessionStats()
         self.calls: list[_RegionCallRecord] = []
@@ -354,10 +360,13 @@ class OffloadSession:
         call = handle.call
         if not call.backward_started:
             call.backward_started = True
+            if self.on_region_backward is not None:
+                self.on_region_backward(call.key)
             for ahead in self.calls[max(0, call.index - self.config.prefetch_depth): call.index + 1]:
                 self._restore(ahead, ahead is not call)
         handle.unpacked = True
         tensor, handle.tensor = handle.tensor, None
+        handle.device_ref = weakref.ref(tensor)
         self.stats._add_device(-handle.nbytes)
         if handle.host is not None:
             if handle.h2d_done is not None:
@@ -386,6 +395,7 @@ class OffloadSession:
                     handle.tensor.copy_(host, non_blocking=True)
                     handle.h2d_done = torch.cuda.Event()
                     handle.h2d_done.record(streams.h2d)
+            handle.device_ref = weakref.ref(handle.tensor)
             self.stats._add_device(handle.nbytes)
             self.stats.restored_tensors += 1
             self.stats.prefetched_ahead += int(ahead)
@@ -402,6 +412,19 @@ class OffloadSession:
             last_read = torch.cuda.Event()
             last_read.record(self.offloader.streams.h2d)  # after every H2D that read this buffer
         self.offloader.pool.release(copy.buffer, last_read)
+
+    def live_restored(self) -> list[tuple[int, int]]:
+        """(region call index, bytes) of every restored device copy still alive. A copy lives from
+        its restore until its region's backward has finished (autograd then frees the saved input);
+        a copy alive after that would keep offloaded bytes on device and defeat the window."""
+        return [(call.index, handle.nbytes) for call in self.calls for handle in call.handles
+                if handle.host is not None and handle.device_ref is not None and handle.device_ref() is not None]
+
+    def held_device_bytes(self) -> int:
+        """Device bytes of this step's saved region tensors alive right now: kept on device and not yet
+        used, or restored / handed to a backward that has not finished."""
+        return sum(h.nbytes for call in self.calls for h in call.handles
+                   if h.tensor is not None or (h.device_ref is not None and h.device_ref() is not None))
 
     def host_copies(self) -> list[_HostCopy]:
         """This step's distinct host copies (for timing their D2H events)."""

@@ -156,6 +156,35 @@ def test_peak_device_bytes_lower_with_the_window_on():
     assert peaks == {"off": 6 * one, "on": 2 * one}  # on: the kept last input + one restored input
 
 
+@pytest.mark.parametrize("mode,reentrant", [("full", True), ("selective", True), ("full", False)])
+def test_region_backward_observer_order_and_restored_copies_released_after_their_backward(mode, reentrant):
+    """The observer sees each region's backward start, last region first; at that moment no restored
+    copy of a region whose backward already ran is alive (only this one's and the prefetched ones)."""
+    _, blocks = stack(5, mode, reentrant)
+    one = 4 * 16 * 4
+    for depth in (1, 2):
+        offloader = ActivationOffloader.for_model(blocks, OffloadConfig(enabled=True, prefetch_depth=depth))
+        seen = []
+
+        def observe(key):
+            gc.collect()
+            seen.append((key, sorted(i for i, _ in session.live_restored()), session.held_device_bytes()))
+
+        with offloader.session(on_region_backward=observe) as session:
+            loss = run(blocks, torch.randn(4, 16, requires_grad=True))
+            held_after_forward = session.held_device_bytes()
+            loss.backward()
+            gc.collect()
+            assert session.live_restored() == [] and session.held_device_bytes() == 0
+        assert held_after_forward == one  # only the last region's input (outside the window) is on device
+        assert [key for key, _, _ in seen] == [4, 3, 2, 1, 0]
+        for key, live, held in seen:
+            # prefetched by the region after this one: calls key-depth+1 .. key (within the window 0..3)
+            ahead = list(range(max(0, key - depth + 1), min(key, 3) + 1)) if key < 4 else []
+            assert live == ahead, (depth, key, live)
+            assert held == one * (len(ahead) + (key == 4)), (depth, key, held)  # + the kept input of region 4
+
+
 def test_prefetch_depth_restores_regions_ahead_of_their_backward():
     _, blocks = stack(5)
     offloader = ActivationOffloader.for_model(blocks, OffloadConfig(enabled=True, prefetch_depth=2))
