@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +35,10 @@ from torch.utils.checkpoint import (
 )
 
 from spartron.checkpointing import DEFAULT_TARGETS, ACConfig, CheckpointRegion, region_options
-from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.metrics import git_commit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import device_name, write_report  # noqa: E402
 
 
 class Block(nn.Module):
@@ -169,14 +172,11 @@ def main() -> None:
         print(f"{name:38s} {'-' if value is None else f'{value:.3f}'}")
     report = {
         "benchmark": "ac_block", "smoke": args.smoke, "commit": git_commit(), "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device": device_name(device == "cuda"),
         "shape": {"batch": 1, "seq": seq, "dim": dim, "heads": heads, "mlp": mlp, "dtype": str(dtype)},
         "iters": iters, "results": results, "ratio_to_none": ratios, "checks": checks,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

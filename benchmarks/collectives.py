@@ -17,50 +17,21 @@ version, git commit, shapes, times).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import time
-from datetime import timedelta
+import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.metrics import git_commit
 from spartron.runtime.ops import collectives as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import device_name, elapsed_ms, run_ranks, write_report  # noqa: E402
 
 WORLD = 2
 TOLERANCE = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _elapsed_ms(fn, calls: int, device: torch.device) -> float:
-    """Milliseconds per call for `calls` back-to-back calls, synchronised only at the end."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / calls
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
 def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int) -> dict:
@@ -87,22 +58,18 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
     for _ in range(blocks):
         for name, fn in variants.items():
             dist.barrier()
-            pipelined[name].append(_elapsed_ms(fn, iters, device))
+            pipelined[name].append(elapsed_ms(fn, iters, device))
             dist.barrier()
-            latency[name] += [_elapsed_ms(fn, 1, device) for _ in range(iters)]
+            latency[name] += [elapsed_ms(fn, 1, device) for _ in range(iters)]
     return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols],
-            "median_ms": {k: _median(v) for k, v in pipelined.items()},
-            "latency_median_ms": {k: _median(v) for k, v in latency.items()}}
+            "median_ms": {k: statistics.median(v) for k, v in pipelined.items()},
+            "latency_median_ms": {k: statistics.median(v) for k, v in latency.items()}}
 
 
-def _worker(rank: int, args, port: int, result_path: str) -> None:
+def _rank_rows(rank: int, world: int, args) -> list[dict]:
+    """Every size's row (worst rank and each rank's times); the default process group is initialised."""
     smoke = args.smoke
     device = torch.device("cpu") if smoke else torch.device("cuda", rank)
-    if not smoke:
-        torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo" if smoke else "nccl", store=store, rank=rank, world_size=WORLD,
-                            device_id=None if smoke else device)
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for mb in args.sizes_mb:
@@ -113,19 +80,14 @@ def _worker(rank: int, args, port: int, result_path: str) -> None:
                  for key in ("median_ms", "latency_median_ms")}
         rows.append({"size_mb": mb, **r, **worst, "per_rank": [
             {key: g[key] for key in ("median_ms", "latency_median_ms")} for g in gathered]})
-    if rank == 0:
-        Path(result_path).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def run(args) -> dict:
     if not args.smoke and torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); "
                          "use --smoke for the CPU/gloo version")
-    result_path = os.path.join(args.tmpdir, f"collectives-bench-{os.getpid()}.json")
-    mp.spawn(_worker, args=(args, _free_port(), result_path), nprocs=WORLD, join=True)
-    rows = json.loads(Path(result_path).read_text())
-    os.unlink(result_path)
+    rows = run_ranks(_rank_rows, WORLD, args, cuda=not args.smoke, tmp_dir=args.tmpdir)[0]  # same on every rank
     for row in rows:
         ms = row["median_ms"]
         row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
@@ -135,7 +97,7 @@ def run(args) -> dict:
         row["within_tolerance"] = row["custom_over_raw"] <= 1 + TOLERANCE
     return {
         "benchmark": "all_to_all: spartron_collectives op vs dist.all_to_all_single",
-        "device": "cpu (gloo, smoke)" if args.smoke else torch.cuda.get_device_name(0),
+        "device": "cpu (gloo, smoke)" if args.smoke else device_name(cuda=True),
         "backend": "gloo" if args.smoke else "nccl",
         "world_size": WORLD, "dtype": "float32" if args.smoke else "bfloat16",
         "torch": torch.__version__, "commit": git_commit(), "smoke": args.smoke,
@@ -174,10 +136,7 @@ def main() -> None:
         print(f"{r['bytes_per_rank'] / 2**20:9.2f} {ms['raw']:9.3f} {ms['custom']:10.3f} "
               f"{gb['raw']:9.1f} {gb['custom']:12.1f} {r['custom_over_raw']:7.3f} | "
               f"{lat['raw']:12.3f} {lat['custom']:8.3f} {r['latency_custom_over_raw']:7.3f}{flag}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

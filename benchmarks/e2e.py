@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,9 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+
+from common import device_name, write_report  # noqa: E402
 
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit, training_flops_per_token  # noqa: E402
@@ -141,7 +143,7 @@ def main() -> int:
     print_table(rows)
     result = {
         "benchmark": "e2e",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
+        "device": device_name(torch.cuda.is_available() and not args.smoke),
         "world_size": world,
         "torch": torch.__version__,
         "git_commit": git_commit(),
@@ -152,10 +154,7 @@ def main() -> int:
         "peak_tflops_per_gpu": args.peak_tflops,
         "results": rows,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_report(args.out, result)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -18,7 +18,6 @@ numpy and packaging).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,9 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+
+from common import device_name, write_report  # noqa: E402
 
 from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.layers.megatron import (  # noqa: E402
@@ -176,16 +178,14 @@ def main() -> int:
     print_table(rows)
     result = {
         "benchmark": "megatron_gpt",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": device_name(device.type == "cuda"),
         "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", None),
         "git_commit": git_commit(), "smoke": args.smoke,
         "shapes": {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
                    "model": ModelConfig(**model).model_dump(), "dsa": dsa},
         "cases": rows,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, result)
     dist.destroy_process_group()
     return 0 if all("error" not in r and r["loss_decreased"] for r in rows) else 1
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,9 @@ from spartron.checkpointing.replay import ReplayFrame, active_frame
 from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
 from spartron.runtime.ops import collectives as C
 from spartron.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import write_report  # noqa: E402
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -249,9 +253,7 @@ def main() -> None:
                        "torch": torch.__version__, "units": "microseconds per call (per op where named)",
                        "calls_per_block": calls, "blocks": blocks})
         report.setdefault("runs", {})[args.label] = run
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out} [{args.label}]")
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Prints a table and writes JSON (device, torch version, git commit, shapes, ms, T
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +21,9 @@ import torch.nn.functional as F
 
 from spartron.runtime.metrics import git_commit
 from spartron.runtime.ops.sparse_mla import default_chunk_size, sparse_mla
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
+from common import device_name, write_report  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -107,7 +110,7 @@ def run(args) -> dict:
                           fraction_of_bf16_peak=(flops / ms / 1e9) / H200_BF16_DENSE_TFLOPS)
     commit = git_commit()
     return dict(
-        benchmark="sparse_mla", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        benchmark="sparse_mla", device=device_name(device.type == "cuda"),
         torch=torch.__version__, commit=commit, dtype=str(dtype), smoke=args.smoke,
         shapes=dict(seq=s, heads=h, topk=k, kv_lora_rank=lat, rope_dim=rope, qk_nope_dim=nope, v_dim=v,
                     sparse_q=[1, s, h, d], sparse_kv=[1, s, d], dense_qk_head_dim=nope + rope,
@@ -139,10 +142,7 @@ def main() -> None:
     for name, r in result["results"].items():
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         print(f"{name:28s} {r['ms']:10.2f} {r['tflops']:9.3f} {peak:>9s}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_report(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Pieces every benchmark script shares: report file, device name, timing, spawning the ranks.
+
+The scripts run as files (`python benchmarks/NAME.py`, as benchmarks/run_gpu.sh does), so they
+import this module as `common`: the script's own folder is first on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def write_report(path: Path | None, report: dict) -> None:
+    """Write the JSON report (indented, one trailing newline) where --out says; no --out: nothing.
+
+    One writer so every result file that run_gpu.sh brings back has the same form.
+    """
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def device_name(cuda: bool) -> str:
+    """The GPU's name for the report (the current CUDA device), or "cpu" for a CPU run."""
+    return torch.cuda.get_device_name() if cuda else "cpu"
+
+
+def elapsed_ms(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Milliseconds per call of `calls` back-to-back calls of `fn`, synchronised only at the end.
+
+    CUDA events on the GPU measure the device's time (the host may run ahead between calls, as in a
+    training step); on CPU the wall time.
+    """
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.device,
+              setup: Callable[[], object] | None = None) -> float:
+    """Median ms of single `fn()` calls after `warmup` untimed ones; `setup()` runs untimed before each.
+
+    The device is synchronised before each timed call so that no earlier work lands in its time.
+    """
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(elapsed_ms(fn, 1, device))
+    return statistics.median(times)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_dir: str | None = None) -> list:
+    """Run `fn(rank, world, *args)` on `world` ranks with the default process group initialised and
+    return each rank's result, in rank order.
+
+    CPU: gloo ranks forked by `spartron.testing.run_distributed` (fast start, a 120 s limit).
+    CUDA: freshly spawned NCCL ranks, one GPU each (CUDA cannot be used in a forked child); the
+    results must be JSON-serialisable, rank 0 hands them back through a file in `tmp_dir`.
+    """
+    if not cuda:
+        from spartron.testing import run_distributed
+
+        return run_distributed(fn, world, *args, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="spartron-bench-", dir=tmp_dir) as tmp:
+        path = os.path.join(tmp, "ranks.json")
+        mp.spawn(_nccl_rank, args=(world, fn, args, _free_port(), path), nprocs=world, join=True)
+        return json.loads(Path(path).read_text())
+
+
+def _free_port() -> int:
+    """A TCP port free right now on this host, for the ranks' rendezvous store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port: int, path: str) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300),
+                            device_id=torch.device("cuda", rank))
+    try:
+        result = fn(rank, world, *args)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            Path(path).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
