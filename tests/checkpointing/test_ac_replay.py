@@ -45,6 +45,23 @@ class Consumer(nn.Module):
         return self.lin(x).gather(-1, ids).sin()
 
 
+def consumer_and_eager_grads() -> tuple[Consumer, torch.Tensor, list[torch.Tensor]]:
+    """A seeded Consumer, its input and the gradients of one uncheckpointed pass (weight, input).
+
+    Gradients and the indexer's call count are reset, so a checkpointed pass that follows can be
+    compared with the eager one exactly.
+    """
+    torch.manual_seed(0)
+    m = Consumer()
+    x = torch.randn(3, 4, requires_grad=True)
+    m(x).sum().backward()
+    expected = [m.lin.weight.grad.clone(), x.grad.clone()]
+    m.zero_grad()
+    x.grad = None
+    m.indexer.calls = 0
+    return m, x, expected
+
+
 def test_outside_a_region_just_calls_fn():
     idx = FrozenIndexer()
     x = torch.randn(3, 4)
@@ -54,14 +71,7 @@ def test_outside_a_region_just_calls_fn():
 
 @REENTRANT
 def test_replay_reuses_the_stored_result_and_gradients_match(reentrant):
-    torch.manual_seed(0)
-    m = Consumer()
-    x = torch.randn(3, 4, requires_grad=True)
-    m(x).sum().backward()
-    expected = [m.lin.weight.grad.clone(), x.grad.clone()]
-    m.zero_grad()
-    x.grad = None
-    m.indexer.calls = 0
+    m, x, expected = consumer_and_eager_grads()
     r = region(reentrant)
     r(m, x).sum().backward()
     assert m.indexer.calls == 1
@@ -155,14 +165,7 @@ def test_stored_result_that_requires_grad_raises(reentrant):
 def test_ops_inside_a_reused_callable_are_not_saved_by_the_selective_policy(reentrant):
     # The reused indexer runs aten::addmm once (original pass) and never on replay: the policy must
     # neither save it nor expect it in the replay's sequence of saved ops.
-    torch.manual_seed(0)
-    m = Consumer()
-    x = torch.randn(3, 4, requires_grad=True)
-    m(x).sum().backward()
-    expected = [m.lin.weight.grad.clone(), x.grad.clone()]
-    m.zero_grad()
-    x.grad = None
-    m.indexer.calls = 0
+    m, x, expected = consumer_and_eager_grads()
     r = CheckpointRegion(CheckpointOptions(policy=build_policy("selective", ["aten::addmm"]),
                                            reentrant=reentrant))
     r(m, x).sum().backward()
