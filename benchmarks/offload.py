@@ -10,7 +10,13 @@ throughput of the offload copies (timed with events on the D2H stream) against t
 pinned-copy ceiling (target >= 0.7 of ~54 GB/s).
 Part 2 (two ranks, EP=2, spawned): step time with train.intra_layer_micro_batches = 1 vs 2
 (all_to_all dispatcher; target: 2 is faster because one micro-batch's exchange overlaps the other's
-experts). On CPU (--smoke) both parts run on the tiny preset with gloo.
+experts), with the host time to issue a step and, from one profiled step per setting, the GPU time
+split into compute kernels, NCCL kernels, their overlap and idle time (why 2 is or is not faster).
+Memory by phase: one extra step per AC mode x offload off/on records allocated / peak memory at
+phase boundaries (forward; backward of loss + head; the backward of each checkpoint region, told by
+the offload session's region-backward observer) with the region tensors the session holds there,
+so the output says where the peak is and how much the window could lower it.
+On CPU (--smoke) both parts run on the tiny preset with gloo (no allocator stats, no profile).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
 from spartron.layers.model import build_model  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -67,6 +74,58 @@ def _batch(cfg, device, n: int, seed: int = 0):
             torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device))
 
 
+def _grad_bytes(model) -> int:
+    total = 0
+    for p in model.parameters():
+        g = p.grad
+        if g is not None:
+            g = g.to_local() if hasattr(g, "to_local") else g
+            total += g.numel() * g.element_size()
+    return total
+
+
+def memory_by_phase(model, tokens, labels, cfg, device: torch.device) -> list[dict]:
+    """One extra step: allocated memory at phase boundaries and the peak inside each phase.
+
+    The boundaries inside backward come from the offload session's observer (a region's backward
+    starts); with offload off a session with an empty window observes the same points, so off and on
+    are comparable row by row. `held` = bytes of saved region tensors alive on device at the start
+    of the phase (what a window can move to the host), `grads` = parameter gradients allocated.
+    """
+    cuda = device.type == "cuda"
+    names = {id(checkpoint_region_of(m)): n for n, m in model.named_modules() if checkpoint_region_of(m) is not None}
+    offloader = ActivationOffloader.for_model(model, cfg.offload, device)
+    key_names = {k: names.get(id(r), "?") for k, r in enumerate(offloader.regions)}
+    rows: list[dict] = []
+
+    def mark(next_phase: str | None) -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        now = {"allocated": torch.cuda.memory_allocated(device) if cuda else None,
+               "held": session.held_device_bytes(), "grads": _grad_bytes(model)}
+        if rows:
+            rows[-1]["peak"] = torch.cuda.max_memory_allocated(device) if cuda else None
+            rows[-1]["end"] = now
+        if next_phase is not None:
+            rows.append({"phase": next_phase, "start": now})
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    model.zero_grad(set_to_none=True)
+    def region_backward(key: int) -> None:
+        label = f"bwd region {key} ({key_names[key]})"
+        repeats = sum(r["phase"].startswith(label) for r in rows)
+        mark(label if not repeats else f"{label} #{repeats + 1}")
+
+    with offloader.session(on_region_backward=region_backward) as session:
+        mark("forward")
+        loss = model(tokens, labels)["loss"]
+        mark("bwd loss + head")
+        loss.backward()
+        mark(None)
+    return rows
+
+
 def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -> dict:
     """Step time (forward + backward, no optimizer) and peak memory for one config on one device."""
     torch.manual_seed(0)
@@ -97,7 +156,8 @@ def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -
                 if copy.d2h_started is not None:
                     d2h_seconds += copy.d2h_started.elapsed_time(copy.d2h_done) / 1e3
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    out = {"step_ms": 1e3 * statistics.median(times), "peak_allocated_bytes": peak}
+    out = {"step_ms": 1e3 * statistics.median(times), "peak_allocated_bytes": peak,
+           "memory_by_phase": memory_by_phase(model, tokens, labels, cfg, device)}
     if summary is not None:
         out["offloaded_bytes_per_step"] = summary["session"]["offloaded_bytes"]
         out["offload"] = summary
@@ -145,7 +205,24 @@ def _compare(config, overrides, ac, device, steps, warmup, groups, ceiling) -> d
         row["peak_reduction_over_offloaded"] = saved / max(on["offloaded_bytes_per_step"], 1)
     if ceiling and on.get("d2h_gbps"):
         row["d2h_fraction_of_ceiling"] = on["d2h_gbps"] / ceiling
+    row["peak_phase"] = peak_phase(off["memory_by_phase"], on["memory_by_phase"])
     return row
+
+
+def peak_phase(off: list[dict], on: list[dict]) -> dict:
+    """Where the off run peaks, and how much of that peak the window could remove (the region
+    tensors held there with offload off minus those held with it on)."""
+    by_peak = [r for r in off if r.get("peak") is not None]
+    i = (max(range(len(off)), key=lambda j: off[j]["peak"]) if by_peak
+         else max(range(len(off)), key=lambda j: off[j]["start"]["held"]))  # CPU: most held bytes
+    row_on = next((r for r in on if r["phase"] == off[i]["phase"]), None)
+    held_off = max(off[i]["start"]["held"], off[i]["end"]["held"])
+    held_on = max(row_on["start"]["held"], row_on["end"]["held"]) if row_on else None
+    return {"phase": off[i]["phase"], "peak_off": off[i].get("peak"),
+            "peak_on": row_on.get("peak") if row_on else None,
+            "held_off": held_off, "held_on": held_on,
+            "removable_at_peak": None if held_on is None else held_off - held_on,
+            "grads_at_peak": off[i]["end"]["grads"], "allocated_before_phase": off[i]["start"]["allocated"]}
 
 
 def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: list[str], steps: int,
@@ -168,23 +245,82 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         with device:
             model = parallelize(build_model(cfg.model, groups), groups, cfg)
         tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size, seed=rank)
-        times = []
+        times, host = [], []
         for step in range(warmup + steps):
             model.zero_grad(set_to_none=True)
             _sync(device)
             dist.barrier()
             start = time.perf_counter()
             model(tokens, labels)["loss"].backward()
+            issued = time.perf_counter()
             _sync(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        results[f"micro_batches_{n}"] = {"step_ms": 1e3 * statistics.median(times)}
+                host.append(issued - start)
+        results[f"micro_batches_{n}"] = {"step_ms": 1e3 * statistics.median(times),
+                                         "host_issue_ms": 1e3 * statistics.median(host)}
+        gpu = profile_step(model, tokens, labels, device, rank == 0) if cuda else None
+        if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
+            gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
+        results[f"micro_batches_{n}"]["gpu"] = gpu
         del model
     if rank == 0:
         results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
         Path(result_path).write_text(json.dumps(results))
     groups.destroy()
     dist.destroy_process_group()
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> dict | None:
+    """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies), NCCL
+    kernels, the part of NCCL time hidden under compute, and idle time (GPU waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        model(tokens, labels)["loss"].backward()
+        _sync(device)
+        wall_ns = (time.perf_counter() - start) * 1e9
+    if not analyse:
+        return None
+    try:
+        events = [e for e in prof.profiler.kineto_results.events()
+                  if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    except AttributeError as err:  # profiler internals moved: say so in the JSON
+        return {"error": f"cannot read kineto events: {err}"}
+    nccl = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if "nccl" in e.name().lower()])
+    comp = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if "nccl" not in e.name().lower()])
+    busy = _union(nccl + comp)
+    ms = lambda ns: ns / 1e6  # noqa: E731
+    length = lambda u: sum(b - a for a, b in u)  # noqa: E731
+    out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
+           "nccl_busy_ms": ms(length(nccl)), "nccl_hidden_under_compute_ms": ms(_intersection_ns(comp, nccl)),
+           "gpu_busy_ms": ms(length(busy))}
+    return out
 
 
 def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -196,6 +332,75 @@ def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int)
         mp.spawn(_mb_worker, args=(world, os.path.join(tmp, "store"), str(config), overrides, steps, warmup,
                                    result), nprocs=world, join=True)
         return {"ep": world, **json.loads(Path(result).read_text())}
+
+
+def print_report(report: dict) -> None:
+    """The human-readable report: targets, where the memory peak is, where the micro-batch time goes."""
+    unit, scale = ("KiB", 2**10) if report["device"] == "cpu" else ("MiB", 2**20)
+
+    def size(x: int | None, width: int = 8) -> str:
+        return f"{'-':>{width}}" if x is None else f"{x / scale:{width}.0f}"
+
+    off = report["offload"]
+    ceiling = off["pinned_d2h_ceiling_gbps"]
+    print(f"== offload window (1 GPU): step time, peak allocated ({unit}), D2H throughput")
+    for ac, row in off["modes"].items():
+        print(f"{ac:>9} AC: step {row['off']['step_ms']:7.1f} -> {row['on']['step_ms']:7.1f} ms "
+              f"(x{row['step_time_ratio']:.3f}, target <= 1.05); offloaded "
+              f"{size(row['on']['offloaded_bytes_per_step'], 0)}; peak {size(row['off']['peak_allocated_bytes'], 0)} "
+              f"-> {size(row['on']['peak_allocated_bytes'], 0)}, reduction/offloaded "
+              f"{row.get('peak_reduction_over_offloaded', float('nan')):.2f} (target >= 0.8); "
+              f"D2H {row['on'].get('d2h_gbps') or float('nan'):.1f} GB/s (ceiling {ceiling or float('nan'):.1f})")
+    for ac, row in off["modes"].items():
+        print(f"\n== {ac} AC: memory by phase, {unit} (start = allocated when the phase starts, peak = max "
+              "inside it, held = saved region tensors on device at its start, grads = parameter gradients)")
+        print(f"{'phase':<36}|{'off start':>10}{'peak':>8}{'held':>8}{'grads':>8} |{'on start':>10}{'peak':>8}"
+              f"{'held':>8}{'grads':>8}")
+        on_rows = {r["phase"]: r for r in row["on"]["memory_by_phase"]}
+        for r in row["off"]["memory_by_phase"]:
+            cells = []
+            for x in (r, on_rows.get(r["phase"])):
+                cells.append("" if x is None else f"{size(x['start']['allocated'], 10)}{size(x.get('peak'))}"
+                                                  f"{size(x['start']['held'])}{size(x['start']['grads'])}")
+            print(f"{r['phase'][:36]:<36}|{cells[0]} |{cells[1]}")
+        pk = row["peak_phase"]
+        print(f"-> the off run peaks in '{pk['phase']}' ({size(pk['peak_off'], 0)} {unit}; on: "
+              f"{size(pk['peak_on'], 0)}). Region tensors held there: off {size(pk['held_off'], 0)}, on "
+              f"{size(pk['held_on'], 0)}, so the window can lower this peak by about "
+              f"{size(pk['removable_at_peak'], 0)} of the {size(row['on']['offloaded_bytes_per_step'], 0)} {unit} it "
+              f"offloads; parameter gradients hold {size(pk['grads_at_peak'], 0)} {unit} there.")
+        if pk["removable_at_peak"] is not None and row["on"]["offloaded_bytes_per_step"]:
+            frac = pk["removable_at_peak"] / row["on"]["offloaded_bytes_per_step"]
+            verdict = ("the peak is where offloaded inputs would be live, so the window lowers it"
+                       if frac >= 0.8 else
+                       "the peak comes after most offloaded inputs are consumed (late backward, gradients "
+                       "accumulated): offloading region inputs cannot lower it by more than this")
+            print(f"   removable/offloaded = {frac:.2f}: {verdict}")
+    mb = report.get("microbatch")
+    if mb is None:
+        return
+    print("\n== intra-layer micro-batches, EP=2 on 2 ranks (rank 0)")
+    if "skipped" in mb:
+        print("   skipped:", mb["skipped"])
+        return
+    for n in (1, 2):
+        r = mb[f"micro_batches_{n}"]
+        line = f"   {n} micro-batch(es): step {r['step_ms']:7.1f} ms, host issues it in {r['host_issue_ms']:7.1f} ms"
+        g = r.get("gpu")
+        if g and "gpu_busy_ms" in g:
+            line += (f"; GPU busy {g['gpu_busy_ms']:.1f} ms (compute {g['compute_busy_ms']:.1f}, NCCL "
+                     f"{g['nccl_busy_ms']:.1f}, of it hidden under compute {g['nccl_hidden_under_compute_ms']:.1f}),"
+                     f" idle {g['gpu_idle_ms']:.1f} ms, {g['kernels']} kernels")
+        elif g:
+            line += f"; profile: {g}"
+        print(line)
+    print(f"   speedup 2 over 1: {mb['speedup_2_over_1']:.3f} (target > 1)")
+    g1, g2 = (mb[f"micro_batches_{n}"].get("gpu") or {} for n in (1, 2))
+    if "gpu_busy_ms" in g1 and "gpu_busy_ms" in g2:
+        hidden = g2["nccl_hidden_under_compute_ms"] - g1["nccl_hidden_under_compute_ms"]
+        print(f"   2 vs 1: compute kernels {g2['compute_busy_ms'] - g1['compute_busy_ms']:+.1f} ms (smaller GEMMs/"
+              f"attention per micro-batch), NCCL hidden under compute {hidden:+.1f} ms (the overlap), GPU idle "
+              f"{g2['gpu_idle_ms'] - g1['gpu_idle_ms']:+.1f} ms (host-bound: 2x launches, host syncs)")
 
 
 def main() -> None:
@@ -233,14 +438,7 @@ def main() -> None:
     if not args.skip_microbatch:
         mb_overrides = overrides if args.smoke else [*overrides, "train.global_batch_size=4"]
         report["microbatch"] = part_microbatch(config, mb_overrides, args.steps, args.warmup)
-    for ac, row in report["offload"]["modes"].items():
-        print(f"{ac:>9}: step {row['off']['step_ms']:8.1f} -> {row['on']['step_ms']:8.1f} ms "
-              f"(x{row['step_time_ratio']:.3f}), offloaded {row['on']['offloaded_bytes_per_step'] / 2**20:9.1f} MiB, "
-              f"peak reduction/offloaded {row.get('peak_reduction_over_offloaded', float('nan')):.2f}, "
-              f"D2H {row['on'].get('d2h_gbps') or float('nan'):.1f} GB/s "
-              f"(ceiling {report['offload']['pinned_d2h_ceiling_gbps'] or float('nan'):.1f})")
-    if "microbatch" in report:
-        print("micro-batches (EP=2):", json.dumps(report["microbatch"]))
+    print_report(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

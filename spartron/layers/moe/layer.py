@@ -30,11 +30,6 @@ from spartron.layers.outputs import MoEOutput
 from spartron.runtime.ops.telemetry import record_routing_stats
 
 
-def _tensors_of(state: object) -> tuple[Tensor, ...]:
-    """The tensor fields of a dispatch state: what a phase running on another stream may read."""
-    return tuple(v for v in vars(state).values() if isinstance(v, Tensor))
-
-
 class MoELayer(nn.Module):
     def __init__(self, model_cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None):
@@ -76,13 +71,15 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         tokens = x.reshape(-1, x.shape[-1])
         rows, state = d.prepare(tokens, topk_ids, routing["topk_weights"])
-        # dispatch: (EP) count exchange, split sizes to the host, token all-to-all
-        yield Phase("dispatch", comm=True, reads=(rows, *_tensors_of(state)))
+        # Phase.reads: the `rows` handed across streams, which the next step drops (rebinding) while
+        # the other stream may still read them. What `state` holds stays alive until this returns,
+        # after the compute stream has joined the last comm step, so it needs no recording.
+        yield Phase("dispatch", comm=True, reads=(rows,))  # (EP) count exchange, splits to host, all-to-all
         rows = d.dispatch(rows, state)
-        yield Phase("experts", reads=(rows, *_tensors_of(state)))
+        yield Phase("experts", reads=(rows,))
         rows, tokens_per_local_expert = d.post_dispatch(rows, state)
         rows = self.experts(rows, tokens_per_local_expert)
-        yield Phase("combine", comm=True, reads=(rows, *_tensors_of(state)))
+        yield Phase("combine", comm=True, reads=(rows,))
         rows = d.combine(rows, state)
         yield Phase("finalize", reads=(rows,))
         out = d.finalize(rows, state)
