@@ -34,13 +34,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (h @ weight.t()).float()
             total += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
             if needs_h or needs_w:
-                # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
+                # d(sum CE)/d logits = softmax - onehot, zero on ignored rows (no host sync: no nonzero()).
                 grad_logits = torch.softmax(logits, dim=-1)
-                valid = y != IGNORE_INDEX
-                rows = torch.nonzero(valid).squeeze(1)
-                grad_logits[rows, y[rows]] -= 1.0
-                grad_logits[~valid] = 0.0
-                grad_logits = grad_logits.to(hidden.dtype)
+                valid = (y != IGNORE_INDEX).unsqueeze(1)
+                grad_logits.scatter_add_(1, torch.where(valid, y.unsqueeze(1), 0), -valid.to(grad_logits.dtype))
+                grad_logits = (grad_logits * valid).to(hidden.dtype)
                 if needs_h:
                     grad_hidden[start:start + chunk_size] = grad_logits @ weight
                 if needs_w:

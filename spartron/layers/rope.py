@@ -31,10 +31,12 @@ def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -
     return dim * math.log(max_pos / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> Tensor:
-    """Inverse frequencies [rope_dim/2] (float64). YaRN keeps fast-rotating dims (they already
-    resolve long contexts), divides slow ones by `factor`, and ramps linearly in between."""
-    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None,
+                  device: torch.device | str | None = None) -> Tensor:
+    """Inverse frequencies [rope_dim/2] (float64) on `device`. YaRN keeps fast-rotating dims (they
+    already resolve long contexts), divides slow ones by `factor`, and ramps linearly in between.
+    Built where it is used: a host table copied to the GPU would sync the host on every layer."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim
     inv_freq = 1.0 / theta**exponents
     if yarn is None:
         return inv_freq
@@ -44,7 +46,7 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> Tenso
                                          yarn.original_max_position_embeddings)), rope_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
     keep = 1.0 - ramp  # 1: extrapolate (keep frequency), 0: interpolate (divide by factor)
     return inv_freq / yarn.factor * (1 - keep) + inv_freq * keep
 
@@ -66,7 +68,7 @@ def mla_softmax_scale(mla: MLAConfig) -> float:
 
 def rope_cos_sin(positions: Tensor, mla: MLAConfig) -> tuple[Tensor, Tensor]:
     """cos, sin tables [S, qk_rope_head_dim/2] (float64; `apply_rope` casts) for int64 `positions` [S]."""
-    inv_freq = rope_inv_freq(mla.qk_rope_head_dim, mla.rope_theta, mla.yarn).to(positions.device)
+    inv_freq = rope_inv_freq(mla.qk_rope_head_dim, mla.rope_theta, mla.yarn, device=positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     factor = rope_attention_factor(mla.yarn)
     return angles.cos() * factor, angles.sin() * factor

@@ -184,7 +184,7 @@ def global_grad_norm(params: Iterable[nn.Parameter],
         key = _reduce_groups(grad, extra_shard_groups.get(id(p), ()))
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         device = local.device
-        sq = local.detach().float().pow(2).sum()
+        sq = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()  # no fp32 copy of the grad
         buckets[key] = buckets[key] + sq if key in buckets else sq
     if device is None:
         return torch.zeros(())
