@@ -164,9 +164,9 @@ def test_region_backward_observer_order_and_restored_copies_released_after_their
     one = 4 * 16 * 4
     for depth in (1, 2):
         offloader = ActivationOffloader.for_model(blocks, OffloadConfig(enabled=True, prefetch_depth=depth))
-        seen = []
+        seen: list[tuple[int, list[int], int]] = []
 
-        def observe(key):
+        def observe(key, seen=seen):
             gc.collect()
             seen.append((key, sorted(i for i, _ in session.live_restored()), session.held_device_bytes()))
 
