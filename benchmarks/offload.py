@@ -364,7 +364,9 @@ def print_report(report: dict) -> None:
                                                   f"{size(x['start']['held'])}{size(x['start']['grads'])}")
             print(f"{r['phase'][:36]:<36}|{cells[0]} |{cells[1]}")
         pk = row["peak_phase"]
-        print(f"-> the off run peaks in '{pk['phase']}' ({size(pk['peak_off'], 0)} {unit}; on: "
+        where = ("peaks in" if pk["peak_off"] is not None
+                 else "(no allocator stats on CPU: the phase holding the most region bytes) is")
+        print(f"-> the off run {where} '{pk['phase']}' ({size(pk['peak_off'], 0)} {unit}; on: "
               f"{size(pk['peak_on'], 0)}). Region tensors held there: off {size(pk['held_off'], 0)}, on "
               f"{size(pk['held_on'], 0)}, so the window can lower this peak by about "
               f"{size(pk['removable_at_peak'], 0)} of the {size(row['on']['offloaded_bytes_per_step'], 0)} {unit} it "
