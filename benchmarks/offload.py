@@ -22,6 +22,7 @@ On CPU (--smoke) both parts run on the tiny preset with gloo (no allocator stats
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -162,7 +163,8 @@ def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -
         out["offloaded_bytes_per_step"] = summary["session"]["offloaded_bytes"]
         out["offload"] = summary
         out["d2h_gbps"] = d2h_bytes / d2h_seconds / 1e9 if d2h_seconds else None
-    del model
+    del model, offloader
+    gc.collect()  # modules, regions and the offloader form cycles: free them before the next config runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
