@@ -189,7 +189,10 @@ def global_grad_norm(params: Iterable[nn.Parameter],
     if device is None:
         return torch.zeros(())
     total = torch.zeros((), device=device)
-    for key in sorted(buckets, key=lambda k: [dist.get_process_group_ranks(g) for g in k]):
+    # Buckets in the order of their first parameter: the same on every rank (same model, same order).
+    # Not sorted by member ranks: those differ between ranks (EP group [0, 1] on rank 0, [2, 3] on
+    # rank 2), which ordered the collectives differently per rank and hung EP2 x CP2 on 4 ranks.
+    for key in buckets:
         partial = buckets[key].clone()
         # Successive sums over each group = the sum over their product (the groups are orthogonal).
         for group in key:

@@ -9,6 +9,11 @@ writes the ``COMPLETE`` marker LAST and renames the directory. A crash at any po
 no ``step-*`` directory or one without ``COMPLETE``: neither is ever picked for resume. (The run
 directory must be on a filesystem every rank sees, as with DCP in general.)
 
+Expert-parallel parameters: each EP rank holds DIFFERENT experts under the same name, and their FSDP2
+DTensors only describe the expert-FSDP split, so DCP would see one tensor and keep one EP rank's
+copy. Their entries (model and optimizer) are therefore saved under per-EP-rank keys
+``<fqn>/ep<rank>``; a resume must use the same EP layout.
+
 Loading never unpickles arbitrary objects: DCP's ``.metadata`` (a pickle) is read with an unpickler
 that only accepts DCP's metadata classes and a few plain types, DCP's byte items and the per-rank
 tensors use ``torch.load(weights_only=True)``, everything else is JSON.
@@ -23,7 +28,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 COMPLETE = "COMPLETE"
 FORMAT_VERSION = 1
@@ -152,12 +162,14 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                counters: dict[str, int], rank_state: dict, device: torch.device,
-               before_commit: Callable[[Path], None] | None = None) -> Path:
+               before_commit: Callable[[Path], None] | None = None,
+               ep_sharded: Collection[str] = (), ep_rank: int = 0) -> Path:
     """Collective: save everything needed to continue after optimizer step `step`; returns the directory.
 
     counters: small global integers (same on every rank), rank_state: this rank's JSON-able state
     (data position). before_commit(tmp_dir) runs on every rank after all data is written and before
     the COMPLETE marker (a hook for tests and for copying elsewhere); if it raises, nothing is committed.
+    ep_sharded: names of parameters holding only this EP rank's experts (ep_rank), saved per EP rank.
     """
     rank, world = _rank_world()
     run_dir = Path(run_dir)
@@ -169,6 +181,7 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
         tmp.mkdir()
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
     plain, tensors = _rng_state(device)
     buffer = io.BytesIO()
@@ -190,11 +203,33 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
     return final
 
 
+def _rename_ep_entries(model_sd: dict, optim_sd: dict, ep_sharded: Collection[str], ep_rank: int,
+                       to_saved: bool) -> None:
+    """In place: EP-sharded parameters' model and optimizer entries <fqn> <-> <fqn>/ep<rank>."""
+    for fqn in ep_sharded:
+        saved = f"{fqn}/ep{ep_rank}"
+        old, new = (fqn, saved) if to_saved else (saved, fqn)
+        if old not in model_sd:
+            raise StateLoadError(f"EP-sharded parameter {old!r} is not in the model's state dict")
+        model_sd[new] = model_sd.pop(old)
+        if old in optim_sd["state"]:
+            optim_sd["state"][new] = optim_sd["state"].pop(old)
+
+
+def _states_in_checkpoint(states: dict[str, dict], saved_keys: set[str]) -> dict[str, dict]:
+    """The per-parameter optimizer states that the checkpoint holds (DCP key optim.state.<fqn>.<name>).
+
+    get_state_dict initialises a fresh optimizer with a state for EVERY parameter; the saved optimizer
+    only had states for parameters that had received a gradient.
+    """
+    return {fqn: st for fqn, st in states.items() if any(f"optim.state.{fqn}.{k}" in saved_keys for k in st)}
+
+
 def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               device: torch.device) -> tuple[dict, dict]:
+               device: torch.device, ep_sharded: Collection[str] = (), ep_rank: int = 0) -> tuple[dict, dict]:
     """Collective: load a complete saved state into model and optimizer, restore this rank's RNG.
 
-    Returns (meta, rank_state) where meta has "step" and "counters".
+    Returns (meta, rank_state) where meta has "step" and "counters"; ep_sharded / ep_rank as in save_state.
     """
     path = Path(path)
     rank, world = _rank_world()
@@ -205,11 +240,20 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         raise StateLoadError(f"{path} was saved by {meta['world_size']} ranks; this run has {world} "
                              "(per-rank data positions and RNG cannot be remapped)")
     reader = SafeFileSystemReader(path)
-    reader.read_metadata()  # on every rank, before DCP's collectives: an unsafe file fails clearly here
+    # On every rank, before DCP's collectives: an unsafe file fails clearly here.
+    saved_keys = set(reader.read_metadata().state_dict_metadata)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
+    optim_sd["state"] = _states_in_checkpoint(optim_sd["state"], saved_keys)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _rename_ep_entries(state["model"], state["optim"], ep_sharded, ep_rank, to_saved=False)
+    set_model_state_dict(model, state["model"])
+    # Not strict: parameters that never had a gradient (e.g. the DSA indexers with
+    # model.dsa.indexer_mode = 'frozen') have no optimizer state in the checkpoint, and must have none after
+    # loading either, as in the uninterrupted run (a state created here would change AdamW's bias
+    # correction if such a parameter got a gradient later).
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
     tensors = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
     plain = json.loads((path / f"rank-{rank:05d}.json").read_text())
     _set_rng_state(plain["rng"], tensors, device)

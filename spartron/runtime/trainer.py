@@ -195,13 +195,16 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
     optimizer = build_optimizer(model, t)
     ep_extra = _ep_sharded(model, groups)
+    # Saved per EP rank: every EP rank holds different experts under the same names.
+    ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
+                "ep_rank": groups.rank_in("ep")}
     loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
 
     run_dir = run_dir_of(cfg)
     start, counters = 0, {"tokens": 0}
     resumed_from = latest_complete_step(run_dir) if t.resume else None
     if resumed_from is not None:
-        meta, rank_state = load_state(step_dir(run_dir, resumed_from), model, optimizer, device)
+        meta, rank_state = load_state(step_dir(run_dir, resumed_from), model, optimizer, device, **ep_state)
         start, counters = meta["step"], meta["counters"]
         loader.load_state_dict(rank_state["data"])
 
@@ -229,7 +232,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
             log.write(record)
             if t.save_every and step % t.save_every == 0:
                 save_state(run_dir, step, model, optimizer, dict(counters), {"data": loader.state_dict()},
-                           device, before_commit)
+                           device, before_commit, **ep_state)
     except TrainingError:
         log.close(summary=False)
         raise
