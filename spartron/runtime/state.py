@@ -163,13 +163,14 @@ def _write_durable(path: Path, data: bytes) -> None:
 def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                counters: dict[str, int], rank_state: dict, device: torch.device,
                before_commit: Callable[[Path], None] | None = None,
-               ep_sharded: Collection[str] = (), ep_rank: int = 0) -> Path:
+               ep_sharded: Collection[str] = (), ep_rank: int = 0, layout: str | None = None) -> Path:
     """Collective: save everything needed to continue after optimizer step `step`; returns the directory.
 
     counters: small global integers (same on every rank), rank_state: this rank's JSON-able state
     (data position). before_commit(tmp_dir) runs on every rank after all data is written and before
     the COMPLETE marker (a hook for tests and for copying elsewhere); if it raises, nothing is committed.
     ep_sharded: names of parameters holding only this EP rank's experts (ep_rank), saved per EP rank.
+    layout: the parallel layout (ParallelDims.describe()); a load under another layout is refused.
     """
     rank, world = _rank_world()
     run_dir = Path(run_dir)
@@ -189,7 +190,8 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
     _write_durable(tmp / f"rank-{rank:05d}.pt", buffer.getvalue())
     _write_durable(tmp / f"rank-{rank:05d}.json", json.dumps({"rng": plain, "rank": rank_state}).encode())
     if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world, "counters": counters}
+        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world, "counters": counters,
+                "layout": layout}
         _write_durable(tmp / "meta.json", json.dumps(meta).encode())
     _barrier()
     if before_commit is not None:
@@ -226,7 +228,8 @@ def _states_in_checkpoint(states: dict[str, dict], saved_keys: set[str]) -> dict
 
 
 def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               device: torch.device, ep_sharded: Collection[str] = (), ep_rank: int = 0) -> tuple[dict, dict]:
+               device: torch.device, ep_sharded: Collection[str] = (), ep_rank: int = 0,
+               layout: str | None = None) -> tuple[dict, dict]:
     """Collective: load a complete saved state into model and optimizer, restore this rank's RNG.
 
     Returns (meta, rank_state) where meta has "step" and "counters"; ep_sharded / ep_rank as in save_state.
@@ -239,6 +242,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     if meta["world_size"] != world:
         raise StateLoadError(f"{path} was saved by {meta['world_size']} ranks; this run has {world} "
                              "(per-rank data positions and RNG cannot be remapped)")
+    if layout is not None and meta.get("layout") not in (None, layout):
+        raise StateLoadError(f"{path} was saved with parallel layout [{meta['layout']}]; this run has "
+                             f"[{layout}] (expert and context shards cannot be remapped)")
     reader = SafeFileSystemReader(path)
     # On every rank, before DCP's collectives: an unsafe file fails clearly here.
     saved_keys = set(reader.read_metadata().state_dict_metadata)

@@ -197,7 +197,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     ep_extra = _ep_sharded(model, groups)
     # Saved per EP rank: every EP rank holds different experts under the same names.
     ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
-                "ep_rank": groups.rank_in("ep")}
+                "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
     loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
 
     run_dir = run_dir_of(cfg)

@@ -105,3 +105,12 @@ def test_world_size_mismatch_is_an_error(tmp_path):
     (path / "meta.json").write_text(json.dumps({**meta, "world_size": 4}))
     with pytest.raises(StateLoadError, match="saved by 4 ranks; this run has 1"):
         load_state(path, model, opt, CPU)
+
+
+def test_parallel_layout_mismatch_is_an_error(tmp_path):
+    model, opt = _trained(0)
+    path = save_state(tmp_path, 1, model, opt, {}, {}, CPU, layout="ep 2 cp 1")
+    assert json.loads((path / "meta.json").read_text())["layout"] == "ep 2 cp 1"
+    with pytest.raises(StateLoadError, match=r"saved with parallel layout \[ep 2 cp 1\]; this run has \[ep 1 cp 1\]"):
+        load_state(path, model, opt, CPU, layout="ep 1 cp 1")
+    load_state(path, model, opt, CPU, layout="ep 2 cp 1")  # the same layout loads
