@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the throughput means")
     p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
-                   help="overrides for every cell (default: 4 layers, global batch 2, micro-batch 1)")
+                   help="overrides for every cell (default: 4 layers, global batch 4, micro-batch 2)")
     p.add_argument("--only", default=None, help="comma-separated cell names to run (default all)")
     p.add_argument("--cell-timeout", type=float, default=240)
     p.add_argument("--loss-rel", type=float, default=1e-2, help="allowed relative loss difference (bf16)")
@@ -116,7 +116,7 @@ def main() -> None:
         todo = [{"ep": 1, "cp": 1, "ac": "none", "mb": 1}, {"ep": 2, "cp": 1, "ac": "selective", "mb": 1},
                 {"ep": 1, "cp": 2, "ac": "full", "mb": 1}]
     else:
-        base = args.set or ["model.n_layers=4", "train.global_batch_size=2", "train.micro_batch_size=1"]
+        base = args.set or ["model.n_layers=4", "train.global_batch_size=4", "train.micro_batch_size=2"]
         base = [*base, f"train.steps={args.steps}"]
         todo = cells(args.gpus)
         if args.only:
