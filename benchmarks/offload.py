@@ -343,7 +343,13 @@ def print_report(report: dict) -> None:
     def size(x: int | None, width: int = 8) -> str:
         return f"{'-':>{width}}" if x is None else f"{x / scale:{width}.0f}"
 
-    off = report["offload"]
+    print_offload(report.get("offload"), unit, size)
+    print_microbatch(report.get("microbatch"))
+
+
+def print_offload(off: dict | None, unit: str, size) -> None:
+    if off is None:
+        return
     ceiling = off["pinned_d2h_ceiling_gbps"]
     print(f"== offload window (1 GPU): step time, peak allocated ({unit}), D2H throughput")
     for ac, row in off["modes"].items():
@@ -380,7 +386,9 @@ def print_report(report: dict) -> None:
                        "the peak comes after most offloaded inputs are consumed (late backward, gradients "
                        "accumulated): offloading region inputs cannot lower it by more than this")
             print(f"   removable/offloaded = {frac:.2f}: {verdict}")
-    mb = report.get("microbatch")
+
+
+def print_microbatch(mb: dict | None) -> None:
     if mb is None:
         return
     print("\n== intra-layer micro-batches, EP=2 on 2 ranks (rank 0)")
@@ -417,6 +425,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, seconds")
     parser.add_argument("--skip-microbatch", action="store_true")
+    parser.add_argument("--skip-offload", action="store_true", help="only the micro-batch part")
     args = parser.parse_args()
     if args.smoke:
         config, device = REPO / "configs/tiny.toml", torch.device("cpu")
@@ -428,6 +437,8 @@ def main() -> None:
             raise SystemExit("benchmarks/offload.py needs CUDA (use --smoke on CPU)")
         config, device = args.config, torch.device("cuda", 0)
         overrides = [f"model.n_layers={args.layers}"]
+    # The micro-batch part uses 4 sequences per step unless --set says otherwise (--set comes last).
+    mb_overrides = [*overrides, *([] if args.smoke else ["train.global_batch_size=4"]), *args.set]
     overrides += args.set
     cfg = load_config(config, overrides)
     report = {
@@ -437,10 +448,10 @@ def main() -> None:
                    "micro_batch_size": cfg.train.micro_batch_size, "dtype": cfg.model.dtype},
         "targets": {"step_time_ratio_max": 1.05, "peak_reduction_over_offloaded_min": 0.8,
                     "d2h_fraction_of_ceiling_min": 0.7, "micro_batch_speedup_min": 1.0},
-        "offload": part_offload(config, overrides, device, args.steps, args.warmup),
     }
+    if not args.skip_offload:
+        report["offload"] = part_offload(config, overrides, device, args.steps, args.warmup)
     if not args.skip_microbatch:
-        mb_overrides = overrides if args.smoke else [*overrides, "train.global_batch_size=4"]
         report["microbatch"] = part_microbatch(config, mb_overrides, args.steps, args.warmup)
     print_report(report)
     if args.out:
