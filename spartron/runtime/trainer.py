@@ -266,7 +266,8 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
     if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
         raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
                                  f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
-    clip_grads_(params, t.grad_clip, grad_norm)
+    if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
+        clip_grads_(params, t.grad_clip, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "update_expert_bias"):
