@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -91,17 +90,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_di
         from spartron.testing import run_distributed
 
         return run_distributed(fn, world, *args, timeout=120)
+    from spartron.launch.local import free_port
+
     with tempfile.TemporaryDirectory(prefix="spartron-bench-", dir=tmp_dir) as tmp:
         path = os.path.join(tmp, "ranks.json")
-        mp.spawn(_nccl_rank, args=(world, fn, args, _free_port(), path), nprocs=world, join=True)
+        mp.spawn(_nccl_rank, args=(world, fn, args, free_port(), path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
-
-
-def _free_port() -> int:
-    """A TCP port free right now on this host, for the ranks' rendezvous store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port: int, path: str) -> None:

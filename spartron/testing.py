@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 
@@ -113,3 +116,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if missing:
             raise DistributedTestError(f"timed out after {timeout} s; ranks {missing} did not finish")
         return [results[r][1] for r in range(world_size)]
+
+
+def sigkill_when_exists(proc: subprocess.Popen, marker: Path, timeout: float) -> None:
+    """SIGKILL `proc` as soon as `marker` exists (e.g. a save's COMPLETE file): a crash at a chosen point.
+
+    Fails if the process ended on its own first or the marker never appeared.
+    """
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{(err or '')[-4000:]}"
+    assert marker.exists(), f"{marker} never appeared"

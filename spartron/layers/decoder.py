@@ -118,5 +118,6 @@ def run_decoder_stack(layers: Sequence[nn.Module], h: Tensor, positions: Tensor,
     return out
 
 
-def sum_or_none(values: list[Tensor]) -> Tensor | None:
+def total_loss(values: list[Tensor]) -> Tensor | None:
+    """The float32 sum of the losses the stack collected, None when it collected none."""
     return torch.stack([v.float() for v in values]).sum() if values else None

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_batches
 from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_positions, cp_shard
-from spartron.layers.decoder import DecoderLayer, run_decoder_stack, sum_or_none
+from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
@@ -90,7 +90,7 @@ class SparseMoEModel(nn.Module):
                 aux += [out["aux_loss"]] if out["aux_loss"] is not None else []
                 indexer += [out["indexer_loss"]] if out["indexer_loss"] is not None else []
                 counts += [out["tokens_per_expert"]] if out["tokens_per_expert"] is not None else []
-        aux_loss, indexer_loss = sum_or_none(aux), sum_or_none(indexer)
+        aux_loss, indexer_loss = total_loss(aux), total_loss(indexer)
         loss = lm_loss + sum(mtp_losses, torch.zeros((), device=lm_loss.device))
         for extra in (aux_loss, indexer_loss):
             if extra is not None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +21,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from spartron.launch.local import free_port
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict, dump_config
 from spartron.runtime.metrics import read_metrics
 from spartron.runtime.optim import lr_at
 from spartron.runtime.state import COMPLETE, latest_complete_step
 from spartron.runtime.trainer import TrainableModel, TrainingError, train
-from spartron.testing import DistributedTestError, run_distributed
+from spartron.testing import DistributedTestError, run_distributed, sigkill_when_exists
 
 N_EXPERTS = 4
 
@@ -197,12 +196,6 @@ def test_crash_during_save_keeps_previous_state_loadable(tmp_path):
     assert resumed == fresh[2:]  # bitwise: losses, grad norms, expert load
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_rank(cfg_path: Path, rank: int, world: int, port: int, *extra: str) -> subprocess.Popen:
     env = dict(os.environ)
     if world > 1:
@@ -217,14 +210,7 @@ def test_kill9_mid_run_then_resume_matches_uninterrupted_bitwise(tmp_path):
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(dump_config(cfg))
     proc = _spawn_rank(cfg_path, 0, 1, 0, "--sleep", "0.15")
-    marker = tmp_path / "run" / "step-00000004" / COMPLETE
-    deadline = time.monotonic() + 60
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=10)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{err}"
-    assert marker.exists()
+    sigkill_when_exists(proc, tmp_path / "run" / "step-00000004" / COMPLETE, timeout=60)
 
     resumed = run_distributed(_train, 1, cfg)[0]
     assert resumed[0][0] in (5, 7)  # resumed after the last complete save
@@ -237,7 +223,7 @@ def test_a_rank_raising_at_step_3_ends_every_rank_nonzero_within_the_timeout(tmp
     cfg = make_cfg(tmp_path / "run", steps=6, parallel={"timeout_s": 4.0})
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(dump_config(cfg))
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     procs = [_spawn_rank(cfg_path, r, 2, port, "--fail-rank", "1", "--fail-step", "3") for r in range(2)]
     outputs = [p.communicate(timeout=60) for p in procs]

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from spartron.runtime.config import load_config
 from spartron.runtime.metrics import read_metrics
 from spartron.runtime.state import COMPLETE, SafeFileSystemReader, complete_steps, step_dir
 from spartron.runtime.trainer import train
-from spartron.testing import run_distributed
+from spartron.testing import run_distributed, sigkill_when_exists
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -75,14 +73,7 @@ def run_to_end(command: list[str]) -> None:
 def run_and_kill_after_save(command: list[str], run_dir: Path) -> None:
     """Start the run, SIGKILL it as soon as step 2's save is committed (the COMPLETE marker exists)."""
     proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    marker = step_dir(run_dir, SAVE_EVERY) / COMPLETE
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{err[-4000:]}"
-    assert marker.exists()
+    sigkill_when_exists(proc, step_dir(run_dir, SAVE_EVERY) / COMPLETE, timeout=120)
 
 
 @pytest.mark.parametrize("extra", [
