@@ -7,10 +7,13 @@ of the global loss sum_r <w_r, out_r>.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (the first custom-op call imports it: once here, not in each forked rank)
 import torch.distributed as dist
+import torch.utils._python_dispatch
 
 from spartron.runtime.ops import collectives as C
 from spartron.testing import DistributedTestError, run_distributed
@@ -318,3 +321,83 @@ def test_all_to_all_under_full_and_selective_checkpoint_regions():
         assert sel_saved.get("spartron_collectives::all_to_all") == 2
         assert sel_saved.get("spartron_collectives::splits_to_host") == 2
         assert "spartron_collectives::all_to_all" not in sel_recomputed
+
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the spartron_collectives ops that reach the dispatch-mode layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "spartron_collectives":
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def _entries_worker(rank, world):
+    """Each eager entry (no grad / wrapper with grad / torch.ops with registered autograd) gives the
+    same values and gradients, and a dispatch mode sees the op on every one of them."""
+    splits = SPLITS[world]
+    x = _input(rank, sum(splits[rank]))
+    out_splits = [splits[j][rank] for j in range(world)]
+    name = dist.group.WORLD.group_name
+    w = _weight(rank, (sum(out_splits), D))
+    same_shape = _input(rank, 2)
+    results = {}
+    for entry in ("wrapper", "torch_ops"):
+        for watched in (False, True):
+            xg = x.clone().requires_grad_()
+            mode = _RecordOps()
+            with mode if watched else contextlib.nullcontext():
+                if entry == "wrapper":
+                    out = C.all_to_all(xg, out_splits, splits[rank])
+                else:
+                    out = torch.ops.spartron_collectives.all_to_all(xg, out_splits, splits[rank], name)
+                (out * w).sum().backward()
+                with torch.no_grad():
+                    gathered = C.all_gather(same_shape)
+                    scattered = C.reduce_scatter(gathered)
+            results[entry, watched] = (out.detach(), xg.grad, gathered, scattered, mode.seen)
+    want = results["wrapper", False]
+    for got in results.values():
+        for a, b in zip(want[:4], got[:4], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert want[4] == [] and results["torch_ops", False][4] == []
+    for entry in ("wrapper", "torch_ops"):  # forward, reverse all-to-all in backward, the no-grad pair
+        assert results[entry, True][4] == ["all_to_all", "all_to_all", "all_gather", "reduce_scatter"], entry
+    torch.testing.assert_close(want[3], same_shape * world, rtol=0, atol=0)
+
+
+def test_every_eager_entry_gives_the_same_values_and_grads_and_is_seen_by_dispatch_modes():
+    run_distributed(_entries_worker, 2)
+
+
+def _gather_grad_worker(rank, world):
+    """all_gather / reduce_scatter through the wrapper's autograd and through the registered autograd."""
+    x = _input(rank, 4)
+    name = dist.group.WORLD.group_name
+    grads = []
+    for gather in (lambda t: C.all_gather(t, dim=1),
+                   lambda t: torch.ops.spartron_collectives.all_gather(t, 1, name)):
+        xg = x.clone().requires_grad_()
+        out = gather(xg)
+        (out * _weight(rank, out.shape)).sum().backward()
+        grads.append(xg.grad)
+    for scatter in (lambda t: C.reduce_scatter(t, dim=1),
+                    lambda t: torch.ops.spartron_collectives.reduce_scatter(t, 1, name)):
+        xg = torch.cat([x] * world, dim=1).requires_grad_()
+        out = scatter(xg)
+        (out * _weight(rank, out.shape)).sum().backward()
+        grads.append(xg.grad)
+    return grads
+
+
+def test_gather_and_scatter_grads_are_equal_through_both_autograd_entries():
+    for rank, (g_wrap, g_ops, s_wrap, s_ops) in enumerate(run_distributed(_gather_grad_worker, 2)):
+        torch.testing.assert_close(g_wrap, g_ops, rtol=0, atol=0)
+        torch.testing.assert_close(s_wrap, s_ops, rtol=0, atol=0)
+        # d/dx of sum_r <w_r, gather(x)_r> = sum over ranks of rank-r's weight slice for this rank
+        want = sum(_weight(r, (4, D * 2))[:, rank * D:(rank + 1) * D] for r in range(2))
+        torch.testing.assert_close(g_wrap, want, rtol=1e-6, atol=1e-6)

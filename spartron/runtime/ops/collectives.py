@@ -18,7 +18,8 @@ SymInts, with the local checks turned into runtime asserts (torch._check).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -77,16 +78,13 @@ _reduce_scatter = torch.ops.spartron_collectives.reduce_scatter.default
 _splits_to_host = torch.ops.spartron_collectives.splits_to_host.default
 
 
-def _register(name: str, impl, fake) -> None:
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-
-
 def _all_to_all_impl(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
                      group_name: str) -> Tensor:
+    # The ProcessGroup's own entry point, as dist.all_to_all_single ends up calling: the same NCCL /
+    # gloo transport without that wrapper's Python checks, which the public wrapper below already did.
     out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes,
-                           group=resolve_group(group_name))
+    resolve_group(group_name).alltoall_base(out, x.contiguous(), output_split_sizes, input_split_sizes,
+                                            dist.AllToAllOptions()).wait()
     return out
 
 
@@ -94,13 +92,9 @@ def _all_to_all_fake(x, output_split_sizes, input_split_sizes, group_name):
     return x.new_empty((sum(output_split_sizes), *x.shape[1:]))
 
 
-def _all_to_all_setup(ctx, inputs, output):
-    _, ctx.output_split_sizes, ctx.input_split_sizes, ctx.group_name = inputs
-
-
-def _all_to_all_backward(ctx, grad):
-    grad_x = _all_to_all(grad, list(ctx.input_split_sizes), list(ctx.output_split_sizes), ctx.group_name)
-    return grad_x, None, None, None
+def _all_to_all_grad(grad: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
+    """The backward rule: the reverse all-to-all (output and input splits swapped)."""
+    return _run(ALL_TO_ALL, grad, list(input_split_sizes), list(output_split_sizes), group_name)
 
 
 def _all_gather_impl(x: Tensor, dim: int, group_name: str) -> Tensor:
@@ -131,10 +125,6 @@ def _reduce_scatter_fake(x, dim, group_name):
     return x.new_empty(shape)
 
 
-def _dim_setup(ctx, inputs, output):
-    _, ctx.dim, ctx.group_name = inputs
-
-
 def _splits_to_host_impl(splits: Tensor) -> Tensor:
     return splits.to(device="cpu", dtype=torch.int64, copy=True)
 
@@ -143,23 +133,87 @@ def _splits_to_host_fake(splits):
     return torch.empty(splits.shape, dtype=torch.int64, device="cpu")
 
 
-_register("all_to_all", _all_to_all_impl, _all_to_all_fake)
-_register("all_gather", _all_gather_impl, _all_gather_fake)
-_register("reduce_scatter", _reduce_scatter_impl, _reduce_scatter_fake)
+@dataclass(frozen=True)
+class _Collective:
+    """One differentiable op: the registered op, its real impl and its backward rule (grad, *args) -> grad_x."""
+
+    op: object
+    impl: Callable[..., Tensor]
+    grad: Callable[..., Tensor]
+
+
+ALL_TO_ALL = _Collective(_all_to_all, _all_to_all_impl, _all_to_all_grad)
+ALL_GATHER = _Collective(_all_gather, _all_gather_impl,
+                         lambda grad, dim, group_name: _run(REDUCE_SCATTER, grad, dim, group_name))
+REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_impl,
+                             lambda grad, dim, group_name: _run(ALL_GATHER, grad, dim, group_name))
+
+
+def _register(name: str, impl, fake, collective: _Collective | None = None) -> None:
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+    if collective is not None:
+        torch.library.register_autograd(
+            f"{NAMESPACE}::{name}", lambda ctx, grad: (collective.grad(grad, *ctx.args), *[None] * len(ctx.args)),
+            setup_context=_save_args, lib=_LIB)
+
+
+def _save_args(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+_register("all_to_all", _all_to_all_impl, _all_to_all_fake, ALL_TO_ALL)
+_register("all_gather", _all_gather_impl, _all_gather_fake, ALL_GATHER)
+_register("reduce_scatter", _reduce_scatter_impl, _reduce_scatter_fake, REDUCE_SCATTER)
 _register("splits_to_host", _splits_to_host_impl, _splits_to_host_fake)
-torch.library.register_autograd(f"{NAMESPACE}::all_to_all", _all_to_all_backward,
-                                setup_context=_all_to_all_setup, lib=_LIB)
-torch.library.register_autograd(
-    f"{NAMESPACE}::all_gather", lambda ctx, grad: (_reduce_scatter(grad, ctx.dim, ctx.group_name), None, None),
-    setup_context=_dim_setup, lib=_LIB)
-torch.library.register_autograd(
-    f"{NAMESPACE}::reduce_scatter", lambda ctx, grad: (_all_gather(grad, ctx.dim, ctx.group_name), None, None),
-    setup_context=_dim_setup, lib=_LIB)
 
 
 # ---------------------------------------------------------------------------------------------
-# Public wrappers: validate locally, then call the ops.
+# How a wrapper enters an op. The op is the boundary for three observers: autograd, dispatch modes
+# (the checkpoint policy, FakeTensorMode) and the compiler. Eager calls take the cheapest entry
+# that keeps every observer present on this call seeing the op; each skipped layer costs several
+# µs of host time a call (benchmarks/results/collectives.json), which MoE dispatch pays per layer.
 # ---------------------------------------------------------------------------------------------
+
+class _Differentiable(torch.autograd.Function):
+    """Eager autograd for the wrappers: the op's own backward rule through one autograd.Function.
+
+    Same graph as the op's registered autograd (which torch.ops callers and compiled graphs use),
+    at about half its per-call host cost (register_autograd's Python kernel runs on every call).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, collective: _Collective, *args):
+        ctx.collective, ctx.args = collective, args
+        return _below_autograd(collective, x, *args)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (ctx.collective.grad(grad, *ctx.args), None, *[None] * len(ctx.args))
+
+
+def _observed(x: Tensor) -> bool:
+    """Whether a dispatch or function mode, or a tensor subclass, would see the op's dispatcher entry."""
+    return (type(x) is not Tensor or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled())
+
+
+def _below_autograd(collective: _Collective, x: Tensor, *args) -> Tensor:
+    """The op without its autograd layer; straight to its impl when nothing below autograd is watching."""
+    if not _observed(x):
+        return collective.impl(x, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return collective.op(x, *args)
+
+
+def _run(collective: _Collective, x: Tensor, *args, compiling: bool | None = None) -> Tensor:
+    """`collective`'s op applied to `x`: traced code calls the op itself; eager code the cheapest entry."""
+    if compiling if compiling is not None else torch.compiler.is_compiling():
+        return collective.op(x, *args)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Differentiable.apply(x, collective, *args)
+    return _below_autograd(collective, x, *args)
+
 
 def _group(group: dist.ProcessGroup | None, compiling: bool) -> dist.ProcessGroup:
     if not dist.is_initialized():
@@ -179,20 +233,6 @@ def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str, compiling: bo
     except RuntimeError as err:
         raise ValueError(f"{what}: the process group has no backend for {x.device.type} tensors "
                          f"(use NCCL for CUDA tensors, gloo for CPU tensors)") from err
-
-
-def _call(op, x: Tensor, *args, compiling: bool) -> Tensor:
-    """`op(x, *args)`; when nothing can need a gradient, entered below the autograd key.
-
-    The registered autograd kernel is Python (torch.library.register_autograd) and costs several µs
-    a call even when it only forwards; skipping it when `x` cannot require grad changes nothing else
-    (dispatch modes such as the checkpoint policy sit below autograd and still see the op).
-    Traced code always takes the plain call.
-    """
-    if compiling or (x.requires_grad and torch.is_grad_enabled()):
-        return op(x, *args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(x, *args)
 
 
 def splits_to_host(splits: Tensor) -> list[int]:
@@ -216,17 +256,21 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: boo
             raise ValueError(f"all_to_all: {name} tensor is on {splits.device}, expected the host or "
                              f"x's device {x.device}")
         splits = splits_to_host(splits)  # a fresh list of ints: no further type checks needed
+        if not compiling and min(splits, default=0) < 0:
+            raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     else:
-        if not compiling and not all(isinstance(s, int) for s in splits):
-            raise ValueError(f"all_to_all: {name} must be ints, got {list(splits)}")
         splits = list(splits)
+        if not compiling:  # one pass, no generator: this runs twice per MoE all-to-all
+            for size in splits:
+                if type(size) is not int:
+                    raise ValueError(f"all_to_all: {name} must be ints, got {splits}")
+                if size < 0:
+                    raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     if len(splits) != world:
         raise ValueError(f"all_to_all: {name} has {len(splits)} entries, the group has {world} ranks")
     if compiling:  # sizes may be unbacked SymInts (from a tensor): assert at run time
         for size in splits:
             torch._check(size >= 0, lambda: f"all_to_all: {name} has negative sizes")
-    elif min(splits, default=0) < 0:
-        raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     return splits
 
 
@@ -251,7 +295,7 @@ def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: 
         raise ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
                          f"but x.size(0) is {x.shape[0]}")
     out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes", compiling)
-    return _call(_all_to_all, x, out_splits, in_splits, group.group_name, compiling=compiling)
+    return _run(ALL_TO_ALL, x, out_splits, in_splits, group.group_name, compiling=compiling)
 
 
 def exchange_split_sizes(input_split_sizes: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
@@ -268,7 +312,7 @@ def exchange_split_sizes(input_split_sizes: Tensor, group: dist.ProcessGroup | N
                          f"{input_split_sizes.dtype} of shape {tuple(input_split_sizes.shape)}")
     _check_backend(input_split_sizes, group, "exchange_split_sizes", compiling)
     ones = [1] * world
-    return _call(_all_to_all, input_split_sizes, ones, ones, group.group_name, compiling=compiling)
+    return _run(ALL_TO_ALL, input_split_sizes, ones, ones, group.group_name, compiling=compiling)
 
 
 def _check_dim(x: Tensor, dim: int, what: str) -> int:
@@ -286,7 +330,7 @@ def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) 
     group = _group(group, compiling)
     dim = _check_dim(x, dim, "all_gather")
     _check_backend(x, group, "all_gather", compiling)
-    return _call(_all_gather, x, dim, group.group_name, compiling=compiling)
+    return _run(ALL_GATHER, x, dim, group.group_name, compiling=compiling)
 
 
 def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
@@ -302,4 +346,4 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int =
         raise ValueError(f"reduce_scatter: x.size({dim})={x.shape[dim]} is not divisible by the "
                          f"group size {world}")
     _check_backend(x, group, "reduce_scatter", compiling)
-    return _call(_reduce_scatter, x, dim, group.group_name, compiling=compiling)
+    return _run(REDUCE_SCATTER, x, dim, group.group_name, compiling=compiling)
