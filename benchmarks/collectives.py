@@ -5,9 +5,13 @@
 
 The custom op is a thin boundary (wrapper validation + dispatcher + the same NCCL call), so it must
 stay within 5% of the raw call. Each rank sends half of its buffer to each rank (even splits, bf16
-on CUDA). Two timings per variant, alternating raw/custom blocks so drift hits both alike:
+on CUDA). Variants: raw into a reused output, raw into a fresh output (what a functional op must
+do), the op's wrapper, and the wrapper on a tensor that requires grad (the training path: it
+records the backward). Timings per variant, alternating blocks so drift hits all alike:
 - pipelined: `iters` back-to-back calls between two CUDA events, divided by iters (how a training
   step issues them: the host runs ahead, so per-call Python cost hides behind transfers);
+- host µs per call: the wall time of that loop on the host (when it exceeds the device time, the
+  call is host-bound and the ratio measures Python/dispatcher cost, not transport);
 - latency: one call between events, synchronised after each (exposes the host-side cost).
 Times are medians over blocks / calls, the max over ranks; GB/s is the per-rank buffer size over
 the time. `within_tolerance` uses the pipelined ratio. Prints a table, writes JSON (device, torch
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +37,7 @@ from common import device_name, elapsed_ms, run_ranks, write_report  # noqa: E40
 
 WORLD = 2
 TOLERANCE = 0.05
+TIMINGS = ("median_ms", "host_us_per_call", "latency_median_ms")
 
 
 def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int) -> dict:
@@ -43,9 +49,12 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
     out = torch.empty_like(x)
     group = dist.group.WORLD
 
+    xg = x.clone().requires_grad_()
     variants = {
         "raw": lambda: dist.all_to_all_single(out, x, splits, splits, group=group),
+        "raw_new_output": lambda: dist.all_to_all_single(torch.empty_like(x), x, splits, splits, group=group),
         "custom": lambda: C.all_to_all(x, splits, splits, group),
+        "custom_requires_grad": lambda: C.all_to_all(xg, splits, splits, group),
     }
     ref = x.clone()
     dist.all_to_all_single(ref, x, splits, splits, group=group)
@@ -54,15 +63,19 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
         for _ in range(warmup):
             fn()
     pipelined: dict[str, list[float]] = {k: [] for k in variants}
+    host: dict[str, list[float]] = {k: [] for k in variants}
     latency: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(blocks):
         for name, fn in variants.items():
             dist.barrier()
+            t0 = time.perf_counter()
             pipelined[name].append(elapsed_ms(fn, iters, device))
+            host[name].append((time.perf_counter() - t0) * 1e6 / iters)
             dist.barrier()
             latency[name] += [elapsed_ms(fn, 1, device) for _ in range(iters)]
     return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols],
             "median_ms": {k: statistics.median(v) for k, v in pipelined.items()},
+            "host_us_per_call": {k: statistics.median(v) for k, v in host.items()},
             "latency_median_ms": {k: statistics.median(v) for k, v in latency.items()}}
 
 
@@ -77,9 +90,8 @@ def _rank_rows(rank: int, world: int, args) -> list[dict]:
         gathered: list[dict] = [None] * WORLD  # type: ignore[list-item]
         dist.all_gather_object(gathered, r)
         worst = {key: {k: max(g[key][k] for g in gathered) for k in r[key]}
-                 for key in ("median_ms", "latency_median_ms")}
-        rows.append({"size_mb": mb, **r, **worst, "per_rank": [
-            {key: g[key] for key in ("median_ms", "latency_median_ms")} for g in gathered]})
+                 for key in TIMINGS}
+        rows.append({"size_mb": mb, **r, **worst, "per_rank": [{key: g[key] for key in TIMINGS} for g in gathered]})
     return rows
 
 
@@ -92,6 +104,8 @@ def run(args) -> dict:
         ms = row["median_ms"]
         row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
         row["custom_over_raw"] = ms["custom"] / ms["raw"]
+        row["custom_over_raw_new_output"] = ms["custom"] / ms["raw_new_output"]
+        row["host_extra_us"] = row["host_us_per_call"]["custom"] - row["host_us_per_call"]["raw"]
         lat = row["latency_median_ms"]
         row["latency_custom_over_raw"] = lat["custom"] / lat["raw"]
         row["within_tolerance"] = row["custom_over_raw"] <= 1 + TOLERANCE
@@ -128,14 +142,16 @@ def main() -> None:
     report = run(args)
     print(f"{report['device']}  torch {report['torch']}  commit {report['commit'][:10]}  "
           f"{report['backend']} x{report['world_size']} {report['dtype']}")
-    print(f"{'MiB/rank':>9} {'raw ms':>9} {'custom ms':>10} {'raw GB/s':>9} {'custom GB/s':>12} {'ratio':>7}"
-          f" | {'latency raw':>12} {'custom':>8} {'ratio':>7}")
+    print(f"{'MiB/rank':>9} {'raw ms':>8} {'raw+out':>8} {'custom':>8} {'c+grad':>8} {'raw GB/s':>9} "
+          f"{'custom GB/s':>12} {'ratio':>6} {'vs+out':>7} | {'host us raw':>11} {'custom':>7} {'c+grad':>7}"
+          f" | {'latency raw':>11} {'custom':>7}")
     for r in report["results"]:
-        ms, gb, lat = r["median_ms"], r["gbps"], r["latency_median_ms"]
+        ms, gb, lat, host = r["median_ms"], r["gbps"], r["latency_median_ms"], r["host_us_per_call"]
         flag = "" if r["within_tolerance"] else f"  > {1 + TOLERANCE:.2f}x"
-        print(f"{r['bytes_per_rank'] / 2**20:9.2f} {ms['raw']:9.3f} {ms['custom']:10.3f} "
-              f"{gb['raw']:9.1f} {gb['custom']:12.1f} {r['custom_over_raw']:7.3f} | "
-              f"{lat['raw']:12.3f} {lat['custom']:8.3f} {r['latency_custom_over_raw']:7.3f}{flag}")
+        print(f"{r['bytes_per_rank'] / 2**20:9.2f} {ms['raw']:8.3f} {ms['raw_new_output']:8.3f} {ms['custom']:8.3f} "
+              f"{ms['custom_requires_grad']:8.3f} {gb['raw']:9.1f} {gb['custom']:12.1f} {r['custom_over_raw']:6.3f} "
+              f"{r['custom_over_raw_new_output']:7.3f} | {host['raw']:11.1f} {host['custom']:7.1f} "
+              f"{host['custom_requires_grad']:7.1f} | {lat['raw']:11.3f} {lat['custom']:7.3f}{flag}")
     write_report(args.out, report)
 
 
