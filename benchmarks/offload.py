@@ -37,6 +37,9 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+
+from common import bind_to_cores  # noqa: E402
 
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
@@ -234,6 +237,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
 
     cuda = torch.cuda.is_available()
     if cuda:
+        bind_to_cores(rank, world)
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world),

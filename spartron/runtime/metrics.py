@@ -142,9 +142,13 @@ def expert_load_max_violation(tokens_per_expert: Tensor | None) -> float | None:
 
 
 # ---- run header --------------------------------------------------------------------------------
-def git_commit() -> str | None:
-    """HEAD of the checkout; in a copy without .git (a lent GPU machine), the BUILD_COMMIT file beside it."""
-    root = Path(__file__).resolve().parents[2]
+def git_commit(root: Path | None = None) -> str | None:
+    """The commit this code is: the BUILD_COMMIT file in the checkout root when there is one (a snapshot
+    copied to a lent GPU machine, which may sit inside an unrelated, older git checkout), else HEAD."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
+    marker = root / "BUILD_COMMIT"
+    if marker.is_file() and marker.read_text().strip():
+        return marker.read_text().strip()
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5)
@@ -152,8 +156,7 @@ def git_commit() -> str | None:
             return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    marker = root / "BUILD_COMMIT"
-    return marker.read_text().strip() or None if marker.is_file() else None
+    return None
 
 
 def hardware(device: torch.device, world_size: int) -> dict[str, Any]:

@@ -91,3 +91,23 @@ def test_disabled_log_writes_nothing(tmp_path):
     log.write({"type": "step", "step": 1})
     log.close()
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_git_commit_prefers_the_snapshot_marker_over_an_enclosing_checkout(tmp_path):
+    import subprocess
+
+    from spartron.runtime.metrics import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x")
+    head = git("rev-parse", "HEAD").strip()
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    assert git_commit(snap) == head  # no marker: the enclosing checkout's HEAD
+    (snap / "BUILD_COMMIT").write_text("abc123\n")
+    assert git_commit(snap) == "abc123"
+    (snap / "BUILD_COMMIT").write_text("  \n")
+    assert git_commit(snap) == head  # an empty marker is no marker
