@@ -100,17 +100,15 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_di
 
 
 def bind_to_cores(rank: int, world: int) -> list[int]:
-    """Pin this process to its own contiguous slice of the cores it may run on; returns the slice.
+    """Pin this spawned rank to its slice of the cores it may run on (the launcher's rule,
+    `spartron.launch.local.core_slices`, as `launch.bind_cores = true` applies it); returns the slice.
 
-    Spawned ranks otherwise float over all cores and their Python threads (and NCCL's proxy
-    threads) migrate and collide: on the lent 2-GPU H200 host one NCCL all-to-all call cost 51 µs of
-    host time unpinned and 33 µs pinned, and the slowest rank's host paces both GPUs. A Slurm
-    task launched with --cpus-per-task is bound the same way by srun, so pinned numbers are the
-    ones a training job sees.
+    Unpinned, the slowest rank's host paces both GPUs (see core_slices); a Slurm task launched with
+    --cpus-per-task is bound the same way by srun, so pinned numbers are the ones a job sees.
     """
-    allowed = sorted(os.sched_getaffinity(0))
-    per_rank = max(1, len(allowed) // world)
-    mine = allowed[rank * per_rank:(rank + 1) * per_rank] or allowed
+    from spartron.launch.local import core_slices
+
+    mine = core_slices(os.sched_getaffinity(0), world)[rank]
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
     return mine

@@ -71,7 +71,7 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
             command += ["--set", item]
         print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {run_dir / 'logs'}",
               file=sys.stderr)
-        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs")
+        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs", bind_cores=cfg.launch.bind_cores)
     if entry == "smoke":
         from spartron.launch.smoke import run_smoke
 

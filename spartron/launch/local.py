@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -49,6 +50,28 @@ def rank_environ(environ: Mapping[str, str], rank: int, nproc: int, master_addr:
     return env
 
 
+def core_slices(allowed: Sequence[int], nproc: int) -> list[list[int]]:
+    """Each local rank's cores: disjoint contiguous slices of `allowed` (the remainder to the first
+    ranks); with more ranks than cores, one core each, round-robin.
+
+    Why bind at all: unpinned ranks' Python threads and NCCL's proxy threads migrate and collide, and
+    the slowest rank's host paces every GPU; on the lent 2-GPU H200 host one NCCL all-to-all call took
+    51 us of host time unpinned and 33 us pinned. srun binds Slurm tasks the same way.
+    """
+    cores = sorted(allowed)
+    if nproc < 1 or not cores:
+        raise ValueError(f"need nproc >= 1 and at least one core, got nproc={nproc}, cores={cores}")
+    if nproc >= len(cores):
+        return [[cores[r % len(cores)]] for r in range(nproc)]
+    base, extra = divmod(len(cores), nproc)
+    slices, start = [], 0
+    for r in range(nproc):
+        size = base + (r < extra)
+        slices.append(cores[start:start + size])
+        start += size
+    return slices
+
+
 def _status(returncode: int) -> int:
     """Shell-style status: a rank killed by signal S is 128 + S."""
     return 128 - returncode if returncode < 0 else returncode
@@ -73,10 +96,14 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str], log_dir: Path,
-                 master_addr: str = "127.0.0.1", poll_s: float = 0.05) -> int:
-    """Run `command` as `nproc` ranks on this machine; returns 0 or the first failing rank's status."""
+                 master_addr: str = "127.0.0.1", poll_s: float = 0.05, bind_cores: bool = False) -> int:
+    """Run `command` as `nproc` ranks on this machine; returns 0 or the first failing rank's status.
+
+    bind_cores: start rank r on `core_slices(...)[r]` of the cores this launcher may use.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    slices = core_slices(os.sched_getaffinity(0), nproc) if bind_cores else None
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(master_addr)
     procs: list[subprocess.Popen] = []
@@ -93,7 +120,9 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
                 out = log.open("w")
             logs.append(log)
             try:
-                procs.append(subprocess.Popen(list(command), env=env, stdout=out,
+                # the launcher is single-threaded, so setting the child's affinity before exec is safe
+                pin = (lambda cores=slices[rank]: os.sched_setaffinity(0, cores)) if slices else None
+                procs.append(subprocess.Popen(list(command), env=env, stdout=out, preexec_fn=pin,
                                               stderr=subprocess.STDOUT if out else None))
             finally:
                 if out:

@@ -105,6 +105,7 @@ class LaunchConfig(ConfigSection):
     """
 
     nproc: int = Field(1, ge=1)  # ranks spawned on this machine by `spartron train`
+    bind_cores: bool = False  # pin each spawned local rank to its own slice of cores (as srun does)
     nodes: int = Field(1, ge=1)  # default of `spartron sbatch --nodes`
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int = Field(1, ge=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spartron.launch.local import existing_launcher, free_port, launch_local, rank_environ
+from spartron.launch.local import core_slices, existing_launcher, free_port, launch_local, rank_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -63,6 +64,39 @@ def test_launch_local_spawns_ranks_with_their_variables(tmp_path):
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "2"]
     assert {s["WORLD_SIZE"] for s in seen} == {"3"}
     assert len({s["MASTER_PORT"] for s in seen}) == 1 and seen[0]["MASTER_ADDR"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("allowed", "nproc", "expected"), [
+    ([0, 1, 2, 3], 2, [[0, 1], [2, 3]]),
+    ([3, 1, 2, 0, 4], 2, [[0, 1, 2], [3, 4]]),  # sorted; the remainder goes to the first ranks
+    ([4, 5, 6, 7], 1, [[4, 5, 6, 7]]),
+    ([0, 1], 3, [[0], [1], [0]]),  # more ranks than cores: one core each, round-robin
+    ([0, 1], 2, [[0], [1]]),
+])
+def test_core_slices(allowed, nproc, expected):
+    assert core_slices(allowed, nproc) == expected
+
+
+def test_core_slices_rejects_no_ranks_or_no_cores():
+    with pytest.raises(ValueError, match="nproc >= 1"):
+        core_slices([0, 1], 0)
+    with pytest.raises(ValueError, match="at least one core"):
+        core_slices([], 2)
+
+
+_AFFINITY = ("import json, os, sys; json.dump(sorted(os.sched_getaffinity(0)), "
+             "open(sys.argv[1] + '/a' + os.environ['RANK'] + '.json', 'w'))")
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_launch_local_binds_each_rank_to_its_cores_only_when_asked(tmp_path, bind):
+    allowed = sorted(os.sched_getaffinity(0))
+    status = launch_local([sys.executable, "-c", _AFFINITY, str(tmp_path)], 2, {"PATH": "/usr/bin:/bin"},
+                          tmp_path / "logs", bind_cores=bind)
+    assert status == 0
+    seen = [json.loads((tmp_path / f"a{r}.json").read_text()) for r in range(2)]
+    assert seen == (core_slices(allowed, 2) if bind else [allowed, allowed])
+    assert sorted(os.sched_getaffinity(0)) == allowed  # the launcher itself is not pinned
 
 
 _FAIL_RANK1 = ("import os, sys, time\n"
