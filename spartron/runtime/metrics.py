@@ -147,8 +147,9 @@ def git_commit(root: Path | None = None) -> str | None:
     copied to a lent GPU machine, which may sit inside an unrelated, older git checkout), else HEAD."""
     root = Path(__file__).resolve().parents[2] if root is None else root
     marker = root / "BUILD_COMMIT"
-    if marker.is_file() and marker.read_text().strip():
-        return marker.read_text().strip()
+    built = marker.read_text().strip() if marker.is_file() else ""
+    if built:
+        return built
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5)

@@ -208,7 +208,9 @@ def _below_autograd(collective: _Collective, x: Tensor, *args) -> Tensor:
 
 def _run(collective: _Collective, x: Tensor, *args, compiling: bool | None = None) -> Tensor:
     """`collective`'s op applied to `x`: traced code calls the op itself; eager code the cheapest entry."""
-    if compiling if compiling is not None else torch.compiler.is_compiling():
+    if compiling is None:  # the backward rules call without knowing
+        compiling = torch.compiler.is_compiling()
+    if compiling:
         return collective.op(x, *args)
     if x.requires_grad and torch.is_grad_enabled():
         return _Differentiable.apply(x, collective, *args)
@@ -256,21 +258,19 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: boo
             raise ValueError(f"all_to_all: {name} tensor is on {splits.device}, expected the host or "
                              f"x's device {x.device}")
         splits = splits_to_host(splits)  # a fresh list of ints: no further type checks needed
-        if not compiling and min(splits, default=0) < 0:
-            raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     else:
         splits = list(splits)
-        if not compiling:  # one pass, no generator: this runs twice per MoE all-to-all
+        if not compiling:  # a plain loop, no generator: this runs twice per MoE all-to-all
             for size in splits:
                 if type(size) is not int:
                     raise ValueError(f"all_to_all: {name} must be ints, got {splits}")
-                if size < 0:
-                    raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     if len(splits) != world:
         raise ValueError(f"all_to_all: {name} has {len(splits)} entries, the group has {world} ranks")
     if compiling:  # sizes may be unbacked SymInts (from a tensor): assert at run time
         for size in splits:
             torch._check(size >= 0, lambda: f"all_to_all: {name} has negative sizes")
+    elif min(splits, default=0) < 0:
+        raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     return splits
 
 
