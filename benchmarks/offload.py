@@ -323,10 +323,31 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
     busy = _union(nccl + comp)
     ms = lambda ns: ns / 1e6  # noqa: E731
     length = lambda u: sum(b - a for a, b in u)  # noqa: E731
+    families: dict[str, float] = {}
+    for e in events:
+        family = kernel_family(e.name())
+        families[family] = families.get(family, 0.0) + ms(e.duration_ns())
     out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
            "nccl_busy_ms": ms(length(nccl)), "nccl_hidden_under_compute_ms": ms(_intersection_ns(comp, nccl)),
-           "gpu_busy_ms": ms(length(busy))}
+           "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items()))}
     return out
+
+
+# Kernel name fragments -> family, first match wins (lower-case). Only for explaining where the time
+# of micro-batch 2 vs 1 goes; the busy/overlap numbers above do not depend on it.
+_FAMILIES = (("nccl", "nccl"), ("memcpy", "copy"), ("memset", "copy"), ("flash", "attention"),
+             ("fmha", "attention"), ("attention", "attention"), ("softmax", "softmax"),
+             ("grouped", "grouped_gemm"), ("gemm", "gemm"), ("nvjet", "gemm"), ("xmma", "gemm"),
+             ("cutlass", "gemm"), ("sort", "sort_topk"), ("topk", "sort_topk"), ("scan", "sort_topk"),
+             ("index", "index_scatter_gather"), ("scatter", "index_scatter_gather"),
+             ("gather", "index_scatter_gather"), ("reduce", "reduction"), ("norm", "norm"),
+             ("elementwise", "elementwise"), ("vectorized", "elementwise"), ("cat", "elementwise"))
+
+
+def kernel_family(name: str) -> str:
+    """A coarse family for a CUDA kernel name ('other' when no fragment matches)."""
+    low = name.lower()
+    return next((family for fragment, family in _FAMILIES if fragment in low), "other")
 
 
 def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -417,6 +438,10 @@ def print_microbatch(mb: dict | None) -> None:
         print(f"   2 vs 1: compute kernels {g2['compute_busy_ms'] - g1['compute_busy_ms']:+.1f} ms (smaller GEMMs/"
               f"attention per micro-batch), NCCL hidden under compute {hidden:+.1f} ms (the overlap), GPU idle "
               f"{g2['gpu_idle_ms'] - g1['gpu_idle_ms']:+.1f} ms (host-bound: 2x launches, host syncs)")
+        f1, f2 = g1.get("kernel_ms_by_family", {}), g2.get("kernel_ms_by_family", {})
+        deltas = sorted(((f2.get(k, 0.0) - f1.get(k, 0.0), k) for k in {*f1, *f2}), reverse=True)
+        print("   kernel time by family, 1 -> 2 micro-batches (ms): " + ", ".join(
+            f"{k} {f1.get(k, 0.0):.1f} -> {f2.get(k, 0.0):.1f}" for _, k in deltas))
 
 
 def main() -> None:

@@ -122,3 +122,18 @@ def test_region_stats_sum_saved_and_recomputed(prof):
     assert stats["saved_by_op"]["aten::mm"] > 0
     assert stats["ops_saved"] == sum(stats["saved_by_op"].values())
     assert "aten::mm" not in stats["recomputed_by_op"]
+
+
+def test_offload_benchmark_kernel_families():
+    """benchmarks/offload.py groups kernels by family to explain micro-batch 2 vs 1; first match wins."""
+    spec = importlib.util.spec_from_file_location("offload_bench", REPO / "benchmarks" / "offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    family = module.kernel_family
+    assert family("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
+    assert family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert family("void at::native::elementwise_kernel<128, 2>") == "elementwise"
+    assert family("void at::native::(anonymous namespace)::indexSelectLargeIndex") == "index_scatter_gather"
+    assert family("Memcpy DtoH (Device -> Pinned)") == "copy"
+    assert family("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert family("some_custom_kernel") == "other"
