@@ -115,7 +115,8 @@ def memory_by_phase(model, tokens, labels, cfg, device: torch.device) -> list[di
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=not cfg.train.keep_grad_buffers)
+
     def region_backward(key: int) -> None:
         label = f"bwd region {key} ({key_names[key]})"
         repeats = sum(r["phase"].startswith(label) for r in rows)
@@ -139,7 +140,7 @@ def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -
     tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size)
     times, d2h_bytes, d2h_seconds, summary = [], 0, 0.0, None
     for step in range(warmup + steps):
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not cfg.train.keep_grad_buffers)  # as the trainer's optimizer step does
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -189,20 +190,31 @@ def part_offload(config: Path, overrides: list[str], device: torch.device, steps
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         groups = _one_rank_groups(device, tmp)
-        for ac in ("full", "selective"):
-            rows[ac] = _compare(config, overrides, ac, device, steps, warmup, groups, ceiling)
+        for label, mode in OFFLOAD_MODES.items():
+            rows[label] = _compare(config, [*overrides, *mode], device, steps, warmup, groups, ceiling)
         if groups is not None:
             groups.destroy()
             dist.destroy_process_group()
     return {"pinned_d2h_ceiling_gbps": ceiling, "modes": rows}
 
 
-def _compare(config, overrides, ac, device, steps, warmup, groups, ceiling) -> dict:
-    """One AC mode with offload off and on."""
-    off = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=false"]),
-                         device, steps, warmup, groups)
-    on = measure_single(load_config(config, [*overrides, f"ac.mode={ac}", "offload.enabled=true"]),
-                        device, steps, warmup, groups)
+# The offload comparisons: AC mode, and whether gradients are freed after each step (torch's default,
+# the trainer's `train.keep_grad_buffers = false`) or kept as persistent buffers (Megatron's DDP layout).
+# Which one holds matters for full AC: with freed gradients its peak comes late in backward, when the
+# gradients have been rebuilt and the offloaded inputs are consumed; with kept buffers it comes at the
+# end of forward, where the window's inputs are live.
+OFFLOAD_MODES: dict[str, list[str]] = {
+    "full AC": ["ac.mode=full"],
+    "selective AC": ["ac.mode=selective"],
+    "full AC, grads kept": ["ac.mode=full", "train.keep_grad_buffers=true"],
+    "selective AC, grads kept": ["ac.mode=selective", "train.keep_grad_buffers=true"],
+}
+
+
+def _compare(config, overrides, device, steps, warmup, groups, ceiling) -> dict:
+    """One mode with offload off and on."""
+    off = measure_single(load_config(config, [*overrides, "offload.enabled=false"]), device, steps, warmup, groups)
+    on = measure_single(load_config(config, [*overrides, "offload.enabled=true"]), device, steps, warmup, groups)
     row = {"off": off, "on": on, "step_time_ratio": on["step_ms"] / off["step_ms"]}
     if off["peak_allocated_bytes"] is not None:
         saved = off["peak_allocated_bytes"] - on["peak_allocated_bytes"]
@@ -378,14 +390,14 @@ def print_offload(off: dict | None, unit: str, size) -> None:
     ceiling = off["pinned_d2h_ceiling_gbps"]
     print(f"== offload window (1 GPU): step time, peak allocated ({unit}), D2H throughput")
     for ac, row in off["modes"].items():
-        print(f"{ac:>9} AC: step {row['off']['step_ms']:7.1f} -> {row['on']['step_ms']:7.1f} ms "
+        print(f"{ac:>24}: step {row['off']['step_ms']:7.1f} -> {row['on']['step_ms']:7.1f} ms "
               f"(x{row['step_time_ratio']:.3f}, target <= 1.05); offloaded "
               f"{size(row['on']['offloaded_bytes_per_step'], 0)}; peak {size(row['off']['peak_allocated_bytes'], 0)} "
               f"-> {size(row['on']['peak_allocated_bytes'], 0)}, reduction/offloaded "
               f"{row.get('peak_reduction_over_offloaded', float('nan')):.2f} (target >= 0.8); "
               f"D2H {row['on'].get('d2h_gbps') or float('nan'):.1f} GB/s (ceiling {ceiling or float('nan'):.1f})")
     for ac, row in off["modes"].items():
-        print(f"\n== {ac} AC: memory by phase, {unit} (start = allocated when the phase starts, peak = max "
+        print(f"\n== {ac}: memory by phase, {unit} (start = allocated when the phase starts, peak = max "
               "inside it, held = saved region tensors on device at its start, grads = parameter gradients)")
         print(f"{'phase':<36}|{'off start':>10}{'peak':>8}{'held':>8}{'grads':>8} |{'on start':>10}{'peak':>8}"
               f"{'held':>8}{'grads':>8}")

@@ -80,6 +80,9 @@ class TrainConfig(ConfigSection):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    # After each optimizer step, zero the gradients in place instead of freeing them (Megatron's
+    # persistent gradient buffers): no per-step allocation, but gradient memory is held through forward.
+    keep_grad_buffers: bool = False
     compile: bool = False
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     save_every: int = Field(0, ge=0)  # 0: never

@@ -269,7 +269,7 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
     if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
         clip_grads_(params, t.grad_clip, grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
     if hasattr(model, "update_expert_bias"):
         model.update_expert_bias(groups.dp_cp)
     if device.type == "cuda":
