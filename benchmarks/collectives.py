@@ -13,6 +13,10 @@ records the backward). Timings per variant, alternating blocks so drift hits all
 - host µs per call: the wall time of that loop on the host (when it exceeds the device time, the
   call is host-bound and the ratio measures Python/dispatcher cost, not transport);
 - latency: one call between events, synchronised after each (exposes the host-side cost).
+Floors: `c10d_entry` calls the ProcessGroup's alltoall_base directly (what both paths end in, no
+wrapper), `c10d_entry_new_output` also allocates the output as a functional op must, and
+`torch_functional` is torch's own C++ functional all-to-all: they show how close any functional
+boundary can get to the raw call at host-bound sizes.
 Times are medians over blocks / calls, the max over ranks; GB/s is the per-rank buffer size over
 the time. `within_tolerance` uses the pipelined ratio. Prints a table, writes JSON (device, torch
 version, git commit, shapes, times).
@@ -50,9 +54,16 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
     group = dist.group.WORLD
 
     xg = x.clone().requires_grad_()
+    opts, group_name = dist.AllToAllOptions(), group.group_name
+    functional = torch.ops._c10d_functional
     variants = {
         "raw": lambda: dist.all_to_all_single(out, x, splits, splits, group=group),
         "raw_new_output": lambda: dist.all_to_all_single(torch.empty_like(x), x, splits, splits, group=group),
+        # floors: the ProcessGroup entry both paths end in, without any Python wrapper or checks
+        "c10d_entry": lambda: group.alltoall_base(out, x, splits, splits, opts).wait(),
+        "c10d_entry_new_output": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits, opts).wait(),
+        # torch's own functional (C++) all-to-all, the one torch.compile's collectives use
+        "torch_functional": lambda: functional.wait_tensor(functional.all_to_all_single(x, splits, splits, group_name)),
         "custom": lambda: C.all_to_all(x, splits, splits, group),
         "custom_requires_grad": lambda: C.all_to_all(xg, splits, splits, group),
     }
@@ -105,6 +116,9 @@ def run(args) -> dict:
         row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
         row["custom_over_raw"] = ms["custom"] / ms["raw"]
         row["custom_over_raw_new_output"] = ms["custom"] / ms["raw_new_output"]
+        row["floor_over_raw"] = ms["c10d_entry_new_output"] / ms["raw"]  # no functional op can beat this
+        row["torch_functional_over_raw"] = ms["torch_functional"] / ms["raw"]
+        row["custom_over_floor"] = ms["custom"] / ms["c10d_entry_new_output"]
         row["host_extra_us"] = row["host_us_per_call"]["custom"] - row["host_us_per_call"]["raw"]
         lat = row["latency_median_ms"]
         row["latency_custom_over_raw"] = lat["custom"] / lat["raw"]
@@ -144,14 +158,15 @@ def main() -> None:
           f"{report['backend']} x{report['world_size']} {report['dtype']}")
     print(f"{'MiB/rank':>9} {'raw ms':>8} {'raw+out':>8} {'custom':>8} {'c+grad':>8} {'raw GB/s':>9} "
           f"{'custom GB/s':>12} {'ratio':>6} {'vs+out':>7} | {'host us raw':>11} {'custom':>7} {'c+grad':>7}"
-          f" | {'latency raw':>11} {'custom':>7}")
+          f" | {'latency raw':>11} {'custom':>7} | floor/raw {'torch fn/raw':>12} custom/floor")
     for r in report["results"]:
         ms, gb, lat, host = r["median_ms"], r["gbps"], r["latency_median_ms"], r["host_us_per_call"]
         flag = "" if r["within_tolerance"] else f"  > {1 + TOLERANCE:.2f}x"
         print(f"{r['bytes_per_rank'] / 2**20:9.2f} {ms['raw']:8.3f} {ms['raw_new_output']:8.3f} {ms['custom']:8.3f} "
               f"{ms['custom_requires_grad']:8.3f} {gb['raw']:9.1f} {gb['custom']:12.1f} {r['custom_over_raw']:6.3f} "
               f"{r['custom_over_raw_new_output']:7.3f} | {host['raw']:11.1f} {host['custom']:7.1f} "
-              f"{host['custom_requires_grad']:7.1f} | {lat['raw']:11.3f} {lat['custom']:7.3f}{flag}")
+              f"{host['custom_requires_grad']:7.1f} | {lat['raw']:11.3f} {lat['custom']:7.3f} | "
+              f"{r['floor_over_raw']:9.3f} {r['torch_functional_over_raw']:12.3f} {r['custom_over_floor']:12.3f}{flag}")
     write_report(args.out, report)
 
 

@@ -254,11 +254,12 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world),
                             rank=rank, world_size=world)
-    groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), device.type)
+    configs = {n: load_config(config, [*overrides, f"parallel.ep={world}", "model.moe.dispatcher=all_to_all",
+                                       f"train.intra_layer_micro_batches={n}"]) for n in (1, 2)}
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), device.type,
+                                  nccl={name: c.settings() for name, c in configs[1].parallel.nccl.items()})
     results = {}
-    for n in (1, 2):
-        cfg = load_config(config, [*overrides, f"parallel.ep={world}", "model.moe.dispatcher=all_to_all",
-                                   f"train.intra_layer_micro_batches={n}"])
+    for n, cfg in configs.items():
         torch.manual_seed(0)
         with device:
             model = parallelize(build_model(cfg.model, groups), groups, cfg)

@@ -377,7 +377,8 @@ class _Run:
         dims = ParallelDims(world, fsdp=p.resolve_fsdp(world), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate,
                             order=p.order)
         self.n_micro = micro_steps(cfg, dims)
-        self.groups = ParallelGroups.build(dims, self.device.type, timeout=timedelta(seconds=p.timeout_s))
+        self.groups = ParallelGroups.build(dims, self.device.type, timeout=timedelta(seconds=p.timeout_s),
+                                           nccl={name: c.settings() for name, c in p.nccl.items()})
         torch.manual_seed(t.seed)
         with self.device:
             self.model = default_model_factory(cfg, self.groups)

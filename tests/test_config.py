@@ -64,6 +64,15 @@ def test_defaults_and_overrides():
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),
     (["train.compile=true"],  # tiny.toml has ac.mode = "selective"
      "invalid config: train.compile = true cannot be combined with ac.mode = 'selective'"),
+    (["parallel.nccl.epx.max_ctas=8"],
+     "invalid config: parallel.nccl: unknown group 'epx'; known: world, cp, fsdp"),
+    (["parallel.nccl.ep.min_ctas=16", "parallel.nccl.ep.max_ctas=8"],
+     "invalid config: parallel.nccl.ep: min_ctas = 16 is above max_ctas = 8"),
+    (["parallel.nccl.ep.max_ctas=0"],
+     "invalid config: parallel.nccl.ep.max_ctas: Input should be greater than or equal to 1 (got 0)"),
+    (["parallel.nccl.ep.ctas=8"], "invalid config: parallel.nccl.ep.ctas: unknown key"),
+    (["parallel.nccl.ep.max_ctas=8", "parallel.backend=gloo"],
+     "invalid config: parallel.nccl configures NCCL communicators, but parallel.backend = 'gloo'"),
     # bad override syntax
     (["parallel.ep"], "override 'parallel.ep' must look like dotted.key=value"),
     (["=3"], "override '=3' must look like dotted.key=value (empty key part in '')"),
@@ -74,6 +83,13 @@ def test_bad_config(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, overrides)
     assert message in str(err.value)
+
+
+def test_nccl_settings_per_group():
+    config = load_config(TINY, ["parallel.nccl.ep.max_ctas=16", "parallel.nccl.ep.cga_cluster_size=2"])
+    assert {name: c.settings() for name, c in config.parallel.nccl.items()} == {
+        "ep": {"max_ctas": 16, "cga_cluster_size": 2}}
+    assert load_config(TINY).parallel.nccl == {}
 
 
 def test_several_errors_reported_together():

@@ -14,6 +14,7 @@ the shard ProcessGroup whatever the ``order`` string.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -38,28 +39,43 @@ class _GroupFactory:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.made: dict[tuple[int, ...], ProcessGroup | None] = {}
 
-    def get(self, ranks: list[int], desc: str) -> ProcessGroup | None:
-        """The group of exactly `ranks` (None on ranks outside it); identical rank sets share one group."""
-        key = tuple(sorted(ranks))
+    def get(self, ranks: list[int], desc: str, nccl: Mapping[str, int] | None = None) -> ProcessGroup | None:
+        """The group of exactly `ranks` (None on ranks outside it); identical rank sets share one group,
+        except that a group with NCCL settings gets a communicator of its own (keyed by its name)."""
+        members = tuple(sorted(ranks))
+        key = members if nccl is None else (desc, members)
         if key not in self.made:
-            if len(key) == self.world_size:
+            if nccl is None and len(members) == self.world_size:
                 pg = dist.group.WORLD
             else:
-                kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
-                pg = dist.new_group(ranks=list(key), group_desc=f"spartron_{desc}", **kwargs)
-            self.made[key] = pg if self.rank in key else None
+                kwargs: dict = {"timeout": self.timeout} if self.timeout is not None else {}
+                if nccl is not None:
+                    kwargs.update(backend="nccl", pg_options=_nccl_options(nccl, desc))
+                pg = dist.new_group(ranks=list(members), group_desc=f"spartron_{desc}", **kwargs)
+            self.made[key] = pg if self.rank in members else None
         return self.made[key]
 
-    def mine(self, groups: list[list[int]], desc: str, required: bool = True) -> ProcessGroup | None:
+    def mine(self, groups: list[list[int]], desc: str, required: bool = True,
+             nccl: Mapping[str, int] | None = None) -> ProcessGroup | None:
         """Create every group of `groups`; return the one holding this rank (None allowed if not required)."""
         found = None
         for ranks in groups:
-            pg = self.get(ranks, desc)
+            pg = self.get(ranks, desc, nccl)
             if pg is not None:
                 found = pg
         if found is None and required:
             raise ParallelGroupsError(f"rank {self.rank} is in no {desc} group (internal layout error)")
         return found
+
+
+def _nccl_options(settings: Mapping[str, int], group: str) -> dist.ProcessGroupNCCL.Options:
+    """ProcessGroupNCCL options carrying `settings` (ncclConfig_t fields such as max_ctas)."""
+    options = dist.ProcessGroupNCCL.Options()
+    for key, value in settings.items():
+        if not hasattr(options.config, key):
+            raise ParallelGroupsError(f"parallel.nccl.{group}.{key}: this torch's NCCL config has no such field")
+        setattr(options.config, key, value)
+    return options
 
 
 def _slices(mesh: torch.Tensor, dim: int) -> list[list[int]]:
@@ -114,8 +130,13 @@ class ParallelGroups:
     _owned: list[ProcessGroup] = field(default_factory=list, repr=False)  # created here, this rank a member
 
     @classmethod
-    def build(cls, dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> ParallelGroups:
-        """Create every group and mesh of `dims`. Collective: all ranks call it with the same dims."""
+    def build(cls, dims: ParallelDims, device_type: str, timeout: timedelta | None = None,
+              nccl: Mapping[str, Mapping[str, int]] | None = None) -> ParallelGroups:
+        """Create every group and mesh of `dims`. Collective: all ranks call it with the same arguments.
+
+        `nccl` maps group names to NCCL communicator settings (`NcclCommConfig.settings()`); each
+        such group gets its own communicator with them (CUDA only).
+        """
         if not dist.is_available() or not dist.is_initialized():
             raise ParallelGroupsError("ParallelGroups.build needs torch.distributed initialized first "
                                       "(spartron.parallel.env.init_distributed)")
@@ -125,8 +146,16 @@ class ParallelGroups:
                                       f"has {world_size} ranks ({dims.describe()})")
         if device_type not in ("cpu", "cuda"):
             raise ParallelGroupsError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        nccl = dict(nccl or {})
+        unknown = sorted(set(nccl) - set(GROUP_NAMES))
+        if unknown:
+            raise ParallelGroupsError(f"parallel.nccl: unknown group {unknown[0]!r}; known: {', '.join(GROUP_NAMES)}")
+        if nccl and (device_type != "cuda" or not dist.is_nccl_available()):
+            raise ParallelGroupsError(f"parallel.nccl configures NCCL communicators, but this run's groups are "
+                                      f"for {device_type!r} tensors" + ("" if dist.is_nccl_available() else
+                                                                        " and this torch has no NCCL"))
         factory = _GroupFactory(rank, world_size, timeout)
-        named = {name: factory.mine(dims.rank_groups(name), name) for name in GROUP_NAMES}
+        named = {name: factory.mine(dims.rank_groups(name), name, nccl=nccl.get(name)) for name in GROUP_NAMES}
 
         dense = torch.tensor(dims.mesh_ranks("dense"), dtype=torch.int)
         expert = torch.tensor(dims.mesh_ranks("expert"), dtype=torch.int)

@@ -17,11 +17,33 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
-from spartron.parallel.dims import MEGATRON_ORDER_NAMES
+from spartron.parallel.dims import GROUP_DIMS, MEGATRON_ORDER_NAMES
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the dotted key."""
+
+
+class NcclCommConfig(ConfigSection):
+    """NCCL communicator settings for one process group (`[parallel.nccl.<group>]`), as NCCL's own
+    ncclConfig_t names them. Why per group: the EP all-to-all that overlaps expert GEMMs (intra-layer
+    micro-batches) competes with them for SMs, so capping its CTAs trades some transfer speed for
+    compute, without slowing the FSDP collectives. A configured group gets its own communicator even
+    when its ranks equal another group's."""
+
+    max_ctas: int | None = Field(None, ge=1)
+    min_ctas: int | None = Field(None, ge=1)
+    cga_cluster_size: int | None = Field(None, ge=0, le=8)
+
+    @model_validator(mode="after")
+    def _check(self) -> NcclCommConfig:
+        if self.min_ctas is not None and self.max_ctas is not None and self.min_ctas > self.max_ctas:
+            raise ValueError(f"min_ctas = {self.min_ctas} is above max_ctas = {self.max_ctas}")
+        return self
+
+    def settings(self) -> dict[str, int]:
+        """The fields that are set, by NCCL's names (what ParallelGroups.build applies)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ParallelConfig(ConfigSection):
@@ -34,9 +56,15 @@ class ParallelConfig(ConfigSection):
     order: str = "tp-cp-ep-dp-pp"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float = Field(300.0, gt=0)
+    nccl: dict[str, NcclCommConfig] = Field(default_factory=dict)  # group name -> its communicator settings
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
+        unknown = sorted(set(self.nccl) - set(GROUP_DIMS))
+        if unknown:
+            raise ValueError(f"parallel.nccl: unknown group {unknown[0]!r}; known: {', '.join(GROUP_DIMS)}")
+        if self.nccl and self.backend == "gloo":
+            raise ValueError("parallel.nccl configures NCCL communicators, but parallel.backend = 'gloo'")
         if self.fsdp == 0 or self.fsdp < -1:
             raise ValueError(f"parallel.fsdp must be >= 1 or -1 (fill the remaining ranks), got {self.fsdp}")
         if sorted(self.order.split("-")) != sorted(MEGATRON_ORDER_NAMES):

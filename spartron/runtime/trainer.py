@@ -185,7 +185,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     dims = ParallelDims(world, fsdp=p.resolve_fsdp(world), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate,
                         order=p.order)
     n_micro = micro_steps(cfg, dims)
-    groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s))
+    groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
+                                  nccl={name: c.settings() for name, c in p.nccl.items()})
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank before sharding
     with device:

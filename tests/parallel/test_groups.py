@@ -128,10 +128,12 @@ def test_fully_shard_on_fsdp_meshes(world, kwargs, dense, expert):
 
 def _build_errors(rank, world):
     messages = []
-    cases = ((ParallelDims(world_size=4, fsdp=4), "cpu"), (ParallelDims(world_size=2, fsdp=2), "xpu"))
-    for dims, device in cases:
+    dims = ParallelDims(world_size=2, fsdp=2, ep=2)
+    cases = ((ParallelDims(world_size=4, fsdp=4), "cpu", None), (ParallelDims(world_size=2, fsdp=2), "xpu", None),
+             (dims, "cpu", {"ep": {"max_ctas": 8}}), (dims, "cuda", {"epx": {"max_ctas": 8}}))
+    for dims, device, nccl in cases:
         try:
-            ParallelGroups.build(dims, device)
+            ParallelGroups.build(dims, device, nccl=nccl)
         except ParallelGroupsError as err:
             messages.append(str(err))
     return messages
@@ -143,10 +145,36 @@ def test_build_errors_on_every_rank():
         assert messages == ["ParallelDims.world_size is 4 but torch.distributed has 2 ranks "
                             "(world 4 = dp_replicate 1 x fsdp 4 x cp 1; ep 1 (expert_fsdp 4); "
                             "order tp-cp-ep-dp-pp)",
-                            "device_type must be 'cpu' or 'cuda', got 'xpu'"]
+                            "device_type must be 'cpu' or 'cuda', got 'xpu'",
+                            "parallel.nccl configures NCCL communicators, but this run's groups are for 'cpu' "
+                            "tensors" + ("" if dist.is_nccl_available() else " and this torch has no NCCL"),
+                            "parallel.nccl: unknown group 'epx'; known: " + ", ".join(GROUP_NAMES)]
 
 
 def test_build_needs_initialized_distributed():
     assert not dist.is_initialized()
     with pytest.raises(ParallelGroupsError, match="needs torch.distributed initialized first"):
         ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), "cpu")
+
+
+def _nccl_settings_rank(rank, world):
+    """The configured EP group has its own NCCL communicator carrying the settings, and works."""
+    from spartron.runtime.ops.collectives import all_to_all
+
+    torch.cuda.set_device(rank)
+    groups = ParallelGroups.build(ParallelDims(world_size=world, fsdp=world, ep=world), "cuda",
+                                  nccl={"ep": {"max_ctas": 8}})
+    x = torch.arange(12.0, device="cuda").reshape(6, 2) + 100 * rank
+    out = all_to_all(x, [3] * world, [3] * world, groups.ep)
+    expected = torch.cat([torch.arange(12.0, device="cuda").reshape(6, 2)[3 * rank:3 * rank + 3] + 100 * r
+                          for r in range(world)])
+    config = groups.ep._get_backend(torch.device("cuda")).options.config
+    return (groups.ep is not dist.group.WORLD, groups.fsdp is dist.group.WORLD, config.max_ctas,
+            torch.equal(out, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: NCCL communicator settings")
+def test_nccl_settings_give_the_group_its_own_communicator():
+    out = run_distributed(_nccl_settings_rank, 2, timeout=300, start_method="spawn")
+    assert out == [(True, True, 8, True)] * 2
