@@ -16,10 +16,9 @@ One rule, written once here:
   device, of at least `min_bytes` (floating point; integer index tensors such as the DSA top-k ids
   too with `what = "inputs_and_dsa_ids"`) is copied into a pooled host buffer on the D2H stream and
   the hook keeps no reference to the device tensor: the caching allocator frees it once the copy
-  (recorded on the D2H stream) completes, which the host checks as the next region starts (so the
-  newest offloaded inputs are free before the forward's memory peak, not only after it). No
-  `storage().resize_(0)`, so views other code holds stay valid. The same tensor saved by several
-  regions (the ids a DSA source hands to its consumers) is copied once.
+  (recorded on the D2H stream) completes. No `storage().resize_(0)`, so views other code holds stay
+  valid. The same tensor saved by several regions (the ids a DSA source hands to its consumers) is
+  copied once.
 - In backward, the first unpack of region call c means its backward has started: the session
   copies back the offloaded tensors of calls c, c-1, ..., c-prefetch_depth on the H2D stream; the
   unpack makes the compute stream wait for that copy's event. Host buffers return to the pool when
@@ -258,7 +257,6 @@ class OffloadSession:
         self.calls: list[_RegionCallRecord] = []
         self._by_identity: dict[int, tuple[weakref.ref, _HostCopy]] = {}
         self._open = False
-        self._latest_d2h: Any = None  # the D2H stream's event after the newest offload copy (CUDA)
 
     # -- lifetime -----------------------------------------------------------------------------
     def __enter__(self) -> OffloadSession:
@@ -286,25 +284,10 @@ class OffloadSession:
 
     # -- forward ------------------------------------------------------------------------------
     def _region_scope(self, key: int) -> contextlib.AbstractContextManager:
-        self._catch_up_with_copies()
         call = _RegionCallRecord(len(self.calls), key, key in self.offloader.window)
         self.calls.append(call)
         self.stats.region_calls += 1
         return torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack)
-
-    def _catch_up_with_copies(self) -> None:
-        """The host waits, as a region starts, for the offload copies issued so far.
-
-        Why: an offloaded tensor's memory is recorded on the D2H stream, and the caching allocator
-        frees it only once the host has seen that copy complete. A host running regions ahead of the
-        GPU would still hold (count, and be unable to reuse) the newest region's offloaded inputs
-        when it issues the next allocations: at the forward's memory peak, one region's worth. The
-        wait keeps the host at most one region ahead of the copies, which a GPU-bound forward does
-        not notice (the previous region's kernels are still queued); a host-bound one never waits.
-        """
-        if self._latest_d2h is not None:
-            self._latest_d2h.synchronize()
-            self._latest_d2h = None
 
     def _wants(self, call: _RegionCallRecord, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -358,7 +341,6 @@ class OffloadSession:
                 host.copy_(t.detach(), non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(streams.d2h)
-            self._latest_d2h = done
             t.record_stream(streams.d2h)  # its memory is reused only after the copy completes
         copy = _HostCopy(buffer, host, done, started, id(t))
         self._by_identity[id(t)] = (weakref.ref(t), copy)
