@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from spartron.checkpointing.boundary import CheckpointRegion
 from spartron.checkpointing.config import OffloadConfig
@@ -188,6 +189,7 @@ class SessionStats:
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0  # device bytes copied to host (deduplicated tensors counted once)
     deduplicated_tensors: int = 0  # saves of a tensor another region of this step already offloaded
+    early_copies: int = 0  # offloaded tensors whose copy started as their region call began (its inputs)
     kept_tensors: int = 0  # saved tensors left on device (outside the window, small, other device, ...)
     kept_bytes: int = 0
     restored_tensors: int = 0
@@ -210,6 +212,8 @@ class _HostCopy:
     d2h_started: Any  # CUDA event (timing: benchmarks/offload.py), None on CPU
     source_id: int  # id() of the device tensor (identity key while it is alive)
     users: int = 0
+    source_version: int = 0  # the source's version counter when the copy was issued
+    claimed: bool = True  # False: started as its region began, not (yet) saved by the region
 
 
 @dataclass
@@ -231,6 +235,7 @@ class _RegionCallRecord:
     in_window: bool
     handles: list[_Handle] = field(default_factory=list)
     backward_started: bool = False
+    refused: set[int] = field(default_factory=set)  # id()s of inputs the pool refused as the call began
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -283,11 +288,37 @@ class OffloadSession:
         self._by_identity.clear()
 
     # -- forward ------------------------------------------------------------------------------
-    def _region_scope(self, key: int) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _region_scope(self, key: int, args: tuple, kwargs: dict) -> Iterator[None]:
+        """One region call: its saves go through the pack hook; the host copies of its tensor inputs
+        start now, as the call begins, instead of when the region saves them at its end.
+
+        Why early: the caching allocator frees an offloaded tensor once the host sees its D2H copy
+        complete, and the host runs ahead of the GPU. A copy issued at the region's end finishes
+        (on the GPU) only after the whole region, so at the forward's memory peak the newest window
+        region's inputs were still held; issued at its start, the copy overlaps the region's compute.
+        Inputs the region does not save are released when the call ends.
+        """
         call = _RegionCallRecord(len(self.calls), key, key in self.offloader.window)
         self.calls.append(call)
         self.stats.region_calls += 1
-        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack)
+        early = []
+        if call.in_window:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and id(t) not in self._by_identity and self._wants(call, t):
+                    copy = self._start_copy(t, claimed=False)
+                    if copy is not None:
+                        early.append(copy)
+                    else:  # the pool is full: the save keeps it on device, without asking again
+                        call.refused.add(id(t))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack):
+                yield
+        finally:
+            for copy in early:
+                if not copy.claimed:  # not saved by the region after all
+                    copy.claimed = True
+                    self._return_buffer(copy)
 
     def _wants(self, call: _RegionCallRecord, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -303,7 +334,7 @@ class OffloadSession:
         nbytes = t.numel() * t.element_size()
         handle = _Handle(call, nbytes)
         call.handles.append(handle)
-        if self._wants(call, t):
+        if id(t) not in call.refused and self._wants(call, t):
             handle.host = self._host_copy_of(t)
         if handle.host is None:
             handle.tensor = t
@@ -315,10 +346,29 @@ class OffloadSession:
         return handle
 
     def _host_copy_of(self, t: torch.Tensor) -> _HostCopy | None:
+        """The host copy a save of `t` uses: one already made for this very tensor, else a new one."""
         known = self._by_identity.get(id(t))
-        if known is not None and known[0]() is t:
+        copy = known[1] if known is not None and known[0]() is t else None
+        if copy is not None and not copy.claimed and copy.source_version != t._version:
+            copy.claimed = True  # written in place since its copy started: that copy is stale
+            self._return_buffer(copy)
+            copy = None
+        if copy is None:
+            copy = self._start_copy(t, claimed=True)
+        elif copy.claimed:
             self.stats.deduplicated_tensors += 1
-            return known[1]
+            return copy
+        else:
+            self.stats.early_copies += 1
+        if copy is not None:
+            copy.claimed = True
+            nbytes = t.numel() * t.element_size()
+            self.stats.offloaded_tensors += 1
+            self.stats.offloaded_bytes += nbytes
+        return copy
+
+    def _start_copy(self, t: torch.Tensor, claimed: bool) -> _HostCopy | None:
+        """Issue the D2H copy of `t` into a pooled host buffer (None when the pool refuses)."""
         nbytes = t.numel() * t.element_size()
         entry = self.offloader.pool.acquire(nbytes)
         if entry is None:
@@ -342,10 +392,8 @@ class OffloadSession:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(streams.d2h)
             t.record_stream(streams.d2h)  # its memory is reused only after the copy completes
-        copy = _HostCopy(buffer, host, done, started, id(t))
+        copy = _HostCopy(buffer, host, done, started, id(t), source_version=t._version, claimed=claimed)
         self._by_identity[id(t)] = (weakref.ref(t), copy)
-        self.stats.offloaded_tensors += 1
-        self.stats.offloaded_bytes += nbytes
         self.stats._add_device(-nbytes)  # the handle holds no reference to t
         return copy
 
@@ -402,8 +450,11 @@ class OffloadSession:
 
     def _release_host(self, copy: _HostCopy) -> None:
         copy.users -= 1
-        if copy.users > 0:
-            return
+        if copy.users <= 0:
+            self._return_buffer(copy)
+
+    def _return_buffer(self, copy: _HostCopy) -> None:
+        """The copy's host buffer goes back to the pool (after every H2D that read it)."""
         known = self._by_identity.get(copy.source_id)
         if known is not None and known[1] is copy:
             del self._by_identity[copy.source_id]
