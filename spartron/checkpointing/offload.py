@@ -15,10 +15,12 @@ One rule, written once here:
   tensor identity, never by shared storage. A tensor of a region in the window, on the offload
   device, of at least `min_bytes` (floating point; integer index tensors such as the DSA top-k ids
   too with `what = "inputs_and_dsa_ids"`) is copied into a pooled host buffer on the D2H stream and
-  the hook keeps no reference to the device tensor: the caching allocator frees it once the copy
-  (recorded on the D2H stream) completes. No `storage().resize_(0)`, so views other code holds stay
-  valid. The same tensor saved by several regions (the ids a DSA source hands to its consumers) is
-  copied once.
+  the hook keeps no reference to the device tensor. A region call's inputs start their copies as the
+  call begins (overlapping its compute) and the call's end makes the region's stream wait for them,
+  so their memory is reusable as soon as the caller drops them; a tensor first met at save time is
+  recorded on the D2H stream instead (the allocator frees it once the copy completes). No
+  `storage().resize_(0)`, so views other code holds stay valid. The same tensor saved by several
+  regions (the ids a DSA source hands to its consumers) is copied once.
 - In backward, the first unpack of region call c means its backward has started: the session
   copies back the offloaded tensors of calls c, c-1, ..., c-prefetch_depth on the H2D stream; the
   unpack makes the compute stream wait for that copy's event. Host buffers return to the pool when
@@ -293,11 +295,13 @@ class OffloadSession:
         """One region call: its saves go through the pack hook; the host copies of its tensor inputs
         start now, as the call begins, instead of when the region saves them at its end.
 
-        Why early: the caching allocator frees an offloaded tensor once the host sees its D2H copy
-        complete, and the host runs ahead of the GPU. A copy issued at the region's end finishes
-        (on the GPU) only after the whole region, so at the forward's memory peak the newest window
-        region's inputs were still held; issued at its start, the copy overlaps the region's compute.
-        Inputs the region does not save are released when the call ends.
+        Why early: the copy overlaps the region's compute, and the call's end can order the inputs'
+        memory after it with a stream wait instead of `record_stream` (with record_stream the
+        allocator frees a tensor only once the host has seen its copy complete, so a host running
+        regions ahead of the GPU still held the newest window inputs at the forward's memory peak).
+        This assumes what any stream-correct code does: an input made on another stream was
+        recorded on the stream that runs the region. Inputs the region does not save are released
+        when the call ends.
         """
         call = _RegionCallRecord(len(self.calls), key, key in self.offloader.window)
         self.calls.append(call)
@@ -315,6 +319,14 @@ class OffloadSession:
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack):
                 yield
         finally:
+            if early and early[-1].d2h_done is not None:
+                # The inputs are still referenced (the caller holds them for the call), so none has
+                # been freed yet. From here on the stream running the regions waits for their copies
+                # (done long ago on the GPU: they overlapped the region), and memory freed later is
+                # reused in that stream's order, after the copies. Unlike record_stream, this lets
+                # the allocator reuse the memory as soon as the host frees it, however far the host
+                # runs ahead of the GPU.
+                torch.cuda.current_stream(self.offloader.device).wait_event(early[-1].d2h_done)
             for copy in early:
                 if not copy.claimed:  # not saved by the region after all
                     copy.claimed = True
@@ -391,7 +403,9 @@ class OffloadSession:
                 host.copy_(t.detach(), non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(streams.d2h)
-            t.record_stream(streams.d2h)  # its memory is reused only after the copy completes
+            if claimed:  # a save-time copy: its memory is reused only after the copy completes
+                t.record_stream(streams.d2h)
+            # (an early copy is ordered by the wait at its region call's end instead: _region_scope)
         copy = _HostCopy(buffer, host, done, started, id(t), source_version=t._version, claimed=claimed)
         self._by_identity[id(t)] = (weakref.ref(t), copy)
         self.stats._add_device(-nbytes)  # the handle holds no reference to t
