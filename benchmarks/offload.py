@@ -12,10 +12,11 @@ Part 2 (two ranks, EP=2, spawned): step time with train.intra_layer_micro_batche
 (all_to_all dispatcher; target: 2 is faster because one micro-batch's exchange overlaps the other's
 experts), with the host time to issue a step and, from one profiled step per setting, the GPU time
 split into compute kernels, NCCL kernels, their overlap and idle time (why 2 is or is not faster).
+Off and on run on the same model, alternating step by step (drift hits both alike).
 Memory by phase: one extra step per AC mode x offload off/on records allocated / peak memory at
-phase boundaries (forward; backward of loss + head; the backward of each checkpoint region, told by
-the offload session's region-backward observer) with the region tensors the session holds there,
-so the output says where the peak is and how much the window could lower it.
+phase boundaries (embedding; each checkpoint region's forward; backward of loss + head; the backward
+of each region, told by the offload session's observers) with the region tensors the session holds
+there, so the output says where the peak is and how much the window could lower it.
 On CPU (--smoke) both parts run on the tiny preset with gloo (no allocator stats, no profile).
 """
 
@@ -88,17 +89,19 @@ def _grad_bytes(model) -> int:
     return total
 
 
-def memory_by_phase(model, tokens, labels, cfg, device: torch.device) -> list[dict]:
+def memory_by_phase(model, tokens, labels, offloader: ActivationOffloader, keep_grads: bool,
+                    device: torch.device) -> list[dict]:
     """One extra step: allocated memory at phase boundaries and the peak inside each phase.
 
-    The boundaries inside backward come from the offload session's observer (a region's backward
-    starts); with offload off a session with an empty window observes the same points, so off and on
-    are comparable row by row. `held` = bytes of saved region tensors alive on device at the start
-    of the phase (what a window can move to the host), `grads` = parameter gradients allocated.
+    The boundaries come from the offload session's observers (a region call starts; a region's
+    backward starts); the last forward region's row runs until the forward returns, so it includes
+    the final norm, head and loss. With offload off a session with an empty window observes the same
+    points, so off and on are comparable row by row. `held` = bytes of saved region tensors alive on
+    device at the start of the phase (what a window can move to the host), `grads` = parameter
+    gradients allocated.
     """
     cuda = device.type == "cuda"
     names = {id(checkpoint_region_of(m)): n for n, m in model.named_modules() if checkpoint_region_of(m) is not None}
-    offloader = ActivationOffloader.for_model(model, cfg.offload, device)
     key_names = {k: names.get(id(r), "?") for k, r in enumerate(offloader.regions)}
     rows: list[dict] = []
 
@@ -115,15 +118,20 @@ def memory_by_phase(model, tokens, labels, cfg, device: torch.device) -> list[di
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-    model.zero_grad(set_to_none=not cfg.train.keep_grad_buffers)
+    model.zero_grad(set_to_none=not keep_grads)
 
     def region_backward(key: int) -> None:
         label = f"bwd region {key} ({key_names[key]})"
         repeats = sum(r["phase"].startswith(label) for r in rows)
         mark(label if not repeats else f"{label} #{repeats + 1}")
 
-    with offloader.session(on_region_backward=region_backward) as session:
-        mark("forward")
+    def region_forward(key: int) -> None:
+        label = f"fwd region {key} ({key_names[key]})"
+        repeats = sum(r["phase"].startswith(label) for r in rows)
+        mark(label if not repeats else f"{label} #{repeats + 1}")
+
+    with offloader.session(on_region_backward=region_backward, on_region_forward=region_forward) as session:
+        mark("forward: embedding")
         loss = model(tokens, labels)["loss"]
         mark("bwd loss + head")
         loss.backward()
@@ -131,43 +139,65 @@ def memory_by_phase(model, tokens, labels, cfg, device: torch.device) -> list[di
     return rows
 
 
-def measure_single(cfg, device: torch.device, steps: int, warmup: int, groups) -> dict:
-    """Step time (forward + backward, no optimizer) and peak memory for one config on one device."""
+def _step(model, tokens, labels, offloader: ActivationOffloader | None, keep_grads: bool,
+          device: torch.device) -> tuple[float, int | None, object]:
+    """One forward + backward: (seconds, peak allocated bytes, the offload session or None)."""
+    model.zero_grad(set_to_none=not keep_grads)  # as the trainer's optimizer step does
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    session = None
+    if offloader is None:
+        model(tokens, labels)["loss"].backward()
+    else:
+        with offloader.session() as session:
+            model(tokens, labels)["loss"].backward()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, session
+
+
+def measure_off_and_on(cfg, device: torch.device, steps: int, warmup: int, groups) -> dict:
+    """Step time (forward + backward, no optimizer) and peak memory of one model with offload off and
+    on. The same model runs both (offload is a property of the step's session, not of the model),
+    alternating off/on step by step with the order swapped every step, so host or clock drift during
+    the run hits both alike. Peak = the highest of the measured steps'."""
     torch.manual_seed(0)
     with device:
         model = parallelize(build_model(cfg.model, groups), groups, cfg)
-    offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
+    keep = cfg.train.keep_grad_buffers
+    offloaders = {"off": None, "on": ActivationOffloader.for_model(model, cfg.offload, device)}
     tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size)
-    times, d2h_bytes, d2h_seconds, summary = [], 0, 0.0, None
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    peaks: dict[str, list[int]] = {"off": [], "on": []}
+    d2h_bytes, d2h_seconds, summary = 0, 0.0, None
     for step in range(warmup + steps):
-        model.zero_grad(set_to_none=not cfg.train.keep_grad_buffers)  # as the trainer's optimizer step does
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        if offloader is None:
-            model(tokens, labels)["loss"].backward()
-        else:
-            with offloader.session() as session:
-                model(tokens, labels)["loss"].backward()
-        _sync(device)
-        if step < warmup:
-            continue
-        times.append(time.perf_counter() - start)
-        if offloader is not None:
-            summary = session.summary()
-            for copy in session.host_copies():
-                d2h_bytes += copy.buffer.numel()
-                if copy.d2h_started is not None:
-                    d2h_seconds += copy.d2h_started.elapsed_time(copy.d2h_done) / 1e3
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    out = {"step_ms": 1e3 * statistics.median(times), "peak_allocated_bytes": peak,
-           "memory_by_phase": memory_by_phase(model, tokens, labels, cfg, device)}
-    if summary is not None:
-        out["offloaded_bytes_per_step"] = summary["session"]["offloaded_bytes"]
-        out["offload"] = summary
-        out["d2h_gbps"] = d2h_bytes / d2h_seconds / 1e9 if d2h_seconds else None
-    del model, offloader
+        for name in (("off", "on") if step % 2 == 0 else ("on", "off")):
+            seconds, peak, session = _step(model, tokens, labels, offloaders[name], keep, device)
+            if step < warmup:
+                continue
+            times[name].append(seconds)
+            if peak is not None:
+                peaks[name].append(peak)
+            if session is not None:
+                summary = session.summary()
+                for copy in session.host_copies():
+                    d2h_bytes += copy.buffer.numel()
+                    if copy.d2h_started is not None:
+                        d2h_seconds += copy.d2h_started.elapsed_time(copy.d2h_done) / 1e3
+    observer = ActivationOffloader.for_model(model, cfg.offload.model_copy(update={"enabled": False}), device)
+    out = {}
+    for name in ("off", "on"):
+        out[name] = {"step_ms": 1e3 * statistics.median(times[name]),
+                     "peak_allocated_bytes": max(peaks[name]) if peaks[name] else None,
+                     "memory_by_phase": memory_by_phase(model, tokens, labels,
+                                                        offloaders["on"] if name == "on" else observer, keep,
+                                                        device)}
+    out["on"]["offloaded_bytes_per_step"] = summary["session"]["offloaded_bytes"]
+    out["on"]["offload"] = summary
+    out["on"]["d2h_gbps"] = d2h_bytes / d2h_seconds / 1e9 if d2h_seconds else None
+    del model, offloaders, observer
     gc.collect()  # modules, regions and the offloader form cycles: free them before the next config runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -213,8 +243,9 @@ OFFLOAD_MODES: dict[str, list[str]] = {
 
 def _compare(config, overrides, device, steps, warmup, groups, ceiling) -> dict:
     """One mode with offload off and on."""
-    off = measure_single(load_config(config, [*overrides, "offload.enabled=false"]), device, steps, warmup, groups)
-    on = measure_single(load_config(config, [*overrides, "offload.enabled=true"]), device, steps, warmup, groups)
+    measured = measure_off_and_on(load_config(config, [*overrides, "offload.enabled=true"]), device, steps, warmup,
+                                  groups)
+    off, on = measured["off"], measured["on"]
     row = {"off": off, "on": on, "step_time_ratio": on["step_ms"] / off["step_ms"]}
     if off["peak_allocated_bytes"] is not None:
         saved = off["peak_allocated_bytes"] - on["peak_allocated_bytes"]

@@ -162,10 +162,13 @@ class ActivationOffloader:
             device = next(model.parameters()).device
         return cls(checkpoint_regions(model), config, device)
 
-    def session(self, on_region_backward: Callable[[int], None] | None = None) -> OffloadSession:
-        """The state of one step. `on_region_backward(region_index)` (optional, diagnostics) is
-        called when a region call's backward starts, before its restores are issued."""
-        return OffloadSession(self, on_region_backward)
+    def session(self, on_region_backward: Callable[[int], None] | None = None,
+                on_region_forward: Callable[[int], None] | None = None) -> OffloadSession:
+        """The state of one step. The optional observers (diagnostics: benchmarks/offload.py's memory
+        by phase) get the region index when a region call starts (`on_region_forward`, before its
+        input copies are issued) and when its backward starts (`on_region_backward`, before its
+        restores are issued)."""
+        return OffloadSession(self, on_region_backward, on_region_forward)
 
 
 @contextlib.contextmanager
@@ -256,9 +259,11 @@ class OffloadSession:
     """The offload state of one training step. Enter it around the step's forward and backward."""
 
     def __init__(self, offloader: ActivationOffloader,
-                 on_region_backward: Callable[[int], None] | None = None) -> None:
+                 on_region_backward: Callable[[int], None] | None = None,
+                 on_region_forward: Callable[[int], None] | None = None) -> None:
         self.offloader = offloader
         self.on_region_backward = on_region_backward
+        self.on_region_forward = on_region_forward
         self.config = offloader.config
         self.stats = SessionStats()
         self.calls: list[_RegionCallRecord] = []
@@ -303,6 +308,8 @@ class OffloadSession:
         recorded on the stream that runs the region. Inputs the region does not save are released
         when the call ends.
         """
+        if self.on_region_forward is not None:
+            self.on_region_forward(key)
         call = _RegionCallRecord(len(self.calls), key, key in self.offloader.window)
         self.calls.append(call)
         self.stats.region_calls += 1
