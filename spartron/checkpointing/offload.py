@@ -485,6 +485,18 @@ class OffloadSession:
             last_read.record(self.offloader.streams.h2d)  # after every H2D that read this buffer
         self.offloader.pool.release(copy.buffer, last_read)
 
+    def offloaded_still_referenced(self) -> list[tuple[int, int]]:
+        """(region call index, bytes) of offloaded tensors whose device memory something else still
+        holds. The window frees nothing for these until that reference goes: for example a caller
+        that keeps the first layer's input in a local variable for the whole forward."""
+        out = []
+        for call in self.calls:
+            for handle in call.handles:
+                known = self._by_identity.get(handle.host.source_id) if handle.host is not None else None
+                if known is not None and known[1] is handle.host and known[0]() is not None:
+                    out.append((call.index, handle.nbytes))
+        return out
+
     def live_restored(self) -> list[tuple[int, int]]:
         """(region call index, bytes) of every restored device copy still alive. A copy lives from
         its restore until its region's backward has finished (autograd then frees the saved input);

@@ -103,6 +103,7 @@ def run_decoder_stack(layers: Sequence[nn.Module], h: Tensor, positions: Tensor,
                       call_layer: LayerCall = default_call_layer) -> StackOutput:
     """Run the layers in order. A layer that returns ids (a DSA source) hands them to the next layers."""
     out = StackOutput(hidden_states=h, dsa_topk_ids=dsa_topk_ids)
+    del h  # no second reference to the first layer's input: it is freed once that layer is done
     for layer in layers:
         ids = ids_for_layer(layer.attn.dsa_role, out.dsa_topk_ids)  # only DSA consumers take ids
         result = call_layer(layer, out.hidden_states, positions, ids)

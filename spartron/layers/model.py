@@ -65,14 +65,19 @@ class SparseMoEModel(nn.Module):
             ranks = dist.get_world_size(self.loss_group)
         return loss_sum * ranks / count.clamp(min=1.0)
 
+    def _embed_tokens(self, tokens: Tensor) -> Tensor | list[Tensor]:
+        h = self.embed(self._cp(tokens))
+        if self.intra_layer_micro_batches > 1:
+            return split_micro_batches(h, self.intra_layer_micro_batches)
+        return h
+
     def forward(self, tokens: Tensor, labels: Tensor) -> ModelOutput:
         seq = tokens.shape[1]
         positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
                      else cp_positions(seq, self.cp_group, device=tokens.device))
-        h = self.embed(self._cp(tokens))
-        if self.intra_layer_micro_batches > 1:
-            h = split_micro_batches(h, self.intra_layer_micro_batches)
-        stack = run_decoder_stack(list(self.layers.values()), h, positions)
+        # The embedding goes to the stack without a local here, so the first layer's input is freed
+        # as soon as that layer is done with it (an offload window moves it to the host).
+        stack = run_decoder_stack(list(self.layers.values()), self._embed_tokens(tokens), positions)
         stack.hidden_states = merge_micro_batches(stack.hidden_states)
         stack.dsa_topk_ids = merge_micro_batches(stack.dsa_topk_ids)
         lm_loss = self._token_mean(self.norm(stack.hidden_states), self._cp(labels))

@@ -472,3 +472,28 @@ def test_offload_ac_microbatch2_fsdp2_ep2_reuse_frames_together(ac_mode):
         assert r["regions"] == 5 and r["window"] == [0, 1, 2, 3]
         assert r["offloaded"] > 0 and r["restored"] >= r["offloaded"] and r["device_bytes"] == 0
         assert r["dedup"] > 0  # DSA ids shared by source -> consumer regions copied once
+
+
+@pytest.mark.parametrize("ac_mode", ["full", "selective"])
+def test_reference_model_frees_each_offloaded_input_before_the_next_region(ac_mode):
+    """Nothing in the model's forward keeps a window region's input alive (the embedding output
+    included): when each region call starts, every input offloaded so far is already unreferenced, so
+    its device memory is free during the rest of the forward. Checked without the garbage collector."""
+    cfg = load_config("configs/tiny.toml", ["device=cpu", f"ac.mode={ac_mode}", "offload.enabled=true"])
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg.model), None, cfg)
+    offloader = ActivationOffloader.for_model(model, cfg.offload, "cpu")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
+    with offloader.session():  # warm: a first call's lazy imports keep their frames for a while
+        model(tokens, tokens)["loss"].backward()
+    held: list[tuple[int, list]] = []
+    gc.collect()
+    gc.disable()
+    try:
+        with offloader.session(on_region_forward=lambda key: held.append((key, session.offloaded_still_referenced()))
+                               ) as session:
+            model(tokens, tokens)["loss"].backward()
+    finally:
+        gc.enable()
+    assert [key for key, _ in held] == [call.key for call in session.calls] and len(held) >= 5
+    assert session.stats.offloaded_tensors == len(offloader.window) and all(refs == [] for _, refs in held), held
