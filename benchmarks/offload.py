@@ -190,6 +190,7 @@ def measure_off_and_on(cfg, device: torch.device, steps: int, warmup: int, group
     out = {}
     for name in ("off", "on"):
         out[name] = {"step_ms": 1e3 * statistics.median(times[name]),
+                     "step_ms_each": [round(1e3 * t, 2) for t in times[name]],
                      "peak_allocated_bytes": max(peaks[name]) if peaks[name] else None,
                      "memory_by_phase": memory_by_phase(model, tokens, labels,
                                                         offloaders["on"] if name == "on" else observer, keep,
