@@ -55,9 +55,9 @@ def core_slices(allowed: Sequence[int], nproc: int) -> list[list[int]]:
     ranks); with more ranks than cores, one core each, round-robin.
 
     Why bind at all: unpinned ranks' Python threads and NCCL's proxy threads migrate and collide, and
-    the slowest rank's host paces every GPU; on the lent 2-GPU H200 host one NCCL all-to-all call took
-    51 us of host time unpinned and 33 us pinned to 4 cores (50 us with 16-core slices: the slice size
-    is not tuned). srun binds Slurm tasks the same way.
+    the slowest rank's host paces every GPU. On the lent 2-GPU H200 VM the slice size (1 to 16 cores)
+    made no difference to the host time of an NCCL all-to-all call (25 us on a quiet core); which
+    vCPUs a slice holds did (some run Python ~1.6x slower). srun binds Slurm tasks the same way.
     """
     cores = sorted(allowed)
     if nproc < 1 or not cores:
