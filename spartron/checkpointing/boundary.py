@@ -256,17 +256,15 @@ class CheckpointRegion:
         self.last_stats: RegionStats | None = None
         # Set only while an offload session (checkpointing/offload.py) of the current step is open:
         # a factory of the saved_tensors_hooks context each call runs under, so the tensors the
-        # region saves for backward (its inputs) are seen by exact identity. It gets the call's
-        # inputs (args, kwargs) so their host copies can start as the call starts.
-        self.saved_inputs_scope: Callable[[tuple, dict], contextlib.AbstractContextManager] | None = None
+        # region saves for backward (its inputs) are seen by exact identity.
+        self.saved_inputs_scope: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def __call__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing will replay: run plainly (eval / inference)
             return fn(*args, **kwargs)
         call = _RegionCall(self.options, fn, args, kwargs)
         self.last_stats = call.stats
-        scope = (self.saved_inputs_scope(args, kwargs) if self.saved_inputs_scope is not None
-                 else contextlib.nullcontext())
+        scope = self.saved_inputs_scope() if self.saved_inputs_scope is not None else contextlib.nullcontext()
         with scope:
             return _run_reentrant(call) if self.options.reentrant else _run_non_reentrant(call)
 

@@ -15,12 +15,10 @@ One rule, written once here:
   tensor identity, never by shared storage. A tensor of a region in the window, on the offload
   device, of at least `min_bytes` (floating point; integer index tensors such as the DSA top-k ids
   too with `what = "inputs_and_dsa_ids"`) is copied into a pooled host buffer on the D2H stream and
-  the hook keeps no reference to the device tensor. A region call's inputs start their copies as the
-  call begins (overlapping its compute) and the call's end makes the region's stream wait for them,
-  so their memory is reusable as soon as the caller drops them; a tensor first met at save time is
-  recorded on the D2H stream instead (the allocator frees it once the copy completes). No
-  `storage().resize_(0)`, so views other code holds stay valid. The same tensor saved by several
-  regions (the ids a DSA source hands to its consumers) is copied once.
+  the hook keeps no reference to the device tensor: the caching allocator frees it once the copy
+  (recorded on the D2H stream) completes. No `storage().resize_(0)`, so views other code holds stay
+  valid. The same tensor saved by several regions (the ids a DSA source hands to its consumers) is
+  copied once.
 - In backward, the first unpack of region call c means its backward has started: the session
   copies back the offloaded tensors of calls c, c-1, ..., c-prefetch_depth on the H2D stream; the
   unpack makes the compute stream wait for that copy's event. Host buffers return to the pool when
@@ -40,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from spartron.checkpointing.boundary import CheckpointRegion
 from spartron.checkpointing.config import OffloadConfig
@@ -165,9 +162,8 @@ class ActivationOffloader:
     def session(self, on_region_backward: Callable[[int], None] | None = None,
                 on_region_forward: Callable[[int], None] | None = None) -> OffloadSession:
         """The state of one step. The optional observers (diagnostics: benchmarks/offload.py's memory
-        by phase) get the region index when a region call starts (`on_region_forward`, before its
-        input copies are issued) and when its backward starts (`on_region_backward`, before its
-        restores are issued)."""
+        by phase) get the region index when a region call starts (`on_region_forward`) and when its
+        backward starts (`on_region_backward`, before its restores are issued)."""
         return OffloadSession(self, on_region_backward, on_region_forward)
 
 
@@ -194,7 +190,6 @@ class SessionStats:
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0  # device bytes copied to host (deduplicated tensors counted once)
     deduplicated_tensors: int = 0  # saves of a tensor another region of this step already offloaded
-    early_copies: int = 0  # offloaded tensors whose copy started as their region call began (its inputs)
     kept_tensors: int = 0  # saved tensors left on device (outside the window, small, other device, ...)
     kept_bytes: int = 0
     restored_tensors: int = 0
@@ -217,8 +212,6 @@ class _HostCopy:
     d2h_started: Any  # CUDA event (timing: benchmarks/offload.py), None on CPU
     source_id: int  # id() of the device tensor (identity key while it is alive)
     users: int = 0
-    source_version: int = 0  # the source's version counter when the copy was issued
-    claimed: bool = True  # False: started as its region began, not (yet) saved by the region
 
 
 @dataclass
@@ -240,7 +233,6 @@ class _RegionCallRecord:
     in_window: bool
     handles: list[_Handle] = field(default_factory=list)
     backward_started: bool = False
-    refused: set[int] = field(default_factory=set)  # id()s of inputs the pool refused as the call began
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -295,49 +287,13 @@ class OffloadSession:
         self._by_identity.clear()
 
     # -- forward ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _region_scope(self, key: int, args: tuple, kwargs: dict) -> Iterator[None]:
-        """One region call: its saves go through the pack hook; the host copies of its tensor inputs
-        start now, as the call begins, instead of when the region saves them at its end.
-
-        Why early: the copy overlaps the region's compute, and the call's end can order the inputs'
-        memory after it with a stream wait instead of `record_stream` (with record_stream the
-        allocator frees a tensor only once the host has seen its copy complete, so a host running
-        regions ahead of the GPU still held the newest window inputs at the forward's memory peak).
-        This assumes what any stream-correct code does: an input made on another stream was
-        recorded on the stream that runs the region. Inputs the region does not save are released
-        when the call ends.
-        """
+    def _region_scope(self, key: int) -> contextlib.AbstractContextManager:
         if self.on_region_forward is not None:
             self.on_region_forward(key)
         call = _RegionCallRecord(len(self.calls), key, key in self.offloader.window)
         self.calls.append(call)
         self.stats.region_calls += 1
-        early = []
-        if call.in_window:
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and id(t) not in self._by_identity and self._wants(call, t):
-                    copy = self._start_copy(t, claimed=False)
-                    if copy is not None:
-                        early.append(copy)
-                    else:  # the pool is full: the save keeps it on device, without asking again
-                        call.refused.add(id(t))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack):
-                yield
-        finally:
-            if early and early[-1].d2h_done is not None:
-                # The inputs are still referenced (the caller holds them for the call), so none has
-                # been freed yet. From here on the stream running the regions waits for their copies
-                # (done long ago on the GPU: they overlapped the region), and memory freed later is
-                # reused in that stream's order, after the copies. Unlike record_stream, this lets
-                # the allocator reuse the memory as soon as the host frees it, however far the host
-                # runs ahead of the GPU.
-                torch.cuda.current_stream(self.offloader.device).wait_event(early[-1].d2h_done)
-            for copy in early:
-                if not copy.claimed:  # not saved by the region after all
-                    copy.claimed = True
-                    self._return_buffer(copy)
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, call), self._unpack)
 
     def _wants(self, call: _RegionCallRecord, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -353,7 +309,7 @@ class OffloadSession:
         nbytes = t.numel() * t.element_size()
         handle = _Handle(call, nbytes)
         call.handles.append(handle)
-        if id(t) not in call.refused and self._wants(call, t):
+        if self._wants(call, t):
             handle.host = self._host_copy_of(t)
         if handle.host is None:
             handle.tensor = t
@@ -365,29 +321,10 @@ class OffloadSession:
         return handle
 
     def _host_copy_of(self, t: torch.Tensor) -> _HostCopy | None:
-        """The host copy a save of `t` uses: one already made for this very tensor, else a new one."""
         known = self._by_identity.get(id(t))
-        copy = known[1] if known is not None and known[0]() is t else None
-        if copy is not None and not copy.claimed and copy.source_version != t._version:
-            copy.claimed = True  # written in place since its copy started: that copy is stale
-            self._return_buffer(copy)
-            copy = None
-        if copy is None:
-            copy = self._start_copy(t, claimed=True)
-        elif copy.claimed:
+        if known is not None and known[0]() is t:
             self.stats.deduplicated_tensors += 1
-            return copy
-        else:
-            self.stats.early_copies += 1
-        if copy is not None:
-            copy.claimed = True
-            nbytes = t.numel() * t.element_size()
-            self.stats.offloaded_tensors += 1
-            self.stats.offloaded_bytes += nbytes
-        return copy
-
-    def _start_copy(self, t: torch.Tensor, claimed: bool) -> _HostCopy | None:
-        """Issue the D2H copy of `t` into a pooled host buffer (None when the pool refuses)."""
+            return known[1]
         nbytes = t.numel() * t.element_size()
         entry = self.offloader.pool.acquire(nbytes)
         if entry is None:
@@ -410,11 +347,11 @@ class OffloadSession:
                 host.copy_(t.detach(), non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(streams.d2h)
-            if claimed:  # a save-time copy: its memory is reused only after the copy completes
-                t.record_stream(streams.d2h)
-            # (an early copy is ordered by the wait at its region call's end instead: _region_scope)
-        copy = _HostCopy(buffer, host, done, started, id(t), source_version=t._version, claimed=claimed)
+            t.record_stream(streams.d2h)  # its memory is reused only after the copy completes
+        copy = _HostCopy(buffer, host, done, started, id(t))
         self._by_identity[id(t)] = (weakref.ref(t), copy)
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += nbytes
         self.stats._add_device(-nbytes)  # the handle holds no reference to t
         return copy
 
@@ -471,11 +408,8 @@ class OffloadSession:
 
     def _release_host(self, copy: _HostCopy) -> None:
         copy.users -= 1
-        if copy.users <= 0:
-            self._return_buffer(copy)
-
-    def _return_buffer(self, copy: _HostCopy) -> None:
-        """The copy's host buffer goes back to the pool (after every H2D that read it)."""
+        if copy.users > 0:
+            return
         known = self._by_identity.get(copy.source_id)
         if known is not None and known[1] is copy:
             del self._by_identity[copy.source_id]

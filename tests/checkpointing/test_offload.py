@@ -111,7 +111,6 @@ def test_offloaded_inputs_restored_exactly_and_grads_bit_equal(mode, reentrant):
     s = session.stats
     assert (s.region_calls, s.offloaded_tensors, s.restored_tensors, s.kept_tensors) == (4, 3, 3, 1)
     assert s.offloaded_bytes == 3 * 8 * 16 * 4 and s.device_bytes == 0
-    assert s.early_copies == 3  # every offloaded input's copy started as its region began
     assert session.offloader.pool.stats.in_use_bytes == 0
     assert all(r.saved_inputs_scope is None for r in checkpoint_regions(blocks))  # detached at exit
 
@@ -272,54 +271,6 @@ def test_dsa_ids_ride_the_window_once_and_come_back_equal(what, offloaded):
         assert restored_ids[0].host is restored_ids[1].host  # one host copy for both regions
 
 
-class ScaleInPlace(nn.Module):
-    """A region that writes one of its inputs in place before using it (so it saves the new value)."""
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        scale.add_(1.0)
-        return x * scale
-
-
-def test_input_written_in_place_after_its_early_copy_is_copied_again():
-    """The copy started as the region began is stale once the region writes that input in place:
-    the save makes a fresh copy, so backward sees the same values as without offload."""
-    grads = {}
-    for name, cfg in {"off": OffloadConfig(), "on": ON}.items():
-        blocks = nn.ModuleList([ScaleInPlace(), ScaleInPlace()])
-        for block in blocks:
-            apply_activation_checkpointing(block, ACConfig(mode="full", reentrant=True))
-        x = torch.randn(8, 16, requires_grad=True)
-        scale = torch.full((8, 16), 2.0)
-        with offload_session(blocks, cfg, "cpu") as session:
-            h = x
-            for block in blocks:
-                h = block(h, scale.clone())
-            h.sum().backward()
-        grads[name] = x.grad
-        if cfg.enabled:
-            s = session.stats
-            # region 0 offloads x (early copy still valid) and its scale (stale early copy, copied again)
-            assert (s.offloaded_tensors, s.early_copies) == (2, 1)
-            assert session.offloader.pool.stats.in_use_bytes == 0 and session.offloader.pool.stats.acquisitions == 3
-    assert torch.equal(grads["on"], grads["off"])
-
-
-def test_inputs_a_region_does_not_save_release_their_early_copies():
-    """Non-reentrant regions save only what their ops need: an input no op saves (the ids, used only
-    through a mean) had its copy started as the region began, and is released, not counted."""
-    plain, blocks = stack(3, "full", reentrant=False)
-    ids = torch.randint(0, 100, (8, 16), dtype=torch.int32)
-    x = torch.randn(8, 16, requires_grad=True)
-    run(plain, x, ids).backward()
-    with offload_session(blocks, OffloadConfig(enabled=True, what="inputs_and_dsa_ids")) as session:
-        run(blocks, x.detach().requires_grad_(), ids).backward()
-    s, pool = session.stats, session.offloader.pool.stats
-    assert (s.offloaded_tensors, s.early_copies) == (2, 2)  # the two window regions' x, not ids
-    assert pool.acquisitions == 4 and pool.in_use_bytes == 0  # + one unclaimed ids copy per window region
-    for a, b in zip(plain.parameters(), blocks.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-
-
 def test_session_lifecycle_errors():
     _, blocks = stack(2)
     offloader = ActivationOffloader.for_model(blocks, ON)
@@ -377,7 +328,7 @@ class SlowBlock(nn.Module):
 def test_gpu_offloaded_inputs_are_free_while_the_host_runs_ahead():
     """With the host ahead of the GPU, every window region's input is already free (allocator stats)
     when the forward ends on the host: allocated memory is lower by exactly the bytes offloaded, and
-    the gradients equal the run without offload (the stream waits order the reuse after the copies)."""
+    the gradients equal the run without offload."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(SlowBlock(1024) for _ in range(6)).cuda()
     for block in blocks:
@@ -401,7 +352,7 @@ def test_gpu_offloaded_inputs_are_free_while_the_host_runs_ahead():
     for _ in range(2):  # first steps allocate workspaces and pinned buffers: compare warm steps
         off, _, grad_off = step(None)
         on, session, grad_on = step(offloader)
-    assert session.stats.offloaded_bytes == 5 * 16 * 2**20 and session.stats.early_copies == 5
+    assert session.stats.offloaded_bytes == 5 * 16 * 2**20
     assert off - on == session.stats.offloaded_bytes, (off, on)
     assert torch.equal(grad_on, grad_off)
 
