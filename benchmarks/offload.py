@@ -120,17 +120,16 @@ def memory_by_phase(model, tokens, labels, offloader: ActivationOffloader, keep_
 
     model.zero_grad(set_to_none=not keep_grads)
 
-    def region_backward(key: int) -> None:
-        label = f"bwd region {key} ({key_names[key]})"
-        repeats = sum(r["phase"].startswith(label) for r in rows)
-        mark(label if not repeats else f"{label} #{repeats + 1}")
+    def region_marker(direction: str):
+        """The observer that starts a phase row per region call ('#2' etc. for repeated calls)."""
+        def observe(key: int) -> None:
+            label = f"{direction} region {key} ({key_names[key]})"
+            repeats = sum(r["phase"].startswith(label) for r in rows)
+            mark(label if not repeats else f"{label} #{repeats + 1}")
+        return observe
 
-    def region_forward(key: int) -> None:
-        label = f"fwd region {key} ({key_names[key]})"
-        repeats = sum(r["phase"].startswith(label) for r in rows)
-        mark(label if not repeats else f"{label} #{repeats + 1}")
-
-    with offloader.session(on_region_backward=region_backward, on_region_forward=region_forward) as session:
+    with offloader.session(on_region_backward=region_marker("bwd"),
+                           on_region_forward=region_marker("fwd")) as session:
         mark("forward: embedding")
         loss = model(tokens, labels)["loss"]
         mark("bwd loss + head")
@@ -289,7 +288,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     configs = {n: load_config(config, [*overrides, f"parallel.ep={world}", "model.moe.dispatcher=all_to_all",
                                        f"train.intra_layer_micro_batches={n}"]) for n in (1, 2)}
     groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), device.type,
-                                  nccl={name: c.settings() for name, c in configs[1].parallel.nccl.items()})
+                                  nccl=configs[1].parallel.nccl_settings())
     results = {}
     for n, cfg in configs.items():
         torch.manual_seed(0)

@@ -378,7 +378,7 @@ class _Run:
                             order=p.order)
         self.n_micro = micro_steps(cfg, dims)
         self.groups = ParallelGroups.build(dims, self.device.type, timeout=timedelta(seconds=p.timeout_s),
-                                           nccl={name: c.settings() for name, c in p.nccl.items()})
+                                           nccl=p.nccl_settings())
         torch.manual_seed(t.seed)
         with self.device:
             self.model = default_model_factory(cfg, self.groups)

@@ -87,8 +87,7 @@ def test_bad_config(overrides, message):
 
 def test_nccl_settings_per_group():
     config = load_config(TINY, ["parallel.nccl.ep.max_ctas=16", "parallel.nccl.ep.cga_cluster_size=2"])
-    assert {name: c.settings() for name, c in config.parallel.nccl.items()} == {
-        "ep": {"max_ctas": 16, "cga_cluster_size": 2}}
+    assert config.parallel.nccl_settings() == {"ep": {"max_ctas": 16, "cga_cluster_size": 2}}
     assert load_config(TINY).parallel.nccl == {}
 
 

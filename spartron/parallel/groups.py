@@ -134,7 +134,7 @@ class ParallelGroups:
               nccl: Mapping[str, Mapping[str, int]] | None = None) -> ParallelGroups:
         """Create every group and mesh of `dims`. Collective: all ranks call it with the same arguments.
 
-        `nccl` maps group names to NCCL communicator settings (`NcclCommConfig.settings()`); each
+        `nccl` maps group names to NCCL communicator settings (`ParallelConfig.nccl_settings()`); each
         such group gets its own communicator with them (CUDA only).
         """
         if not dist.is_available() or not dist.is_initialized():

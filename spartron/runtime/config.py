@@ -41,10 +41,6 @@ class NcclCommConfig(ConfigSection):
             raise ValueError(f"min_ctas = {self.min_ctas} is above max_ctas = {self.max_ctas}")
         return self
 
-    def settings(self) -> dict[str, int]:
-        """The fields that are set, by NCCL's names (what ParallelGroups.build applies)."""
-        return self.model_dump(exclude_none=True)
-
 
 class ParallelConfig(ConfigSection):
     """Parallel sizes. fsdp = -1 fills the ranks left after dp_replicate and cp."""
@@ -71,6 +67,10 @@ class ParallelConfig(ConfigSection):
             raise ValueError(f"parallel.order must be a '-'-joined permutation of "
                              f"{'-'.join(MEGATRON_ORDER_NAMES)}, got {self.order!r}")
         return self
+
+    def nccl_settings(self) -> dict[str, dict[str, int]]:
+        """Group name -> the NCCL settings that are set, by NCCL's names (ParallelGroups.build's `nccl`)."""
+        return {name: comm.model_dump(exclude_none=True) for name, comm in self.nccl.items()}
 
     def resolve_fsdp(self, world_size: int) -> int:
         if self.fsdp != -1:

@@ -186,7 +186,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
                         order=p.order)
     n_micro = micro_steps(cfg, dims)
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
-                                  nccl={name: c.settings() for name, c in p.nccl.items()})
+                                  nccl=p.nccl_settings())
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank before sharding
     with device:
