@@ -219,3 +219,26 @@ def test_regress_run_repeats_and_compares_with_baseline(tmp_path, capsys, monkey
     # Running again would write into the recorded runs (now baselines): refused before training.
     assert main(["regress", "run", TINY, "--baseline", "runs/tiny-r0", *args]) == 2
     assert capsys.readouterr().err.startswith(f"spartron: error: run directory {tmp_path}/runs/tiny-r0 exists")
+
+
+_TEARDOWN_PROBE = ("import atexit, sys\n"
+                   "from spartron.launch import cli\n"
+                   "atexit.register(lambda: print('interpreter teardown ran', flush=True))\n"
+                   "sys.argv = ['spartron', *sys.argv[1:]]\n"
+                   "print('buffered before the end')\n"
+                   "cli.run()\n")
+
+
+def test_cli_process_ends_without_interpreter_teardown_and_keeps_the_exit_code(tmp_path):
+    """DTensor caches keep gloo groups alive past destroy_process_group; finalizing them could abort."""
+    ok = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE, "plan", TINY, "--world-size", "2"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("buffered before the end\n")  # buffered output is flushed, not lost
+    assert "fsdp" in ok.stdout  # the plan itself was printed
+    assert "interpreter teardown ran" not in ok.stdout
+    bad = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE, "regress", "compare", str(tmp_path),
+                          str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("spartron: error: ")
+    assert "interpreter teardown ran" not in bad.stdout
