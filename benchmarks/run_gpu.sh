@@ -2,7 +2,10 @@
 # Run the GPU checks and benchmarks on a lent CUDA machine in one call and bring the results back.
 # Usage (repo root, on the GPU machine): bash benchmarks/run_gpu.sh OUTDIR STEP [STEP ...]
 #   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload
-#          megatron_gpt deepep; extra arguments for NAME come from the variable ARGS_NAME. Wheels in .whl/ (pure-Python deps the image lacks) are installed first.
+#          megatron_gpt deepep, or build_deepep (DeepEP from the source in $DEEPEP_SRC, default
+#          .carry/DeepEP, into /tmp/site: benchmarks/build_deepep.sh); extra arguments for NAME come
+#          from the variable ARGS_NAME. Wheels in .whl/ (pure-Python deps the image lacks) are
+#          installed first.
 # Every step writes OUTDIR/NAME.log and, for benchmarks, OUTDIR/NAME.json; a failing step does not
 # stop the others. A summary line per step is printed last.
 set -uo pipefail
@@ -12,16 +15,15 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >"$out/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"  # the wheels and a DeepEP build land in /tmp/site
 summary=()
 for step in "$@"; do
   name=${step%%:*}; secs=${step#*:}; [ "$secs" = "$step" ] && secs=300
   case $name in
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
     pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
+    build_deepep) cmd=(bash benchmarks/build_deepep.sh "${DEEPEP_SRC:-.carry/DeepEP}" /tmp/site) ;;
     *) extra_var="ARGS_$name"; read -r -a extra <<<"${!extra_var:-}"
        cmd=(python3 "benchmarks/$name.py" --out "$out/$name.json" "${extra[@]}") ;;
   esac
