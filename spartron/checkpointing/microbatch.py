@@ -3,11 +3,11 @@
 A layer describes its forward once, as a generator of phases (`DecoderLayer.forward_phases`, which
 delegates its FFN to `MoELayer.forward_phases`): it yields a `Phase` before each step that can
 overlap with other micro-batches' work and returns its output at the end. `drive` runs one such
-generator straight through (the ordinary forward); `interleave` steps N of them round-robin, so the
-schedule of one MoE layer is
+generator straight through (the ordinary forward); `interleave` steps N of them round-robin (a comm
+step and the compute step after it form one turn), so the host issues one MoE layer as
 
-    attention + routing + prepare (mb0, mb1, ...) -> dispatch mb0, dispatch mb1 -> experts mb0,
-    experts mb1 -> combine mb0, combine mb1 -> finalize + shared experts mb0, mb1
+    attention + routing + prepare mb0, mb1 -> dispatch + experts mb0 -> dispatch + experts mb1
+    -> combine + finalize + shared experts mb0 -> combine + finalize + shared experts mb1
 
 and the decoder stack loop is unchanged: a region simply receives lists (a PyTree) of micro-batches.
 
@@ -19,7 +19,8 @@ their micro-batch, and the streams are ordered by events, never by waiting for a
 - a compute step waits for the event recorded after its micro-batch's previous comm step;
 - each micro-batch has its own comm stream, so a blocking step inside one (the split-size copy to
   the host in the all-to-all dispatch) waits only for that micro-batch: the CPU blocks while the
-  compute stream still runs the other micro-batch's queued attention, instead of draining it;
+  compute stream still runs queued work (mb1's attention under dispatch mb0, mb0's experts under
+  dispatch mb1), instead of draining it;
 - tensors a step reads that another stream allocated (`Phase.reads`) are recorded on the stream
   that reads them, so the caching allocator does not hand their memory out while it is still read.
 With two micro-batches one MoE layer then overlaps dispatch(mb0) with attention(mb1),
@@ -117,27 +118,46 @@ def _step(gen: PhaseGen) -> Any:
 
 
 def interleave(gens: Sequence[PhaseGen], device: torch.device | None = None) -> list[Any]:
-    """Step the generators round-robin, one phase each per round; returns their results in order."""
+    """Step the generators round-robin; returns their results in order.
+
+    A turn runs one step of a micro-batch, and after a comm step also the compute step that follows
+    it. The order on the compute stream is the same either way; what changes is when the host
+    blocks: a comm step may wait on the host for its own micro-batch (the split sizes of the
+    all-to-all dispatch), and by then its predecessor's compute step is already queued. In lock-step
+    (dispatch mb0, dispatch mb1, experts mb0, ...) the host blocked in dispatch mb1 until mb1's
+    routing was done with nothing queued behind it, and the compute stream idled until the host
+    came back and issued mb0's experts.
+    """
     streams = _Streams(device, len(gens)) if device is not None and device.type == "cuda" else None
     pending: list[Phase | None] = [None] * len(gens)  # the phase each generator yielded last
     results: list[Any] = [None] * len(gens)
+
+    def advance(i: int) -> bool:
+        """Run micro-batch i's pending step; True when its generator finished."""
+        phase = pending[i]
+        if streams is None:
+            out = _step(gens[i])
+        elif phase is not None and phase.comm:
+            out = streams.comm_step(i, gens[i], phase)
+        else:
+            out = streams.compute_step(i, gens[i], phase)
+        if isinstance(out, tuple) and len(out) == 2 and out[0] is _FINISHED:
+            results[i] = out[1]
+            if streams is not None:  # finished inside a comm step: join before the caller uses it
+                streams.join(i)
+            return True
+        pending[i] = out
+        return False
+
     active = list(range(len(gens)))
     while active:
         for i in list(active):
-            phase = pending[i]
-            if streams is None:
-                out = _step(gens[i])
-            elif phase is not None and phase.comm:
-                out = streams.comm_step(i, gens[i], phase)
-            else:
-                out = streams.compute_step(i, gens[i], phase)
-            if isinstance(out, tuple) and len(out) == 2 and out[0] is _FINISHED:
-                results[i] = out[1]
+            was_comm = pending[i] is not None and pending[i].comm
+            done = advance(i)
+            if not done and was_comm and not pending[i].comm:
+                done = advance(i)
+            if done:
                 active.remove(i)
-                if streams is not None:  # finished inside a comm step: join before the caller uses it
-                    streams.join(i)
-            else:
-                pending[i] = out
     return results
 
 

@@ -35,7 +35,7 @@ def batch(cfg, n: int = 4, seed: int = 1):
             torch.randint(0, cfg.model.vocab_size, (n, SEQ), generator=g))
 
 
-def test_round_robin_schedule_interleaves_phases():
+def test_round_robin_schedule_interleaves_phases_and_follows_each_comm_step_with_its_compute_step():
     log = []
 
     def layer(mb: int, phases: list[str]):
@@ -45,9 +45,19 @@ def test_round_robin_schedule_interleaves_phases():
             log.append(f"{name}{mb}")
         return mb * 10
 
-    results = interleave([layer(0, ["dispatch", "experts", "combine"]), layer(1, ["dispatch", "experts", "combine"])])
+    moe = ["dispatch", "experts", "combine", "finalize"]
+    results = interleave([layer(0, moe), layer(1, moe)])
     assert results == [0, 10]
-    assert log == ["attn0", "attn1", "dispatch0", "dispatch1", "experts0", "experts1", "combine0", "combine1"]
+    # dispatch mb1 (which may block the host) is issued after mb0's experts, so they run under it
+    assert log == ["attn0", "attn1", "dispatch0", "experts0", "dispatch1", "experts1", "combine0", "finalize0",
+                   "combine1", "finalize1"]
+    log.clear()  # compute steps alone alternate one step per turn
+    assert interleave([layer(0, ["a", "b"]), layer(1, ["a", "b"])]) == [0, 10]
+    assert log == ["attn0", "attn1", "a0", "a1", "b0", "b1"]
+    log.clear()  # a comm step followed by another comm step ends the turn; three micro-batches
+    assert interleave([layer(i, ["dispatch", "combine", "experts"]) for i in range(3)]) == [0, 10, 20]
+    assert log == ["attn0", "attn1", "attn2", "dispatch0", "dispatch1", "dispatch2", "combine0", "experts0",
+                   "combine1", "experts1", "combine2", "experts2"]
     log.clear()
     assert drive(layer(0, ["dispatch", "experts"])) == 0 and log == ["attn0", "dispatch0", "experts0"]
     log.clear()  # a generator with no phases (a dense layer) finishes in the first round
