@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from spartron.launch.process import exit_process
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
 
@@ -340,21 +340,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"spartron: error: {err}", file=sys.stderr)
         return USAGE_ERROR
-
-
-def exit_process(code: int) -> NoReturn:
-    """End the CLI process with `code`, without interpreter teardown.
-
-    DTensor's caches keep device meshes, and through them gloo process groups and their C++ threads,
-    alive after ``destroy_process_group``. Interpreter finalization then destroyed them in no defined
-    order, and about 3 % of two-rank CPU training runs aborted ("terminate called without an active
-    exception") after all their work was done. Every command has flushed and closed its files by the
-    time ``main`` returns; the test harness ends its ranks the same way.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run() -> NoReturn:

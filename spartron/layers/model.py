@@ -16,6 +16,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from spartron.layers.moe.deepep_buffer import share_deepep_buffer
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
@@ -129,6 +130,8 @@ def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
     else:
         model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)
     model.cfg = cfg
+    if cfg.moe.dispatcher == "deepep":
+        share_deepep_buffer(model)  # one DeepEP buffer per EP group, not one per MoE layer
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:
         for p in model.parameters():

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.checkpointing.offload import ActivationOffloader
+from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
@@ -241,6 +242,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
         log.close(summary=False)
         raise TrainingError(f"rank {rank} failed at step {step}: {type(err).__name__}: {err}") from err
     log.close(summary=t.progress)
+    destroy_deepep_buffers(model)  # collective, so only here: every rank ends the run well together
     return TrainResult(run_dir=run_dir, records=records, resumed_from=resumed_from)
 
 
@@ -303,4 +305,6 @@ def main(argv: list[str] | None = None, model_factory: ModelFactory | None = Non
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spartron.launch.process import exit_process
+
+    exit_process(main())

@@ -30,7 +30,7 @@ from spartron.layers.moe.deepep_buffer import (
     nvl_buffer_bytes,
     share_deepep_buffer,
 )
-from spartron.layers.moe.dispatch import DeepEPDispatcher
+from spartron.layers.moe.dispatch import AllToAllDispatcher, DeepEPDispatcher
 from spartron.runtime.ops import deepep as deepep_ops
 from spartron.testing import run_distributed
 
@@ -279,6 +279,66 @@ def _share_worker(rank, world):
     shared = share_deepep_buffer(model)
     one = next(iter(shared.values()))
     return len(shared), all(m.dispatcher.buffer is one for m in model)
+
+
+def _tiny_deepep_cfg(run_dir, dispatcher: str):
+    from spartron.runtime.config import load_config
+
+    return load_config("configs/tiny.toml", [
+        "parallel.ep=2", f'model.moe.dispatcher="{dispatcher}"', 'model.dtype="bfloat16"', "model.moe.deepep_num_sms=8",
+        "train.steps=2", "train.progress=false", f'train.run_dir="{run_dir}"', "train.peak_tflops=1.0"])
+
+
+def _build_model_worker(rank, world, run_dir):
+    from spartron.layers.model import build_model
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+
+    sys.modules["deep_ep"] = deepep_emulator  # this forked rank's `import deep_ep` finds the test double
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), "cpu")
+    model = build_model(_tiny_deepep_cfg(run_dir, "deepep").model, groups)
+    dispatchers = [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None),
+                                                                        DeepEPDispatcher)]
+    return len(dispatchers), len({id(d.buffer) for d in dispatchers})
+
+
+def test_build_model_gives_all_deepep_layers_one_buffer(tmp_path):
+    # tiny.toml: 4 layers, the first dense -> 3 MoE layers (MTP's layer is a fourth)
+    n_layers, n_buffers = run_distributed(_build_model_worker, 2, str(tmp_path))[0]
+    assert n_layers >= 3 and n_buffers == 1
+
+
+def _train_with_deepep_worker(rank, world, run_dir):
+    from spartron.layers.model import build_model
+    from spartron.runtime.parallelize import parallelize
+    from spartron.runtime.trainer import train
+
+    made = []
+
+    def recording_buffer(*args, **kwargs):
+        made.append(deepep_emulator.Buffer(*args, **kwargs))
+        return made[-1]
+
+    library = type(sys)("deep_ep_recording")
+    library.Buffer, library.Config = recording_buffer, deepep_emulator.Config
+
+    def factory(cfg, groups):
+        model = build_model(cfg.model, groups)
+        deepep = cfg.model.moe.model_copy(update={"dispatcher": "deepep"})
+        for module in model.modules():
+            if isinstance(getattr(module, "dispatcher", None), AllToAllDispatcher):
+                module.dispatcher = DeepEPDispatcher(deepep, groups.ep, cfg.model.dim, library=library)
+        share_deepep_buffer(model)
+        return parallelize(model, groups, cfg)
+
+    result = train(_tiny_deepep_cfg(run_dir, "all_to_all"), factory)
+    return len(result.records), len(made), [b.destroyed for b in made], sum(b.calls["dispatch"] for b in made)
+
+
+def test_trainer_destroys_the_deepep_buffer_when_the_run_ends(tmp_path):
+    for steps, buffers, destroyed, dispatches in run_distributed(_train_with_deepep_worker, 2, str(tmp_path)):
+        assert (steps, buffers, destroyed) == (2, 1, [True])  # one buffer for all layers, released collectively
+        assert dispatches > 0  # the layers really dispatched through it
 
 
 # --------------------------------------------------------------------------------------------

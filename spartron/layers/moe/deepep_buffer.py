@@ -2,14 +2,15 @@
 
 Why an explicit object: a `deep_ep.Buffer` pins NVLink-shared (IPC) memory and a communication
 stream and is created collectively by every rank of the group. It belongs to whoever owns the MoE
-layers (one per layer by default, or one per model and EP group via `share_deepep_buffer`), never to
-a module-level cache. Creation is lazy: constructing a model costs nothing, and the first
+layers: one per model and EP group (`build_model` calls `share_deepep_buffer`; a layer built alone
+has its own), never a module-level cache. Creation is lazy: constructing a model costs nothing, and the first
 dispatch creates it inside the `spartron_deepep::dispatch` op, where a checkpoint policy never
 sees (or replays) the collective set-up traffic.
 
 Lifetime: the owner calls `destroy()` on every rank before the process group goes away (the
-buffer is created with DeepEP's `explicitly_destroy`); a process that exits without it only leaks
-what the OS reclaims anyway.
+buffer is created with DeepEP's `explicitly_destroy`); the trainer does it for its model with
+`destroy_deepep_buffers` when a run ends well. A process that exits without it only leaks what the
+OS reclaims anyway.
 
 Sizing (intranode, NVLink): DeepEP streams tokens through per-(channel, peer) ring queues of
 `num_max_nvl_chunked_recv_tokens` slots, so the NVLink buffer depends on hidden size, EP size and
@@ -152,18 +153,20 @@ class DeepEPBuffer:
                              f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
 
 
+def _deepep_dispatchers(model: nn.Module) -> list:
+    from spartron.layers.moe.dispatch import DeepEPDispatcher
+
+    return [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), DeepEPDispatcher)]
+
+
 def share_deepep_buffer(model: nn.Module) -> dict[str, DeepEPBuffer]:
     """Point every DeepEP dispatcher of `model` at one buffer per EP group (before the first forward).
 
     Returns {group name: buffer}. Without this each MoE layer creates its own buffer on first use.
+    `build_model` calls it; a model built another way calls it itself.
     """
-    from spartron.layers.moe.dispatch import DeepEPDispatcher
-
     shared: dict[str, DeepEPBuffer] = {}
-    for module in model.modules():
-        d = getattr(module, "dispatcher", None)
-        if not isinstance(d, DeepEPDispatcher):
-            continue
+    for d in _deepep_dispatchers(model):
         buffer = d.buffer
         key = buffer.group.group_name
         first = shared.setdefault(key, buffer)
@@ -179,3 +182,13 @@ def share_deepep_buffer(model: nn.Module) -> dict[str, DeepEPBuffer]:
             raise ValueError(f"{FEATURE}: share_deepep_buffer must run before the first forward")
         d.buffer = first
     return shared
+
+
+def destroy_deepep_buffers(model: nn.Module) -> int:
+    """Destroy every DeepEP buffer `model` uses (collective over each EP group); returns how many were
+    live. The trainer calls it on every rank when a run ends well; a later forward creates new ones."""
+    buffers = {id(d.buffer): d.buffer for d in _deepep_dispatchers(model)}
+    live = [b for b in buffers.values() if b.created]
+    for buffer in live:
+        buffer.destroy()
+    return len(live)
