@@ -9,9 +9,10 @@ fraction of those bytes (target >= 0.8), the step-time ratio on/off (target <= 1
 throughput of the offload copies (timed with events on the D2H stream) against the measured
 pinned-copy ceiling (target >= 0.7 of ~54 GB/s).
 Part 2 (two ranks, EP=2, spawned): step time with train.intra_layer_micro_batches = 1 vs 2
-(all_to_all dispatcher; target: 2 is faster because one micro-batch's exchange overlaps the other's
-experts), with the host time to issue a step and, from one profiled step per setting, the GPU time
-split into compute kernels, NCCL kernels, their overlap and idle time (why 2 is or is not faster).
+(all_to_all dispatcher, or DeepEP with --set model.moe.dispatcher=deepep; target: 2 is faster
+because one micro-batch's exchange overlaps the other's experts), with the host time to issue a
+step and, from one profiled step per setting, the GPU time split into compute kernels,
+communication kernels (NCCL's or DeepEP's), their overlap and idle time (why 2 is or is not faster).
 Off and on run on the same model, alternating step by step (drift hits both alike).
 Memory by phase: one extra step per AC mode x offload off/on records allocated / peak memory at
 phase boundaries (embedding; each checkpoint region's forward; backward of loss + head; the backward
@@ -45,6 +46,7 @@ from common import bind_to_cores  # noqa: E402
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
 from spartron.layers.model import build_model  # noqa: E402
+from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.parallelize import parallelize  # noqa: E402
@@ -285,7 +287,8 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world),
                             rank=rank, world_size=world)
-    configs = {n: load_config(config, [*overrides, f"parallel.ep={world}", "model.moe.dispatcher=all_to_all",
+    # all_to_all unless --set model.moe.dispatcher=deepep (DeepEP built: benchmarks/build_deepep.sh)
+    configs = {n: load_config(config, ["model.moe.dispatcher=all_to_all", *overrides, f"parallel.ep={world}",
                                        f"train.intra_layer_micro_batches={n}"]) for n in (1, 2)}
     groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), device.type,
                                   nccl=configs[1].parallel.nccl_settings())
@@ -313,7 +316,9 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
             gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
         results[f"micro_batches_{n}"]["gpu"] = gpu
+        destroy_deepep_buffers(model)  # collective; none with the all_to_all dispatcher
         del model
+    results["dispatcher"] = configs[1].model.moe.dispatcher
     if rank == 0:
         results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
         Path(result_path).write_text(json.dumps(results))
@@ -343,8 +348,9 @@ def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 
 def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> dict | None:
-    """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies), NCCL
-    kernels, the part of NCCL time hidden under compute, and idle time (GPU waiting for the host)."""
+    """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies),
+    communication kernels (NCCL's or DeepEP's), the part of that hidden under compute, and idle time
+    (GPU waiting for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     model.zero_grad(set_to_none=True)
@@ -362,9 +368,9 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
     except AttributeError as err:  # profiler internals moved: say so in the JSON
         return {"error": f"cannot read kineto events: {err}"}
-    nccl = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if "nccl" in e.name().lower()])
-    comp = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if "nccl" not in e.name().lower()])
-    busy = _union(nccl + comp)
+    comm = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if is_comm_kernel(e.name())])
+    comp = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if not is_comm_kernel(e.name())])
+    busy = _union(comm + comp)
     ms = lambda ns: ns / 1e6  # noqa: E731
     length = lambda u: sum(b - a for a, b in u)  # noqa: E731
     families: dict[str, float] = {}
@@ -372,20 +378,25 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
         family = kernel_family(e.name())
         families[family] = families.get(family, 0.0) + ms(e.duration_ns())
     out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
-           "nccl_busy_ms": ms(length(nccl)), "nccl_hidden_under_compute_ms": ms(_intersection_ns(comp, nccl)),
+           "comm_busy_ms": ms(length(comm)), "comm_hidden_under_compute_ms": ms(_intersection_ns(comp, comm)),
            "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items()))}
     return out
 
 
 # Kernel name fragments -> family, first match wins (lower-case). Only for explaining where the time
 # of micro-batch 2 vs 1 goes; the busy/overlap numbers above do not depend on it.
-_FAMILIES = (("nccl", "nccl"), ("memcpy", "copy"), ("memset", "copy"), ("flash", "attention"),
+_FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy", "copy"), ("memset", "copy"), ("flash", "attention"),
              ("fmha", "attention"), ("attention", "attention"), ("softmax", "softmax"),
              ("grouped", "grouped_gemm"), ("gemm", "gemm"), ("nvjet", "gemm"), ("xmma", "gemm"),
              ("cutlass", "gemm"), ("sort", "sort_topk"), ("topk", "sort_topk"), ("scan", "sort_topk"),
              ("index", "index_scatter_gather"), ("scatter", "index_scatter_gather"),
              ("gather", "index_scatter_gather"), ("reduce", "reduction"), ("norm", "norm"),
              ("elementwise", "elementwise"), ("vectorized", "elementwise"), ("cat", "elementwise"))
+
+
+def is_comm_kernel(name: str) -> bool:
+    """NCCL's kernels and DeepEP's (namespace deep_ep) move tokens; every other kernel computes."""
+    return kernel_family(name) in ("nccl", "deepep")
 
 
 def kernel_family(name: str) -> str:
@@ -469,18 +480,19 @@ def print_microbatch(mb: dict | None) -> None:
         line = f"   {n} micro-batch(es): step {r['step_ms']:7.1f} ms, host issues it in {r['host_issue_ms']:7.1f} ms"
         g = r.get("gpu")
         if g and "gpu_busy_ms" in g:
-            line += (f"; GPU busy {g['gpu_busy_ms']:.1f} ms (compute {g['compute_busy_ms']:.1f}, NCCL "
-                     f"{g['nccl_busy_ms']:.1f}, of it hidden under compute {g['nccl_hidden_under_compute_ms']:.1f}),"
+            line += (f"; GPU busy {g['gpu_busy_ms']:.1f} ms (compute {g['compute_busy_ms']:.1f}, comm "
+                     f"{g['comm_busy_ms']:.1f}, of it hidden under compute {g['comm_hidden_under_compute_ms']:.1f}),"
                      f" idle {g['gpu_idle_ms']:.1f} ms, {g['kernels']} kernels")
         elif g:
             line += f"; profile: {g}"
         print(line)
-    print(f"   speedup 2 over 1: {mb['speedup_2_over_1']:.3f} (target > 1)")
+    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')}; speedup 2 over 1: {mb['speedup_2_over_1']:.3f} "
+          "(target > 1)")
     g1, g2 = (mb[f"micro_batches_{n}"].get("gpu") or {} for n in (1, 2))
     if "gpu_busy_ms" in g1 and "gpu_busy_ms" in g2:
-        hidden = g2["nccl_hidden_under_compute_ms"] - g1["nccl_hidden_under_compute_ms"]
+        hidden = g2["comm_hidden_under_compute_ms"] - g1["comm_hidden_under_compute_ms"]
         print(f"   2 vs 1: compute kernels {g2['compute_busy_ms'] - g1['compute_busy_ms']:+.1f} ms (smaller GEMMs/"
-              f"attention per micro-batch), NCCL hidden under compute {hidden:+.1f} ms (the overlap), GPU idle "
+              f"attention per micro-batch), comm hidden under compute {hidden:+.1f} ms (the overlap), GPU idle "
               f"{g2['gpu_idle_ms'] - g1['gpu_idle_ms']:+.1f} ms (host-bound: 2x launches, host syncs)")
         f1, f2 = g1.get("kernel_ms_by_family", {}), g2.get("kernel_ms_by_family", {})
         deltas = sorted(((f2.get(k, 0.0) - f1.get(k, 0.0), k) for k in {*f1, *f2}), reverse=True)
