@@ -271,6 +271,7 @@ def test_a_rank_raising_at_step_3_ends_every_rank_nonzero_within_the_timeout(tmp
 
 
 if __name__ == "__main__":
+    from spartron.launch.process import exit_process
     from spartron.runtime.trainer import main
 
     torch.set_num_threads(1)
@@ -280,4 +281,4 @@ if __name__ == "__main__":
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
     args = parser.parse_args()
-    sys.exit(main([args.config], TinyFactory(args.sleep, args.fail_rank, args.fail_step)))
+    exit_process(main([args.config], TinyFactory(args.sleep, args.fail_rank, args.fail_step)))
