@@ -4,8 +4,9 @@
 #   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload
 #          megatron_gpt deepep, or build_deepep (DeepEP from the source in $DEEPEP_SRC, default
 #          .carry/DeepEP, into /tmp/site: benchmarks/build_deepep.sh); extra arguments for NAME come
-#          from the variable ARGS_NAME. Wheels in .whl/ (pure-Python deps the image lacks) are
-#          installed first.
+#          from the variable ARGS_NAME. NAME@TAG runs benchmark NAME again with ARGS_NAME_TAG into
+#          NAME_TAG.json / .log (e.g. offload@deepep). Wheels in .whl/ (pure-Python deps the image
+#          lacks) are installed first.
 # Every step writes OUTDIR/NAME.log and, for benchmarks, OUTDIR/NAME.json; a failing step does not
 # stop the others. A summary line per step is printed last.
 set -uo pipefail
@@ -24,12 +25,12 @@ for step in "$@"; do
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
     pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
     build_deepep) cmd=(bash benchmarks/build_deepep.sh "${DEEPEP_SRC:-.carry/DeepEP}" /tmp/site) ;;
-    *) extra_var="ARGS_$name"; read -r -a extra <<<"${!extra_var:-}"
-       cmd=(python3 "benchmarks/$name.py" --out "$out/$name.json" "${extra[@]}") ;;
+    *) extra_var="ARGS_${name//@/_}"; read -r -a extra <<<"${!extra_var:-}"
+       cmd=(python3 "benchmarks/${name%%@*}.py" --out "$out/${name//@/_}.json" "${extra[@]}") ;;
   esac
   start=$(date +%s)
-  timeout "$secs" "${cmd[@]}" >"$out/$name.log" 2>&1; rc=$?
+  timeout "$secs" "${cmd[@]}" >"$out/${name//@/_}.log" 2>&1; rc=$?
   summary+=("$name rc=$rc $(( $(date +%s) - start ))s")
-  echo "=== $name (rc=$rc)"; tail -n 15 "$out/$name.log"
+  echo "=== $name (rc=$rc)"; tail -n 15 "$out/${name//@/_}.log"
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
