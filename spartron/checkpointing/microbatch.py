@@ -32,6 +32,14 @@ are identical; on CPU the steps simply run in order.
 
 Micro-batches split the batch dimension into equal parts, so per-micro-batch token or sequence
 means average to the whole-batch mean (aux losses, indexer losses) and expert counts add up.
+
+Scope (`train.intra_layer_micro_batch_scope`): the above is scope "layer". Scope "experts" keeps
+whole tensors between layers and splits only inside each MoE layer (`MoELayer._chunked`): routing
+and the shared experts run once over all tokens, and the routed path (prepare, dispatch, experts,
+combine, finalize) runs per chunk of tokens through `interleave`. Attention is not split (no
+doubled small kernels), the routing and its balance loss are those of the whole batch, and the
+first dispatch runs under the shared experts. What it gives up: nothing overlaps the exchange
+with attention.
 """
 
 from __future__ import annotations
@@ -191,9 +199,19 @@ def sum_or_none(values: Sequence[Tensor | None]) -> Tensor | None:
 
 
 def set_intra_layer_micro_batches(model: torch.nn.Module, cfg: Any) -> None:
-    """Wire `train.intra_layer_micro_batches` (RunConfig `cfg`) into the model; errors name the keys."""
+    """Wire `train.intra_layer_micro_batches` and its scope (RunConfig `cfg`) into the model; errors
+    name the keys."""
     n = cfg.train.intra_layer_micro_batches
     if n == 1:
+        return
+    scope = cfg.train.intra_layer_micro_batch_scope
+    if scope == "experts":
+        moe_layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+        if not moe_layers:
+            raise ValueError(f"train.intra_layer_micro_batches = {n} with intra_layer_micro_batch_scope = "
+                             f"'experts': {type(model).__name__} has no MoE layers to split")
+        for moe in moe_layers:
+            moe.micro_batches = n
         return
     if not hasattr(model, "intra_layer_micro_batches"):
         raise ValueError(f"train.intra_layer_micro_batches = {n}: {type(model).__name__} does not run "
@@ -204,5 +222,6 @@ def set_intra_layer_micro_batches(model: torch.nn.Module, cfg: Any) -> None:
     moe = cfg.model.moe
     if moe.aux_loss_coeff > 0 and moe.aux_loss_type == "batch":
         raise ValueError("train.intra_layer_micro_batches > 1 needs model.moe.aux_loss_type = 'seq': a "
-                         "batch-level balance loss is not the mean of its micro-batches' losses")
+                         "batch-level balance loss is not the mean of its micro-batches' losses (or use "
+                         "train.intra_layer_micro_batch_scope = 'experts', which routes all tokens at once)")
     model.intra_layer_micro_batches = n

@@ -99,6 +99,10 @@ class TrainConfig(ConfigSection):
     global_batch_size: int = Field(4, ge=1)  # sequences per optimizer step, over all dp ranks
     micro_batch_size: int = Field(1, ge=1)  # sequences per forward on one rank
     intra_layer_micro_batches: int = Field(1, ge=1)
+    # What runs per intra-layer micro-batch: "layer" splits the batch and interleaves whole layers (each
+    # checkpoint region takes the list); "experts" runs attention, routing and shared experts once and
+    # interleaves only the routed token path (dispatch, experts, combine) over chunks of tokens.
+    intra_layer_micro_batch_scope: Literal["layer", "experts"] = "layer"
     seed: int = 0
     optimizer: Literal["adamw", "muon"] = "adamw"
     lr: float = Field(3e-4, gt=0)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, checkpoint_region_of
 from spartron.checkpointing.microbatch import (
@@ -102,6 +103,51 @@ def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
         assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
 
 
+@pytest.mark.parametrize("ac_mode", ["none", "selective"])
+@pytest.mark.parametrize("aux_loss_type", ["seq", "batch"])
+def test_experts_scope_matches_one_micro_batch_loss_and_grads(ac_mode, aux_loss_type):
+    """Scope 'experts': regions take whole tensors; every MoE layer routes all tokens at once and
+    interleaves chunks of its routed path (a batch-level balance loss stays exact, micro-batch size 1 works)."""
+    cfg = tiny(f"ac.mode={ac_mode}", f"model.moe.aux_loss_type={aux_loss_type}", "train.micro_batch_size=1",
+               "train.intra_layer_micro_batches=3", "train.intra_layer_micro_batch_scope=experts")
+    torch.manual_seed(0)
+    one = build_model(cfg.model)
+    two = copy.deepcopy(one)
+    if ac_mode != "none":
+        for layer in two.layers.values():
+            apply_activation_checkpointing(layer, cfg.ac)
+    set_intra_layer_micro_batches(two, cfg)
+    assert two.intra_layer_micro_batches == 1 and {m.micro_batches for m in two.moe_layers()} == {3}
+    seen = []
+    two.layers["2"].register_forward_hook(lambda m, a, out: seen.append((a, out)))
+    tokens, labels = batch(cfg, n=1)  # one sequence of 32 tokens: chunks of 11, 11 and 10
+    out1, out2 = one(tokens, labels), two(tokens, labels)
+    out1["loss"].backward()
+    out2["loss"].backward()
+    for key in ("loss", "lm_loss", "aux_loss"):
+        torch.testing.assert_close(out2[key], out1[key], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out2["tokens_per_expert"], out1["tokens_per_expert"])
+    g1, g2 = _grads(one), _grads(two)
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+    args, out = seen[0]
+    assert isinstance(args[0], torch.Tensor) and isinstance(out["hidden_states"], torch.Tensor)
+    for moe1, moe2 in zip(one.moe_layers(), two.moe_layers(), strict=True):
+        assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
+
+
+def test_experts_scope_errors():
+    cfg = tiny("train.intra_layer_micro_batches=2", "train.intra_layer_micro_batch_scope=experts")
+    with pytest.raises(ValueError, match="intra_layer_micro_batch_scope = 'experts': Linear has no MoE layers"):
+        set_intra_layer_micro_batches(torch.nn.Linear(2, 2), cfg)
+    model = build_model(tiny("train.intra_layer_micro_batches=64").model)
+    moe = model.moe_layers()[0]
+    moe.micro_batches = 64
+    with pytest.raises(ValueError, match="train.intra_layer_micro_batches = 64 chunks of 32 tokens"):
+        moe(torch.randn(1, 32, tiny().model.dim))
+
+
 def _ep_worker(rank, world):
     cfg = tiny("parallel.ep=2")
     torch.manual_seed(0)
@@ -135,6 +181,56 @@ def _ep_worker(rank, world):
 def test_two_micro_batches_match_one_with_ep2_on_gloo():
     sums = run_distributed(_ep_worker, 2)
     assert sums[0] != sums[1]  # the ranks really ran different tokens through the exchange
+
+
+class _OpLog(TorchDispatchMode):
+    """Logs the prepare sorts and the all-to-alls of a forward, in issue order."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name == "aten.sort" or name.endswith("all_to_all"):
+            self.log.append("sort" if name == "aten.sort" else "all_to_all")
+        return func(*args, **(kwargs or {}))
+
+
+def _ep_experts_scope_worker(rank, world):
+    cfg = tiny("parallel.ep=2")
+    torch.manual_seed(0)
+    layer, twin = (DecoderLayer(cfg.model, layer_idx=1, ep_group=torch.distributed.group.WORLD) for _ in "ab")
+    twin.load_state_dict(layer.state_dict())
+    twin.ffn.micro_batches = 2
+    torch.manual_seed(10 + rank)
+    x = torch.randn(2, SEQ, cfg.model.dim)
+    positions = torch.arange(SEQ)
+    log = []
+    twin.ffn.shared_experts.register_forward_pre_hook(lambda m, a: log.append("shared"))
+    with _OpLog(log), torch.no_grad():
+        twin(x, positions)
+    # both chunks' prepare sorts, then the shared experts, then the chunks' exchanges (counts + tokens each)
+    first_exchange = log.index("all_to_all")
+    assert log[:first_exchange] == ["sort", "sort", "shared"], log
+    apply_activation_checkpointing(twin, ACConfig(mode="selective"))
+    one, two = layer(x, positions), twin(x, positions)
+    torch.testing.assert_close(two["hidden_states"], one["hidden_states"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(two["tokens_per_expert"], one["tokens_per_expert"])
+    w = torch.randn_like(x)
+    ((one["hidden_states"] * w).sum() + one["aux_loss"]).backward()
+    ((two["hidden_states"] * w).sum() + two["aux_loss"]).backward()
+    twin_params = dict(twin.named_parameters())
+    for name, p in layer.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.abs().max())
+            torch.testing.assert_close(twin_params[name].grad, p.grad, rtol=1e-5, atol=2e-6 * scale, msg=name)
+    return log.count("all_to_all")
+
+
+def test_experts_scope_with_ep2_on_gloo_orders_shared_experts_before_the_first_exchange():
+    # 2 chunks x (count exchange + token all-to-all + combine all-to-all)
+    assert run_distributed(_ep_experts_scope_worker, 2) == [6, 6]
 
 
 def test_micro_batch_errors_name_the_keys():

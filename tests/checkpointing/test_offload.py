@@ -371,13 +371,14 @@ def _expert_slice(name, t, ep_rank):
     return t[ep_rank * n_local:(ep_rank + 1) * n_local] if ".experts." in name else t
 
 
-def _composition_worker(rank, world, ac_mode):
+def _composition_worker(rank, world, ac_mode, scope):
     """Everything on (offload + AC + micro-batch 2 + FSDP2 + EP=2 + DSA reuse frames) vs the same
     two ranks with none of it, and the loss vs one process on the whole batch."""
     common = ["train.seq_len=32", "train.micro_batch_size=2", "model.moe.aux_loss_coeff=0.01"]
     everything = load_config("configs/tiny.toml", [
         *common, "parallel.ep=2", f"ac.mode={ac_mode}", "offload.enabled=true", "offload.what=inputs_and_dsa_ids",
-        "offload.prefetch_depth=2", "train.intra_layer_micro_batches=2"])
+        "offload.prefetch_depth=2", "train.intra_layer_micro_batches=2",
+        f"train.intra_layer_micro_batch_scope={scope}"])
     nothing = load_config("configs/tiny.toml", [*common, "parallel.ep=2", "ac.mode=none"])
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, everything.model.vocab_size, (4, 32), generator=g)
@@ -392,7 +393,10 @@ def _composition_worker(rank, world, ac_mode):
     base_out = base(tokens[mine], labels[mine])
     base_out["loss"].backward()
     model = _sharded_model(everything, groups, reference)
-    assert model.intra_layer_micro_batches == 2
+    if scope == "layer":
+        assert model.intra_layer_micro_batches == 2
+    else:
+        assert model.intra_layer_micro_batches == 1 and {m.micro_batches for m in model.moe_layers()} == {2}
     offloader = ActivationOffloader.for_model(model, everything.offload, "cpu")
     with offloader.session() as session:
         out = model(tokens[mine], labels[mine])
@@ -415,9 +419,9 @@ def _composition_worker(rank, world, ac_mode):
             "device_bytes": s.device_bytes}
 
 
-@pytest.mark.parametrize("ac_mode", ["full", "selective"])
-def test_offload_ac_microbatch2_fsdp2_ep2_reuse_frames_together(ac_mode):
-    results = run_distributed(_composition_worker, 2, ac_mode, timeout=120)
+@pytest.mark.parametrize(("ac_mode", "scope"), [("full", "layer"), ("selective", "layer"), ("selective", "experts")])
+def test_offload_ac_microbatch2_fsdp2_ep2_reuse_frames_together(ac_mode, scope):
+    results = run_distributed(_composition_worker, 2, ac_mode, scope, timeout=120)
     for r in results:
         # 4 decoder regions + 1 shared MTP block region (called at 2 depths): window = all but the last
         assert r["regions"] == 5 and r["window"] == [0, 1, 2, 3]

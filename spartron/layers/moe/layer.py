@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spartron.checkpointing.microbatch import Phase, drive
+from spartron.checkpointing.microbatch import Phase, PhaseGen, drive, interleave
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.moe.dispatch import build_dispatcher
@@ -52,6 +52,9 @@ class MoELayer(nn.Module):
                                       mode=cfg.grouped_mm, **common)
         self.shared_experts = (FeedForward(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim, **common)
                                if cfg.n_shared_experts > 0 else None)
+        # > 1: the routed token path runs in this many chunks, interleaved (train.intra_layer_micro_batch_scope
+        # = "experts", set by checkpointing.microbatch.set_intra_layer_micro_batches)
+        self.micro_batches = 1
         self.register_buffer("step_tokens_per_expert",
                              torch.zeros(cfg.n_routed_experts, dtype=torch.int64, device=device),
                              persistent=False)
@@ -62,15 +65,30 @@ class MoELayer(nn.Module):
 
     def forward_phases(self, x: Tensor) -> Generator[Phase, None, MoEOutput]:
         """The forward as phases (see spartron.checkpointing.microbatch): it yields before each step
-        another micro-batch's work may overlap with; `forward` runs it straight through."""
+        another micro-batch's work may overlap with; `forward` runs it straight through.
+
+        With `micro_batches` > 1 it yields nothing: routing and the shared experts run once over all
+        tokens, and only the routed token path runs per chunk of tokens, interleaved (`_chunked`)."""
         if x.dim() != 3:
             raise ValueError(f"MoELayer expects x [batch, seq, dim], got shape {tuple(x.shape)}")
         routing = self.router(x)
-        topk_ids = routing["topk_ids"]
+        topk_ids, topk_weights = routing["topk_ids"], routing["topk_weights"]
         record_routing_stats(topk_ids, self.step_tokens_per_expert)
-        d = self.dispatcher
         tokens = x.reshape(-1, x.shape[-1])
-        rows, state = d.prepare(tokens, topk_ids, routing["topk_weights"])
+        if self.micro_batches > 1:
+            out, counts = self._chunked(tokens, topk_ids, topk_weights)
+        else:
+            out, counts = yield from self._routed(tokens, topk_ids, topk_weights)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(tokens)
+        return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"], topk_ids=topk_ids,
+                         topk_weights=topk_weights, tokens_per_expert=counts, aux_loss=routing["aux_loss"])
+
+    def _routed(self, tokens: Tensor, topk_ids: Tensor,
+                topk_weights: Tensor) -> Generator[Phase, None, tuple[Tensor, Tensor]]:
+        """Routed experts of `tokens` [T, dim] -> ([T, dim] gate-weighted sums, counts per expert)."""
+        d = self.dispatcher
+        rows, state = d.prepare(tokens, topk_ids, topk_weights)
         # Phase.reads: the `rows` handed across streams, which the next step drops (rebinding) while
         # the other stream may still read them. What `state` holds stays alive until this returns,
         # after the compute stream has joined the last comm step, so it needs no recording.
@@ -82,12 +100,29 @@ class MoELayer(nn.Module):
         yield Phase("combine", comm=True, reads=(rows,))
         rows = d.combine(rows, state)
         yield Phase("finalize", reads=(rows,))
-        out = d.finalize(rows, state)
+        return d.finalize(rows, state), state.tokens_per_expert
+
+    def _chunked(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
+        """The routed path over `micro_batches` chunks of tokens, interleaved, plus the shared experts.
+
+        Each chunk's prepare (sort by expert) runs first, then the shared experts over all tokens,
+        then the chunks' dispatch + experts, combine + finalize in turns. So the first dispatch, which
+        waits on the host for chunk 0's split sizes, has chunk 1's prepare and the shared experts
+        queued behind it, and its all-to-all runs under them.
+        """
+        n = self.micro_batches
+        if tokens.shape[0] < n:
+            raise ValueError(f"train.intra_layer_micro_batches = {n} chunks of {tokens.shape[0]} tokens")
+        gens: list = [self._routed(t, i, w) for t, i, w in
+                      zip(tokens.chunk(n), topk_ids.chunk(n), topk_weights.chunk(n), strict=True)]
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"], topk_ids=topk_ids,
-                         topk_weights=routing["topk_weights"], tokens_per_expert=state.tokens_per_expert,
-                         aux_loss=routing["aux_loss"])
+            gens.append(_no_phases(self.shared_experts, tokens))
+        results = interleave(gens, device=tokens.device)
+        out = torch.cat([r[0] for r in results[:n]])
+        counts = torch.stack([r[1] for r in results[:n]]).sum(dim=0)
+        if self.shared_experts is not None:
+            out = out + results[n]
+        return out, counts
 
     @torch.no_grad()
     def update_expert_bias(self, counts: Tensor | None = None,
@@ -101,3 +136,9 @@ class MoELayer(nn.Module):
             self.step_tokens_per_expert.zero_()
         else:
             self.router.update_expert_bias(counts, group)
+
+
+def _no_phases(fn, *args) -> PhaseGen:
+    """A phase generator with one compute step: `fn(*args)` (a step of its own in `interleave`)."""
+    return fn(*args)
+    yield  # noqa: RET503 - unreachable: makes this a generator
