@@ -131,7 +131,7 @@ def test_ops_need_a_buffer_in_scope():
 # The parity worker (CPU: gloo + emulator; GPU: NCCL + deep_ep)
 # --------------------------------------------------------------------------------------------
 
-MODES = ["none", "full", "selective", "full-nonreentrant", "none-mb2", "full-mb2"]
+MODES = ["none", "full", "selective", "full-nonreentrant", "none-mb2", "full-mb2", "selective-experts2"]
 
 
 def _close(got, ref, what):
@@ -145,7 +145,10 @@ def _run_mb2(layer, xs, device):
 
 
 def _forward(layer, x, mode, device):
-    """[MoEOutput per micro-batch] for one of MODES."""
+    """[MoEOutput per micro-batch] for one of MODES ("-experts2": scope 'experts', 2 chunks in the layer)."""
+    if mode.endswith("experts2"):
+        layer.micro_batches = 2
+        return [layer(x)]
     if mode.endswith("mb2"):
         xs = list(x.chunk(2))
         if mode.startswith("full"):
@@ -189,7 +192,7 @@ def _parity_worker(rank, world, device_kind, modes):
         with torch.no_grad():
             dep.router.expert_bias.copy_(torch.zeros_like(dep.router.expert_bias))
             ref_bias_before = torch.zeros_like(dep.router.expert_bias)
-        base = mode.removesuffix("-mb2")
+        base = mode.removesuffix("-mb2").removesuffix("-experts2")
         if base != "none":
             apply_activation_checkpointing(dep, ACConfig(mode=base.split("-")[0],
                                                          reentrant=not base.endswith("nonreentrant")))
@@ -212,7 +215,7 @@ def _parity_worker(rank, world, device_kind, modes):
         if library is not None:
             after = shared_buffer.runtime().calls
             delta = {k: after[k] - before.get(k, 0) for k in after}
-            n = 2 if mode.endswith("mb2") else 1
+            n = 2 if mode.endswith(("mb2", "experts2")) else 1
             # one layout + one exchange per micro-batch even under AC: the replay reuses the saved
             # dispatch/combine outputs (handle included); backward = one cached dispatch + one combine
             assert delta == {"layout": n, "dispatch": n, "combine": 2 * n, "cached_dispatch": n}, (mode, delta)
