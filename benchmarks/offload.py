@@ -9,7 +9,8 @@ fraction of those bytes (target >= 0.8), the step-time ratio on/off (target <= 1
 throughput of the offload copies (timed with events on the D2H stream) against the measured
 pinned-copy ceiling (target >= 0.7 of ~54 GB/s).
 Part 2 (two ranks, EP=2, spawned): step time with train.intra_layer_micro_batches = 1 vs 2
-(all_to_all dispatcher, or DeepEP with --set model.moe.dispatcher=deepep; target: 2 is faster
+(all_to_all dispatcher, or DeepEP with --set model.moe.dispatcher=deepep; either
+train.intra_layer_micro_batch_scope, set with --set; target: 2 is faster
 because one micro-batch's exchange overlaps the other's experts), with the host time to issue a
 step and, from one profiled step per setting, the GPU time split into compute kernels,
 communication kernels (NCCL's or DeepEP's), their overlap and idle time (why 2 is or is not faster).
@@ -319,6 +320,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         destroy_deepep_buffers(model)  # collective; none with the all_to_all dispatcher
         del model
     results["dispatcher"] = configs[1].model.moe.dispatcher
+    results["scope"] = configs[2].train.intra_layer_micro_batch_scope
     if rank == 0:
         results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
         Path(result_path).write_text(json.dumps(results))
@@ -486,8 +488,8 @@ def print_microbatch(mb: dict | None) -> None:
         elif g:
             line += f"; profile: {g}"
         print(line)
-    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')}; speedup 2 over 1: {mb['speedup_2_over_1']:.3f} "
-          "(target > 1)")
+    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')}, scope {mb.get('scope', 'layer')}; speedup 2 over 1: "
+          f"{mb['speedup_2_over_1']:.3f} (target > 1)")
     g1, g2 = (mb[f"micro_batches_{n}"].get("gpu") or {} for n in (1, 2))
     if "gpu_busy_ms" in g1 and "gpu_busy_ms" in g2:
         hidden = g2["comm_hidden_under_compute_ms"] - g1["comm_hidden_under_compute_ms"]
