@@ -141,11 +141,15 @@ def test_experts_scope_errors():
     cfg = tiny("train.intra_layer_micro_batches=2", "train.intra_layer_micro_batch_scope=experts")
     with pytest.raises(ValueError, match="intra_layer_micro_batch_scope = 'experts': Linear has no MoE layers"):
         set_intra_layer_micro_batches(torch.nn.Linear(2, 2), cfg)
-    model = build_model(tiny("train.intra_layer_micro_batches=64").model)
-    moe = model.moe_layers()[0]
-    moe.micro_batches = 64
-    with pytest.raises(ValueError, match="train.intra_layer_micro_batches = 64 chunks of 32 tokens"):
+    moe = build_model(tiny().model).moe_layers()[0]
+    moe.micro_batches = 33
+    with pytest.raises(ValueError, match=r"= 33 \(scope 'experts'\) needs at least 33 tokens per MoE layer call"):
         moe(torch.randn(1, 32, tiny().model.dim))
+    moe.micro_batches = 4  # 5 tokens: chunks of 2, 1, 1, 1 (chunk() would make only 3); equal to one chunk
+    x = torch.randn(1, 5, tiny().model.dim)
+    many = moe(x)
+    moe.micro_batches = 1
+    torch.testing.assert_close(many["hidden_states"], moe(x)["hidden_states"], rtol=1e-6, atol=1e-6)
 
 
 def _ep_worker(rank, world):

@@ -112,9 +112,11 @@ class MoELayer(nn.Module):
         """
         n = self.micro_batches
         if tokens.shape[0] < n:
-            raise ValueError(f"train.intra_layer_micro_batches = {n} chunks of {tokens.shape[0]} tokens")
+            raise ValueError(f"train.intra_layer_micro_batches = {n} (scope 'experts') needs at least {n} tokens "
+                             f"per MoE layer call, got {tokens.shape[0]}")
+        # tensor_split: always n chunks (sizes differ by at most one), where chunk() may return fewer
         gens: list = [self._routed(t, i, w) for t, i, w in
-                      zip(tokens.chunk(n), topk_ids.chunk(n), topk_weights.chunk(n), strict=True)]
+                      zip(tokens.tensor_split(n), topk_ids.tensor_split(n), topk_weights.tensor_split(n), strict=True)]
         if self.shared_experts is not None:
             gens.append(_no_phases(self.shared_experts, tokens))
         results = interleave(gens, device=tokens.device)
