@@ -214,9 +214,11 @@ def _ep_experts_scope_worker(rank, world):
     twin.ffn.shared_experts.register_forward_pre_hook(lambda m, a: log.append("shared"))
     with _OpLog(log), torch.no_grad():
         twin(x, positions)
-    # both chunks' prepare sorts, then the shared experts, then the chunks' exchanges (counts + tokens each)
-    first_exchange = log.index("all_to_all")
-    assert log[:first_exchange] == ["sort", "sort", "shared"], log
+    # both chunks' prepare sorts and the first half of the shared experts come before the first exchange;
+    # each chunk: counts + tokens all-to-all, a post-dispatch sort (experts); the second shared half
+    # comes after both chunks' experts and before the combines
+    assert log == ["sort", "sort", "shared", "all_to_all", "all_to_all", "sort", "all_to_all", "all_to_all",
+                   "sort", "shared", "all_to_all", "all_to_all"], log
     apply_activation_checkpointing(twin, ACConfig(mode="selective"))
     one, two = layer(x, positions), twin(x, positions)
     torch.testing.assert_close(two["hidden_states"], one["hidden_states"], rtol=1e-6, atol=1e-6)

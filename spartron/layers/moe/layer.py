@@ -105,10 +105,12 @@ class MoELayer(nn.Module):
     def _chunked(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
         """The routed path over `micro_batches` chunks of tokens, interleaved, plus the shared experts.
 
-        Each chunk's prepare (sort by expert) runs first, then the shared experts over all tokens,
-        then the chunks' dispatch + experts, combine + finalize in turns. So the first dispatch, which
-        waits on the host for chunk 0's split sizes, has chunk 1's prepare and the shared experts
-        queued behind it, and its all-to-all runs under them.
+        The host issues, for 2 chunks: prepare (sort by expert) 0, prepare 1, shared experts over the
+        first half of the tokens; dispatch + experts 0, dispatch + experts 1, shared experts over the
+        second half; combine + finalize 0, combine + finalize 1. So the first dispatch (which waits on
+        the host for chunk 0's split sizes) runs under prepare 1 and the first shared half, the last
+        combine under the second shared half and finalize 0, and each other exchange under a chunk's
+        experts.
         """
         n = self.micro_batches
         if tokens.shape[0] < n:
@@ -118,7 +120,7 @@ class MoELayer(nn.Module):
         gens: list = [self._routed(t, i, w) for t, i, w in
                       zip(tokens.tensor_split(n), topk_ids.tensor_split(n), topk_weights.tensor_split(n), strict=True)]
         if self.shared_experts is not None:
-            gens.append(_no_phases(self.shared_experts, tokens))
+            gens.append(_in_two_halves(self.shared_experts, tokens))
         results = interleave(gens, device=tokens.device)
         out = torch.cat([r[0] for r in results[:n]])
         counts = torch.stack([r[1] for r in results[:n]]).sum(dim=0)
@@ -140,7 +142,9 @@ class MoELayer(nn.Module):
             self.router.update_expert_bias(counts, group)
 
 
-def _no_phases(fn, *args) -> PhaseGen:
-    """A phase generator with one compute step: `fn(*args)` (a step of its own in `interleave`)."""
-    return fn(*args)
-    yield  # noqa: RET503 - unreachable: makes this a generator
+def _in_two_halves(fn, tokens: Tensor) -> PhaseGen:
+    """`fn` over the first half of the rows, a compute phase, then over the second half (row-wise fn)."""
+    first, second = tokens.tensor_split(2)
+    out = fn(first)
+    yield Phase("second half")
+    return torch.cat([out, fn(second)])
