@@ -38,8 +38,8 @@ whole tensors between layers and splits only inside each MoE layer (`MoELayer._c
 and the shared experts run once over all tokens, and the routed path (prepare, dispatch, experts,
 combine, finalize) runs per chunk of tokens through `interleave`. Attention is not split (no
 doubled small kernels), the routing and its balance loss are those of the whole batch, and the
-first dispatch runs under the shared experts. What it gives up: nothing overlaps the exchange
-with attention.
+shared experts (in two halves) run under the first dispatch and the last combine. What it gives
+up: nothing overlaps the exchange with attention.
 """
 
 from __future__ import annotations
