@@ -128,3 +128,8 @@ def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port:
             Path(path).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+    # not through interpreter teardown: process groups that DTensor caches still hold could abort it
+    # there (spartron/launch/process.py), and mp.spawn would then discard the results of every rank
+    from spartron.launch.process import exit_process
+
+    exit_process(0)

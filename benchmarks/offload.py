@@ -46,6 +46,7 @@ from common import bind_to_cores  # noqa: E402
 
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
+from spartron.launch.process import exit_process  # noqa: E402
 from spartron.layers.model import build_model  # noqa: E402
 from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -326,6 +327,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         Path(result_path).write_text(json.dumps(results))
     groups.destroy()
     dist.destroy_process_group()
+    exit_process(0)  # not through interpreter teardown (see spartron/launch/process.py; mp.spawn keeps exit 0)
 
 
 def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
