@@ -70,9 +70,10 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
-def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
-    cfg = tiny(f"ac.mode={ac_mode}", "train.intra_layer_micro_batches=2", "train.micro_batch_size=4")
+def _one_vs_micro_batched(cfg, ac_mode: str, n_seqs: int):
+    """The model with 1 micro-batch vs a copy wired for cfg's micro-batches (AC per ac_mode) on the
+    same batch: equal losses, expert counts, gradients and routing telemetry. Returns the copy and
+    what its layer 2 (a DSA consumer) took and gave."""
     torch.manual_seed(0)
     one = build_model(cfg.model)
     two = copy.deepcopy(one)
@@ -82,7 +83,7 @@ def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
     set_intra_layer_micro_batches(two, cfg)
     seen = []
     two.layers["2"].register_forward_hook(lambda m, a, out: seen.append((a, out)))
-    tokens, labels = batch(cfg)
+    tokens, labels = batch(cfg, n=n_seqs)
     out1, out2 = one(tokens, labels), two(tokens, labels)
     out1["loss"].backward()
     out2["loss"].backward()
@@ -93,14 +94,21 @@ def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
     assert g1.keys() == g2.keys()
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+    for moe1, moe2 in zip(one.moe_layers(), two.moe_layers(), strict=True):  # routing telemetry adds up once
+        assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
+    return two, seen
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
+def test_two_micro_batches_match_one_loss_and_grads(ac_mode):
+    cfg = tiny(f"ac.mode={ac_mode}", "train.intra_layer_micro_batches=2", "train.micro_batch_size=4")
+    two, seen = _one_vs_micro_batched(cfg, ac_mode, n_seqs=4)
     # the region (layer 2, a DSA consumer) took lists: two hidden-state micro-batches and two id tensors
     args, out = seen[0]
     assert isinstance(args[0], list) and len(args[0]) == 2 and args[0][0].shape[0] == 2
     assert isinstance(out["hidden_states"], list) and isinstance(out["dsa_topk_ids"], list)
     if ac_mode != "none":
         assert checkpoint_region_of(two.layers["2"]).last_stats.replay_count == 1
-    for moe1, moe2 in zip(one.moe_layers(), two.moe_layers(), strict=True):  # routing telemetry adds up once
-        assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
 
 
 @pytest.mark.parametrize("ac_mode", ["none", "selective"])
@@ -110,31 +118,10 @@ def test_experts_scope_matches_one_micro_batch_loss_and_grads(ac_mode, aux_loss_
     interleaves chunks of its routed path (a batch-level balance loss stays exact, micro-batch size 1 works)."""
     cfg = tiny(f"ac.mode={ac_mode}", f"model.moe.aux_loss_type={aux_loss_type}", "train.micro_batch_size=1",
                "train.intra_layer_micro_batches=3", "train.intra_layer_micro_batch_scope=experts")
-    torch.manual_seed(0)
-    one = build_model(cfg.model)
-    two = copy.deepcopy(one)
-    if ac_mode != "none":
-        for layer in two.layers.values():
-            apply_activation_checkpointing(layer, cfg.ac)
-    set_intra_layer_micro_batches(two, cfg)
+    two, seen = _one_vs_micro_batched(cfg, ac_mode, n_seqs=1)  # one sequence of 32 tokens: chunks of 11, 11, 10
     assert two.intra_layer_micro_batches == 1 and {m.micro_batches for m in two.moe_layers()} == {3}
-    seen = []
-    two.layers["2"].register_forward_hook(lambda m, a, out: seen.append((a, out)))
-    tokens, labels = batch(cfg, n=1)  # one sequence of 32 tokens: chunks of 11, 11 and 10
-    out1, out2 = one(tokens, labels), two(tokens, labels)
-    out1["loss"].backward()
-    out2["loss"].backward()
-    for key in ("loss", "lm_loss", "aux_loss"):
-        torch.testing.assert_close(out2[key], out1[key], rtol=1e-6, atol=1e-6)
-    assert torch.equal(out2["tokens_per_expert"], out1["tokens_per_expert"])
-    g1, g2 = _grads(one), _grads(two)
-    assert g1.keys() == g2.keys()
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
     args, out = seen[0]
     assert isinstance(args[0], torch.Tensor) and isinstance(out["hidden_states"], torch.Tensor)
-    for moe1, moe2 in zip(one.moe_layers(), two.moe_layers(), strict=True):
-        assert torch.equal(moe1.step_tokens_per_expert, moe2.step_tokens_per_expert)
 
 
 def test_experts_scope_errors():
@@ -150,6 +137,16 @@ def test_experts_scope_errors():
     many = moe(x)
     moe.micro_batches = 1
     torch.testing.assert_close(many["hidden_states"], moe(x)["hidden_states"], rtol=1e-6, atol=1e-6)
+
+
+def _assert_grads_close(twin, layer):
+    """twin's parameter gradients equal layer's (fp32 sums in another order: error relative to the
+    largest entry of each gradient)."""
+    twin_params = dict(twin.named_parameters())
+    for name, p in layer.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.abs().max())
+            torch.testing.assert_close(twin_params[name].grad, p.grad, rtol=1e-5, atol=2e-6 * scale, msg=name)
 
 
 def _ep_worker(rank, world):
@@ -174,11 +171,7 @@ def _ep_worker(rank, world):
     w = torch.randn_like(h1)
     ((h1 * w).sum() + one["aux_loss"]).backward()
     ((h2 * w).sum() + two["aux_loss"]).backward()
-    twin_params = dict(twin.named_parameters())
-    for name, p in layer.named_parameters():
-        if p.grad is not None:
-            scale = float(p.grad.abs().max())  # fp32 sums in another order: error relative to the largest entry
-            torch.testing.assert_close(twin_params[name].grad, p.grad, rtol=1e-5, atol=2e-6 * scale, msg=name)
+    _assert_grads_close(twin, layer)
     return float(h1.sum())
 
 
@@ -226,11 +219,7 @@ def _ep_experts_scope_worker(rank, world):
     w = torch.randn_like(x)
     ((one["hidden_states"] * w).sum() + one["aux_loss"]).backward()
     ((two["hidden_states"] * w).sum() + two["aux_loss"]).backward()
-    twin_params = dict(twin.named_parameters())
-    for name, p in layer.named_parameters():
-        if p.grad is not None:
-            scale = float(p.grad.abs().max())
-            torch.testing.assert_close(twin_params[name].grad, p.grad, rtol=1e-5, atol=2e-6 * scale, msg=name)
+    _assert_grads_close(twin, layer)
     return log.count("all_to_all")
 
 
