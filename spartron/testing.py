@@ -20,6 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from spartron.launch.process import exit_process
+
 
 class DistributedTestError(AssertionError):
     """A rank raised, or the run timed out; the message carries each failing rank's traceback."""
@@ -55,7 +57,7 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
-        os._exit(0)
+        exit_process(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -99,9 +98,7 @@ def _as_rank(body) -> int:
         else:
             traceback.print_exc()
             code = 130 if isinstance(err, KeyboardInterrupt) else 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_process(code)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

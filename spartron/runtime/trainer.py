@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.checkpointing.offload import ActivationOffloader
+from spartron.launch.process import exit_process
 from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
@@ -298,13 +298,9 @@ def main(argv: list[str] | None = None, model_factory: ModelFactory | None = Non
     except BaseException:  # noqa: BLE001 - every failure must surface and end this rank
         rank = dist.get_rank() if dist.is_initialized() else "?"
         sys.stderr.write(f"[spartron rank {rank}] training failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)  # skip process-group teardown, which can block on peers that are still waiting
+        exit_process(1)  # skip process-group teardown, which can block on peers that are still waiting
     return 0
 
 
 if __name__ == "__main__":
-    from spartron.launch.process import exit_process
-
     exit_process(main())
