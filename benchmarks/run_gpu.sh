@@ -21,16 +21,17 @@ export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"  # the wheels and 
 summary=()
 for step in "$@"; do
   name=${step%%:*}; secs=${step#*:}; [ "$secs" = "$step" ] && secs=300
+  file=${name//@/_}  # NAME@TAG -> NAME_TAG: its ARGS_ variable and its .json / .log
   case $name in
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
     pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
     build_deepep) cmd=(bash benchmarks/build_deepep.sh "${DEEPEP_SRC:-.carry/DeepEP}" /tmp/site) ;;
-    *) extra_var="ARGS_${name//@/_}"; read -r -a extra <<<"${!extra_var:-}"
-       cmd=(python3 "benchmarks/${name%%@*}.py" --out "$out/${name//@/_}.json" "${extra[@]}") ;;
+    *) extra_var="ARGS_$file"; read -r -a extra <<<"${!extra_var:-}"
+       cmd=(python3 "benchmarks/${name%%@*}.py" --out "$out/$file.json" "${extra[@]}") ;;
   esac
   start=$(date +%s)
-  timeout "$secs" "${cmd[@]}" >"$out/${name//@/_}.log" 2>&1; rc=$?
+  timeout "$secs" "${cmd[@]}" >"$out/$file.log" 2>&1; rc=$?
   summary+=("$name rc=$rc $(( $(date +%s) - start ))s")
-  echo "=== $name (rc=$rc)"; tail -n 15 "$out/${name//@/_}.log"
+  echo "=== $name (rc=$rc)"; tail -n 15 "$out/$file.log"
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
