@@ -378,13 +378,26 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
     ms = lambda ns: ns / 1e6  # noqa: E731
     length = lambda u: sum(b - a for a, b in u)  # noqa: E731
     families: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}  # name -> [count, total ms, ms of it while a comm kernel ran]
     for e in events:
         family = kernel_family(e.name())
         families[family] = families.get(family, 0.0) + ms(e.duration_ns())
+        if not is_comm_kernel(e.name()):
+            span = [(e.start_ns(), e.start_ns() + e.duration_ns())]
+            row = by_name.setdefault(e.name()[:_NAME_CHARS], [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += ms(e.duration_ns())
+            row[2] += ms(_intersection_ns(span, comm))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:_TOP_KERNELS]
     out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
            "comm_busy_ms": ms(length(comm)), "comm_hidden_under_compute_ms": ms(_intersection_ns(comp, comm)),
-           "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items()))}
+           "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items())),
+           "top_compute_kernels": [{"name": name, "count": int(c), "ms": total, "ms_under_comm": under}
+                                   for name, (c, total, under) in top]}
     return out
+
+
+_NAME_CHARS, _TOP_KERNELS = 120, 40  # how much of the per-kernel table the JSON keeps
 
 
 # Kernel name fragments -> family, first match wins (lower-case). Only for explaining where the time
@@ -502,6 +515,23 @@ def print_microbatch(mb: dict | None) -> None:
         deltas = sorted(((f2.get(k, 0.0) - f1.get(k, 0.0), k) for k in {*f1, *f2}), reverse=True)
         print("   kernel time by family, 1 -> 2 micro-batches (ms): " + ", ".join(
             f"{k} {f1.get(k, 0.0):.1f} -> {f2.get(k, 0.0):.1f}" for _, k in deltas))
+        print_kernel_deltas(g1.get("top_compute_kernels", []), g2.get("top_compute_kernels", []))
+
+
+def print_kernel_deltas(top1: list[dict], top2: list[dict], rows: int = 12) -> None:
+    """The compute kernels whose total time grows most from 1 to 2 micro-batches, with how much of
+    their time ran while a communication kernel was running (SMs shared with NCCL/DeepEP)."""
+    if not top1 or not top2:
+        return
+    one, two = ({r["name"]: r for r in top} for top in (top1, top2))
+    zero = {"count": 0, "ms": 0.0, "ms_under_comm": 0.0}
+    grown = sorted(one.keys() | two.keys(), key=lambda k: -(two.get(k, zero)["ms"] - one.get(k, zero)["ms"]))
+    print(f"   compute kernels that grow most (of the top {len(top1)}/{len(top2)} by time): "
+          "count, ms (ms while comm ran) for 1 -> 2")
+    for name in grown[:rows]:
+        a, b = one.get(name, zero), two.get(name, zero)
+        print(f"     {b['ms'] - a['ms']:+6.2f} ms  {a['count']:>4} {a['ms']:7.2f} ({a['ms_under_comm']:6.2f}) -> "
+              f"{b['count']:>4} {b['ms']:7.2f} ({b['ms_under_comm']:6.2f})  {name[:70]}")
 
 
 def main() -> None:
