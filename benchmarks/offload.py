@@ -322,6 +322,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         del model
     results["dispatcher"] = configs[1].model.moe.dispatcher
     results["scope"] = configs[2].train.intra_layer_micro_batch_scope
+    results["transport"] = configs[1].model.moe.all_to_all_transport
     if rank == 0:
         results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
         Path(result_path).write_text(json.dumps(results))
@@ -402,7 +403,8 @@ _NAME_CHARS, _TOP_KERNELS = 120, 40  # how much of the per-kernel table the JSON
 
 # Kernel name fragments -> family, first match wins (lower-case). Only for explaining where the time
 # of micro-batch 2 vs 1 goes; the busy/overlap numbers above do not depend on it.
-_FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy", "copy"), ("memset", "copy"), ("flash", "attention"),
+_FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy ptop", "peer_copy"), ("memcpy", "copy"),
+             ("memset", "copy"), ("flash", "attention"),
              ("fmha", "attention"), ("attention", "attention"), ("softmax", "softmax"),
              ("grouped", "grouped_gemm"), ("gemm", "gemm"), ("nvjet", "gemm"), ("xmma", "gemm"),
              ("cutlass", "gemm"), ("sort", "sort_topk"), ("topk", "sort_topk"), ("scan", "sort_topk"),
@@ -412,8 +414,9 @@ _FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy", "copy"), ("mems
 
 
 def is_comm_kernel(name: str) -> bool:
-    """NCCL's kernels and DeepEP's (namespace deep_ep) move tokens; every other kernel computes."""
-    return kernel_family(name) in ("nccl", "deepep")
+    """NCCL's kernels, DeepEP's (namespace deep_ep) and peer-to-peer copies (copy engines) move tokens;
+    every other kernel computes."""
+    return kernel_family(name) in ("nccl", "deepep", "peer_copy")
 
 
 def kernel_family(name: str) -> str:
@@ -503,7 +506,8 @@ def print_microbatch(mb: dict | None) -> None:
         elif g:
             line += f"; profile: {g}"
         print(line)
-    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')}, scope {mb.get('scope', 'layer')}; speedup 2 over 1: "
+    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')} ({mb.get('transport', 'nccl')}), scope "
+          f"{mb.get('scope', 'layer')}; speedup 2 over 1: "
           f"{mb['speedup_2_over_1']:.3f} (target > 1)")
     g1, g2 = (mb[f"micro_batches_{n}"].get("gpu") or {} for n in (1, 2))
     if "gpu_busy_ms" in g1 and "gpu_busy_ms" in g2:

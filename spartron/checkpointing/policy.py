@@ -32,6 +32,7 @@ MANDATORY: tuple[tuple[str, str], ...] = (
     ("spartron::moe_topk", "routing decision: the replay must use the experts chosen in forward"),
     ("spartron_collectives::splits_to_host", "device->host copy of all-to-all split sizes (sync)"),
     ("spartron_deepep", "DeepEP dispatch/combine hold communication state that cannot be replayed"),
+    ("spartron_symm", "copy-engine exchange: barriers and peer writes on a shared buffer, never run twice"),
 )
 """(operator name or namespace, why it is saved). Cannot be excluded by any config."""
 

@@ -85,11 +85,17 @@ class MoEConfig(ConfigSection):
     aux_loss_coeff: float = Field(0.0, ge=0.0)
     aux_loss_type: Literal["seq", "batch"] = "seq"
     dispatcher: Literal["local", "all_to_all", "deepep"] = "all_to_all"
+    # how "all_to_all" moves tokens: NCCL kernels, or the copy engines over symmetric memory (one host;
+    # leaves the SMs to the compute it overlaps with: spartron/runtime/ops/copy_engine.py)
+    all_to_all_transport: Literal["nccl", "copy_engine"] = "nccl"
     deepep_num_sms: int = Field(24, ge=2)
     grouped_mm: Literal["auto", "grouped", "loop"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
+        if self.all_to_all_transport != "nccl" and self.dispatcher != "all_to_all":
+            raise ValueError(f"model.moe.all_to_all_transport = {self.all_to_all_transport!r} applies to "
+                             f"model.moe.dispatcher = 'all_to_all', not {self.dispatcher!r}")
         if self.top_k > self.n_routed_experts:
             raise ValueError(f"model.moe.top_k {self.top_k} must be <= model.moe.n_routed_experts "
                              f"{self.n_routed_experts}")

@@ -17,9 +17,11 @@ from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.moe.deepep_buffer import share_deepep_buffer
+from spartron.layers.moe.dispatch import CopyEngineDispatcher
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
+from spartron.runtime.ops.copy_engine import share_exchange_buffers
 
 
 class SparseMoEModel(nn.Module):
@@ -132,6 +134,7 @@ def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
     model.cfg = cfg
     if cfg.moe.dispatcher == "deepep":
         share_deepep_buffer(model)  # one DeepEP buffer per EP group, not one per MoE layer
+    share_exchange_buffers([m.dispatcher for m in model.moe_layers() if isinstance(m.dispatcher, CopyEngineDispatcher)])
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:
         for p in model.parameters():

@@ -140,3 +140,6 @@ def test_offload_benchmark_kernel_families():
     assert family("void deep_ep::intranode::dispatch<8, 768, 6>(int4*, float*)") == "deepep"
     assert module.is_comm_kernel("ncclDevKernel_AllToAll") and module.is_comm_kernel("void deep_ep::intranode::combine")
     assert not module.is_comm_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT")
+    peer = "Memcpy PtoP (Device -> Device)"  # the copy-engine exchange's copies into peer memory
+    assert family(peer) == "peer_copy" and module.is_comm_kernel(peer)
+    assert not module.is_comm_kernel("Memcpy DtoD (Device -> Device)")

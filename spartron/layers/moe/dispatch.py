@@ -32,7 +32,8 @@ from torch import Tensor
 
 from spartron.layers.config import MoEConfig
 from spartron.layers.moe.deepep_buffer import DeepEPBuffer, check_deepep_shape, load_deep_ep
-from spartron.runtime.ops.collectives import all_to_all, splits_to_host
+from spartron.runtime.ops.collectives import all_gather, all_to_all, splits_to_host
+from spartron.runtime.ops.copy_engine import ExchangeBuffer, exchange, transpose_counts
 from spartron.runtime.ops.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 
 
@@ -49,6 +50,7 @@ class DispatchState:
     output_splits: list[int] | None = None  # EP: rows received from each EP rank
     recv_counts: Tensor | None = None  # EP: [ep, E_local] rows received per (source rank, local expert)
     recv_order: Tensor | None = None  # EP: received rows sorted by local expert (stable)
+    counts: list[int] | None = None  # EP, copy engines: [ep, ep] rows rank s sends to rank r, row-major
 
 
 class LocalDispatcher:
@@ -115,6 +117,12 @@ class AllToAllDispatcher(LocalDispatcher):
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
         if state.input_splits is None:
             self.exchange_counts(state)
+        return self._send(x, state, reverse=False)
+
+    def _send(self, x: Tensor, state: DispatchState, reverse: bool) -> Tensor:
+        """The token exchange: rows to the ranks owning their experts, or (reverse) back to their source."""
+        if reverse:
+            return all_to_all(x, state.input_splits, state.output_splits, self.group)
         return all_to_all(x, state.output_splits, state.input_splits, self.group)
 
     def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
@@ -127,7 +135,35 @@ class AllToAllDispatcher(LocalDispatcher):
 
     def combine(self, y: Tensor, state: DispatchState) -> Tensor:
         back = torch.empty_like(y).index_copy(0, state.recv_order, y)
-        return all_to_all(back, state.input_splits, state.output_splits, self.group)
+        return self._send(back, state, reverse=True)
+
+
+class CopyEngineDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher with the token exchange done by the copy engines over symmetric
+    memory (`spartron_symm::exchange`, runtime/ops/copy_engine.py): no SMs taken from the compute it
+    overlaps with. Same rows in the same order as the NCCL path, so the same numerics.
+
+    The counts: an all-gather of every rank's per-expert counts gives the whole [ep, ep] send matrix
+    the exchange needs, and this rank's received counts per local expert, in one host copy.
+    """
+
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, buffer: ExchangeBuffer | None = None):
+        super().__init__(n_experts, ep_group)
+        self.buffer = ExchangeBuffer(ep_group) if buffer is None else buffer
+
+    def exchange_counts(self, state: DispatchState) -> None:
+        ep, n_local = self.ep, self.n_local_experts
+        me = dist.get_rank(self.group)
+        every = all_gather(state.tokens_per_expert, self.group).view(ep, ep, n_local)  # [src, dst rank, expert]
+        matrix = splits_to_host(every.sum(dim=2).reshape(-1))  # one device->host copy
+        state.counts = matrix
+        state.input_splits = matrix[me * ep:(me + 1) * ep]
+        state.output_splits = matrix[me::ep]
+        state.recv_counts = every[:, me]
+
+    def _send(self, x: Tensor, state: DispatchState, reverse: bool) -> Tensor:
+        counts = transpose_counts(state.counts, self.ep) if reverse else state.counts
+        return exchange(self.buffer, x, counts)
 
 
 @dataclass
@@ -205,7 +241,7 @@ class DeepEPDispatcher:
         return y  # gates applied and top-k summed before combine
 
 
-Dispatcher = LocalDispatcher | AllToAllDispatcher | DeepEPDispatcher
+Dispatcher = LocalDispatcher | AllToAllDispatcher | CopyEngineDispatcher | DeepEPDispatcher
 
 
 def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None) -> Dispatcher:
@@ -214,7 +250,8 @@ def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden:
     With one EP rank there is nothing to exchange: "all_to_all" runs as the local dispatcher
     (the same arithmetic, no collective). "local" with more than one EP rank is an error.
     "deepep" needs DeepEP installed and an EP group of 2, 4 or 8 ranks; `hidden` (model.dim) sizes
-    its buffer (None: taken from the first tokens).
+    its buffer (None: taken from the first tokens). "all_to_all" exchanges tokens with NCCL, or with
+    the copy engines when `model.moe.all_to_all_transport = "copy_engine"` (one host).
     """
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     if cfg.dispatcher == "deepep":
@@ -224,4 +261,6 @@ def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden:
     if cfg.dispatcher == "local":
         raise ValueError(f"model.moe.dispatcher = 'local' cannot serve an EP group of {ep} ranks; "
                          "use 'all_to_all' or 'deepep'")
+    if cfg.all_to_all_transport == "copy_engine":
+        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group)
     return AllToAllDispatcher(cfg.n_routed_experts, ep_group)

@@ -5,6 +5,7 @@ Namespaces (the strings users put in `[ac] targets`):
 - `spartron`: record_routing_stats (telemetry.py), moe_topk (routing.py), sparse_mla (sparse_mla.py)
 - `spartron_deepep`: dispatch, combine, dispatch_backward, cached_dispatch (deepep.py; DeepEP is imported
   only when a layer selects it)
+- `spartron_symm`: exchange (copy_engine.py; the MoE token exchange over the copy engines)
 """
 
-from spartron.runtime.ops import collectives, deepep, routing, sparse_mla, telemetry  # noqa: F401
+from spartron.runtime.ops import collectives, copy_engine, deepep, routing, sparse_mla, telemetry  # noqa: F401
