@@ -136,10 +136,10 @@ def _too_small_worker(rank, world, shared):
 
 
 def test_exchange_larger_than_the_given_memory_fails_on_every_rank_before_any_copy():
-    shared = _shared_buffers(2, nbytes=40 * DIM * 4 - 1)  # 40 float32 rows, less one byte
+    slot = 40 * DIM * 4  # 40 float32 rows received per rank
+    shared = _shared_buffers(2, nbytes=2 * slot - 1)  # two slots, less one byte
     for message in run_distributed(_too_small_worker, 2, shared):
-        assert message == f"exchange needs a {40 * DIM * 4}-byte receive buffer, the given memory holds " \
-                          f"{40 * DIM * 4 - 1}"
+        assert message == f"exchange needs two {slot}-byte receive slots, the given memory holds {2 * slot - 1} bytes"
 
 
 def test_default_memory_is_cuda_only():

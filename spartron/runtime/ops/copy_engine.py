@@ -6,13 +6,18 @@ overlapped with the experts' GEMMs slows them by about what it hides. Measured o
 overlapped, more than the 3.55 ms one after the other; the same exchange as copy-engine copies
 takes 3.08 ms overlapped (60% of it hidden). Copy engines move bytes without SMs.
 
-The protocol, on the caller's stream, per exchange (every rank of the group, same order):
-    barrier 0   every rank has finished copying out of its receive buffer (previous exchange)
-    copy        my rows for rank p -> p's receive buffer at the offset of my rows there (peer
+The protocol, on the caller's stream, per exchange (every rank of the group, same order), with two
+receive slots per rank used in turn (exchange k uses slot k % 2):
+    copy        my rows for rank p -> p's receive slot at the offset of my rows there (peer
                 memory: cudaMemcpyAsync over NVLink, a copy engine); my rows for me -> the output
-    barrier 1   every rank's rows have landed in every receive buffer
-    copy out    the other ranks' rows: my receive buffer -> the output (a fresh tensor)
-The receive buffer uses the output's layout (rows in source-rank order), so the offset of rank s's
+    barrier     every rank's rows have landed in every receive slot
+    copy out    the other ranks' rows: my receive slot -> the output (a fresh tensor)
+Two slots make one barrier per exchange enough: before I write into p's slot again (exchange k + 2),
+p has copied exchange k out of it, because p's copy-out of k precedes its barrier of k + 1 on its
+stream, and my barrier of k + 1 (which precedes my copies of k + 2 on mine) waits for p's. A
+barrier is a spinning kernel on one SM; the measured grouped GEMMs slowed while it spun beside
+them, so the second barrier one slot would need costs more than the memory of a second slot.
+The receive slot uses the output's layout (rows in source-rank order), so the offset of rank s's
 rows in rank r's buffer is the sum of what ranks before s send to r: every rank needs the whole
 count matrix (`counts`, row-major [ep, ep], counts[s * ep + r] = rows s sends to r), which the MoE
 dispatcher all-gathers anyway. Backward is the same exchange with the matrix transposed.
@@ -95,11 +100,17 @@ class SymmetricMemory(Protocol):
 
     capacity_bytes: int
 
-    def view(self, rank: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """Rank `rank`'s buffer as [rows, *row_shape] of dtype (writable from this rank)."""
+    def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """Rank `rank`'s buffer from `offset_bytes` on as [rows, *row_shape] of dtype (writable from here)."""
 
     def barrier(self, channel: int) -> None:
         """All ranks of the group have reached this point (in stream order on CUDA)."""
+
+
+def _bytes_as(buffer: Tensor, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """`rows` rows of `dtype` in the uint8 `buffer`, from `offset_bytes` on (a view)."""
+    nbytes = rows * math.prod(row_shape) * dtype.itemsize
+    return buffer[offset_bytes:offset_bytes + nbytes].view(dtype).view(rows, *row_shape)
 
 
 class CudaSymmetricMemory:
@@ -119,11 +130,10 @@ class CudaSymmetricMemory:
         self.rank = dist.get_rank(group)
         self.capacity_bytes = nbytes
 
-    def view(self, rank: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         if rank == self.rank:
-            nbytes = rows * math.prod(row_shape) * dtype.itemsize
-            return self._local[:nbytes].view(dtype).view(rows, *row_shape)
-        return self._handle.get_buffer(rank, (rows, *row_shape), dtype)
+            return _bytes_as(self._local, offset_bytes, rows, row_shape, dtype)
+        return self._handle.get_buffer(rank, (rows, *row_shape), dtype, offset_bytes // dtype.itemsize)
 
     def barrier(self, channel: int) -> None:
         self._handle.barrier(channel=channel)
@@ -137,9 +147,8 @@ class HostSharedMemory:
         self.buffers, self.group = list(buffers), group
         self.capacity_bytes = min(b.numel() for b in self.buffers)
 
-    def view(self, rank: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        nbytes = rows * math.prod(row_shape) * dtype.itemsize
-        return self.buffers[rank][:nbytes].view(dtype).view(rows, *row_shape)
+    def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return _bytes_as(self.buffers[rank], offset_bytes, rows, row_shape, dtype)
 
     def barrier(self, channel: int) -> None:
         dist.barrier(group=self.group)
@@ -150,7 +159,7 @@ class ExchangeBuffer:
 
     def __init__(self, group: dist.ProcessGroup, memory: SymmetricMemory | None = None):
         """`memory` None: CUDA symmetric memory, allocated (collectively) at the first exchange and
-        regrown when an exchange needs more. Given: used as is (its capacity is a hard limit)."""
+        regrown when an exchange needs more. Given: used as is (its capacity, two slots, is a hard limit)."""
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.memory = memory
@@ -158,12 +167,15 @@ class ExchangeBuffer:
         self.exchanges = 0
         self._last: torch.cuda.Event | None = None
 
-    def _reserve(self, nbytes: int, device: torch.device) -> SymmetricMemory:
+    def _reserve(self, slot_bytes: int, device: torch.device) -> SymmetricMemory:
+        """Memory holding two receive slots of `slot_bytes` (aligned to 256 bytes)."""
+        slot_bytes = -(-slot_bytes // 256) * 256
+        nbytes = 2 * slot_bytes
         if self.memory is not None and self.memory.capacity_bytes >= nbytes:
             return self.memory
         if not self.grows:
-            raise ValueError(f"exchange needs a {nbytes}-byte receive buffer, the given memory holds "
-                             f"{self.memory.capacity_bytes}")
+            raise ValueError(f"exchange needs two {slot_bytes}-byte receive slots, the given memory holds "
+                             f"{self.memory.capacity_bytes} bytes")
         if device.type != "cuda":
             raise ValueError(f"model.moe.all_to_all_transport = 'copy_engine' moves CUDA tensors, got {device}")
         if self.memory is not None:
@@ -183,12 +195,13 @@ class ExchangeBuffer:
         x = x.contiguous()
         row_shape = tuple(x.shape[1:])
         memory = self._reserve(plan.max_rows_received * math.prod(row_shape) * x.element_size(), x.device)
+        # byte offset of this exchange's slot: 0 or half the memory (256-aligned, >= the slot: _reserve)
+        slot = (self.exchanges % 2) * (memory.capacity_bytes // 2 // 256 * 256)
         rows_out = sum(plan.recv_sizes)
         out = x.new_empty(rows_out, *row_shape)
         cuda = x.device.type == "cuda"
         if cuda and self._last is not None:
             torch.cuda.current_stream(x.device).wait_event(self._last)
-        memory.barrier(0)
         for p in range(self.ep):
             n, src = plan.send_sizes[p], plan.send_offsets[p]
             if n == 0:
@@ -196,10 +209,10 @@ class ExchangeBuffer:
             if p == self.rank:
                 out[plan.recv_offsets[p]:plan.recv_offsets[p] + n].copy_(x[src:src + n])
             else:
-                dest = memory.view(p, plan.remote_offsets[p] + n, row_shape, x.dtype)
+                dest = memory.view(p, slot, plan.remote_offsets[p] + n, row_shape, x.dtype)
                 dest[plan.remote_offsets[p]:].copy_(x[src:src + n])
-        memory.barrier(1)
-        mine = memory.view(self.rank, rows_out, row_shape, x.dtype)
+        memory.barrier(0)
+        mine = memory.view(self.rank, slot, rows_out, row_shape, x.dtype)
         lo = plan.recv_offsets[self.rank]
         hi = lo + plan.recv_sizes[self.rank]
         if lo > 0:
