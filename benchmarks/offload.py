@@ -390,12 +390,29 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
             row[1] += ms(e.duration_ns())
             row[2] += ms(_intersection_ns(span, comm))
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:_TOP_KERNELS]
+    ops = _device_time_by_op(model, tokens, labels, device)
     out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
            "comm_busy_ms": ms(length(comm)), "comm_hidden_under_compute_ms": ms(_intersection_ns(comp, comm)),
            "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items())),
            "top_compute_kernels": [{"name": name, "count": int(c), "ms": total, "ms_under_comm": under}
-                                   for name, (c, total, under) in top]}
+                                   for name, (c, total, under) in top],
+           "top_ops_by_device_time": ops}
     return out
+
+
+def _device_time_by_op(model, tokens, labels, device: torch.device) -> list[dict]:
+    """Another step under the profiler with host ops recorded: device time per operator (its own
+    kernels, not its children's), the largest first. Says which op issues the kernels that grow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(tokens, labels)["loss"].backward()
+        _sync(device)
+    rows = [{"name": e.key[:_NAME_CHARS], "count": int(e.count), "ms": e.self_device_time_total / 1e3}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:_TOP_KERNELS]
 
 
 _NAME_CHARS, _TOP_KERNELS = 120, 40  # how much of the per-kernel table the JSON keeps
@@ -520,6 +537,21 @@ def print_microbatch(mb: dict | None) -> None:
         print("   kernel time by family, 1 -> 2 micro-batches (ms): " + ", ".join(
             f"{k} {f1.get(k, 0.0):.1f} -> {f2.get(k, 0.0):.1f}" for _, k in deltas))
         print_kernel_deltas(g1.get("top_compute_kernels", []), g2.get("top_compute_kernels", []))
+        print_op_deltas(g1.get("top_ops_by_device_time", []), g2.get("top_ops_by_device_time", []))
+
+
+def print_op_deltas(top1: list[dict], top2: list[dict], rows: int = 15) -> None:
+    """The operators whose own device time grows most from 1 to 2 micro-batches."""
+    if not top1 or not top2:
+        return
+    one, two = ({r["name"]: r for r in top} for top in (top1, top2))
+    zero = {"count": 0, "ms": 0.0}
+    grown = sorted(one.keys() | two.keys(), key=lambda k: -(two.get(k, zero)["ms"] - one.get(k, zero)["ms"]))
+    print("   operators whose device time grows most: count, ms for 1 -> 2")
+    for name in grown[:rows]:
+        a, b = one.get(name, zero), two.get(name, zero)
+        print(f"     {b['ms'] - a['ms']:+6.2f} ms  {a['count']:>5} {a['ms']:7.2f} -> {b['count']:>5} {b['ms']:7.2f}  "
+              f"{name[:70]}")
 
 
 def print_kernel_deltas(top1: list[dict], top2: list[dict], rows: int = 12) -> None:

@@ -271,3 +271,15 @@ def test_comm_steps_run_on_their_own_micro_batch_stream_and_results_match_drive(
     assert streams["dispatch0"] != compute and streams["dispatch1"] != compute
     assert streams["dispatch0"] != streams["dispatch1"]  # one comm stream per micro-batch
     assert streams["combine0"] == streams["dispatch0"] and streams["combine1"] == streams["dispatch1"]
+
+
+def test_experts_scope_chunks_split_like_tensor_split_with_one_backward_node():
+    from spartron.layers.moe.layer import even_split_sizes
+
+    for rows in range(0, 12):
+        for n in (1, 2, 3, 5):
+            assert even_split_sizes(rows, n) == [t.shape[0] for t in torch.empty(rows).tensor_split(n)], (rows, n)
+    x = torch.randn(7, 3, requires_grad=True)
+    pieces = x.split(even_split_sizes(7, 2))
+    # one node for all pieces: their gradients land in one tensor, no zero-filled full-size copy per piece
+    assert {type(p.grad_fn).__name__ for p in pieces} == {"SplitWithSizesBackward0"}

@@ -125,3 +125,21 @@ def test_bad_ep_configs_fail_on_every_rank():
     for errors in results:
         assert errors == ["model.moe.dispatcher = 'local' cannot serve an EP group of 2 ranks; use "
                           "'all_to_all' or 'deepep'"]
+
+
+def test_permute_rows_matches_indexing_exactly_with_a_scatter_backward():
+    from spartron.layers.moe.dispatch import permute_rows
+
+    torch.manual_seed(0)
+    order = torch.randperm(9)
+    x = torch.randn(9, 5, requires_grad=True)
+    ref = torch.randn(9, 5, requires_grad=True)
+    with torch.no_grad():
+        ref.copy_(x)
+    g = torch.randn(9, 5)
+    out, out_ref = permute_rows(x, order), ref[order]
+    assert torch.equal(out, out_ref)
+    (out * g).sum().backward()
+    (out_ref * g).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert type(out.grad_fn).__name__ == "_PermuteRowsBackward" and "Index" in type(out_ref.grad_fn).__name__
