@@ -366,6 +366,7 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
         model(tokens, labels)["loss"].backward()
         _sync(device)
         wall_ns = (time.perf_counter() - start) * 1e9
+    ops = _device_time_by_op(model, tokens, labels, device)  # a step with collectives: every rank runs it
     if not analyse:
         return None
     try:
@@ -390,7 +391,6 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
             row[1] += ms(e.duration_ns())
             row[2] += ms(_intersection_ns(span, comm))
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:_TOP_KERNELS]
-    ops = _device_time_by_op(model, tokens, labels, device)
     out = {"profiled_step_ms": ms(wall_ns), "kernels": len(events), "compute_busy_ms": ms(length(comp)),
            "comm_busy_ms": ms(length(comm)), "comm_hidden_under_compute_ms": ms(_intersection_ns(comp, comm)),
            "gpu_busy_ms": ms(length(busy)), "kernel_ms_by_family": dict(sorted(families.items())),
