@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU checks and benchmarks on a lent CUDA machine in one call and bring the results back.
 # Usage (repo root, on the GPU machine): bash benchmarks/run_gpu.sh OUTDIR STEP [STEP ...]
-#   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload
+#   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload overlap
 #          megatron_gpt deepep, or build_deepep (DeepEP from the source in $DEEPEP_SRC, default
 #          .carry/DeepEP, into /tmp/site: benchmarks/build_deepep.sh); extra arguments for NAME come
 #          from the variable ARGS_NAME. NAME@TAG runs benchmark NAME again with ARGS_NAME_TAG into
