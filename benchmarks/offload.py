@@ -323,6 +323,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     results["dispatcher"] = configs[1].model.moe.dispatcher
     results["scope"] = configs[2].train.intra_layer_micro_batch_scope
     results["transport"] = configs[1].model.moe.all_to_all_transport
+    results["copy_engine_sync"] = configs[1].model.moe.copy_engine_sync
     if rank == 0:
         results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
         Path(result_path).write_text(json.dumps(results))
@@ -523,7 +524,10 @@ def print_microbatch(mb: dict | None) -> None:
         elif g:
             line += f"; profile: {g}"
         print(line)
-    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')} ({mb.get('transport', 'nccl')}), scope "
+    transport = mb.get("transport", "nccl")
+    if transport == "copy_engine":
+        transport += f", {mb.get('copy_engine_sync', 'barrier')}"
+    print(f"   dispatcher {mb.get('dispatcher', 'all_to_all')} ({transport}), scope "
           f"{mb.get('scope', 'layer')}; speedup 2 over 1: "
           f"{mb['speedup_2_over_1']:.3f} (target > 1)")
     g1, g2 = (mb[f"micro_batches_{n}"].get("gpu") or {} for n in (1, 2))

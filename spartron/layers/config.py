@@ -88,6 +88,9 @@ class MoEConfig(ConfigSection):
     # how "all_to_all" moves tokens: NCCL kernels, or the copy engines over symmetric memory (one host;
     # leaves the SMs to the compute it overlaps with: spartron/runtime/ops/copy_engine.py)
     all_to_all_transport: Literal["nccl", "copy_engine"] = "nccl"
+    # how the copy-engine exchange orders the ranks: "barrier" (a spinning kernel, measured) or
+    # "stream_wait" (epoch signals and a stream-side wait, no kernel: spartron/runtime/ops/copy_engine.py)
+    copy_engine_sync: Literal["barrier", "stream_wait"] = "barrier"
     deepep_num_sms: int = Field(24, ge=2)
     grouped_mm: Literal["auto", "grouped", "loop"] = "auto"
 
@@ -96,6 +99,9 @@ class MoEConfig(ConfigSection):
         if self.all_to_all_transport != "nccl" and self.dispatcher != "all_to_all":
             raise ValueError(f"model.moe.all_to_all_transport = {self.all_to_all_transport!r} applies to "
                              f"model.moe.dispatcher = 'all_to_all', not {self.dispatcher!r}")
+        if self.copy_engine_sync != "barrier" and self.all_to_all_transport != "copy_engine":
+            raise ValueError(f"model.moe.copy_engine_sync = {self.copy_engine_sync!r} applies to "
+                             f"model.moe.all_to_all_transport = 'copy_engine', not {self.all_to_all_transport!r}")
         if self.top_k > self.n_routed_experts:
             raise ValueError(f"model.moe.top_k {self.top_k} must be <= model.moe.n_routed_experts "
                              f"{self.n_routed_experts}")

@@ -100,7 +100,7 @@ def test_handwritten_megatron_config_maps_to_spartron():
         n_routed_experts=8, n_shared_experts=2, top_k=4, moe_inter_dim=24, score_func="sigmoid", n_groups=4,
         topk_groups=2, route_scale=2.5, norm_topk_prob=True, router_fp32=True, bias_update_rate=1e-2,
         aux_loss_coeff=1e-4, aux_loss_type="seq", dispatcher="all_to_all",
-        all_to_all_transport="nccl", deepep_num_sms=24, grouped_mm="auto")
+        all_to_all_transport="nccl", copy_engine_sync="barrier", deepep_num_sms=24, grouped_mm="auto")
     assert cfg.dsa.model_dump() == dict(n_index_heads=4, index_head_dim=16, index_topk=8, topk_freq=1,
                                         layers="all", indexer_mode="frozen", indexer_loss_coeff=0.0,
                                         share_indexer_across_mtp=True)

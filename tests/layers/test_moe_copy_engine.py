@@ -72,6 +72,25 @@ def test_transport_applies_to_all_to_all_only():
         MoEConfig(dispatcher="deepep", all_to_all_transport="copy_engine")
     with pytest.raises(ValueError, match="all_to_all_transport"):
         MoEConfig(all_to_all_transport="nvshmem")
+    with pytest.raises(ValueError, match=r"model.moe.copy_engine_sync = 'stream_wait' applies to "
+                                         r"model.moe.all_to_all_transport = 'copy_engine', not 'nccl'"):
+        MoEConfig(copy_engine_sync="stream_wait")
+    assert MoEConfig(all_to_all_transport="copy_engine", copy_engine_sync="stream_wait").copy_engine_sync == \
+        "stream_wait"
+
+
+def test_dispatcher_takes_the_sync_from_the_config():
+    def worker(rank, world):
+        cfg = model_cfg("copy_engine", copy_engine_sync="stream_wait").moe
+        dispatcher = build_dispatcher(cfg, dist.group.WORLD)
+        try:
+            ExchangeBuffer(dist.group.WORLD, sync="spin")
+        except ValueError as err:
+            return dispatcher.buffer.sync, str(err)
+        return dispatcher.buffer.sync, "no error"
+
+    assert run_distributed(worker, 2) == [("stream_wait", "model.moe.copy_engine_sync must be one of "
+                                                          "('barrier', 'stream_wait'), got 'spin'")] * 2
 
 
 def test_policy_always_saves_the_exchange():
@@ -173,7 +192,7 @@ def _train_once(layer, x, g, mode):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-def _layer_parity_worker(rank, world, device_kind, shared, modes):
+def _layer_parity_worker(rank, world, device_kind, shared, modes, sync="barrier"):
     gpu = device_kind == "cuda"
     if gpu:
         torch.cuda.set_device(rank)
@@ -190,7 +209,8 @@ def _layer_parity_worker(rank, world, device_kind, shared, modes):
         layers = {}
         for transport in ("nccl", "copy_engine"):
             torch.manual_seed(0)
-            layers[transport] = MoELayer(model_cfg(transport, dtype), ep_group=group, device=device)
+            extra = {"copy_engine_sync": sync} if transport == "copy_engine" else {}
+            layers[transport] = MoELayer(model_cfg(transport, dtype, **extra), ep_group=group, device=device)
         ce = layers["copy_engine"].dispatcher
         assert isinstance(ce, CopyEngineDispatcher) and type(layers["nccl"].dispatcher) is AllToAllDispatcher
         if memory is not None:
@@ -246,6 +266,7 @@ def _gpu_skip_reason() -> str | None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
-def test_ep2_moe_layer_matches_nccl_exactly_gpu():
-    results = run_distributed(_layer_parity_worker, 2, "cuda", None, MODES, timeout=600, start_method="spawn")
+@pytest.mark.parametrize("sync", ["barrier", "stream_wait"])
+def test_ep2_moe_layer_matches_nccl_exactly_gpu(sync):
+    results = run_distributed(_layer_parity_worker, 2, "cuda", None, MODES, sync, timeout=600, start_method="spawn")
     assert results == [{m: "ok" for m in MODES}] * 2

@@ -168,9 +168,11 @@ class CopyEngineDispatcher(AllToAllDispatcher):
     the exchange needs, and this rank's received counts per local expert, in one host copy.
     """
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, buffer: ExchangeBuffer | None = None):
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, buffer: ExchangeBuffer | None = None,
+                 sync: str = "barrier"):
+        """`sync`: model.moe.copy_engine_sync, for the buffer made here when none is given."""
         super().__init__(n_experts, ep_group)
-        self.buffer = ExchangeBuffer(ep_group) if buffer is None else buffer
+        self.buffer = ExchangeBuffer(ep_group, sync=sync) if buffer is None else buffer
 
     def exchange_counts(self, state: DispatchState) -> None:
         ep, n_local = self.ep, self.n_local_experts
@@ -283,5 +285,5 @@ def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden:
         raise ValueError(f"model.moe.dispatcher = 'local' cannot serve an EP group of {ep} ranks; "
                          "use 'all_to_all' or 'deepep'")
     if cfg.all_to_all_transport == "copy_engine":
-        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group)
+        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group, sync=cfg.copy_engine_sync)
     return AllToAllDispatcher(cfg.n_routed_experts, ep_group)

@@ -10,13 +10,15 @@ The protocol, on the caller's stream, per exchange (every rank of the group, sam
 receive slots per rank used in turn (exchange k uses slot k % 2):
     copy        my rows for rank p -> p's receive slot at the offset of my rows there (peer
                 memory: cudaMemcpyAsync over NVLink, a copy engine); my rows for me -> the output
-    barrier     every rank's rows have landed in every receive slot
+    arrive+wait every rank's rows have landed in every receive slot (a barrier, or epoch signals:
+                model.moe.copy_engine_sync, see CudaSymmetricMemory)
     copy out    the other ranks' rows: my receive slot -> the output (a fresh tensor)
-Two slots make one barrier per exchange enough: before I write into p's slot again (exchange k + 2),
-p has copied exchange k out of it, because p's copy-out of k precedes its barrier of k + 1 on its
-stream, and my barrier of k + 1 (which precedes my copies of k + 2 on mine) waits for p's. A
-barrier is a spinning kernel on one SM; the measured grouped GEMMs slowed while it spun beside
-them, so the second barrier one slot would need costs more than the memory of a second slot.
+Two slots make one synchronisation per exchange enough: before I write into p's slot again
+(exchange k + 2), p has copied exchange k out of it, because p's copy-out of k precedes its arrival
+at k + 1 on its stream, and my wait at k + 1 (which precedes my copies of k + 2 on mine) waits for
+that arrival. The barrier is a kernel spinning on one SM; with one slot a second barrier would be
+needed, and the measured grouped GEMMs slow while a barrier spins beside them (one barrier instead
+of two: micro-batch 1 463 -> 459 ms), so the second slot is worth its memory.
 The receive slot uses the output's layout (rows in source-rank order), so the offset of rank s's
 rows in rank r's buffer is the sum of what ranks before s send to r: every rank needs the whole
 count matrix (`counts`, row-major [ep, ep], counts[s * ep + r] = rows s sends to r), which the MoE
@@ -50,6 +52,8 @@ from spartron.runtime.ops.collectives import resolve_group
 
 NAMESPACE = "spartron_symm"
 OPS: tuple[str, ...] = (f"{NAMESPACE}::exchange",)
+SYNCS = ("barrier", "stream_wait")  # model.moe.copy_engine_sync: see CudaSymmetricMemory
+SIGNAL_BYTES = 256  # "stream_wait": the epoch signals ahead of the receive slots (one uint32 per rank)
 GROWTH_QUANTUM = 64 * 2**20  # receive buffers grow in steps of this many bytes (with 25% headroom)
 
 _CURRENT: ContextVar[ExchangeBuffer | None] = ContextVar("spartron_symm_buffer", default=None)
@@ -96,15 +100,15 @@ def transpose_counts(counts: Sequence[int], ep: int) -> list[int]:
 
 
 class SymmetricMemory(Protocol):
-    """Per-rank receive buffers every rank of the group can write into, and a group barrier."""
+    """Per-rank receive buffers every rank of the group can write into, and a group synchronisation."""
 
     capacity_bytes: int
 
     def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """Rank `rank`'s buffer from `offset_bytes` on as [rows, *row_shape] of dtype (writable from here)."""
 
-    def barrier(self, channel: int) -> None:
-        """All ranks of the group have reached this point (in stream order on CUDA)."""
+    def arrive_and_wait(self) -> None:
+        """Every rank's copies issued before this (in stream order on CUDA) are complete after it."""
 
 
 def _bytes_as(buffer: Tensor, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -114,29 +118,87 @@ def _bytes_as(buffer: Tensor, offset_bytes: int, rows: int, row_shape: tuple[int
 
 
 class CudaSymmetricMemory:
-    """torch symmetric memory: one allocation per rank, mapped into every peer (NVLink/P2P)."""
+    """torch symmetric memory: one allocation per rank, mapped into every peer (NVLink/P2P).
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    `sync` (model.moe.copy_engine_sync) is how `arrive_and_wait` orders the ranks:
+    - "barrier": torch's symmetric-memory barrier, a kernel that spins on one SM until every peer
+      has arrived (measured);
+    - "stream_wait": no kernel. The first SIGNAL_BYTES of the allocation hold one uint32 per source
+      rank; each rank writes the exchange's epoch into its entry in every peer's signals
+      (cuStreamWriteValue32, which fences the copies before it), and the stream then waits in its
+      front end until all its own entries reach the epoch (cuStreamWaitValue32, CUDA driver API via
+      ctypes: torch has the write but not the wait). Not yet measured on the GPU.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, sync: str = "barrier"):
+        if sync not in SYNCS:
+            raise ValueError(f"model.moe.copy_engine_sync must be one of {SYNCS}, got {sync!r}")
+        header = SIGNAL_BYTES if sync == "stream_wait" else 0
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            self._local = symm_mem.empty(header + nbytes, dtype=torch.uint8, device=device)
             self._handle = symm_mem.rendezvous(self._local, group.group_name)
         except Exception as err:  # noqa: BLE001 - the one message that says what is needed
             raise RuntimeError(
                 f"model.moe.all_to_all_transport = 'copy_engine' needs torch symmetric memory over the EP "
                 f"group (all EP ranks on one host, GPUs with peer access; torch {torch.__version__}): "
                 f"{type(err).__name__}: {err}") from err
-        self.rank = dist.get_rank(group)
+        self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         self.capacity_bytes = nbytes
+        self.sync, self._header, self._epoch = sync, header, 0
+        if sync == "stream_wait":
+            if self.ep * 4 > SIGNAL_BYTES:
+                raise ValueError(f"model.moe.copy_engine_sync = 'stream_wait' supports up to {SIGNAL_BYTES // 4} "
+                                 f"EP ranks, the group has {self.ep}")
+            self._wait_value32 = _cu_stream_wait_value32()
+            self._signals = [self._handle.get_buffer(r, (self.ep,), torch.uint32) if r != self.rank
+                             else self._local[:self.ep * 4].view(torch.uint32) for r in range(self.ep)]
+            self._signals[self.rank].zero_()
+            self._handle.barrier(channel=0)  # every rank's signals are zero before anyone writes one
 
     def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        offset_bytes += self._header
         if rank == self.rank:
             return _bytes_as(self._local, offset_bytes, rows, row_shape, dtype)
         return self._handle.get_buffer(rank, (rows, *row_shape), dtype, offset_bytes // dtype.itemsize)
 
-    def barrier(self, channel: int) -> None:
-        self._handle.barrier(channel=channel)
+    def arrive_and_wait(self) -> None:
+        if self.sync == "barrier":
+            self._handle.barrier(channel=0)
+            return
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        self._epoch += 1
+        for peer in range(self.ep):
+            if peer != self.rank:
+                _SymmetricMemory.stream_write_value32(self._signals[peer], self.rank, self._epoch)
+        stream = torch.cuda.current_stream(self._local.device).cuda_stream
+        mine = self._signals[self.rank].data_ptr()
+        for source in range(self.ep):
+            if source != self.rank:
+                self._wait_value32(stream, mine + 4 * source, self._epoch)
+
+
+def _cu_stream_wait_value32():
+    """cuStreamWaitValue32 (GEQ) from the CUDA driver, as fn(stream handle, device address, value)."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        fn = driver.cuStreamWaitValue32_v2
+    except (OSError, AttributeError) as err:
+        raise RuntimeError("model.moe.copy_engine_sync = 'stream_wait' needs the CUDA driver's "
+                           f"cuStreamWaitValue32_v2 (libcuda.so.1, CUDA >= 11.7): {err}") from err
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def wait(stream: int, address: int, value: int) -> None:
+        rc = fn(stream, address, value, 0)  # 0 = CU_STREAM_WAIT_VALUE_GEQ
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
+
+    return wait
 
 
 class HostSharedMemory:
@@ -150,16 +212,20 @@ class HostSharedMemory:
     def view(self, rank: int, offset_bytes: int, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return _bytes_as(self.buffers[rank], offset_bytes, rows, row_shape, dtype)
 
-    def barrier(self, channel: int) -> None:
+    def arrive_and_wait(self) -> None:
         dist.barrier(group=self.group)
 
 
 class ExchangeBuffer:
     """The receive buffers of one EP group and the exchange protocol over them (module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, memory: SymmetricMemory | None = None):
+    def __init__(self, group: dist.ProcessGroup, memory: SymmetricMemory | None = None, sync: str = "barrier"):
         """`memory` None: CUDA symmetric memory, allocated (collectively) at the first exchange and
-        regrown when an exchange needs more. Given: used as is (its capacity, two slots, is a hard limit)."""
+        regrown when an exchange needs more, ordered by `sync` (CudaSymmetricMemory). Given: used as is
+        (its capacity, two slots, is a hard limit)."""
+        if sync not in SYNCS:
+            raise ValueError(f"model.moe.copy_engine_sync must be one of {SYNCS}, got {sync!r}")
+        self.sync = sync
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.memory = memory
@@ -182,7 +248,7 @@ class ExchangeBuffer:
             torch.cuda.synchronize(device)  # no queued copy still reads or writes the old buffers
         size = math.ceil(nbytes * 1.25 / GROWTH_QUANTUM) * GROWTH_QUANTUM  # same on every rank
         self.memory = None  # free the old allocation before the new one
-        self.memory = CudaSymmetricMemory(self.group, size, device)
+        self.memory = CudaSymmetricMemory(self.group, size, device, self.sync)
         return self.memory
 
     def exchange(self, x: Tensor, counts: Sequence[int]) -> Tensor:
@@ -211,7 +277,7 @@ class ExchangeBuffer:
             else:
                 dest = memory.view(p, slot, plan.remote_offsets[p] + n, row_shape, x.dtype)
                 dest[plan.remote_offsets[p]:].copy_(x[src:src + n])
-        memory.barrier(0)
+        memory.arrive_and_wait()
         mine = memory.view(self.rank, slot, rows_out, row_shape, x.dtype)
         lo = plan.recv_offsets[self.rank]
         hi = lo + plan.recv_sizes[self.rank]
