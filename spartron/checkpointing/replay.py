@@ -13,12 +13,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from spartron.scoped import ScopedValue
 
 T = TypeVar("T")
 Phase = Literal["original", "replay"]
@@ -100,18 +101,13 @@ class ReplayFrame:
         self._queues.clear()
 
 
-_CURRENT_FRAME: ContextVar[ReplayFrame | None] = ContextVar("spartron_replay_frame", default=None)
+_CURRENT_FRAME: ScopedValue[ReplayFrame] = ScopedValue("spartron_replay_frame")
 
 
-@contextlib.contextmanager
-def active_frame(frame: ReplayFrame, phase: Phase) -> Iterator[ReplayFrame]:
+def active_frame(frame: ReplayFrame, phase: Phase) -> contextlib.AbstractContextManager[ReplayFrame]:
     """Make ``frame`` current for one pass (``phase``) of its region."""
     frame.phase = phase
-    token = _CURRENT_FRAME.set(frame)
-    try:
-        yield frame
-    finally:
-        _CURRENT_FRAME.reset(token)
+    return _CURRENT_FRAME.scope(frame)
 
 
 def current_frame() -> ReplayFrame | None:

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from spartron.runtime.ops.collectives import resolve_group
+from spartron.scoped import ScopedValue
 
 NAMESPACE = "spartron_symm"
 OPS: tuple[str, ...] = (f"{NAMESPACE}::exchange",)
@@ -56,7 +56,7 @@ SYNCS = ("barrier", "stream_wait")  # model.moe.copy_engine_sync: see CudaSymmet
 SIGNAL_BYTES = 256  # "stream_wait": the epoch signals ahead of the receive slots (one uint32 per rank)
 GROWTH_QUANTUM = 64 * 2**20  # receive buffers grow in steps of this many bytes (with 25% headroom)
 
-_CURRENT: ContextVar[ExchangeBuffer | None] = ContextVar("spartron_symm_buffer", default=None)
+_BUFFER: ScopedValue[ExchangeBuffer] = ScopedValue("spartron_symm_buffer")
 
 
 @dataclass(frozen=True)
@@ -294,18 +294,13 @@ class ExchangeBuffer:
         return out
 
 
-@contextlib.contextmanager
-def buffer_scope(buffer: ExchangeBuffer) -> Iterator[ExchangeBuffer]:
+def buffer_scope(buffer: ExchangeBuffer) -> contextlib.AbstractContextManager[ExchangeBuffer]:
     """Make `buffer` the one `spartron_symm::exchange` uses inside the block."""
-    token = _CURRENT.set(buffer)
-    try:
-        yield buffer
-    finally:
-        _CURRENT.reset(token)
+    return _BUFFER.scope(buffer)
 
 
 def _current(group_name: str) -> ExchangeBuffer:
-    buffer = _CURRENT.get()
+    buffer = _BUFFER.get()
     if buffer is None:
         raise RuntimeError("spartron_symm::exchange needs an ExchangeBuffer: call it through "
                            "spartron.runtime.ops.copy_engine.exchange (or inside `with buffer_scope(buffer):`)")
@@ -329,7 +324,7 @@ def _(x, counts, group_name):
 
 def _setup(ctx, inputs, output):
     _, ctx.counts, ctx.group_name = inputs
-    ctx.buffer = _CURRENT.get()
+    ctx.buffer = _BUFFER.get()
 
 
 def _grad(ctx, grad):
@@ -343,10 +338,8 @@ _exchange.register_autograd(_grad, setup_context=_setup)
 
 def exchange(buffer: ExchangeBuffer, x: Tensor, counts: Sequence[int]) -> Tensor:
     """Differentiable exchange of `x`'s rows over `buffer`'s group (see the module docstring)."""
-    counts = [int(c) for c in counts]
-    exchange_plan(counts, buffer.ep, buffer.rank)  # bad counts: an error here, before any barrier
-    with buffer_scope(buffer):
-        return _exchange(x, counts, buffer.group.group_name)
+    with buffer_scope(buffer):  # bad counts: the op's plan raises before any copy or synchronisation
+        return _exchange(x, [int(c) for c in counts], buffer.group.group_name)
 
 
 def share_exchange_buffers(dispatchers: Sequence[Any]) -> dict[str, ExchangeBuffer]:

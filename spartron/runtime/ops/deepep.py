@@ -26,33 +26,28 @@ keeps it on the autograd node for backward (which may run on another thread). No
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from spartron.scoped import ScopedValue
+
 NAMESPACE = "spartron_deepep"
 OPS: tuple[str, ...] = tuple(f"{NAMESPACE}::{n}" for n in
                              ("dispatch", "combine", "dispatch_backward", "cached_dispatch"))
 
-_CURRENT: ContextVar[Any | None] = ContextVar("spartron_deepep_buffer", default=None)
+_BUFFER: ScopedValue[Any] = ScopedValue("spartron_deepep_buffer")
 
 
-@contextlib.contextmanager
-def buffer_scope(buffer: Any) -> Iterator[Any]:
+def buffer_scope(buffer: Any) -> contextlib.AbstractContextManager[Any]:
     """Make `buffer` (a DeepEPBuffer) the one the `spartron_deepep` ops use inside the block."""
-    token = _CURRENT.set(buffer)
-    try:
-        yield buffer
-    finally:
-        _CURRENT.reset(token)
+    return _BUFFER.scope(buffer)
 
 
 def current_buffer() -> Any:
-    buffer = _CURRENT.get()
+    buffer = _BUFFER.get()
     if buffer is None:
         raise RuntimeError("spartron_deepep ops need a DeepEPBuffer: call them through the wrappers in "
                            "spartron.runtime.ops.deepep (or inside `with buffer_scope(buffer):`)")
