@@ -540,38 +540,29 @@ def print_microbatch(mb: dict | None) -> None:
         deltas = sorted(((f2.get(k, 0.0) - f1.get(k, 0.0), k) for k in {*f1, *f2}), reverse=True)
         print("   kernel time by family, 1 -> 2 micro-batches (ms): " + ", ".join(
             f"{k} {f1.get(k, 0.0):.1f} -> {f2.get(k, 0.0):.1f}" for _, k in deltas))
-        print_kernel_deltas(g1.get("top_compute_kernels", []), g2.get("top_compute_kernels", []))
-        print_op_deltas(g1.get("top_ops_by_device_time", []), g2.get("top_ops_by_device_time", []))
+        print_growth(f"compute kernels that grow most (of the top {_TOP_KERNELS} by time)",
+                     g1.get("top_compute_kernels", []), g2.get("top_compute_kernels", []), rows=12)
+        print_growth("operators whose device time grows most", g1.get("top_ops_by_device_time", []),
+                     g2.get("top_ops_by_device_time", []), rows=15)
 
 
-def print_op_deltas(top1: list[dict], top2: list[dict], rows: int = 15) -> None:
-    """The operators whose own device time grows most from 1 to 2 micro-batches."""
-    if not top1 or not top2:
-        return
-    one, two = ({r["name"]: r for r in top} for top in (top1, top2))
-    zero = {"count": 0, "ms": 0.0}
-    grown = sorted(one.keys() | two.keys(), key=lambda k: -(two.get(k, zero)["ms"] - one.get(k, zero)["ms"]))
-    print("   operators whose device time grows most: count, ms for 1 -> 2")
-    for name in grown[:rows]:
-        a, b = one.get(name, zero), two.get(name, zero)
-        print(f"     {b['ms'] - a['ms']:+6.2f} ms  {a['count']:>5} {a['ms']:7.2f} -> {b['count']:>5} {b['ms']:7.2f}  "
-              f"{name[:70]}")
-
-
-def print_kernel_deltas(top1: list[dict], top2: list[dict], rows: int = 12) -> None:
-    """The compute kernels whose total time grows most from 1 to 2 micro-batches, with how much of
-    their time ran while a communication kernel was running (SMs shared with NCCL/DeepEP)."""
+def print_growth(title: str, top1: list[dict], top2: list[dict], rows: int) -> None:
+    """The rows (kernels or operators, by name) whose time grows most from 1 to 2 micro-batches: count
+    and ms for each, and the ms while a communication kernel ran where the rows have it."""
     if not top1 or not top2:
         return
     one, two = ({r["name"]: r for r in top} for top in (top1, top2))
     zero = {"count": 0, "ms": 0.0, "ms_under_comm": 0.0}
+    under = "ms_under_comm" in top1[0]
     grown = sorted(one.keys() | two.keys(), key=lambda k: -(two.get(k, zero)["ms"] - one.get(k, zero)["ms"]))
-    print(f"   compute kernels that grow most (of the top {len(top1)}/{len(top2)} by time): "
-          "count, ms (ms while comm ran) for 1 -> 2")
+    print(f"   {title}: count, ms{' (ms while comm ran)' if under else ''} for 1 -> 2")
+
+    def cell(r: dict) -> str:
+        return f"{r['count']:>5} {r['ms']:7.2f}" + (f" ({r['ms_under_comm']:6.2f})" if under else "")
+
     for name in grown[:rows]:
         a, b = one.get(name, zero), two.get(name, zero)
-        print(f"     {b['ms'] - a['ms']:+6.2f} ms  {a['count']:>4} {a['ms']:7.2f} ({a['ms_under_comm']:6.2f}) -> "
-              f"{b['count']:>4} {b['ms']:7.2f} ({b['ms_under_comm']:6.2f})  {name[:70]}")
+        print(f"     {b['ms'] - a['ms']:+6.2f} ms  {cell(a)} -> {cell(b)}  {name[:70]}")
 
 
 def main() -> None:
