@@ -23,7 +23,6 @@ with the SM carve-out for GEMMs (torch._C._set_sm_carveout_experimental) where t
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from spartron.runtime.metrics import git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, run_ranks, write_report  # noqa: E402
+from common import device_name, median_ms, run_ranks, write_report  # noqa: E402
 
 WORLD = 2
 
@@ -41,22 +40,6 @@ WORLD = 2
 def hidden_fraction(gemm_ms: float, comm_ms: float, both_ms: float) -> float:
     """Share of the shorter of the two that overlapping saved (1 = all of it, 0 = nothing, < 0 = worse)."""
     return (gemm_ms + comm_ms - both_ms) / min(gemm_ms, comm_ms)
-
-
-def _timed(fn, iters: int, warmup: int) -> float:
-    """Median device ms of fn() (both ranks start together: a barrier before each call)."""
-    times = []
-    for i in range(warmup + iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, rows: int, experts: int, dim: int, inter: int, iters: int, warmup: int) -> dict:
@@ -103,6 +86,9 @@ def _rank(rank: int, world: int, rows: int, experts: int, dim: int, inter: int, 
 
     side = torch.cuda.Stream(dev)
 
+    def timed(fn) -> float:  # both ranks start each call together
+        return median_ms(fn, iters, warmup, dev, setup=dist.barrier)
+
     def overlapped(comm):
         def both():
             side.wait_stream(torch.cuda.current_stream())
@@ -120,11 +106,11 @@ def _rank(rank: int, world: int, rows: int, experts: int, dim: int, inter: int, 
     for carve in carveouts:
         if carve:
             torch._C._set_sm_carveout_experimental(carve)
-        gemm_alone[carve] = _timed(gemm, iters, warmup)
+        gemm_alone[carve] = timed(gemm)
         for name, comm in transports.items():
             try:
-                comm_ms = _timed(comm, iters, warmup)
-                both_ms = _timed(overlapped(comm), iters, warmup)
+                comm_ms = timed(comm)
+                both_ms = timed(overlapped(comm))
             except Exception as err:  # noqa: BLE001 - reported, the other transports still run
                 rows_out.append({"transport": name, "sm_carveout": carve, "error": f"{type(err).__name__}: {err}"})
                 continue
