@@ -278,7 +278,7 @@ def peak_phase(off: list[dict], on: list[dict]) -> dict:
 
 
 def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: list[str], steps: int,
-               warmup: int, result_path: str) -> None:
+               warmup: int, result_path: str, trace_dir: str | None) -> None:
     from spartron.parallel.dims import ParallelDims
     from spartron.parallel.groups import ParallelGroups
 
@@ -314,7 +314,8 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
                 host.append(issued - start)
         results[f"micro_batches_{n}"] = {"step_ms": 1e3 * statistics.median(times),
                                          "host_issue_ms": 1e3 * statistics.median(host)}
-        gpu = profile_step(model, tokens, labels, device, rank == 0) if cuda else None
+        trace = os.path.join(trace_dir, f"mb{n}_rank{rank}.json.gz") if trace_dir else None
+        gpu = profile_step(model, tokens, labels, device, rank == 0, trace) if cuda else None
         if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
             gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
         results[f"micro_batches_{n}"]["gpu"] = gpu
@@ -353,7 +354,7 @@ def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> dict | None:
+def profile_step(model, tokens, labels, device: torch.device, analyse: bool, trace: str | None = None) -> dict | None:
     """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies),
     communication kernels (NCCL's or DeepEP's), the part of that hidden under compute, and idle time
     (GPU waiting for the host)."""
@@ -367,7 +368,7 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
         model(tokens, labels)["loss"].backward()
         _sync(device)
         wall_ns = (time.perf_counter() - start) * 1e9
-    ops = _device_time_by_op(model, tokens, labels, device)  # a step with collectives: every rank runs it
+    ops = _device_time_by_op(model, tokens, labels, device, trace)  # a step with collectives: every rank runs it
     if not analyse:
         return None
     try:
@@ -401,9 +402,10 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool) -> 
     return out
 
 
-def _device_time_by_op(model, tokens, labels, device: torch.device) -> list[dict]:
+def _device_time_by_op(model, tokens, labels, device: torch.device, trace: str | None = None) -> list[dict]:
     """Another step under the profiler with host ops recorded: device time per operator (its own
-    kernels, not its children's), the largest first. Says which op issues the kernels that grow."""
+    kernels, not its children's), the largest first. Says which op issues the kernels that grow.
+    `trace`: also write this step's Chrome trace there (host ops and kernels, for offline analysis)."""
     from torch.profiler import ProfilerActivity, profile
 
     model.zero_grad(set_to_none=True)
@@ -411,6 +413,8 @@ def _device_time_by_op(model, tokens, labels, device: torch.device) -> list[dict
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         model(tokens, labels)["loss"].backward()
         _sync(device)
+    if trace:
+        prof.export_chrome_trace(trace)
     rows = [{"name": e.key[:_NAME_CHARS], "count": int(e.count), "ms": e.self_device_time_total / 1e3}
             for e in prof.key_averages() if e.self_device_time_total > 0]
     return sorted(rows, key=lambda r: -r["ms"])[:_TOP_KERNELS]
@@ -421,7 +425,8 @@ _NAME_CHARS, _TOP_KERNELS = 120, 40  # how much of the per-kernel table the JSON
 
 # Kernel name fragments -> family, first match wins (lower-case). Only for explaining where the time
 # of micro-batch 2 vs 1 goes; the busy/overlap numbers above do not depend on it.
-_FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy ptop", "peer_copy"), ("memcpy", "copy"),
+_FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy ptop", "peer_copy"),
+             ("symmetric_memory::barrier", "peer_sync"), ("memcpy", "copy"),
              ("memset", "copy"), ("flash", "attention"),
              ("fmha", "attention"), ("attention", "attention"), ("softmax", "softmax"),
              ("grouped", "grouped_gemm"), ("gemm", "gemm"), ("nvjet", "gemm"), ("xmma", "gemm"),
@@ -432,9 +437,10 @@ _FAMILIES = (("nccl", "nccl"), ("deep_ep", "deepep"), ("memcpy ptop", "peer_copy
 
 
 def is_comm_kernel(name: str) -> bool:
-    """NCCL's kernels, DeepEP's (namespace deep_ep) and peer-to-peer copies (copy engines) move tokens;
+    """NCCL's kernels, DeepEP's (namespace deep_ep), peer-to-peer copies (copy engines) and the
+    symmetric-memory barrier that orders them (it spins while it waits for a peer) communicate;
     every other kernel computes."""
-    return kernel_family(name) in ("nccl", "deepep", "peer_copy")
+    return kernel_family(name) in ("nccl", "deepep", "peer_copy", "peer_sync")
 
 
 def kernel_family(name: str) -> str:
@@ -443,14 +449,14 @@ def kernel_family(name: str) -> str:
     return next((family for fragment, family in _FAMILIES if fragment in low), "other")
 
 
-def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int) -> dict:
+def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int, trace_dir: Path | None = None) -> dict:
     world = 2
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         return {"skipped": f"needs {world} GPUs, found {torch.cuda.device_count()}"}
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "mb.json")
         mp.spawn(_mb_worker, args=(world, os.path.join(tmp, "store"), str(config), overrides, steps, warmup,
-                                   result), nprocs=world, join=True)
+                                   result, str(trace_dir) if trace_dir else None), nprocs=world, join=True)
         return {"ep": world, **json.loads(Path(result).read_text())}
 
 
@@ -576,6 +582,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, seconds")
     parser.add_argument("--skip-microbatch", action="store_true")
     parser.add_argument("--skip-offload", action="store_true", help="only the micro-batch part")
+    parser.add_argument("--trace", type=Path, help="micro-batch part: write each rank's Chrome trace of one step "
+                        "with 1 and 2 micro-batches here (mbN_rankR.json.gz)")
     args = parser.parse_args()
     if args.smoke:
         config, device = REPO / "configs/tiny.toml", torch.device("cpu")
@@ -602,7 +610,9 @@ def main() -> None:
     if not args.skip_offload:
         report["offload"] = part_offload(config, overrides, device, args.steps, args.warmup)
     if not args.skip_microbatch:
-        report["microbatch"] = part_microbatch(config, mb_overrides, args.steps, args.warmup)
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+        report["microbatch"] = part_microbatch(config, mb_overrides, args.steps, args.warmup, args.trace)
     print_report(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
