@@ -57,7 +57,7 @@ def _token_path(layer: MoELayer, x: torch.Tensor, routing: dict):
     with torch.no_grad():
         rows, state = d.prepare(x, routing["topk_ids"], routing["topk_weights"])
         rows, _ = d.post_dispatch(d.dispatch(rows, state), state)
-        return d.finalize(d.combine(rows, state), state)
+        return d.finalize(d.combine(d.pre_combine(rows, state), state), state)
 
 
 def _layer_fwd_bwd(layer: MoELayer, x: torch.Tensor, g: torch.Tensor):

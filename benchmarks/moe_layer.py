@@ -151,7 +151,7 @@ def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warm
     def dispatch_post_combine():
         with torch.no_grad():
             recv, _ = d.post_dispatch(d.dispatch(rows, state), state)
-            d.combine(recv, state)
+            d.combine(d.pre_combine(recv, state), state)
 
     sent_bytes = rows.numel() * rows.element_size()
     even_rows = -(-rows.shape[0] // world) * world

@@ -35,11 +35,11 @@ means average to the whole-batch mean (aux losses, indexer losses) and expert co
 
 Scope (`train.intra_layer_micro_batch_scope`): the above is scope "layer". Scope "experts" keeps
 whole tensors between layers and splits only inside each MoE layer (`MoELayer._chunked`): routing
-and the shared experts run once over all tokens, and the routed path (prepare, dispatch, experts,
-combine, finalize) runs per chunk of tokens through `interleave`. Attention is not split (no
-doubled small kernels), the routing and its balance loss are those of the whole batch, and the
-shared experts (in two halves) run under the first dispatch and the last combine. What it gives
-up: nothing overlaps the exchange with attention.
+and the shared experts run once over all tokens, and the routed path (dispatch, experts, combine,
+finalize) runs per chunk of tokens through `interleave`. Attention is not split (no doubled small
+kernels), the routing and its balance loss are those of the whole batch, the chunks exchange their
+counts in one collective (one host sync per layer), and the shared experts run under the first
+dispatch. What it gives up: nothing overlaps the exchange with attention.
 """
 
 from __future__ import annotations

@@ -207,11 +207,11 @@ def _ep_experts_scope_worker(rank, world):
     twin.ffn.shared_experts.register_forward_pre_hook(lambda m, a: log.append("shared"))
     with _OpLog(log), torch.no_grad():
         twin(x, positions)
-    # both chunks' prepare sorts and the first half of the shared experts come before the first exchange;
-    # each chunk: counts + tokens all-to-all, a post-dispatch sort (experts); the second shared half
-    # comes after both chunks' experts and before the combines
-    assert log == ["sort", "sort", "shared", "all_to_all", "all_to_all", "sort", "all_to_all", "all_to_all",
-                   "sort", "shared", "all_to_all", "all_to_all"], log
+    # both chunks' prepare sorts and the whole shared experts come before the first exchange; then ONE
+    # count all-to-all for both chunks; each chunk: tokens all-to-all, a post-dispatch sort (experts);
+    # then the two combines
+    assert log == ["sort", "sort", "shared", "all_to_all", "all_to_all", "sort", "all_to_all", "sort",
+                   "all_to_all", "all_to_all"], log
     apply_activation_checkpointing(twin, ACConfig(mode="selective"))
     one, two = layer(x, positions), twin(x, positions)
     torch.testing.assert_close(two["hidden_states"], one["hidden_states"], rtol=1e-6, atol=1e-6)
@@ -223,9 +223,9 @@ def _ep_experts_scope_worker(rank, world):
     return log.count("all_to_all")
 
 
-def test_experts_scope_with_ep2_on_gloo_orders_shared_experts_before_the_first_exchange():
-    # 2 chunks x (count exchange + token all-to-all + combine all-to-all)
-    assert run_distributed(_ep_experts_scope_worker, 2) == [6, 6]
+def test_experts_scope_with_ep2_on_gloo_orders_shared_experts_before_one_count_exchange():
+    # one count exchange for both chunks + 2 chunks x (token all-to-all + combine all-to-all)
+    assert run_distributed(_ep_experts_scope_worker, 2) == [5, 5]
 
 
 def test_micro_batch_errors_name_the_keys():

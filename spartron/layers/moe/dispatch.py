@@ -5,8 +5,17 @@
                   then all-to-all the sorted rows to the ranks owning their experts
     post_dispatch (EP) regroup received rows by local expert -> rows ready for the grouped GEMM
     experts       (caller) GroupedExperts(rows, tokens_per_local_expert)
-    combine       (EP) undo the regrouping, reverse all-to-all back to the source rank
+    pre_combine   (EP) undo the regrouping (DeepEP: also weight by the gates, sum per token)
+    combine       (EP) reverse all-to-all back to the source rank
     finalize      unsort the slots, weight by the gates, sum the top-k contributions per token
+
+`dispatch` and `combine` only communicate; every computation sits in the phases around them, so
+under interleaving (checkpointing/microbatch.py) the communication streams carry communication
+and the compute stream never waits for computation queued behind another micro-batch's exchange.
+
+Chunks of one MoE call (`train.intra_layer_micro_batch_scope = "experts"`) exchange their counts
+together (`exchange_counts_together`): the first dispatch among them does one count exchange and
+one host copy for all, so the layer synchronises the host once, not once per chunk.
 
 Every piece of data a later phase needs travels in a per-call `DispatchState`; dispatchers hold
 only configuration, so two micro-batches can be in flight at once (checkpointing/microbatch.py
@@ -24,7 +33,7 @@ each destination rank's rows contiguous, which is what the all-to-all's split si
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -51,6 +60,8 @@ class DispatchState:
     recv_counts: Tensor | None = None  # EP: [ep, E_local] rows received per (source rank, local expert)
     recv_order: Tensor | None = None  # EP: received rows sorted by local expert (stable)
     counts: list[int] | None = None  # EP, copy engines: [ep, ep] rows rank s sends to rank r, row-major
+    # EP: the states whose counts one exchange handles with this one (a cycle until that exchange clears it)
+    exchanged_with: tuple[DispatchState, ...] = field(default=(), repr=False, compare=False)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -102,6 +113,12 @@ class LocalDispatcher:
         state.tokens_per_local_expert = state.tokens_per_expert
         return x, state.tokens_per_local_expert
 
+    def exchange_counts_together(self, states: list[DispatchState]) -> None:
+        """Nothing to exchange without expert parallelism."""
+
+    def pre_combine(self, y: Tensor, state: DispatchState) -> Tensor:
+        return y
+
     def combine(self, y: Tensor, state: DispatchState) -> Tensor:
         return y
 
@@ -121,23 +138,34 @@ class AllToAllDispatcher(LocalDispatcher):
         self.ep = dist.get_world_size(ep_group)
         self.n_local_experts = n_experts // self.ep
 
-    def exchange_counts(self, state: DispatchState) -> None:
-        """Exchange the per-expert counts and copy the split sizes to the host (the sync point).
+    def exchange_counts(self, *states: DispatchState) -> None:
+        """Exchange the per-expert counts of `states` and copy their split sizes to the host: one
+        collective and one device->host copy (the sync point) for all of them.
 
-        `dispatch` calls it when the state has no split sizes yet; callers that time the token
-        all-to-all alone call it once beforehand."""
-        ep, n_local = self.ep, self.n_local_experts
-        # entry (src, e) of recv_counts: rows source rank src sends to my local expert e
-        recv_counts = all_to_all(state.tokens_per_expert, [n_local] * ep, [n_local] * ep, self.group)
-        send = state.tokens_per_expert.view(ep, n_local).sum(dim=1)
-        host = splits_to_host(torch.cat([send, recv_counts]))  # one device->host copy for both
-        state.input_splits = host[:ep]
-        state.output_splits = [sum(host[ep + r * n_local: ep + (r + 1) * n_local]) for r in range(ep)]
-        state.recv_counts = recv_counts.view(ep, n_local)
+        `dispatch` calls it when its state has no split sizes yet (with the states exchanged
+        together with it); callers that time the token all-to-all alone call it once beforehand."""
+        ep, n_local, n = self.ep, self.n_local_experts, len(states)
+        counts = torch.stack([s.tokens_per_expert for s in states]).view(n, ep, n_local)
+        # to rank r: the counts of r's local experts in every state; entry (src, i, e) of recv: rows
+        # source rank src sends to my local expert e in state i
+        send = counts.transpose(0, 1).reshape(-1)
+        recv = all_to_all(send, [n * n_local] * ep, [n * n_local] * ep, self.group).view(ep, n, n_local)
+        host = splits_to_host(torch.cat([counts.sum(dim=2).reshape(-1),  # [state, dst]
+                                         recv.sum(dim=2).transpose(0, 1).reshape(-1)]))  # [state, src]
+        for i, state in enumerate(states):
+            state.input_splits = host[i * ep:(i + 1) * ep]
+            state.output_splits = host[(n + i) * ep:(n + i + 1) * ep]
+            state.recv_counts = recv[:, i]
+            state.exchanged_with = ()  # no reference cycle keeps the states' tensors alive
+
+    def exchange_counts_together(self, states: list[DispatchState]) -> None:
+        """The first of `states` to dispatch exchanges the counts of all of them (one host sync)."""
+        for state in states:
+            state.exchanged_with = tuple(states)
 
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
         if state.input_splits is None:
-            self.exchange_counts(state)
+            self.exchange_counts(*(state.exchanged_with or (state,)))
         return self._send(x, state, reverse=False)
 
     def _send(self, x: Tensor, state: DispatchState, reverse: bool) -> Tensor:
@@ -154,9 +182,11 @@ class AllToAllDispatcher(LocalDispatcher):
         state.tokens_per_local_expert = state.recv_counts.sum(dim=0)
         return permute_rows(x, state.recv_order), state.tokens_per_local_expert
 
+    def pre_combine(self, y: Tensor, state: DispatchState) -> Tensor:
+        return torch.empty_like(y).index_copy_(0, state.recv_order, y)  # in place: no copy of the empty tensor
+
     def combine(self, y: Tensor, state: DispatchState) -> Tensor:
-        back = torch.empty_like(y).index_copy_(0, state.recv_order, y)  # in place: no copy of the empty tensor
-        return self._send(back, state, reverse=True)
+        return self._send(y, state, reverse=True)
 
 
 class CopyEngineDispatcher(AllToAllDispatcher):
@@ -174,15 +204,19 @@ class CopyEngineDispatcher(AllToAllDispatcher):
         super().__init__(n_experts, ep_group)
         self.buffer = ExchangeBuffer(ep_group, sync=sync) if buffer is None else buffer
 
-    def exchange_counts(self, state: DispatchState) -> None:
-        ep, n_local = self.ep, self.n_local_experts
+    def exchange_counts(self, *states: DispatchState) -> None:
+        ep, n_local, n = self.ep, self.n_local_experts, len(states)
         me = dist.get_rank(self.group)
-        every = all_gather(state.tokens_per_expert, self.group).view(ep, ep, n_local)  # [src, dst rank, expert]
-        matrix = splits_to_host(every.sum(dim=2).reshape(-1))  # one device->host copy
-        state.counts = matrix
-        state.input_splits = matrix[me * ep:(me + 1) * ep]
-        state.output_splits = matrix[me::ep]
-        state.recv_counts = every[:, me]
+        counts = torch.stack([s.tokens_per_expert for s in states]).reshape(-1)
+        every = all_gather(counts, self.group).view(ep, n, ep, n_local)  # [src, state, dst rank, expert]
+        matrices = splits_to_host(every.sum(dim=3).transpose(0, 1).reshape(-1))  # [state, src, dst]: one copy
+        for i, state in enumerate(states):
+            matrix = matrices[i * ep * ep:(i + 1) * ep * ep]
+            state.counts = matrix
+            state.input_splits = matrix[me * ep:(me + 1) * ep]
+            state.output_splits = matrix[me::ep]
+            state.recv_counts = every[:, i, me]
+            state.exchanged_with = ()
 
     def _send(self, x: Tensor, state: DispatchState, reverse: bool) -> Tensor:
         counts = transpose_counts(state.counts, self.ep) if reverse else state.counts
@@ -252,13 +286,19 @@ class DeepEPDispatcher:
         state.recv_order = torch.argsort(key, stable=True)[:rows]
         return x[state.recv_order // top_k], state.tokens_per_local_expert
 
-    def combine(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
-        """Expert rows -> gate-weighted sum per received token -> summed on the source rank."""
+    def exchange_counts_together(self, states: list[DeepEPDispatchState]) -> None:
+        """DeepEP's dispatch exchanges its counts itself (its notify step), per call."""
+
+    def pre_combine(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
+        """Expert rows -> gate-weighted sum per received token."""
         received, top_k = state.recv_topk_ids.shape
         slots = y.new_zeros(received * top_k, y.shape[-1]).index_copy_(0, state.recv_order, y)
         gates = state.recv_topk_weights.to(y.dtype).unsqueeze(1)  # [R, 1, top_k]
-        per_token = torch.bmm(gates, slots.view(received, top_k, -1)).squeeze(1)
-        return deepep_combine(self.buffer, per_token, state.handle)
+        return torch.bmm(gates, slots.view(received, top_k, -1)).squeeze(1)
+
+    def combine(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
+        """Per-token partial results -> summed on the source rank."""
+        return deepep_combine(self.buffer, y, state.handle)
 
     def finalize(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
         return y  # gates applied and top-k summed before combine

@@ -78,17 +78,16 @@ class MoELayer(nn.Module):
         if self.micro_batches > 1:
             out, counts = self._chunked(tokens, topk_ids, topk_weights)
         else:
-            out, counts = yield from self._routed(tokens, topk_ids, topk_weights)
+            out, counts = yield from self._routed(*self.dispatcher.prepare(tokens, topk_ids, topk_weights))
             if self.shared_experts is not None:
                 out = out + self.shared_experts(tokens)
         return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"], topk_ids=topk_ids,
                          topk_weights=topk_weights, tokens_per_expert=counts, aux_loss=routing["aux_loss"])
 
-    def _routed(self, tokens: Tensor, topk_ids: Tensor,
-                topk_weights: Tensor) -> Generator[Phase, None, tuple[Tensor, Tensor]]:
-        """Routed experts of `tokens` [T, dim] -> ([T, dim] gate-weighted sums, counts per expert)."""
+    def _routed(self, rows: Tensor, state) -> Generator[Phase, None, tuple[Tensor, Tensor]]:
+        """Routed experts of prepared `rows` (dispatcher.prepare) -> ([T, dim] gate-weighted sums,
+        counts per expert)."""
         d = self.dispatcher
-        rows, state = d.prepare(tokens, topk_ids, topk_weights)
         # Phase.reads: the `rows` handed across streams, which the next step drops (rebinding) while
         # the other stream may still read them. What `state` holds stays alive until this returns,
         # after the compute stream has joined the last comm step, so it needs no recording.
@@ -96,7 +95,7 @@ class MoELayer(nn.Module):
         rows = d.dispatch(rows, state)
         yield Phase("experts", reads=(rows,))
         rows, tokens_per_local_expert = d.post_dispatch(rows, state)
-        rows = self.experts(rows, tokens_per_local_expert)
+        rows = d.pre_combine(self.experts(rows, tokens_per_local_expert), state)
         yield Phase("combine", comm=True, reads=(rows,))
         rows = d.combine(rows, state)
         yield Phase("finalize", reads=(rows,))
@@ -105,22 +104,24 @@ class MoELayer(nn.Module):
     def _chunked(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
         """The routed path over `micro_batches` chunks of tokens, interleaved, plus the shared experts.
 
-        The host issues, for 2 chunks: prepare (sort by expert) 0, prepare 1, shared experts over the
-        first half of the tokens; dispatch + experts 0, dispatch + experts 1, shared experts over the
-        second half; combine + finalize 0, combine + finalize 1. So the first dispatch (which waits on
-        the host for chunk 0's split sizes) runs under prepare 1 and the first shared half, the last
-        combine under the second shared half and finalize 0, and each other exchange under a chunk's
-        experts.
+        The host issues, for 2 chunks: prepare (sort by expert) 0 and 1; the shared experts over all
+        tokens; dispatch 0 (one count exchange and host sync for both chunks) + experts 0; dispatch 1
+        + experts 1; combine + finalize 0; combine + finalize 1. So the first dispatch runs under the
+        shared experts, the one host sync waits while they run, each other dispatch or combine runs
+        under a chunk's experts, and the last combine under the finalize of chunk 0.
         """
         n = self.micro_batches
         if tokens.shape[0] < n:
             raise ValueError(f"train.intra_layer_micro_batches = {n} (scope 'experts') needs at least {n} tokens "
                              f"per MoE layer call, got {tokens.shape[0]}")
+        d = self.dispatcher
         sizes = even_split_sizes(tokens.shape[0], n)
-        gens: list = [self._routed(t, i, w) for t, i, w in
-                      zip(tokens.split(sizes), topk_ids.split(sizes), topk_weights.split(sizes), strict=True)]
+        prepared = [d.prepare(t, i, w) for t, i, w in
+                    zip(tokens.split(sizes), topk_ids.split(sizes), topk_weights.split(sizes), strict=True)]
+        d.exchange_counts_together([state for _, state in prepared])
+        gens: list = [self._routed(rows, state) for rows, state in prepared]
         if self.shared_experts is not None:
-            gens.append(_in_two_halves(self.shared_experts, tokens))
+            gens.append(_at_first_turn(self.shared_experts, tokens))
         results = interleave(gens, device=tokens.device)
         out = torch.cat([r[0] for r in results[:n]])
         counts = torch.stack([r[1] for r in results[:n]]).sum(dim=0)
@@ -152,9 +153,8 @@ def even_split_sizes(rows: int, n: int) -> list[int]:
     return [rows // n + (i < rows % n) for i in range(n)]
 
 
-def _in_two_halves(fn, tokens: Tensor) -> PhaseGen:
-    """`fn` over the first half of the rows, a compute phase, then over the second half (row-wise fn)."""
-    first, second = tokens.split(even_split_sizes(tokens.shape[0], 2))
-    out = fn(first)
-    yield Phase("second half")
-    return torch.cat([out, fn(second)])
+def _at_first_turn(fn, x: Tensor) -> PhaseGen:
+    """`fn(x)` as a phase generator with no phase: `interleave` runs it whole in its first turn,
+    after the other micro-batches' first steps (up to their first dispatch) and before any exchange."""
+    return fn(x)
+    yield  # unreachable: makes this a generator function
