@@ -10,9 +10,9 @@ rank's experts receive, and the rows it sends to the other rank), per rank:
 - `gemm`: the experts' forward (three `torch._grouped_mm`, SwiGLU) alone;
 - `comm`: the exchange alone, by one of two transports:
   - `nccl`: `all_to_all_single` (NCCL kernels: they occupy SMs while they move data),
-  - `copy_engine`: each rank copies its rows for the peer straight into the peer's receive buffer
-    (symmetric memory, `copy_` = cudaMemcpyAsync over NVLink: the copy engines, no SMs), then a
-    barrier;
+  - `copy_engine`: the MoE dispatcher's copy-engine exchange (`ExchangeBuffer.exchange`,
+    runtime/ops/copy_engine.py): peer copies into the receiver's symmetric-memory slot
+    (cudaMemcpyAsync over NVLink: the copy engines, no SMs), one barrier, a copy out;
 - `both`: the exchange on a side stream started with the GEMMs on the compute stream.
 `hidden_fraction` = (gemm + comm - both) / min(gemm, comm): 1 = the shorter one fully hidden at no
 cost to the other, 0 = no gain from overlapping. `over_longer_ms` = both - max(gemm, comm): what
@@ -64,21 +64,16 @@ def _rank(rank: int, world: int, rows: int, experts: int, dim: int, inter: int, 
         dist.all_to_all_single(recv, send, half, half)
 
     transports = {"nccl": nccl}
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
+    try:  # the MoE dispatcher's own exchange (spartron_symm::exchange's protocol), the same rows
+        from spartron.runtime.ops.copy_engine import ExchangeBuffer
 
-        buf = symm_mem.empty(rows, dim, device=dev, dtype=bf16)
-        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-        peer = 1 - rank
-        peer_buf = handle.get_buffer(peer, (rows, dim), bf16)
-        n = rows // world
+        buffer = ExchangeBuffer(dist.group.WORLD)  # symmetric memory, allocated collectively at the first call
+        counts = [rows // world] * (world * world)  # every rank sends half its rows to each rank
 
         def copy_engine():
-            handle.barrier(channel=0)  # the peer no longer reads its buffer
-            peer_buf[rank * n:(rank + 1) * n].copy_(send[peer * n:(peer + 1) * n])
-            buf[rank * n:(rank + 1) * n].copy_(send[rank * n:(rank + 1) * n])
-            handle.barrier(channel=1)  # my rows have landed in the peer's buffer and its in mine
+            buffer.exchange(send, counts)
 
+        copy_engine()  # allocate now: an allocation error lands in copy_engine_error
         transports["copy_engine"] = copy_engine
         ce_error = None
     except Exception as err:  # noqa: BLE001 - reported in the JSON, the NCCL rows still run
