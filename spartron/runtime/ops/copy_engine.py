@@ -2,9 +2,9 @@
 
 Why: NCCL's all-to-all runs as kernels that hold SMs while they move data, so an exchange
 overlapped with the experts' GEMMs slows them by about what it hides. Measured on 2 x H200
-(benchmarks/results/overlap.json): grouped GEMMs 2.81 ms and an NCCL exchange 0.74 ms take 3.63 ms
-overlapped, more than the 3.55 ms one after the other; the same exchange as copy-engine copies
-takes 3.08 ms overlapped (60% of it hidden). Copy engines move bytes without SMs.
+(benchmarks/results/overlap.json): grouped GEMMs 2.83 ms and an NCCL exchange 0.77 ms take 3.68 ms
+overlapped, more than the 3.60 ms one after the other; this exchange (0.85 ms alone) takes 3.25 ms
+overlapped (51% of it hidden). Copy engines move bytes without SMs.
 
 The protocol, on the caller's stream, per exchange (every rank of the group, same order), with two
 receive slots per rank used in turn (exchange k uses slot k % 2):
