@@ -12,8 +12,10 @@ Part 2 (two ranks, EP=2, spawned): step time with train.intra_layer_micro_batche
 (all_to_all dispatcher, or DeepEP with --set model.moe.dispatcher=deepep; either
 train.intra_layer_micro_batch_scope, set with --set; target: 2 is faster
 because one micro-batch's exchange overlaps the other's experts), with the host time to issue a
-step and, from one profiled step per setting, the GPU time split into compute kernels,
-communication kernels (NCCL's or DeepEP's), their overlap and idle time (why 2 is or is not faster).
+step and, from a profiled step per setting (kernels only, so the profiler barely slows the host;
+a second one with host ops gives the per-operator table and --trace), the GPU time split into compute kernels,
+communication kernels (`is_comm_kernel`: NCCL's, DeepEP's, copy-engine peer copies and their barrier),
+their overlap and idle time (why 2 is or is not faster).
 Off and on run on the same model, alternating step by step (drift hits both alike).
 Memory by phase: one extra step per AC mode x offload off/on records allocated / peak memory at
 phase boundaries (embedding; each checkpoint region's forward; backward of loss + head; the backward
@@ -356,7 +358,7 @@ def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 def profile_step(model, tokens, labels, device: torch.device, analyse: bool, trace: str | None = None) -> dict | None:
     """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies),
-    communication kernels (NCCL's or DeepEP's), the part of that hidden under compute, and idle time
+    communication kernels (`is_comm_kernel`), the part of that hidden under compute, and idle time
     (GPU waiting for the host)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -52,7 +52,7 @@ def test_bf16_model_gradients_under_ac_match_no_ac(preset, extra, ac_mode):
 @pytest.mark.parametrize("scope", ["layer", "experts"])
 def test_bf16_two_intra_layer_micro_batches_match_one(scope):
     """Comm steps on side streams, events, record_stream (and scope 'experts': the chunked routed path
-    with the shared experts in two halves) on CUDA: the same loss and gradients as one micro-batch."""
+    with one count exchange for both chunks) on CUDA: the same loss and gradients as one micro-batch."""
     ref_loss, ref = _grads("configs/dsv3-12l.toml", "selective", [])
     loss, got = _grads("configs/dsv3-12l.toml", "selective", ["train.micro_batch_size=2",
                                                                "train.intra_layer_micro_batches=2",
