@@ -210,6 +210,23 @@ def test_replay_naming_the_first_differing_saved_op(reentrant):
 
 
 @REENTRANT
+def test_replay_that_stops_early_counts_the_ops_it_replayed(reentrant):
+    passes = []
+
+    def fn(x, w):
+        passes.append(1)
+        y = x @ w
+        return (y @ w if len(passes) == 1 else y).sin()  # the replay dispatches 1 of the 2 saved mm
+
+    r = region(reentrant, "selective")
+    y = r(fn, torch.randn(3, 4, requires_grad=True), torch.randn(4, 4))
+    with pytest.raises(CheckpointReplayError) as err:
+        y.sum().backward()
+    assert str(err.value) == (f"region {r.last_stats.name!r}: the replay ended after 1 of 2 saved ops; "
+                              "the first op it did not dispatch is aten::mm")
+
+
+@REENTRANT
 def test_replay_only_profiler_markers_are_ignored(reentrant):
     passes = []
 
