@@ -170,11 +170,11 @@ class SavedOps:
     def finish_replay(self) -> None:
         """Check the replay met every saved op, then free the cache."""
         if self._cursor != len(self._entries):
-            missing = self._entries[self._cursor].name
-            count = len(self._entries)
+            replayed, count = self._cursor, len(self._entries)  # read before release() resets them
+            missing = self._entries[replayed].name
             self.release()
             raise CheckpointReplayError(
-                f"region {self.stats.name!r}: the replay ended after {self._cursor} of {count} saved ops; "
+                f"region {self.stats.name!r}: the replay ended after {replayed} of {count} saved ops; "
                 f"the first op it did not dispatch is {missing}")
         self.release()
 
