@@ -15,12 +15,12 @@ from spartron.configbase import ConfigSection
 class YarnConfig(ConfigSection):
     """YaRN rope scaling (DeepSeek-V3 style)."""
 
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    factor: float = Field(40.0, gt=0)
+    original_max_position_embeddings: int = Field(4096, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = Field(1.0, gt=0)
+    mscale_all_dim: float = Field(1.0, gt=0)
 
 
 class MLAConfig(ConfigSection):
@@ -31,7 +31,7 @@ class MLAConfig(ConfigSection):
     qk_nope_head_dim: int = Field(128, ge=1)
     qk_rope_head_dim: int = Field(64, ge=2)
     v_head_dim: int = Field(128, ge=1)
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=1)  # a base <= 1 gives no rotation or a growing one
     yarn: YarnConfig | None = None
 
     @model_validator(mode="after")
@@ -78,7 +78,7 @@ class MoEConfig(ConfigSection):
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     n_groups: int = Field(1, ge=1)
     topk_groups: int = Field(1, ge=1)
-    route_scale: float = 1.0
+    route_scale: float = Field(1.0, gt=0)
     norm_topk_prob: bool = True
     router_fp32: bool = True
     bias_update_rate: float = Field(1e-3, ge=0.0)
@@ -129,11 +129,11 @@ class ModelConfig(ConfigSection):
     n_heads: int = Field(4, ge=1)
     first_k_dense: int = Field(1, ge=0)
     dense_inter_dim: int = Field(128, ge=1)
-    norm_eps: float = 1e-6
+    norm_eps: float = Field(1e-6, gt=0)
     max_seq_len: int = Field(4096, ge=1)
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
-    init_std: float = 0.02
+    init_std: float = Field(0.02, gt=0)  # 0 would start every expert and head identical
     loss_chunk_size: int = Field(0, ge=0)  # 0: plain cross-entropy; N: chunks of N tokens
     mla: MLAConfig = Field(default_factory=MLAConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
@@ -148,4 +148,33 @@ class ModelConfig(ConfigSection):
             bad = [i for i in self.dsa.layers if not 0 <= i < self.n_layers]
             if bad:
                 raise ValueError(f"model.dsa.layers has indices outside 0..{self.n_layers - 1}: {bad}")
+        check_dsa(self)
         return self
+
+
+def dsa_layers(cfg: ModelConfig) -> list[int]:
+    """The decoder layers that run DSA (MTP depths aside), in order."""
+    layers = cfg.dsa.layers
+    if layers == "all":
+        return list(range(cfg.n_layers))
+    if layers == "moe":
+        return list(range(cfg.first_k_dense, cfg.n_layers))
+    return sorted(layers)
+
+
+def check_dsa(cfg: ModelConfig) -> None:
+    """THE rule for DSA settings that cannot work together (ModelConfig validation and the DSA layers
+    both use it); raises ValueError naming the dotted keys."""
+    dsa = cfg.dsa
+    if dsa is None:
+        return
+    if dsa.index_head_dim < cfg.mla.qk_rope_head_dim:
+        raise ValueError(f"model.dsa.index_head_dim {dsa.index_head_dim} must be >= "
+                         f"model.mla.qk_rope_head_dim {cfg.mla.qk_rope_head_dim}: "
+                         "the indexer rotates its first qk_rope_head_dim dims")
+    if isinstance(dsa.layers, list) and len(set(dsa.layers)) != len(dsa.layers):
+        raise ValueError(f"model.dsa.layers has duplicate indices: {dsa.layers}")
+    if not dsa_layers(cfg):
+        raise ValueError(f"model.dsa.layers = {dsa.layers!r} selects no layer (model.first_k_dense "
+                         f"{cfg.first_k_dense}, model.n_layers {cfg.n_layers}); "
+                         "remove [model.dsa] for dense attention")

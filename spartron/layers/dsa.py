@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
-from spartron.layers.config import ModelConfig
+from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
 from spartron.layers.context_parallel import gather_sequence
 from spartron.layers.rope import apply_rope
 
@@ -34,29 +34,9 @@ _INDEX_CHUNK_BUDGET_BYTES = 1 << 29
 
 
 def validate_dsa(cfg: ModelConfig) -> None:
-    """Reject DSA settings that cannot work; messages name the dotted keys."""
-    dsa = cfg.dsa
-    if dsa is None:
-        return
-    if dsa.index_head_dim < cfg.mla.qk_rope_head_dim:
-        raise ValueError(f"model.dsa.index_head_dim {dsa.index_head_dim} must be >= "
-                         f"model.mla.qk_rope_head_dim {cfg.mla.qk_rope_head_dim}: "
-                         "the indexer rotates its first qk_rope_head_dim dims")
-    if isinstance(dsa.layers, list) and len(set(dsa.layers)) != len(dsa.layers):
-        raise ValueError(f"model.dsa.layers has duplicate indices: {dsa.layers}")
-    if not _main_dsa_layers(cfg):
-        raise ValueError(f"model.dsa.layers = {dsa.layers!r} selects no layer (model.first_k_dense "
-                         f"{cfg.first_k_dense}, model.n_layers {cfg.n_layers}); "
-                         "remove [model.dsa] for dense attention")
-
-
-def _main_dsa_layers(cfg: ModelConfig) -> list[int]:
-    layers = cfg.dsa.layers
-    if layers == "all":
-        return list(range(cfg.n_layers))
-    if layers == "moe":
-        return list(range(cfg.first_k_dense, cfg.n_layers))
-    return sorted(layers)
+    """Reject DSA settings that cannot work (the rule lives with the config: `check_dsa`); a
+    ModelConfig changed field by field after validation is checked again here."""
+    check_dsa(cfg)
 
 
 def dsa_schedule(cfg: ModelConfig) -> list[DSARole]:
@@ -72,7 +52,7 @@ def dsa_schedule(cfg: ModelConfig) -> list[DSARole]:
     if cfg.dsa is None:
         return roles
     validate_dsa(cfg)
-    for j, layer in enumerate(_main_dsa_layers(cfg)):
+    for j, layer in enumerate(dsa_layers(cfg)):
         roles[layer] = "source" if j % cfg.dsa.topk_freq == 0 else "consumer"
     if cfg.dsa.layers in ("moe", "all"):
         for d in range(cfg.mtp.depth):

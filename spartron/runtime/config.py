@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -90,6 +90,12 @@ class DataConfig(ConfigSection):
     def _check(self) -> DataConfig:
         if self.kind == "mmap" and not self.path:
             raise ValueError("train.data.path is required when train.data.kind = 'mmap'")
+        if self.kind == "synthetic":  # an option that would be ignored is a mistake, not a no-op
+            ignored = [key for key, value in (("path", self.path), ("token_dtype", self.token_dtype))
+                       if value != DataConfig.model_fields[key].default]
+            if ignored:
+                raise ValueError(f"train.data.{ignored[0]} is set but train.data.kind = 'synthetic' reads "
+                                 "no file: set train.data.kind = 'mmap' or remove it")
         return self
 
 
@@ -103,14 +109,14 @@ class TrainConfig(ConfigSection):
     # checkpoint region takes the list); "experts" runs attention, routing and shared experts once and
     # interleaves only the routed token path (dispatch, experts, combine) over chunks of tokens.
     intra_layer_micro_batch_scope: Literal["layer", "experts"] = "layer"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     optimizer: Literal["adamw", "muon"] = "adamw"
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(2, ge=0)
     weight_decay: float = Field(0.1, ge=0)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     # After each optimizer step, zero the gradients in place instead of freeing them (Megatron's
     # persistent gradient buffers): no per-step allocation, but gradient memory is held through forward.
@@ -124,7 +130,22 @@ class TrainConfig(ConfigSection):
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)
 
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str | None) -> str | None:
+        """An absolute run_dir is the user's choice; a relative one stays below the working directory
+        (it is resolved against it, which differs between a login node and a Slurm --chdir, so `..`
+        would make where states land depend on where the command ran)."""
+        if v is not None:
+            if not v.strip():
+                raise ValueError("must be a non-empty path (or leave it unset for runs/<name>)")
+            if not PurePosixPath(v).is_absolute() and ".." in PurePosixPath(v).parts:
+                raise ValueError(f"a relative run directory must stay below the working directory "
+                                 f"(no '..'); give an absolute path to write elsewhere, got {v!r}")
+        return v
 
+
+_RUN_NAME_MAX = 128
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SLURM_TIME = re.compile(r"\d+(:\d{2}){0,2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|infinite")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -204,7 +225,7 @@ class LaunchConfig(ConfigSection):
 
 
 class RunConfig(ConfigSection):
-    name: str = "run"
+    name: str = "run"  # the run folder is runs/<name>: one path component
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -212,6 +233,18 @@ class RunConfig(ConfigSection):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a non-empty run name")
+        if len(v) > _RUN_NAME_MAX:
+            raise ValueError(f"must be at most {_RUN_NAME_MAX} characters, got {len(v)}")
+        if "/" in v or "\\" in v or v in (".", "..") or v != v.strip():
+            raise ValueError(f"must be one folder name under runs/ (no '/', '\\', '.' or '..', no leading "
+                             f"or trailing spaces; set train.run_dir for another place), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -232,7 +265,40 @@ class RunConfig(ConfigSection):
         if self.train.seq_len % (2 * self.parallel.cp) and self.parallel.cp > 1:
             raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
                              f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
+                             f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
+        self._check_intra_layer_micro_batches()
         return self
+
+    def _check_intra_layer_micro_batches(self) -> None:
+        """What can be checked of train.intra_layer_micro_batches before a model exists (the model
+        checks the rest when it is wired: spartron/checkpointing/microbatch.py)."""
+        t, moe = self.train, self.model.moe
+        n = t.intra_layer_micro_batches
+        if n == 1:
+            if t.intra_layer_micro_batch_scope != "layer":
+                raise ValueError(f"train.intra_layer_micro_batch_scope = {t.intra_layer_micro_batch_scope!r} "
+                                 "is set but train.intra_layer_micro_batches = 1 splits nothing")
+            return
+        if t.intra_layer_micro_batch_scope == "experts":
+            has_moe = self.model.first_k_dense < self.model.n_layers or self.model.mtp.depth > 0
+            if not has_moe:
+                raise ValueError(f"train.intra_layer_micro_batches = {n} with intra_layer_micro_batch_scope "
+                                 "= 'experts' needs MoE layers (model.first_k_dense = model.n_layers)")
+            tokens = t.micro_batch_size * t.seq_len // self.parallel.cp
+            if tokens < n:
+                raise ValueError(f"train.intra_layer_micro_batches = {n} (scope 'experts') needs at least "
+                                 f"{n} tokens per MoE layer call, but train.micro_batch_size x train.seq_len "
+                                 f"/ parallel.cp = {tokens}")
+            return
+        if t.micro_batch_size % n:
+            raise ValueError(f"train.intra_layer_micro_batches = {n} must divide train.micro_batch_size "
+                             f"= {t.micro_batch_size} (micro-batches split the batch dimension)")
+        if moe.aux_loss_coeff > 0 and moe.aux_loss_type == "batch":
+            raise ValueError("train.intra_layer_micro_batches > 1 needs model.moe.aux_loss_type = 'seq': a "
+                             "batch-level balance loss is not the mean of its micro-batches' losses (or use "
+                             "train.intra_layer_micro_batch_scope = 'experts', which routes all tokens at once)")
 
 
 def _format_error(err: ValidationError) -> str:
@@ -258,6 +324,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word is a string
+    except RecursionError:
+        raise ConfigError(f"override value {text[:40]!r}... is nested too deeply") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -291,11 +359,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} is not a regular file")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except OSError as err:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {err.start}): "
+                              "a TOML config is a UTF-8 text file") from None
+        except (tomllib.TOMLDecodeError, RecursionError) as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
     return config_from_dict(apply_overrides(data, overrides or []))
 

@@ -232,7 +232,10 @@ def test_micro_batch_errors_name_the_keys():
     with pytest.raises(ValueError, match=r"train.intra_layer_micro_batches = 3 must divide train.micro_batch_size"):
         set_intra_layer_micro_batches(build_model(tiny().model), tiny("train.intra_layer_micro_batches=3",
                                                                       "train.micro_batch_size=4"))
-    cfg = tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_type=batch")
+    with pytest.raises(ValueError, match="needs model.moe.aux_loss_type = 'seq'"):  # refused at load
+        tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_type=batch")
+    cfg = tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2")
+    cfg.model.moe.aux_loss_type = "batch"  # validates the [model.moe] section only: the model checks too
     with pytest.raises(ValueError, match="needs model.moe.aux_loss_type = 'seq'"):
         set_intra_layer_micro_batches(build_model(cfg.model), cfg)
     with pytest.raises(ValueError, match="does not run intra-layer micro-batches"):
