@@ -56,6 +56,15 @@ def _world_layout(cfg: RunConfig, world_size: int):
 
 
 # ---- train / smoke ---------------------------------------------------------------------------
+def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool) -> None:
+    """Data file, batch division, device options, offload window, run dir: one line, exit 2, before any
+    rank starts (a rank of srun/torchrun checks against the launcher's world size)."""
+    from spartron.parallel.env import discover
+    from spartron.runtime.preflight import check_before_launch
+
+    check_before_launch(cfg, discover(environ).world_size if is_rank else cfg.launch.nproc)
+
+
 def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks."""
     from spartron.launch.local import existing_launcher, launch_local
@@ -65,6 +74,7 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     cfg = _load(args)
     environ = process_environ()
     run_dir = run_dir_of(cfg, Path.cwd())
+    _check_before_launch(cfg, environ, existing_launcher(environ) is not None)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
@@ -241,12 +251,19 @@ def cmd_regress_run(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from spartron.launch.plan import render_plan
 
+    if args.world_size is not None and args.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.max_groups < 1:
+        raise UsageError(f"--max-groups must be >= 1, got {args.max_groups}")
     cfg = _load(args)
-    world = args.world_size or cfg.launch.nproc
-    if world < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world}")
-    _world_layout(cfg, world)
+    world = cfg.launch.nproc if args.world_size is None else args.world_size
+    dims = _world_layout(cfg, world)
     sys.stdout.write(render_plan(cfg, world, max_groups=args.max_groups))
+    try:  # a plan at scale is still worth printing; training at this size would refuse the batch
+        cfg.train.micro_steps(dims.dp)
+    except ConfigError as err:
+        print(f"spartron: note: `spartron train` on {world} ranks would refuse this config: {err}",
+              file=sys.stderr)
     return 0
 
 

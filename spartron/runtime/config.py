@@ -18,6 +18,7 @@ from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
 from spartron.parallel.dims import GROUP_DIMS, MEGATRON_ORDER_NAMES
+from spartron.runtime.debug import DebugConfig
 
 
 class ConfigError(ValueError):
@@ -130,6 +131,14 @@ class TrainConfig(ConfigSection):
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)
 
+    def micro_steps(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each of `dp` data-parallel ranks (THE batch rule)."""
+        per_step = dp * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"train.global_batch_size {self.global_batch_size} must be divisible by "
+                              f"dp size {dp} x train.micro_batch_size {self.micro_batch_size} = {per_step}")
+        return self.global_batch_size // per_step
+
     @field_validator("run_dir")
     @classmethod
     def _run_dir(cls, v: str | None) -> str | None:
@@ -174,6 +183,10 @@ class LaunchConfig(ConfigSection):
     venv: str | None = None  # default: the venv of the interpreter running `spartron sbatch`
     container: str | None = None  # pyxis/enroot image for `srun --container-image`
     sbatch_args: list[str] = Field(default_factory=list)  # extra `--flag=value` directives
+    # Preemption: ranks save a complete step on SIGTERM and exit 75 (spartron.runtime.preemption).
+    requeue: bool = False  # `#SBATCH --requeue`; a SIGTERM to the batch shell then requeues the job
+    signal_before_s: int = Field(0, ge=0, le=65535)  # `--signal=B:TERM@<s>` before the time limit; 0: no
+    terminate_grace_s: float = Field(120.0, gt=0)  # local launcher: time to save after a forwarded SIGTERM
 
     @field_validator("partition")
     @classmethod
@@ -233,6 +246,7 @@ class RunConfig(ConfigSection):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
 
     @field_validator("name")
     @classmethod

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from spartron.runtime.config import DataConfig
+from spartron.runtime.config import ConfigError, DataConfig
 
 
 class SyntheticTokens:
@@ -48,31 +48,70 @@ class SyntheticTokens:
         return torch.tensor(out, dtype=torch.long)
 
 
+# How much of a token file the vocabulary check reads: the head, and windows spread over the whole
+# file (a file read with the wrong dtype, or a corrupt tail, shows ids >= vocab_size somewhere).
+_HEAD_TOKENS = 1 << 20
+_WINDOWS, _WINDOW_TOKENS = 64, 1 << 16
+
+
+def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_size: int) -> np.memmap:
+    """Open a token file after checking what can be checked without reading it all; a ConfigError
+    naming train.data.path otherwise. Returns the memory map."""
+    path = Path(path)
+    where = f"train.data.path {str(path)!r}"
+    if not path.exists():
+        raise ConfigError(f"{where} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{where} is not a regular file")
+    width = np.dtype(token_dtype).itemsize
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise ConfigError(f"{where} is empty")
+        if size % width:
+            raise ConfigError(f"{where} has {size} bytes, not a multiple of {width} (train.data.token_dtype "
+                              f"= {token_dtype!r}): wrong dtype or a truncated file")
+        if size // width < seq_len + 1:
+            raise ConfigError(f"{where} holds {size // width} tokens, fewer than train.seq_len + 1 = "
+                              f"{seq_len + 1}")
+        tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
+    n = len(tokens)
+    starts = {0: min(n, _HEAD_TOKENS)}
+    for i in range(_WINDOWS):
+        start = (n - _WINDOW_TOKENS) * i // max(_WINDOWS - 1, 1) if n > _WINDOW_TOKENS else 0
+        starts.setdefault(start, min(n - start, _WINDOW_TOKENS))
+    for start, length in sorted(starts.items()):
+        window = tokens[start:start + length]
+        top = int(window.max())
+        if top >= vocab_size:
+            offset = start + int(np.argmax(window >= vocab_size))
+            raise ConfigError(f"{where} contains token id {top} >= model.vocab_size {vocab_size} (first at "
+                              f"token {offset}; wrong train.data.token_dtype or vocabulary?)")
+    return tokens
+
+
 class MmapTokens:
     """A flat binary file of token ids (uint16/uint32, e.g. written by numpy.tofile), memory-mapped.
 
     Sample g is tokens[k*seq_len : k*seq_len + seq_len + 1] with k = g mod (number of samples), so
-    the stream wraps around the file (epochs) deterministically.
+    the stream wraps around the file (epochs) deterministically. The file is checked when opened
+    (check_token_file) and every sample's ids are checked against the vocabulary when read.
     """
 
     def __init__(self, path: str | Path, token_dtype: str, seq_len: int, vocab_size: int) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"train.data.path {str(path)!r} does not exist")
-        self.tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
-        self.seq_len = seq_len
+        self.path = Path(path)
+        self.tokens = check_token_file(path, token_dtype, seq_len, vocab_size)
+        self.seq_len, self.vocab_size = seq_len, vocab_size
         self.n_samples = (len(self.tokens) - 1) // seq_len
-        if self.n_samples < 1:
-            raise ValueError(f"train.data.path {str(path)!r} holds {len(self.tokens)} tokens, fewer than "
-                             f"train.seq_len + 1 = {seq_len + 1}")
-        head_max = int(self.tokens[: min(len(self.tokens), 1 << 20)].max())
-        if head_max >= vocab_size:
-            raise ValueError(f"train.data.path {str(path)!r} contains token id {head_max} >= "
-                             f"model.vocab_size {vocab_size} (wrong train.data.token_dtype or vocabulary?)")
 
     def sample(self, index: int) -> Tensor:
         k = index % self.n_samples
         chunk = np.asarray(self.tokens[k * self.seq_len: k * self.seq_len + self.seq_len + 1], dtype=np.int64)
+        if int(chunk.max()) >= self.vocab_size:
+            raise ConfigError(f"train.data.path {str(self.path)!r}: sample {k} (tokens from {k * self.seq_len}) "
+                              f"holds token id {int(chunk.max())} >= model.vocab_size {self.vocab_size}")
         return torch.from_numpy(chunk)
 
 

@@ -106,12 +106,7 @@ def run_dir_of(cfg: RunConfig) -> Path:
 
 def micro_steps(cfg: RunConfig, dims: ParallelDims) -> int:
     """Micro-batches per optimizer step on each rank; a ConfigError if the batch does not divide."""
-    per_step = dims.dp * cfg.train.micro_batch_size
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} must be divisible by "
-                          f"dp size {dims.dp} x train.micro_batch_size {cfg.train.micro_batch_size} "
-                          f"= {per_step}")
-    return cfg.train.global_batch_size // per_step
+    return cfg.train.micro_steps(dims.dp)
 
 
 def _ep_sharded(model: nn.Module, groups: ParallelGroups) -> dict[int, tuple]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from spartron.runtime.config import DataConfig
+from spartron.runtime.config import ConfigError, DataConfig
 from spartron.runtime.data import MmapTokens, SyntheticTokens, TokenLoader, build_loader
 
 
@@ -69,7 +69,7 @@ def test_mmap_tokens_pack_fixed_length_samples_and_wrap(tmp_path, dtype):
 
 
 def test_mmap_errors_name_the_config_keys(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train.data.path"):
+    with pytest.raises(ConfigError, match="train.data.path .* does not exist"):  # one line, exit 2 in the CLI
         MmapTokens(tmp_path / "missing.bin", "uint16", 8, 100)
     small = tmp_path / "small.bin"
     np.arange(5, dtype=np.uint16).tofile(small)

@@ -1,0 +1,105 @@
+"""Checks of a run that need more than its config: the world size, the data file, this machine.
+
+`check_before_launch(cfg, world_size)` is what `spartron train` / `smoke` call after loading the
+config and before any rank is spawned (and each rank of srun/torchrun calls it before it initialises
+torch.distributed), so these mistakes are one line and exit status 2 instead of a traceback in
+`logs/rank<N>.log`. Every failure is a ConfigError naming the dotted key or the path. The rules
+themselves stay where they live (ParallelDims, TrainConfig.micro_steps, check_token_file,
+offload_window); this module only runs them early.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from spartron.parallel.dims import ParallelDims
+from spartron.runtime.config import ConfigError, RunConfig
+
+
+def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = None) -> None:
+    """Raise ConfigError (or ParallelDimsError) for a run that cannot start on `world_size` ranks here."""
+    p = cfg.parallel
+    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
+                        dp_replicate=p.dp_replicate, order=p.order)
+    cfg.train.micro_steps(dims.dp)
+    check_device_options(cfg)
+    check_offload_window(cfg)
+    check_run_dir(cfg, workdir or Path.cwd())
+    if cfg.train.data.kind == "mmap":
+        from spartron.runtime.data import check_token_file
+
+        d = cfg.train.data
+        check_token_file(d.path, d.token_dtype, cfg.train.seq_len, cfg.model.vocab_size)
+
+
+def _cuda_only_options(cfg: RunConfig) -> list[str]:
+    moe = cfg.model.moe
+    out = []
+    if cfg.model.n_layers > cfg.model.first_k_dense or cfg.model.mtp.depth:  # MoE layers exist
+        if moe.dispatcher == "deepep":
+            out.append("model.moe.dispatcher = 'deepep'")
+        if moe.all_to_all_transport == "copy_engine":
+            out.append("model.moe.all_to_all_transport = 'copy_engine'")
+    if cfg.parallel.backend == "nccl":
+        out.append("parallel.backend = 'nccl'")
+    if cfg.parallel.nccl:
+        out.append("parallel.nccl")
+    return out
+
+
+def check_device_options(cfg: RunConfig) -> None:
+    """device = 'cuda' without CUDA, and CUDA-only options on a run that will be on CPU."""
+    cuda_only = _cuda_only_options(cfg)
+    if cfg.device == "cpu":
+        cuda = False
+    elif cfg.device == "cuda" or cuda_only:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    else:
+        return  # device 'auto' and nothing that needs CUDA: either device works
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError("device: 'cuda' requested but torch.cuda.is_available() is False "
+                          "(install a CUDA build of torch, or set device = 'cpu')")
+    if cuda_only and not cuda:
+        where = "device = 'cpu'" if cfg.device == "cpu" else "no CUDA device here (device = 'auto')"
+        raise ConfigError(f"{cuda_only[0]} needs CUDA, but this run is on CPU ({where})")
+
+
+def n_checkpoint_regions(cfg: RunConfig) -> int:
+    """Checkpoint regions of the reference model: every ac.freq-th block of the decoder stack and
+    the MTP blocks (one block for weight-shared depths), as spartron.runtime.parallelize.apply_ac."""
+    if cfg.ac.mode == "none":
+        return 0
+    mtp = cfg.model.mtp
+    blocks = cfg.model.n_layers + ((1 if mtp.share_weights else mtp.depth) if mtp.depth else 0)
+    return math.ceil(blocks / cfg.ac.freq)
+
+
+def check_offload_window(cfg: RunConfig) -> None:
+    if not cfg.offload.enabled:
+        return
+    from spartron.checkpointing.offload import OffloadSetupError, offload_window
+
+    try:
+        offload_window(cfg.offload, n_checkpoint_regions(cfg))
+    except OffloadSetupError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_run_dir(cfg: RunConfig, workdir: Path) -> None:
+    """The run directory must be a directory, or creatable: its nearest existing parent a writable folder."""
+    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
+    run_dir = run_dir if run_dir.is_absolute() else workdir / run_dir
+    key = "train.run_dir" if cfg.train.run_dir else "name"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{key}: run directory {str(run_dir)!r} exists and is not a directory")
+    parent = run_dir
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{key}: run directory {str(run_dir)!r} cannot be created: {str(parent)!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: run directory {str(run_dir)!r} is not writable ({str(parent)!r})")
