@@ -17,6 +17,11 @@ accumulating in float32 (float64 for float64 inputs). Backward is its own op,
 `spartron::sparse_mla_backward`, recomputing probabilities from the saved lse (flash-style) and
 scatter-adding key gradients; it is wired through `register_autograd`, so AC policies, autograd and
 torch.compile all see these two boundaries.
+
+On CUDA both ops run the Triton kernels of sparse_mla_triton.py (registered below as the ops' CUDA
+kernels); a CUDA input they cannot take (head dim other than 576, d_v other than 512, float32) is an
+error naming the limit. The PyTorch code here is the CPU path and the oracle the kernels are tested
+against (`reference_forward` / `reference_backward`, callable on any device).
 """
 
 from __future__ import annotations
@@ -62,9 +67,9 @@ def _chunk_probs(q_c: Tensor, kv_sel: Tensor, valid: Tensor, scale: float, lse: 
     return probs, lse
 
 
-@torch.library.custom_op("spartron::sparse_mla", mutates_args=())
-def _sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
+def reference_forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
+                      chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The PyTorch forward (chunked gathers, float32 or float64 accumulation) on any device."""
     b, s_q, h, _ = q.shape
     acc = _acc_dtype(q.dtype)
     out = q.new_empty(b, s_q, h, d_v)
@@ -78,16 +83,28 @@ def _sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d
     return out, lse
 
 
+@torch.library.custom_op("spartron::sparse_mla", mutates_args=())
+def _sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
+                chunk_size: int) -> tuple[Tensor, Tensor]:
+    return reference_forward(q, kv, topk_ids, softmax_scale, d_v, chunk_size)
+
+
+@_sparse_mla.register_kernel("cuda")
+def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size):
+    from spartron.runtime.ops import sparse_mla_triton  # the kernels import triton only when used
+
+    return sparse_mla_triton.forward(q, kv, topk_ids, softmax_scale, d_v)
+
+
 @_sparse_mla.register_fake
 def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size):
     b, s_q, h, _ = q.shape
     return q.new_empty(b, s_q, h, d_v), q.new_empty(b, s_q, h, dtype=_acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("spartron::sparse_mla_backward", mutates_args=())
-def _sparse_mla_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor,
-                         lse: Tensor, softmax_scale: float, d_v: int,
-                         chunk_size: int) -> tuple[Tensor, Tensor]:
+def reference_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor,
+                       lse: Tensor, softmax_scale: float, d_v: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The PyTorch backward (recomputed probabilities, index_add_ into the key gradient)."""
     b, s_q, _, _ = q.shape
     s_kv, d = kv.shape[1], kv.shape[2]
     acc = _acc_dtype(q.dtype)
@@ -110,25 +127,41 @@ def _sparse_mla_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tens
     return grad_q, grad_kv.view(b, s_kv, d).to(kv.dtype)
 
 
+@torch.library.custom_op("spartron::sparse_mla_backward", mutates_args=())
+def _sparse_mla_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor,
+                         out: Tensor, lse: Tensor, softmax_scale: float, d_v: int,
+                         chunk_size: int) -> tuple[Tensor, Tensor]:
+    """`out` is unused here; the CUDA kernel takes Delta = rowsum(dO * out) from it."""
+    return reference_backward(grad_out, grad_lse, q, kv, topk_ids, lse, softmax_scale, d_v, chunk_size)
+
+
+@_sparse_mla_backward.register_kernel("cuda")
+def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size):
+    from spartron.runtime.ops import sparse_mla_triton
+
+    return sparse_mla_triton.backward(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v)
+
+
 @_sparse_mla_backward.register_fake
-def _(grad_out, grad_lse, q, kv, topk_ids, lse, softmax_scale, d_v, chunk_size):
+def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size):
     return torch.empty_like(q), torch.empty_like(kv)
 
 
 def _setup_context(ctx, inputs, output):
     q, kv, topk_ids, softmax_scale, d_v, chunk_size = inputs
-    _, lse = output
-    ctx.save_for_backward(q, kv, topk_ids, lse)
+    out, lse = output
+    ctx.save_for_backward(q, kv, topk_ids, out, lse)
     ctx.args = (softmax_scale, d_v, chunk_size)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, kv, topk_ids, lse = ctx.saved_tensors
+    q, kv, topk_ids, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = q.new_zeros(*q.shape[:3], ctx.args[1])
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
-    grad_q, grad_kv = _sparse_mla_backward(grad_out, grad_lse, q, kv, topk_ids, lse, *ctx.args)
+    grad_q, grad_kv = _sparse_mla_backward(grad_out.contiguous(), grad_lse.contiguous(), q, kv, topk_ids, out,
+                                           lse, *ctx.args)
     return grad_q, grad_kv, None, None, None, None
 
 

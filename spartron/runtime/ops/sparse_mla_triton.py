@@ -1,0 +1,106 @@
+"""Launchers for the Triton sparse-MLA kernels: shape limits, block configs, and the forward / backward.
+
+`spartron::sparse_mla` registers these as its CUDA kernels (sparse_mla.py), so CUDA tensors always
+take them and CPU tensors the PyTorch reference; a CUDA input the kernels cannot take is an error
+naming the limit, never a silent fallback. Triton is imported only when a kernel runs
+(`spartron.optional.require`), so CPU installs without triton import this module.
+
+Limits: D = 576 (kv_lora 512 + rope 64) with d_v = 512, bfloat16 or float16, any head count (heads
+are padded to the head block inside the kernel). Batch is flattened into the token axis.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from spartron.optional import require
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
+
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
+    """Raise ValueError naming the limit when the CUDA kernels cannot take these shapes."""
+    d = q.shape[-1]
+    if d != LATENT_DIM + ROPE_DIM or d_v != LATENT_DIM:
+        raise ValueError(f"sparse_mla CUDA kernel: needs head dim {LATENT_DIM + ROPE_DIM} (kv_lora "
+                         f"{LATENT_DIM} + rope {ROPE_DIM}) and d_v {LATENT_DIM}; got head dim {d}, d_v {d_v}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"sparse_mla CUDA kernel: needs bfloat16 or float16 inputs; got {q.dtype}")
+
+
+def forward_config(n_heads: int) -> KernelConfig:
+    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up, 16 below (mma rows)."""
+    if n_heads > 32:
+        return KernelConfig(block_h=64, block_k=32, num_warps=8, num_stages=2)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=2)
+
+
+def backward_config(n_heads: int) -> KernelConfig:
+    if n_heads > 32:
+        return KernelConfig(block_h=64, block_k=32, num_warps=8, num_stages=1)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=2)
+
+
+def _kernels():
+    require("triton", "the sparse_mla CUDA kernels", "pip install triton (it ships with CUDA builds of torch)")
+    return importlib.import_module("spartron.runtime.ops.sparse_mla_triton_kernels")
+
+
+def _grid(tokens: int, n_heads: int, cfg: KernelConfig) -> tuple[int]:
+    return (tokens * math.ceil(n_heads / cfg.block_h),)
+
+
+def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
+            cfg: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
+    """out [B, S_q, H, 512] (q's dtype), lse [B, S_q, H] float32; inputs contiguous."""
+    check_supported(q, kv, d_v)
+    b, s_q, h, _ = q.shape
+    cfg = cfg or forward_config(h)
+    out = q.new_empty(b, s_q, h, d_v)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    k = _kernels()
+    k.sparse_mla_fwd_kernel[_grid(b * s_q, h, cfg)](
+        q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * k.LOG2E,
+        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out, lse
+
+
+def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor, out: Tensor,
+             lse: Tensor, softmax_scale: float, d_v: int,
+             cfg: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
+    """(dq like q, dkv like kv); dkv is accumulated in float32 with atomics, then cast."""
+    check_supported(q, kv, d_v)
+    b, s_q, h, d = q.shape
+    s_kv = kv.shape[1]
+    cfg = cfg or backward_config(h)
+    grad_q = torch.empty_like(q)
+    grad_kv = torch.zeros(b, s_kv, d, dtype=torch.float32, device=kv.device)
+    if q.numel() == 0:
+        return grad_q, grad_kv.to(kv.dtype)
+    delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
+    k = _kernels()
+    k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
+        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
+        topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+        DC=LATENT_DIM // 4, DR=ROPE_DIM, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grad_q, grad_kv.to(kv.dtype)

@@ -1,0 +1,163 @@
+"""Triton kernels behind `spartron::sparse_mla` on CUDA (absorbed MLA: 512 latent + 64 RoPE, one KV head).
+
+Imports triton at module level: import it only through `sparse_mla_triton`, which checks that triton
+is installed first. One program handles one query token and a block of BH heads, and walks that
+token's K selected ids in blocks of BK, gathering the kv rows by id (an invalid id loads zeros and
+scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returned in natural log.
+
+Backward recomputes P from the saved lse, takes Delta = rowsum(dO * O) - dlse from the caller, keeps
+dq in registers for the whole walk, and adds each block's dkv rows into a float32 buffer with relaxed
+atomics (order-dependent rounding: not bitwise deterministic). The latent is handled as four column
+chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
+def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
+                          scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
+                          DR: tl.constexpr):
+    pid = tl.program_id(0)
+    n_hb = tl.cdiv(n_heads, BH)
+    tok = (pid // n_hb).to(tl.int64)  # flat b * s_q + t
+    hb = pid % n_hb
+    b = tok // s_q
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < n_heads
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
+    q_rows = q_ptr + (tok * n_heads + heads)[:, None] * (DV + DR)
+    q_lat = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
+
+    m = tl.full([BH], -1.0e30, tl.float32)  # finite start: an all-invalid block gives p = 0, no NaN
+    denom = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, DV], tl.float32)
+    id_row = ids_ptr + tok * topk
+    kv_base = kv_ptr + b * s_kv * (DV + DR)
+    for k0 in tl.range(0, topk, BK):
+        kk = k0 + tl.arange(0, BK)
+        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+        valid = (ids >= 0) & (ids < s_kv)
+        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
+        kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
+        kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q_lat, tl.trans(kv_lat))
+        s = tl.dot(q_pe, tl.trans(kv_pe), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
+        m = m_new
+
+    has = denom > 0.0
+    acc = acc / tl.where(has, denom, 1.0)[:, None]
+    out_rows = out_ptr + (tok * n_heads + heads)[:, None] * DV
+    tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + tok * n_heads + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _add_dkv_chunk(dkv_rows, cols, valid, p_t, ds_t, do_c, q_c):
+    """dkv[rows, cols] += P^T dO_c + dS^T q_c (dS already carries the softmax scale)."""
+    part = tl.dot(ds_t, q_c)
+    part = tl.dot(p_t, do_c, part)
+    tl.atomic_add(dkv_rows + cols[None, :], part, mask=valid[:, None], sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
+def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
+                          n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
+                          DC: tl.constexpr, DR: tl.constexpr):
+    D: tl.constexpr = 4 * DC + DR
+    DV: tl.constexpr = 4 * DC
+    pid = tl.program_id(0)
+    n_hb = tl.cdiv(n_heads, BH)
+    tok = (pid // n_hb).to(tl.int64)
+    hb = pid % n_hb
+    b = tok // s_q
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < n_heads
+    dc = tl.arange(0, DC)
+    dr = tl.arange(0, DR)
+    hrow = tok * n_heads + heads
+    q_rows = q_ptr + hrow[:, None] * D
+    q0 = tl.load(q_rows + dc[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_rows + 3 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    qr = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
+    do_rows = do_ptr + hrow[:, None] * DV
+    do0 = tl.load(do_rows + dc[None, :], mask=hmask[:, None], other=0.0)
+    do1 = tl.load(do_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    do2 = tl.load(do_rows + 2 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    do3 = tl.load(do_rows + 3 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    lse = tl.load(lse_ptr + hrow, mask=hmask, other=float("-inf"))
+    # +inf for an empty query or a padding head: every p becomes exp2(-inf) = 0
+    lse2 = tl.where(lse > float("-inf"), lse * 1.4426950408889634, float("inf"))
+    delta = tl.load(delta_ptr + hrow, mask=hmask, other=0.0)
+
+    dq0 = tl.zeros([BH, DC], tl.float32)
+    dq1 = tl.zeros([BH, DC], tl.float32)
+    dq2 = tl.zeros([BH, DC], tl.float32)
+    dq3 = tl.zeros([BH, DC], tl.float32)
+    dqr = tl.zeros([BH, DR], tl.float32)
+    id_row = ids_ptr + tok * topk
+    kv_base = kv_ptr + b * s_kv * D
+    dkv_base = dkv_ptr + b * s_kv * D
+    for k0 in tl.range(0, topk, BK):
+        kk = k0 + tl.arange(0, BK)
+        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+        valid = (ids >= 0) & (ids < s_kv)
+        safe = tl.where(valid, ids, 0).to(tl.int64)[:, None] * D
+        rows = kv_base + safe
+        k0_ = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
+        k1_ = tl.load(rows + DC + dc[None, :], mask=valid[:, None], other=0.0)
+        k2_ = tl.load(rows + 2 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+        k3_ = tl.load(rows + 3 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+        kr_ = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q0, tl.trans(k0_))
+        s = tl.dot(q1, tl.trans(k1_), s)
+        s = tl.dot(q2, tl.trans(k2_), s)
+        s = tl.dot(q3, tl.trans(k3_), s)
+        s = tl.dot(qr, tl.trans(kr_), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do0, tl.trans(k0_))
+        dp = tl.dot(do1, tl.trans(k1_), dp)
+        dp = tl.dot(do2, tl.trans(k2_), dp)
+        dp = tl.dot(do3, tl.trans(k3_), dp)
+        ds = (p * (dp - delta[:, None]) * scale).to(k0_.dtype)
+        pb = p.to(k0_.dtype)
+        dq0 = tl.dot(ds, k0_, dq0)
+        dq1 = tl.dot(ds, k1_, dq1)
+        dq2 = tl.dot(ds, k2_, dq2)
+        dq3 = tl.dot(ds, k3_, dq3)
+        dqr = tl.dot(ds, kr_, dqr)
+        ds_t = tl.trans(ds)
+        p_t = tl.trans(pb)
+        drows = dkv_base + safe
+        _add_dkv_chunk(drows, dc, valid, p_t, ds_t, do0, q0)
+        _add_dkv_chunk(drows, DC + dc, valid, p_t, ds_t, do1, q1)
+        _add_dkv_chunk(drows, 2 * DC + dc, valid, p_t, ds_t, do2, q2)
+        _add_dkv_chunk(drows, 3 * DC + dc, valid, p_t, ds_t, do3, q3)
+        part = tl.dot(ds_t, qr)
+        tl.atomic_add(drows + DV + dr[None, :], part, mask=valid[:, None], sem="relaxed")
+
+    dq_rows = dq_ptr + hrow[:, None] * D
+    ty = dq_ptr.dtype.element_ty
+    tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
