@@ -1,0 +1,283 @@
+"""Config validation holes closed by issue 20: strings, run names and dirs, non-finite and out-of-range
+numbers, options the chosen mode ignores, DSA and micro-batch contradictions, unreadable config files,
+and the checks run before ranks are spawned (spartron/runtime/preflight.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.cli import main
+from spartron.runtime.config import ConfigError, RunConfig, dump_config, load_config
+from spartron.runtime.preflight import check_before_launch, n_checkpoint_regions
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, list(overrides))
+    return str(info.value)
+
+
+# ---- strings ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("char, what", [("\\n", "a newline"), ("\\r", "a carriage return"),
+                                        ("\\u0000", "a NUL byte")])
+@pytest.mark.parametrize("key, template", [
+    ("name", '"a{c}b"'), ("train.run_dir", '"/tmp/a{c}b"'), ("launch.venv", '"/v{c}x"'),
+    ("launch.container", '"img{c}x"'), ("launch.env", '{{A = "x{c}y"}}'), ("launch.env", '{{"A{c}" = "x"}}'),
+    ("launch.sbatch_args", '["--qos=a", "--x{c}"]'), ("ac.targets", '["aten::mm{c}"]'),
+    ("train.data.path", '"/d{c}x"'),
+])
+def test_every_string_option_rejects_newline_cr_and_nul(key, template, char, what):
+    extra = ["ac.mode=selective"] if key == "ac.targets" else []
+    extra += ["train.data.kind=mmap"] if key == "train.data.path" else []
+    message = _error(*extra, f"{key}={template.format(c=char)}")
+    assert message.startswith(f"invalid config: {key}: must not contain {what}, got "), message
+
+
+def test_every_string_field_of_every_section_is_checked():
+    """The check lives in ConfigSection: a new str field anywhere is covered without code of its own."""
+    from pydantic import ValidationError
+
+    from spartron.configbase import ConfigSection
+
+    class Probe(ConfigSection):
+        label: str = "x"
+        tags: list[str] = []
+        table: dict[str, list[str]] = {}
+
+    for bad in ({"label": "a\nb"}, {"tags": ["ok", "a\0"]}, {"table": {"k": ["a\rb"]}}, {"table": {"k\n": []}}):
+        with pytest.raises(ValidationError, match="must not contain"):
+            Probe(**bad)
+    assert Probe(label="a b", tags=["x"], table={"k": ["v"]}).label == "a b"
+
+
+# ---- run name and run dir --------------------------------------------------------------------
+@pytest.mark.parametrize("name, message", [
+    ("../../x", "must be one folder name under runs/"), ("a/b", "must be one folder name under runs/"),
+    ("..", "must be one folder name under runs/"), (".", "must be one folder name under runs/"),
+    ("a\\b", "must be one folder name under runs/"), (" x", "no leading or trailing spaces"),
+    ("", "must be a non-empty run name"), ("   ", "must be a non-empty run name"),
+    ("x" * 10_000, "must be at most 128 characters, got 10000"),
+])
+def test_bad_run_names_are_config_errors_naming_name(name, message):
+    error = _error(f"name={json.dumps(name)}")
+    assert error.startswith("invalid config: name: ") and message in error
+
+
+def test_good_names_and_absolute_run_dirs_stay_allowed(tmp_path):
+    assert load_config(TINY, ['name="exp-1.2_a b"']).name == "exp-1.2_a b"
+    assert load_config(TINY, ['name="' + "x" * 128 + '"']).name == "x" * 128
+    outside = str(tmp_path / ".." / "elsewhere")
+    assert load_config(TINY, [f"train.run_dir={json.dumps(outside)}"]).train.run_dir == outside
+    assert load_config(TINY, ["train.run_dir=sub/dir"]).train.run_dir == "sub/dir"
+
+
+def test_relative_run_dir_may_not_climb_out_of_the_working_directory():
+    assert _error("train.run_dir=../x") == (
+        "invalid config: train.run_dir: a relative run directory must stay below the working directory "
+        "(no '..'); give an absolute path to write elsewhere, got '../x'")
+    assert "no '..'" in _error("train.run_dir=a/../../x")
+    assert _error('train.run_dir=""') == ("invalid config: train.run_dir: must be a non-empty path "
+                                          "(or leave it unset for runs/<name>)")
+
+
+# ---- numbers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
+                                 "train.peak_tflops", "parallel.timeout_s", "model.norm_eps",
+                                 "model.init_std", "model.mla.rope_theta", "model.moe.route_scale",
+                                 "model.moe.bias_update_rate", "model.mtp.loss_scale", "train.beta1"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_floats_are_refused_everywhere(key, value):
+    assert _error(f"{key}={value}") == f"invalid config: {key}: Input should be a finite number (got {float(value)!r})"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.beta1=1.0", "train.beta1: Input should be less than 1 (got 1.0)"),
+    ("train.beta2=1", "train.beta2: Input should be less than 1 (got 1)"),
+    ("train.beta1=-0.1", "train.beta1: Input should be greater than or equal to 0 (got -0.1)"),
+    ("model.norm_eps=-1e-6", "model.norm_eps: Input should be greater than 0 (got -1e-06)"),
+    ("model.norm_eps=0", "model.norm_eps: Input should be greater than 0 (got 0)"),
+    ("model.init_std=-0.02", "model.init_std: Input should be greater than 0 (got -0.02)"),
+    ("model.init_std=0.0", "model.init_std: Input should be greater than 0 (got 0.0)"),
+    ("model.mla.rope_theta=1", "model.mla.rope_theta: Input should be greater than 1 (got 1)"),
+    ("model.moe.route_scale=0", "model.moe.route_scale: Input should be greater than 0 (got 0)"),
+    ("train.seed=-1", "train.seed: Input should be greater than or equal to 0 (got -1)"),
+    (f"train.seed={2**63}", f"train.seed: Input should be less than {2**63} (got {2**63})"),
+])
+def test_out_of_range_numbers_name_the_key(override, message):
+    assert _error(override) == f"invalid config: {message}"
+
+
+def test_yarn_values_must_be_positive():
+    assert _error("model.mla.yarn={factor = 0.0}") == (
+        "invalid config: model.mla.yarn.factor: Input should be greater than 0 (got 0.0)")
+
+
+# ---- options the chosen mode ignores ---------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["train.data.path=/x.bin"], "train.data.path is set but train.data.kind = 'synthetic' reads no file"),
+    (["train.data.token_dtype=uint32"], "train.data.token_dtype is set but train.data.kind = 'synthetic'"),
+    (["offload.window=[0]"], "offload.window is set but offload.enabled = false"),
+    (["offload.keep_last=2"], "offload.keep_last is set but offload.enabled = false"),
+    (["offload.what=inputs_and_dsa_ids"], "offload.what is set but offload.enabled = false"),
+    (["offload.enabled=true", "offload.pool_max_bytes=0"],
+     "offload.pool_max_bytes: Input should be greater than or equal to 1 (got 0)"),
+    (["offload.enabled=true", "offload.min_bytes=100", "offload.pool_max_bytes=10"],
+     "offload.min_bytes 100 is above offload.pool_max_bytes 10: no tensor could be offloaded"),
+    (["ac.mode=none", "ac.freq=2"], "ac.freq is set but ac.mode = 'none' makes no checkpoint regions"),
+    (["train.intra_layer_micro_batch_scope=experts"],
+     "train.intra_layer_micro_batch_scope = 'experts' is set but train.intra_layer_micro_batches = 1"),
+])
+def test_ignored_options_are_errors(overrides, message):
+    assert message in _error(*overrides)
+
+
+def test_dumped_configs_with_every_default_written_still_load(tmp_path):
+    """The 'ignored option' checks compare with defaults, so a dumped config (every key written) loads."""
+    cfg = RunConfig()
+    path = tmp_path / "dumped.toml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("target, message", [
+    ("aten::mm.bogus", "target 'aten::mm.bogus': aten::mm has no overload 'bogus' (it has default, dtype, "
+                       "dtype_out, out)"),
+    ("aten::mm.", "has no overload ''"),
+])
+def test_ac_target_overload_suffix_must_exist(target, message):
+    assert message in _error("ac.mode=selective", f'ac.targets=["{target}"]')
+    assert load_config(TINY, ["ac.targets=[\"aten::mm.default\", \"aten::mm.out\"]"]).ac.targets == [
+        "aten::mm.default", "aten::mm.out"]
+
+
+# ---- cross-field contradictions found only when the model was built --------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["model.dsa.index_head_dim=4"], "model.dsa.index_head_dim 4 must be >= model.mla.qk_rope_head_dim 8"),
+    (["model.dsa.layers=[1, 1]"], "model.dsa.layers has duplicate indices: [1, 1]"),
+    (["model.first_k_dense=4", "model.mtp.depth=0"], "model.dsa.layers = 'moe' selects no layer"),
+    (["train.seq_len=512"], "train.seq_len 512 is above model.max_seq_len 256"),
+    (["train.intra_layer_micro_batches=3", "train.micro_batch_size=4"],
+     "train.intra_layer_micro_batches = 3 must divide train.micro_batch_size = 4"),
+    (["train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_coeff=0.1",
+      "model.moe.aux_loss_type=batch"], "needs model.moe.aux_loss_type = 'seq'"),
+    (["train.intra_layer_micro_batches=200", "train.intra_layer_micro_batch_scope=experts", "train.seq_len=64"],
+     "train.intra_layer_micro_batches = 200 (scope 'experts') needs at least 200 tokens per MoE layer call, "
+     "but train.micro_batch_size x train.seq_len / parallel.cp = 64"),
+])
+def test_contradictions_are_config_errors(overrides, message):
+    assert message in _error(*overrides)
+
+
+def test_plan_on_a_contradictory_dsa_config_is_one_line_exit_2(capsys):
+    assert main(["plan", TINY, "--set", "model.dsa.index_head_dim=4"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == ("spartron: error: invalid config: model.dsa.index_head_dim 4 must be >= "
+                       "model.mla.qk_rope_head_dim 8: the indexer rotates its first qk_rope_head_dim dims\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "spartron: error: --world-size must be >= 1, got 0\n"),
+    (["--world-size", "-4"], "spartron: error: --world-size must be >= 1, got -4\n"),
+    (["--max-groups", "0"], "spartron: error: --max-groups must be >= 1, got 0\n"),
+])
+def test_plan_refuses_sizes_below_one(argv, message, capsys):
+    assert main(["plan", TINY, *argv]) == 2
+    assert capsys.readouterr().err == message
+
+
+def test_plan_at_a_world_size_the_batch_does_not_divide_prints_and_notes(capsys):
+    assert main(["plan", TINY, "--world-size", "8"]) == 0
+    out = capsys.readouterr()
+    assert "# parallel layout:" in out.out
+    assert out.err == ("spartron: note: `spartron train` on 8 ranks would refuse this config: "
+                       "train.global_batch_size 4 must be divisible by dp size 8 x train.micro_batch_size 1 = 8\n")
+
+
+# ---- the config file itself ------------------------------------------------------------------
+def test_unreadable_config_files_are_one_line(tmp_path):
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"name = \"x\"\n\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match=r"^config file '.*binary.toml' is not UTF-8 text \(byte 11\)"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"^config file '.*' is not a regular file$"):
+        load_config(tmp_path)
+    nested = tmp_path / "deep.toml"
+    nested.write_text("v = " + "[" * 100_000)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(nested)
+
+
+# ---- pre-spawn checks (preflight) ------------------------------------------------------------
+def test_region_count_matches_the_built_model():
+    from spartron.checkpointing.offload import checkpoint_regions
+    from spartron.layers.model import build_model
+    from spartron.runtime.parallelize import apply_ac
+
+    for extra in ([], ["ac.freq=2"], ["ac.freq=3", "model.mtp.share_weights=false"], ["model.mtp.depth=0"]):
+        cfg = load_config(TINY, extra)
+        model = build_model(cfg.model)
+        apply_ac(model, cfg.ac)
+        assert n_checkpoint_regions(cfg) == len(checkpoint_regions(model)), extra
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["train.global_batch_size=3"], 2, "train.global_batch_size 3 must be divisible by dp size 2 x "
+                                       "train.micro_batch_size 1 = 2"),
+    (["model.moe.dispatcher=deepep"], 1, "model.moe.dispatcher = 'deepep' needs CUDA, but this run is on CPU "
+                                         "(device = 'cpu')"),
+    (["model.moe.all_to_all_transport=copy_engine"], 1, "model.moe.all_to_all_transport = 'copy_engine' needs CUDA"),
+    (["parallel.backend=nccl"], 1, "parallel.backend = 'nccl' needs CUDA"),
+    (["offload.enabled=true", "offload.window=[0, 9]"], 1,
+     "offload.window names regions [9], but the model has 5 checkpoint regions"),
+    (["offload.enabled=true", "offload.keep_last=5"], 1, "offload.keep_last = 5 keeps every one of the 5"),
+])
+def test_checks_before_launch(overrides, world, message, tmp_path):
+    cfg = load_config(TINY, overrides)
+    with pytest.raises(ConfigError) as info:
+        check_before_launch(cfg, world, tmp_path)
+    assert message in str(info.value)
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for key, override in (("train.run_dir", f"train.run_dir={json.dumps(str(tmp_path / 'file'))}"),
+                          ("train.run_dir", f"train.run_dir={json.dumps(str(tmp_path / 'file' / 'sub'))}")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: run directory .* (is not a directory|is a file)"):
+            check_before_launch(load_config(TINY, [override]), 1, tmp_path)
+    check_before_launch(load_config(TINY), 1, tmp_path)  # runs/tiny does not exist yet: fine
+
+
+def test_cli_refuses_before_spawning_any_rank(tmp_path):
+    """launch.nproc = 2 with a batch that does not divide: one line, exit 2, no logs dir (no rank ran)."""
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "launch.nproc=2",
+                           "--set", "train.global_batch_size=3"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["spartron: error: train.global_batch_size 3 must be divisible by dp size 2 "
+                                        "x train.micro_batch_size 1 = 2"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_data_file_errors_are_one_line(tmp_path):
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "train.data.kind=mmap",
+                           "--set", f"train.data.path={json.dumps(str(empty))}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, f"spartron: error: train.data.path '{empty}' is empty\n")
+
+
+def test_region_count_of_freq_and_no_ac():
+    assert n_checkpoint_regions(load_config(TINY, ["ac.freq=2"])) == math.ceil((4 + 1) / 2)
+    assert n_checkpoint_regions(load_config(TINY, ["ac.mode=none"])) == 0
