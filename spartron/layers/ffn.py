@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spartron.layers.init import init_parameters_
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype | None = None,
@@ -22,9 +24,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(inter_dim, dim, bias=False, dtype=dtype, device=device)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        for lin in (self.w1, self.w3, self.w2):
-            nn.init.normal_(lin.weight, std=self.init_std)
+    def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
+        init_parameters_(self, seed, self.init_std, prefix)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

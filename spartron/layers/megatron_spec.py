@@ -13,6 +13,11 @@ forward (micro-batch) and add `side.loss()` to the LM loss before backward. A la
 twice without a reset raises: that catches a missing reset and any recompute the channel would
 otherwise see twice.
 
+Initialisation: each adapter initialises its Spartron module by the rule of spartron.layers.init from
+the spec param `init_seed` and the names the same layer has in SparseMoEModel (`layers.{i}.attn.*`,
+`layers.{i}.ffn.*`), so a Megatron block starts from the reference model's layers under any layout.
+The MLP slot learns its layer index from `set_layer_number`, so it initialises there.
+
 Groups: attention takes Megatron's `pg_collection` (TransformerLayer passes it); the MLP slot gets
 no groups from TransformerLayer, so `pg_collection` or a Spartron `ParallelGroups` is a spec param.
 When both a ParallelGroups and a ProcessGroupCollection reach an adapter their ranks must agree.
@@ -31,6 +36,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_size_of, local_positions
 from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
+from spartron.layers.init import init_parameters_
 from spartron.layers.megatron_config import spartron_config_from_megatron
 from spartron.layers.mla import MLA
 from spartron.layers.moe import MoELayer
@@ -114,14 +120,6 @@ def _model_config(config, base: ModelConfig | None) -> ModelConfig:
     return spartron_config_from_megatron(config, base=base)
 
 
-@torch.no_grad()
-def _init_matrices(module: nn.Module, std: float) -> None:
-    """Normal(0, init_std) matrices, like SparseMoEModel.init_weights (norm weights stay ones)."""
-    for p in module.parameters():
-        if p.dim() >= 2:
-            p.normal_(0.0, std)
-
-
 def _reject(**unsupported: Any) -> None:
     given = [k for k, v in unsupported.items() if v is not None]
     if given:
@@ -135,7 +133,7 @@ class SpartronMLAAttention(nn.Module):
     def __init__(self, config, layer_number: int, side_channel: SideChannel,
                  base_config: ModelConfig | None = None, groups: ParallelGroups | None = None,
                  pg_collection: ProcessGroupCollection | None = None, cp_comm_type: str | None = None,
-                 submodules: Any = None):
+                 submodules: Any = None, init_seed: int = 0):
         super().__init__()
         if submodules is not None:
             raise ValueError("SpartronMLAAttention takes no submodules (its projections are Spartron's)")
@@ -145,7 +143,7 @@ class SpartronMLAAttention(nn.Module):
         self.side_channel = side_channel
         self.cp_group = resolve_group("cp", pg_collection, groups)
         self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
-        _init_matrices(self.mla, self.model_cfg.init_std)
+        init_parameters_(self.mla, init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.attn.")
 
     @property
     def dsa_role(self):
@@ -179,15 +177,21 @@ class SpartronMLAAttention(nn.Module):
 class _MLPSlot(nn.Module):
     """Common part of the `mlp` slot adapters: Megatron passes no layer_number, it calls set_layer_number."""
 
-    def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None):
+    def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None, init_seed: int):
         super().__init__()
         self.config = config
         self.model_cfg = _model_config(config, base_config)
         self.side_channel = side_channel
+        self.init_seed = init_seed
         self.layer_idx: int | None = None
 
     def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's TransformerLayer calls this in its constructor: the index names the weights."""
         self.layer_idx = layer_number - 1
+        init_parameters_(self.ffn_module(), self.init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.ffn.")
+
+    def ffn_module(self) -> nn.Module:
+        raise NotImplementedError
 
     def _bsh(self, hidden_states: Tensor, padding_mask) -> Tensor:
         _reject(padding_mask=padding_mask)
@@ -199,13 +203,15 @@ class SpartronMoEMLP(_MLPSlot):
 
     def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
                  groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
-                 submodules: Any = None):
-        super().__init__(config, side_channel, base_config)
+                 submodules: Any = None, init_seed: int = 0):
+        super().__init__(config, side_channel, base_config, init_seed)
         if submodules is not None:
             raise ValueError("SpartronMoEMLP takes no submodules")
         self.ep_group = resolve_group("ep", pg_collection, groups)
         self.moe = MoELayer(self.model_cfg, ep_group=self.ep_group)
-        _init_matrices(self.moe, self.model_cfg.init_std)
+
+    def ffn_module(self) -> nn.Module:
+        return self.moe
 
     def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
         if self.layer_idx is None:
@@ -219,8 +225,8 @@ class SpartronDenseMLP(_MLPSlot):
     """`mlp` slot of dense layers: Spartron's SwiGLU FeedForward of width ffn_hidden_size."""
 
     def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
-                 submodules: Any = None, **_groups_unused_by_dense_ffn: Any):
-        super().__init__(config, side_channel, base_config)
+                 submodules: Any = None, init_seed: int = 0, **_groups_unused_by_dense_ffn: Any):
+        super().__init__(config, side_channel, base_config, init_seed)
         if submodules is not None:
             raise ValueError("SpartronDenseMLP takes no submodules")
         unknown = set(_groups_unused_by_dense_ffn) - {"groups", "pg_collection"}
@@ -228,6 +234,9 @@ class SpartronDenseMLP(_MLPSlot):
             raise TypeError(f"SpartronDenseMLP got unexpected arguments {sorted(unknown)}")
         self.ffn = FeedForward(self.model_cfg.dim, self.model_cfg.dense_inter_dim,
                                init_std=self.model_cfg.init_std)
+
+    def ffn_module(self) -> nn.Module:
+        return self.ffn
 
     def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
         return self.ffn(self._bsh(hidden_states, padding_mask)).transpose(0, 1), None
@@ -253,13 +262,14 @@ def moe_adapters(module: nn.Module) -> list[SpartronMoEMLP]:
 
 def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_config: ModelConfig | None = None,
                         groups: ParallelGroups | None = None,
-                        pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
+                        pg_collection: ProcessGroupCollection | None = None, init_seed: int = 0) -> ModuleSpec:
     """ModuleSpec of a Megatron TransformerLayer with Spartron MLA and a Spartron MoE (`kind="moe"`)
     or dense SwiGLU (`kind="dense"`) FFN, and Megatron's torch RMSNorms.
 
     Whether the attention is dense MLA, a DSA source or a DSA consumer follows the Spartron DSA
     schedule of the layer's index (Megatron config's DSA fields + `base_config.dsa.layers/topk_freq`).
     `pg_collection`/`groups` give the MoE its EP group (TransformerLayer passes the MLP none).
+    `init_seed`: the seed of the layout-invariant init (SparseMoEModel's layer i with that seed).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -268,7 +278,7 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
 
     if kind not in ("moe", "dense"):
         raise ValueError(f"kind must be 'moe' or 'dense', got {kind!r}")
-    common = {"side_channel": side_channel, "base_config": base_config}
+    common = {"side_channel": side_channel, "base_config": base_config, "init_seed": init_seed}
     moe_params = {**common, "groups": groups, "pg_collection": pg_collection}
     mlp = (ModuleSpec(module=SpartronMoEMLP, params=moe_params) if kind == "moe"
            else ModuleSpec(module=SpartronDenseMLP, params=common))
@@ -283,13 +293,13 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
 
 
 def spartron_block_spec(config, side_channel: SideChannel, base_config: ModelConfig | None = None,
-                        groups: ParallelGroups | None = None,
-                        pg_collection: ProcessGroupCollection | None = None) -> TransformerBlockSubmodules:
+                        groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
+                        init_seed: int = 0) -> TransformerBlockSubmodules:
     """TransformerBlock spec: model.first_k_dense dense layers then MoE layers, final torch RMSNorm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     cfg = spartron_config_from_megatron(config, base=base_config)
     specs = [spartron_layer_spec(side_channel, "dense" if i < cfg.first_k_dense else "moe", base_config,
-                                 groups, pg_collection) for i in range(cfg.n_layers)]
+                                 groups, pg_collection, init_seed) for i in range(cfg.n_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)

@@ -3,6 +3,9 @@
 Every CP rank receives the full sequence; the model keeps its load-balanced causal shard (chunks r and
 2cp-1-r). The loss on each rank is scaled so that the average over the gradient-averaging group (FSDP
 averages over every data/context-parallel rank) is the exact global token mean.
+
+Initial weights depend only on `seed` and each parameter's name (and global expert index), never on
+the RNG state or the layout (spartron.layers.init): every EP/CP/FSDP layout builds the 1-rank model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_b
 from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
+from spartron.layers.init import init_parameters_
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.moe.deepep_buffer import share_deepep_buffer
 from spartron.layers.moe.dispatch import CopyEngineDispatcher
@@ -25,7 +29,7 @@ from spartron.runtime.ops.copy_engine import share_exchange_buffers
 
 
 class SparseMoEModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None):
+    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.cp_group = cp_group
@@ -38,16 +42,11 @@ class SparseMoEModel(nn.Module):
         # Intra-layer micro-batches of the decoder stack (train.intra_layer_micro_batches, set by
         # runtime.parallelize): each layer runs N batch slices with their phases interleaved.
         self.intra_layer_micro_batches = 1
-        self.init_weights()
+        self.init_weights(seed)
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) for matrices and embeddings, ones for norms (deterministic given the seed)."""
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, self.cfg.init_std, generator=generator)
-            elif "norm" in name:
-                p.fill_(1.0)
+    def init_weights(self, seed: int = 0) -> None:
+        """The layout-invariant rule of spartron.layers.init over this model's parameter names."""
+        init_parameters_(self, seed, self.cfg.init_std)
 
     @property
     def head_weight(self) -> Tensor:
@@ -119,8 +118,9 @@ class SparseMoEModel(nn.Module):
             moe.update_expert_bias(group=group)
 
 
-def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
-    """Build the reference model on the explicit groups (None: single rank).
+def build_model(cfg: ModelConfig, groups=None, seed: int = 0) -> SparseMoEModel:
+    """Build the reference model on the explicit groups (None: single rank), initialised from `seed`
+    (the trainer passes train.seed) by the layout-invariant rule of spartron.layers.init.
 
     `model.dtype` is the parameter dtype (the presets train bf16 parameters with AdamW, as in
     ARCHITECTURE.md): parameters are initialised in float32 and cast once; buffers such as the
@@ -128,9 +128,10 @@ def build_model(cfg: ModelConfig, groups=None) -> SparseMoEModel:
     """
     master = cfg.model_copy(update={"dtype": "float32"})
     if groups is None:
-        model = SparseMoEModel(master)
+        model = SparseMoEModel(master, seed=seed)
     else:
-        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp)
+        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp,
+                               seed=seed)
     model.cfg = cfg
     if cfg.moe.dispatcher == "deepep":
         share_deepep_buffer(model)  # one DeepEP buffer per EP group, not one per MoE layer

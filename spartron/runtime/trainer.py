@@ -88,7 +88,7 @@ def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
     from spartron.layers.model import build_model
     from spartron.runtime.parallelize import parallelize
 
-    return parallelize(build_model(cfg.model, groups), groups, cfg)
+    return parallelize(build_model(cfg.model, groups, seed=cfg.train.seed), groups, cfg)
 
 
 def resolve_device(cfg: RunConfig) -> torch.device:
@@ -184,7 +184,9 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
                                   nccl=p.nccl_settings())
 
-    torch.manual_seed(t.seed)  # identical initial weights on every rank before sharding
+    # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
+    # for custom factories that draw from the global RNG: the same state on every rank.
+    torch.manual_seed(t.seed)
     with device:
         model = model_factory(cfg, groups)
     params = [q for q in model.parameters() if q.requires_grad]

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig  #
 from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.layers.context_parallel import local_positions, shard_sequence  # noqa: E402
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
+from spartron.layers.init import init_parameters_  # noqa: E402
 from spartron.layers.megatron import (  # noqa: E402
     MAPPED,
     MEGATRON_OWNED,
@@ -158,9 +159,12 @@ def test_unknown_non_default_field_of_a_newer_megatron_is_a_problem():
 
 # ---------------------------------------------------------------- layers on real gloo ranks
 
-def _copy_into_decoder_layer(mlayer, dlayer: DecoderLayer) -> None:
-    state = {spartron_layer_key(k): v for k, v in mlayer.state_dict().items()}
-    dlayer.load_state_dict(state, strict=True)
+def _differing_from_decoder_layer(mlayer, dlayer: DecoderLayer) -> list[str]:
+    """Keys of a Megatron layer whose value differs bitwise from the Spartron layer's (none may be missing)."""
+    theirs = dlayer.state_dict()
+    ours = {spartron_layer_key(k): v for k, v in mlayer.state_dict().items()}
+    assert sorted(ours) == sorted(theirs)
+    return [k for k, v in ours.items() if not torch.equal(v, theirs[k])]
 
 
 def _max_diff(a, b) -> float:
@@ -174,11 +178,13 @@ def _block_parity(rank, world, cfg_kwargs):
     pgc = to_process_group_collection(groups)
     tcfg = megatron_config_from_spartron(cfg)
     side = SideChannel()
-    block = TransformerBlock(tcfg, spartron_block_spec(tcfg, side, base_config=cfg, pg_collection=pgc),
+    block = TransformerBlock(tcfg, spartron_block_spec(tcfg, side, base_config=cfg, pg_collection=pgc, init_seed=4),
                              pg_collection=pgc)
+    # No weights copied: the adapters initialise by the model's rule under SparseMoEModel's names.
     layers = torch.nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
-    for mlayer, dlayer in zip(block.layers, layers, strict=True):
-        _copy_into_decoder_layer(mlayer, dlayer)
+    init_parameters_(layers, 4, cfg.init_std, prefix="layers.")
+    init_differs = [k for mlayer, dlayer in zip(block.layers, layers, strict=True)
+                    for k in _differing_from_decoder_layer(mlayer, dlayer)]
     norm = RMSNorm(cfg.dim, cfg.norm_eps)
     norm.load_state_dict(block.final_layernorm.state_dict())
     s, b = 12, 2
@@ -200,7 +206,8 @@ def _block_parity(rank, world, cfg_kwargs):
     grad_diffs = {k: _max_diff(p.grad, params_s[spartron_name(k)].grad)
                   for k, p in block.named_parameters() if k.startswith("layers.") and p.grad is not None}
     no_grad = sorted(k for k, p in block.named_parameters() if p.grad is None)
-    return dict(out=_max_diff(y_m, y_s), x_grad=_max_diff(x_m.grad, x_s.grad.transpose(0, 1)),
+    return dict(init_differs=init_differs, out=_max_diff(y_m, y_s),
+                x_grad=_max_diff(x_m.grad, x_s.grad.transpose(0, 1)),
                 grads=max(grad_diffs.values()), n_grads=len(grad_diffs), no_grad=no_grad,
                 aux=None if aux_m is None else _max_diff(aux_m, aux_s),
                 ids_equal=(side.dsa_topk_ids is None and stack.dsa_topk_ids is None)
@@ -215,6 +222,7 @@ def _block_parity(rank, world, cfg_kwargs):
 ], ids=["mla-moe-aux", "dsa-source-consumer"])
 def test_megatron_block_matches_spartron_decoder_layers(cfg_kwargs):
     (r,) = run_distributed(_block_parity, 1, cfg_kwargs)
+    assert r["init_differs"] == [], r["init_differs"]
     assert r["out"] < 2e-6 and r["x_grad"] < 2e-6 and r["grads"] < 2e-6, r
     assert r["no_grad"] == ([] if "dsa" not in cfg_kwargs else  # frozen indexers get no gradient
                             [f"layers.{i}.self_attention.mla.indexer.{n}" for i in (0, 2)

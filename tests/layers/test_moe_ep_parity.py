@@ -1,8 +1,10 @@
 """Expert parallelism on real gloo ranks: EP=2 and EP=4 equal EP=1 on the same global batch.
 
-Every rank builds the EP=1 reference from the full batch and full weights, then an EP layer holding
-its E/ep experts and its share of the batch; outputs, input grads and expert-weight grads must equal
-the matching slice of the reference, replicated grads (router, shared experts) their all-reduced sum.
+Every rank builds the EP=1 reference over the full batch, then an EP layer holding its E/ep experts
+and its share of the batch. No weights are copied: the EP layer starts from the init rule alone
+(spartron.layers.init, global expert index), and its experts must be the reference's slice bitwise.
+Outputs, input grads and expert-weight grads must equal the matching slice of the reference,
+replicated grads (router, shared experts) their all-reduced sum.
 """
 
 from __future__ import annotations
@@ -33,22 +35,24 @@ def _loss(out, g, world):
 
 def _ep_parity_worker(rank, world, score_func, dead_last_rank):
     cfg = _cfg(score_func)
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # neither layer's weights may depend on the RNG state
     ref = MoELayer(cfg)
-    if dead_last_rank:  # the last EP rank's experts are never selected: it receives zero rows
-        with torch.no_grad():
-            ref.router.expert_bias[8 - 8 // world:] = -100.0
-    x = torch.randn(world * BATCH_PER_RANK, SEQ, DIM)
-    g = torch.randn_like(x)
-
+    torch.manual_seed(100 + rank)
     ep = MoELayer(cfg, ep_group=dist.group.WORLD)
     assert isinstance(ep.dispatcher, AllToAllDispatcher)
     n_local = 8 // world
     assert ep.n_local_experts == n_local and ep.first_local_expert == rank * n_local
     own = slice(rank * n_local, (rank + 1) * n_local)
-    state = {k: v for k, v in ref.state_dict().items() if not k.startswith("experts.")}
-    state.update({f"experts.{n}": p.detach()[own] for n, p in ref.experts.named_parameters()})
-    ep.load_state_dict(state)
+    for name, p in ep.named_parameters():  # from the seed alone, bitwise
+        expected = ref.get_parameter(name)[own] if name.startswith("experts.") else ref.get_parameter(name)
+        assert torch.equal(p, expected), name
+    if dead_last_rank:  # the last EP rank's experts are never selected: it receives zero rows
+        with torch.no_grad():
+            for layer in (ref, ep):
+                layer.router.expert_bias[8 - 8 // world:] = -100.0
+    torch.manual_seed(0)  # the same global batch on every rank
+    x = torch.randn(world * BATCH_PER_RANK, SEQ, DIM)
+    g = torch.randn_like(x)
 
     x_ref = x.clone().requires_grad_()
     out_ref = ref(x_ref)

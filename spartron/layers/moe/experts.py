@@ -12,7 +12,8 @@ Two compute paths, chosen by `model.moe.grouped_mm`:
   catching an error).
 The `experts` submodule of MoELayer is an instance of this class; parallelize shards every
 parameter of a `GroupedExperts` over the expert mesh (`expert_fsdp`), everything else over the
-dense mesh.
+dense mesh. Local expert i is global expert `first_expert + i`, which is what its initial value
+depends on (spartron.layers.init), so EP ranks start from the 1-rank model's experts, not copies.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spartron.layers.init import init_parameters_
 from spartron.runtime.ops.collectives import splits_to_host
 
 
@@ -33,7 +35,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, n_local_experts: int, dim: int, inter_dim: int, mode: str = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, first_expert: int = 0):
         super().__init__()
         if mode not in ("auto", "grouped", "loop"):
             raise ValueError(f"model.moe.grouped_mm must be auto, grouped or loop, got {mode!r}")
@@ -43,15 +45,15 @@ class GroupedExperts(nn.Module):
         self.mode = mode
         self.init_std = init_std
         self.n_local_experts = n_local_experts
+        self.first_expert = first_expert
         factory = {"dtype": dtype, "device": device}
         self.w1 = nn.Parameter(torch.empty(n_local_experts, inter_dim, dim, **factory))
         self.w3 = nn.Parameter(torch.empty(n_local_experts, inter_dim, dim, **factory))
         self.w2 = nn.Parameter(torch.empty(n_local_experts, dim, inter_dim, **factory))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, std=self.init_std)
+    def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
+        init_parameters_(self, seed, self.init_std, prefix)
 
     def resolved_mode(self, x: Tensor) -> str:
         if self.mode != "auto":

@@ -2,7 +2,9 @@
 
 Expert placement: with an EP group of size ep, this rank holds E_local = E / ep routed experts,
 global experts [rank * E_local, (rank + 1) * E_local). They live in the `experts` submodule (a
-GroupedExperts); the router and the shared experts are replicated like any dense weight.
+GroupedExperts); the router and the shared experts are replicated like any dense weight. Initial
+values follow spartron.layers.init (seed and global identity, global expert index included): an EP
+layer holds exactly its slice of the 1-rank layer's experts, however many ranks share them.
 
 Routing telemetry: every forward adds its per-expert token counts into the non-persistent buffer
 `step_tokens_per_expert` through the op `spartron::record_routing_stats`. That op is in the
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 from spartron.checkpointing.microbatch import Phase, PhaseGen, drive, interleave
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
+from spartron.layers.init import init_parameters_
 from spartron.layers.moe.dispatch import build_dispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
@@ -49,7 +52,7 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(cfg, ep_group, hidden=model_cfg.dim)
         self.router = Router(cfg, model_cfg.dim, **common)
         self.experts = GroupedExperts(self.n_local_experts, model_cfg.dim, cfg.moe_inter_dim,
-                                      mode=cfg.grouped_mm, **common)
+                                      mode=cfg.grouped_mm, first_expert=self.first_local_expert, **common)
         self.shared_experts = (FeedForward(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim, **common)
                                if cfg.n_shared_experts > 0 else None)
         # > 1: the routed token path runs in this many chunks, interleaved (train.intra_layer_micro_batch_scope
@@ -58,6 +61,12 @@ class MoELayer(nn.Module):
         self.register_buffer("step_tokens_per_expert",
                              torch.zeros(cfg.n_routed_experts, dtype=torch.int64, device=device),
                              persistent=False)
+        self.init_std = model_cfg.init_std
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
+        """The init rule over this layer's names (`prefix` + router.weight, experts.w1, ...)."""
+        init_parameters_(self, seed, self.init_std, prefix)
 
     def forward(self, x: Tensor) -> MoEOutput:
         """x [batch, seq, dim] (this rank's tokens) -> MoEOutput."""

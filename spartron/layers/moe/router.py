@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.layers.config import MoEConfig
+from spartron.layers.init import init_parameters_
 from spartron.runtime.ops.routing import moe_topk
 
 
@@ -61,8 +62,8 @@ class Router(nn.Module):
                                                         device=device))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.init_std)
+    def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
+        init_parameters_(self, seed, self.init_std, prefix)
         with torch.no_grad():
             self.expert_bias.zero_()
 
