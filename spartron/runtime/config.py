@@ -18,7 +18,6 @@ from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
 from spartron.parallel.dims import GROUP_DIMS, MEGATRON_ORDER_NAMES
-from spartron.runtime.debug import DebugConfig
 
 
 class ConfigError(ValueError):
@@ -183,10 +182,6 @@ class LaunchConfig(ConfigSection):
     venv: str | None = None  # default: the venv of the interpreter running `spartron sbatch`
     container: str | None = None  # pyxis/enroot image for `srun --container-image`
     sbatch_args: list[str] = Field(default_factory=list)  # extra `--flag=value` directives
-    # Preemption: ranks save a complete step on SIGTERM and exit 75 (spartron.runtime.preemption).
-    requeue: bool = False  # `#SBATCH --requeue`; a SIGTERM to the batch shell then requeues the job
-    signal_before_s: int = Field(0, ge=0, le=65535)  # `--signal=B:TERM@<s>` before the time limit; 0: no
-    terminate_grace_s: float = Field(120.0, gt=0)  # local launcher: time to save after a forwarded SIGTERM
 
     @field_validator("partition")
     @classmethod
@@ -246,7 +241,6 @@ class RunConfig(ConfigSection):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
-    debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
 
     @field_validator("name")
     @classmethod
