@@ -126,6 +126,14 @@ class TrainConfig(ConfigSection):
     save_every: int = Field(0, ge=0)  # 0: never
     run_dir: str | None = None  # default runs/<name>
     resume: bool = True
+    # resume = false into a run directory holding saved steps or metrics is refused; true removes them first.
+    overwrite: bool = False
+    keep_last: int | None = Field(None, ge=0)  # keep the newest N complete saved steps; None/0: all
+    # Loading checks every file's size, and its CRC-32 unless false (costs one read of the state; see state.py).
+    verify_checksums: bool = True
+    # Stop with an error naming the step when the (finite) loss explodes; both off by default.
+    max_loss: float | None = Field(None, gt=0)  # the loss may not exceed this
+    loss_spike_factor: float | None = Field(None, gt=1)  # ... nor this many times the run's first-step loss
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU; None: measured by a matmul loop
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)

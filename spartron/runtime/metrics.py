@@ -260,15 +260,35 @@ def print_summary(records: list[dict]) -> None:
     Console(stderr=True).print(table)
 
 
+class MetricsFileError(ValueError):
+    """A metrics.jsonl that cannot be read as ONE run (unreadable, or several runs in one file)."""
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(headers, steps) of a metrics.jsonl; steps sorted, the last record of each step kept."""
+    """(headers, steps) of a metrics.jsonl; steps sorted, the last record of each step kept.
+
+    A file holds one run: its first header and the headers of resumes (`resumed_from_step` set, the same
+    `run_id`). The trainer never appends a new run to an earlier run's file (spartron.runtime.state
+    plan_run), so a file with a second fresh header or two run ids is refused, not silently merged.
+    """
     headers, by_step = [], {}
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise MetricsFileError(f"{path}:{number}: not a JSON record ({err})") from None
+        if not isinstance(record, dict):
+            raise MetricsFileError(f"{path}:{number}: not a JSON object")
         if record.get("type") == "header":
             headers.append(record)
         elif record.get("type") == "step":
             by_step[record["step"]] = record
+    ids = {h["run_id"] for h in headers if h.get("run_id")}
+    fresh = [i for i, h in enumerate(headers) if i and "resumed_from_step" in h and h["resumed_from_step"] is None]
+    if len(ids) > 1 or fresh:
+        raise MetricsFileError(f"{path} holds {max(len(ids), len(fresh) + 1)} runs (run ids "
+                               f"{sorted(ids) or 'unrecorded'}): it cannot be compared as one run; "
+                               "split it, or rerun into an empty run directory")
     return headers, [by_step[s] for s in sorted(by_step)]

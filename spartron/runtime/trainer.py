@@ -41,7 +41,15 @@ from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config, load_config
 from spartron.runtime.data import build_loader
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
-from spartron.runtime.state import latest_complete_step, load_state, save_state, step_dir
+from spartron.runtime.state import (
+    StateLoadError,
+    config_changes,
+    load_state,
+    save_state,
+    start_run,
+    state_config,
+    step_dir,
+)
 
 
 @runtime_checkable
@@ -74,6 +82,10 @@ class TrainingError(RuntimeError):
 
 class NonFiniteLossError(TrainingError):
     """The (all-reduced) loss or gradient norm is NaN or Inf."""
+
+
+class LossSpikeError(TrainingError):
+    """The (all-reduced, finite) loss is above train.max_loss or train.loss_spike_factor x the first loss."""
 
 
 @dataclass
@@ -183,6 +195,10 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     n_micro = micro_steps(cfg, dims)
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
                                   nccl=p.nccl_settings())
+    # The run directory against this run (refusals, resume step) before the model is built.
+    run_dir, shape = run_dir_of(cfg), state_config(cfg)
+    plan, run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
+                             layout=dims.describe(), config=shape)
 
     # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
     # for custom factories that draw from the global RNG: the same state on every rank.
@@ -199,19 +215,29 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
                 "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
     loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
 
-    run_dir = run_dir_of(cfg)
     start, counters = 0, {"tokens": 0}
-    resumed_from = latest_complete_step(run_dir) if t.resume else None
+    resumed_from = plan.resume_step
     if resumed_from is not None:
-        meta, rank_state = load_state(step_dir(run_dir, resumed_from), model, optimizer, device, **ep_state)
-        start, counters = meta["step"], meta["counters"]
-        loader.load_state_dict(rank_state["data"])
+        path = step_dir(run_dir, resumed_from)
+        meta, rank_state = load_state(path, model, optimizer, device, config=shape,
+                                      verify_checksums=t.verify_checksums, **ep_state)
+        start, counters, run_id = meta["step"], meta["counters"], meta["run_id"] or run_id
+        try:
+            loader.load_state_dict(rank_state["data"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StateLoadError(f"{path / f'rank-{rank:05d}.json'}: its data position does not fit this run "
+                                 f"({err})") from None
+        if rank == 0:
+            changed = config_changes(meta["config"] or {}, shape, "model.")
+            note = f"; changed model settings (same tensors): {', '.join(changed)}" if changed else ""
+            print(plan.message() + note, file=sys.stderr, flush=True)
 
     log = M.MetricsLog(run_dir / "metrics.jsonl", t.steps, enabled=rank == 0, progress=t.progress)
     log.write({"type": "header", "name": cfg.name, "config": cfg.model_dump(mode="json"),
                "config_toml": dump_config(cfg), "versions": M.versions(), "git_commit": M.git_commit(),
                "hardware": M.hardware(device, world), "layout": dims.describe(),
                "deterministic": device.type == "cpu", "resumed_from_step": resumed_from,
+               "run_id": run_id, "skipped_incomplete_steps": list(plan.skipped),
                "micro_steps": n_micro})
     flops_per_token = M.training_flops_per_token(cfg.model, t.seq_len)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -222,7 +248,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     try:
         for step in range(start + 1, t.steps + 1):
             record = _one_step(cfg, step, model, optimizer, loader, params, ep_extra, groups, n_micro, device,
-                               offloader)
+                               offloader, first_loss=counters.get("first_loss"))
+            counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
             counters["tokens"] += tokens_per_step
             tps = tokens_per_step / record["step_time_s"]
             record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / world,
@@ -231,7 +258,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
             log.write(record)
             if t.save_every and step % t.save_every == 0:
                 save_state(run_dir, step, model, optimizer, dict(counters), {"data": loader.state_dict()},
-                           device, before_commit, **ep_state)
+                           device, before_commit, run_id=run_id, config=shape, keep_last=t.keep_last,
+                           **ep_state)
     except TrainingError:
         log.close(summary=False)
         raise
@@ -245,7 +273,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
 
 def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loader,
               params: list[nn.Parameter], ep_extra: dict, groups: ParallelGroups, n_micro: int,
-              device: torch.device, offloader: ActivationOffloader | None = None) -> dict[str, Any]:
+              device: torch.device, offloader: ActivationOffloader | None = None,
+              first_loss: float | None = None) -> dict[str, Any]:
     t = cfg.train
     lr = lr_at(step, t)
     set_lr(optimizer, lr)
@@ -266,6 +295,7 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
     if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
         raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
                                  f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
+    _check_loss_limits(t, step, loss, first_loss)  # before the optimizer step: the state stays the last good one
     if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
         clip_grads_(params, t.grad_clip, grad_norm)
     optimizer.step()
@@ -281,6 +311,16 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
             "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
             "peak_memory_reserved_bytes": reserved,
             "expert_load_max_violation": M.expert_load_max_violation(counts)}
+
+
+def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
+    """train.max_loss / train.loss_spike_factor: an exploding (still finite) loss stops the run at its step."""
+    if t.max_loss is not None and loss > t.max_loss:
+        raise LossSpikeError(f"loss {loss:.6g} at step {step} is above train.max_loss = {t.max_loss:g}")
+    if t.loss_spike_factor is not None and first_loss is not None and first_loss > 0 \
+            and loss > t.loss_spike_factor * first_loss:
+        raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
+                             f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g}")
 
 
 def main(argv: list[str] | None = None, model_factory: ModelFactory | None = None) -> int:

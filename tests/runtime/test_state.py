@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -23,6 +24,16 @@ from spartron.runtime.state import (
 )
 
 CPU = torch.device("cpu")
+
+
+def rewrite_listed(path, name, data: bytes) -> None:
+    """Replace a saved file AND its manifest entry (size, CRC-32), so only the content checks can object."""
+    (path / name).write_bytes(data)
+    marker = json.loads((path / COMPLETE).read_text())
+    for entry in marker["files"]:
+        if entry["path"] == name:
+            entry.update(size=len(data), crc32=zlib.crc32(data))
+    (path / COMPLETE).write_text(json.dumps(marker))
 
 
 def _trained(seed):
@@ -92,8 +103,9 @@ def test_loading_refuses_to_unpickle_foreign_objects(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, opt = _trained(0)
     path = save_state(tmp_path / "run", 1, model, opt, {}, {}, CPU)
-    (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(StateLoadError, match="posix.system, which is not a DCP metadata type"):
+    rewrite_listed(path, ".metadata", pickle.dumps(_Evil()))  # the manifest rewritten too, as an attacker would
+    with pytest.raises(StateLoadError, match=r"step-00000001/\.metadata: refusing to unpickle posix\.system: not "
+                                             "one of DCP's metadata types"):
         load_state(path, model, opt, CPU)
     assert not (tmp_path / "pwned").exists()
 
@@ -102,7 +114,7 @@ def test_world_size_mismatch_is_an_error(tmp_path):
     model, opt = _trained(0)
     path = save_state(tmp_path, 1, model, opt, {}, {}, CPU)
     meta = json.loads((path / "meta.json").read_text())
-    (path / "meta.json").write_text(json.dumps({**meta, "world_size": 4}))
+    rewrite_listed(path, "meta.json", json.dumps({**meta, "world_size": 4}).encode())
     with pytest.raises(StateLoadError, match="saved by 4 ranks; this run has 1"):
         load_state(path, model, opt, CPU)
 
