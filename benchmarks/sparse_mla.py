@@ -154,7 +154,7 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
         rows[name] = dict(r, flops=flops, tflops=flops / r["ms"] / 1e9)
     if "dense_sdpa_causal_fwd" in rows:
         rows["sparse_fwd"]["speedup_vs_dense_fwd"] = rows["dense_sdpa_causal_fwd"]["ms"] / rows["sparse_fwd"]["ms"]
-    if args.sweep and first and device.type == "cuda":
+    if args.sweep and not fwd_only and device.type == "cuda":
         rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
     return dict(seq=s, heads=h, topk=k, selected_pairs=n_sel, sparse_q=[1, s, h, d], sparse_kv=[1, s, d],
                 dense_qk_head_dim=nope + rope, dense_v_dim=v, chunk_size=chunk, results=rows)
@@ -169,15 +169,16 @@ def sweep(q, kv, ids, grad_out, out, scale, device, args) -> list[dict]:
     small = h <= 32
     fwd_cfgs = ([(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3)] if small else
                 [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (64, 64, 8, 2)])
-    bwd_cfgs = ([(16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 2)] if small else
-                [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 8, 2)])
+    bwd_cfgs = ([(16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2, True)] if small else
+                [(64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 8, 1, True), (64, 64, 8, 1, True)])
     rows = []
     o, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
     gl = torch.zeros_like(lse)
     for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
-        for bh, bk, warps, stages in cfgs:
-            cfg = sparse_mla_triton.KernelConfig(bh, bk, warps, stages)
-            row = dict(kind=kind, block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
+        for spec in cfgs:
+            cfg = sparse_mla_triton.KernelConfig(*spec)
+            bh, bk, warps, stages = spec[:4]
+            row = dict(kind=kind, **vars(cfg))
             try:
                 if kind == "fwd":
                     def fn(cfg=cfg):
@@ -221,7 +222,11 @@ def run(args) -> dict:
     for i, spec in enumerate(args.cases):
         seq, heads = (int(x) for x in spec.rstrip("f").split("x"))
         print(f"case {spec}", flush=True)
-        cases.append(sparse_case(args, device, dtype, seq, heads, spec.endswith("f"), i == 0))
+        try:
+            cases.append(sparse_case(args, device, dtype, seq, heads, spec.endswith("f"), i == 0))
+        except Exception as err:  # recorded, so the other cases still run
+            print(f"case {spec} failed: {type(err).__name__}: {err}", flush=True)
+            cases.append(dict(seq=seq, heads=heads, error=f"{type(err).__name__}: {str(err)[:300]}", results={}))
         torch.cuda.empty_cache() if device.type == "cuda" else None
     ceiling = matmul_ceiling(device, dtype, 8192 if device.type == "cuda" else 256, 20 if device.type == "cuda" else 2)
     triton_version = None
@@ -273,7 +278,7 @@ def main() -> None:
                 continue
             peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
             print(f"{c['seq']:6d} {c['heads']:4d} {name:28s} {r['ms']:10.2f} {r['tflops']:9.3f} {peak:>9s}")
-        speedup = c["results"]["sparse_fwd"].get("speedup_vs_dense_fwd")
+        speedup = c["results"].get("sparse_fwd", {}).get("speedup_vs_dense_fwd")
         if speedup is not None:
             print(f"{'':12s} sparse fwd speedup vs dense SDPA fwd: {speedup:.2f}x")
     write_report(args.out, result)

@@ -27,12 +27,14 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch; backward
+    only: `split` runs dq and dkv as two launches (each recomputes P and dP) instead of one."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
+    split: bool = False
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -99,8 +101,11 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         return grad_q, grad_kv.to(kv.dtype)
     delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
     k = _kernels()
-    k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
-        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
-        topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
-        DC=LATENT_DIM // 4, DR=ROPE_DIM, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    passes = [(True, False), (False, True)] if cfg.split else [(True, True)]
+    for do_dq, do_dkv in passes:
+        k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
+            q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
+            topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+            DC=LATENT_DIM // 4, DR=ROPE_DIM, DO_DQ=do_dq, DO_DKV=do_dkv, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return grad_q, grad_kv.to(kv.dtype)

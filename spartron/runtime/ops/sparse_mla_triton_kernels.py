@@ -8,7 +8,10 @@ scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returne
 Backward recomputes P from the saved lse, takes Delta = rowsum(dO * O) - dlse from the caller, keeps
 dq in registers for the whole walk, and adds each block's dkv rows into a float32 buffer with relaxed
 atomics (order-dependent rounding: not bitwise deterministic). The latent is handled as four column
-chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once.
+chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once; the
+dkv chunks are computed transposed (q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and
+sit in shared memory once (the untransposed form made Triton keep a second copy: 312 KiB at 64 heads).
+DO_DQ / DO_DKV split the backward into two launches (dq, then dkv) when one fused program spills.
 """
 
 from __future__ import annotations
@@ -68,17 +71,17 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
 
 
 @triton.jit
-def _add_dkv_chunk(dkv_rows, cols, valid, p_t, ds_t, do_c, q_c):
-    """dkv[rows, cols] += P^T dO_c + dS^T q_c (dS already carries the softmax scale)."""
-    part = tl.dot(ds_t, q_c)
-    part = tl.dot(p_t, do_c, part)
-    tl.atomic_add(dkv_rows + cols[None, :], part, mask=valid[:, None], sem="relaxed")
+def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c):
+    """dkv[rows, cols] += (q_c^T dS + dO_c^T P)^T (dS already carries the softmax scale)."""
+    part = tl.dot(tl.trans(q_c), ds)
+    part = tl.dot(tl.trans(do_c), p, part)
+    tl.atomic_add(tl.trans(dkv_rows) + cols[:, None], part, mask=valid[None, :], sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
                           n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr):
+                          DC: tl.constexpr, DR: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -139,25 +142,26 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
         dp = tl.dot(do3, tl.trans(k3_), dp)
         ds = (p * (dp - delta[:, None]) * scale).to(k0_.dtype)
         pb = p.to(k0_.dtype)
-        dq0 = tl.dot(ds, k0_, dq0)
-        dq1 = tl.dot(ds, k1_, dq1)
-        dq2 = tl.dot(ds, k2_, dq2)
-        dq3 = tl.dot(ds, k3_, dq3)
-        dqr = tl.dot(ds, kr_, dqr)
-        ds_t = tl.trans(ds)
-        p_t = tl.trans(pb)
-        drows = dkv_base + safe
-        _add_dkv_chunk(drows, dc, valid, p_t, ds_t, do0, q0)
-        _add_dkv_chunk(drows, DC + dc, valid, p_t, ds_t, do1, q1)
-        _add_dkv_chunk(drows, 2 * DC + dc, valid, p_t, ds_t, do2, q2)
-        _add_dkv_chunk(drows, 3 * DC + dc, valid, p_t, ds_t, do3, q3)
-        part = tl.dot(ds_t, qr)
-        tl.atomic_add(drows + DV + dr[None, :], part, mask=valid[:, None], sem="relaxed")
+        if DO_DQ:
+            dq0 = tl.dot(ds, k0_, dq0)
+            dq1 = tl.dot(ds, k1_, dq1)
+            dq2 = tl.dot(ds, k2_, dq2)
+            dq3 = tl.dot(ds, k3_, dq3)
+            dqr = tl.dot(ds, kr_, dqr)
+        if DO_DKV:
+            drows = dkv_base + safe
+            _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
+            _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
+            _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
+            _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
+            part = tl.dot(tl.trans(qr), ds)
+            tl.atomic_add(tl.trans(drows) + DV + dr[:, None], part, mask=valid[None, :], sem="relaxed")
 
-    dq_rows = dq_ptr + hrow[:, None] * D
-    ty = dq_ptr.dtype.element_ty
-    tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
-    tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
-    tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
-    tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
-    tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
+    if DO_DQ:
+        dq_rows = dq_ptr + hrow[:, None] * D
+        ty = dq_ptr.dtype.element_ty
+        tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
+        tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
+        tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
+        tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
+        tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
