@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig  #
 from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.layers.context_parallel import local_positions, shard_sequence  # noqa: E402
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
-from spartron.layers.init import init_parameters_  # noqa: E402
+from spartron.layers.init import init_parameters_, init_tensor_  # noqa: E402
 from spartron.layers.megatron import (  # noqa: E402
     MAPPED,
     MEGATRON_OWNED,
@@ -283,6 +283,12 @@ def _groups_and_cp_parity(rank, world):
                          pg_collection=pgc)  # through TransformerLayer: attention gets pgc AND groups
     ranks["layer"] = (dist.get_process_group_ranks(layer.self_attention.cp_group),
                       dist.get_process_group_ranks(layer.mlp.ep_group))
+    # EP: this rank's experts are its slice of the 1-rank model's (global expert index, model names)
+    experts = layer.mlp.moe.experts
+    whole = init_tensor_(torch.empty(4, *experts.w1.shape[1:]), "layers.1.ffn.experts.w1", 0, cfg.init_std,
+                         first_expert=0)
+    n_local = experts.n_local_experts
+    own_experts = torch.equal(experts.w1.detach(), whole[experts.first_expert:experts.first_expert + n_local])
     mismatch = None
     try:
         build_module(spartron_layer_spec(side, "moe", cfg, groups=groups), config=tcfg, layer_number=2,
@@ -304,7 +310,8 @@ def _groups_and_cp_parity(rank, world):
     y_full, _ = full(x, attention_mask=None)
     positions = layer.self_attention.positions(8, torch.device("cpu"))
     y_full_shard = shard_sequence(y_full, 2, cp_rank, dim=0)
-    return dict(ranks=ranks, mismatch=mismatch, cp_diff=_max_diff(y_local, y_full_shard),
+    return dict(ranks=ranks, mismatch=mismatch, cp_diff=_max_diff(y_local, y_full_shard), own_experts=own_experts,
+                first_expert=experts.first_expert,
                 positions_ok=torch.equal(positions, local_positions(16, 2, cp_rank)))
 
 
@@ -316,6 +323,7 @@ def test_groups_from_pg_collection_or_parallel_groups_are_the_same_ranks():
         assert rank in cp_ranks and rank in ep_ranks and len(cp_ranks) == len(ep_ranks) == 2
         assert r["mismatch"] is not None and "the cp group of pg_collection has ranks" in r["mismatch"]
         assert r["positions_ok"] and r["cp_diff"] < 2e-6, r
+        assert r["own_experts"] and r["first_expert"] == 2 * sorted(ep_ranks).index(rank), r
 
 
 def _gpt_model_train_step(rank, world):
