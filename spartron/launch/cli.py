@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -21,6 +22,7 @@ from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
 
 USAGE_ERROR = 2
+MAX_PLAN_WORLD = 1 << 18  # rank groups of 2^18 ranks take seconds to list; 2^20 half a minute
 DEFAULT_CONFIG = "configs/tiny.toml"
 
 
@@ -138,6 +140,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
     if args.dry_run and args.wait:
         raise UsageError("--wait needs a submitted job; drop --dry-run")
+    if args.wait_timeout is not None:  # checked before anything is submitted
+        if not args.wait:
+            raise UsageError("--wait-timeout applies to --wait; add --wait or drop it")
+        if not math.isfinite(args.wait_timeout) or args.wait_timeout <= 0:
+            raise UsageError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
     cfg = load_config(args.config, args.set + _sbatch_overrides(args))
     _world_layout(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))
     job = slurm.render_job(cfg, Path.cwd(), entry=args.entry)
@@ -255,6 +262,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
     if args.max_groups < 1:
         raise UsageError(f"--max-groups must be >= 1, got {args.max_groups}")
+    if args.world_size is not None and args.world_size > MAX_PLAN_WORLD:
+        raise UsageError(f"--world-size {args.world_size} is above {MAX_PLAN_WORLD}, the most ranks `spartron plan` "
+                         "lays out (every rank group is listed in memory)")
     cfg = _load(args)
     world = cfg.launch.nproc if args.world_size is None else args.world_size
     dims = _world_layout(cfg, world)
