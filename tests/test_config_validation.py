@@ -281,3 +281,28 @@ def test_cli_data_file_errors_are_one_line(tmp_path):
 def test_region_count_of_freq_and_no_ac():
     assert n_checkpoint_regions(load_config(TINY, ["ac.freq=2"])) == math.ceil((4 + 1) / 2)
     assert n_checkpoint_regions(load_config(TINY, ["ac.mode=none"])) == 0
+
+
+def test_plan_refuses_a_world_size_it_cannot_list(capsys):
+    assert main(["plan", TINY, "--world-size", str(10**12)]) == 2
+    assert capsys.readouterr().err == ("spartron: error: --world-size 1000000000000 is above 262144, the most ranks "
+                                       "`spartron plan` lays out (every rank group is listed in memory)\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--wait", "--wait-timeout", "-5"], "--wait-timeout must be a positive number of seconds, got -5.0"),
+    (["--wait", "--wait-timeout", "nan"], "--wait-timeout must be a positive number of seconds, got nan"),
+    (["--wait", "--wait-timeout", "0"], "--wait-timeout must be a positive number of seconds, got 0.0"),
+    (["--wait-timeout", "10"], "--wait-timeout applies to --wait; add --wait or drop it"),
+])
+def test_bad_wait_timeout_is_refused_before_anything_is_submitted(argv, message, tmp_path, monkeypatch, capsys):
+    """A stub sbatch on PATH records any call: there must be none."""
+    stub = tmp_path / "bin" / "sbatch"
+    stub.parent.mkdir()
+    stub.write_text(f"#!/bin/sh\necho called >> {tmp_path / 'called'}\necho 1\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stub.parent}:/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--submit", *argv]) == 2
+    assert capsys.readouterr().err == f"spartron: error: {message}\n"
+    assert not (tmp_path / "called").exists() and not (tmp_path / "runs").exists()
