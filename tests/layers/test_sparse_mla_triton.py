@@ -57,9 +57,10 @@ def test_head_block_follows_the_head_count():
 
 # --- GPU -----------------------------------------------------------------------------------------
 
-def _ids(b: int, s_q: int, s_kv: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Causal random distinct ids padded with -1 (early queries see fewer than k keys), then some
-    scattered -1 / out-of-range ids and one query with none at all."""
+def _ids(b: int, s_q: int, s_kv: int, k: int, g: torch.Generator, shuffle: bool) -> torch.Tensor:
+    """Causal random distinct ids padded with -1 at the end (early queries see fewer than k keys, as
+    top-k leaves them), optionally shuffled along the row, then some scattered -1 / out-of-range ids
+    and one query with none at all."""
     t = torch.arange(s_q, device="cuda")[:, None] + (s_kv - s_q)
     scores = torch.rand(b, s_q, s_kv, device="cuda", generator=g)
     scores = scores.masked_fill(torch.arange(s_kv, device="cuda")[None, None] > t, float("-inf"))
@@ -68,8 +69,8 @@ def _ids(b: int, s_q: int, s_kv: int, k: int, g: torch.Generator) -> torch.Tenso
     ids = torch.where(torch.isfinite(vals), ids, -1).to(torch.int32)
     if kk < k:
         ids = torch.cat([ids, ids.new_full((b, s_q, k - kk), -1)], -1)
-    perm = torch.randperm(k, device="cuda", generator=g)  # the kernel must not rely on -1 at the end
-    ids = ids[..., perm]
+    if shuffle:  # the kernels stop at the last valid slot; holes before it must still be skipped
+        ids = ids[..., torch.randperm(k, device="cuda", generator=g)]
     holes = torch.rand(ids.shape, device="cuda", generator=g) < 0.05
     ids = torch.where(holes, -1, ids)
     ids[..., 0] = torch.where(torch.rand(b, s_q, device="cuda", generator=g) < 0.05, s_kv, ids[..., 0])
@@ -81,26 +82,29 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-CASES = [  # (batch, s_q, s_kv, heads, top-k)
-    (1, 333, 333, 16, 100),  # lengths off every block size
-    (2, 257, 300, 64, 77),
-    (1, 190, 190, 128, 64),
-    (1, 120, 120, 4, 40),  # fewer heads than a head block
-    (2, 1000, 1000, 48, 256),
-    (1, 16384, 16384, 16, 2048),
-    (1, 16384, 16384, 64, 2048),
+CASES = [  # (batch, s_q, s_kv, heads, top-k, shuffled ids)
+    (1, 333, 333, 16, 100, True),  # lengths off every block size
+    (1, 333, 333, 16, 100, False),
+    (2, 257, 300, 64, 77, True),
+    (2, 257, 300, 64, 77, False),
+    (1, 190, 190, 128, 64, True),
+    (1, 120, 120, 4, 40, True),  # fewer heads than a head block
+    (2, 1000, 1000, 48, 256, False),
+    (1, 16384, 16384, 16, 2048, False),
+    (1, 16384, 16384, 64, 2048, False),
+    (1, 4096, 4096, 128, 2048, True),
 ]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("b, s_q, s_kv, h, k", CASES)
+@pytest.mark.parametrize("b, s_q, s_kv, h, k, shuffle", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_kernels_match_float64_reference(b, s_q, s_kv, h, k, dtype):
+def test_kernels_match_float64_reference(b, s_q, s_kv, h, k, shuffle, dtype):
     g = torch.Generator(device="cuda").manual_seed(s_q * 131 + h)
     q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).to(dtype)
     kv = torch.randn(b, s_kv, 576, device="cuda", generator=g).to(dtype)
-    ids = _ids(b, s_q, s_kv, k, g)
+    ids = _ids(b, s_q, s_kv, k, g, shuffle)
     scale = 192 ** -0.5
     go = torch.randn(b, s_q, h, 512, device="cuda", generator=g).to(dtype)
     gl = torch.randn(b, s_q, h, device="cuda", generator=g)
@@ -124,7 +128,7 @@ def test_kernels_match_float64_reference(b, s_q, s_kv, h, k, dtype):
                   dkv=_rel(kvg.grad, ref_dkv))
     for name, t in dict(out=out, dq=qg.grad, dkv=kvg.grad).items():
         assert torch.isfinite(t).all(), f"{name} has non-finite values"
-    print(f"rel errors b={b} s_q={s_q} s_kv={s_kv} h={h} k={k}:",
+    print(f"rel errors b={b} s_q={s_q} s_kv={s_kv} h={h} k={k} shuffled={shuffle}:",
           " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     assert all(e <= 1e-2 for e in errors.values()), errors
 

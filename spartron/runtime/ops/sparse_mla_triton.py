@@ -50,8 +50,8 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
 def forward_config(n_heads: int) -> KernelConfig:
     """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up, 16 below (mma rows)."""
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=32, num_warps=8, num_stages=2)
-    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=2)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2)
+    return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
 
 
 def backward_config(n_heads: int) -> KernelConfig:
@@ -63,6 +63,11 @@ def backward_config(n_heads: int) -> KernelConfig:
 def _kernels():
     require("triton", "the sparse_mla CUDA kernels", "pip install triton (it ships with CUDA builds of torch)")
     return importlib.import_module("spartron.runtime.ops.sparse_mla_triton_kernels")
+
+
+def _pow2(n: int) -> int:
+    """The id row's length rounded up to a power of two (>= 16), for the kernels' slot scan."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 def _grid(tokens: int, n_heads: int, cfg: KernelConfig) -> tuple[int]:
@@ -82,8 +87,8 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     k = _kernels()
     k.sparse_mla_fwd_kernel[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * k.LOG2E,
-        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -106,6 +111,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
             q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
             topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
-            DC=LATENT_DIM // 4, DR=ROPE_DIM, DO_DQ=do_dq, DO_DKV=do_dkv, num_warps=cfg.num_warps,
+            DC=LATENT_DIM // 4, DR=ROPE_DIM, DO_DQ=do_dq, DO_DKV=do_dkv, KP=_pow2(topk_ids.shape[-1]),
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return grad_q, grad_kv.to(kv.dtype)

@@ -22,10 +22,19 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _used_slots(id_row, topk, s_kv, KP: tl.constexpr):
+    """1 + the last slot holding a valid id (0 for none): the walk stops there, so the -1 padding
+    that top-k leaves at the end of short rows costs nothing."""
+    offs = tl.arange(0, KP)
+    ids = tl.load(id_row + offs, mask=offs < topk, other=-1)
+    return tl.max(tl.where((ids >= 0) & (ids < s_kv), offs + 1, 0), 0)
+
+
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
                           scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                          DR: tl.constexpr):
+                          DR: tl.constexpr, KP: tl.constexpr):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(n_heads, BH)
     tok = (pid // n_hb).to(tl.int64)  # flat b * s_q + t
@@ -43,8 +52,9 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     denom = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DV], tl.float32)
     id_row = ids_ptr + tok * topk
+    n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * (DV + DR)
-    for k0 in tl.range(0, topk, BK):
+    for k0 in tl.range(0, n_used, BK):
         kk = k0 + tl.arange(0, BK)
         ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
         valid = (ids >= 0) & (ids < s_kv)
@@ -81,7 +91,8 @@ def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c):
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
                           n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr):
+                          DC: tl.constexpr, DR: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+                          KP: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -116,9 +127,10 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     dq3 = tl.zeros([BH, DC], tl.float32)
     dqr = tl.zeros([BH, DR], tl.float32)
     id_row = ids_ptr + tok * topk
+    n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * D
     dkv_base = dkv_ptr + b * s_kv * D
-    for k0 in tl.range(0, topk, BK):
+    for k0 in tl.range(0, n_used, BK):
         kk = k0 + tl.arange(0, BK)
         ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
         valid = (ids >= 0) & (ids < s_kv)
