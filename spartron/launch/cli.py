@@ -63,8 +63,11 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool)
     rank starts (a rank of srun/torchrun checks against the launcher's world size)."""
     from spartron.parallel.env import discover
     from spartron.runtime.preflight import check_before_launch
+    from spartron.runtime.rundir import check_run_start
 
-    check_before_launch(cfg, discover(environ).world_size if is_rank else cfg.launch.nproc)
+    world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
+    check_before_launch(cfg, world_size)
+    check_run_start(cfg, world_size)  # the run directory: new run into old steps, finished run, mismatches
 
 
 def _run_ranks(args: argparse.Namespace, entry: str) -> int:
@@ -349,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _is_user_error(err: Exception) -> bool:
     """Mistakes in the config, the flags or the launch environment (not bugs in a run)."""
     kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError)
-    for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError")):
+    for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError"),
+                         ("spartron.runtime.rundir", "StateLoadError"),
+                         ("spartron.runtime.metrics", "MetricsFileError")):
         if module in sys.modules:  # not imported means it cannot have raised; keeps --help free of torch
             kinds += (getattr(sys.modules[module], name),)
     return isinstance(err, kinds)

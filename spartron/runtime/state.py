@@ -56,7 +56,6 @@ import uuid
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,80 +82,37 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.futures import Future
 
-COMPLETE = "COMPLETE"
-META = "meta.json"
-METRICS = "metrics.jsonl"
-FORMAT_VERSION = 2  # 2: COMPLETE holds the file manifest; meta.json the run id and state config
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-_TMP_DIR = re.compile(r"^\.tmp-step-(\d{8})$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")  # a step holds flat file names only
+from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-state API is this module's
+    _FILE_NAME,
+    _STEP_DIR,
+    COMPLETE,
+    FORMAT_VERSION,
+    META,
+    METRICS,
+    STATE_TRAIN_KEYS,
+    RunStart,
+    StateLoadError,
+    _first_line,
+    _is_int,
+    _rotated_name,
+    check_meta,
+    complete_steps,
+    config_changes,
+    incomplete_steps,
+    latest_complete_step,
+    plan_run,
+    read_json,
+    read_manifest,
+    read_meta,
+    state_config,
+    step_dir,
+)
+
 _READ_CHUNK = 8 << 20
-# The train.* options stored in the optimizer's state (its kind and param_groups): a resume must match them.
-STATE_TRAIN_KEYS = ("optimizer", "beta1", "beta2", "weight_decay")
-
-
-class StateLoadError(RuntimeError):
-    """A saved state or run directory this run cannot start from (mismatch, damaged or unsafe file)."""
 
 
 class StateSaveError(RuntimeError):
     """A save that did not happen (write error, non-finite state); the previous complete step is intact."""
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / f"step-{step:08d}"
-
-
-def complete_steps(run_dir: str | Path) -> list[int]:
-    """Steps with a complete saved state, ascending (directories without the marker are ignored)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    steps = []
-    for child in run_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def incomplete_steps(run_dir: str | Path) -> list[str]:
-    """Names of step directories a resume ignores: ``.tmp-step-*`` and ``step-*`` without COMPLETE."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    return sorted(c.name for c in run_dir.iterdir() if _TMP_DIR.match(c.name)
-                  or (_STEP_DIR.match(c.name) and not (c / COMPLETE).is_file()))
-
-
-def latest_complete_step(run_dir: str | Path) -> int | None:
-    steps = complete_steps(run_dir)
-    return steps[-1] if steps else None
-
-
-# ---- the config that shapes a state -----------------------------------------------------------------
-def _flatten(data: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}.{key}"))
-        return out
-    return {prefix: data}
-
-
-def state_config(cfg: Any) -> dict[str, Any]:
-    """Dotted key -> value of the options recorded with a saved state (cfg: a RunConfig)."""
-    flat = _flatten(cfg.model.model_dump(mode="json"), "model")
-    flat.update({f"train.{key}": getattr(cfg.train, key) for key in STATE_TRAIN_KEYS})
-    return flat
-
-
-def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    """'key (saved A, this run B)' for every dotted key under prefix whose value differs."""
-    keys = sorted(k for k in set(saved) | set(now) if k.startswith(prefix))
-    missing = "<unset>"
-    return [f"{k} (saved {saved.get(k, missing)!r}, this run {now.get(k, missing)!r})"
-            for k in keys if saved.get(k, missing) != now.get(k, missing)]
 
 
 # ---- per-rank RNG ----------------------------------------------------------------------------------
@@ -210,11 +166,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"persistent id {str(pid)[:80]!r}")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
-
-
 def read_metadata_file(path: Path) -> Metadata:
     """DCP's .metadata through the exact allowlist, checked to be DCP metadata; StateLoadError names the file."""
     try:
@@ -263,23 +214,6 @@ def _torch_load(source: Path | io.BytesIO, name: str | Path) -> Any:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001
         raise StateLoadError(f"{name}: {_load_problem(err)}") from None
-
-
-def _reject_constant(value: str) -> Any:
-    raise ValueError(f"non-finite number {value}")
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
-    except FileNotFoundError:
-        raise StateLoadError(f"{path}: missing") from None
-    except (OSError, ValueError, RecursionError) as err:
-        raise StateLoadError(f"{path}: not valid JSON ({_first_line(err)})") from None
-
-
-def _is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -615,27 +549,6 @@ def _states_in_checkpoint(states: dict[str, dict], saved_keys: set[str]) -> dict
 
 
 # ---- verifying a saved step ------------------------------------------------------------------------------
-def read_manifest(path: Path) -> list[dict]:
-    """The file list of a step's COMPLETE marker, checked field by field (StateLoadError names the marker)."""
-    marker = path / COMPLETE
-    if not marker.is_file():
-        raise StateLoadError(f"{path} is not a complete saved state (no {COMPLETE} marker)")
-    data = read_json(marker)
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-        version = data.get("format_version", 1) if isinstance(data, dict) else 1
-        raise StateLoadError(f"{marker}: saved-state format {version!r}, this Spartron reads format "
-                             f"{FORMAT_VERSION} (a manifest of every file with its size and checksum)")
-    files = data.get("files")
-    if not isinstance(files, list) or not all(
-            isinstance(f, dict) and set(f) == {"path", "size", "crc32"} and isinstance(f["path"], str)
-            and _FILE_NAME.match(f["path"]) and f["path"] != COMPLETE and _is_int(f["size"])
-            and _is_int(f["crc32"]) for f in files):
-        raise StateLoadError(f"{marker}: 'files' must list {{path, size, crc32}} entries with plain file names")
-    if len({f["path"] for f in files}) != len(files) or META not in {f["path"] for f in files}:
-        raise StateLoadError(f"{marker}: 'files' must name each file once, {META} included")
-    return files
-
-
 def _crc32_file(path: Path) -> int:
     crc = 0
     with path.open("rb") as f:
@@ -685,40 +598,6 @@ def _newest_intact(run_dir: Path, below: int, checksums: bool) -> str:
     return f"no intact saved step is left in {run_dir}"
 
 
-def _read_meta(path: Path) -> dict:
-    """meta.json of a verified step, checked field by field."""
-    file = path / META
-    meta = read_json(file)
-    expected = {"format_version": lambda v: v == FORMAT_VERSION, "step": _is_int,
-                "world_size": lambda v: _is_int(v, 1), "counters": lambda v: isinstance(v, dict),
-                "layout": lambda v: v is None or isinstance(v, str),
-                "run_id": lambda v: v is None or isinstance(v, str),
-                "config": lambda v: v is None or isinstance(v, dict)}
-    if not isinstance(meta, dict):
-        raise StateLoadError(f"{file}: must hold a JSON object")
-    for key, ok in expected.items():
-        if key not in meta or not ok(meta[key]):
-            raise StateLoadError(f"{file}: field {key!r} is missing or invalid (got {meta.get(key)!r:.80})")
-    if _STEP_DIR.match(path.name) and int(path.name[5:]) != meta["step"]:
-        raise StateLoadError(f"{file}: records step {meta['step']}, but the directory is {path.name}")
-    return meta
-
-
-def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: dict | None) -> None:
-    """The mismatches that need no model: world size, parallel layout, optimizer settings."""
-    if meta["world_size"] != world:
-        raise StateLoadError(f"{path} was saved by {meta['world_size']} ranks; this run has {world} "
-                             "(per-rank data positions and RNG cannot be remapped)")
-    if layout is not None and meta.get("layout") not in (None, layout):
-        raise StateLoadError(f"{path} was saved with parallel layout [{meta['layout']}]; this run has "
-                             f"[{layout}] (expert and context shards cannot be remapped)")
-    if config is not None and meta.get("config") is not None:
-        changed = config_changes(meta["config"], config, "train.")
-        if changed:
-            raise StateLoadError(f"{path} holds optimizer state for other settings: {', '.join(changed)}; "
-                                 "resume with the saved values, or start a new run")
-
-
 def _check_tensors(path: Path, saved: dict[str, Any], model_sd: dict, ep_sharded: Collection[str],
                    changed: list[str]) -> None:
     """Every model tensor (name, global shape, dtype) against the saved metadata; one line if any differ."""
@@ -763,7 +642,7 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         newest = _newest_intact(path.parent, int(path.name[5:]), verify_checksums) \
             if _STEP_DIR.match(path.name) and (path / COMPLETE).is_file() else ""
         raise StateLoadError(problem + (f"; {newest}" if newest else ""))
-    meta = _read_meta(path)
+    meta = read_meta(path)
     check_meta(path, meta, world, layout, config)
     allowed = {f["path"] for f in read_manifest(path)}
     reader = SafeFileSystemReader(path)
@@ -802,79 +681,6 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as err:
         raise StateLoadError(f"{js}: RNG state does not fit this run ({_first_line(err)})") from None
     return meta, rank_state
-
-
-# ---- starting a run in a run directory ------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunStart:
-    """What a run does with its run directory (`plan_run`): resume a step, or start fresh."""
-
-    run_dir: Path
-    resume_step: int | None  # the complete step to load; None: a new run
-    skipped: tuple[str, ...] = ()  # incomplete step directories a resume ignores
-    replace: tuple[str, ...] = ()  # a new run's train.overwrite: what it removes first
-    rotate_metrics: bool = False  # a new run with resume = true: an earlier run's metrics.jsonl is moved aside
-
-    def message(self) -> str:
-        """The line rank 0 prints on stderr when the run starts."""
-        if self.resume_step is None:
-            if self.replace:
-                return f"spartron: train.overwrite: removed {', '.join(self.replace)} from {self.run_dir}"
-            if self.rotate_metrics:
-                return (f"spartron: {self.run_dir} holds no complete saved step: starting a new run; the "
-                        f"earlier run's {METRICS} was moved to {_rotated_name(self.run_dir)}")
-            return ""
-        skipped = (f"; skipped incomplete step directories: {', '.join(self.skipped)}" if self.skipped else "")
-        return f"spartron: resumed from step {self.resume_step} ({step_dir(self.run_dir, self.resume_step)}){skipped}"
-
-
-def _rotated_name(run_dir: Path) -> str:
-    k = 1
-    while (run_dir / f"metrics.{k}.jsonl").exists():
-        k += 1
-    return f"metrics.{k}.jsonl"
-
-
-def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, world_size: int,
-             layout: str | None = None, config: dict[str, Any] | None = None) -> RunStart:
-    """Local checks of the run directory against this run (no collectives: `spartron train` calls it
-    before spawning ranks, and every rank again). StateLoadError when the run cannot start:
-    - a new run (resume = false) into a directory holding saved steps or metrics, without train.overwrite;
-    - a resume whose newest complete step is at or past train.steps (nothing would be trained);
-    - a resume under another world size, parallel layout or optimizer settings (meta.json of that step).
-    File damage is left to load_state, which verifies every file collectively.
-    """
-    run_dir = Path(run_dir)
-    steps_saved, incomplete = complete_steps(run_dir), incomplete_steps(run_dir)
-    has_metrics = (run_dir / METRICS).is_file()
-    if not resume:
-        held = [step_dir(run_dir, s).name for s in steps_saved] + incomplete + ([METRICS] if has_metrics else [])
-        if held and not overwrite:
-            what = f"saved steps {steps_saved}" if steps_saved else "files of an earlier run"
-            raise StateLoadError(
-                f"{run_dir} already holds {what} ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
-                "train.resume = false will not mix a new run into it: give this run another directory "
-                "(name or train.run_dir), delete that one, or set train.overwrite = true to replace its "
-                "saved steps and metrics")
-        return RunStart(run_dir, None, replace=tuple(held))
-    if not steps_saved:
-        return RunStart(run_dir, None, rotate_metrics=has_metrics)
-    last = steps_saved[-1]
-    if last >= steps:
-        raise StateLoadError(f"{step_dir(run_dir, last)}: this run already reached step {last} and "
-                             f"train.steps = {steps}, so nothing is left to train: raise train.steps to "
-                             "continue it, or start a new run (another run directory)")
-    path = step_dir(run_dir, last)
-    try:
-        files = {f["path"]: f for f in read_manifest(path)}
-        entry, meta_file = files[META], path / META
-        intact = (meta_file.is_file() and meta_file.stat().st_size == entry["size"]
-                  and zlib.crc32(meta_file.read_bytes()) == entry["crc32"])
-    except (StateLoadError, OSError):
-        intact = False
-    if intact:  # else load_state reports the damage, naming the file and the newest intact step
-        check_meta(path, _read_meta(path), world_size, layout, config)
-    return RunStart(run_dir, last, skipped=tuple(incomplete))
 
 
 def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, layout: str | None = None,

@@ -1,0 +1,267 @@
+"""The trainer and the CLI with saved state: new runs never mix into old ones, resumes say what they did,
+mismatched states are one-line errors (exit 2 from `spartron train`), exploding losses can stop a run,
+keep_last, one run per metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch.nn.functional as F
+from torch import nn
+
+from spartron.launch.cli import USAGE_ERROR, main
+from spartron.layers.outputs import ModelOutput
+from spartron.runtime.config import config_from_dict
+from spartron.runtime.metrics import MetricsFileError, read_metrics
+from spartron.runtime.state import COMPLETE, StateLoadError, complete_steps, step_dir
+from spartron.runtime.trainer import TrainingError, train
+from spartron.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class SmallLM(nn.Module):
+    """Embedding -> head; from step `scale_at` on, the loss is multiplied by `scale` (an exploding run)."""
+
+    def __init__(self, vocab: int, dim: int, scale_at: int | None, scale: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+        self.scale_at, self.scale, self.steps_done = scale_at, scale, 0
+
+    def forward(self, tokens, labels) -> ModelOutput:
+        loss = F.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten())
+        if self.scale_at is not None and self.steps_done + 1 >= self.scale_at:
+            loss = loss * self.scale
+        return ModelOutput(loss=loss, lm_loss=loss, mtp_losses=[], aux_loss=None, indexer_loss=None,
+                           tokens_per_expert=None)
+
+    def update_expert_bias(self, group) -> None:  # once per optimizer step: counts steps (not restored)
+        self.steps_done += 1
+
+
+@dataclass
+class SmallFactory:
+    scale_at: int | None = None
+    scale: float = 1.0
+
+    def __call__(self, cfg, groups):
+        return SmallLM(cfg.model.vocab_size, cfg.model.dim, self.scale_at, self.scale)
+
+
+def cfg_for(run_dir: Path, dim: int = 16, **train):
+    base = {"steps": 4, "seq_len": 16, "global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-2,
+            "warmup_steps": 1, "progress": False, "run_dir": str(run_dir), "peak_tflops": 1.0}
+    base.update(train)
+    return config_from_dict({"name": "t", "device": "cpu", "model": {"vocab_size": 64, "dim": dim},
+                             "parallel": {"timeout_s": 20.0}, "train": base})
+
+
+def _run(rank, world, cfg, factory=None):
+    """The steps this call trained, or the error's message (StateLoadError / TrainingError)."""
+    try:
+        result = train(cfg, factory or SmallFactory())
+    except (StateLoadError, TrainingError) as err:
+        return f"{type(err).__name__}: {err}"
+    return [r["step"] for r in result.records]
+
+
+def run1(cfg, factory=None):
+    return run_distributed(_run, 1, cfg, factory)[0]
+
+
+def headers(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["type"] == "header"]
+
+
+# ---- new runs never mix into old ones -------------------------------------------------------------------
+def test_a_new_run_into_a_run_dir_with_saved_steps_is_refused_then_overwritten_on_request(tmp_path):
+    run = tmp_path / "run"
+    assert run1(cfg_for(run, save_every=2)) == [1, 2, 3, 4]
+    old_id = headers(run)[0]["run_id"]
+    refused = run1(cfg_for(run, save_every=2, resume=False, steps=2))
+    assert refused == (
+        f"StateLoadError: {run} already holds saved steps [2, 4] (step-00000002, step-00000004, metrics.jsonl); "
+        "train.resume = false will not mix a new run into it: give this run another directory (name or "
+        "train.run_dir), delete that one, or set train.overwrite = true to replace its saved steps and metrics")
+    assert complete_steps(run) == [2, 4]  # untouched
+
+    assert run1(cfg_for(run, save_every=1, resume=False, overwrite=True, steps=2)) == [1, 2]
+    assert complete_steps(run) == [1, 2]  # the old, higher-numbered step 4 cannot be picked up by a resume
+    (header,) = headers(run)
+    assert header["run_id"] != old_id and header["resumed_from_step"] is None
+    assert json.loads((step_dir(run, 2) / "meta.json").read_text())["run_id"] == header["run_id"]
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(tmp_path):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2))
+    assert run1(cfg_for(run, save_every=2)) == (
+        f"StateLoadError: {step_dir(run, 4)}: this run already reached step 4 and train.steps = 4, so nothing is "
+        "left to train: raise train.steps to continue it, or start a new run (another run directory)")
+
+
+def test_a_new_run_with_resume_moves_an_earlier_runs_metrics_aside(tmp_path, capfd):
+    run = tmp_path / "run"
+    run1(cfg_for(run, steps=2))  # no save: nothing to resume
+    first = (run / "metrics.jsonl").read_text()
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=3)) == [1, 2, 3]
+    assert (f"spartron: {run} holds no complete saved step: starting a new run; the earlier run's "
+            "metrics.jsonl was moved to metrics.1.jsonl") in capfd.readouterr().err
+    assert (run / "metrics.1.jsonl").read_text() == first
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")[1]] == [1, 2, 3]
+    assert len(headers(run)) == 1
+
+
+# ---- resume says what it did ------------------------------------------------------------------------
+def _crash_saving_step_4(tmp_dir: Path) -> None:
+    if tmp_dir.name.endswith("step-00000004"):
+        raise OSError("injected crash while saving step 4")
+
+
+def _train_with_hook(rank, world, cfg):
+    try:
+        train(cfg, SmallFactory(), before_commit=_crash_saving_step_4)
+    except TrainingError as err:
+        return str(err)
+
+
+def test_resume_prints_the_step_and_the_incomplete_steps_it_skipped(tmp_path, capfd):
+    run = tmp_path / "run"
+    assert "injected crash" in run_distributed(_train_with_hook, 1, cfg_for(run, save_every=2, steps=6))[0]
+    (run / "step-00000006").mkdir()  # a step directory without its COMPLETE marker
+    capfd.readouterr()
+    assert run1(cfg_for(run, save_every=2, steps=6)) == [3, 4, 5, 6]
+    assert (f"spartron: resumed from step 2 ({run}/step-00000002); skipped incomplete step directories: "
+            ".tmp-step-00000004, step-00000006") in capfd.readouterr().err
+    first, resumed = headers(run)
+    assert resumed["resumed_from_step"] == 2 and resumed["run_id"] == first["run_id"]
+    assert resumed["skipped_incomplete_steps"] == [".tmp-step-00000004", "step-00000006"]
+    assert complete_steps(run) == [2, 4, 6]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")[1]] == [1, 2, 3, 4, 5, 6]
+
+
+# ---- mismatched states ----------------------------------------------------------------------------------
+def test_resuming_a_model_of_another_shape_names_the_differing_keys(tmp_path):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2, steps=2))
+    err = run1(cfg_for(run, dim=32, steps=4))
+    assert err.startswith(f"StateLoadError: {step_dir(run, 2)} holds a model of another shape: differing config: "
+                          "model.dim (saved 16, this run 32); tensors: model.embed.weight saved [64, 16], this run "
+                          "[64, 32]; model.head.weight saved [64, 16], this run [64, 32]")
+    assert "\n" not in err
+
+
+def test_resuming_with_other_optimizer_settings_is_an_error(tmp_path):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2, steps=2))
+    assert run1(cfg_for(run, steps=4, weight_decay=0.2, beta2=0.9)) == (
+        f"StateLoadError: {step_dir(run, 2)} holds optimizer state for other settings: train.beta2 (saved 0.95, "
+        "this run 0.9), train.weight_decay (saved 0.1, this run 0.2); resume with the saved values, or start a "
+        "new run")
+
+
+def test_two_ranks_resuming_under_another_world_size_fail_before_loading(tmp_path):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2, steps=2))
+    errors = run_distributed(_run, 2, cfg_for(run, steps=4))
+    assert errors == [f"StateLoadError: {step_dir(run, 2)} was saved by 1 ranks; this run has 2 (per-rank data "
+                      "positions and RNG cannot be remapped)"] * 2
+
+
+# ---- exploding losses --------------------------------------------------------------------------------
+def test_max_loss_stops_the_run_at_the_step(tmp_path):
+    err = run1(cfg_for(tmp_path / "run", max_loss=1.0))
+    assert err.startswith("LossSpikeError: loss 4.") and err.endswith(" at step 1 is above train.max_loss = 1")
+
+
+def test_loss_spike_factor_is_off_by_default_and_survives_a_resume(tmp_path):
+    exploding = SmallFactory(scale_at=3, scale=1e6)  # finite, 1e6x the first loss from step 3 on
+    assert run1(cfg_for(tmp_path / "off", save_every=1), exploding) == [1, 2, 3, 4]
+
+    run = tmp_path / "run"
+    assert run1(cfg_for(run, save_every=2, steps=2), exploding) == [1, 2]  # the first loss is saved with step 2
+    first_loss = json.loads((step_dir(run, 2) / "meta.json").read_text())["counters"]["first_loss"]
+    resumed = SmallFactory(scale_at=1, scale=1e6)  # the resumed process's first step (3) explodes
+    err = run1(cfg_for(run, save_every=1, loss_spike_factor=100.0), resumed)
+    assert err.startswith("LossSpikeError: loss ") and " at step 3 is " in err
+    assert f"the first step's loss {first_loss:.6g}, above train.loss_spike_factor = 100" in err
+    assert complete_steps(run) == [2]  # step 3 was neither applied nor saved
+
+
+# ---- keep_last --------------------------------------------------------------------------------------------
+def test_keep_last_keeps_the_newest_complete_steps(tmp_path):
+    run = tmp_path / "run"
+    assert run1(cfg_for(run, save_every=1, steps=5, keep_last=2)) == [1, 2, 3, 4, 5]
+    assert complete_steps(run) == [4, 5]
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "step-00000004", "step-00000005"]
+
+
+# ---- metrics.jsonl holds one run ----------------------------------------------------------------------
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+STEP = {"type": "step", "step": 1, "loss": 1.0, "grad_norm": 0.5, "tokens_per_s": 10.0}
+
+
+def test_a_metrics_file_holding_two_runs_is_refused_by_regress_compare(tmp_path, capsys):
+    piled = _write_jsonl(tmp_path / "a" / "metrics.jsonl", [
+        {"type": "header", "run_id": "r1", "resumed_from_step": None}, STEP,
+        {"type": "header", "run_id": "r2", "resumed_from_step": None}, STEP])
+    with pytest.raises(MetricsFileError, match=r"holds 2 runs \(run ids \['r1', 'r2'\]\)"):
+        read_metrics(piled)
+    base = _write_jsonl(tmp_path / "b" / "metrics.jsonl", [{"type": "header", "run_id": "r3"}, STEP])
+    assert main(["regress", "compare", str(piled), str(base)]) == USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"spartron: error: {piled} holds 2 runs") and err.count("\n") == 1
+    resumed = _write_jsonl(tmp_path / "c" / "metrics.jsonl", [  # a resume of the same run is one run
+        {"type": "header", "run_id": "r1", "resumed_from_step": None}, STEP,
+        {"type": "header", "run_id": "r1", "resumed_from_step": 1}, {**STEP, "step": 2}])
+    assert [s["step"] for s in read_metrics(resumed)[1]] == [1, 2]
+
+
+# ---- the CLI: exit 2, before ranks are spawned where it can be checked ---------------------------------
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spartron.launch.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_refuses_a_new_run_into_old_steps_before_spawning_ranks(tmp_path):
+    run = tmp_path / "run"
+    (run / "step-00000002").mkdir(parents=True)
+    (run / "step-00000002" / COMPLETE).write_text("{}")
+    done = _cli(["train", str(ROOT / "configs" / "tiny.toml"), "--set", "launch.nproc=2", "--set",
+                 f"train.run_dir={json.dumps(str(run))}", "--set", "train.resume=false"], tmp_path)
+    assert done.returncode == USAGE_ERROR, done.stderr
+    assert done.stderr == (f"spartron: error: {run} already holds saved steps [2] (step-00000002); train.resume "
+                           "= false will not mix a new run into it: give this run another directory (name or "
+                           "train.run_dir), delete that one, or set train.overwrite = true to replace its saved "
+                           "steps and metrics\n")
+    assert not (run / "logs").exists()  # no rank was started
+
+
+@pytest.mark.slow
+def test_cli_resume_of_another_model_shape_is_exit_2_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    common = ["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"train.run_dir={json.dumps(str(run))}",
+              "--set", "train.save_every=1", "--set", "train.progress=false", "--set", "train.peak_tflops=1.0",
+              "--set", "train.seq_len=32"]
+    first = _cli([*common, "--set", "train.steps=1"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = _cli([*common, "--set", "train.steps=2", "--set", "model.vocab_size=2048"], tmp_path)
+    assert done.returncode == USAGE_ERROR, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"spartron: error: {step_dir(run, 1)} holds a model of another shape: differing "
+                           "config: model.vocab_size (saved 512, this run 2048); tensors: ")
+    assert "Traceback" not in done.stderr
