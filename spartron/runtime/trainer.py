@@ -88,10 +88,6 @@ class LossSpikeError(TrainingError):
     """The (all-reduced, finite) loss is above train.max_loss or train.loss_spike_factor x the first loss."""
 
 
-class LossSpikeError(TrainingError):
-    """The (all-reduced, finite) loss is above train.max_loss or train.loss_spike_factor x the first loss."""
-
-
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -203,10 +199,6 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     run_dir, shape = run_dir_of(cfg), state_config(cfg)
     plan, run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
                              layout=dims.describe(), config=shape)
-    # The run directory against this run (refusals, resume step) before the model is built.
-    run_dir, shape = run_dir_of(cfg), state_config(cfg)
-    plan, run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
-                             layout=dims.describe(), config=shape)
 
     # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
     # for custom factories that draw from the global RNG: the same state on every rank.
@@ -245,7 +237,6 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
                "config_toml": dump_config(cfg), "versions": M.versions(), "git_commit": M.git_commit(),
                "hardware": M.hardware(device, world), "layout": dims.describe(),
                "deterministic": device.type == "cpu", "resumed_from_step": resumed_from,
-               "run_id": run_id, "skipped_incomplete_steps": list(plan.skipped),
                "run_id": run_id, "skipped_incomplete_steps": list(plan.skipped),
                "micro_steps": n_micro})
     flops_per_token = M.training_flops_per_token(cfg.model, t.seq_len)
@@ -305,7 +296,6 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
         raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
                                  f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
     _check_loss_limits(t, step, loss, first_loss)  # before the optimizer step: the state stays the last good one
-    _check_loss_limits(t, step, loss, first_loss)  # before the optimizer step: the state stays the last good one
     if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
         clip_grads_(params, t.grad_clip, grad_norm)
     optimizer.step()
@@ -321,16 +311,6 @@ def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.opti
             "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
             "peak_memory_reserved_bytes": reserved,
             "expert_load_max_violation": M.expert_load_max_violation(counts)}
-
-
-def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
-    """train.max_loss / train.loss_spike_factor: an exploding (still finite) loss stops the run at its step."""
-    if t.max_loss is not None and loss > t.max_loss:
-        raise LossSpikeError(f"loss {loss:.6g} at step {step} is above train.max_loss = {t.max_loss:g}")
-    if t.loss_spike_factor is not None and first_loss is not None and first_loss > 0 \
-            and loss > t.loss_spike_factor * first_loss:
-        raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
-                             f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g}")
 
 
 def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
