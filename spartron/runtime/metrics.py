@@ -212,8 +212,11 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: name the file (write() alone says only "No space left")
+            raise OSError(err.errno, err.strerror or str(err), str(self.path)) from None
         if record.get("type") != "step":
             return
         self.records.append(record)

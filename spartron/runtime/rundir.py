@@ -8,16 +8,20 @@ from a run directory can run code. What a saved step holds is described in spart
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
+import socket
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
 METRICS = "metrics.jsonl"
+LOCK = ".lock"  # held (flock) by rank 0 of the run training in the directory
 FORMAT_VERSION = 2  # 2: COMPLETE holds the file manifest; meta.json the run id and state config
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d{8})$")
@@ -135,7 +139,9 @@ def read_meta(path: Path) -> dict:
     file = path / META
     meta = read_json(file)
     expected = {"format_version": lambda v: v == FORMAT_VERSION, "step": _is_int,
-                "world_size": lambda v: _is_int(v, 1), "counters": lambda v: isinstance(v, dict),
+                "world_size": lambda v: _is_int(v, 1),
+                "counters": lambda v: isinstance(v, dict) and _is_int(v.get("tokens", 0))
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()),
                 "layout": lambda v: v is None or isinstance(v, str),
                 "run_id": lambda v: v is None or isinstance(v, str),
                 "config": lambda v: v is None or isinstance(v, dict)}
@@ -174,6 +180,7 @@ class RunStart:
     skipped: tuple[str, ...] = ()  # incomplete step directories a resume ignores
     replace: tuple[str, ...] = ()  # a new run's train.overwrite: what it removes first
     rotate_metrics: bool = False  # a new run with resume = true: an earlier run's metrics.jsonl is moved aside
+    lock: RunDirLock | None = field(default=None, compare=False)  # rank 0's, held while the plan is alive
 
     def message(self) -> str:
         """The line rank 0 prints on stderr when the run starts."""
@@ -186,6 +193,66 @@ class RunStart:
             return ""
         skipped = (f"; skipped incomplete step directories: {', '.join(self.skipped)}" if self.skipped else "")
         return f"spartron: resumed from step {self.resume_step} ({step_dir(self.run_dir, self.resume_step)}){skipped}"
+
+
+class RunDirLock:
+    """An exclusive flock on ``<run_dir>/.lock``, held by rank 0 for the whole run, so a second run (the
+    same command started twice, ranks of a launcher that died) cannot train into the same directory. The
+    kernel drops it when the process ends, kill -9 included; closing the file (or losing the last
+    reference to this object) releases it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self._file: Any = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; StateLoadError if another run holds it; a warning line if the file system
+        cannot lock (nothing then stops a second run)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read(200).strip()
+            f.close()
+            raise StateLoadError(_in_use(self.path, holder)) from None
+        except OSError as err:
+            f.close()
+            return f"spartron: warning: cannot lock {self.path} ({err}): nothing stops a second run from using it"
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._file = f
+        return None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _in_use(path: Path, holder: str) -> str:
+    return (f"{path.parent} is in use by another run ({holder or 'holder unknown'}, lock {path}): wait for it "
+            "to end or stop it, or give this run another directory")
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """StateLoadError if a run holds the directory's lock (a shared, non-blocking probe: probes of several
+    ranks never conflict with each other)."""
+    path = Path(run_dir) / LOCK
+    try:
+        f = path.open("r")
+    except OSError:
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateLoadError(_in_use(path, f.read(200).strip())) from None
+        except OSError:
+            return
 
 
 def _rotated_name(run_dir: Path) -> str:
@@ -201,10 +268,12 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     before spawning ranks, and every rank again). StateLoadError when the run cannot start:
     - a new run (resume = false) into a directory holding saved steps or metrics, without train.overwrite;
     - a resume whose newest complete step is at or past train.steps (nothing would be trained);
-    - a resume under another world size, parallel layout or optimizer settings (meta.json of that step).
+    - a resume under another world size, parallel layout or optimizer settings (meta.json of that step);
+    - a directory another run is training in (its lock is held).
     File damage is left to load_state, which verifies every file collectively.
     """
     run_dir = Path(run_dir)
+    check_not_in_use(run_dir)
     steps_saved, incomplete = complete_steps(run_dir), incomplete_steps(run_dir)
     has_metrics = (run_dir / METRICS).is_file()
     if not resume:

@@ -94,6 +94,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     META,
     METRICS,
     STATE_TRAIN_KEYS,
+    RunDirLock,
     RunStart,
     StateLoadError,
     _first_line,
@@ -697,29 +698,42 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
 
 def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, layout: str | None = None,
               config: dict[str, Any] | None = None) -> tuple[RunStart, str]:
-    """Collective: plan_run on every rank, then rank 0 prepares the directory (train.overwrite removals,
-    moving an earlier run's metrics.jsonl aside) and prints the plan's line. Returns (plan, run id); the
-    run id is rank 0's (a new one for a new run, the saved one is adopted by the trainer after a load)."""
+    """Collective: plan_run on every rank, then rank 0 takes the directory's lock (`RunDirLock`, held while
+    the returned plan lives), prepares the directory (train.overwrite removals, moving an earlier run's
+    metrics.jsonl aside) and prints the plan's line; a failure there is a StateLoadError on every rank.
+    Returns (plan, run id); the run id is rank 0's (a new one for a new run; after a load the trainer
+    adopts the saved one)."""
     rank, world = _rank_world()
     plan = plan_run(run_dir, resume=resume, overwrite=overwrite, steps=steps, world_size=world, layout=layout,
                     config=config)
     if dist.is_initialized():
         dist.barrier()  # every rank has looked before rank 0 changes anything
+    error = None
     if rank == 0:
         run_dir = Path(run_dir)
-        for name in plan.replace:
-            target = run_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink(missing_ok=True)
-        if plan.rotate_metrics:
-            message = plan.message()
-            os.replace(run_dir / METRICS, run_dir / _rotated_name(run_dir))
-            print(message, file=sys.stderr, flush=True)
-        elif plan.resume_step is None and plan.message():
-            print(plan.message(), file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            lock = RunDirLock(run_dir)
+            warning = lock.acquire()
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+            plan = dataclasses.replace(plan, lock=lock)
+            for name in plan.replace:
+                target = run_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink(missing_ok=True)
+            message = plan.message() if plan.resume_step is None else ""
+            if plan.rotate_metrics:
+                os.replace(run_dir / METRICS, run_dir / _rotated_name(run_dir))
+            if message:
+                print(message, file=sys.stderr, flush=True)
+        except StateLoadError as err:
+            error = str(err)
+        except OSError as err:
+            error = f"{run_dir}: cannot prepare the run directory ({_first_line(err)})"
+    failed = _agreed_errors(error)
+    if failed:
+        raise StateLoadError(failed[0][1])
     return plan, uuid.uuid4().hex
 

@@ -6,6 +6,10 @@ keep_last, one run per metrics.jsonl.
 from __future__ import annotations
 
 import json
+import os
+import resource
+import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,8 +22,8 @@ from torch import nn
 from spartron.launch.cli import USAGE_ERROR, main
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict
-from spartron.runtime.metrics import MetricsFileError, read_metrics
-from spartron.runtime.state import COMPLETE, StateLoadError, complete_steps, step_dir
+from spartron.runtime.metrics import MetricsFileError, MetricsLog, read_metrics
+from spartron.runtime.state import COMPLETE, RunDirLock, StateLoadError, complete_steps, step_dir
 from spartron.runtime.trainer import TrainingError, train
 from spartron.testing import run_distributed
 
@@ -121,6 +125,33 @@ def test_a_new_run_with_resume_moves_an_earlier_runs_metrics_aside(tmp_path, cap
     assert len(headers(run)) == 1
 
 
+def test_a_run_dir_another_run_is_training_in_is_refused(tmp_path):
+    run = tmp_path / "run"
+    other = RunDirLock(run)  # as the rank 0 of a run in progress holds it
+    assert other.acquire() is None
+    expected = (f"StateLoadError: {run} is in use by another run (pid {os.getpid()} on {socket.gethostname()}, "
+                f"lock {run}/.lock): wait for it to end or stop it, or give this run another directory")
+    assert run1(cfg_for(run)) == expected
+    assert run1(cfg_for(run, resume=False, overwrite=True)) == expected  # overwrite does not override a live run
+    other.release()
+    assert run1(cfg_for(run, steps=2)) == [1, 2]
+
+
+def _metrics_past_limit(rank, world, path):
+    log = MetricsLog(path, 1, enabled=True, progress=False)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
+    try:
+        log.write({"type": "header", "pad": "x" * 200})
+    except OSError as err:
+        return str(err)
+
+
+def test_a_metrics_write_error_names_the_file(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    assert run_distributed(_metrics_past_limit, 1, path) == [f"[Errno 27] File too large: '{path}'"]
+
+
 # ---- resume says what it did ------------------------------------------------------------------------
 def _crash_saving_step_4(tmp_dir: Path) -> None:
     if tmp_dir.name.endswith("step-00000004"):
@@ -202,7 +233,7 @@ def test_keep_last_keeps_the_newest_complete_steps(tmp_path):
     run = tmp_path / "run"
     assert run1(cfg_for(run, save_every=1, steps=5, keep_last=2)) == [1, 2, 3, 4, 5]
     assert complete_steps(run) == [4, 5]
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl", "step-00000004", "step-00000005"]
 
 
 # ---- metrics.jsonl holds one run ----------------------------------------------------------------------
@@ -249,6 +280,18 @@ def test_cli_refuses_a_new_run_into_old_steps_before_spawning_ranks(tmp_path):
                            "train.run_dir), delete that one, or set train.overwrite = true to replace its saved "
                            "steps and metrics\n")
     assert not (run / "logs").exists()  # no rank was started
+
+
+def test_cli_refuses_a_run_dir_in_use_before_spawning_ranks(tmp_path):
+    run = tmp_path / "run"
+    other = RunDirLock(run)
+    other.acquire()
+    done = _cli(["train", str(ROOT / "configs" / "tiny.toml"), "--set", "launch.nproc=2", "--set",
+                 f"train.run_dir={json.dumps(str(run))}"], tmp_path)
+    other.release()
+    assert done.returncode == USAGE_ERROR, done.stderr
+    assert done.stderr.startswith(f"spartron: error: {run} is in use by another run (pid {os.getpid()} on ")
+    assert done.stderr.count("\n") == 1 and not (run / "logs").exists()
 
 
 @pytest.mark.slow

@@ -198,6 +198,8 @@ def test_metadata_pointing_outside_the_step_is_refused(tmp_path):
     ("meta.json", b'{"format_version": 2, "step": "1"}', "field 'step' is missing or invalid"),
     ("meta.json", b'{"step": NaN}', "not valid JSON (ValueError: non-finite number NaN)"),
     ("meta.json", b"[]", "must hold a JSON object"),
+    ("meta.json", b'{"format_version": 2, "step": 1, "world_size": 1, "counters": {"tokens": "x"}, "layout": null, '
+                  b'"run_id": null, "config": null}', "field 'counters' is missing or invalid"),
 ])
 def test_malformed_json_files_are_one_line_errors_naming_the_file(tmp_path, name, content, expected):
     model, opt = _model()
