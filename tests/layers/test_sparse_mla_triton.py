@@ -133,6 +133,44 @@ def test_kernels_match_float64_reference(b, s_q, s_kv, h, k, shuffle, dtype):
     assert all(e <= 1e-2 for e in errors.values()), errors
 
 
+VARIANTS = [  # block configs other than the defaults, so a change of default stays tested
+    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 2)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2, lag=True)),
+    ("fwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, lag=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1, lag=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind, cfg", VARIANTS)
+def test_kernel_block_configs_match_float64_reference(kind, cfg):
+    b, s_q, s_kv, h, k = 2, 257, 300, 64 if cfg.block_h == 64 else 16, 200
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, s_kv, 576, device="cuda", generator=g).bfloat16()
+    ids = _ids(b, s_q, s_kv, k, g, shuffle=False)
+    scale = 192 ** -0.5
+    ref_out, ref_lse = reference_forward(q.double(), kv.double(), ids, scale, 512, 64)
+    if kind == "fwd":
+        out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
+        fin = torch.isfinite(ref_lse)
+        errors = dict(out=_rel(out, ref_out), lse=_rel(lse[fin], ref_lse[fin]))
+    else:
+        out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
+        go = torch.randn(b, s_q, h, 512, device="cuda", generator=g).bfloat16()
+        gl = torch.zeros(b, s_q, h, device="cuda")
+        dq, dkv = sparse_mla_triton.backward(go, gl, q, kv, ids, out, lse, scale, 512, cfg)
+        ref_dq, ref_dkv = reference_backward(go.double(), gl.double(), q.double(), kv.double(), ids, ref_lse,
+                                             scale, 512, 64)
+        errors = dict(dq=_rel(dq, ref_dq), dkv=_rel(dkv, ref_dkv))
+        assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    print(f"rel errors {kind} {cfg}:", " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert all(e <= 1e-2 for e in errors.values()), errors
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_float32_is_an_error_not_a_fallback():

@@ -34,7 +34,7 @@ def _used_slots(id_row, topk, s_kv, KP: tl.constexpr):
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
                           scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                          DR: tl.constexpr, KP: tl.constexpr):
+                          DR: tl.constexpr, KP: tl.constexpr, LAG: tl.constexpr):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(n_heads, BH)
     tok = (pid // n_hb).to(tl.int64)  # flat b * s_q + t
@@ -54,23 +54,55 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     id_row = ids_ptr + tok * topk
     n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * (DV + DR)
-    for k0 in tl.range(0, n_used, BK):
-        kk = k0 + tl.arange(0, BK)
-        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-        valid = (ids >= 0) & (ids < s_kv)
-        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
-        kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-        kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_lat, tl.trans(kv_lat))
-        s = tl.dot(q_pe, tl.trans(kv_pe), s)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
-        m = m_new
+    if LAG:
+        # P of block i meets V of block i in iteration i + 1: the score dot's results then reach no
+        # other dot inside one iteration, so Triton splits its columns over both warpgroups instead
+        # of having each warpgroup compute all of it (the price: V rows are gathered twice)
+        p_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
+        rows_prev = tl.zeros([BK], tl.int64)
+        valid_prev = tl.zeros([BK], tl.int1)
+        for k0 in tl.range(0, n_used, BK):
+            kk = k0 + tl.arange(0, BK)
+            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+            valid = (ids >= 0) & (ids < s_kv)
+            rows_i = tl.where(valid, ids, 0).to(tl.int64) * (DV + DR)
+            rows = kv_base + rows_i[:, None]
+            kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
+            kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv_lat))
+            s = tl.dot(q_pe, tl.trans(kv_pe), s)
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            v_prev = tl.load(kv_base + rows_prev[:, None] + dv[None, :], mask=valid_prev[:, None], other=0.0)
+            acc = tl.dot(p_prev, v_prev, acc)
+            acc = acc * alpha[:, None]
+            p_prev = p.to(kv_ptr.dtype.element_ty)
+            rows_prev = rows_i
+            valid_prev = valid
+            m = m_new
+        v_prev = tl.load(kv_base + rows_prev[:, None] + dv[None, :], mask=valid_prev[:, None], other=0.0)
+        acc = tl.dot(p_prev, v_prev, acc)
+    else:
+        for k0 in tl.range(0, n_used, BK):
+            kk = k0 + tl.arange(0, BK)
+            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+            valid = (ids >= 0) & (ids < s_kv)
+            rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
+            kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
+            kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv_lat))
+            s = tl.dot(q_pe, tl.trans(kv_pe), s)
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
+            m = m_new
 
     has = denom > 0.0
     acc = acc / tl.where(has, denom, 1.0)[:, None]
@@ -88,11 +120,61 @@ def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c):
     tl.atomic_add(tl.trans(dkv_rows) + cols[:, None], part, mask=valid[None, :], sem="relaxed")
 
 
+@triton.jit
+def _load_kv(rows, valid, dc, dr, DC: tl.constexpr):
+    """The gathered kv rows as four latent chunks and the rope part (zeros where not valid)."""
+    k0 = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
+    k1 = tl.load(rows + DC + dc[None, :], mask=valid[:, None], other=0.0)
+    k2 = tl.load(rows + 2 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+    k3 = tl.load(rows + 3 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+    kr = tl.load(rows + 4 * DC + dr[None, :], mask=valid[:, None], other=0.0)
+    return k0, k1, k2, k3, kr
+
+
+@triton.jit
+def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid, lse2, delta, scale,
+               scale_log2):
+    """(P, dS * scale) of one key block, both in the inputs' dtype."""
+    s = tl.dot(q0, tl.trans(k0))
+    s = tl.dot(q1, tl.trans(k1), s)
+    s = tl.dot(q2, tl.trans(k2), s)
+    s = tl.dot(q3, tl.trans(k3), s)
+    s = tl.dot(qr, tl.trans(kr), s)
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do0, tl.trans(k0))
+    dp = tl.dot(do1, tl.trans(k1), dp)
+    dp = tl.dot(do2, tl.trans(k2), dp)
+    dp = tl.dot(do3, tl.trans(k3), dp)
+    ds = (p * (dp - delta[:, None]) * scale).to(k0.dtype)
+    return p.to(k0.dtype), ds
+
+
+@triton.jit
+def _bwd_apply(pb, ds, k0, k1, k2, k3, kr, dq0, dq1, dq2, dq3, dqr, drows, valid, q0, q1, q2, q3, qr, do0,
+               do1, do2, do3, dc, dr, DC: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr):
+    """dq += dS K; dkv[rows] += P^T dO + dS^T q (atomics). Returns the dq accumulators."""
+    if DO_DQ:
+        dq0 = tl.dot(ds, k0, dq0)
+        dq1 = tl.dot(ds, k1, dq1)
+        dq2 = tl.dot(ds, k2, dq2)
+        dq3 = tl.dot(ds, k3, dq3)
+        dqr = tl.dot(ds, kr, dqr)
+    if DO_DKV:
+        _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
+        _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
+        _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
+        _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
+        part = tl.dot(tl.trans(qr), ds)
+        tl.atomic_add(tl.trans(drows) + 4 * DC + dr[:, None], part, mask=valid[None, :], sem="relaxed")
+    return dq0, dq1, dq2, dq3, dqr
+
+
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
                           n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
                           DC: tl.constexpr, DR: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
-                          KP: tl.constexpr):
+                          KP: tl.constexpr, LAG: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -105,12 +187,7 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     dc = tl.arange(0, DC)
     dr = tl.arange(0, DR)
     hrow = tok * n_heads + heads
-    q_rows = q_ptr + hrow[:, None] * D
-    q0 = tl.load(q_rows + dc[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(q_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
-    qr = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
+    q0, q1, q2, q3, qr = _load_kv(q_ptr + hrow[:, None] * D, hmask, dc, dr, DC)
     do_rows = do_ptr + hrow[:, None] * DV
     do0 = tl.load(do_rows + dc[None, :], mask=hmask[:, None], other=0.0)
     do1 = tl.load(do_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0)
@@ -130,44 +207,45 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * D
     dkv_base = dkv_ptr + b * s_kv * D
-    for k0 in tl.range(0, n_used, BK):
-        kk = k0 + tl.arange(0, BK)
-        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-        valid = (ids >= 0) & (ids < s_kv)
-        safe = tl.where(valid, ids, 0).to(tl.int64)[:, None] * D
-        rows = kv_base + safe
-        k0_ = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
-        k1_ = tl.load(rows + DC + dc[None, :], mask=valid[:, None], other=0.0)
-        k2_ = tl.load(rows + 2 * DC + dc[None, :], mask=valid[:, None], other=0.0)
-        k3_ = tl.load(rows + 3 * DC + dc[None, :], mask=valid[:, None], other=0.0)
-        kr_ = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q0, tl.trans(k0_))
-        s = tl.dot(q1, tl.trans(k1_), s)
-        s = tl.dot(q2, tl.trans(k2_), s)
-        s = tl.dot(q3, tl.trans(k3_), s)
-        s = tl.dot(qr, tl.trans(kr_), s)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do0, tl.trans(k0_))
-        dp = tl.dot(do1, tl.trans(k1_), dp)
-        dp = tl.dot(do2, tl.trans(k2_), dp)
-        dp = tl.dot(do3, tl.trans(k3_), dp)
-        ds = (p * (dp - delta[:, None]) * scale).to(k0_.dtype)
-        pb = p.to(k0_.dtype)
-        if DO_DQ:
-            dq0 = tl.dot(ds, k0_, dq0)
-            dq1 = tl.dot(ds, k1_, dq1)
-            dq2 = tl.dot(ds, k2_, dq2)
-            dq3 = tl.dot(ds, k3_, dq3)
-            dqr = tl.dot(ds, kr_, dqr)
-        if DO_DKV:
-            drows = dkv_base + safe
-            _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
-            _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
-            _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
-            _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
-            part = tl.dot(tl.trans(qr), ds)
-            tl.atomic_add(tl.trans(drows) + DV + dr[:, None], part, mask=valid[None, :], sem="relaxed")
+    if LAG:
+        # block i's P and dS meet its rows in iteration i + 1 (rows gathered again), so the score dots
+        # feed no dot within an iteration and Triton splits them over both warpgroups (see forward)
+        p_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
+        ds_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
+        safe_prev = tl.zeros([BK], tl.int64)
+        valid_prev = tl.zeros([BK], tl.int1)
+        for k0 in tl.range(0, n_used, BK):
+            kk = k0 + tl.arange(0, BK)
+            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+            valid = (ids >= 0) & (ids < s_kv)
+            safe = tl.where(valid, ids, 0).to(tl.int64) * D
+            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
+            pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
+                                scale, scale_log2)
+            c0, c1, c2, c3, cr = _load_kv(kv_base + safe_prev[:, None], valid_prev, dc, dr, DC)
+            dq0, dq1, dq2, dq3, dqr = _bwd_apply(p_prev, ds_prev, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
+                                                 dkv_base + safe_prev[:, None], valid_prev, q0, q1, q2, q3, qr,
+                                                 do0, do1, do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
+            p_prev = pb
+            ds_prev = ds
+            safe_prev = safe
+            valid_prev = valid
+        c0, c1, c2, c3, cr = _load_kv(kv_base + safe_prev[:, None], valid_prev, dc, dr, DC)
+        dq0, dq1, dq2, dq3, dqr = _bwd_apply(p_prev, ds_prev, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
+                                             dkv_base + safe_prev[:, None], valid_prev, q0, q1, q2, q3, qr,
+                                             do0, do1, do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
+    else:
+        for k0 in tl.range(0, n_used, BK):
+            kk = k0 + tl.arange(0, BK)
+            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+            valid = (ids >= 0) & (ids < s_kv)
+            safe = tl.where(valid, ids, 0).to(tl.int64) * D
+            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
+            pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
+                                scale, scale_log2)
+            dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
+                                                 dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
+                                                 do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
 
     if DO_DQ:
         dq_rows = dq_ptr + hrow[:, None] * D
