@@ -15,31 +15,39 @@ from pydantic import BaseModel, ConfigDict, field_validator
 _FORBIDDEN_CHARS = {"\n": "a newline", "\r": "a carriage return", "\0": "a NUL byte"}
 
 
-def check_single_line(value: Any) -> Any:
+_INT_LIMIT = 2**63  # every integer option fits a signed 64-bit integer (torch, numpy, JSON readers)
+
+
+def check_plain_value(value: Any) -> Any:
     """Raise ValueError if a string in `value` (a str, or nested in lists / dict keys and values)
-    holds a newline, carriage return or NUL; nested config sections check themselves."""
+    holds a newline, carriage return or NUL, or an integer does not fit 64 bits; nested config
+    sections check themselves."""
     if isinstance(value, str):
         for char, what in _FORBIDDEN_CHARS.items():
             if char in value:
                 raise ValueError(f"must not contain {what}, got {value!r}")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -_INT_LIMIT <= value < _INT_LIMIT:
+            raise ValueError(f"must fit a signed 64-bit integer, got {value}")
     elif isinstance(value, (list, tuple, set, frozenset)):
         for item in value:
-            check_single_line(item)
+            check_plain_value(item)
     elif isinstance(value, dict):
         for key, item in value.items():
-            check_single_line(key)
-            check_single_line(item)
+            check_plain_value(key)
+            check_plain_value(item)
     return value
 
 
 class ConfigSection(BaseModel):
     """A strict config section: no unknown keys, no silent coercion of wrong types, no inf/nan floats,
-    and no string option (anywhere in a field's value) with a newline, carriage return or NUL."""
+    no integer beyond 64 bits, and no string option (anywhere in a field's value) with a newline,
+    carriage return or NUL."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False,
                               allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
-    def _single_line_strings(cls, value: Any) -> Any:
-        return check_single_line(value)
+    def _plain_values(cls, value: Any) -> Any:
+        return check_plain_value(value)

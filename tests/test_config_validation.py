@@ -306,3 +306,22 @@ def test_bad_wait_timeout_is_refused_before_anything_is_submitted(argv, message,
     assert main(["sbatch", TINY, "--submit", *argv]) == 2
     assert capsys.readouterr().err == f"spartron: error: {message}\n"
     assert not (tmp_path / "called").exists() and not (tmp_path / "runs").exists()
+
+
+def test_integers_beyond_64_bits_are_refused():
+    assert _error("train.steps=99999999999999999999999") == (
+        "invalid config: train.steps: must fit a signed 64-bit integer, got 99999999999999999999999")
+
+
+def test_odd_keys_and_deep_values_stay_one_line(tmp_path):
+    path = tmp_path / "odd.toml"
+    path.write_text('[model]\n"a\\nb" = 1\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == "invalid config: model.'a\\nb': unknown key"
+    assert _error("train.lr=" + "[" * 5000) == "override train.lr: value '[[[[[[[[[[[[[[[[[[[['... is nested too deeply"
+
+
+def test_regress_tolerance_nan_is_refused_before_the_files_are_read(capsys):
+    assert main(["regress", "compare", "missing-run", "missing-base", "--loss-rel", "nan"]) == 2
+    assert capsys.readouterr().err == "spartron: error: --loss-rel must be >= 0, got nan\n"

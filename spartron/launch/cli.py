@@ -14,12 +14,14 @@ import json
 import math
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from spartron.launch.process import exit_process
+from spartron.launch.process import STOPPED_STATUS, exit_process
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
+from spartron.runtime.debug import check_fault
 
 USAGE_ERROR = 2
 MAX_PLAN_WORLD = 1 << 18  # rank groups of 2^18 ranks take seconds to list; 2^20 half a minute
@@ -85,27 +87,35 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
         for item in args.set:
             command += ["--set", item]
+        fault = check_fault(cfg.debug, cfg.launch.nproc, cfg.train.steps)
+        if fault:
+            raise ConfigError(fault)
         print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {run_dir / 'logs'}",
               file=sys.stderr)
-        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs", bind_cores=cfg.launch.bind_cores)
+        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs", bind_cores=cfg.launch.bind_cores,
+                            stopped_limit_s=cfg.parallel.timeout_s,
+                            terminate_grace_s=cfg.launch.terminate_grace_s)
     if entry == "smoke":
         from spartron.launch.smoke import run_smoke
 
-        return _as_rank(lambda: run_smoke(cfg, environ, run_dir))
+        def smoke() -> int:
+            run_smoke(cfg, environ, run_dir)
+            return 0
+
+        return _as_rank(smoke)
     from spartron.runtime.trainer import train
 
-    return _as_rank(lambda: train(cfg))
+    return _as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0)
 
 
-def _as_rank(body) -> int:
-    """Run one rank's work; on failure report it and end the process at once.
+def _as_rank(body: Callable[[], int]) -> int:
+    """Run one rank's work, returning its exit status; on failure report it and end the process at once.
 
     A failed rank must not run interpreter teardown: destroying a process group can block on peers
     still waiting in a collective, and the launcher (local or srun) stops the others.
     """
     try:
-        body()
-        return 0
+        return body()
     except BaseException as err:  # noqa: BLE001 - every failure must surface and end this rank
         if isinstance(err, Exception) and _is_user_error(err):
             print(f"spartron: error: {err}", file=sys.stderr)
@@ -162,7 +172,10 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         return 0
     state, status = slurm.wait(job_id, timeout_s=args.wait_timeout)
     print(f"spartron: job {job_id} {state} with exit status {status}; run dir {job.run_dir}")
-    if status != 0:
+    if status == STOPPED_STATUS:
+        print(f"spartron: the ranks got SIGTERM, saved a complete step and stopped (status {STOPPED_STATUS}); "
+              "submit again to resume from it")
+    elif status != 0:
         for path in (out, err):
             print(f"---- last lines of {path} ----\n{slurm.log_tail(path)}", file=sys.stderr)
     return status
@@ -193,7 +206,7 @@ def _tolerances(args: argparse.Namespace):
              "memory_abs_bytes": None if args.memory_abs_gb is None else args.memory_abs_gb * 1e9,
              "throughput_rel": args.throughput_rel}
     for key, value in given.items():
-        if value is not None and value < 0:
+        if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{key.replace('_bytes', '_gb').replace('_', '-')} must be >= 0, got {value}")
     given = {k: v for k, v in given.items() if v is not None}
     if args.no_exact_first_step:
@@ -214,9 +227,10 @@ def _metrics_file(path: str | Path, what: str) -> Path:
 def _compare(run: str | Path, baseline: str | Path, args: argparse.Namespace) -> bool:
     from spartron.runtime import regression
 
+    tolerances = _tolerances(args)  # flags first: a bad flag is reported whatever the files hold
     run_file, base_file = _metrics_file(run, "run"), _metrics_file(baseline, "baseline")
     noise = [_metrics_file(p, "noise-floor run") for p in args.noise_floor_from]
-    report = regression.compare_runs(run_file, base_file, _tolerances(args), noise_floor_from=noise)
+    report = regression.compare_runs(run_file, base_file, tolerances, noise_floor_from=noise)
     print(report.text())
     if args.plot:
         print(f"spartron: wrote {regression.plot_runs(run_file, base_file, args.plot)}")

@@ -1,23 +1,39 @@
 """One machine, N ranks: spawn the same command once per rank with the torchrun rank variables set.
 
 Rank 0 keeps the terminal (progress bar, summary); ranks 1.. write to `<log_dir>/rank<k>.log`.
-When any rank exits non-zero the others are stopped (SIGTERM, then SIGKILL), the failing rank's
-output is surfaced and its exit status is returned, so a crash never leaves ranks hanging in a
-collective.
+Failures are reported by root cause: the launcher watches every rank (a pidfd per rank wakes it the
+moment one exits; `waitpid(WUNTRACED)` sees one stop), and the rank that failed FIRST — exited
+non-zero, was killed by a signal, or stayed stopped (SIGSTOP) — is named with how it ended and the
+tail of its log; the knock-on "connection closed by peer" of its peers comes later and is only
+listed. Then every other rank is killed (SIGKILL: a failed job has nothing left to save, and a
+saved step is atomic) and the root cause's status is returned.
+
+Ranks die with their launcher, SIGKILL of the launcher included: each rank is started with the
+parent-death signal SIGKILL (Linux `prctl(PR_SET_PDEATHSIG)`), which fires when the thread that
+spawned it ends; call `launch_local` from a thread that outlives the run (the CLI's main thread).
+
+SIGTERM to the launcher (scancel, a CI timeout, `kill`) is forwarded to the ranks, which save a
+complete step at the next step boundary and exit with `STOPPED_STATUS`; after `terminate_grace_s`
+the launcher kills what is left.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-TERMINATE_GRACE_S = 5.0
+from spartron.launch.process import STOPPED_STATUS
+
+_PR_SET_PDEATHSIG = 1
 
 
 def existing_launcher(environ: Mapping[str, str]) -> str | None:
@@ -73,22 +89,82 @@ def core_slices(allowed: Sequence[int], nproc: int) -> list[list[int]]:
     return slices
 
 
-def _status(returncode: int) -> int:
-    """Shell-style status: a rank killed by signal S is 128 + S."""
-    return 128 - returncode if returncode < 0 else returncode
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for p in procs:
+@dataclass
+class _Rank:
+    """One spawned rank and what the launcher has observed of it (times are time.monotonic())."""
+
+    rank: int
+    proc: subprocess.Popen
+    log: Path | None
+    pidfd: int | None
+    returncode: int | None = None  # as Popen's: -S when killed by signal S
+    ended_at: float | None = None
+    stop_signal: int | None = None  # set while the rank is stopped
+    stopped_at: float | None = None
+    killed_by_launcher: bool = False
+    stopped_before_kill: int | None = None
+
+    @property
+    def status(self) -> int:
+        """Shell-style status: a rank killed (or left stopped) by signal S is 128 + S."""
+        if self.returncode is None:
+            return 128 + (self.stop_signal or signal.SIGKILL)
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def describe(self) -> str:
+        if self.returncode is None and self.stop_signal is not None:
+            return f"stopped ({signal_name(self.stop_signal)})"
+        if self.killed_by_launcher:
+            before = f"stopped ({signal_name(self.stopped_before_kill)}), then " if self.stopped_before_kill else ""
+            return f"{before}was killed by the launcher (SIGKILL)"
+        if self.returncode is not None and self.returncode < 0:
+            return f"was killed by {signal_name(-self.returncode)}"
+        return f"exited with status {self.returncode}"
+
+    def observe(self, now: float) -> None:
+        """Reap an exit, or note a stop / continue, without blocking."""
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            pid, wstatus = os.waitpid(self.proc.pid, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)
+        except ChildProcessError:  # reaped elsewhere: the exit status is lost
+            self._ended(1, now)
+            return
+        if pid == 0:
+            return
+        if os.WIFSTOPPED(wstatus):
+            self.stop_signal, self.stopped_at = os.WSTOPSIG(wstatus), now
+        elif os.WIFCONTINUED(wstatus):
+            self.stop_signal = self.stopped_at = None
+        else:
+            self._ended(os.waitstatus_to_exitcode(wstatus), now)
+
+    def kill(self) -> None:
+        """SIGKILL (a stopped process dies of it too) and reap."""
+        if self.returncode is not None:
+            return
+        stopped = self.stop_signal
+        os.kill(self.proc.pid, signal.SIGKILL)  # not Popen.send_signal: its poll() would reap behind our back
+        try:
+            _, wstatus = os.waitpid(self.proc.pid, 0)
+            code = os.waitstatus_to_exitcode(wstatus)
+        except ChildProcessError:
+            code = -signal.SIGKILL
+        self._ended(code, time.monotonic())
+        self.killed_by_launcher = code == -signal.SIGKILL
+        self.stopped_before_kill = stopped if self.killed_by_launcher else None
+
+    def _ended(self, returncode: int, now: float) -> None:
+        self.returncode = self.proc.returncode = returncode  # Popen must never wait for it again
+        self.ended_at, self.stop_signal, self.stopped_at = now, None, None
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -96,68 +172,171 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: ranks still die with a launcher that ends normally
+        return None
+
+
+def _child_setup(prctl: Callable[..., int] | None, launcher_pid: int, cores: list[int] | None):
+    """The preexec_fn of a rank: die with the launcher, then pin to `cores`."""
+    def setup() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != launcher_pid:  # the launcher died before the prctl took effect
+                os._exit(128 + signal.SIGKILL)
+        if cores:
+            os.sched_setaffinity(0, cores)
+    return setup
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # Linux < 5.3: poll the ranks instead
+        return None
+
+
+def _wait_for_change(ranks: Sequence[_Rank], timeout_s: float) -> None:
+    """Return when a live rank may have exited, or after timeout_s (stops are seen by polling)."""
+    fds = [r.pidfd for r in ranks if r.returncode is None and r.pidfd is not None]
+    if len(fds) < sum(r.returncode is None for r in ranks):
+        time.sleep(min(timeout_s, 0.01))
+        return
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(timeout_s * 1000)
+
+
+class _TermRequest:
+    """SIGTERM handler of the launcher: note it, the loop forwards it (no module-level state)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        self.requested = True
+
+
+def _root_cause(ranks: Sequence[_Rank], now: float, stopped_limit_s: float, term_forwarded: bool) -> _Rank | None:
+    """The rank that failed first, once the run has failed; None while it has not.
+
+    Failed: exited non-zero (not STOPPED_STATUS, and not killed by the SIGTERM the launcher
+    forwarded), or stopped longer than stopped_limit_s. A stopped rank also counts as soon as any
+    other rank has failed (its peers' collectives time out waiting for it). Earliest observation
+    wins; within one observation a stop, then a death by signal, then the lowest rank.
+    """
+    def failed(r: _Rank) -> bool:
+        if r.returncode is None or r.returncode in (0, STOPPED_STATUS):
+            return False
+        return not (term_forwarded and r.returncode == -signal.SIGTERM)
+
+    exits = [r for r in ranks if failed(r)]
+    stops = [r for r in ranks if r.stopped_at is not None]
+    if not exits and not any(now - r.stopped_at >= stopped_limit_s for r in stops):
+        return None
+
+    def key(r: _Rank):
+        kind = 0 if r.stopped_at is not None else (1 if r.returncode < 0 else 2)
+        return (r.stopped_at if r.stopped_at is not None else r.ended_at, kind, r.rank)
+    return min(exits + stops, key=key)
+
+
 def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str], log_dir: Path,
-                 master_addr: str = "127.0.0.1", poll_s: float = 0.05, bind_cores: bool = False) -> int:
-    """Run `command` as `nproc` ranks on this machine; returns 0 or the first failing rank's status.
+                 master_addr: str = "127.0.0.1", poll_s: float = 0.1, bind_cores: bool = False,
+                 stopped_limit_s: float = 300.0, terminate_grace_s: float = 120.0) -> int:
+    """Run `command` as `nproc` ranks on this machine; returns 0, STOPPED_STATUS (every rank saved and
+    stopped after SIGTERM) or the status of the rank that failed first.
 
     bind_cores: start rank r on `core_slices(...)[r]` of the cores this launcher may use.
+    stopped_limit_s: how long a rank may stay stopped (SIGSTOP) before the run is failed (the CLI
+    passes parallel.timeout_s: its peers give up on it by then anyway).
+    terminate_grace_s: after a forwarded SIGTERM, how long the ranks get to save and exit.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     slices = core_slices(os.sched_getaffinity(0), nproc) if bind_cores else None
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(master_addr)
-    procs: list[subprocess.Popen] = []
-    logs: list[Path | None] = []
-    # A SIGTERM to the launcher (scancel, a CI timeout) must stop the ranks too, not orphan them.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    prctl = _libc_prctl()
+    ranks: list[_Rank] = []
+    term = _TermRequest()
+    previous = signal.signal(signal.SIGTERM, term)
     try:
         for rank in range(nproc):
             env = rank_environ(environ, rank, nproc, master_addr, port)
-            if rank == 0:
-                log, out = None, None
-            else:
-                log = log_dir / f"rank{rank}.log"
-                out = log.open("w")
-            logs.append(log)
+            log = None if rank == 0 else log_dir / f"rank{rank}.log"
+            out = None if log is None else log.open("w")
             try:
-                # the launcher is single-threaded, so setting the child's affinity before exec is safe
-                pin = (lambda cores=slices[rank]: os.sched_setaffinity(0, cores)) if slices else None
-                procs.append(subprocess.Popen(list(command), env=env, stdout=out, preexec_fn=pin,
-                                              stderr=subprocess.STDOUT if out else None))
+                # the launcher is single-threaded, so running Python between fork and exec is safe
+                setup = _child_setup(prctl, os.getpid(), slices[rank] if slices else None)
+                proc = subprocess.Popen(list(command), env=env, stdout=out, preexec_fn=setup,
+                                        stderr=subprocess.STDOUT if out else None)
             finally:
                 if out:
                     out.close()
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank = failed[0]
-                status = _status(codes[rank])
-                _stop(procs)
-                _report_failure(rank, status, logs[rank])
+            ranks.append(_Rank(rank, proc, log, _pidfd(proc.pid)))
+        forwarded_at = None
+        while any(r.returncode is None for r in ranks):
+            _wait_for_change(ranks, poll_s)
+            now = time.monotonic()
+            for r in ranks:
+                if r.returncode is None:
+                    r.observe(now)
+            if term.requested and forwarded_at is None:
+                forwarded_at = now
+                _forward_term(ranks, terminate_grace_s)
+            root = _root_cause(ranks, now, stopped_limit_s, forwarded_at is not None)
+            if root is not None:
+                what, status = root.describe(), root.status  # before the kill below changes them
+                for r in ranks:
+                    r.kill()
+                _report_failure(root, what, ranks)
                 return status
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(poll_s)
-    except BaseException:  # Ctrl-C, SIGTERM or an error here: never leave orphan ranks behind
-        _stop(procs)
+            if forwarded_at is not None and now - forwarded_at > terminate_grace_s:
+                for r in ranks:
+                    r.kill()
+                print(f"spartron: the ranks did not stop within {terminate_grace_s:g} s of SIGTERM; "
+                      f"killed them. {_endings(ranks)}", file=sys.stderr)
+                return 128 + signal.SIGTERM
+        codes = {r.returncode for r in ranks}
+        if codes == {0}:
+            return 0
+        if codes <= {0, STOPPED_STATUS}:
+            return STOPPED_STATUS
+        print(f"spartron: the ranks ended after SIGTERM: {_endings(ranks)}", file=sys.stderr)
+        return max(r.status for r in ranks)
+    except BaseException:  # Ctrl-C or an error here: never leave orphan ranks behind
+        for r in ranks:
+            r.kill()
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for r in ranks:
+            if r.pidfd is not None:
+                os.close(r.pidfd)
 
 
-class LauncherTerminated(SystemExit):
-    """The launcher got SIGTERM; exits with status 143 after the ranks are stopped."""
+def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
+    print(f"spartron: got SIGTERM; forwarded it to the ranks, which save a complete step and stop "
+          f"(waiting up to {grace_s:g} s)", file=sys.stderr)
+    for r in ranks:
+        if r.returncode is None:
+            os.kill(r.proc.pid, signal.SIGTERM)
+            if r.stop_signal is not None:
+                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise LauncherTerminated(128 + signum)
+def _endings(ranks: Sequence[_Rank]) -> str:
+    return "; ".join(f"rank {r.rank} {r.describe()}" for r in ranks)
 
 
-def _report_failure(rank: int, status: int, log: Path | None) -> None:
-    where = "its output is above" if log is None else f"last lines of {log}:"
-    print(f"spartron: rank {rank} failed with exit status {status}; stopped the other ranks; {where}",
+def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank]) -> None:
+    where = "its output is above" if root.log is None else f"last lines of {root.log}:"
+    print(f"spartron: rank {root.rank} {what}, the first rank to fail; stopped the other ranks; {where}",
           file=sys.stderr)
-    if log is not None:
-        print(_tail(log), file=sys.stderr)
+    if root.log is not None:
+        print(_tail(root.log), file=sys.stderr)
+    print(f"spartron: how the ranks ended: {_endings(ranks)}", file=sys.stderr)

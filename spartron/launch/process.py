@@ -15,6 +15,11 @@ import os
 import sys
 from typing import NoReturn
 
+# The exit status of a rank (and of `spartron train`, and of a Slurm job) that got SIGTERM, saved a
+# complete step and stopped before train.steps: resuming continues from that step. 75 is sysexits'
+# EX_TEMPFAIL ("try again later"), so it differs from a failure and from a death by SIGTERM (143).
+STOPPED_STATUS = 75
+
 
 def exit_process(code: int) -> NoReturn:
     """Flush the standard streams and logging, then end the process with `code`, without teardown."""

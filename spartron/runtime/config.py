@@ -18,6 +18,7 @@ from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
 from spartron.parallel.dims import GROUP_DIMS, MEGATRON_ORDER_NAMES
+from spartron.runtime.debug import DebugConfig
 
 
 class ConfigError(ValueError):
@@ -190,6 +191,10 @@ class LaunchConfig(ConfigSection):
     venv: str | None = None  # default: the venv of the interpreter running `spartron sbatch`
     container: str | None = None  # pyxis/enroot image for `srun --container-image`
     sbatch_args: list[str] = Field(default_factory=list)  # extra `--flag=value` directives
+    # Preemption: ranks save a complete step on SIGTERM and exit 75 (spartron.runtime.preemption).
+    requeue: bool = False  # `#SBATCH --requeue`; a SIGTERM to the batch shell then requeues the job
+    signal_before_s: int = Field(0, ge=0, le=65535)  # `--signal=B:TERM@<s>` before the time limit; 0: no
+    terminate_grace_s: float = Field(120.0, gt=0)  # local launcher: time to save after a forwarded SIGTERM
 
     @field_validator("partition")
     @classmethod
@@ -249,6 +254,7 @@ class RunConfig(ConfigSection):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
 
     @field_validator("name")
     @classmethod
@@ -317,10 +323,14 @@ class RunConfig(ConfigSection):
                              "train.intra_layer_micro_batch_scope = 'experts', which routes all tokens at once)")
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        # a key that is not a plain word (a typo'd TOML quoted key) is shown quoted: one line, visible
+        key = ".".join(str(p) if _PLAIN_KEY.fullmatch(str(p)) else repr(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -335,13 +345,13 @@ def _format_error(err: ValidationError) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(text: str, key: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word is a string
     except RecursionError:
-        raise ConfigError(f"override value {text[:40]!r}... is nested too deeply") from None
+        raise ConfigError(f"override {key}: value {text[:20]!r}... is nested too deeply") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -360,7 +370,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node = child
-        node[parts[-1]] = _parse_value(text.strip())
+        node[parts[-1]] = _parse_value(text.strip(), key.strip())
     return data
 
 

@@ -12,6 +12,8 @@ Failures: an exception on any rank is raised with the rank and step in its messa
 entry prints the traceback and exits non-zero at once, and the ranks waiting for it in a collective
 fail after parallel.timeout_s and exit non-zero too, so a job never hangs silently. A non-finite loss
 or gradient norm is detected on the all-reduced values, so every rank stops at the same step.
+SIGTERM (Slurm preemption or time limit, a launcher forwarding its own) stops every rank at the same
+step boundary after saving it (spartron.runtime.preemption); `[debug]` makes one rank fail on purpose.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.checkpointing.offload import ActivationOffloader
-from spartron.launch.process import exit_process
+from spartron.launch.process import STOPPED_STATUS, exit_process
 from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
@@ -40,7 +42,9 @@ from spartron.parallel.groups import ParallelGroups
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config, load_config
 from spartron.runtime.data import build_loader
+from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
+from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
     StateLoadError,
     config_changes,
@@ -93,6 +97,7 @@ class TrainResult:
     run_dir: Path
     records: list[dict] = field(default_factory=list)  # one per step run by this call
     resumed_from: int | None = None
+    stopped_at: int | None = None  # SIGTERM: the step saved before stopping early (None: ran to train.steps)
 
 
 def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
@@ -174,8 +179,9 @@ class _StepStats:
 def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
           before_commit: Callable[[Path], None] | None = None) -> TrainResult:
     """Run (or resume) the job described by cfg on the ranks of the current launch."""
-    owns_pg = _init_process_group(cfg)
-    result = _train(cfg, model_factory or default_model_factory, before_commit)
+    with StopOnSigterm() as stop:  # from the start: a SIGTERM during setup stops after the first step
+        owns_pg = _init_process_group(cfg)
+        result = _train(cfg, model_factory or default_model_factory, before_commit, stop)
     # On failure the group is left alone: tearing it down can block on peers still in a collective.
     if owns_pg:
         dist.barrier()  # no rank tears its transport down while a peer still talks to it (gloo aborts)
@@ -184,8 +190,9 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
 
 
 def _train(cfg: RunConfig, model_factory: ModelFactory,
-           before_commit: Callable[[Path], None] | None) -> TrainResult:
+           before_commit: Callable[[Path], None] | None, stop: StopOnSigterm | None = None) -> TrainResult:
     t = cfg.train
+    stop = stop or StopOnSigterm()  # not installed: only stop.request() stops the run
     device = resolve_device(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     p = cfg.parallel
@@ -193,6 +200,9 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     dims = ParallelDims(world, fsdp=p.resolve_fsdp(world), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate,
                         order=p.order)
     n_micro = micro_steps(cfg, dims)
+    fault = check_fault(cfg.debug, world, t.steps)
+    if fault:
+        raise ConfigError(fault)
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
                                   nccl=p.nccl_settings())
     # The run directory against this run (refusals, resume step) before the model is built.
@@ -244,9 +254,10 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     peak = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
     tokens_per_step = t.global_batch_size * t.seq_len
     records: list[dict] = []
-    step = start
+    step, stopped_at = start, None
     try:
         for step in range(start + 1, t.steps + 1):
+            inject_fault(cfg.debug, rank, step)
             record = _one_step(cfg, step, model, optimizer, loader, params, ep_extra, groups, n_micro, device,
                                offloader, first_loss=counters.get("first_loss"))
             counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
@@ -256,10 +267,14 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
                           mfu=flops_per_token * tps / world / peak)
             records.append(record)
             log.write(record)
-            if t.save_every and step % t.save_every == 0:
+            stopping = stop.agreed(device) and step < t.steps  # every rank stops at the same step
+            if (t.save_every and step % t.save_every == 0) or stopping:
                 save_state(run_dir, step, model, optimizer, dict(counters), {"data": loader.state_dict()},
                            device, before_commit, run_id=run_id, config=shape, keep_last=t.keep_last,
                            **ep_state)
+            if stopping:
+                stopped_at = step
+                break
     except TrainingError:
         log.close(summary=False)
         raise
@@ -268,7 +283,10 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
         raise TrainingError(f"rank {rank} failed at step {step}: {type(err).__name__}: {err}") from err
     log.close(summary=t.progress)
     destroy_deepep_buffers(model)  # collective, so only here: every rank ends the run well together
-    return TrainResult(run_dir=run_dir, records=records, resumed_from=resumed_from)
+    if stopped_at is not None and rank == 0:
+        print(f"spartron: SIGTERM: saved step {stopped_at} of {t.steps} in {run_dir} and stopped; "
+              f"resume = true continues from it", file=sys.stderr, flush=True)
+    return TrainResult(run_dir=run_dir, records=records, resumed_from=resumed_from, stopped_at=stopped_at)
 
 
 def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loader,
@@ -331,12 +349,12 @@ def main(argv: list[str] | None = None, model_factory: ModelFactory | None = Non
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        train(cfg, model_factory)
+        result = train(cfg, model_factory)
     except BaseException:  # noqa: BLE001 - every failure must surface and end this rank
         rank = dist.get_rank() if dist.is_initialized() else "?"
         sys.stderr.write(f"[spartron rank {rank}] training failed:\n{traceback.format_exc()}")
         exit_process(1)  # skip process-group teardown, which can block on peers that are still waiting
-    return 0
+    return 0 if result.stopped_at is None else STOPPED_STATUS
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from spartron.launch.local import core_slices, existing_launcher, free_port, launch_local, rank_environ
+from spartron.launch.process import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -112,14 +114,18 @@ def test_failing_rank_stops_the_others_and_is_surfaced(tmp_path, capfd):
     err = capfd.readouterr().err
     assert status == 3
     assert elapsed < 20, f"the sleeping ranks were not stopped ({elapsed:.1f} s)"
-    assert "rank 1 failed with exit status 3" in err
-    assert "rank one says boom" in err  # the failing rank's log is shown
+    assert "spartron: rank 1 exited with status 3, the first rank to fail; stopped the other ranks; last lines of " \
+        f"{tmp_path / 'rank1.log'}:\nrank one says boom\n" in err  # the failing rank's log is shown
+    assert err.strip().splitlines()[-1] == (
+        "spartron: how the ranks ended: rank 0 was killed by the launcher (SIGKILL); rank 1 exited with "
+        "status 3; rank 2 was killed by the launcher (SIGKILL)")
 
 
 def test_rank_killed_by_signal_is_128_plus_signal(tmp_path, capfd):
     code = "import os, signal\nif os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
     assert launch_local([sys.executable, "-c", code], 2, {"PATH": "/usr/bin:/bin"}, tmp_path) == 128 + 9
-    assert "rank 0 failed with exit status 137" in capfd.readouterr().err
+    assert "spartron: rank 0 was killed by SIGKILL, the first rank to fail; stopped the other ranks; its " \
+        "output is above\n" in capfd.readouterr().err
 
 
 def _cli(args, cwd, env=None, timeout=120):
@@ -191,3 +197,125 @@ def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# ---- root cause, stops, dying with the launcher ----------------------------------------------
+def _pid_gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_rank_that_failed_first_is_reported_not_the_lowest(tmp_path, capfd):
+    """Rank 1 fails, rank 0 fails 0.2 s later (its knock-on error): rank 1 is the root cause."""
+    code = ("import os, sys, time\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    time.sleep(0.5); print('the real error', flush=True); os._exit(3)\n"
+            "time.sleep(0.7); print('connection closed by peer', flush=True); sys.exit(1)\n")
+    status = launch_local([sys.executable, "-c", code], 2, {"PATH": "/usr/bin:/bin"}, tmp_path)
+    err = capfd.readouterr().err
+    assert status == 3
+    assert ("spartron: rank 1 exited with status 3, the first rank to fail; stopped the other ranks; last "
+            f"lines of {tmp_path / 'rank1.log'}:\nthe real error\n") in err
+    assert "connection closed by peer" not in err  # rank 0 was killed before its knock-on failure
+
+
+_STOP_RANK1 = ("import os, signal, sys, time\n"
+               "if os.environ['RANK'] == '1':\n"
+               "    open(sys.argv[1], 'w').write(str(os.getpid())); os.kill(os.getpid(), signal.SIGSTOP)\n"
+               "    sys.exit(0)\n")
+
+
+def test_a_stopped_rank_fails_the_run_after_the_stop_limit(tmp_path, capfd):
+    code = _STOP_RANK1 + "time.sleep(60)\n"
+    start = time.monotonic()
+    status = launch_local([sys.executable, "-c", code, str(tmp_path / "pid")], 2, {"PATH": "/usr/bin:/bin"},
+                          tmp_path, stopped_limit_s=1.0)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert status == 128 + signal.SIGSTOP
+    assert 1.0 <= elapsed < 8, elapsed
+    assert "spartron: rank 1 stopped (SIGSTOP), the first rank to fail; stopped the other ranks;" in err
+    assert err.strip().splitlines()[-1] == (
+        "spartron: how the ranks ended: rank 0 was killed by the launcher (SIGKILL); rank 1 stopped "
+        "(SIGSTOP), then was killed by the launcher (SIGKILL)")
+    assert _pid_gone(int((tmp_path / "pid").read_text()))
+
+
+def test_a_stopped_rank_is_the_root_cause_of_its_peers_timeout(tmp_path, capfd):
+    """Its peer gives up first (as a collective timeout would): the stop, seen earlier, is reported."""
+    code = _STOP_RANK1 + "time.sleep(1.0); print('Timed out waiting 1000ms', flush=True); sys.exit(1)\n"
+    status = launch_local([sys.executable, "-c", code, str(tmp_path / "pid")], 2, {"PATH": "/usr/bin:/bin"},
+                          tmp_path, stopped_limit_s=300)
+    err = capfd.readouterr().err
+    assert status == 128 + signal.SIGSTOP
+    assert "spartron: rank 1 stopped (SIGSTOP), the first rank to fail;" in err
+    assert "how the ranks ended: rank 0 exited with status 1; rank 1 stopped (SIGSTOP), then was killed" in err
+
+
+def test_a_rank_that_continues_is_not_a_failure(tmp_path, capfd):
+    """Rank 0 SIGCONTs the stopped rank 1 (a debugger detaching, a job resumed): the run succeeds."""
+    code = _STOP_RANK1 + ("pid = sys.argv[1]\n"
+                          "while not (os.path.exists(pid) and open(pid).read()): time.sleep(0.01)\n"
+                          "time.sleep(0.5); os.kill(int(open(pid).read()), signal.SIGCONT)\n")
+    status = launch_local([sys.executable, "-c", code, str(tmp_path / "pid")], 2, {"PATH": "/usr/bin:/bin"},
+                          tmp_path, stopped_limit_s=3)
+    assert status == 0, capfd.readouterr().err
+
+
+_LAUNCH_SLEEPERS = """
+import sys
+from pathlib import Path
+from spartron.launch.local import launch_local
+code = ("import os, signal, sys, time\\n"
+        "if sys.argv[1] == 'save': signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\\n"
+        "if sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+        "open(os.environ['OUT'] + os.environ['RANK'], 'w').write(str(os.getpid()))\\n"
+        "time.sleep(60)\\n")
+sys.exit(launch_local([sys.executable, '-c', code, sys.argv[2]], 2, {'OUT': sys.argv[1], 'PATH': '/usr/bin:/bin'},
+                      Path(sys.argv[1] + 'logs'), terminate_grace_s=1.0))
+"""
+
+
+def _start_launcher(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[int]]:
+    prefix = str(tmp_path / "pid")
+    parent = subprocess.Popen([sys.executable, "-c", _LAUNCH_SLEEPERS, prefix, mode], stderr=subprocess.PIPE,
+                              text=True)
+    pid_files = [Path(prefix + "0"), Path(prefix + "1")]
+    deadline = time.monotonic() + 30
+    while not all(p.is_file() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    return parent, [int(p.read_text()) for p in pid_files]
+
+
+def test_ranks_die_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL of the launcher (no handler runs): the parent-death signal takes its ranks down."""
+    parent, pids = _start_launcher(tmp_path, "sleep")
+    parent.kill()
+    assert parent.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while not all(_pid_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {pids} outlived their launcher"
+        time.sleep(0.05)
+
+
+def test_sigterm_is_forwarded_and_ranks_that_save_give_the_stopped_status(tmp_path):
+    parent, pids = _start_launcher(tmp_path, "save")
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=20) == STOPPED_STATUS
+    assert "spartron: got SIGTERM; forwarded it to the ranks" in parent.stderr.read()
+    assert all(_pid_gone(pid) for pid in pids)
+
+
+def test_ranks_that_ignore_a_forwarded_sigterm_are_killed_after_the_grace(tmp_path):
+    parent, pids = _start_launcher(tmp_path, "ignore")
+    start = time.monotonic()
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=20) == 128 + signal.SIGTERM
+    assert 1.0 <= time.monotonic() - start < 10
+    assert ("spartron: the ranks did not stop within 1 s of SIGTERM; killed them. rank 0 was killed by the "
+            "launcher (SIGKILL); rank 1 was killed by the launcher (SIGKILL)") in parent.stderr.read()
+    assert all(_pid_gone(pid) for pid in pids)

@@ -1,0 +1,49 @@
+"""Stop at a step boundary on SIGTERM, every rank at the same step, after saving.
+
+Slurm signals a job before preemption or its time limit (`--signal`, `scancel -s TERM`), a local
+launcher forwards its own SIGTERM, and an operator may `kill` one rank: the handler only sets a flag,
+and at each step boundary the ranks all-reduce it (MAX), so when any rank was signalled every rank
+saves the same complete step and stops. The rank then exits with
+`spartron.launch.process.STOPPED_STATUS` and `resume = true` continues from that step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class StopOnSigterm:
+    """A SIGTERM handler, installed for the life of a `with` block (main thread only; elsewhere it
+    installs nothing and only a direct `request()` stops the run)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+        self._installed = False
+
+    def __enter__(self) -> StopOnSigterm:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def _handle(self, signum, frame) -> None:  # a second SIGTERM changes nothing: the save is under way
+        self.requested = True
+
+    def request(self) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank was asked to stop (one all-reduce over the world)."""
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,308 @@
+"""Generated sbatch scripts are inert: every string that reaches one, from the config or a CLI flag, is
+refused or quoted, even when the config's own validation was bypassed (defence in depth).
+
+Each accepted script is checked three ways: `bash -n` parses it; run with stub `srun`, `sbatch`,
+`scontrol` and `scancel` on PATH (each logs its argv), it creates no marker file; and its bash trace
+(`set -x`) shows it ran nothing but its own fixed builtins and those stubs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.cli import main
+from spartron.launch.slurm import SlurmError, render_job
+from spartron.runtime.config import RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+# Each hostile value mentions {m}, the marker file it would create if any part of it ran.
+HOSTILE = [
+    "$(touch {m})",
+    "`touch {m}`",
+    "'; touch {m}; echo '",
+    '"; touch {m}; echo "',
+    ";touch {m}",
+    "a b | touch {m} && touch {m}",
+    "$((1+1)) ${{HOME}} \\$(touch {m}) \\",
+    "--x=$(touch {m})",
+    "#SBATCH --wrap='touch {m}'",
+    "x\ntouch {m}",
+    "x\rtouch {m}",
+    "x\n#SBATCH --wrap='touch {m}'\ntouch {m}",
+]
+MULTILINE = ("\n", "\r")
+
+# What a rendered script may run: its own builtins, variables and the Slurm stubs.
+ALLOWED = {"set", "export", "source", "echo", "trap", "[", "wait", "kill", "exit", "sleep", "forward_term",
+           "srun", "sbatch", "scontrol", "scancel"}
+TRAP_BODY = {"forward_term", "echo", "[", "scancel"}
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # `export K=v` is traced as `export K=v` and `K=v`
+TRACE_MARK = "\x1e"
+
+_STUB = """#!/bin/sh
+{python} -c 'import json, os, sys; open(os.environ["STUB_LOG"], "a").write(json.dumps({{"cmd": "{name}", \
+"argv": sys.argv[1:], "env": dict(os.environ)}}) + "\\n")' "$@"
+{extra}
+"""
+
+
+def _hostile(marker: Path, single_line: bool = False) -> list[str]:
+    values = [h.format(m=marker) for h in HOSTILE]
+    return [v for v in values if not any(c in v for c in MULTILINE)] if single_line else values
+
+
+def _stubs(tmp_path: Path, srun_extra: str = "") -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("srun", "sbatch", "scontrol", "scancel"):
+        stub = bin_dir / name
+        stub.write_text(_STUB.format(python=shlex.quote(sys.executable), name=name,
+                                     extra=srun_extra if name == "srun" else ""))
+        stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def _run(script: str, tmp_path: Path, srun_extra: str = "") -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """bash -n, then bash -x with the stubs first on PATH; returns the run and the stubs' calls, and
+    asserts that the trace holds only allowed commands."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    parsed = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    log = tmp_path / "stubs.jsonl"
+    log.unlink(missing_ok=True)
+    env = {"PATH": f"{_stubs(tmp_path, srun_extra)}:/usr/bin:/bin", "STUB_LOG": str(log), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "n[1-2]"}
+    # bash ignores PS4 from the environment when run as root: set it, then trace the sourced script
+    tracer = f"PS4=$'+{TRACE_MARK}'; set -x; source \"$1\""
+    proc = subprocess.run(["bash", "-c", tracer, "bash", str(path)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    records = list(re.finditer(rf"^(\++){TRACE_MARK}(.*?)(?=^\++{TRACE_MARK}|\Z)", proc.stderr, re.S | re.M))
+    assert records, proc.stderr
+    for record in records:
+        # "+": the tracer's own `source`; "++": the script's commands; "+++": the SIGTERM trap's function
+        level, command = record.groups()
+        words = shlex.split(command.rstrip("\n"), posix=True) if command.strip() else []
+        first = words[0] if words else ""
+        if level == "+++":
+            assert first in TRAP_BODY or first == "term=1", f"a nested command ran: {record.group(0)!r}"
+        else:
+            assert level in ("+", "++"), f"a nested command ran (command substitution?): {record.group(0)!r}"
+            assert first in ALLOWED or ASSIGNMENT.match(first), f"the script ran {command!r}"
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    return proc, calls
+
+
+def _bypass(cfg: RunConfig, **launch) -> RunConfig:
+    """cfg with launch values set WITHOUT validation (model_copy(update=...) validates nothing)."""
+    return cfg.model_copy(update={"launch": cfg.launch.model_copy(update=launch)})
+
+
+def _fake_venv(tmp_path: Path) -> Path:
+    """A venv whose activate script is empty (the real one runs commands the trace would list)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "activate").write_text("")
+    return venv
+
+
+def _base(tmp_path: Path) -> RunConfig:
+    return load_config(TINY, [f'train.run_dir="{tmp_path}/run"', 'launch.job_name="job"',
+                              f'launch.venv="{_fake_venv(tmp_path)}"'])
+
+
+# ---- config strings rendered into the script --------------------------------------------------
+def test_hostile_run_name_stays_inside_its_comment_line(tmp_path):
+    """The issue's case: launch.job_name and an absolute run_dir set, so the name reaches only the header
+    comment. Without validation a newline there would start a command line."""
+    marker = tmp_path / "pwned"
+    for value in _hostile(marker):
+        cfg = _base(tmp_path).model_copy(update={"name": value})
+        job = render_job(cfg, tmp_path)
+        assert job.script.splitlines()[1] == f"# spartron train: {json.dumps(value)} (generated by `spartron sbatch`)"
+        proc, calls = _run(job.script, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert [c["cmd"] for c in calls] == ["srun"]
+        plain = render_job(_base(tmp_path).model_copy(update={"name": "plain"}), tmp_path)
+        assert job.script.splitlines()[2:] == plain.script.splitlines()[2:]  # every directive and line kept
+    assert not marker.exists()
+
+
+def test_hostile_env_values_reach_the_ranks_verbatim_and_run_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    values = {f"V{i}": v for i, v in enumerate(_hostile(marker, single_line=True))}
+    job = render_job(_bypass(_base(tmp_path), env=values), tmp_path)
+    for key, value in values.items():
+        assert f"export {key}={shlex.quote(value)}" in job.script
+    proc, calls = _run(job.script, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [c["cmd"] for c in calls] == ["srun"]
+    assert {k: calls[0]["env"][k] for k in values} == values
+    assert calls[0]["argv"][-3:] == ["spartron.launch.cli", "train", str(job.config_path)]
+    assert not marker.exists()
+    (tmp_path / "frozen.toml").write_text(job.config_text)  # the frozen config carries them back
+    assert load_config(tmp_path / "frozen.toml").launch.env == values
+
+
+def test_hostile_venv_and_container_are_quoted(tmp_path):
+    marker = tmp_path / "pwned"
+    for i, value in enumerate(_hostile(marker, single_line=True)):
+        venv = tmp_path / f"venv{i}" / value.replace("/", "_")
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "activate").write_text("")
+        job = render_job(_bypass(_base(tmp_path), venv=str(venv)), tmp_path)
+        proc, calls = _run(job.script, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert calls[0]["argv"][1] == str(venv / "bin" / "python")  # srun runs the venv's interpreter
+        job = render_job(_bypass(_base(tmp_path), container=value), tmp_path)
+        proc, calls = _run(job.script, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert calls[0]["argv"][1] == f"--container-image={value}"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("key", "good"), [
+    ("partition", "gpu"), ("account", "acct"), ("qos", "high"), ("job_name", "job"), ("time", "01:00:00"),
+    ("venv", "/opt/venv"), ("container", "img.sqsh")])
+def test_unvalidated_multiline_or_charset_breaking_values_are_refused_at_render(tmp_path, key, good):
+    """Bypassing the config's checks does not help: render_job validates the [launch] section again."""
+    render_job(_bypass(_base(tmp_path), **{key: good}), tmp_path)  # the key itself renders
+    for value in _hostile(tmp_path / "pwned"):
+        if key in ("venv", "container") and not any(c in value for c in MULTILINE):
+            continue  # quoted: run above
+        with pytest.raises(SlurmError, match=rf"^launch\.{key}: "):
+            render_job(_bypass(_base(tmp_path), **{key: value}), tmp_path)
+
+
+def test_unvalidated_env_keys_values_sbatch_args_and_numbers_are_refused_at_render(tmp_path):
+    marker = tmp_path / "pwned"
+    for value in _hostile(marker):
+        with pytest.raises(SlurmError, match=r"^launch\.env: (environment variable name|must not contain)"):
+            render_job(_bypass(_base(tmp_path), env={value: "x"}), tmp_path)
+        with pytest.raises(SlurmError, match=r"^launch\.sbatch_args: "):
+            render_job(_bypass(_base(tmp_path), sbatch_args=["--qos=" + value]), tmp_path)
+        if any(c in value for c in MULTILINE):
+            with pytest.raises(SlurmError, match=r"^launch\.env: must not contain a (newline|carriage return)"):
+                render_job(_bypass(_base(tmp_path), env={"K": value}), tmp_path)
+    for key in ("nodes", "cpus_per_task", "gpus_per_node", "signal_before_s"):
+        with pytest.raises(SlurmError, match=rf"^launch\.{key}: "):
+            render_job(_bypass(_base(tmp_path), **{key: f"1; touch {marker}"}), tmp_path)
+    assert not marker.exists()
+
+
+def test_hostile_paths_cannot_reach_a_directive(tmp_path):
+    """train.run_dir, the run name (default run dir runs/<name>, default job name) and the working
+    directory all land in #SBATCH directives: letters, digits and ._/+=@:,~- only."""
+    for value in _hostile(tmp_path / "pwned"):
+        cfg = _base(tmp_path)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": f"/tmp/{value}"})})
+        with pytest.raises(SlurmError, match="cannot go into an #SBATCH directive"):
+            render_job(cfg, tmp_path)
+        cfg = load_config(TINY).model_copy(update={"name": value})
+        with pytest.raises(SlurmError, match="cannot be a Slurm job name"):
+            render_job(cfg, tmp_path)
+        with pytest.raises(SlurmError, match="cannot be a Slurm job name|cannot go into an #SBATCH directive"):
+            render_job(cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"job_name": "j"})}),
+                       tmp_path)
+        workdir = tmp_path / "w" / value.replace("/", "_")
+        workdir.mkdir(parents=True)
+        with pytest.raises(SlurmError, match="working directory .* cannot go into an #SBATCH directive"):
+            render_job(_base(tmp_path), workdir)
+
+
+# ---- CLI flags that reach the script ----------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--partition", "--account", "--qos", "--time", "--job-name"])
+def test_hostile_string_flags_are_one_line_errors_and_write_nothing(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    key = flag[2:].replace("-", "_")
+    for value in _hostile(tmp_path / "pwned"):
+        assert main(["sbatch", TINY, "--dry-run", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"spartron: error: invalid config: launch.{key}: ") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--gpus-per-node", "--cpus-per-task"])
+def test_hostile_number_flags_are_one_line_errors(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value in _hostile(tmp_path / "pwned"):
+        assert main(["sbatch", TINY, "--dry-run", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"spartron: error: argument {flag}: invalid int value") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("key", ["name", "train.run_dir", "launch.venv", "launch.container", "launch.env"])
+def test_hostile_set_overrides_are_refused_or_render_inert(key, tmp_path, capsys, monkeypatch):
+    """Through `--set`: a value is refused in one line (exit 2) or the printed script is inert."""
+    marker = tmp_path / "pwned"
+    monkeypatch.chdir(tmp_path)
+    rendered = 0
+    for value in _hostile(marker):
+        text = json.dumps("/abs/" + value if key == "train.run_dir" else value)
+        setting = f"launch.env={{K = {text}}}" if key == "launch.env" else f"{key}={text}"
+        venv = [] if key == "launch.venv" else ["--set", f'launch.venv="{_fake_venv(tmp_path)}"']
+        status = main(["sbatch", TINY, "--dry-run", "--set", setting, "--set", 'launch.job_name="j"', *venv])
+        out, err = capsys.readouterr()
+        if status == 2:
+            assert err.startswith("spartron: error: ") and err.count("\n") == 1 and not out
+            continue
+        assert status == 0, err
+        rendered += 1
+        proc, calls = _run(out, tmp_path / "run")
+        assert not marker.exists()
+    if key in ("launch.container", "launch.env"):
+        assert rendered > 0  # quoting, not only refusal, is exercised
+    assert not marker.exists()
+
+
+# ---- preemption: SIGTERM to the batch shell, requeue ------------------------------------------
+def test_requeue_and_signal_render_as_directives():
+    cfg = load_config(TINY, ["launch.requeue=true", "launch.signal_before_s=300"])
+    directives = [line for line in render_job(cfg, Path("/tmp")).script.splitlines() if line.startswith("#SBATCH")]
+    assert directives[-3:] == ["#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:TERM@300"]
+    plain = render_job(load_config(TINY), Path("/tmp")).script
+    assert "#SBATCH --requeue" not in plain and "#SBATCH --signal" not in plain
+    assert "scontrol requeue" not in plain and "trap forward_term TERM" in plain  # the trap is always there
+
+
+def test_requeue_needs_resume(tmp_path):
+    with pytest.raises(SlurmError, match=r"^launch\.requeue = true needs train\.resume = true"):
+        render_job(load_config(TINY, ["launch.requeue=true", "train.resume=false"]), tmp_path)
+
+
+# srun that sends SIGTERM to the batch shell (its parent), then "saves" and exits as the ranks would
+_TERM_PARENT = f"kill -TERM $PPID; sleep 1; exit {75}"
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_sigterm_to_the_batch_shell_is_forwarded_to_the_steps_then_requeues(tmp_path, requeue):
+    cfg = _base(tmp_path).model_copy(update={"launch": _base(tmp_path).launch.model_copy(update={"requeue": requeue})})
+    proc, calls = _run(render_job(cfg, tmp_path).script, tmp_path, srun_extra=_TERM_PARENT)
+    assert proc.returncode == 75, proc.stderr
+    expected = [("srun", None), ("scancel", ["--signal=TERM", "7"])]
+    expected += [("scontrol", ["requeue", "7"])] if requeue else []
+    assert [(c["cmd"], None if c["cmd"] == "srun" else c["argv"]) for c in calls] == expected
+    assert "spartron: the batch shell got SIGTERM; forwarding it to the ranks" in proc.stdout
+
+
+def test_ranks_stopping_without_a_shell_sigterm_do_not_requeue(tmp_path):
+    """`scancel -s TERM` signals the steps only: they save and exit 75; the job ends, not requeued."""
+    cfg = _base(tmp_path).model_copy(update={"launch": _base(tmp_path).launch.model_copy(update={"requeue": True})})
+    proc, calls = _run(render_job(cfg, tmp_path).script, tmp_path, srun_extra="exit 75")
+    assert proc.returncode == 75
+    assert [c["cmd"] for c in calls] == ["srun"]
+    assert signal.SIGTERM == 15  # the trap is for TERM (what Slurm and scancel send)
