@@ -27,17 +27,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch. `lag`: a
-    block's probabilities meet its rows one iteration later (rows gathered twice), which stops Triton
-    from computing the score tile on both warpgroups. Backward only: `split` runs dq and dkv as two
-    launches (each recomputes P and dP) instead of one."""
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
-    split: bool = False
-    lag: bool = False
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -51,15 +46,16 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
 
 
 def forward_config(n_heads: int) -> KernelConfig:
-    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up, 16 below (mma rows)."""
+    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up, 16 below (mma rows); block
+    sizes and depths: the fastest of the sweep in benchmarks/results/sparse_mla_triton.json."""
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=32, num_warps=8, num_stages=3, lag=True)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
 
 
 def backward_config(n_heads: int) -> KernelConfig:
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=32, num_warps=8, num_stages=1)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1)
     return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=1)
 
 
@@ -90,7 +86,7 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     k = _kernels()
     k.sparse_mla_fwd_kernel[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * k.LOG2E,
-        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), LAG=cfg.lag,
+        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
@@ -109,12 +105,9 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         return grad_q, grad_kv.to(kv.dtype)
     delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
     k = _kernels()
-    passes = [(True, False), (False, True)] if cfg.split else [(True, True)]
-    for do_dq, do_dkv in passes:
-        k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
-            q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
-            topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
-            DC=LATENT_DIM // 4, DR=ROPE_DIM, DO_DQ=do_dq, DO_DKV=do_dkv, KP=_pow2(topk_ids.shape[-1]), LAG=cfg.lag,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+    k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
+        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
+        topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+        DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return grad_q, grad_kv.to(kv.dtype)

@@ -11,7 +11,11 @@ atomics (order-dependent rounding: not bitwise deterministic). The latent is han
 chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once; the
 dkv chunks are computed transposed (q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and
 sit in shared memory once (the untransposed form made Triton keep a second copy: 312 KiB at 64 heads).
-DO_DQ / DO_DKV split the backward into two launches (dq, then dkv) when one fused program spills.
+
+Known cost, measured on the H200 (benchmarks/results/sparse_mla_triton_lag_9bd8cf4.json): with a 64-row head
+block on 8 warps Triton gives the score dot a warps-along-M layout (it feeds another dot), so both
+warpgroups compute the whole score tile. Delaying each block's P by one iteration (rows gathered
+twice) removed that but ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120) and was dropped.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _used_slots(id_row, topk, s_kv, KP: tl.constexpr):
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
                           scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                          DR: tl.constexpr, KP: tl.constexpr, LAG: tl.constexpr):
+                          DR: tl.constexpr, KP: tl.constexpr):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(n_heads, BH)
     tok = (pid // n_hb).to(tl.int64)  # flat b * s_q + t
@@ -54,55 +58,23 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     id_row = ids_ptr + tok * topk
     n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * (DV + DR)
-    if LAG:
-        # P of block i meets V of block i in iteration i + 1: the score dot's results then reach no
-        # other dot inside one iteration, so Triton splits its columns over both warpgroups instead
-        # of having each warpgroup compute all of it (the price: V rows are gathered twice)
-        p_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
-        rows_prev = tl.zeros([BK], tl.int64)
-        valid_prev = tl.zeros([BK], tl.int1)
-        for k0 in tl.range(0, n_used, BK):
-            kk = k0 + tl.arange(0, BK)
-            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-            valid = (ids >= 0) & (ids < s_kv)
-            rows_i = tl.where(valid, ids, 0).to(tl.int64) * (DV + DR)
-            rows = kv_base + rows_i[:, None]
-            kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-            kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q_lat, tl.trans(kv_lat))
-            s = tl.dot(q_pe, tl.trans(kv_pe), s)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            v_prev = tl.load(kv_base + rows_prev[:, None] + dv[None, :], mask=valid_prev[:, None], other=0.0)
-            acc = tl.dot(p_prev, v_prev, acc)
-            acc = acc * alpha[:, None]
-            p_prev = p.to(kv_ptr.dtype.element_ty)
-            rows_prev = rows_i
-            valid_prev = valid
-            m = m_new
-        v_prev = tl.load(kv_base + rows_prev[:, None] + dv[None, :], mask=valid_prev[:, None], other=0.0)
-        acc = tl.dot(p_prev, v_prev, acc)
-    else:
-        for k0 in tl.range(0, n_used, BK):
-            kk = k0 + tl.arange(0, BK)
-            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-            valid = (ids >= 0) & (ids < s_kv)
-            rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
-            kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-            kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q_lat, tl.trans(kv_lat))
-            s = tl.dot(q_pe, tl.trans(kv_pe), s)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
-            m = m_new
+    for k0 in tl.range(0, n_used, BK):
+        kk = k0 + tl.arange(0, BK)
+        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+        valid = (ids >= 0) & (ids < s_kv)
+        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
+        kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
+        kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q_lat, tl.trans(kv_lat))
+        s = tl.dot(q_pe, tl.trans(kv_pe), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
+        m = m_new
 
     has = denom > 0.0
     acc = acc / tl.where(has, denom, 1.0)[:, None]
@@ -152,29 +124,26 @@ def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid
 
 @triton.jit
 def _bwd_apply(pb, ds, k0, k1, k2, k3, kr, dq0, dq1, dq2, dq3, dqr, drows, valid, q0, q1, q2, q3, qr, do0,
-               do1, do2, do3, dc, dr, DC: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr):
+               do1, do2, do3, dc, dr, DC: tl.constexpr):
     """dq += dS K; dkv[rows] += P^T dO + dS^T q (atomics). Returns the dq accumulators."""
-    if DO_DQ:
-        dq0 = tl.dot(ds, k0, dq0)
-        dq1 = tl.dot(ds, k1, dq1)
-        dq2 = tl.dot(ds, k2, dq2)
-        dq3 = tl.dot(ds, k3, dq3)
-        dqr = tl.dot(ds, kr, dqr)
-    if DO_DKV:
-        _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
-        _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
-        _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
-        _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
-        part = tl.dot(tl.trans(qr), ds)
-        tl.atomic_add(tl.trans(drows) + 4 * DC + dr[:, None], part, mask=valid[None, :], sem="relaxed")
+    dq0 = tl.dot(ds, k0, dq0)
+    dq1 = tl.dot(ds, k1, dq1)
+    dq2 = tl.dot(ds, k2, dq2)
+    dq3 = tl.dot(ds, k3, dq3)
+    dqr = tl.dot(ds, kr, dqr)
+    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
+    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
+    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
+    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
+    part = tl.dot(tl.trans(qr), ds)
+    tl.atomic_add(tl.trans(drows) + 4 * DC + dr[:, None], part, mask=valid[None, :], sem="relaxed")
     return dq0, dq1, dq2, dq3, dqr
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
                           n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
-                          KP: tl.constexpr, LAG: tl.constexpr):
+                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -207,51 +176,22 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * D
     dkv_base = dkv_ptr + b * s_kv * D
-    if LAG:
-        # block i's P and dS meet its rows in iteration i + 1 (rows gathered again), so the score dots
-        # feed no dot within an iteration and Triton splits them over both warpgroups (see forward)
-        p_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
-        ds_prev = tl.zeros([BH, BK], kv_ptr.dtype.element_ty)
-        safe_prev = tl.zeros([BK], tl.int64)
-        valid_prev = tl.zeros([BK], tl.int1)
-        for k0 in tl.range(0, n_used, BK):
-            kk = k0 + tl.arange(0, BK)
-            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-            valid = (ids >= 0) & (ids < s_kv)
-            safe = tl.where(valid, ids, 0).to(tl.int64) * D
-            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
-            pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
-                                scale, scale_log2)
-            c0, c1, c2, c3, cr = _load_kv(kv_base + safe_prev[:, None], valid_prev, dc, dr, DC)
-            dq0, dq1, dq2, dq3, dqr = _bwd_apply(p_prev, ds_prev, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
-                                                 dkv_base + safe_prev[:, None], valid_prev, q0, q1, q2, q3, qr,
-                                                 do0, do1, do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
-            p_prev = pb
-            ds_prev = ds
-            safe_prev = safe
-            valid_prev = valid
-        c0, c1, c2, c3, cr = _load_kv(kv_base + safe_prev[:, None], valid_prev, dc, dr, DC)
-        dq0, dq1, dq2, dq3, dqr = _bwd_apply(p_prev, ds_prev, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
-                                             dkv_base + safe_prev[:, None], valid_prev, q0, q1, q2, q3, qr,
-                                             do0, do1, do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
-    else:
-        for k0 in tl.range(0, n_used, BK):
-            kk = k0 + tl.arange(0, BK)
-            ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-            valid = (ids >= 0) & (ids < s_kv)
-            safe = tl.where(valid, ids, 0).to(tl.int64) * D
-            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
-            pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
-                                scale, scale_log2)
-            dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
-                                                 dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
-                                                 do2, do3, dc, dr, DC, DO_DQ, DO_DKV)
+    for k0 in tl.range(0, n_used, BK):
+        kk = k0 + tl.arange(0, BK)
+        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+        valid = (ids >= 0) & (ids < s_kv)
+        safe = tl.where(valid, ids, 0).to(tl.int64) * D
+        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
+        pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
+                            scale, scale_log2)
+        dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
+                                             dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
+                                             do2, do3, dc, dr, DC)
 
-    if DO_DQ:
-        dq_rows = dq_ptr + hrow[:, None] * D
-        ty = dq_ptr.dtype.element_ty
-        tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
-        tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
-        tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
-        tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
-        tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
+    dq_rows = dq_ptr + hrow[:, None] * D
+    ty = dq_ptr.dtype.element_ty
+    tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
