@@ -475,14 +475,15 @@ def state_cases() -> list[Case]:
                                                               "model.dim=32"))
     add("optimizer-change", None, names=("train.optimizer", "train.beta1"),
         argv=train("train.steps=3", "train.save_every=1", "name=base", "train.beta1=0.8"))
-    add("layout-change", None, names=("layout", "world size", "parallel"),
+    add("layout-change", None, names=("layout", "world size", "parallel", "ranks"),
         argv=train("train.steps=3", "train.save_every=1", "name=base", "launch.nproc=2"))
     add("steps-done", None, names=("train.steps", "step 2"), argv=train("train.steps=2", "name=base"))
     add("fresh-over-old", None, names=("resume", "runs/base", "step"),
         argv=train("train.steps=3", "name=base", "train.resume=false"))
     add("incomplete-newest", lambda w: (step2(w) / "COMPLETE").unlink(), names=("step-00000002",),
         accept_ok=True, expect_out="step-00000002")
-    add("symlinked-step", lambda w: _replace_with_link(step2(w)), names=("step-00000002", "symlink", "link"))
+    add("symlinked-step", lambda w: _replace_with_link(step2(w)), names=("step-00000002", "symlink", "link"),
+        accept_ok=True, expect_out="resumed from step 2")  # a linked step is the user's layout: read, not written
     add("metrics-garbage", lambda w: (w / "runs" / "base" / "metrics.jsonl").write_bytes(b"\x00\xff{garbage"),
         names=("metrics.jsonl",), accept_ok=True)
     return out
