@@ -325,3 +325,16 @@ def test_odd_keys_and_deep_values_stay_one_line(tmp_path):
 def test_regress_tolerance_nan_is_refused_before_the_files_are_read(capsys):
     assert main(["regress", "compare", "missing-run", "missing-base", "--loss-rel", "nan"]) == 2
     assert capsys.readouterr().err == "spartron: error: --loss-rel must be >= 0, got nan\n"
+
+
+@pytest.mark.parametrize("key", ["RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID"])
+def test_launch_env_may_not_set_the_launchers_per_rank_variables(key):
+    assert _error(f'launch.env={{{key} = "0"}}') == (
+        f"invalid config: launch.env: {key} is set by the launcher (srun / the local launcher) for each rank; "
+        "setting it here would give every rank the same value")
+
+
+def test_a_utf8_bom_is_fine(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbfname = \"bom\"\n")
+    assert load_config(path).name == "bom"

@@ -166,6 +166,9 @@ _RUN_NAME_MAX = 128
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SLURM_TIME = re.compile(r"\d+(:\d{2}){0,2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|infinite")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Set per rank by srun / torchrun / the local launcher; the same value for every rank breaks discovery.
+_LAUNCHER_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                           "MASTER_PORT"})
 _SBATCH_ARG = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9._,:/@+=-]+)?")
 
 
@@ -224,6 +227,9 @@ class LaunchConfig(ConfigSection):
         for key, value in v.items():
             if not _ENV_NAME.fullmatch(key):
                 raise ValueError(f"environment variable name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+            if key in _LAUNCHER_ENV or key.startswith("SLURM_"):
+                raise ValueError(f"{key} is set by the launcher (srun / the local launcher) for each rank; "
+                                 "setting it here would give every rank the same value")
             if "\0" in value:
                 raise ValueError(f"value of {key} contains a NUL byte")
         return v
@@ -390,7 +396,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} is not a regular file")
         try:
-            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+            data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # an editor's BOM is not an error
         except OSError as err:
             raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
         except UnicodeDecodeError as err:
