@@ -153,7 +153,7 @@ def test_sbatch_dry_run_prints_script_and_writes_nothing(capsys, tmp_path, monke
                      f"#SBATCH --chdir={tmp_path}", "export NCCL_DEBUG=WARN", "export OMP_NUM_THREADS=12",
                      "source /opt/v/bin/activate",
                      f"srun --kill-on-bad-exit=1 /opt/v/bin/python -m spartron.launch.cli train "
-                     f"{run_dir}/slurm/config.toml"]:
+                     f"{run_dir}/slurm/config.toml &"]:  # in the background: the SIGTERM trap runs at once
         assert expected in lines, expected
     assert not any(tmp_path.iterdir()), "a dry run must not write anything"
 
@@ -177,7 +177,7 @@ def test_sbatch_dry_run_container(capsys, tmp_path, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert (f"srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
             f"--container-mounts={tmp_path} --container-workdir={tmp_path} python -m spartron.launch.cli "
-            f"smoke {tmp_path}/runs/tiny/slurm/config.toml") in lines
+            f"smoke {tmp_path}/runs/tiny/slurm/config.toml &") in lines
     assert not any(line.startswith("source ") for line in lines)
 
 

@@ -165,8 +165,7 @@ def test_cli_rank_with_a_launch_mistake_exits_2_with_one_line(tmp_path):
     proc = _cli(["smoke", TINY, "--set", 'parallel.backend="nccl"'], tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "spartron: error: backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
-        "use backend 'gloo' (or 'auto') on CPU"]
+        "spartron: error: parallel.backend = 'nccl' needs CUDA, but this run is on CPU (device = 'cpu')"]
 
 
 _PARENT = """

@@ -149,7 +149,7 @@ def test_failing_job_returns_its_status_and_shows_its_log(jobs):
     assert rc == 2, out + err
     assert "FAILED with exit status 2" in out
     assert "---- last lines of" in err
-    assert "spartron: error: backend 'nccl' needs CUDA" in err  # the rank's own message, from the job log
+    assert "spartron: error: parallel.backend = 'nccl' needs CUDA" in err  # the rank's own message, from the job log
 
 
 @pytest.mark.slurm
