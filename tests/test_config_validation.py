@@ -338,3 +338,15 @@ def test_a_utf8_bom_is_fine(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbfname = \"bom\"\n")
     assert load_config(path).name == "bom"
+
+
+def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path):
+    from spartron.launch.local import free_port
+
+    env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "parallel.timeout_s=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert re.fullmatch(rf"spartron: error: rank 0 of 2 \(torchrun\) gave up after 2 s \(parallel.timeout_s\) waiting "
+                        rf"for the other ranks at 127.0.0.1:{env['MASTER_PORT']}: .*1/2 clients joined.\n", proc.stderr)

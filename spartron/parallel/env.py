@@ -208,8 +208,13 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        except dist.DistStoreError as err:  # a rank never came: say who waited where, in one line
+            raise DistEnvError(f"rank {env.rank} of {env.world_size} ({env.launcher}) gave up after {timeout_s:g} s "
+                               f"(parallel.timeout_s) waiting for the other ranks at {host}:{env.master_port}: "
+                               f"{str(err).splitlines()[0]}") from None
     return backend
 
 
