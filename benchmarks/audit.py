@@ -79,6 +79,7 @@ class Case:
     expect_out: str | None = None  # text the output must contain for `clear` / `accepted safely`
     quick: bool = False
     note: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (a launcher's variables)
 
 
 @dataclass
@@ -183,7 +184,8 @@ def config_cases() -> list[Case]:
         ("int-float", "train.steps=1.5", "train.steps"), ("bool-str", "train.resume=yes", "train.resume"),
         ("unknown-top", "bogus=1", "bogus"), ("unknown-model", "model.bogus=1", "model.bogus"),
         ("unknown-data", "train.data.bogus=1", "train.data.bogus"), ("misspelt", "train.learning_rate=1e-3", "train.learning_rate"),
-        ("env-name", 'launch.env={"1A" = "x"}', "launch.env"), ("device", "device=tpu", "device"),
+        ("env-name", 'launch.env={"1A" = "x"}', "launch.env"), ("env-rank", 'launch.env={RANK = "0"}', "RANK"),
+        ("env-slurm", 'launch.env={SLURM_PROCID = "0"}', "SLURM_PROCID"), ("device", "device=tpu", "device"),
         ("optimizer", "train.optimizer=sgd", "train.optimizer"), ("ac-mode", "ac.mode=partial", "ac.mode"),
         ("dispatcher", "model.moe.dispatcher=magic", "model.moe.dispatcher"), ("dtype", "model.dtype=float16", "model.dtype"),
         ("order", "parallel.order=tp-cp-ep-dp", "parallel.order"), ("backend", "parallel.backend=mpi", "parallel.backend"),
@@ -260,6 +262,8 @@ def config_file_cases() -> list[Case]:
                         setup=_write(Path(path), data) if data is not None else None, quick=quick))
 
     add("binary", bytes(range(256)) * 4, quick=True)
+    out.append(Case("file-bom", "config", ["plan", "bom.toml"], accept_ok=True,
+                    setup=_write(Path("bom.toml"), b"\xef\xbb\xbf" + base)))
     add("latin1", "name = \"caf\xe9\"\n".encode("latin-1"))
     add("utf16", "name = \"x\"\n".encode("utf-16"))
     add("syntax", b"[train\nsteps = 1\n")
@@ -390,6 +394,19 @@ def launch_cases() -> list[Case]:
                               f"debug.fail_mode={mode}", *extra),
                         timeout=150.0 if mode == "stop" else 120.0, fault=f"rank {rank}",
                         quick=(nproc, mode) == (2, "exit")))
+    # the launcher's environment as a careless shell or a broken launcher leaves it
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "LOCAL_RANK": "0"}
+    for cid, env, names in [
+        ("rank-only", {"RANK": "0"}, ("WORLD_SIZE",)),
+        ("rank-abc", {"RANK": "abc", "WORLD_SIZE": "2", **master}, ("RANK",)),
+        ("world-0", {"RANK": "0", "WORLD_SIZE": "0", **master}, ("WORLD_SIZE", "world size")),
+        ("rank-oob", {"RANK": "5", "WORLD_SIZE": "2", **master}, ("RANK", "rank 5")),
+        ("no-master", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, ("MASTER_ADDR",)),
+        ("port-bad", {"RANK": "0", "WORLD_SIZE": "1", **master, "MASTER_PORT": "99999"}, ("MASTER_PORT", "master port")),
+        ("slurm-partial", {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}, ("SLURM_",)),
+        ("peer-missing", {"RANK": "0", "WORLD_SIZE": "2", **master}, ("rank", "MASTER", "join", "timed out")),
+    ]:
+        out.append(Case(f"launch-env-{cid}", "launch", train("parallel.timeout_s=8"), names, env=env, timeout=90.0))
     return out
 
 
@@ -660,7 +677,7 @@ def run_case(case: Case, root: Path, stub_dir: Path, base_state: Path | None) ->
     before = set(os.listdir(case_dir))
     stub_log = case_dir / "stubs.log"
     before.add("stubs.log")
-    env = _env(stub_dir, stub_log)
+    env = {**_env(stub_dir, stub_log), **case.env}
     start = time.perf_counter()
     rc: int | None
     try:
