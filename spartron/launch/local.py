@@ -338,5 +338,5 @@ def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank]) -> None:
     print(f"spartron: rank {root.rank} {what}, the first rank to fail; stopped the other ranks; {where}",
           file=sys.stderr)
     if root.log is not None:
-        print(_tail(root.log), file=sys.stderr)
+        print(_tail(root.log) or "(the log is empty)", file=sys.stderr)
     print(f"spartron: how the ranks ended: {_endings(ranks)}", file=sys.stderr)

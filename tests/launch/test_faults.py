@@ -61,6 +61,22 @@ def test_fault_outside_the_world_is_refused_before_any_rank_starts(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "logs").exists()
 
 
+def test_fault_outside_the_world_is_refused_by_a_rank_of_another_launcher(tmp_path):
+    """Under torchrun/srun the world size is the launcher's: the trainer checks it before any collective."""
+    import os
+
+    from spartron.launch.local import free_port
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, *FAST, "--set",
+                           "debug.fail_step=1", "--set", "debug.fail_rank=1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "spartron: error: debug.fail_rank 1 is not a rank of this run (world size 1)"
+
+
 # ---- one rank fails: the report names it, its status and its log; every rank ends non-zero --------
 _ENDINGS = "spartron: how the ranks ended: "
 
@@ -87,6 +103,8 @@ def test_failing_rank_is_reported_by_root_cause(tmp_path, world, rank, mode, sta
     log = tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.log"
     where = "its output is above" if rank == 0 else f"last lines of {log}:"
     assert f"spartron: rank {rank} {what}, the first rank to fail; stopped the other ranks; {where}" in err
+    if mode in ("exit", "kill", "stop") and rank != 0:
+        assert f"last lines of {log}:\n(the log is empty)\n" in err  # it died without a word
     if mode == "raise":
         assert f"RuntimeError: debug.fail_mode = 'raise' at step 2 on rank {rank}" in \
             err.split("the first rank to fail")[1]  # the tail of the failing rank's own log
@@ -145,3 +163,28 @@ def test_sigterm_saves_a_complete_step_then_resume_continues(tmp_path, target):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from step {saved}" in resumed.stderr
     assert [r["step"] for r in _step_records(run_dir)][-1] == saved + 1
+
+
+def test_ranks_of_spartron_train_die_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of `spartron train` (no handler can run): its ranks stop training into the run dir."""
+    run_dir = tmp_path / "runs" / "tiny"
+    proc = _start_long_run(tmp_path, 2)
+    _wait_for_steps(run_dir, proc, 1)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in ranks):
+        assert time.monotonic() < deadline, f"ranks {ranks} outlived their launcher"
+        time.sleep(0.05)
+    steps = len(_step_records(run_dir))
+    time.sleep(1.0)
+    assert len(_step_records(run_dir)) == steps  # nothing trains on
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
