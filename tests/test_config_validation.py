@@ -119,7 +119,7 @@ def test_out_of_range_numbers_name_the_key(override, message):
 
 def test_yarn_values_must_be_positive():
     assert _error("model.mla.yarn={factor = 0.0}") == (
-        "invalid config: model.mla.yarn.factor: Input should be greater than 0 (got 0.0)")
+        "invalid config: model.mla.yarn.factor: Input should be greater than or equal to 1 (got 0.0)")
 
 
 # ---- options the chosen mode ignores ---------------------------------------------------------
@@ -350,3 +350,15 @@ def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert re.fullmatch(rf"spartron: error: rank 0 of 2 \(torchrun\) gave up after 2 s \(parallel.timeout_s\) waiting "
                         rf"for the other ranks at 127.0.0.1:{env['MASTER_PORT']}: .*1/2 clients joined.\n", proc.stderr)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.data.kind=mmap", "train.data.path=/x.bin", "model.vocab_size=129280"],
+     "train.data.token_dtype = 'uint16' holds ids below 65536, but model.vocab_size is 129280"),
+    (["train.compile_backend=aot_eager"], "train.compile_backend = 'aot_eager' is set but train.compile = false"),
+    (["model.mla.yarn={beta_fast = 1.0, beta_slow = 32.0}"],
+     "model.mla.yarn.beta_fast 1.0 must be above model.mla.yarn.beta_slow 32.0"),
+    (["model.mla.yarn={factor = 0.5}"], "model.mla.yarn.factor: Input should be greater than or equal to 1"),
+])
+def test_more_contradictions(overrides, message):
+    assert message in _error(*overrides)

@@ -15,12 +15,19 @@ from spartron.configbase import ConfigSection
 class YarnConfig(ConfigSection):
     """YaRN rope scaling (DeepSeek-V3 style)."""
 
-    factor: float = Field(40.0, gt=0)
+    factor: float = Field(40.0, ge=1)  # how much longer than original_max_position_embeddings
     original_max_position_embeddings: int = Field(4096, ge=1)
     beta_fast: float = Field(32.0, gt=0)
     beta_slow: float = Field(1.0, gt=0)
     mscale: float = Field(1.0, gt=0)
     mscale_all_dim: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> YarnConfig:
+        if self.beta_fast <= self.beta_slow:  # the ramp between them would run backwards
+            raise ValueError(f"model.mla.yarn.beta_fast {self.beta_fast} must be above model.mla.yarn.beta_slow "
+                             f"{self.beta_slow}")
+        return self
 
 
 class MLAConfig(ConfigSection):

@@ -293,6 +293,12 @@ class RunConfig(ConfigSection):
         if self.train.seq_len % (2 * self.parallel.cp) and self.parallel.cp > 1:
             raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
                              f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
+        d = self.train.data
+        if d.kind == "mmap" and d.token_dtype == "uint16" and self.model.vocab_size > 2**16:
+            raise ValueError(f"train.data.token_dtype = 'uint16' holds ids below 65536, but model.vocab_size is "
+                             f"{self.model.vocab_size}: a file of this vocabulary is written as uint32")
+        if self.train.compile_backend != "inductor" and not self.train.compile:
+            raise ValueError(f"train.compile_backend = {self.train.compile_backend!r} is set but train.compile = false")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")

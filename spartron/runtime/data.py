@@ -78,7 +78,11 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
     except OSError as err:
         raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
     n = len(tokens)
-    starts = {0: min(n, _HEAD_TOKENS)}
+    head = tokens[: min(n, _HEAD_TOKENS)]
+    if token_dtype == "uint16" and len(head) >= 64 and head[0::2].any() and not head[1::2].any():
+        raise ConfigError(f"{where}: every second token id is 0, as when a uint32 file is read as uint16 "
+                          "(train.data.token_dtype = 'uint16')")
+    starts = {0: len(head)}
     for i in range(_WINDOWS):
         start = (n - _WINDOW_TOKENS) * i // max(_WINDOWS - 1, 1) if n > _WINDOW_TOKENS else 0
         starts.setdefault(start, min(n - start, _WINDOW_TOKENS))

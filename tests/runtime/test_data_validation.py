@@ -74,3 +74,10 @@ def test_a_bad_id_between_the_checked_windows_is_caught_when_its_sample_is_read(
     with pytest.raises(ConfigError, match=rf"sample {k} \(tokens from {k * 8}\) holds token id 999 >= "
                                           r"model.vocab_size 100"):
         source.sample(k)
+
+
+def test_a_uint32_file_read_as_uint16_is_caught(tmp_path):
+    path = _tokens(tmp_path / "u32.bin", np.arange(1, 200) % 90 + 1, dtype="uint32")
+    with pytest.raises(ConfigError, match=r"every second token id is 0, as when a uint32 file is read as uint16"):
+        check_token_file(path, "uint16", 8, 100)
+    assert len(check_token_file(path, "uint32", 8, 100)) == 199
