@@ -45,7 +45,7 @@ HOSTILE = [
 MULTILINE = ("\n", "\r")
 
 # What a rendered script may run: its own builtins, variables and the Slurm stubs.
-ALLOWED = {"set", "export", "source", "echo", "trap", "[", "wait", "kill", "exit", "sleep", "forward_term",
+ALLOWED = {"set", "export", "source", "echo", "trap", "[", "wait", "exit", "sleep", "forward_term", ":", "break",
            "srun", "sbatch", "scontrol", "scancel"}
 TRAP_BODY = {"forward_term", "echo", "[", "scancel"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # `export K=v` is traced as `export K=v` and `K=v`
@@ -98,7 +98,7 @@ def _run(script: str, tmp_path: Path, srun_extra: str = "") -> tuple[subprocess.
         words = shlex.split(command.rstrip("\n"), posix=True) if command.strip() else []
         first = words[0] if words else ""
         if level == "+++":
-            assert first in TRAP_BODY or first == "term=1", f"a nested command ran: {record.group(0)!r}"
+            assert first in TRAP_BODY or first.startswith("term="), f"a nested command ran: {record.group(0)!r}"
         else:
             assert level in ("+", "++"), f"a nested command ran (command substitution?): {record.group(0)!r}"
             assert first in ALLOWED or ASSIGNMENT.match(first), f"the script ran {command!r}"
