@@ -113,9 +113,18 @@ def _is_int(value: Any, low: int = 0) -> bool:
 
 
 # ---- verifying a saved step ------------------------------------------------------------------------------
+def _refuse_link(path: Path) -> None:
+    """A step directory must be a real directory of the run directory: a symbolic link could make a resume
+    read another run's state, and a save's replace or keep_last's removal act on what it points to."""
+    if path.is_symlink():
+        raise StateLoadError(f"{path} is a symbolic link (to {os.readlink(path)}): a saved step must be a "
+                             "directory inside the run directory; copy it there instead")
+
+
 def read_manifest(path: Path) -> list[dict]:
     """The file list of a step's COMPLETE marker, checked field by field (StateLoadError names the marker)."""
     marker = path / COMPLETE
+    _refuse_link(path)
     if not marker.is_file():
         raise StateLoadError(f"{path} is not a complete saved state (no {COMPLETE} marker)")
     data = read_json(marker)
@@ -158,8 +167,9 @@ def read_meta(path: Path) -> dict:
 def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: dict | None) -> None:
     """The mismatches that need no model: world size, parallel layout, optimizer settings."""
     if meta["world_size"] != world:
-        raise StateLoadError(f"{path} was saved by {meta['world_size']} ranks; this run has {world} "
-                             "(per-rank data positions and RNG cannot be remapped)")
+        saved = f" (parallel layout [{meta['layout']}])" if meta.get("layout") else ""
+        raise StateLoadError(f"{path} was saved with world size {meta['world_size']}{saved}; this run has world "
+                             f"size {world} (per-rank data positions and RNG cannot be remapped)")
     if layout is not None and meta.get("layout") not in (None, layout):
         raise StateLoadError(f"{path} was saved with parallel layout [{meta['layout']}]; this run has "
                              f"[{layout}] (expert and context shards cannot be remapped)")
@@ -294,6 +304,7 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
                              f"train.steps = {steps}, so nothing is left to train: raise train.steps to "
                              "continue it, or start a new run (another run directory)")
     path = step_dir(run_dir, last)
+    _refuse_link(path)
     try:
         files = {f["path"]: f for f in read_manifest(path)}
         entry, meta_file = files[META], path / META

@@ -57,6 +57,7 @@ import re
 import shutil
 import sys
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -204,19 +205,25 @@ def _check_metadata(path: Path, md: Any) -> None:
 
 
 def _load_problem(err: BaseException) -> str:
-    """What torch.load(weights_only=True) refused, in one line."""
-    if isinstance(err, pickle.UnpicklingError):
-        found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = found.group(1) if found else _first_line(err)
-        return (f"refusing to unpickle {what}: torch's weights-only loader does not allow it "
+    """What torch.load(weights_only=True) refused, in one line (without torch's advice to load unsafely)."""
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (f"refusing to unpickle {found.group(1)}: torch's weights-only loader does not allow it "
                 "(nothing from the file was run)")
+    if isinstance(err, pickle.UnpicklingError) or "WeightsUnpickler error" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
+        return (f"not loadable by torch's weights-only loader ({detail[0] if detail else type(err).__name__}; "
+                "nothing from the file was run)")
     return f"not a readable torch file ({_first_line(err)})"
 
 
 def _torch_load(source: Path | io.BytesIO, name: str | Path) -> Any:
     """torch.load(weights_only=True); a refused global or a damaged file is a StateLoadError naming `name`."""
     try:
-        return torch.load(source, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the refusal below says enough
+            warnings.simplefilter("ignore")
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001
         raise StateLoadError(f"{name}: {_load_problem(err)}") from None
 
@@ -573,6 +580,8 @@ def _crc32_file(path: Path) -> int:
 def _check_file(path: Path, entry: dict, checksums: bool) -> str | None:
     file = path / entry["path"]
     try:
+        if file.is_symlink():
+            return f"{file}: a symbolic link (to {os.readlink(file)}); a saved step holds only its own files"
         if not file.is_file():
             return f"{file}: missing (listed in {COMPLETE} with {entry['size']} bytes)"
         size = file.stat().st_size

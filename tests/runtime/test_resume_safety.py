@@ -204,8 +204,9 @@ def test_two_ranks_resuming_under_another_world_size_fail_before_loading(tmp_pat
     run = tmp_path / "run"
     run1(cfg_for(run, save_every=2, steps=2))
     errors = run_distributed(_run, 2, cfg_for(run, steps=4))
-    assert errors == [f"StateLoadError: {step_dir(run, 2)} was saved by 1 ranks; this run has 2 (per-rank data "
-                      "positions and RNG cannot be remapped)"] * 2
+    layout = "world 1 = dp_replicate 1 x fsdp 1 x cp 1; ep 1 (expert_fsdp 1); order tp-cp-ep-dp-pp"
+    assert errors == [f"StateLoadError: {step_dir(run, 2)} was saved with world size 1 (parallel layout [{layout}]); "
+                      "this run has world size 2 (per-rank data positions and RNG cannot be remapped)"] * 2
 
 
 # ---- exploding losses --------------------------------------------------------------------------------

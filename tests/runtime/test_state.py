@@ -115,7 +115,7 @@ def test_world_size_mismatch_is_an_error(tmp_path):
     path = save_state(tmp_path, 1, model, opt, {}, {}, CPU)
     meta = json.loads((path / "meta.json").read_text())
     rewrite_listed(path, "meta.json", json.dumps({**meta, "world_size": 4}).encode())
-    with pytest.raises(StateLoadError, match="saved by 4 ranks; this run has 1"):
+    with pytest.raises(StateLoadError, match="saved with world size 4; this run has world size 1"):
         load_state(path, model, opt, CPU)
 
 

@@ -134,7 +134,9 @@ def test_hostile_rank_tensor_file_is_refused_naming_file(tmp_path, payload):
     model, opt = _model()
     path = save_state(tmp_path / "run", 1, model, opt, {}, {}, CPU)
     rewrite_listed(path, "rank-00000.pt", data)
-    with pytest.raises(StateLoadError, match=rf"^{path}/rank-00000\.pt: (refusing to unpickle|not a readable)"):
+    refusal = (r"refusing to unpickle (posix\.system|eval): torch's weights-only loader does not allow it"
+               r"|not loadable by torch's weights-only loader \(Unsupported operand 140")  # raw: refused at its 1st op
+    with pytest.raises(StateLoadError, match=rf"^{path}/rank-00000\.pt: ({refusal})"):
         load_state(path, model, opt, CPU)
     assert not marker.exists()
 
@@ -179,6 +181,36 @@ def test_hostile_dcp_tensor_item_is_refused(tmp_path):
     with pytest.raises(StateLoadError, match=rf"^{distcp}: refusing to unpickle posix\.system"):
         load_state(path, model, opt, CPU)
     assert not marker.exists()
+
+
+def test_a_damaged_tensor_file_is_one_line_without_torchs_unsafe_advice(tmp_path):
+    model, opt = _model()
+    path = save_state(tmp_path / "run", 1, model, opt, {}, {}, CPU)
+    rewrite_listed(path, "rank-00000.pt", b"garbage, not a torch file")
+    with pytest.raises(StateLoadError) as info:
+        load_state(path, model, opt, CPU)
+    assert str(info.value) == (f"{path}/rank-00000.pt: not loadable by torch's weights-only loader (Unsupported "
+                               "operand 103; nothing from the file was run)")
+
+
+def test_symbolic_links_in_a_saved_step_are_refused(tmp_path):
+    model, opt = _model()
+    run = tmp_path / "run"
+    path = save_state(run, 1, model, opt, {}, {}, CPU)
+    outside = tmp_path / "elsewhere"
+    (path / "rank-00000.pt").rename(outside)
+    (path / "rank-00000.pt").symlink_to(outside)
+    with pytest.raises(StateLoadError, match=rf"^{path}/rank-00000\.pt: a symbolic link \(to {outside}\); a saved "
+                                             "step holds only its own files"):
+        load_state(path, model, opt, CPU)
+    (path / "rank-00000.pt").unlink()
+    outside.rename(path / "rank-00000.pt")
+    moved = tmp_path / "moved-step"
+    path.rename(moved)
+    path.symlink_to(moved)
+    with pytest.raises(StateLoadError, match=rf"^{path} is a symbolic link \(to {moved}\): a saved step must be a "
+                                             "directory inside the run directory"):
+        load_state(path, model, opt, CPU)
 
 
 def test_metadata_pointing_outside_the_step_is_refused(tmp_path):
