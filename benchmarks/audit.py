@@ -235,6 +235,9 @@ def config_cases() -> list[Case]:
         ("time-bad", ["launch.time=forever"], "launch.time"),
         ("sbatch-arg-space", ["launch.sbatch_args=[\"--wrap=a b\"]"], "launch.sbatch_args"),
         ("venv-empty", ["launch.venv=\" \""], "launch.venv"),
+        ("compile-backend-off", ["train.compile_backend=aot_eager"], "train.compile_backend"),
+        ("yarn-betas", ["model.mla.yarn={beta_fast = 1.0, beta_slow = 32.0}"], "model.mla.yarn.beta_fast"),
+        ("yarn-factor", ["model.mla.yarn={factor = 0.5}"], "model.mla.yarn.factor"),
     ]:
         add(cid, items, [key], quick=cid == "dsa-index-dim")
     # override syntax
@@ -338,9 +341,9 @@ def data_cases() -> list[Case]:
     mid[(3 << 20) * 2 // 3] = 9_999
     out = []
 
-    def add(cid, path, setup=None, extra=(), quick=False, timeout=90.0):
+    def add(cid, path, setup=None, extra=(), quick=False, timeout=90.0, names=("train.data.path",)):
         out.append(Case(f"data-{cid}", "data", train("train.data.kind=mmap", f"train.data.path={tstr(path)}", *extra),
-                        ("train.data.path",), setup=setup, quick=quick, timeout=timeout))
+                        names, setup=setup, quick=quick, timeout=timeout))
 
     add("missing", "missing.bin", quick=True)
     add("directory", ".")
@@ -351,6 +354,9 @@ def data_cases() -> list[Case]:
     add("oov-tail", "tail.bin", _write(Path("tail.bin"), big.tobytes()))
     add("oov-middle", "mid.bin", _write(Path("mid.bin"), mid.tobytes()))
     add("oov-head", "head.bin", tokens("head.bin", [600] * 1000))
+    add("u32-as-u16", "u32.bin", tokens("u32.bin", [i % 500 + 1 for i in range(4000)], dtype="uint32"))
+    add("u16-big-vocab", "v.bin", tokens("v.bin", range(1000)), extra=("model.vocab_size=129280",),
+        names=("train.data.token_dtype",))
     add("dev-zero", "/dev/zero")
     add("symlink-dir", "link", lambda w: (w / "link").symlink_to(w))
     return out
