@@ -161,6 +161,13 @@ class TrainConfig(ConfigSection):
                                  f"(no '..'); give an absolute path to write elsewhere, got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _overwrite(self) -> TrainConfig:
+        if self.overwrite and self.resume:  # a resume keeps the saved steps: overwrite would be ignored
+            raise ValueError("train.overwrite = true replaces the saved steps of an earlier run with a new run; "
+                             "it needs train.resume = false")
+        return self
+
 
 _RUN_NAME_MAX = 128
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

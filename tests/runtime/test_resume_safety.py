@@ -104,6 +104,14 @@ def test_a_new_run_into_a_run_dir_with_saved_steps_is_refused_then_overwritten_o
     assert json.loads((step_dir(run, 2) / "meta.json").read_text())["run_id"] == header["run_id"]
 
 
+def test_overwrite_with_resume_is_a_config_error():
+    from spartron.runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^invalid config: train\.overwrite = true replaces the saved steps of an "
+                                          r"earlier run with a new run; it needs train\.resume = false$"):
+        cfg_for(Path("unused"), overwrite=True)
+
+
 def test_resume_with_nothing_left_to_train_is_an_error(tmp_path):
     run = tmp_path / "run"
     run1(cfg_for(run, save_every=2))
