@@ -362,3 +362,13 @@ def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path):
 ])
 def test_more_contradictions(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_offload_options_that_would_be_ignored():
+    assert _error("offload.enabled=true", "offload.window=[0, 1]", "offload.keep_last=3") == (
+        "invalid config: offload.keep_last = 3 applies to offload.window = 'all_but_last', not to the explicit "
+        "window [0, 1]")
+    with pytest.raises(ConfigError) as info:  # the default model has no [model.dsa]
+        load_config(None, ["ac.mode=full", "offload.enabled=true", "offload.what=inputs_and_dsa_ids"])
+    assert str(info.value) == ("invalid config: offload.what = 'inputs_and_dsa_ids' offloads DSA top-k ids, but the "
+                               "model has no [model.dsa]: use offload.what = 'inputs'")

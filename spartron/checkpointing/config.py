@@ -94,6 +94,9 @@ class OffloadConfig(ConfigSection):
             if ignored:
                 raise ValueError(f"offload.{ignored[0]} is set but offload.enabled = false: set "
                                  "offload.enabled = true or remove it")
+        if isinstance(self.window, list) and self.keep_last != 1:
+            raise ValueError(f"offload.keep_last = {self.keep_last} applies to offload.window = 'all_but_last', "
+                             f"not to the explicit window {self.window}")
         if self.enabled and self.prefetch_depth == 0:
             raise ValueError("offload.prefetch_depth must be >= 1 when offload.enabled is true "
                              "(0 would copy nothing back ahead of backward)")

@@ -295,6 +295,9 @@ class RunConfig(ConfigSection):
                 f"{self.ac.mode!r}: the checkpoint policy watches every dispatched operator from a "
                 "TorchDispatchMode, which torch.compile cannot trace and whose saves it would fuse away; "
                 "compile with ac.mode = 'none', or keep ac and set train.compile = false")
+        if self.offload.what == "inputs_and_dsa_ids" and self.model.dsa is None:
+            raise ValueError("offload.what = 'inputs_and_dsa_ids' offloads DSA top-k ids, but the model has no "
+                             "[model.dsa]: use offload.what = 'inputs'")
         if self.offload.enabled and self.ac.mode == "none":
             raise ValueError("offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'")
         if self.train.seq_len % (2 * self.parallel.cp) and self.parallel.cp > 1:
