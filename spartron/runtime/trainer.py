@@ -203,6 +203,9 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     fault = check_fault(cfg.debug, world, t.steps)
     if fault:
         raise ConfigError(fault)
+    if cfg.debug.fail_step is not None and rank == 0:  # never a surprise in a real run's log
+        print(f"spartron: [debug] rank {cfg.debug.fail_rank} will fail at step {cfg.debug.fail_step} "
+              f"(fail_mode = {cfg.debug.fail_mode!r})", file=sys.stderr, flush=True)
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
                                   nccl=p.nccl_settings())
     # The run directory against this run (refusals, resume step) before the model is built.

@@ -100,6 +100,7 @@ def test_failing_rank_is_reported_by_root_cause(tmp_path, world, rank, mode, sta
     assert proc.returncode == status, err
     # startup (a few s on 2 busy cores) + one step + the stop limit (parallel.timeout_s) for a stop
     assert elapsed < 60 + (TIMEOUT_S if mode == "stop" else 0), elapsed
+    assert f"spartron: [debug] rank {rank} will fail at step 2 (fail_mode = '{mode}')" in err
     log = tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.log"
     where = "its output is above" if rank == 0 else f"last lines of {log}:"
     assert f"spartron: rank {rank} {what}, the first rank to fail; stopped the other ranks; {where}" in err

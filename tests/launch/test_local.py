@@ -318,3 +318,15 @@ def test_ranks_that_ignore_a_forwarded_sigterm_are_killed_after_the_grace(tmp_pa
     assert ("spartron: the ranks did not stop within 1 s of SIGTERM; killed them. rank 0 was killed by the "
             "launcher (SIGKILL); rank 1 was killed by the launcher (SIGKILL)") in parent.stderr.read()
     assert all(_pid_gone(pid) for pid in pids)
+
+
+def test_a_rank_that_left_early_with_status_0_is_pointed_out(tmp_path, capfd):
+    """Rank 1 ends 'successfully' mid-run; rank 0 then fails waiting for it (a timeout): both are named."""
+    code = ("import os, sys, time\n"
+            "if os.environ['RANK'] == '1': sys.exit(0)\n"
+            "time.sleep(0.5); print('Timed out waiting for rank 1', flush=True); sys.exit(1)\n")
+    assert launch_local([sys.executable, "-c", code], 2, {"PATH": "/usr/bin:/bin"}, tmp_path) == 1
+    err = capfd.readouterr().err
+    assert "spartron: rank 0 exited with status 1, the first rank to fail;" in err
+    assert err.strip().splitlines()[-1] == ("spartron: note: rank 1 exited with status 0 before rank 0 failed; "
+                                            "its peers may have been waiting for it")
