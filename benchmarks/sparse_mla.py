@@ -167,9 +167,10 @@ def sweep(q, kv, ids, grad_out, out, scale, device, args) -> list[dict]:
     n_sel = int((ids >= 0).sum())
     fwd_flops = 2 * n_sel * h * 1088
     small = h <= 32
-    fwd_cfgs = ([(16, 64, 4, 2)] if small else [(64, 64, 8, 2)])
-    bwd_cfgs = ([(16, 32, 4, 1), (16, 32, 4, 1, True)] if small else
-                [(64, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1, True), (64, 32, 8, 1, True)])
+    fwd_cfgs = ([(16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 4, 3)] if small else
+                [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1)])
+    bwd_cfgs = ([(16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1)] if small else
+                [(64, 64, 8, 1), (64, 32, 8, 1), (64, 16, 8, 2)])
     rows = []
     o, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
     gl = torch.zeros_like(lse)

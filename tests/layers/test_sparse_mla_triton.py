@@ -138,9 +138,6 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("fwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
-    ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1, scratch=True)),
-    ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1, scratch=True)),
-    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 1, scratch=True)),
 ]
 
 

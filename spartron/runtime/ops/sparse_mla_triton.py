@@ -27,14 +27,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch. Backward
-    only: `scratch` sends P and dS through a per-program global tile (see the kernel)."""
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
-    scratch: bool = False
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -107,11 +105,9 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         return grad_q, grad_kv.to(kv.dtype)
     delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
     k = _kernels()
-    grid = _grid(b * s_q, h, cfg)
-    scratch = q.new_empty(grid[0] * 2 * cfg.block_h * cfg.block_k if cfg.scratch else 1)
-    k.sparse_mla_bwd_kernel[grid](
-        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, scratch, s_q, s_kv,
-        h, topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
-        DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), SCRATCH=cfg.scratch,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
+        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
+        topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+        DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return grad_q, grad_kv.to(kv.dtype)

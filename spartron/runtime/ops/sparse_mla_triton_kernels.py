@@ -15,7 +15,10 @@ sit in shared memory once (the untransposed form made Triton keep a second copy:
 Known cost, measured on the H200 (benchmarks/results/sparse_mla_triton_lag_9bd8cf4.json): with a 64-row head
 block on 8 warps Triton gives the score dot a warps-along-M layout (it feeds another dot), so both
 warpgroups compute the whole score tile. Delaying each block's P by one iteration (rows gathered
-twice) removed that but ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120) and was dropped.
+twice) removed that but ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120) and was dropped;
+so did sending the backward's P and dS through a global scratch tile (83 vs 116 TFLOP/s, more spills:
+sparse_mla_triton_scratch_9d6ce6b.json). The backward at 64 heads is spill- and latency-bound (ncu:
+issue slots 20 % busy, one 8-warp program per SM; sparse_mla_triton_bwd_ncu_843dff6.log).
 """
 
 from __future__ import annotations
@@ -141,9 +144,9 @@ def _bwd_apply(pb, ds, k0, k1, k2, k3, kr, dq0, dq1, dq2, dq3, dqr, drows, valid
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
-def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, scratch_ptr, s_q,
-                          s_kv, n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, SCRATCH: tl.constexpr):
+def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
+                          n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
+                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -176,8 +179,6 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * D
     dkv_base = dkv_ptr + b * s_kv * D
-    scratch_rows = (scratch_ptr + pid.to(tl.int64) * (2 * BH * BK) + tl.arange(0, BH)[:, None] * BK
-                    + tl.arange(0, BK)[None, :])
     for k0 in tl.range(0, n_used, BK):
         kk = k0 + tl.arange(0, BK)
         ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
@@ -186,16 +187,6 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
         c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
         pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
                             scale, scale_log2)
-        if SCRATCH:
-            # P and dS make a round trip through this program's scratch tile: the dots that read them
-            # then start a new chain, so Triton gives the score dots a layout that splits their
-            # columns over both warpgroups instead of computing the whole tile on each
-            tl.store(scratch_rows, pb)
-            tl.store(scratch_rows + BH * BK, ds)
-            tl.debug_barrier()
-            pb = tl.load(scratch_rows)
-            ds = tl.load(scratch_rows + BH * BK)
-            tl.debug_barrier()  # every thread has read the tile before the next block overwrites it
         dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
                                              dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
                                              do2, do3, dc, dr, DC)
