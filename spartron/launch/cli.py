@@ -159,7 +159,9 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         if not math.isfinite(args.wait_timeout) or args.wait_timeout <= 0:
             raise UsageError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
     cfg = load_config(args.config, args.set + _sbatch_overrides(args))
-    _world_layout(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))
+    from spartron.runtime.preflight import check_before_submit
+
+    check_before_submit(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))  # layout, batch, devices
     job = slurm.render_job(cfg, Path.cwd(), entry=args.entry)
     if args.dry_run:
         sys.stdout.write(job.script)
@@ -178,6 +180,9 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     elif status != 0:
         for path in (out, err):
             print(f"---- last lines of {path} ----\n{slurm.log_tail(path)}", file=sys.stderr)
+        first = slurm.first_failed_task(err)
+        if first:
+            print(f"spartron: the first to fail, as srun saw it: {first}", file=sys.stderr)
     return status
 
 

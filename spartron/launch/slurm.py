@@ -274,6 +274,21 @@ def wait(job_id: str, timeout_s: float | None = None, poll_s: float = 0.5) -> tu
         time.sleep(poll_s)
 
 
+# srun's report of a task that ended badly, in the order srun learned of them; task k is rank k
+_SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): (?P<tasks>tasks? [\d,\-]+): (?P<what>.+)$", re.M)
+
+
+def first_failed_task(err_log: Path) -> str | None:
+    """The first task srun saw fail, from a job's stderr log: the root cause, not its peers' knock-on
+    "connection closed by peer" tracebacks that fill the log's tail. None when srun reported none."""
+    text = err_log.read_text(errors="replace") if err_log.is_file() else ""
+    m = _SRUN_TASK.search(text)
+    if m is None:
+        return None
+    ranks = m["tasks"].replace("tasks", "ranks").replace("task", "rank")
+    return f"{ranks} on {m['node']}: {m['what']}"
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     if not path.is_file():
         return f"(no log at {path})"

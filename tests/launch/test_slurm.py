@@ -50,6 +50,22 @@ def test_exit_status_from_slurm_state(state, code, expected):
     assert _parse_exit(state, code) == expected
 
 
+def test_first_failed_task_is_srun_s_first_report(tmp_path):
+    from spartron.launch.slurm import first_failed_task
+
+    log = tmp_path / "1.err"
+    log.write_text("Traceback ...\nRuntimeError: Connection closed by peer\n"
+                   "srun: error: n2: task 1: Exited with exit code 3\n"
+                   "srun: launch/slurm: _step_signal: Terminating StepId=1.0\n"
+                   "srun: error: n1: tasks 0,2-3: Killed\n")
+    assert first_failed_task(log) == "rank 1 on n2: Exited with exit code 3"
+    log.write_text("srun: error: n1: tasks 0-1: Killed\n")
+    assert first_failed_task(log) == "ranks 0-1 on n1: Killed"
+    log.write_text("all fine\n")
+    assert first_failed_task(log) is None
+    assert first_failed_task(tmp_path / "missing.err") is None
+
+
 # ---- a real Slurm ------------------------------------------------------------------------------
 def _slurm_unavailable() -> str | None:
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
@@ -268,3 +284,18 @@ def test_scontrol_requeue_of_a_running_job_resumes_from_the_step_saved_on_sigter
     assert wait(job_id, timeout_s=240) == ("COMPLETED", 0)
     assert f"resumed from step {saved}" in (run_dir / "slurm" / f"{job_id}.err").read_text()
     assert [r["step"] for r in _steps(run_dir / "metrics.jsonl")][-1] == 40
+
+
+@pytest.mark.slurm
+def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path):
+    """[debug] rides in the job's frozen config: rank 1 (on n2) exits 3 at step 2; rank 0's knock-on
+    traceback fills the log's tail, and `spartron sbatch --wait` names rank 1 from srun's report."""
+    if _slurm_unavailable():
+        pytest.skip(_slurm_unavailable())
+    proc = _spartron(["sbatch", TINY, "--nodes", "2", "--wait", "--set", "train.steps=3", "--set",
+                      "train.progress=false", "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1",
+                      "--set", 'debug.fail_mode="exit"'], tmp_path)
+    rc, out, err = _finish(proc, timeout=240)
+    assert rc != 0 and "FAILED with exit status" in out, out + err
+    assert err.strip().splitlines()[-1] == "spartron: the first to fail, as srun saw it: rank 1 on n2: Exited " \
+        "with exit code 3"
