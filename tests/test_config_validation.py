@@ -372,3 +372,24 @@ def test_offload_options_that_would_be_ignored():
         load_config(None, ["ac.mode=full", "offload.enabled=true", "offload.what=inputs_and_dsa_ids"])
     assert str(info.value) == ("invalid config: offload.what = 'inputs_and_dsa_ids' offloads DSA top-k ids, but the "
                                "model has no [model.dsa]: use offload.what = 'inputs'")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "3"], "train.global_batch_size 4 must be divisible by dp size 3 x train.micro_batch_size 1 = 3"),
+    (["--set", "model.moe.dispatcher=deepep"],
+     "model.moe.dispatcher = 'deepep' needs CUDA, but the job runs on CPU (device = 'cpu')"),
+    (["--set", "device=auto", "--set", "model.moe.all_to_all_transport=copy_engine"],
+     "model.moe.all_to_all_transport = 'copy_engine' needs CUDA, but the job runs on CPU (launch.gpus_per_node = 0"),
+    (["--set", "offload.enabled=true", "--set", "offload.window=[8]"], "offload.window names regions [8]"),
+])
+def test_sbatch_checks_the_job_before_submitting(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--dry-run", *argv]) == 2
+    assert capsys.readouterr().err.startswith(f"spartron: error: {message}")
+
+
+def test_smoke_skips_the_training_checks(tmp_path, monkeypatch, capsys):
+    """`smoke` only brings distributed up: a batch that would not divide does not stop it (or its job)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--dry-run", "--entry", "smoke", "--nodes", "3"]) == 0
+    assert "#SBATCH --nodes=3" in capsys.readouterr().out

@@ -81,7 +81,8 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     cfg = _load(args)
     environ = process_environ()
     run_dir = run_dir_of(cfg, Path.cwd())
-    _check_before_launch(cfg, environ, existing_launcher(environ) is not None)
+    if entry == "train":  # smoke only brings distributed up: batch, data and model options do not matter
+        _check_before_launch(cfg, environ, existing_launcher(environ) is not None)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
@@ -159,9 +160,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         if not math.isfinite(args.wait_timeout) or args.wait_timeout <= 0:
             raise UsageError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
     cfg = load_config(args.config, args.set + _sbatch_overrides(args))
-    from spartron.runtime.preflight import check_before_submit
+    _world_layout(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))
+    if args.entry == "train":
+        from spartron.runtime.preflight import check_before_submit
 
-    check_before_submit(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))  # layout, batch, devices
+        check_before_submit(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))  # batch, offload, devices
     job = slurm.render_job(cfg, Path.cwd(), entry=args.entry)
     if args.dry_run:
         sys.stdout.write(job.script)

@@ -34,6 +34,21 @@ def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = 
         check_token_file(d.path, d.token_dtype, cfg.train.seq_len, cfg.model.vocab_size)
 
 
+def check_before_submit(cfg: RunConfig, world_size: int) -> None:
+    """What `spartron sbatch` can check on the login node before submitting a job of `world_size`
+    tasks: the layout, the batch, the offload window, and CUDA-only options in a job without GPUs
+    (the login node's own devices say nothing about the compute nodes')."""
+    p = cfg.parallel
+    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
+                        dp_replicate=p.dp_replicate, order=p.order)
+    cfg.train.micro_steps(dims.dp)
+    check_offload_window(cfg)
+    cuda_only = _cuda_only_options(cfg) + (["device = 'cuda'"] if cfg.device == "cuda" else [])
+    if cuda_only and (cfg.launch.gpus_per_node == 0 or cfg.device == "cpu"):
+        why = "device = 'cpu'" if cfg.device == "cpu" else "launch.gpus_per_node = 0: a CPU job"
+        raise ConfigError(f"{cuda_only[0]} needs CUDA, but the job runs on CPU ({why})")
+
+
 def _cuda_only_options(cfg: RunConfig) -> list[str]:
     moe = cfg.model.moe
     out = []

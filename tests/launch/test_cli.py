@@ -140,7 +140,7 @@ def test_sbatch_dry_run_prints_script_and_writes_nothing(capsys, tmp_path, monke
     argv = ["sbatch", TINY, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu,debug", "--time",
             "1-02:00:00", "--account", "proj_1", "--qos", "high", "--cpus-per-task", "12", "--dry-run",
             "--set", "parallel.ep=8", "--set", 'launch.env={NCCL_DEBUG="WARN"}',
-            "--set", 'launch.venv="/opt/v"']
+            "--set", 'launch.venv="/opt/v"', "--set", "train.global_batch_size=32"]  # divides 4 x 8 ranks
     assert main(argv) == 0
     script = capsys.readouterr().out
     lines = script.splitlines()
