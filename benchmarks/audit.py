@@ -307,6 +307,13 @@ def cli_cases() -> list[Case]:
         cid = f"sbatch{flag}-{value[:6]}".replace("$", "").replace("(", "").replace("`", "").replace(";", "")
         add(cid, ["sbatch", "{tiny}", "--dry-run", flag, value], [flag, flag[2:].replace("-", "_")])
     add("sbatch-dry-wait", ["sbatch", "{tiny}", "--dry-run", "--wait"], ["--wait"])
+    add("sbatch-batch", ["sbatch", "{tiny}", "--submit", "--nodes", "3"], ["train.global_batch_size"], forbid_submit=True)
+    add("sbatch-deepep-cpu", ["sbatch", "{tiny}", "--submit", "--set", "model.moe.dispatcher=deepep"],
+        ["model.moe.dispatcher"], forbid_submit=True)
+    add("sbatch-offload-window", ["sbatch", "{tiny}", "--submit", "--set", "offload.enabled=true", "--set",
+                                  "offload.window=[8]"], ["offload.window"], forbid_submit=True)
+    add("sbatch-data-cpu-cuda", ["sbatch", "{tiny}", "--submit", "--set", "device=cuda"], ["device"],
+        forbid_submit=True)
     add("sbatch-wait-timeout-neg", ["sbatch", "{tiny}", "--submit", "--wait", "--wait-timeout", "-5"],
         ["--wait-timeout"], forbid_submit=True, quick=True)
     add("sbatch-wait-timeout-nan", ["sbatch", "{tiny}", "--submit", "--wait", "--wait-timeout", "nan"],
