@@ -393,3 +393,9 @@ def test_smoke_skips_the_training_checks(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["sbatch", TINY, "--dry-run", "--entry", "smoke", "--nodes", "3"]) == 0
     assert "#SBATCH --nodes=3" in capsys.readouterr().out
+
+
+def test_norm_eps_and_init_std_have_upper_bounds():
+    assert _error("model.norm_eps=1.0") == "invalid config: model.norm_eps: Input should be less than 1 (got 1.0)"
+    assert _error("model.init_std=2.0") == ("invalid config: model.init_std: Input should be less than or equal "
+                                            "to 1 (got 2.0)")

@@ -136,11 +136,11 @@ class ModelConfig(ConfigSection):
     n_heads: int = Field(4, ge=1)
     first_k_dense: int = Field(1, ge=0)
     dense_inter_dim: int = Field(128, ge=1)
-    norm_eps: float = Field(1e-6, gt=0)
+    norm_eps: float = Field(1e-6, gt=0, lt=1)  # an eps near the variance itself flattens every norm
     max_seq_len: int = Field(4096, ge=1)
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
-    init_std: float = Field(0.02, gt=0)  # 0 would start every expert and head identical
+    init_std: float = Field(0.02, gt=0, le=1)  # 0 starts every expert and head identical; > 1 diverges
     loss_chunk_size: int = Field(0, ge=0)  # 0: plain cross-entropy; N: chunks of N tokens
     mla: MLAConfig = Field(default_factory=MLAConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
