@@ -40,7 +40,8 @@ def _trained(seed):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 4)).square().sum().backward()
+    for p in model.parameters():  # gradients without autograd: a parent that ran backward cannot fork
+        p.grad = torch.randn_like(p)  # ranks on CUDA builds of torch (autograd's device threads)
     opt.step()
     return model, opt
 

@@ -48,7 +48,8 @@ def _model(seed: int = 0, width: int = 4):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, width)).square().sum().backward()
+    for p in model.parameters():  # gradients without autograd: a parent that ran backward cannot fork
+        p.grad = torch.randn_like(p)  # ranks on CUDA builds of torch (autograd's device threads)
     opt.step()
     return model, opt
 
