@@ -428,6 +428,8 @@ def slurm_cases() -> list[Case]:
     fields = {
         "name": lambda v: ["--set", f"name={tstr(v)}", "--set", "launch.job_name=job"],
         "job_name": lambda v: ["--set", f"launch.job_name={tstr(v)}"],
+        "job_name_flag": lambda v: ["--job-name", v],
+        "qos": lambda v: ["--qos", v],
         "partition": lambda v: ["--partition", v],
         "account": lambda v: ["--set", f"launch.account={tstr(v)}"],
         "time": lambda v: ["--time", v],
@@ -446,6 +448,7 @@ def slurm_cases() -> list[Case]:
             multiline = "\n" in payload or "\r" in payload
             out.append(Case(f"slurm-{fname}-{i}", "slurm", ["sbatch", "{tiny}", "--dry-run", *make(payload)],
                             (fname if fname not in ("env_value", "env_key") else "launch.env", fname.replace("_", "-"),
+                             "launch.job_name",
                              "launch." + fname, "name", "train.run_dir", "directive", "Slurm"),
                             run_script=True, accept_ok=fname in data_fields and not multiline,
                             quick=(fname, i) in (("name", 2), ("env_value", 0))))
