@@ -302,6 +302,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- convert ---------------------------------------------------------------------------------
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Hugging Face checkpoint -> a step-0 saved state `spartron train` resumes (train.resume = true), or a
+    saved state (step or run directory) -> a Hugging Face checkpoint (spartron/interop/hf)."""
+    if (args.from_hf is None) == (args.from_state is None) or (args.to is None) == (args.to_hf is None):
+        raise UsageError("give one of --from-hf DIR / --from STATE and one of --to RUN_DIR / --to-hf DIR")
+    if (args.from_hf is None) != (args.to is None):
+        raise UsageError("--from-hf goes with --to RUN_DIR (a saved state), --from with --to-hf DIR")
+    if args.max_shard_bytes < 1:
+        raise UsageError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
+    from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf, import_hf_to_state, model_toml
+
+    try:
+        if args.from_hf is not None:
+            step, cfg = import_hf_to_state(args.from_hf, args.to, load_config(args.config, args.set))
+            toml = Path(args.to) / "model.toml"
+            toml.write_text(model_toml(cfg.model))
+            print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
+                  f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
+        else:
+            out = export_hf(args.from_state, args.to_hf, max_shard_bytes=args.max_shard_bytes)
+            print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}")
+    except (HFConfigError, HFCheckpointError) as err:
+        raise UsageError(str(err)) from None
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spartron", description="Distributed training of sparse MoE models with MLA+DSA.")
@@ -368,6 +395,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="number of ranks (default launch.nproc)")
     p.add_argument("--max-groups", type=int, default=16, help="groups listed per dimension (default 16)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("convert", help="Hugging Face DeepSeek-V3/V3.2 checkpoints to a saved state and back",
+                       description="--from-hf DIR --to RUN_DIR: a step-0 saved state (one rank) and RUN_DIR/"
+                                   "model.toml; --from STATE --to-hf DIR: config.json, safetensors shards and "
+                                   "model.safetensors.index.json, one shard at a time.")
+    p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face checkpoint directory (config.json, safetensors)")
+    p.add_argument("--from", dest="from_state", metavar="STATE", help="a saved step, or a run directory (newest step)")
+    p.add_argument("--to", metavar="RUN_DIR", help="new run directory for the imported state")
+    p.add_argument("--to-hf", metavar="DIR", help="new Hugging Face checkpoint directory")
+    p.add_argument("--config", help="run config TOML whose train/parallel settings the imported state gets")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="export shard size (default 5 GiB)")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

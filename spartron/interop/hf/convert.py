@@ -1,0 +1,335 @@
+"""Streaming Hugging Face safetensors import into a SparseMoEModel, and export from one (or a saved state).
+
+Import (`import_hf`): `config.json` -> ModelConfig, then `load_into(model)` opens ONE safetensors
+shard at a time and reads from it only the boxes this rank holds: for an FSDP2-sharded DTensor
+its local shard, for an expert-parallel GroupedExperts its own global experts (`first_expert`),
+through safetensors' lazy slices. So no rank ever holds the checkpoint, or even one whole tensor
+it does not own; any EP / FSDP layout loads the same 1-rank values.
+
+Export (`export_hf`): from a model (1 rank, or FSDP2 DTensors gathered with `full_tensor`) or from
+a saved step directory (read with DCP one output shard at a time, EP entries `<fqn>/ep<r>` joined).
+Output shards of at most `max_shard_bytes` each are built, written and freed one after another;
+`model.safetensors.index.json` maps every tensor to its shard.
+
+Reading a checkpoint never executes code: config.json is JSON, tensors come from safetensors
+(`safe_open`), and shard names in the index must be plain file names inside the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from spartron.interop.hf.config_map import HFConfigError, hf_config_from_model_config, model_config_from_hf
+from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
+from spartron.layers.config import ModelConfig
+from spartron.optional import require
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+CONFIG = "config.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+_PLAIN_FILE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}\.safetensors$")
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory that cannot be read as (or written from) this model."""
+
+
+def _safetensors():
+    return require("safetensors", "Hugging Face checkpoint conversion", "pip install 'spartron[hf]'")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFCheckpointError(f"{path}: missing (a Hugging Face checkpoint directory holds it)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFCheckpointError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path}: must hold a JSON object")
+    return data
+
+
+def weight_files(hf_dir: Path) -> dict[str, str]:
+    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`)."""
+    index = hf_dir / INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFCheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not _PLAIN_FILE.match(file) or not (hf_dir / file).is_file():
+                raise HFCheckpointError(f"{index}: {name!r} -> {file!r} is not a .safetensors file in {hf_dir}")
+        return dict(weight_map)
+    single = hf_dir / SINGLE
+    if not single.is_file():
+        raise HFCheckpointError(f"{hf_dir}: holds neither {INDEX} nor {SINGLE}")
+    with _safetensors().safe_open(str(single), framework="pt") as f:
+        return {name: SINGLE for name in f.keys()}
+
+
+def _config_of(hf_dir: Path, names: Iterable[str]) -> ModelConfig:
+    hf = _read_json(hf_dir / CONFIG)
+    n_layers = hf.get("num_hidden_layers")
+    mtp = mtp_layer_indices(names, n_layers) if isinstance(n_layers, int) else []
+    if mtp and mtp != list(range(len(mtp))):
+        raise HFCheckpointError(f"{hf_dir}: MTP layers {[n_layers + k for k in mtp]} are not consecutive from "
+                                f"model.layers.{n_layers}")
+    cfg = model_config_from_hf(hf, mtp_layers=len(mtp))
+    if cfg.dsa is not None and cfg.mtp.depth:  # DeepSeek-V3.2: every MTP layer has its own indexer
+        cfg = cfg.model_copy(update={"dsa": cfg.dsa.model_copy(update={"share_indexer_across_mtp": False})})
+    return cfg
+
+
+# ---- boxes ------------------------------------------------------------------------------------------
+def _intersect(piece: Piece, local: Box) -> tuple[Box, Box] | None:
+    """(dst box relative to the local tensor, src box in the HF tensor) of `piece` inside `local`."""
+    drop = len(piece.dst) - len(piece.src)  # 1 when one expert of a stack maps to an unstacked tensor
+    dst, src = [], []
+    for dim, ((a, b), (la, lb)) in enumerate(zip(piece.dst, local, strict=True)):
+        lo, hi = max(a, la), min(b, lb)
+        if lo >= hi:
+            return None
+        dst.append((lo - la, hi - la))
+        if dim >= drop:
+            s0 = piece.src[dim - drop][0] + (lo - a)
+            src.append((s0, s0 + hi - lo))
+    return tuple(dst), tuple(src)
+
+
+def _index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+@dataclass
+class _Target:
+    tensor: Tensor  # the local storage to fill (a DTensor's local shard)
+    box: Box  # its place in the 1-rank global tensor
+
+
+def _targets(model: nn.Module, tmap: TensorMap) -> dict[str, _Target]:
+    """Every Spartron tensor of the map -> its local storage and global box on this rank."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    missing = sorted(set(tmap.shapes) - set(tensors))
+    if missing:
+        raise HFCheckpointError(f"the model has no {missing[:3]} ({len(missing)} missing): was it built from "
+                                "the imported ModelConfig?")
+    out = {}
+    for name, shape in tmap.shapes.items():
+        t = tensors[name]
+        if isinstance(t, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            local = t.to_local()
+        else:
+            local_shape, offset, local = tuple(t.shape), (0,) * t.dim(), t
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        offset = list(offset)
+        if getattr(owner, "is_expert_module", False):
+            offset[0] += owner.first_expert
+        box = tuple((o, o + n) for o, n in zip(offset, local_shape, strict=True))
+        if len(shape) != len(box) or any(b > n for (_, b), n in zip(box, shape, strict=True)):
+            raise HFCheckpointError(f"{name}: this rank's {list(local_shape)} at {offset} does not fit the "
+                                    f"1-rank shape {list(shape)}")
+        out[name] = _Target(local, box)
+    return out
+
+
+# ---- import -----------------------------------------------------------------------------------------
+def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[str, str]) -> None:
+    expected = {p.hf for p in tmap.pieces}
+    missing = sorted(expected - names)
+    extra = sorted(names - expected - set(tmap.copies) - set(optional))
+    if missing or extra:
+        parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + \
+                ([f"unexpected {len(extra)}: {', '.join(extra[:4])}"] if extra else [])
+        raise HFCheckpointError(f"{hf_dir}: tensors do not match its config.json ({'; '.join(parts)})")
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None = None) -> None:
+    """Fill `model` (a SparseMoEModel of the checkpoint's config, any layout) from `hf_dir`, one shard
+    at a time, each rank reading only the boxes it holds. Raises HFCheckpointError on any mismatch."""
+    hf_dir = Path(hf_dir)
+    files = weight_files(hf_dir)
+    cfg = cfg or _config_of(hf_dir, files)
+    first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
+    tmap = tensor_map(cfg, stacked=first_moe in files)
+    optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
+    _check_names(hf_dir, set(files), tmap, optional)
+    targets = _targets(model, tmap)
+    filled = {name: 0 for name in targets}
+    copies = {**tmap.copies, **{k: v for k, v in optional.items() if k in files}}
+    by_file: dict[str, list[Piece]] = {}
+    for p in tmap.pieces:
+        by_file.setdefault(files[p.hf], []).append(p)
+    safe_open = _safetensors().safe_open
+    for file in sorted(by_file):
+        with safe_open(str(hf_dir / file), framework="pt") as f:
+            for p in by_file[file]:
+                target = targets[p.spartron]
+                shape = tuple(f.get_slice(p.hf).get_shape())
+                if shape != p.hf_shape:
+                    raise HFCheckpointError(f"{hf_dir / file}: {p.hf} has shape {list(shape)}, its config.json "
+                                            f"gives {list(p.hf_shape)}")
+                boxes = _intersect(p, target.box)
+                if boxes is None:
+                    continue
+                dst, src = boxes
+                region = target.tensor[_index(dst)]
+                region.copy_(f.get_slice(p.hf)[_index(src)].reshape(region.shape))
+                filled[p.spartron] += region.numel()
+    for hf_name, ours in copies.items():  # after every piece landed: compare the copies with the originals
+        target = targets[ours]
+        with safe_open(str(hf_dir / files[hf_name]), framework="pt") as f:
+            theirs = f.get_slice(hf_name)[_index(target.box)]
+        if not torch.equal(theirs.to(target.tensor.dtype), target.tensor):
+            raise HFCheckpointError(f"{hf_dir / files[hf_name]}: {hf_name} differs from the model's {ours} "
+                                    "(Spartron's MTP shares the model's embedding and head)")
+    short = [n for n, count in filled.items() if count != targets[n].tensor.numel()]
+    if short:
+        raise HFCheckpointError(f"{hf_dir}: no values for {short[:3]} on this rank")
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Callable[[nn.Module], None]]:
+    """(ModelConfig, loader) of a Hugging Face DeepSeek-V3 / V3.2 checkpoint directory.
+
+    `loader(model)` fills a SparseMoEModel built from that config (any EP / FSDP layout, each rank
+    its own shards) by `load_hf_weights`, streaming one safetensors shard at a time.
+    """
+    hf_dir = Path(hf_dir)
+    files = weight_files(hf_dir)
+    cfg = _config_of(hf_dir, files)
+    return cfg, lambda model: load_hf_weights(model, hf_dir, cfg)
+
+
+# ---- export -----------------------------------------------------------------------------------------
+class TensorSource:
+    """Full 1-rank Spartron tensors by name: `cfg`, `dtype(name)`, `fetch(names) -> {name: cpu tensor}`."""
+
+    cfg: ModelConfig
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def fetch(self, names: list[str]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class ModelSource(TensorSource):
+    """A SparseMoEModel in memory: plain tensors, or FSDP2 DTensors (`full_tensor`, a collective every
+    rank must run). Expert-parallel models hold other ranks' experts elsewhere: export their saved state."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.cfg = model.cfg
+        self.tensors = dict(model.named_parameters())
+        self.tensors.update(dict(model.named_buffers()))
+        for name, module in model.named_modules():
+            if getattr(module, "is_expert_module", False) and module.n_local_experts != self.cfg.moe.n_routed_experts:
+                raise HFCheckpointError(f"{name} holds {module.n_local_experts} of {self.cfg.moe.n_routed_experts} "
+                                        "experts (expert parallel): export the saved state instead")
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def fetch(self, names: list[str]) -> dict[str, Tensor]:
+        out = {}
+        for name in names:
+            t = self.tensors[name].detach()
+            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()
+        return out
+
+
+def _byte_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def _hf_tensor(hf_name: str, shape: tuple[int, ...], pieces: list[Piece], tensors: dict[str, Tensor]) -> Tensor:
+    source = tensors[pieces[0].spartron]
+    out = torch.empty(shape, dtype=source.dtype)
+    for p in pieces:
+        region = out[_index(p.src)]
+        region.copy_(tensors[p.spartron][_index(p.dst)].reshape(region.shape))
+    return out
+
+
+def export_hf(source: nn.Module | str | Path | TensorSource, out_dir: str | Path,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a Hugging Face checkpoint (config.json, safetensors shards, the index) of `source`:
+    a SparseMoEModel, a saved step directory / run directory (its newest complete step), or a
+    TensorSource. transformers' `from_pretrained(out_dir)` loads it; MTP layers are written as
+    DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`). Returns out_dir."""
+    if isinstance(source, nn.Module):
+        source = ModelSource(source)
+    elif isinstance(source, (str, Path)):
+        from spartron.interop.hf.saved_state import SavedStateSource
+
+        source = SavedStateSource(Path(source))
+    if max_shard_bytes < 1:
+        raise HFCheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    cfg = source.cfg
+    hf_config = hf_config_from_model_config(cfg)
+    tmap = tensor_map(cfg)
+    by_hf = tmap.by_hf()
+    hf_shapes = tmap.hf_shapes()
+    order = sorted(hf_shapes, key=_hf_order)
+    producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else [tmap.copies[name]] for name in order}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in order:
+        nbytes = _byte_size(hf_shapes[name], source.dtype(producers[name][0]))
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise HFCheckpointError(f"{out_dir}: exists and is not an empty directory (an export writes a new one)")
+    out_dir.mkdir(parents=True)
+    save_file = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save_file
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        needed = sorted({s for n in names for s in producers[n]})
+        tensors = source.fetch(needed)
+        shard = {}
+        for n in names:
+            if n in by_hf:
+                shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors)
+            else:
+                shard[n] = tensors[tmap.copies[n]].clone()
+            total += shard[n].numel() * shard[n].element_size()
+            weight_map[n] = file
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        del shard, tensors
+    (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2, sort_keys=True) + "\n")
+    (out_dir / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def _hf_order(name: str) -> tuple:
+    """Embedding first, then layer by layer (experts in numeric order), then norm and head."""
+    parts = name.split(".")
+    if name.startswith("model.layers."):
+        return (1, int(parts[2]), [int(p) if p.isdigit() else -1 for p in parts[3:]], name)
+    return (0 if "embed" in name else 2, 0, [], name)
+
+
+__all__ = ["HFCheckpointError", "HFConfigError", "ModelSource", "TensorSource", "export_hf", "import_hf",
+           "load_hf_weights", "weight_files"]

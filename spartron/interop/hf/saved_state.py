@@ -1,0 +1,143 @@
+"""Hugging Face checkpoints <-> Spartron's saved state (spartron.runtime.state), through its public API.
+
+- `import_hf_to_state(hf_dir, run_dir, run_cfg)`: a step-0 saved state (`run_dir/step-00000000`)
+  holding the HF weights, a fresh optimizer (no moments: AdamW starts from zero moments anyway),
+  a fresh data position and the run config's settings, written by `save_state` as one rank.
+  `spartron train` with `train.run_dir = run_dir`, `train.resume = true` and the same config then
+  trains steps 1.. from the imported weights. One rank because a saved state records its world
+  size (per-rank data positions and RNG); other layouts start from the HF directory itself
+  (`load_hf_weights` after building the model: any layout).
+- `SavedStateSource(path)`: the tensors of a saved step (or a run directory's newest complete
+  step) for `export_hf`, verified first (`verify_step`), its ModelConfig from meta.json, read with
+  DCP through state.py's safe reader only as the output shard being written needs them. EP-sharded
+  entries (`<fqn>/ep<r>`) are joined in EP-rank order, which is global expert order.
+This module sits above spartron.runtime (it imports state.py, the trainer's optimizer and data
+loader); the rest of spartron.interop.hf does not.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from spartron.interop.hf.convert import HFCheckpointError, TensorSource, import_hf
+from spartron.layers.config import ModelConfig
+
+_EP_KEY = re.compile(r"^model\.(.+)/ep(\d+)$")
+
+
+def _nest(flat: dict[str, Any], prefix: str) -> dict:
+    """{'model.mla.yarn.factor': 4.0, ...} -> {'mla': {'yarn': {'factor': 4.0}}, ...} for keys under prefix."""
+    out: dict = {}
+    for key, value in flat.items():
+        if not key.startswith(prefix + "."):
+            continue
+        parts = key[len(prefix) + 1:].split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+class SavedStateSource(TensorSource):
+    """A verified saved step read tensor by tensor (module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        from spartron.runtime.state import (
+            COMPLETE,
+            latest_complete_step,
+            read_meta,
+            read_metadata_file,
+            step_dir,
+            verify_step,
+        )
+
+        if dist.is_initialized():
+            raise HFCheckpointError("exporting a saved state runs in one process (outside torch.distributed)")
+        if not (path / COMPLETE).is_file():
+            step = latest_complete_step(path)
+            if step is None:
+                raise HFCheckpointError(f"{path}: neither a complete saved step nor a run directory holding one")
+            path = step_dir(path, step)
+        problem = verify_step(path)
+        if problem is not None:
+            raise HFCheckpointError(problem)
+        self.path = path
+        meta = read_meta(path)
+        if not meta.get("config"):
+            raise HFCheckpointError(f"{path / 'meta.json'}: records no model config to export")
+        self.cfg = ModelConfig.model_validate(_nest(meta["config"], "model"))
+        self.entries = read_metadata_file(path / ".metadata").state_dict_metadata
+        self.ep_ranks: dict[str, list[int]] = {}
+        for key in self.entries:
+            found = _EP_KEY.match(key)
+            if found:
+                self.ep_ranks.setdefault(found.group(1), []).append(int(found.group(2)))
+
+    def _keys(self, name: str) -> list[str]:
+        if name in self.ep_ranks:
+            return [f"model.{name}/ep{r}" for r in sorted(self.ep_ranks[name])]
+        if f"model.{name}" not in self.entries:
+            raise HFCheckpointError(f"{self.path}: holds no tensor model.{name}")
+        return [f"model.{name}"]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[self._keys(name)[0]].properties.dtype
+
+    def fetch(self, names: list[str]) -> dict[str, Tensor]:
+        from spartron.runtime.state import SafeFileSystemReader, SafeLoadPlanner
+
+        wanted = {}
+        for name in names:
+            for key in self._keys(name):
+                entry = self.entries[key]
+                wanted[key[len("model."):]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        dcp.load({"model": wanted}, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
+                 no_dist=True)
+        out = {}
+        for name in names:
+            parts = [wanted[key[len("model."):]] for key in self._keys(name)]
+            out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out
+
+
+def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) -> tuple[Path, Any]:
+    """Write `run_dir/step-00000000` from a Hugging Face checkpoint (module docstring).
+
+    `run_cfg`: the RunConfig the run will train with (its `model` section is replaced by the
+    checkpoint's; default: RunConfig()). Returns (the step directory, the RunConfig used).
+    """
+    from spartron.layers.model import build_model
+    from spartron.parallel.dims import ParallelDims
+    from spartron.runtime.config import RunConfig, config_from_dict
+    from spartron.runtime.data import build_loader
+    from spartron.runtime.optim import build_optimizer
+    from spartron.runtime.state import save_state, state_config
+
+    if dist.is_initialized():
+        raise HFCheckpointError("import_hf_to_state writes a one-rank saved state: call it outside "
+                                "torch.distributed (other layouts load the HF directory with load_hf_weights)")
+    run_dir = Path(run_dir)
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise HFCheckpointError(f"{run_dir}: exists and is not an empty directory; an imported state starts a "
+                                "new run directory")
+    model_cfg, load = import_hf(hf_dir)
+    data = (run_cfg or RunConfig()).model_dump(mode="json")
+    data["model"] = model_cfg.model_dump(mode="json")
+    run_cfg = config_from_dict(data)
+    p, t = run_cfg.parallel, run_cfg.train
+    dims = ParallelDims(1, fsdp=p.resolve_fsdp(1), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate, order=p.order)
+    model = build_model(run_cfg.model, seed=t.seed)
+    load(model)
+    optimizer = build_optimizer(model, t)
+    loader = build_loader(t.data, run_cfg.model.vocab_size, t.seq_len, t.seed, 0, 1)
+    path = save_state(run_dir, 0, model, optimizer, {"tokens": 0}, {"data": loader.state_dict()},
+                      torch.device("cpu"), layout=dims.describe(), config=state_config(run_cfg))
+    return path, run_cfg

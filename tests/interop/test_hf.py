@@ -1,0 +1,504 @@
+"""Hugging Face DeepSeek-V3 / V3.2 checkpoints in and out (spartron.interop.hf), against transformers itself.
+
+Tiny random `DeepseekV3ForCausalLM` / `DeepseekV32ForCausalLM` models built by transformers and saved
+with `save_pretrained` (fp32, CPU): Spartron's logits equal transformers' after import, transformers'
+`from_pretrained` of the export gives the same logits, every tensor round-trips bitwise, and the MTP
+layer (`model.layers.{num_hidden_layers}.*`, written by hand since transformers drops it) round-trips
+bitwise and computes what transformers' own `MtpLayer` computes with those weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+)
+
+from spartron.interop.hf import (  # noqa: E402
+    HFCheckpointError,
+    HFConfigError,
+    export_hf,
+    hf_config_from_model_config,
+    import_hf,
+    import_hf_to_state,
+    model_config_from_hf,
+    model_config_from_toml,
+    model_toml,
+)
+from spartron.interop.hf.names import tensor_map  # noqa: E402
+from spartron.layers.decoder import run_decoder_stack  # noqa: E402
+from spartron.layers.model import build_model  # noqa: E402
+from spartron.layers.mtp import shift_left  # noqa: E402
+
+ATOL = 1e-5
+TOKENS = torch.Generator().manual_seed(7)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.9, "mscale_all_dim": 1.1}
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+            q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=2, topk_group=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=128)
+VARIANTS = {
+    # dense only, uncompressed query (q_proj), default RoPE
+    "dense": dict(first_k_dense_replace=3, q_lora_rank=None),
+    # MoE: group-limited sigmoid routing with a nonzero correction bias, shared experts, YaRN (both mscales)
+    "moe": dict(rope_scaling=YARN, routed_scaling_factor=2.5),
+    # MoE without top-k normalisation, one group, tied embeddings, another RoPE base
+    "moe_tied": dict(norm_topk_prob=False, n_group=1, topk_group=1, tie_word_embeddings=True, rope_theta=50000.0,
+                     routed_scaling_factor=1.0, first_k_dense_replace=0),
+}
+
+
+def _randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights and the routers' correction bias away from their trivial init (ones / zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dim() == 1 and ("norm" in name or "e_score_correction_bias" in name):
+                t.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(t.shape, generator=gen))
+
+
+def _save_hf(path: Path, cls, config, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    _randomise_(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    out = {}
+    for i, (name, extra) in enumerate(VARIANTS.items()):
+        path = tmp_path_factory.mktemp(name)
+        model = _save_hf(path, DeepseekV3ForCausalLM, DeepseekV3Config(**{**BASE, **extra}), seed=i)
+        out[name] = (path, model)
+    return out
+
+
+def _tokens(seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, 64, (2, seq), generator=TOKENS)
+
+
+def _hf_logits(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _spartron(hf_dir):
+    cfg, load = import_hf(hf_dir)
+    model = build_model(cfg)
+    load(model)
+    return cfg, model
+
+
+def _logits(model, tokens) -> torch.Tensor:
+    """The model's next-token logits from its public pieces (forward returns losses only)."""
+    with torch.no_grad():
+        stack = run_decoder_stack(list(model.layers.values()), model.embed(tokens), torch.arange(tokens.shape[1]))
+        return model.norm(stack.hidden_states) @ model.head_weight.T
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    differ = [n for n in a if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
+              or not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))]
+    assert differ == []
+
+
+# ---- logits ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_imported_logits_equal_transformers(variant, hf_dirs):
+    hf_dir, hf_model = hf_dirs[variant]
+    cfg, model = _spartron(hf_dir)
+    assert (cfg.first_k_dense, cfg.tie_embeddings) == (
+        {"dense": 3, "moe": 1, "moe_tied": 0}[variant], variant == "moe_tied")
+    tokens = _tokens()
+    ref = _hf_logits(hf_model, tokens)
+    diff = (_logits(model, tokens) - ref).abs().max().item()
+    assert diff <= ATOL, f"{variant}: max |logits diff| {diff}"
+    assert ref.abs().max() > 0.1  # not a vacuous comparison
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_export_loads_in_transformers_with_equal_logits_and_round_trips_bitwise(variant, hf_dirs, tmp_path):
+    hf_dir, hf_model = hf_dirs[variant]
+    _, model = _spartron(hf_dir)
+    out = export_hf(model, tmp_path / "out")
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    tokens = _tokens()
+    assert (_hf_logits(reloaded, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
+    _assert_bitwise(_tensors(out), _tensors(hf_dir))
+
+
+def test_deepseek_v32_indexer_imports_with_equal_logits_and_round_trips(tmp_path):
+    """transformers' DeepseekV32ForCausalLM (its indexer names are DeepSeek-V3.2's published ones):
+    top-k 5 of 24 keys, so the indexer's selection decides the logits."""
+    config = DeepseekV32Config(**{**BASE, "num_hidden_layers": 2}, index_topk=5, index_head_dim=16, index_n_heads=4)
+    hf_model = _save_hf(tmp_path / "v32", DeepseekV32ForCausalLM, config, seed=11)
+    cfg, model = _spartron(tmp_path / "v32")
+    assert (cfg.dsa.n_index_heads, cfg.dsa.index_head_dim, cfg.dsa.index_topk, cfg.dsa.layers) == (4, 16, 5, "all")
+    assert model.layers["0"].attn.indexer is not None
+    tokens = _tokens()
+    ref = _hf_logits(hf_model, tokens)
+    dense = cfg.model_copy(update={"dsa": cfg.dsa.model_copy(update={"index_topk": 64})})
+    dense_model = build_model(dense)
+    import_hf(tmp_path / "v32")[1](dense_model)
+    assert (_logits(dense_model, tokens) - ref).abs().max().item() > 1e-3  # the selection matters here
+    assert (_logits(model, tokens) - ref).abs().max().item() <= ATOL
+    out = export_hf(model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v32"
+    _assert_bitwise(_tensors(out), _tensors(tmp_path / "v32"))
+    reloaded = DeepseekV32ForCausalLM.from_pretrained(out).eval()
+    assert (_hf_logits(reloaded, tokens) - ref).abs().max().item() <= ATOL
+
+
+def test_stacked_expert_checkpoint_imports_like_unstacked(hf_dirs, tmp_path):
+    """Experts stored stacked (`mlp.experts.gate_up_proj` [E, 2I, D], gate rows first, and `down_proj`)."""
+    hf_dir, hf_model = hf_dirs["moe"]
+    stacked_dir = tmp_path / "stacked"
+    shutil.copytree(hf_dir, stacked_dir)
+    tensors = _tensors(hf_dir)
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate = [tensors.pop(f"{p}{e}.gate_proj.weight") for e in range(8)]
+        up = [tensors.pop(f"{p}{e}.up_proj.weight") for e in range(8)]
+        down = [tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)]
+        tensors[f"{p}gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        tensors[f"{p}down_proj"] = torch.stack(down)
+    save_file(tensors, str(stacked_dir / "model.safetensors"))
+    _, model = _spartron(stacked_dir)
+    tokens = _tokens()
+    assert (_logits(model, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
+    _assert_bitwise(_tensors(export_hf(model, tmp_path / "out")), _tensors(hf_dir))
+
+
+# ---- MTP -------------------------------------------------------------------------------------------
+def _with_mtp(hf_dir: Path, out: Path, seed: int = 5) -> dict[str, torch.Tensor]:
+    """A copy of hf_dir with a DeepSeek-V3 MTP layer (model.layers.3.*) in a second shard; returns its tensors."""
+    shutil.copytree(hf_dir, out)
+    main = _tensors(hf_dir)
+    gen = torch.Generator().manual_seed(seed)
+    mtp = {}
+    for name, t in main.items():  # the MTP layer's decoder: the shapes of MoE layer 1, its own values
+        if name.startswith("model.layers.1."):
+            noise = 0.2 * torch.randn(t.shape, generator=gen)
+            norm = t.dim() == 1 and "norm" in name
+            mtp[name.replace("model.layers.1.", "model.layers.3.")] = 1 + noise if norm else noise
+    d = main["model.norm.weight"].shape[0]
+    mtp["model.layers.3.enorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp["model.layers.3.hnorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp["model.layers.3.shared_head.norm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp["model.layers.3.eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=gen)
+    mtp["model.layers.3.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+    mtp["model.layers.3.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    save_file(mtp, str(out / "mtp.safetensors"))
+    index = {"metadata": {}, "weight_map": {**{n: "model.safetensors" for n in main},
+                                            **{n: "mtp.safetensors" for n in mtp}}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((out / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    return {**main, **mtp}
+
+
+def test_mtp_layer_imports_round_trips_bitwise_and_matches_transformers_mtp_layer(hf_dirs, tmp_path):
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    hf_dir, hf_model = hf_dirs["moe"]
+    written = _with_mtp(hf_dir, tmp_path / "mtp")
+    cfg, model = _spartron(tmp_path / "mtp")
+    assert cfg.mtp.depth == 1 and model.mtp is not None
+    # transformers' own MTP layer (speculative decoding) with the same weights: an MoE decoder layer
+    hf_cfg = copy.deepcopy(hf_model.config)
+    hf_cfg.first_k_dense_replace = 0  # the MTP layer is an MoE layer (transformers numbers MTP layers from 0)
+    hf_cfg._attn_implementation = "eager"  # a 4D causal mask from create_causal_mask
+    layer = MtpLayer(hf_cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
+    state = {}
+    for name, t in written.items():
+        if name.startswith("model.layers.3.") and "embed_tokens" not in name and "shared_head.head" not in name:
+            state[name[len("model.layers.3."):]] = t
+    state = {("post_norm." + k[len("shared_head.norm."):] if k.startswith("shared_head.norm.") else
+              k if k.split(".")[0] in ("enorm", "hnorm", "eh_proj") else "mtp_block." + k): v for k, v in state.items()}
+    e = "mtp_block.mlp.experts."
+    state[e + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{e}{i}.gate_proj.weight"),
+                                                        state.pop(f"{e}{i}.up_proj.weight")]) for i in range(8)])
+    state[e + "down_proj"] = torch.stack([state.pop(f"{e}{i}.down_proj.weight") for i in range(8)])
+    layer.load_state_dict(state, strict=True)
+    tokens = _tokens()
+    positions = torch.arange(tokens.shape[1])
+    with torch.no_grad():
+        h = run_decoder_stack(list(model.layers.values()), model.embed(tokens), positions).hidden_states
+        emb = model.embed(shift_left(tokens, 1, 0))
+        ours = model.mtp.blocks[0].final_norm(model.mtp.blocks[0](h, emb, positions, None)["hidden_states"])
+        rope = DeepseekV3RotaryEmbedding(hf_cfg)(emb, positions[None])
+        mask = create_causal_mask(config=hf_cfg, inputs_embeds=emb, attention_mask=None, cache=None,
+                                  position_ids=positions[None])
+        theirs = layer(emb, h, rope, mask, positions[None], None)
+    assert (ours - theirs).abs().max().item() <= ATOL
+    out = export_hf(model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    _assert_bitwise(_tensors(out), written)
+    reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()  # transformers ignores layer 3, loads the rest
+    assert (_hf_logits(reloaded, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
+
+
+def test_mtp_copy_of_the_embedding_must_equal_the_model_embedding(hf_dirs, tmp_path):
+    written = _with_mtp(hf_dirs["moe"][0], tmp_path / "mtp")
+    tensors = load_file(tmp_path / "mtp" / "mtp.safetensors")
+    tensors["model.layers.3.embed_tokens.weight"][0, 0] += 1.0
+    save_file(tensors, str(tmp_path / "mtp" / "mtp.safetensors"))
+    assert written  # the unmodified copy imports (previous test); this one must not
+    cfg, load = import_hf(tmp_path / "mtp")
+    with pytest.raises(HFCheckpointError, match=r"model\.layers\.3\.embed_tokens\.weight differs from the "
+                                                r"model's embed\.weight"):
+        load(build_model(cfg))
+
+
+# ---- streaming -------------------------------------------------------------------------------------
+def test_export_shards_and_import_streams_one_shard_at_a_time(hf_dirs, tmp_path, monkeypatch):
+    hf_dir, hf_model = hf_dirs["moe"]
+    _, model = _spartron(hf_dir)
+    out = export_hf(model, tmp_path / "out", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 4 and shards == sorted(p.name for p in out.glob("*.safetensors"))
+    sizes = [(out / s).stat().st_size for s in shards]
+    largest = max(t.numel() * 4 for t in _tensors(hf_dir).values())
+    assert max(sizes) <= 40_000 + largest + 10_000  # a shard overflows only by its one oversized tensor
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in _tensors(out).values())
+    real_open, open_now, peak, opened = safetensors.safe_open, [0], [0], []
+
+    class Recording:
+        def __init__(self, path, framework):
+            self.inner = real_open(path, framework=framework)
+            opened.append(Path(path).name)
+
+        def __enter__(self):
+            open_now[0] += 1
+            peak[0] = max(peak[0], open_now[0])
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            open_now[0] -= 1
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    _, again = _spartron(out)
+    assert peak[0] == 1 and set(opened) == set(shards)
+    tokens = _tokens()
+    assert (_logits(again, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
+
+
+def _ep_rank(rank, world, hf_dir: str, run_dir: str):
+    """EP2 (experts split over the ranks, FSDP2 over both): load from HF, save the state by state.py."""
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+    from spartron.runtime.config import config_from_dict
+    from spartron.runtime.optim import build_optimizer
+    from spartron.runtime.state import save_state, state_config
+    from spartron.runtime.trainer import default_model_factory
+
+    model_cfg, load = import_hf(hf_dir)
+    cfg = config_from_dict({"device": "cpu", "model": model_cfg.model_dump(mode="json"), "parallel": {"ep": 2},
+                            "train": {"seq_len": 16}})
+    dims = ParallelDims(world, fsdp=cfg.parallel.resolve_fsdp(world), ep=2)
+    groups = ParallelGroups.build(dims, "cpu")
+    model = default_model_factory(cfg, groups)
+    load(model)
+    w1 = model.layers["1"].ffn.experts.w1
+    local = w1.to_local() if hasattr(w1, "to_local") else w1
+    experts = [n for n, _ in model.named_parameters() if "experts" in n.split(".")]
+    save_state(run_dir, 3, model, build_optimizer(model, cfg.train), {"tokens": 0}, {}, torch.device("cpu"),
+               ep_sharded=experts, ep_rank=groups.rank_in("ep"), layout=dims.describe(), config=state_config(cfg))
+    return model.layers["1"].ffn.experts.first_expert, local.detach().tolist()  # plain data through the pipe
+
+
+def test_expert_parallel_ranks_load_their_experts_and_their_saved_state_exports_bitwise(hf_dirs, tmp_path):
+    from spartron.runtime.state import step_dir
+    from spartron.testing import run_distributed
+
+    hf_dir, hf_model = hf_dirs["moe"]
+    results = run_distributed(_ep_rank, 2, str(hf_dir), str(tmp_path / "run"), timeout=180)
+    tensors = _tensors(hf_dir)
+    for first, local in results:
+        local = torch.tensor(local)
+        assert first in (0, 4) and local.shape[0] == 4
+        expected = torch.stack([tensors[f"model.layers.1.mlp.experts.{first + e}.gate_proj.weight"]
+                                for e in range(4)])
+        assert torch.equal(local, expected[: local.shape[0]])  # (each rank's FSDP shard of its experts)
+    out = export_hf(step_dir(tmp_path / "run", 3), tmp_path / "out")
+    _assert_bitwise(_tensors(out), tensors)
+    tokens = _tokens()
+    reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    assert (_hf_logits(reloaded, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
+
+
+# ---- saved state -----------------------------------------------------------------------------------
+def _resume_rank(rank, world, cfg):
+    from spartron.runtime.trainer import train
+
+    result = train(cfg)
+    return result.resumed_from, [r["step"] for r in result.records]
+
+
+def test_import_to_saved_state_resumes_in_the_trainer_and_exports_back(hf_dirs, tmp_path):
+    from spartron.runtime.config import config_from_dict
+    from spartron.runtime.optim import build_optimizer
+    from spartron.runtime.state import load_state
+    from spartron.testing import run_distributed
+
+    hf_dir, hf_model = hf_dirs["moe"]
+    base = config_from_dict({"device": "cpu", "train": {"steps": 1, "seq_len": 16, "global_batch_size": 2,
+                                                        "progress": False, "peak_tflops": 1.0,
+                                                        "run_dir": str(tmp_path / "run")}})
+    step, cfg = import_hf_to_state(hf_dir, tmp_path / "run", base)
+    assert step.name == "step-00000000" and cfg.model == import_hf(hf_dir)[0]
+    fresh = build_model(cfg.model, seed=123)
+    load_state(step, fresh, build_optimizer(fresh, cfg.train), torch.device("cpu"))
+    _, imported = _spartron(hf_dir)
+    theirs = dict(imported.state_dict())
+    assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, theirs[n])] == []
+    out = export_hf(tmp_path / "run", tmp_path / "out")  # the run directory: its newest complete step
+    _assert_bitwise(_tensors(out), _tensors(hf_dir))
+    ((resumed, steps),) = run_distributed(_resume_rank, 1, cfg, timeout=180)
+    assert (resumed, steps) == (0, [1])
+
+
+# ---- config ----------------------------------------------------------------------------------------
+DEEPSEEK_V3 = {  # the published DeepSeek-V3 config.json, without its fp8 quantization_config
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_published_deepseek_v3_config_maps_to_spartron():
+    cfg = model_config_from_hf(DEEPSEEK_V3, mtp_layers=1)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.first_k_dense, cfg.dense_inter_dim, cfg.vocab_size,
+            cfg.dtype, cfg.max_seq_len, cfg.mtp.depth) == (7168, 61, 128, 3, 18432, 129280, "bfloat16", 163840, 1)
+    assert cfg.mla.model_dump() == {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                                    "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 10000.0,
+                                    "yarn": {"factor": 40.0, "original_max_position_embeddings": 4096,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0}}
+    m = cfg.moe
+    assert (m.n_routed_experts, m.n_shared_experts, m.top_k, m.moe_inter_dim, m.score_func, m.n_groups,
+            m.topk_groups, m.route_scale, m.norm_topk_prob, m.aux_loss_coeff, m.aux_loss_type) == (
+        256, 1, 8, 2048, "sigmoid", 8, 4, 2.5, True, 0.001, "seq")
+    assert model_config_from_hf(DEEPSEEK_V3, mtp_layers=0).mtp.depth == 0  # the weights decide
+    back = hf_config_from_model_config(cfg)
+    assert model_config_from_hf(back, mtp_layers=1) == cfg
+    assert model_config_from_toml(model_toml(cfg)) == cfg
+    assert model_toml(cfg).startswith("[model]\n")
+
+
+def test_every_setting_spartron_cannot_honour_is_in_one_error():
+    bad = {**DEEPSEEK_V3, "hidden_act": "gelu", "attention_bias": True, "rope_interleave": False,
+           "rms_norm_eps": 1e-5, "scoring_func": "softmax", "num_key_value_heads": 64, "sliding_window": 4096,
+           "quantization_config": {"quant_method": "fp8"},
+           "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0}}
+    with pytest.raises(HFConfigError) as err:
+        model_config_from_hf(bad)
+    message = str(err.value)
+    keys = ["hidden_act", "attention_bias", "rope_interleave", "rms_norm_eps", "scoring_func", "num_key_value_heads",
+            "sliding_window", "quantization_config", "rope_scaling.mscale/mscale_all_dim"]
+    assert message.startswith(f"Hugging Face config.json: {len(keys)} setting(s) cannot be honoured: ")
+    assert [k for k in keys if f"{k}: " not in message] == []
+    assert "\n" not in message
+    with pytest.raises(HFConfigError, match=r"model_type: 'llama'"):
+        model_config_from_hf({**DEEPSEEK_V3, "model_type": "llama"})
+
+
+def test_spartron_settings_transformers_cannot_express_are_in_one_error():
+    cfg = model_config_from_hf(DEEPSEEK_V3)
+    bad = cfg.model_copy(update={"norm_eps": 1e-5, "moe": cfg.moe.model_copy(update={"score_func": "softmax"})})
+    with pytest.raises(HFConfigError, match=r"2 setting\(s\) cannot be honoured: model\.moe\.score_func: "
+                                            r"'softmax'.*; model\.norm_eps: 1e-05"):
+        hf_config_from_model_config(bad)
+
+
+def test_name_table_covers_exactly_the_models_state_dict():
+    for variant, extra in VARIANTS.items():
+        hf = DeepseekV3Config(**{**BASE, **extra}).to_dict()
+        for mtp in (0, 2):
+            cfg = model_config_from_hf({**hf, "num_nextn_predict_layers": mtp}, mtp_layers=mtp)
+            shapes = {n: tuple(t.shape) for n, t in build_model(cfg).state_dict().items()}
+            assert tensor_map(cfg).shapes == shapes, (variant, mtp)
+
+
+def test_checkpoint_that_does_not_match_its_config_is_refused(hf_dirs, tmp_path):
+    hf_dir, _ = hf_dirs["dense"]
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    tensors = _tensors(hf_dir)
+    del tensors["model.layers.1.self_attn.o_proj.weight"]
+    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match=r"tensors do not match its config.json \(missing 1: "
+                                                r"model\.layers\.1\.self_attn\.o_proj\.weight; unexpected 1: "
+                                                r"model\.layers\.1\.self_attn\.extra\.weight\)"):
+        import_hf(broken)[1](build_model(import_hf(hf_dir)[0]))
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    with pytest.raises(HFCheckpointError, match=r"'a' -> '\.\./x\.safetensors' is not a \.safetensors file in"):
+        import_hf(broken)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
+    from spartron.launch.cli import main
+
+    hf_dir, hf_model = hf_dirs["moe"]
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "step-00000000" / "COMPLETE").is_file()
+    assert model_config_from_toml((tmp_path / "run" / "model.toml").read_text()) == import_hf(hf_dir)[0]
+    assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
+    _assert_bitwise(_tensors(tmp_path / "hf"), _tensors(hf_dir))
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    (bad / "config.json").write_text(json.dumps({**json.loads((hf_dir / "config.json").read_text()),
+                                                  "hidden_act": "gelu"}))
+    assert main(["convert", "--from-hf", str(bad), "--to", str(tmp_path / "run2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spartron: error: Hugging Face config.json: 1 setting(s) cannot be honoured: "
+                          "hidden_act: 'gelu'") and err.count("\n") == 1
+    assert main(["convert", "--from-hf", str(hf_dir), "--to-hf", str(tmp_path / "x")]) == 2
