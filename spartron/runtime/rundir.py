@@ -279,7 +279,8 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     - a new run (resume = false) into a directory holding saved steps or metrics, without train.overwrite;
     - a resume whose newest complete step is at or past train.steps (nothing would be trained);
     - a resume under another world size, parallel layout or optimizer settings (meta.json of that step);
-    - a directory another run is training in (its lock is held).
+    - a directory another run is training in (its lock is held);
+    - a resume whose saved step belongs to another run than the directory's metrics.jsonl.
     File damage is left to load_state, which verifies every file collectively.
     """
     run_dir = Path(run_dir)
@@ -313,8 +314,25 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     except (StateLoadError, OSError):
         intact = False
     if intact:  # else load_state reports the damage, naming the file and the newest intact step
-        check_meta(path, read_meta(path), world_size, layout, config)
+        meta = read_meta(path)
+        check_meta(path, meta, world_size, layout, config)
+        logged = _metrics_run_id(run_dir / METRICS) if has_metrics else None
+        if meta["run_id"] and logged and logged != meta["run_id"]:
+            raise StateLoadError(f"{run_dir / METRICS} belongs to run {logged}, but {path} was saved by run "
+                                 f"{meta['run_id']}: resuming would mix two runs in one directory; move "
+                                 f"{METRICS} away, or resume in a directory holding only that step")
     return RunStart(run_dir, last, skipped=tuple(incomplete))
+
+
+def _metrics_run_id(path: Path) -> str | None:
+    """The run id in the first line (the first header) of a metrics.jsonl, if it has one."""
+    try:
+        with path.open("rb") as f:
+            first = json.loads(f.readline(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    run_id = first.get("run_id") if isinstance(first, dict) else None
+    return run_id if isinstance(run_id, str) else None
 
 
 def check_run_start(cfg: Any, world_size: int) -> RunStart:

@@ -23,14 +23,18 @@ What loading verifies (`load_state`, on every rank, before DCP's collectives): t
 file's size, and its CRC-32 unless ``verify_checksums=False`` (the files are split over the ranks; a bad
 file is one line naming it and the newest intact step); format version, world size, parallel layout,
 optimizer settings and every tensor's name, shape and dtype against this run's model (a mismatch names
-the differing config keys). Why CRC-32: it detects accidental corruption, which is what a checksum beside
-the files can detect at all (whoever can rewrite a file can rewrite the manifest too; code execution is
-prevented by the loaders below, not by the checksum). zlib's CRC-32 runs at 6.5 GB/s on one core of the
-development machine (AMD EPYC), against 2.0 GB/s for SHA-256 (SHA-NI) and 1.3 GB/s for BLAKE2b. Measured on
-a 384 MiB state (33.6 M fp32 parameters + AdamW, one process, page cache): DCP alone saves in 0.27 s,
-save_state in 0.35 s (CRC-32 while writing ~0.06 s, non-finite check 0.017 s); verifying the checksums
-reads the state once more, 0.07 s here (5.3 GiB/s) and one extra read of the state from storage in
-general, which is what ``train.verify_checksums = false`` saves; sizes alone take 0.06 ms.
+the differing config keys); symbolic links (a step directory or a file) are refused. Where a run may start
+(new run into old steps, nothing left to train, another run holding the directory's lock) is decided by
+spartron.runtime.rundir, before any rank is spawned and again by `start_run` on every rank.
+
+Why CRC-32: it detects accidental corruption, which is all a checksum beside the files can detect
+(whoever can rewrite a file can rewrite the manifest too; code execution is prevented by the loaders
+below, not by the checksum). zlib's CRC-32 runs at 6.5 GB/s on one core of the development machine (AMD
+EPYC), against 2.0 GB/s for SHA-256 (SHA-NI) and 1.3 GB/s for BLAKE2b. Measured on a 384 MiB state
+(33.6 M fp32 parameters + AdamW, one process, page cache): DCP alone saves in 0.27 s, save_state in
+0.35 s (CRC-32 while writing ~0.06 s, non-finite check 0.017 s); verifying the checksums reads the state
+once more, 0.07 s here (5.3 GiB/s) and one extra read of the state from storage in general, which is
+what ``train.verify_checksums = false`` saves; sizes alone take 0.06 ms.
 
 Expert-parallel parameters: each EP rank holds DIFFERENT experts under the same name, and their FSDP2
 DTensors only describe the expert-FSDP split, so DCP would see one tensor and keep one EP rank's

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,6 +216,21 @@ def test_two_ranks_resuming_under_another_world_size_fail_before_loading(tmp_pat
     layout = "world 1 = dp_replicate 1 x fsdp 1 x cp 1; ep 1 (expert_fsdp 1); order tp-cp-ep-dp-pp"
     assert errors == [f"StateLoadError: {step_dir(run, 2)} was saved with world size 1 (parallel layout [{layout}]); "
                       "this run has world size 2 (per-rank data positions and RNG cannot be remapped)"] * 2
+
+
+def test_a_step_of_another_run_copied_next_to_this_runs_metrics_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run1(cfg_for(a, save_every=2, steps=2))
+    run1(cfg_for(b, steps=1))  # run b: metrics, no saved step
+    shutil.copytree(step_dir(a, 2), step_dir(b, 2))
+    id_a, id_b = headers(a)[0]["run_id"], headers(b)[0]["run_id"]
+    assert run1(cfg_for(b, steps=4)) == (
+        f"StateLoadError: {b}/metrics.jsonl belongs to run {id_b}, but {step_dir(b, 2)} was saved by run {id_a}: "
+        "resuming would mix two runs in one directory; move metrics.jsonl away, or resume in a directory "
+        "holding only that step")
+    (b / "metrics.jsonl").unlink()
+    assert run1(cfg_for(b, steps=4)) == [3, 4]  # the copied step alone: a fork of run a
+    assert headers(b)[0]["run_id"] == id_a
 
 
 # ---- exploding losses --------------------------------------------------------------------------------
