@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also unde
 
 from common import device_name, write_report  # noqa: E402
 
+from spartron.layers.costs import training_flops_per_token  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
-from spartron.runtime.metrics import git_commit, training_flops_per_token  # noqa: E402
+from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import train  # noqa: E402
 
 MODES = {

@@ -48,8 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from spartron.checkpointing import checkpoint_region_of  # noqa: E402
+from spartron.layers.costs import training_flops_per_token  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
-from spartron.runtime.metrics import git_commit, training_flops_per_token  # noqa: E402
+from spartron.runtime.metrics import git_commit  # noqa: E402
 
 MODES = {
     "none": ["ac.mode=none", "offload.enabled=false"],

@@ -1,4 +1,5 @@
-"""Training metrics: the FLOP model behind MFU, memory and expert-load statistics, and the JSONL log.
+"""Training metrics: measured peak FLOP/s (MFU's denominator; the FLOP model is spartron.layers.costs),
+memory and expert-load statistics, and the JSONL log.
 
 `metrics.jsonl` (rank 0 writes it) holds one ``{"type": "header", ...}`` record per (re)start with the
 config, versions, git commit and hardware, then one ``{"type": "step", ...}`` record per optimizer
@@ -24,80 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spartron.layers.config import ModelConfig
 
-
-# ---- FLOP model --------------------------------------------------------------------------------
-def _dsa_layers(cfg: ModelConfig) -> set[int]:
-    if cfg.dsa is None:
-        return set()
-    if cfg.dsa.layers == "all":
-        return set(range(cfg.n_layers))
-    if cfg.dsa.layers == "moe":
-        return set(range(cfg.first_k_dense, cfg.n_layers))
-    return set(cfg.dsa.layers)
-
-
-def _attention_matmul_params(cfg: ModelConfig) -> int:
-    m, h = cfg.mla, cfg.n_heads
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    q = cfg.dim * h * qk if m.q_lora_rank == 0 else cfg.dim * m.q_lora_rank + m.q_lora_rank * h * qk
-    kv = (cfg.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
-          + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
-    return q + kv + h * m.v_head_dim * cfg.dim
-
-
-def _indexer_matmul_params(cfg: ModelConfig) -> int:
-    d = cfg.dsa
-    q_in = cfg.mla.q_lora_rank or cfg.dim
-    return q_in * d.n_index_heads * d.index_head_dim + cfg.dim * d.index_head_dim + cfg.dim * d.n_index_heads
-
-
-def _ffn_active_params(cfg: ModelConfig, moe: bool) -> int:
-    if not moe:
-        return 3 * cfg.dim * cfg.dense_inter_dim
-    e = cfg.moe
-    return (e.top_k + e.n_shared_experts) * 3 * cfg.dim * e.moe_inter_dim + cfg.dim * e.n_routed_experts
-
-
-def _mean_visible_keys(seq_len: int, cap: int | None) -> float:
-    """Average number of keys a causal query attends to over positions 0..seq_len-1 (capped at top-k)."""
-    if cap is None or cap >= seq_len:
-        return (seq_len + 1) / 2
-    return (cap * (cap + 1) / 2 + cap * (seq_len - cap)) / seq_len
-
-
-def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one trained token: 6 x active matmul parameters + causal attention, dense or
-    sparse (DSA: top-k keys per query plus the lightning indexer's scores), MTP depths included.
-
-    A frozen indexer costs its forward only (2 x params, 2 x scores); everything else forward+backward
-    (3 x forward). Embedding lookups and norms are not counted (no matmul).
-    """
-    m = cfg.mla
-    per_key = 2 * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-    dsa = _dsa_layers(cfg)
-    idx_factor = 1 if cfg.dsa is not None and cfg.dsa.indexer_mode == "frozen" else 3
-
-    def layer_flops(i: int, moe: bool) -> float:
-        params = _attention_matmul_params(cfg) + _ffn_active_params(cfg, moe)
-        flops = 6 * params
-        if i in dsa:
-            d = cfg.dsa
-            flops += 3 * per_key * _mean_visible_keys(seq_len, d.index_topk)
-            flops += idx_factor * 2 * _indexer_matmul_params(cfg)
-            flops += idx_factor * 2 * d.n_index_heads * d.index_head_dim * _mean_visible_keys(seq_len, None)
-        else:
-            flops += 3 * per_key * _mean_visible_keys(seq_len, None)
-        return flops
-
-    head = 6 * cfg.dim * cfg.vocab_size
-    total = sum(layer_flops(i, i >= cfg.first_k_dense) for i in range(cfg.n_layers)) + head
-    mtp_layer = layer_flops(cfg.n_layers - 1, cfg.n_layers > cfg.first_k_dense)
-    total += cfg.mtp.depth * (mtp_layer + 6 * 2 * cfg.dim * cfg.dim + head)
-    return float(total)
-
-
+# ---- peak FLOP/s (the FLOP model itself is spartron.layers.costs) --------------------------------
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of a square matmul loop on `device`: the 'measured peak' MFU uses when none is configured."""
     n = 8192 if device.type == "cuda" else 512

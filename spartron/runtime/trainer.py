@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.offload import ActivationOffloader
 from spartron.launch.process import STOPPED_STATUS, exit_process
+from spartron.layers.costs import training_flops_per_token
 from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
@@ -252,7 +253,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
                "deterministic": device.type == "cpu", "resumed_from_step": resumed_from,
                "run_id": run_id, "skipped_incomplete_steps": list(plan.skipped),
                "micro_steps": n_micro})
-    flops_per_token = M.training_flops_per_token(cfg.model, t.seq_len)
+    flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     peak = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
     tokens_per_step = t.global_batch_size * t.seq_len

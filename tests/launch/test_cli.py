@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from spartron.launch.cli import main
-from spartron.launch.plan import count_parameters, estimate_memory_per_rank
-from spartron.layers.config import ModelConfig
+from spartron.layers.costs import state_bytes_per_rank
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims
 from spartron.runtime.config import load_config
 
@@ -89,50 +88,8 @@ def test_plan_prints_config_groups_and_memory(capsys, tmp_path):
         groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in dims.rank_groups(name))
         assert f"{groups}\n" in out.split(f"\n{name} ", 1)[1], name
     assert "cp            size 2    4 group(s): [0,1] [2,3] [4,5] [6,7]" in out
-    mem = estimate_memory_per_rank(cfg, dims)
+    mem = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)
     assert f"total            {mem['total'] / 2**20:.2f} MiB" in out
-
-
-def test_parameter_count_matches_hand_count():
-    m = ModelConfig(vocab_size=10, dim=4, n_layers=2, n_heads=2, first_k_dense=1, dense_inter_dim=6,
-                    mla={"q_lora_rank": 0, "kv_lora_rank": 3, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
-                         "v_head_dim": 2},
-                    moe={"n_routed_experts": 4, "n_shared_experts": 1, "top_k": 2, "moe_inter_dim": 5})
-    mla = 4 * 2 * 4 + 4 * (3 + 2) + 3 + 3 * 2 * (2 + 2) + 2 * 2 * 4  # wq, wkv_a, kv_norm, wkv_b, wo
-    embed_head_norm = 10 * 4 * 2 + 4
-    dense_layer = 2 * 4 + mla + 3 * 4 * 6
-    moe_layer_dense = 2 * 4 + mla + 3 * 4 * 5 * 1 + 4 * 4  # norms, attn, shared expert, router
-    count = count_parameters(m)
-    assert count.experts == 4 * 3 * 4 * 5
-    assert count.dense == embed_head_norm + dense_layer + moe_layer_dense
-
-
-@pytest.mark.parametrize("overrides", [
-    [], ["model.mtp.share_weights=false"], ["model.mla.q_lora_rank=0", "model.tie_embeddings=true"],
-    ['model.dsa.layers="all"', "model.mtp.depth=0"],
-    ["model.dsa.share_indexer_across_mtp=false", "model.mtp.share_weights=false"],
-])
-def test_parameter_count_equals_the_reference_model(overrides):
-    from spartron.layers.model import build_model
-
-    cfg = load_config(TINY, overrides)
-    model = build_model(cfg.model)
-    count = count_parameters(cfg.model)
-    assert count.total == sum(p.numel() for p in model.parameters())
-    assert count.experts == sum(p.numel() for n, p in model.named_parameters()
-                                if ".experts." in n and "shared" not in n)
-
-
-def test_memory_estimate_shards_over_fsdp_cp_and_counts_optimizer_state():
-    cfg = load_config(TINY)
-    one = estimate_memory_per_rank(cfg, ParallelDims(1, fsdp=1))
-    four = estimate_memory_per_rank(cfg, ParallelDims(4, fsdp=2, cp=2, ep=2))
-    n = count_parameters(cfg.model).total
-    assert one == {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n, "master_weights": 0,
-                   "total": 16 * n}
-    assert four["parameters"] == one["parameters"] // 4
-    bf16 = estimate_memory_per_rank(load_config(TINY, ['model.dtype="bfloat16"']), ParallelDims(1, fsdp=1))
-    assert bf16["parameters"] == 2 * n and bf16["master_weights"] == 4 * n
 
 
 def test_sbatch_dry_run_prints_script_and_writes_nothing(capsys, tmp_path, monkeypatch):

@@ -1,54 +1,18 @@
-"""FLOP model, expert-load statistic, memory, and the JSONL log."""
+"""Expert-load statistic, memory, measured peak FLOP/s and the JSONL log (FLOPs: tests/layers/test_costs.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from spartron.layers.config import ModelConfig
 from spartron.runtime.metrics import (
     MetricsLog,
-    _mean_visible_keys,
     expert_load_max_violation,
     measure_peak_flops,
     peak_memory,
     read_metrics,
-    training_flops_per_token,
 )
-
-TINY_DENSE = {"vocab_size": 10, "dim": 4, "n_layers": 1, "n_heads": 1, "first_k_dense": 1,
-              "dense_inter_dim": 8,
-              "mla": {"q_lora_rank": 0, "kv_lora_rank": 2, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
-                      "v_head_dim": 2}}
-
-
-def test_flops_of_a_dense_layer_by_hand():
-    # attention matmul params: q 4*4 + kv_a 4*(2+2) + kv_b 2*(2+2) + o 2*4 = 48; ffn 3*4*8 = 96
-    # 6 * (48 + 96) = 864; causal attention 3 * 2*(2+2+2) * (4+1)/2 = 90; head 6*4*10 = 240
-    assert training_flops_per_token(ModelConfig(**TINY_DENSE), seq_len=4) == 864 + 90 + 240
-
-
-def test_flops_of_moe_mtp_and_frozen_dsa_by_hand():
-    cfg = ModelConfig(**{**TINY_DENSE, "first_k_dense": 0,
-                         "moe": {"n_routed_experts": 4, "n_shared_experts": 1, "top_k": 2,
-                                 "moe_inter_dim": 3},
-                         "dsa": {"n_index_heads": 2, "index_head_dim": 2, "index_topk": 2},
-                         "mtp": {"depth": 1}})
-    moe = 3 * 3 * 4 * 3 + 4 * 4  # (top_k + shared) experts of 3*dim*inter, router dim x experts
-    attn_params = 48
-    indexer_params = 4 * 2 * 2 + 4 * 2 + 4 * 2  # q (q_lora 0: from x), k, head weights
-    layer = 6 * (attn_params + moe) + 3 * 12 * 1.75 + 2 * indexer_params + 2 * 2 * 2 * 2.5
-    head = 6 * 4 * 10
-    expected = layer + head + (layer + 6 * 2 * 4 * 4 + head)
-    assert training_flops_per_token(cfg, seq_len=4) == pytest.approx(expected)
-
-
-def test_mean_visible_keys_matches_brute_force():
-    for seq, cap in [(4, 2), (7, 3), (5, None), (5, 9)]:
-        brute = sum(min(cap or 10**9, t + 1) for t in range(seq)) / seq
-        assert _mean_visible_keys(seq, cap) == pytest.approx(brute)
 
 
 def test_expert_load_violation():
