@@ -60,13 +60,17 @@ def _world_layout(cfg: RunConfig, world_size: int):
 
 
 # ---- train / smoke ---------------------------------------------------------------------------
-def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool) -> None:
+def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, entry: str) -> None:
     """Data file, batch division, device options, offload window, run dir: one line, exit 2, before any
-    rank starts (a rank of srun/torchrun checks against the launcher's world size)."""
+    rank starts (a rank of srun/torchrun checks against the launcher's world size). `smoke` only brings
+    distributed up: of these only the device options matter to it."""
     from spartron.parallel.env import discover
-    from spartron.runtime.preflight import check_before_launch
+    from spartron.runtime.preflight import check_before_launch, check_device_options
     from spartron.runtime.rundir import check_run_start
 
+    if entry == "smoke":
+        check_device_options(cfg)
+        return
     world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
     check_before_launch(cfg, world_size)
     check_run_start(cfg, world_size)  # the run directory: new run into old steps, finished run, mismatches
@@ -81,8 +85,7 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     cfg = _load(args)
     environ = process_environ()
     run_dir = run_dir_of(cfg, Path.cwd())
-    if entry == "train":  # smoke only brings distributed up: batch, data and model options do not matter
-        _check_before_launch(cfg, environ, existing_launcher(environ) is not None)
+    _check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
