@@ -23,11 +23,13 @@ META = "meta.json"
 METRICS = "metrics.jsonl"
 LOCK = ".lock"  # held (flock) by rank 0 of the run training in the directory
 FORMAT_VERSION = 2  # 2: COMPLETE holds the file manifest; meta.json the run id and state config
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-_TMP_DIR = re.compile(r"^\.tmp-step-(\d{8})$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^\.tmp-step-(\d{8,})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")  # a step holds flat file names only
 # The train.* options stored in the optimizer's state (its kind and param_groups): a resume must match them.
 STATE_TRAIN_KEYS = ("optimizer", "beta1", "beta2", "weight_decay")
+# What the saved data position means (with every train.data.* key): a change is reported when resuming.
+DATA_TRAIN_KEYS = ("seed", "seq_len", "global_batch_size")
 
 
 class StateLoadError(RuntimeError):
@@ -78,7 +80,8 @@ def _flatten(data: Any, prefix: str) -> dict[str, Any]:
 def state_config(cfg: Any) -> dict[str, Any]:
     """Dotted key -> value of the options recorded with a saved state (cfg: a RunConfig)."""
     flat = _flatten(cfg.model.model_dump(mode="json"), "model")
-    flat.update({f"train.{key}": getattr(cfg.train, key) for key in STATE_TRAIN_KEYS})
+    flat.update({f"train.{key}": getattr(cfg.train, key) for key in STATE_TRAIN_KEYS + DATA_TRAIN_KEYS})
+    flat.update(_flatten(cfg.train.data.model_dump(mode="json"), "train.data"))
     return flat
 
 
@@ -88,6 +91,16 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "")
     missing = "<unset>"
     return [f"{k} (saved {saved.get(k, missing)!r}, this run {now.get(k, missing)!r})"
             for k in keys if saved.get(k, missing) != now.get(k, missing)]
+
+
+def _refused(change: str) -> bool:
+    return change.split(" ", 1)[0] in {f"train.{key}" for key in STATE_TRAIN_KEYS}
+
+
+def resume_notes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The recorded settings that differ but do not stop a resume: model.* keys whose tensors still fit
+    (checked by load_state), and what the data position means (seed, sequence length, batch, data file)."""
+    return [c for c in config_changes(saved, now) if not _refused(c)]
 
 
 def _first_line(err: BaseException) -> str:
@@ -174,7 +187,7 @@ def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: d
         raise StateLoadError(f"{path} was saved with parallel layout [{meta['layout']}]; this run has "
                              f"[{layout}] (expert and context shards cannot be remapped)")
     if config is not None and meta.get("config") is not None:
-        changed = config_changes(meta["config"], config, "train.")
+        changed = [c for c in config_changes(meta["config"], config, "train.") if _refused(c)]
         if changed:
             raise StateLoadError(f"{path} holds optimizer state for other settings: {', '.join(changed)}; "
                                  "resume with the saved values, or start a new run")

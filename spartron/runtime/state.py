@@ -5,7 +5,9 @@ What a saved step contains: ``<run_dir>/step-00000004/`` holds
   (a pickle DCP writes) and one ``__<rank>_0.distcp`` file per rank;
 - ``meta.json``: format version, step, world size, parallel layout, counters (tokens, first loss), the run
   id and the config that shapes the state (every ``model.*`` key, ``train.optimizer``, ``train.beta1``,
-  ``train.beta2``, ``train.weight_decay``: `state_config`);
+  ``train.beta2``, ``train.weight_decay``) and what the data position means (``train.seed``, ``seq_len``,
+  ``global_batch_size``, ``train.data.*``): `state_config`. A resume refuses other optimizer settings
+  and reports the other changes (`resume_notes`);
 - per rank ``rank-00000.json`` (data position, Python / NumPy RNG) and ``rank-00000.pt`` (torch RNG tensors);
 - ``COMPLETE``, written LAST: a JSON manifest of every other file with its size and CRC-32, computed from
   the bytes as they were written (DCP's files through a wrapped file system, ours from the buffer).
@@ -114,6 +116,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     read_json,
     read_manifest,
     read_meta,
+    resume_notes,
     state_config,
     step_dir,
 )

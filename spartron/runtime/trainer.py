@@ -48,8 +48,8 @@ from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_nor
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
     StateLoadError,
-    config_changes,
     load_state,
+    resume_notes,
     save_state,
     start_run,
     state_config,
@@ -242,8 +242,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
             raise StateLoadError(f"{path / f'rank-{rank:05d}.json'}: its data position does not fit this run "
                                  f"({err})") from None
         if rank == 0:
-            changed = config_changes(meta["config"] or {}, shape, "model.")
-            note = f"; changed model settings (same tensors): {', '.join(changed)}" if changed else ""
+            changed = resume_notes(meta["config"] or {}, shape)
+            note = f"; settings changed since that step (its tensors fit): {', '.join(changed)}" if changed else ""
             print(plan.message() + note, file=sys.stderr, flush=True)
 
     log = M.MetricsLog(run_dir / "metrics.jsonl", t.steps, enabled=rank == 0, progress=t.progress)

@@ -189,6 +189,15 @@ def test_resume_prints_the_step_and_the_incomplete_steps_it_skipped(tmp_path, ca
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")[1]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_reports_changed_data_and_model_settings_that_still_fit(tmp_path, capfd):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2, steps=2))
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=3, seed=1)) == [3]
+    assert (f"spartron: resumed from step 2 ({run}/step-00000002); settings changed since that step (its tensors "
+            "fit): train.seed (saved 0, this run 1)") in capfd.readouterr().err
+
+
 # ---- mismatched states ----------------------------------------------------------------------------------
 def test_resuming_a_model_of_another_shape_names_the_differing_keys(tmp_path):
     run = tmp_path / "run"

@@ -289,6 +289,13 @@ def _two_steps(tmp_path):
     return run, model, opt
 
 
+def test_steps_past_eight_digits_still_count(tmp_path):
+    model, opt = _model()
+    save_state(tmp_path, 123_456_789, model, opt, {}, {}, CPU)
+    assert step_dir(tmp_path, 123_456_789).name == "step-123456789"
+    assert complete_steps(tmp_path) == [123_456_789]
+
+
 def test_complete_marker_lists_every_file_with_size_and_crc(tmp_path):
     run, _, _ = _two_steps(tmp_path)
     path = step_dir(run, 2)
