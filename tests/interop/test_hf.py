@@ -30,6 +30,7 @@ from transformers import (  # noqa: E402
 from spartron.interop.hf import (  # noqa: E402
     HFCheckpointError,
     HFConfigError,
+    check_config_matches,
     export_hf,
     hf_config_from_model_config,
     import_hf,
@@ -338,7 +339,14 @@ def _ep_rank(rank, world, hf_dir: str, run_dir: str):
     experts = [n for n, _ in model.named_parameters() if "experts" in n.split(".")]
     save_state(run_dir, 3, model, build_optimizer(model, cfg.train), {"tokens": 0}, {}, torch.device("cpu"),
                ep_sharded=experts, ep_rank=groups.rank_in("ep"), layout=dims.describe(), config=state_config(cfg))
-    return model.layers["1"].ffn.experts.first_expert, local.detach().tolist()  # plain data through the pipe
+    try:
+        export_hf(model, Path(run_dir).parent / f"in-memory-{rank}")
+        refused = None
+    except HFCheckpointError as err:
+        refused = str(err)
+    embed = model.embed.weight
+    assert embed.to_local().shape[0] < embed.shape[0]  # FSDP2 shards the dense weights over both ranks
+    return model.layers["1"].ffn.experts.first_expert, local.detach().tolist(), refused  # plain data: the pipe
 
 
 def test_expert_parallel_ranks_load_their_experts_and_their_saved_state_exports_bitwise(hf_dirs, tmp_path):
@@ -348,7 +356,9 @@ def test_expert_parallel_ranks_load_their_experts_and_their_saved_state_exports_
     hf_dir, hf_model = hf_dirs["moe"]
     results = run_distributed(_ep_rank, 2, str(hf_dir), str(tmp_path / "run"), timeout=180)
     tensors = _tensors(hf_dir)
-    for first, local in results:
+    for first, local, refused in results:
+        assert refused == ("layers.1.ffn.experts holds 4 of 8 experts (expert parallel): export the saved "
+                           "state instead")
         local = torch.tensor(local)
         assert first in (0, 4) and local.shape[0] == 4
         expected = torch.stack([tensors[f"model.layers.1.mlp.experts.{first + e}.gate_proj.weight"]
@@ -454,6 +464,22 @@ def test_spartron_settings_transformers_cannot_express_are_in_one_error():
     with pytest.raises(HFConfigError, match=r"2 setting\(s\) cannot be honoured: model\.moe\.score_func: "
                                             r"'softmax'.*; model\.norm_eps: 1e-05"):
         hf_config_from_model_config(bad)
+
+
+def test_a_run_config_that_computes_another_function_than_the_checkpoint_is_named_key_by_key():
+    cfg = model_config_from_hf(DEEPSEEK_V3)
+    run = cfg.model_copy(update={"dtype": "float32", "loss_chunk_size": 4096,  # how Spartron runs it: allowed
+                                 "moe": cfg.moe.model_copy(update={"route_scale": 1.0, "dispatcher": "deepep"}),
+                                 "mla": cfg.mla.model_copy(update={"yarn": None})})
+    check_config_matches(run.model_copy(update={"moe": cfg.moe.model_copy(update={"dispatcher": "deepep"}),
+                                                "mla": cfg.mla}), cfg)
+    with pytest.raises(HFConfigError) as err:
+        check_config_matches(run, cfg)
+    assert str(err.value) == (
+        "the run's [model] differs from the Hugging Face checkpoint in 2 setting(s): "
+        "model.mla.yarn: the run has None, the checkpoint {'factor': 40.0, 'original_max_position_embeddings': 4096, "
+        "'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'mscale_all_dim': 1.0}; "
+        "model.moe.route_scale: the run has 1.0, the checkpoint 2.5")
 
 
 def test_name_table_covers_exactly_the_models_state_dict():

@@ -211,6 +211,32 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
         raise HFConfigError(f"Hugging Face config.json maps to an invalid Spartron config: {details}") from None
 
 
+# ModelConfig keys a checkpoint does not determine: how Spartron runs and trains the same function.
+SPARTRON_ONLY_KEYS = frozenset({
+    "dtype", "init_std", "loss_chunk_size", "moe.router_fp32", "moe.bias_update_rate", "moe.aux_loss_coeff",
+    "moe.aux_loss_type", "moe.dispatcher", "moe.all_to_all_transport", "moe.copy_engine_sync", "moe.deepep_num_sms",
+    "moe.grouped_mm", "mtp.share_weights", "mtp.loss_scale", "dsa.indexer_mode", "dsa.indexer_loss_coeff",
+})
+
+
+def _differences(ours: Any, theirs: Any, key: str) -> list[str]:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [line for k in sorted(set(ours) | set(theirs))
+                for line in _differences(ours.get(k), theirs.get(k), f"{key}.{k}")]
+    if ours == theirs or key[len("model."):] in SPARTRON_ONLY_KEYS:
+        return []
+    return [f"{key}: the run has {ours!r}, the checkpoint {theirs!r}"]
+
+
+def check_config_matches(run: ModelConfig, checkpoint: ModelConfig) -> None:
+    """Raise HFConfigError naming every `model.*` key where a run's config computes another function
+    than the checkpoint's (`SPARTRON_ONLY_KEYS` may differ): for starting a run from HF weights."""
+    lines = _differences(run.model_dump(mode="json"), checkpoint.model_dump(mode="json"), "model")
+    if lines:
+        raise HFConfigError(f"the run's [model] differs from the Hugging Face checkpoint in {len(lines)} "
+                            "setting(s): " + "; ".join(lines))
+
+
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     """The `config.json` dict of a Spartron model for transformers' DeepseekV3ForCausalLM (or V3.2 with DSA).
 
