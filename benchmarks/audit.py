@@ -688,6 +688,9 @@ def run_case(case: Case, root: Path, stub_dir: Path, base_state: Path | None) ->
         work.mkdir(parents=True)
     marker = case_dir / "pwned"
     argv = [_fmt(a, work, marker) for a in case.argv]
+    shown = [a.replace(TINY, "configs/tiny.toml").replace(str(marker), "<marker>").replace(str(work), "<work>")
+             for a in case.argv]
+    shown = [f"{k}={v}" for k, v in case.env.items()] + shown
     if case.setup is not None:
         case.setup(work)
     before = set(os.listdir(case_dir))
@@ -716,12 +719,12 @@ def run_case(case: Case, root: Path, stub_dir: Path, base_state: Path | None) ->
                      if not line.startswith("srun ")]
         if bad_calls:
             return Result(case.id, case.area, "harmful", rc, time.perf_counter() - start,
-                          f"script called {bad_calls[0][:120]}", argv)
+                          f"script called {bad_calls[0][:120]}", shown)
     seconds = time.perf_counter() - start
     cls, detail = classify(case, rc, out, err, case_dir, work, stub_log, before)
     (case_dir / "stdout").write_text(out)
     (case_dir / "stderr").write_text(err)
-    return Result(case.id, case.area, cls, rc, seconds, detail, argv)
+    return Result(case.id, case.area, cls, rc, seconds, detail, shown)
 
 
 def _kill_leftovers(work: Path) -> None:
@@ -765,10 +768,13 @@ def write_results(results: list[Result], out_md: Path, out_json: Path) -> None:
     lines += [f"| {c} | {counts[c]} |" for c in CLASSES]
     lines += ["", "| area | " + " | ".join(CLASSES) + " |", "| --- |" + " --- |" * len(CLASSES)]
     lines += [f"| {a} | " + " | ".join(str(c[k]) for k in CLASSES) + " |" for a, c in sorted(by_area.items())]
-    lines += ["", "| case | area | class | exit | what the user saw |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "Inputs: `spartron` arguments (a state case also rewrites files of a saved step first, a data case",
+              "writes the token file, a launch case sets the launcher's environment: see the case's code).", "",
+              "| case | area | class | exit | input | what the user saw |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{r.id}` | {r.area} | {r.cls} | {r.rc} | {detail} |")
+        shown = " ".join(r.argv).replace("|", "\\|").replace("\n", "\\n").replace("\r", "\\r").replace("`", "'")
+        lines.append(f"| `{r.id}` | {r.area} | {r.cls} | {r.rc} | `{shown[:160]}` | {detail} |")
     out_md.write_text("\n".join(lines) + "\n")
 
 
