@@ -11,8 +11,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 # Characters no string option may hold: a newline or carriage return can start a new command or
-# directive in a generated script or log line, and a NUL truncates paths at the OS boundary.
+# directive in a generated script or log line, a NUL truncates paths at the OS boundary, and the
+# other control characters (tab aside) cannot be written back to TOML (the frozen config of a job).
 _FORBIDDEN_CHARS = {"\n": "a newline", "\r": "a carriage return", "\0": "a NUL byte"}
+_CONTROL = frozenset(chr(c) for c in [*range(0x20), 0x7F]) - {"\t"}
 
 
 _INT_LIMIT = 2**63  # every integer option fits a signed 64-bit integer (torch, numpy, JSON readers)
@@ -26,6 +28,8 @@ def check_plain_value(value: Any) -> Any:
         for char, what in _FORBIDDEN_CHARS.items():
             if char in value:
                 raise ValueError(f"must not contain {what}, got {value!r}")
+        if not _CONTROL.isdisjoint(value):
+            raise ValueError(f"must not contain control characters, got {value!r}")
     elif isinstance(value, int) and not isinstance(value, bool):
         if not -_INT_LIMIT <= value < _INT_LIMIT:
             raise ValueError(f"must fit a signed 64-bit integer, got {value}")

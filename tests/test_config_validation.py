@@ -399,3 +399,10 @@ def test_norm_eps_and_init_std_have_upper_bounds():
     assert _error("model.norm_eps=1.0") == "invalid config: model.norm_eps: Input should be less than 1 (got 1.0)"
     assert _error("model.init_std=2.0") == ("invalid config: model.init_std: Input should be less than or equal "
                                             "to 1 (got 2.0)")
+
+
+@pytest.mark.parametrize("char", ["\\u0001", "\\u001b", "\\u007f"])
+def test_other_control_characters_are_refused_too(char):
+    """They could not be written back to TOML: the frozen config of a Slurm job would not load."""
+    assert _error(f'name="a{char}b"').startswith("invalid config: name: must not contain control characters, got ")
+    assert load_config(TINY, ['name="a\\tb"']).name == "a\tb"
