@@ -131,7 +131,7 @@ def config_cases() -> list[Case]:
     }
     for key, template in strings.items():
         dotted = template.split("=", 1)[0]
-        for cname, char in (("nl", "\n"), ("cr", "\r"), ("nul", "\0")):
+        for cname, char in (("nl", "\n"), ("cr", "\r"), ("nul", "\0"), ("esc", "\x1b")):
             add(f"{key}-{cname}", [template.format(v=tstr(f"/abs/a{char}b"))], [dotted], quick=(key, cname) == ("name", "nl"))
     add("ac_target-nl", ["ac.targets=[\"aten::mm\\n\"]"], ["ac.targets"])
     add("data_path-nul", ["train.data.kind=mmap", "train.data.path=\"/x\\u0000y\""], ["train.data.path"])
