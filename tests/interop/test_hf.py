@@ -153,6 +153,23 @@ def test_export_loads_in_transformers_with_equal_logits_and_round_trips_bitwise(
     _assert_bitwise(_tensors(out), _tensors(hf_dir))
 
 
+def test_bfloat16_checkpoint_round_trips_bitwise_with_its_fp32_correction_bias(tmp_path):
+    """DeepSeek's published layout: bf16 weights, fp32 `e_score_correction_bias` (Spartron's fp32 buffer)."""
+    torch.manual_seed(3)
+    hf_model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE)).eval()
+    _randomise_(hf_model, 3)
+    hf_model.to(torch.bfloat16)
+    for layer in hf_model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+    hf_model.save_pretrained(tmp_path / "bf16")
+    saved = _tensors(tmp_path / "bf16")
+    assert saved["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert saved["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    cfg, model = _spartron(tmp_path / "bf16")
+    assert cfg.dtype == "bfloat16" and model.embed.weight.dtype == torch.bfloat16
+    _assert_bitwise(_tensors(export_hf(model, tmp_path / "out")), saved)
+
+
 def test_deepseek_v32_indexer_imports_with_equal_logits_and_round_trips(tmp_path):
     """transformers' DeepseekV32ForCausalLM (its indexer names are DeepSeek-V3.2's published ones):
     top-k 5 of 24 keys, so the indexer's selection decides the logits."""
