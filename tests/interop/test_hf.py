@@ -388,6 +388,29 @@ def test_expert_parallel_ranks_load_their_experts_and_their_saved_state_exports_
     assert (_hf_logits(reloaded, tokens) - _hf_logits(hf_model, tokens)).abs().max().item() <= ATOL
 
 
+def _fsdp_rank(rank, world, hf_dir: str, out: str):
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+    from spartron.runtime.config import config_from_dict
+    from spartron.runtime.trainer import default_model_factory
+
+    model_cfg, load = import_hf(hf_dir)
+    cfg = config_from_dict({"device": "cpu", "model": model_cfg.model_dump(mode="json"), "train": {"seq_len": 16}})
+    model = default_model_factory(cfg, ParallelGroups.build(ParallelDims(world, fsdp=world), "cpu"))
+    load(model)
+    export_hf(model, out)  # every rank gathers, rank 0 writes
+    return model.layers["1"].ffn.experts.w1.to_local().shape[0]
+
+
+def test_fsdp2_model_exports_in_memory_bitwise(hf_dirs, tmp_path):
+    from spartron.testing import run_distributed
+
+    hf_dir, _ = hf_dirs["moe"]
+    local_experts = run_distributed(_fsdp_rank, 2, str(hf_dir), str(tmp_path / "out"), timeout=180)
+    assert local_experts == [4, 4]  # FSDP2 shards the 8 experts over the 2 ranks
+    _assert_bitwise(_tensors(tmp_path / "out"), _tensors(hf_dir))
+
+
 # ---- saved state -----------------------------------------------------------------------------------
 def _resume_rank(rank, world, cfg):
     from spartron.runtime.trainer import train

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.interop.hf.config_map import HFConfigError, hf_config_from_model_config, model_config_from_hf
@@ -228,8 +229,9 @@ class TensorSource:
 
 
 class ModelSource(TensorSource):
-    """A SparseMoEModel in memory: plain tensors, or FSDP2 DTensors (`full_tensor`, a collective every
-    rank must run). Expert-parallel models hold other ranks' experts elsewhere: export their saved state."""
+    """A SparseMoEModel in memory: plain tensors, or FSDP2 DTensors (`full_tensor`, a collective: every
+    rank calls `export_hf`, rank 0 writes). Expert-parallel models hold other ranks' experts elsewhere:
+    export their saved state."""
 
     def __init__(self, model: nn.Module) -> None:
         self.cfg = model.cfg
@@ -300,13 +302,20 @@ def export_hf(source: nn.Module | str | Path | TensorSource, out_dir: str | Path
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise HFCheckpointError(f"{out_dir}: exists and is not an empty directory (an export writes a new one)")
-    out_dir.mkdir(parents=True)
+    # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes.
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    if dist.is_initialized():
+        dist.barrier()  # every rank has looked at out_dir before rank 0 creates it
+    if writer:
+        out_dir.mkdir(parents=True)
     save_file = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save_file
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         needed = sorted({s for n in names for s in producers[n]})
         tensors = source.fetch(needed)
+        if not writer:
+            continue
         shard = {}
         for n in names:
             if n in by_hf:
@@ -317,9 +326,12 @@ def export_hf(source: nn.Module | str | Path | TensorSource, out_dir: str | Path
             weight_map[n] = file
         save_file(shard, str(out_dir / file), metadata={"format": "pt"})
         del shard, tensors
-    (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                            indent=2, sort_keys=True) + "\n")
-    (out_dir / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if writer:
+        (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2, sort_keys=True) + "\n")
+        (out_dir / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
     return out_dir
 
 
