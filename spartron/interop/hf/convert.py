@@ -27,7 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spartron.interop.hf.config_map import HFConfigError, hf_config_from_model_config, model_config_from_hf
+from spartron.interop.hf.config_map import (
+    HFConfigError,
+    check_config_matches,
+    hf_config_from_model_config,
+    model_config_from_hf,
+)
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.layers.config import ModelConfig
 from spartron.optional import require
@@ -159,12 +164,17 @@ def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None = None) -> None:
+def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None = None,
+                    check_config: bool = True) -> None:
     """Fill `model` (a SparseMoEModel of the checkpoint's config, any layout) from `hf_dir`, one shard
-    at a time, each rank reading only the boxes it holds. Raises HFCheckpointError on any mismatch."""
+    at a time, each rank reading only the boxes it holds. Raises HFCheckpointError on any mismatch, and
+    (`check_config`) HFConfigError when `model.cfg` computes another function than the checkpoint's
+    config (`check_config_matches`: only Spartron-only settings such as the dispatcher may differ)."""
     hf_dir = Path(hf_dir)
     files = weight_files(hf_dir)
     cfg = cfg or _config_of(hf_dir, files)
+    if check_config and isinstance(getattr(model, "cfg", None), ModelConfig):
+        check_config_matches(model.cfg, cfg)
     first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
     tmap = tensor_map(cfg, stacked=first_moe in files)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
@@ -212,7 +222,7 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Callable[[nn.Module], No
     hf_dir = Path(hf_dir)
     files = weight_files(hf_dir)
     cfg = _config_of(hf_dir, files)
-    return cfg, lambda model: load_hf_weights(model, hf_dir, cfg)
+    return cfg, lambda model, check_config=True: load_hf_weights(model, hf_dir, cfg, check_config)
 
 
 # ---- export -----------------------------------------------------------------------------------------
