@@ -539,7 +539,7 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
             marker = {"format_version": FORMAT_VERSION, "step": step, "checksum": "crc32", "files": files}
             _write_durable(tmp / COMPLETE, json.dumps(marker).encode())
             if final.exists():
-                shutil.rmtree(final)
+                remove_step(final)
             os.replace(tmp, final)
             _fsync_dir(run_dir)
         except OSError as err:
@@ -547,10 +547,22 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
     check(error)
     if rank == 0 and keep_last:
         for old in complete_steps(run_dir)[:-keep_last]:
-            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+            try:
+                remove_step(step_dir(run_dir, old))
+            except OSError as err:  # the new step is committed: an old one left behind is only a warning
+                print(f"spartron: warning: train.keep_last could not remove {step_dir(run_dir, old)}: "
+                      f"{_first_line(err)}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def remove_step(path: Path) -> None:
+    """Delete a step directory, its COMPLETE marker first: a deletion cut short (kill -9) leaves a directory
+    that no resume takes for complete."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    _fsync_dir(path)
+    shutil.rmtree(path)
 
 
 def _rename_ep_entries(model_sd: dict, optim_sd: dict, ep_sharded: Collection[str], ep_rank: int,
@@ -699,6 +711,24 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     # loading either, as in the uninterrupted run (a state created here would change AdamW's bias
     # correction if such a parameter got a gradient later).
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+    error, rank_state = None, None
+    try:  # this rank's own files: agreed below, so a bad file of one rank stops every rank at once
+        bad = _first_nonfinite(state)
+        if bad is not None:
+            raise StateLoadError(f"{path}: {bad} holds non-finite values (no save writes them: the files were "
+                                 "altered)")
+        rank_state = _restore_rank_files(path, rank, device)
+    except StateLoadError as err:
+        error = str(err)
+    failed = _agreed_errors(error)
+    if failed:
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise StateLoadError(failed[0][1] + more)
+    return meta, rank_state
+
+
+def _restore_rank_files(path: Path, rank: int, device: torch.device) -> Any:
+    """Restore this rank's RNG from rank-<r>.pt / .json; returns its saved rank state (data position)."""
     pt, js = path / f"rank-{rank:05d}.pt", path / f"rank-{rank:05d}.json"
     tensors = _torch_load(pt, pt)
     plain = read_json(js)
@@ -706,10 +736,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         if not (isinstance(tensors, dict) and isinstance(tensors.get("torch_cpu"), torch.Tensor)):
             raise TypeError(f"{pt.name} must map 'torch_cpu' to a tensor")
         _set_rng_state(plain["rng"], tensors, device)
-        rank_state = plain["rank"]
+        return plain["rank"]
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as err:
         raise StateLoadError(f"{js}: RNG state does not fit this run ({_first_line(err)})") from None
-    return meta, rank_state
 
 
 def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, layout: str | None = None,
@@ -735,8 +764,8 @@ def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int,
             plan = dataclasses.replace(plan, lock=lock)
             for name in plan.replace:
                 target = run_dir / name
-                if target.is_dir():
-                    shutil.rmtree(target)
+                if target.is_dir() and not target.is_symlink():
+                    remove_step(target)
                 else:
                     target.unlink(missing_ok=True)
             message = plan.message() if plan.resume_step is None else ""

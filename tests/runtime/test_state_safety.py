@@ -366,6 +366,40 @@ def test_two_ranks_agree_on_a_damaged_file_of_one_rank(tmp_path):
     assert errors[0].endswith(f"no intact saved step is left in {run}")
 
 
+def test_a_loaded_non_finite_value_is_refused(tmp_path):
+    """A tensor rewritten to NaN inside the .distcp file (manifest resealed): no save writes that."""
+    model, opt = _model()
+    path = save_state(tmp_path / "run", 1, model, opt, {}, {}, CPU)
+    blob = (path / "__0_0.distcp").read_bytes()
+    original = model[0].weight.detach().numpy().tobytes()
+    assert blob.count(original) == 1
+    rewrite_listed(path, "__0_0.distcp", blob.replace(original, struct.pack("<f", float("nan")) + original[4:]))
+    with pytest.raises(StateLoadError, match=rf"^{path}: model\.0\.weight holds non-finite values \(no save writes "
+                                             r"them: the files were altered\)$"):
+        load_state(path, model, opt, CPU)
+
+
+def _hostile_rank1_file_then_load(rank, world, run, marker):
+    model, opt = _model()
+    path = save_state(run, 1, model, opt, {}, {}, CPU)
+    if rank == 1:
+        rewrite_listed(path, "rank-00001.pt", _torch_file({"torch_cpu": _Reduce(os.system, f"touch {marker}")}))
+    torch.distributed.barrier()
+    try:
+        load_state(path, model, opt, CPU)
+    except StateLoadError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_hostile_file_of_one_rank_stops_every_rank(tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    errors = run_distributed(_hostile_rank1_file_then_load, 2, run, marker)
+    assert errors == [f"{step_dir(run, 1)}/rank-00001.pt: refusing to unpickle posix.system: torch's weights-only "
+                      "loader does not allow it (nothing from the file was run)"] * 2
+    assert not marker.exists()
+
+
 # ---- never save a broken state -----------------------------------------------------------------------
 def test_non_finite_parameter_is_never_saved(tmp_path):
     model, opt = _model()
