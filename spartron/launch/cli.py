@@ -315,7 +315,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--from-hf goes with --to RUN_DIR (a saved state), --from with --to-hf DIR")
     if args.max_shard_bytes < 1:
         raise UsageError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
-    from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf, import_hf_to_state, model_toml
+    from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf
+    from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml
 
     try:
         if args.from_hf is not None:
@@ -325,7 +326,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
-            out = export_hf(args.from_state, args.to_hf, max_shard_bytes=args.max_shard_bytes)
+            out = export_hf(SavedStateSource(Path(args.from_state)), args.to_hf, max_shard_bytes=args.max_shard_bytes)
             print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}")
     except (HFConfigError, HFCheckpointError) as err:
         raise UsageError(str(err)) from None

@@ -34,15 +34,14 @@ from spartron.interop.hf import (  # noqa: E402
     export_hf,
     hf_config_from_model_config,
     import_hf,
-    import_hf_to_state,
     model_config_from_hf,
     model_config_from_toml,
-    model_toml,
 )
 from spartron.interop.hf.names import tensor_map  # noqa: E402
 from spartron.layers.decoder import run_decoder_stack  # noqa: E402
 from spartron.layers.model import build_model  # noqa: E402
 from spartron.layers.mtp import shift_left  # noqa: E402
+from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml  # noqa: E402
 
 ATOL = 1e-5
 TOKENS = torch.Generator().manual_seed(7)
@@ -384,7 +383,7 @@ def test_expert_parallel_ranks_load_their_experts_and_their_saved_state_exports_
         expected = torch.stack([tensors[f"model.layers.1.mlp.experts.{first + e}.gate_proj.weight"]
                                 for e in range(4)])
         assert torch.equal(local, expected[: local.shape[0]])  # (each rank's FSDP shard of its experts)
-    out = export_hf(step_dir(tmp_path / "run", 3), tmp_path / "out")
+    out = export_hf(SavedStateSource(step_dir(tmp_path / "run", 3)), tmp_path / "out")
     _assert_bitwise(_tensors(out), tensors)
     tokens = _tokens()
     reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()
@@ -439,7 +438,7 @@ def test_import_to_saved_state_resumes_in_the_trainer_and_exports_back(hf_dirs, 
     _, imported = _spartron(hf_dir)
     theirs = dict(imported.state_dict())
     assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, theirs[n])] == []
-    out = export_hf(tmp_path / "run", tmp_path / "out")  # the run directory: its newest complete step
+    out = export_hf(SavedStateSource(tmp_path / "run"), tmp_path / "out")  # a run directory: its newest step
     _assert_bitwise(_tensors(out), _tensors(hf_dir))
     ((resumed, steps),) = run_distributed(_resume_rank, 1, cfg, timeout=180)
     assert (resumed, steps) == (0, [1])

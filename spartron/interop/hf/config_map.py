@@ -284,19 +284,6 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def model_toml(cfg: ModelConfig) -> str:
-    """The `[model]` section (and its sub-tables) of a run config TOML for `cfg`."""
-    from spartron.runtime.config import RunConfig, dump_config  # the one TOML writer (runtime's)
-
-    lines, keep = [], False
-    for line in dump_config(RunConfig(model=cfg)).splitlines():
-        if line.startswith("["):
-            keep = line == "[model]" or line.startswith("[model.")
-        if keep:
-            lines.append(line)
-    return "\n".join(lines).strip() + "\n"
-
-
 def model_config_from_toml(text: str) -> ModelConfig:
     """ModelConfig from TOML text holding a `[model]` section (a run config or `model_toml`'s output)."""
     data = tomllib.loads(text)

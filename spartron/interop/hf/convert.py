@@ -6,8 +6,9 @@ its local shard, for an expert-parallel GroupedExperts its own global experts (`
 through safetensors' lazy slices. So no rank ever holds the checkpoint, or even one whole tensor
 it does not own; any EP / FSDP layout loads the same 1-rank values.
 
-Export (`export_hf`): from a model (1 rank, or FSDP2 DTensors gathered with `full_tensor`) or from
-a saved step directory (read with DCP one output shard at a time, EP entries `<fqn>/ep<r>` joined).
+Export (`export_hf`): from a model (1 rank, or FSDP2 DTensors gathered with `full_tensor`) or any
+`TensorSource` (a saved step: spartron.runtime.hf_state.SavedStateSource reads with DCP what one
+output shard needs, EP entries `<fqn>/ep<r>` joined).
 Output shards of at most `max_shard_bytes` each are built, written and freed one after another;
 `model.safetensors.index.json` maps every tensor to its shard.
 
@@ -279,18 +280,14 @@ def _hf_tensor(hf_name: str, shape: tuple[int, ...], pieces: list[Piece], tensor
     return out
 
 
-def export_hf(source: nn.Module | str | Path | TensorSource, out_dir: str | Path,
+def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a Hugging Face checkpoint (config.json, safetensors shards, the index) of `source`:
-    a SparseMoEModel, a saved step directory / run directory (its newest complete step), or a
-    TensorSource. transformers' `from_pretrained(out_dir)` loads it; MTP layers are written as
-    DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`). Returns out_dir."""
+    """Write a Hugging Face checkpoint (config.json, safetensors shards, the index) of `source`: a
+    SparseMoEModel or a TensorSource (a saved state: spartron.runtime.hf_state.SavedStateSource).
+    transformers' `from_pretrained(out_dir)` loads it; MTP layers are written as DeepSeek-V3 lays them
+    out (`model.layers.{n_layers + k}.*`). Returns out_dir."""
     if isinstance(source, nn.Module):
         source = ModelSource(source)
-    elif isinstance(source, (str, Path)):
-        from spartron.interop.hf.saved_state import SavedStateSource
-
-        source = SavedStateSource(Path(source))
     if max_shard_bytes < 1:
         raise HFCheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     cfg = source.cfg

@@ -1,5 +1,7 @@
 """Hugging Face checkpoints <-> Spartron's saved state (spartron.runtime.state), through its public API.
 
+The runtime half of spartron.interop.hf (which stays below the runtime floor and knows no saved state):
+
 - `import_hf_to_state(hf_dir, run_dir, run_cfg)`: a step-0 saved state (`run_dir/step-00000000`)
   holding the HF weights, a fresh optimizer (no moments: AdamW starts from zero moments anyway),
   a fresh data position and the run config's settings, written by `save_state` as one rank.
@@ -11,8 +13,7 @@
   step) for `export_hf`, verified first (`verify_step`), its ModelConfig from meta.json, read with
   DCP through state.py's safe reader only as the output shard being written needs them. EP-sharded
   entries (`<fqn>/ep<r>`) are joined in EP-rank order, which is global expert order.
-This module sits above spartron.runtime (it imports state.py, the trainer's optimizer and data
-loader); the rest of spartron.interop.hf does not.
+- `model_toml(cfg)`: the `[model]` section of a run config TOML for a ModelConfig (runtime's writer).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from torch import Tensor
 
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, import_hf
 from spartron.layers.config import ModelConfig
+from spartron.runtime.config import RunConfig, config_from_dict, dump_config
+from spartron.runtime.state import (
+    COMPLETE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    latest_complete_step,
+    read_meta,
+    read_metadata_file,
+    save_state,
+    state_config,
+    step_dir,
+    verify_step,
+)
 
 _EP_KEY = re.compile(r"^model\.(.+)/ep(\d+)$")
 
@@ -50,15 +64,6 @@ class SavedStateSource(TensorSource):
     """A verified saved step read tensor by tensor (module docstring)."""
 
     def __init__(self, path: Path) -> None:
-        from spartron.runtime.state import (
-            COMPLETE,
-            latest_complete_step,
-            read_meta,
-            read_metadata_file,
-            step_dir,
-            verify_step,
-        )
-
         if dist.is_initialized():
             raise HFCheckpointError("exporting a saved state runs in one process (outside torch.distributed)")
         if not (path / COMPLETE).is_file():
@@ -92,8 +97,6 @@ class SavedStateSource(TensorSource):
         return self.entries[self._keys(name)[0]].properties.dtype
 
     def fetch(self, names: list[str]) -> dict[str, Tensor]:
-        from spartron.runtime.state import SafeFileSystemReader, SafeLoadPlanner
-
         wanted = {}
         for name in names:
             for key in self._keys(name):
@@ -116,10 +119,8 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
     """
     from spartron.layers.model import build_model
     from spartron.parallel.dims import ParallelDims
-    from spartron.runtime.config import RunConfig, config_from_dict
     from spartron.runtime.data import build_loader
     from spartron.runtime.optim import build_optimizer
-    from spartron.runtime.state import save_state, state_config
 
     if dist.is_initialized():
         raise HFCheckpointError("import_hf_to_state writes a one-rank saved state: call it outside "
@@ -141,3 +142,14 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
     path = save_state(run_dir, 0, model, optimizer, {"tokens": 0}, {"data": loader.state_dict()},
                       torch.device("cpu"), layout=dims.describe(), config=state_config(run_cfg))
     return path, run_cfg
+
+
+def model_toml(cfg: ModelConfig) -> str:
+    """The `[model]` section (and its sub-tables) of a run config TOML for `cfg`."""
+    lines, keep = [], False
+    for line in dump_config(RunConfig(model=cfg)).splitlines():
+        if line.startswith("["):
+            keep = line == "[model]" or line.startswith("[model.")
+        if keep:
+            lines.append(line)
+    return "\n".join(lines).strip() + "\n"
