@@ -570,3 +570,12 @@ def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
     assert err.startswith("spartron: error: Hugging Face config.json: 1 setting(s) cannot be honoured: "
                           "hidden_act: 'gelu'") and err.count("\n") == 1
     assert main(["convert", "--from-hf", str(hf_dir), "--to-hf", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == ("spartron: error: --from-hf goes with --to RUN_DIR (a saved state), --from "
+                                       "with --to-hf DIR\n")
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 2  # not a new directory
+    assert capsys.readouterr().err.startswith(f"spartron: error: {tmp_path / 'run'}: exists and is not an empty")
+    damaged = tmp_path / "run" / "step-00000000" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+    assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged}: CRC-32" in err and "corrupted" in err and err.count("\n") == 1
