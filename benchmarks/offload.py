@@ -50,7 +50,6 @@ from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
 from spartron.launch.process import exit_process  # noqa: E402
 from spartron.layers.model import build_model  # noqa: E402
-from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.parallelize import parallelize  # noqa: E402
@@ -321,7 +320,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
         if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
             gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
         results[f"micro_batches_{n}"]["gpu"] = gpu
-        destroy_deepep_buffers(model)  # collective; none with the all_to_all dispatcher
+        model.close()  # collective: releases the EP group's communication buffers
         del model
     results["dispatcher"] = configs[1].model.moe.dispatcher
     results["scope"] = configs[2].train.intra_layer_micro_batch_scope

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from spartron.checkpointing import microbatch as mb
 from spartron.checkpointing.microbatch import Phase, drive, interleave
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
@@ -29,7 +30,8 @@ from spartron.layers.outputs import DecoderLayerOutput
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); dense SwiGLU or MoE FFN."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None,
+                 transport: EPTransport | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -37,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.is_moe = layer_idx >= cfg.first_k_dense
         if self.is_moe:
-            self.ffn = MoELayer(cfg, ep_group=ep_group)
+            self.ffn = MoELayer(cfg, ep_group=ep_group, transport=transport)
         else:
             self.ffn = FeedForward(cfg.dim, cfg.dense_inter_dim)
 

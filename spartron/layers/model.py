@@ -15,30 +15,34 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_batches
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.init import init_parameters_
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
-from spartron.layers.moe.deepep_buffer import share_deepep_buffer
-from spartron.layers.moe.dispatch import CopyEngineDispatcher
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
-from spartron.runtime.ops.copy_engine import share_exchange_buffers
 
 
 class SparseMoEModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None, seed: int = 0):
+    """`transport`: the EP group's communication buffers (None: one made here); every MoE layer of the
+    model gets it when built, so all share one exchange / DeepEP buffer, released by `close()`."""
+
+    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None, seed: int = 0,
+                 transport: EPTransport | None = None):
         super().__init__()
         self.cfg = cfg
         self.cp_group = cp_group
         self.loss_group = loss_group
+        self.transport = EPTransport(ep_group, cfg.moe.copy_engine_sync) if transport is None else transport
+        t = self.transport
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ep_group, cp_group) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ep_group, cp_group, t) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.mtp = MTP(cfg, ep_group, cp_group) if cfg.mtp.depth > 0 else None
+        self.mtp = MTP(cfg, ep_group, cp_group, t) if cfg.mtp.depth > 0 else None
         # Intra-layer micro-batches of the decoder stack (train.intra_layer_micro_batches, set by
         # runtime.parallelize): each layer runs N batch slices with their phases interleaved.
         self.intra_layer_micro_batches = 1
@@ -117,10 +121,16 @@ class SparseMoEModel(nn.Module):
         for moe in self.moe_layers():
             moe.update_expert_bias(group=group)
 
+    def close(self) -> int:
+        """Release the EP group's communication buffers (collective: every rank calls it, while all
+        are alive); returns how many were live. A later forward creates them again."""
+        return self.transport.destroy()
 
-def build_model(cfg: ModelConfig, groups=None, seed: int = 0) -> SparseMoEModel:
+
+def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTransport | None = None) -> SparseMoEModel:
     """Build the reference model on the explicit groups (None: single rank), initialised from `seed`
-    (the trainer passes train.seed) by the layout-invariant rule of spartron.layers.init.
+    (the trainer passes train.seed) by the layout-invariant rule of spartron.layers.init; `transport`:
+    the EP group's buffers (None: the model makes its own).
 
     `model.dtype` is the parameter dtype (the presets train bf16 parameters with AdamW, as in
     ARCHITECTURE.md): parameters are initialised in float32 and cast once; buffers such as the
@@ -128,14 +138,11 @@ def build_model(cfg: ModelConfig, groups=None, seed: int = 0) -> SparseMoEModel:
     """
     master = cfg.model_copy(update={"dtype": "float32"})
     if groups is None:
-        model = SparseMoEModel(master, seed=seed)
+        model = SparseMoEModel(master, seed=seed, transport=transport)
     else:
         model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp,
-                               seed=seed)
+                               seed=seed, transport=transport)
     model.cfg = cfg
-    if cfg.moe.dispatcher == "deepep":
-        share_deepep_buffer(model)  # one DeepEP buffer per EP group, not one per MoE layer
-    share_exchange_buffers([m.dispatcher for m in model.moe_layers() if isinstance(m.dispatcher, CopyEngineDispatcher)])
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:
         for p in model.parameters():

@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from spartron.checkpointing.offload import ActivationOffloader
 from spartron.launch.process import STOPPED_STATUS, exit_process
 from spartron.layers.costs import training_flops_per_token
-from spartron.layers.moe.deepep_buffer import destroy_deepep_buffers
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
@@ -71,6 +70,7 @@ class TrainableModel(Protocol):
       the EP group for clipping). Without it, parameters under a module path containing ``experts``
       are taken to be EP-sharded when parallel.ep > 1.
     - ``set_requires_gradient_sync(bool)`` (FSDP2): reduce gradients only on the last micro-batch.
+    - ``close()``: release communication buffers (a collective) when the run ends well.
     """
 
     def __call__(self, tokens: Tensor, labels: Tensor) -> ModelOutput: ...
@@ -286,7 +286,8 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
         log.close(summary=False)
         raise TrainingError(f"rank {rank} failed at step {step}: {type(err).__name__}: {err}") from err
     log.close(summary=t.progress)
-    destroy_deepep_buffers(model)  # collective, so only here: every rank ends the run well together
+    if hasattr(model, "close"):  # collective, so only here: every rank ends the run well together
+        model.close()
     if stopped_at is not None and rank == 0:
         print(f"spartron: SIGTERM: saved step {stopped_at} of {t.steps} in {run_dir} and stopped; "
               f"resume = true continues from it", file=sys.stderr, flush=True)

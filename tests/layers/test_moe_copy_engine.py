@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig, MoEConfig
 from spartron.layers.model import build_model
 from spartron.layers.moe import MoELayer, build_dispatcher
@@ -210,11 +211,11 @@ def _layer_parity_worker(rank, world, device_kind, shared, modes, sync="barrier"
         for transport in ("nccl", "copy_engine"):
             torch.manual_seed(0)
             extra = {"copy_engine_sync": sync} if transport == "copy_engine" else {}
-            layers[transport] = MoELayer(model_cfg(transport, dtype, **extra), ep_group=group, device=device)
+            buffers = EPTransport(group, sync, memory=memory) if transport == "copy_engine" else None
+            layers[transport] = MoELayer(model_cfg(transport, dtype, **extra), ep_group=group, device=device,
+                                         transport=buffers)
         ce = layers["copy_engine"].dispatcher
         assert isinstance(ce, CopyEngineDispatcher) and type(layers["nccl"].dispatcher) is AllToAllDispatcher
-        if memory is not None:
-            ce.buffer = ExchangeBuffer(group, memory)
         ref, got = (_train_once(layers[t], x, g, mode) for t in ("nccl", "copy_engine"))
         assert torch.equal(got[0], ref[0]), f"{mode}: output"
         assert torch.equal(got[1], ref[1]), f"{mode}: input grad"
@@ -241,11 +242,12 @@ def _build_model_worker(rank, world):
     model = build_model(cfg, groups)
     dispatchers = [m.dispatcher for m in model.moe_layers()]
     return (len(dispatchers), all(isinstance(d, CopyEngineDispatcher) for d in dispatchers),
-            len({id(d.buffer) for d in dispatchers}))
+            len({id(d.buffer) for d in dispatchers}), dispatchers[0].buffer is model.transport.exchange_buffer(),
+            model.close())  # nothing allocated before the first exchange: nothing to release
 
 
 def test_build_model_shares_one_exchange_buffer_per_ep_group():
-    assert run_distributed(_build_model_worker, 2) == [(3, True, 1)] * 2
+    assert run_distributed(_build_model_worker, 2) == [(3, True, 1, True, 0)] * 2
 
 
 def test_single_rank_needs_no_exchange():

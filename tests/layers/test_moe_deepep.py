@@ -22,15 +22,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy, checkpoint
 from spartron.checkpointing.microbatch import interleave
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer, build_dispatcher
-from spartron.layers.moe.deepep_buffer import (
-    DeepEPBuffer,
-    check_deepep_shape,
-    nvl_buffer_bytes,
-    share_deepep_buffer,
-)
-from spartron.layers.moe.dispatch import AllToAllDispatcher, DeepEPDispatcher
+from spartron.layers.moe.deepep_buffer import DeepEPBuffer, check_deepep_shape, nvl_buffer_bytes
+from spartron.layers.moe.dispatch import DeepEPDispatcher
 from spartron.runtime.ops import deepep as deepep_ops
 from spartron.testing import run_distributed
 
@@ -64,7 +60,7 @@ def test_missing_deep_ep_says_how_to_install(monkeypatch):
 def test_deepep_needs_an_intranode_ep_group():
     cfg = model_cfg("deepep").moe
     with pytest.raises(ValueError, match=r"EP group of 2, 4 or 8 ranks; parallel.ep is 1 \(use 'all_to_all'\)"):
-        DeepEPDispatcher(cfg, None, library=deepep_emulator)
+        DeepEPDispatcher(cfg, None, None, EPTransport(None, deepep_library=deepep_emulator))
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -169,7 +165,8 @@ def _parity_worker(rank, world, device_kind, modes):
     dim = DIM
     torch.manual_seed(0)
     ref = MoELayer(model_cfg("all_to_all", dim), ep_group=group, device=device)
-    shared_buffer = DeepEPBuffer(group, 3, 8, 8, dim, library=library)
+    transport = EPTransport(group, deepep_library=library)  # one buffer for the group, reused by every mode
+    shared_buffer = transport.deepep_buffer(3, 8, 8, dim)
     torch.manual_seed(100 + rank)
     x = torch.randn(BATCH, TOKENS_PER_SEQ, dim, device=device, dtype=torch.bfloat16)
     g = torch.randn_like(x)
@@ -181,13 +178,8 @@ def _parity_worker(rank, world, device_kind, modes):
     ref.update_expert_bias(group=group)
     report = {}
     for mode in modes:
-        if gpu:
-            dep = MoELayer(model_cfg("deepep", dim), ep_group=group, device=device)  # the real selection path
-        else:
-            dep = MoELayer(model_cfg("all_to_all", dim), ep_group=group, device=device)
-            dep.dispatcher = DeepEPDispatcher(model_cfg("deepep", dim).moe, group, dim, library=library)
-        assert isinstance(dep.dispatcher, DeepEPDispatcher)
-        dep.dispatcher.buffer = shared_buffer  # one buffer per EP group, reused by every mode
+        dep = MoELayer(model_cfg("deepep", dim), ep_group=group, device=device, transport=transport)
+        assert isinstance(dep.dispatcher, DeepEPDispatcher) and dep.dispatcher.buffer is shared_buffer
         dep.load_state_dict(ref.state_dict())
         with torch.no_grad():
             dep.router.expert_bias.copy_(torch.zeros_like(dep.router.expert_bias))
@@ -221,8 +213,8 @@ def _parity_worker(rank, world, device_kind, modes):
             assert delta == {"layout": n, "dispatch": n, "combine": 2 * n, "cached_dispatch": n}, (mode, delta)
         report[mode] = "ok"
     runtime = shared_buffer.runtime()
-    shared_buffer.destroy()  # collective, while every rank is alive
-    assert not shared_buffer.created
+    assert transport.destroy() == 1  # collective, while every rank is alive
+    assert not shared_buffer.created and transport.destroy() == 0
     if library is not None:
         assert runtime.destroyed
     return report
@@ -267,21 +259,24 @@ def test_ep2_parity_with_all_to_all_emulated():
     assert results == [{m: "ok" for m in MODES}] * 2
 
 
-def test_share_deepep_buffer_points_layers_at_one_buffer():
+def test_one_transport_gives_every_layer_one_deepep_buffer():
     results = run_distributed(_share_worker, 2)
-    assert results == [(1, True)] * 2
+    assert results == [(True, False, "model.moe.dispatcher = 'deepep': MoE layers on one EP group disagree on "
+                               "(top_k, n_routed_experts, deepep_num_sms), dim: (2, 8, 8), 64 vs (3, 8, 8), 64")] * 2
 
 
 def _share_worker(rank, world):
-    cfg = model_cfg("deepep").moe
-    model = torch.nn.ModuleList()
-    for _ in range(3):
-        layer = MoELayer(model_cfg("all_to_all"), ep_group=dist.group.WORLD)
-        layer.dispatcher = DeepEPDispatcher(cfg, dist.group.WORLD, DIM, library=deepep_emulator)
-        model.append(layer)
-    shared = share_deepep_buffer(model)
-    one = next(iter(shared.values()))
-    return len(shared), all(m.dispatcher.buffer is one for m in model)
+    transport = EPTransport(dist.group.WORLD, deepep_library=deepep_emulator)
+    layers = [MoELayer(model_cfg("deepep"), ep_group=dist.group.WORLD, transport=transport) for _ in range(3)]
+    own = MoELayer(model_cfg("deepep"), ep_group=dist.group.WORLD,
+                   transport=EPTransport(dist.group.WORLD, deepep_library=deepep_emulator))
+    try:
+        MoELayer(model_cfg("deepep", top_k=2), ep_group=dist.group.WORLD, transport=transport)
+        message = "no error"
+    except ValueError as err:
+        message = str(err)
+    one = layers[0].dispatcher.buffer
+    return all(m.dispatcher.buffer is one for m in layers), own.dispatcher.buffer is one, message
 
 
 def _tiny_deepep_cfg(run_dir, dispatcher: str):
@@ -325,13 +320,10 @@ def _train_with_deepep_worker(rank, world, run_dir):
     library = type(sys)("deep_ep_recording")
     library.Buffer, library.Config = recording_buffer, deepep_emulator.Config
 
-    def factory(cfg, groups):
-        model = build_model(cfg.model, groups)
-        deepep = cfg.model.moe.model_copy(update={"dispatcher": "deepep"})
-        for module in model.modules():
-            if isinstance(getattr(module, "dispatcher", None), AllToAllDispatcher):
-                module.dispatcher = DeepEPDispatcher(deepep, groups.ep, cfg.model.dim, library=library)
-        share_deepep_buffer(model)
+    def factory(cfg, groups):  # the run config says all_to_all (a CPU run); the model is built with deepep
+        deepep = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"dispatcher": "deepep"})})
+        model = build_model(deepep, groups, transport=EPTransport(groups.ep, deepep_library=library))
+        assert all(isinstance(m.dispatcher, DeepEPDispatcher) for m in model.moe_layers())
         return parallelize(model, groups, cfg)
 
     result = train(_tiny_deepep_cfg(run_dir, "all_to_all"), factory)

@@ -1,16 +1,15 @@
 """The DeepEP communication buffer of one EP group: sizing from the model config, lazy creation.
 
 Why an explicit object: a `deep_ep.Buffer` pins NVLink-shared (IPC) memory and a communication
-stream and is created collectively by every rank of the group. It belongs to whoever owns the MoE
-layers: one per model and EP group (`build_model` calls `share_deepep_buffer`; a layer built alone
-has its own), never a module-level cache. Creation is lazy: constructing a model costs nothing, and the first
-dispatch creates it inside the `spartron_deepep::dispatch` op, where a checkpoint policy never
-sees (or replays) the collective set-up traffic.
+stream and is created collectively by every rank of the group. It belongs to the EP group's
+transport (spartron.comm.transport.EPTransport: one per model, shared by every MoE layer; a layer
+built alone has its own), never a module-level cache. Creation is lazy: constructing a model costs
+nothing, and the first dispatch creates it inside the `spartron_deepep::dispatch` op, where a
+checkpoint policy never sees (or replays) the collective set-up traffic.
 
-Lifetime: the owner calls `destroy()` on every rank before the process group goes away (the
-buffer is created with DeepEP's `explicitly_destroy`); the trainer does it for its model with
-`destroy_deepep_buffers` when a run ends well. A process that exits without it only leaks what the
-OS reclaims anyway.
+Lifetime: the transport calls `destroy()` on every rank before the process group goes away (the
+buffer is created with DeepEP's `explicitly_destroy`); the trainer does it through the model's
+`close()` when a run ends well. A process that exits without it only leaks what the OS reclaims anyway.
 
 Sizing (intranode, NVLink): DeepEP streams tokens through per-(channel, peer) ring queues of
 `num_max_nvl_chunked_recv_tokens` slots, so the NVLink buffer depends on hidden size, EP size and
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from spartron.optional import MissingDependencyError, require
 
@@ -151,44 +149,3 @@ class DeepEPBuffer:
         if topk_ids.shape != (x.shape[0], self.top_k) or topk_ids.dtype != torch.int64:
             raise ValueError(f"{FEATURE}: topk_ids must be int64 [{x.shape[0]}, {self.top_k}], got "
                              f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
-
-
-def _deepep_dispatchers(model: nn.Module) -> list:
-    from spartron.layers.moe.dispatch import DeepEPDispatcher
-
-    return [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), DeepEPDispatcher)]
-
-
-def share_deepep_buffer(model: nn.Module) -> dict[str, DeepEPBuffer]:
-    """Point every DeepEP dispatcher of `model` at one buffer per EP group (before the first forward).
-
-    Returns {group name: buffer}. Without this each MoE layer creates its own buffer on first use.
-    `build_model` calls it; a model built another way calls it itself.
-    """
-    shared: dict[str, DeepEPBuffer] = {}
-    for d in _deepep_dispatchers(model):
-        buffer = d.buffer
-        key = buffer.group.group_name
-        first = shared.setdefault(key, buffer)
-        if first is buffer:
-            continue
-        mine = (buffer.top_k, buffer.n_experts, buffer.num_sms)
-        theirs = (first.top_k, first.n_experts, first.num_sms)
-        if mine != theirs:
-            raise ValueError(f"{FEATURE}: MoE layers on EP group {key!r} disagree on (top_k, "
-                             f"n_routed_experts, deepep_num_sms): {mine} vs {theirs}")
-        if buffer.created or (buffer.hidden is not None and first.hidden is not None
-                               and buffer.hidden != first.hidden):
-            raise ValueError(f"{FEATURE}: share_deepep_buffer must run before the first forward")
-        d.buffer = first
-    return shared
-
-
-def destroy_deepep_buffers(model: nn.Module) -> int:
-    """Destroy every DeepEP buffer `model` uses (collective over each EP group); returns how many were
-    live. The trainer calls it on every rank when a run ends well; a later forward creates new ones."""
-    buffers = {id(d.buffer): d.buffer for d in _deepep_dispatchers(model)}
-    live = [b for b in buffers.values() if b.created]
-    for buffer in live:
-        buffer.destroy()
-    return len(live)

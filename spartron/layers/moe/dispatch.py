@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import MoEConfig
-from spartron.layers.moe.deepep_buffer import DeepEPBuffer, check_deepep_shape, load_deep_ep
+from spartron.layers.moe.deepep_buffer import check_deepep_shape, load_deep_ep
 from spartron.runtime.ops.collectives import all_gather, all_to_all, splits_to_host
-from spartron.runtime.ops.copy_engine import ExchangeBuffer, exchange, transpose_counts
+from spartron.runtime.ops.copy_engine import exchange, transpose_counts
 from spartron.runtime.ops.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 
 
@@ -198,11 +199,10 @@ class CopyEngineDispatcher(AllToAllDispatcher):
     the exchange needs, and this rank's received counts per local expert, in one host copy.
     """
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, buffer: ExchangeBuffer | None = None,
-                 sync: str = "barrier"):
-        """`sync`: model.moe.copy_engine_sync, for the buffer made here when none is given."""
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, transport: EPTransport):
+        """`transport`: the EP group's (its exchange buffer is shared by every layer on the group)."""
         super().__init__(n_experts, ep_group)
-        self.buffer = ExchangeBuffer(ep_group, sync=sync) if buffer is None else buffer
+        self.buffer = transport.exchange_buffer()
 
     def exchange_counts(self, *states: DispatchState) -> None:
         ep, n_local, n = self.ep, self.n_local_experts, len(states)
@@ -247,22 +247,21 @@ class DeepEPDispatcher:
     results on the source rank. So the gates are applied before combine, and their gradient comes
     back through the dispatch op's backward (a combine that also reduces the top-k weights).
 
-    The buffer is created on the first dispatch (`DeepEPBuffer`); `share_deepep_buffer(model)`
-    points all layers of a model at one buffer per EP group.
+    The buffer (`DeepEPBuffer`, created on the first dispatch) is the EP group's transport's: every
+    layer on the group shares it.
     """
 
-    def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None,
-                 library: object | None = None):
-        """`library`: what provides `Buffer`/`Config` (default: `deep_ep`, imported now)."""
-        if library is None:
-            library = load_deep_ep()
+    def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None,
+                 transport: EPTransport):
+        """`transport.deepep_library`: what provides `Buffer`/`Config` (None: `deep_ep`, imported now)."""
+        if transport.deepep_library is None:
+            load_deep_ep()  # a missing install fails when the model is built, not at the first step
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         check_deepep_shape(cfg.n_routed_experts, cfg.top_k, ep, cfg.deepep_num_sms, hidden)
         self.n_experts = cfg.n_routed_experts
         self.ep = ep
         self.n_local_experts = cfg.n_routed_experts // ep
-        self.buffer = DeepEPBuffer(ep_group, cfg.top_k, cfg.n_routed_experts, cfg.deepep_num_sms, hidden,
-                                   library=library)
+        self.buffer = transport.deepep_buffer(cfg.top_k, cfg.n_routed_experts, cfg.deepep_num_sms, hidden)
 
     def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DeepEPDispatchState]:
         """x [tokens, dim] -> the same tokens (DeepEP sends whole tokens); counts per global expert."""
@@ -307,7 +306,16 @@ class DeepEPDispatcher:
 Dispatcher = LocalDispatcher | AllToAllDispatcher | CopyEngineDispatcher | DeepEPDispatcher
 
 
-def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None) -> Dispatcher:
+def check_dispatcher(dispatcher: str, ep: int) -> None:
+    """THE rule for the dispatcher against the EP size (the run config checks it at load, the
+    dispatcher when it is built): 'local' moves no tokens, so it cannot serve more than one EP rank."""
+    if dispatcher == "local" and ep > 1:
+        raise ValueError(f"model.moe.dispatcher = 'local' cannot serve an EP group of {ep} ranks; "
+                         "use 'all_to_all' or 'deepep'")
+
+
+def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None,
+                     transport: EPTransport | None = None) -> Dispatcher:
     """The dispatcher `model.moe.dispatcher` names, for an EP group (None = single rank).
 
     With one EP rank there is nothing to exchange: "all_to_all" runs as the local dispatcher
@@ -315,15 +323,16 @@ def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden:
     "deepep" needs DeepEP installed and an EP group of 2, 4 or 8 ranks; `hidden` (model.dim) sizes
     its buffer (None: taken from the first tokens). "all_to_all" exchanges tokens with NCCL, or with
     the copy engines when `model.moe.all_to_all_transport = "copy_engine"` (one host).
+    `transport`: the EP group's buffers, shared by every layer of a model (None: this layer's own).
     """
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    check_dispatcher(cfg.dispatcher, ep)
+    if transport is None and (cfg.dispatcher == "deepep" or ep > 1):
+        transport = EPTransport(ep_group, copy_engine_sync=cfg.copy_engine_sync)
     if cfg.dispatcher == "deepep":
-        return DeepEPDispatcher(cfg, ep_group, hidden)
+        return DeepEPDispatcher(cfg, ep_group, hidden, transport)
     if ep == 1:
         return LocalDispatcher(cfg.n_routed_experts)
-    if cfg.dispatcher == "local":
-        raise ValueError(f"model.moe.dispatcher = 'local' cannot serve an EP group of {ep} ranks; "
-                         "use 'all_to_all' or 'deepep'")
     if cfg.all_to_all_transport == "copy_engine":
-        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group, sync=cfg.copy_engine_sync)
+        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group, transport)
     return AllToAllDispatcher(cfg.n_routed_experts, ep_group)

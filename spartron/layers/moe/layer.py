@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.checkpointing.microbatch import Phase, PhaseGen, drive, interleave
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.init import init_parameters_
@@ -35,7 +36,8 @@ from spartron.runtime.ops.telemetry import record_routing_stats
 
 class MoELayer(nn.Module):
     def __init__(self, model_cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, transport: EPTransport | None = None):
+        """`transport`: the EP group's communication buffers, shared by a model's MoE layers (None: its own)."""
         super().__init__()
         cfg = model_cfg.moe
         self.cfg = cfg
@@ -49,7 +51,7 @@ class MoELayer(nn.Module):
         self.first_local_expert = ep_rank * self.n_local_experts
         dtype = getattr(torch, model_cfg.dtype)
         common = {"dtype": dtype, "device": device, "init_std": model_cfg.init_std}
-        self.dispatcher = build_dispatcher(cfg, ep_group, hidden=model_cfg.dim)
+        self.dispatcher = build_dispatcher(cfg, ep_group, hidden=model_cfg.dim, transport=transport)
         self.router = Router(cfg, model_cfg.dim, **common)
         self.experts = GroupedExperts(self.n_local_experts, model_cfg.dim, cfg.moe_inter_dim,
                                       mode=cfg.grouped_mm, first_expert=self.first_local_expert, **common)

@@ -24,7 +24,7 @@ rows in rank r's buffer is the sum of what ranks before s send to r: every rank 
 count matrix (`counts`, row-major [ep, ep], counts[s * ep + r] = rows s sends to r), which the MoE
 dispatcher all-gathers anyway. Backward is the same exchange with the matrix transposed.
 
-The buffer (`ExchangeBuffer`) belongs to the caller (the dispatcher, shared per EP group); ops
+The buffer (`ExchangeBuffer`) belongs to the EP group's transport (spartron.comm.transport); ops
 cannot take it, so the wrapper makes it current (`buffer_scope`) and autograd keeps it on the node,
 as `spartron_deepep` does. It grows collectively: every rank derives the same size from `counts`.
 An event after each exchange orders the next one after it whatever stream it runs on. The checkpoint
@@ -41,7 +41,7 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -133,8 +133,7 @@ class CudaSymmetricMemory:
     """
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, sync: str = "barrier"):
-        if sync not in SYNCS:
-            raise ValueError(f"model.moe.copy_engine_sync must be one of {SYNCS}, got {sync!r}")
+        """`sync` is one of SYNCS (ExchangeBuffer, the one constructor of this class, checks it)."""
         header = SIGNAL_BYTES if sync == "stream_wait" else 0
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -234,6 +233,18 @@ class ExchangeBuffer:
         self.grows = memory is None
         self.exchanges = 0
         self._last: torch.cuda.Event | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Holds symmetric memory it allocated itself (what `destroy` releases)."""
+        return self.grows and self.memory is not None
+
+    def destroy(self) -> None:
+        """Release the memory this buffer allocated (every rank of the group calls it, like the
+        allocation); memory given to the constructor stays the caller's. A later exchange allocates anew."""
+        if self.allocated:
+            torch.cuda.synchronize()  # no queued copy still reads or writes the buffers
+            self.memory, self._last = None, None
 
     def _reserve(self, slot_bytes: int, device: torch.device) -> SymmetricMemory:
         """Memory holding two receive slots of `slot_bytes` (aligned to 256 bytes)."""
@@ -340,11 +351,3 @@ def exchange(buffer: ExchangeBuffer, x: Tensor, counts: Sequence[int]) -> Tensor
     """Differentiable exchange of `x`'s rows over `buffer`'s group (see the module docstring)."""
     with buffer_scope(buffer):  # bad counts: the op's plan raises before any copy or synchronisation
         return _exchange(x, [int(c) for c in counts], buffer.group.group_name)
-
-
-def share_exchange_buffers(dispatchers: Sequence[Any]) -> dict[str, ExchangeBuffer]:
-    """Point dispatchers (each with `.buffer`, an ExchangeBuffer) at one buffer per group; returns them."""
-    shared: dict[str, ExchangeBuffer] = {}
-    for d in dispatchers:
-        d.buffer = shared.setdefault(d.buffer.group.group_name, d.buffer)
-    return shared

@@ -1,0 +1,1 @@
+"""spartron.comm: how bytes move between ranks."""
