@@ -13,6 +13,9 @@ The runtime half of spartron.interop.hf (which stays below the runtime floor and
   step) for `export_hf`, verified first (`verify_step`), its ModelConfig from meta.json, read with
   DCP through state.py's safe reader only as the output shard being written needs them. EP-sharded
   entries (`<fqn>/ep<r>`) are joined in EP-rank order, which is global expert order.
+- `hf_initialised(factory, hf_dir)`: a trainer model factory that builds the model on the run's
+  layout and fills it from the HF directory (each rank reads its own shards): how a run starts from
+  HF weights on any layout (what a `train.init_from` option would call for a new run).
 - `model_toml(cfg)`: the `[model]` section of a run config TOML for a ModelConfig (runtime's writer).
 """
 
@@ -27,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from spartron.interop.hf.convert import HFCheckpointError, TensorSource, import_hf
+from spartron.interop.hf.convert import HFCheckpointError, TensorSource, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.runtime.config import RunConfig, config_from_dict, dump_config
 from spartron.runtime.state import (
@@ -153,3 +156,15 @@ def model_toml(cfg: ModelConfig) -> str:
         if keep:
             lines.append(line)
     return "\n".join(lines).strip() + "\n"
+
+
+def hf_initialised(factory, hf_dir: str | Path):
+    """The trainer model factory `factory(cfg, groups)` followed by `load_hf_weights(model, hf_dir)`
+    (the run's [model] must compute the checkpoint's function: `check_config_matches`)."""
+
+    def build(cfg, groups):
+        model = factory(cfg, groups)
+        load_hf_weights(model, hf_dir)
+        return model
+
+    return build

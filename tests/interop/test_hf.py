@@ -413,6 +413,35 @@ def test_fsdp2_model_exports_in_memory_bitwise(hf_dirs, tmp_path):
     _assert_bitwise(_tensors(tmp_path / "out"), _tensors(hf_dir))
 
 
+def _train_from_hf(rank, world, cfg, hf_dir: str):
+    from spartron.runtime.hf_state import hf_initialised
+    from spartron.runtime.trainer import default_model_factory, train
+
+    return train(cfg, model_factory=hf_initialised(default_model_factory, hf_dir)).records[0]["loss"]
+
+
+def test_the_trainer_starts_from_hf_weights_on_any_layout(hf_dirs, tmp_path):
+    """One rank and EP2 x FSDP2 start from the same HF weights: the same step-1 loss (to reduction
+    order), and not the seed's initial model's."""
+    from spartron.runtime.config import config_from_dict
+    from spartron.runtime.trainer import train
+    from spartron.testing import run_distributed
+
+    hf_dir, _ = hf_dirs["moe"]
+
+    def cfg(name: str, ep: int):
+        return config_from_dict({"device": "cpu", "model": import_hf(hf_dir)[0].model_dump(mode="json"),
+                                 "parallel": {"ep": ep}, "train": {"steps": 1, "seq_len": 16, "global_batch_size": 2,
+                                                                   "progress": False, "peak_tflops": 1.0,
+                                                                   "run_dir": str(tmp_path / name)}})
+
+    (one,) = run_distributed(_train_from_hf, 1, cfg("one", 1), str(hf_dir), timeout=180)
+    two = run_distributed(_train_from_hf, 2, cfg("two", 2), str(hf_dir), timeout=180)
+    (seed,) = run_distributed(lambda r, w, c: train(c).records[0]["loss"], 1, cfg("seed", 1), timeout=180)
+    assert two[0] == two[1] == pytest.approx(one, rel=1e-6, abs=0)
+    assert abs(seed - one) > 1e-3
+
+
 # ---- saved state -----------------------------------------------------------------------------------
 def _resume_rank(rank, world, cfg):
     from spartron.runtime.trainer import train
