@@ -279,17 +279,24 @@ def _write_error(err: OSError, path: Path) -> OSError:
 
 
 class _TallyStream:
-    """A write-only stream that keeps the size and CRC-32 of what passes through it, for the manifest."""
+    """A write-only stream that keeps the size and CRC-32 of what passes through it, for the manifest, and
+    the first write error in `errors`: torch.save's C++ zip writer turns an exception raised by a Python
+    stream's write into its own "inline_container.cc ... unexpected pos" error, which names nothing."""
 
-    def __init__(self, raw: Any, path: Path, record: list[int]) -> None:
-        self._raw, self._path, self._record = raw, path, record
+    def __init__(self, raw: Any, path: Path, record: list[int], errors: list[OSError]) -> None:
+        self._raw, self._path, self._record, self._errors = raw, path, record, errors
+
+    def _failed(self, err: OSError) -> OSError:
+        named = _write_error(err, self._path)
+        self._errors.append(named)
+        return named
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
             n = self._raw.write(view)
         except OSError as err:
-            raise _write_error(err, self._path) from None
+            raise self._failed(err) from None
         n = len(view) if n is None else n
         self._record[0] += n
         self._record[1] = zlib.crc32(view[:n], self._record[1])
@@ -299,7 +306,7 @@ class _TallyStream:
         try:
             return getattr(self._raw, name)()
         except OSError as err:
-            raise _write_error(err, self._path) from None
+            raise self._failed(err) from None
 
     def flush(self) -> None:
         self._call("flush")
@@ -326,6 +333,7 @@ class _TallyFileSystem(FileSystem):
     def __init__(self, tally: dict[str, list[int]]) -> None:
         super().__init__()
         self.tally = tally
+        self.errors: list[OSError] = []  # every write error of this rank's streams, first first
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -337,15 +345,17 @@ class _TallyFileSystem(FileSystem):
         try:
             raw = path.open(mode)
         except OSError as err:
-            raise _write_error(err, path) from None
+            self.errors.append(_write_error(err, path))
+            raise self.errors[-1] from None
         record = self.tally[path.name] = [0, 0]
         try:
-            yield _TallyStream(raw, path, record)
+            yield _TallyStream(raw, path, record, self.errors)
         finally:
             try:
                 raw.close()
             except OSError as err:
-                raise _write_error(err, path) from None  # noqa: B012 - the close error names the file too
+                self.errors.append(_write_error(err, path))
+                raise self.errors[-1] from None  # noqa: B012 - the close error names the file too
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -502,16 +512,16 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
 
     tally: dict[str, list[int]] = {}
     _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
-    error = None
+    error, writer = None, _TallyWriter(tmp, tally)
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_TallyWriter(tmp, tally))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     except CheckpointException as err:  # raised on every rank, with every failing rank's exception
-        if rank == 0:
-            error = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _) in sorted(err.failures.items()))
-        else:
-            error = None if err.failures else f"rank {rank}: {_first_line(err)}"
+        mine = writer.fs.errors[0] if writer.fs.errors else err.failures.get(rank, (None,))[0]
+        error = f"rank {rank}: {_first_line(mine)}" if mine is not None else None
+        if error is None and not err.failures:
+            error = f"rank {rank}: {_first_line(err)}"
     except OSError as err:
-        error = f"rank {rank}: {_first_line(err)}"
+        error = f"rank {rank}: {_first_line(writer.fs.errors[0] if writer.fs.errors else err)}"
     check(error)
 
     error = None

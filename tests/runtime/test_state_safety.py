@@ -9,9 +9,12 @@ import json
 import os
 import pickle
 import resource
+import shlex
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -467,6 +470,67 @@ def test_write_error_names_the_path_and_bytes_needed_and_keeps_the_previous_step
         assert err.endswith("free there; the last complete step (1) is intact")
     assert sorted(p.name for p in run.iterdir()) == ["step-00000001"]  # the temporary directory is gone
     load_state(step_dir(run, 1), model, opt, CPU) if world == 1 else None
+
+
+_SAVE_TWICE = """
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from torch import nn
+from spartron.runtime.state import StateSaveError, complete_steps, load_state, save_state, step_dir
+run, cpu = sys.argv[1], torch.device("cpu")
+model = nn.Linear(128, 128)
+opt = torch.optim.AdamW(model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+opt.step()
+for step in (1, 2):
+    try:
+        save_state(run, step, model, opt, {}, {}, cpu)
+    except StateSaveError as err:
+        print("ERROR", err)
+print("LEFT", sorted(os.listdir(run)), complete_steps(run))
+if complete_steps(run):
+    load_state(step_dir(run, 1), model, opt, cpu)
+    print("LOADED")
+"""
+
+
+def _on_tmpfs(tmp_path, mount: str) -> tuple[Path, list[str]]:
+    """Run _SAVE_TWICE with its run directory on a tmpfs, in a private mount namespace: real ENOSPC and
+    EROFS from the kernel (root ignores permissions). `mount`: shell commands given MNT, the mount point.
+    Skipped where a tmpfs cannot be mounted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=4k tmpfs {mnt}"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {probe.stderr.strip()}")
+    script = f"{mount.replace('MNT', str(mnt))} && exec {shlex.quote(sys.executable)} -c {shlex.quote(_SAVE_TWICE)} "
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", script + f"{mnt}/run"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return mnt / "run", done.stdout.splitlines()
+
+
+def test_a_full_disk_names_path_and_bytes_and_keeps_the_previous_step(tmp_path):
+    run, lines = _on_tmpfs(tmp_path, "mount -t tmpfs -o size=320k tmpfs MNT")  # one step (~200 KiB), not two
+    needed = 3 * (128 * 128 + 128) * 4 + 2 * 4  # parameters + AdamW's two moments, fp32, + its step counters
+    error = next(line for line in lines if line.startswith("ERROR"))
+    assert error.startswith(f"ERROR saving step 2 failed: rank 0: OSError: [Errno 28] No space left on device: "
+                            f"'{run}/.tmp-step-00000002/__0_0.distcp'; ")  # not torch's "unexpected pos"
+    assert f"the state needs about {needed / 1024:.1f} KiB ({needed} bytes) in {run}, " in error
+    assert error.endswith("free there; the last complete step (1) is intact")
+    assert lines[-2:] == ["LEFT ['step-00000001'] [1]", "LOADED"]  # the temporary directory is gone
+
+
+def test_a_read_only_disk_names_the_path(tmp_path):
+    run, lines = _on_tmpfs(tmp_path, "mount -t tmpfs -o size=64k tmpfs MNT && mkdir MNT/run && "
+                                     "mount -o remount,ro MNT")
+    tmp = f"{run}/.tmp-step-00000001"
+    assert lines[0].startswith(f"ERROR saving step 1 failed: rank 0: cannot create {tmp}: OSError: [Errno 30] "
+                               f"Read-only file system: '{tmp}'; the state needs about ")
+    assert lines[-1] == "LEFT [] []"
 
 
 def test_run_dir_that_is_a_file_is_a_save_error_naming_the_path(tmp_path):
