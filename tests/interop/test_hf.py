@@ -192,6 +192,12 @@ def test_deepseek_v32_indexer_imports_with_equal_logits_and_round_trips(tmp_path
     _assert_bitwise(_tensors(out), _tensors(tmp_path / "v32"))
     reloaded = DeepseekV32ForCausalLM.from_pretrained(out).eval()
     assert (_hf_logits(reloaded, tokens) - ref).abs().max().item() <= ATOL
+    # its MTP layer (model.layers.2.*, with its own indexer) into Spartron's MTP block and back, bitwise
+    written = _with_mtp(tmp_path / "v32", tmp_path / "v32-mtp", n_layers=2)
+    assert "model.layers.2.self_attn.indexer.wk.weight" in written
+    cfg, model = _spartron(tmp_path / "v32-mtp")
+    assert cfg.mtp.depth == 1 and model.mtp.blocks[0].layer.attn.indexer is not None
+    _assert_bitwise(_tensors(export_hf(model, tmp_path / "out-mtp")), written)
 
 
 def test_stacked_expert_checkpoint_imports_like_unstacked(hf_dirs, tmp_path):
@@ -215,24 +221,25 @@ def test_stacked_expert_checkpoint_imports_like_unstacked(hf_dirs, tmp_path):
 
 
 # ---- MTP -------------------------------------------------------------------------------------------
-def _with_mtp(hf_dir: Path, out: Path, seed: int = 5) -> dict[str, torch.Tensor]:
-    """A copy of hf_dir with a DeepSeek-V3 MTP layer (model.layers.3.*) in a second shard; returns its tensors."""
+def _with_mtp(hf_dir: Path, out: Path, seed: int = 5, n_layers: int = 3) -> dict[str, torch.Tensor]:
+    """A copy of hf_dir with a DeepSeek-V3 MTP layer (model.layers.{n_layers}.*) in a second shard; returns
+    every tensor of the copy."""
     shutil.copytree(hf_dir, out)
     main = _tensors(hf_dir)
     gen = torch.Generator().manual_seed(seed)
-    mtp = {}
+    mtp, m = {}, f"model.layers.{n_layers}."
     for name, t in main.items():  # the MTP layer's decoder: the shapes of MoE layer 1, its own values
         if name.startswith("model.layers.1."):
             noise = 0.2 * torch.randn(t.shape, generator=gen)
             norm = t.dim() == 1 and "norm" in name
-            mtp[name.replace("model.layers.1.", "model.layers.3.")] = 1 + noise if norm else noise
+            mtp[name.replace("model.layers.1.", m)] = 1 + noise if norm else noise
     d = main["model.norm.weight"].shape[0]
-    mtp["model.layers.3.enorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
-    mtp["model.layers.3.hnorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
-    mtp["model.layers.3.shared_head.norm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
-    mtp["model.layers.3.eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=gen)
-    mtp["model.layers.3.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
-    mtp["model.layers.3.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    mtp[f"{m}enorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp[f"{m}hnorm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp[f"{m}shared_head.norm.weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    mtp[f"{m}eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=gen)
+    mtp[f"{m}embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+    mtp[f"{m}shared_head.head.weight"] = main["lm_head.weight"].clone()
     save_file(mtp, str(out / "mtp.safetensors"))
     index = {"metadata": {}, "weight_map": {**{n: "model.safetensors" for n in main},
                                             **{n: "mtp.safetensors" for n in mtp}}}

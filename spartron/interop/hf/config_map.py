@@ -200,7 +200,8 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     used |= {"dtype", "torch_dtype"}
     if kind == V32:
         data["dsa"] = {"n_index_heads": get("index_n_heads", 64), "index_head_dim": get("index_head_dim", 128),
-                       "index_topk": get("index_topk", 2048), "layers": "all", "topk_freq": 1}
+                       "index_topk": get("index_topk", 2048), "layers": "all", "topk_freq": 1,
+                       "share_indexer_across_mtp": False}  # every DeepSeek-V3.2 MTP layer has its own
     for key in sorted(set(hf) - used - {"scoring_func", "topk_method", "moe_layer_freq", "quantization_config"}):
         problems.add(key, "not a DeepSeek-V3 setting Spartron knows (remove it if it does not change the model)")
     problems.raise_if_any()
@@ -256,6 +257,8 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
                          "layers = 'all', topk_freq = 1")
         if mla.q_lora_rank == 0:
             problems.add("model.mla.q_lora_rank", "DeepSeek-V3.2 needs a query latent (q_lora_rank > 0)")
+        if cfg.dsa.share_indexer_across_mtp and cfg.mtp.depth > 1:
+            problems.add("model.dsa.share_indexer_across_mtp", "every DeepSeek-V3.2 MTP layer has its own indexer")
     problems.raise_if_any()
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,

@@ -90,10 +90,7 @@ def _config_of(hf_dir: Path, names: Iterable[str]) -> ModelConfig:
     if mtp and mtp != list(range(len(mtp))):
         raise HFCheckpointError(f"{hf_dir}: MTP layers {[n_layers + k for k in mtp]} are not consecutive from "
                                 f"model.layers.{n_layers}")
-    cfg = model_config_from_hf(hf, mtp_layers=len(mtp))
-    if cfg.dsa is not None and cfg.mtp.depth:  # DeepSeek-V3.2: every MTP layer has its own indexer
-        cfg = cfg.model_copy(update={"dsa": cfg.dsa.model_copy(update={"share_indexer_across_mtp": False})})
-    return cfg
+    return model_config_from_hf(hf, mtp_layers=len(mtp))
 
 
 # ---- boxes ------------------------------------------------------------------------------------------
