@@ -2,8 +2,9 @@
 
 `plan_run` is THE rule for starting a run in a run directory (refusals, the step to resume); the CLI calls
 it through `check_run_start` before spawning ranks, and every rank calls it again
-(spartron.runtime.state.start_run). Everything here reads only JSON, checked field by field: nothing read
-from a run directory can run code. What a saved step holds is described in spartron.runtime.state.
+(spartron.runtime.state.start_run), whose rank 0 then holds the directory's lock (`RunDirLock`) for the
+run. Everything here reads only JSON, checked field by field: nothing read from a run directory can run
+code. What a saved step holds is described in spartron.runtime.state.
 """
 
 from __future__ import annotations
