@@ -15,19 +15,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import safetensors
 import torch
-
-pytest.importorskip("transformers")
-safetensors = pytest.importorskip("safetensors")
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import (  # noqa: E402
+from safetensors.torch import load_file, save_file
+from transformers import (  # the `test` extra installs transformers, safetensors and tokenizers
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
 )
 
-from spartron.interop.hf import (  # noqa: E402
+from spartron.interop.hf import (
     HFCheckpointError,
     HFConfigError,
     check_config_matches,
@@ -37,11 +35,11 @@ from spartron.interop.hf import (  # noqa: E402
     model_config_from_hf,
     model_config_from_toml,
 )
-from spartron.interop.hf.names import tensor_map  # noqa: E402
-from spartron.layers.decoder import run_decoder_stack  # noqa: E402
-from spartron.layers.model import build_model  # noqa: E402
-from spartron.layers.mtp import shift_left  # noqa: E402
-from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml  # noqa: E402
+from spartron.interop.hf.names import tensor_map
+from spartron.layers.decoder import run_decoder_stack
+from spartron.layers.model import build_model
+from spartron.layers.mtp import shift_left
+from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml
 
 ATOL = 1e-5
 TOKENS = torch.Generator().manual_seed(7)
