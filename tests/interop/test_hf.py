@@ -35,6 +35,7 @@ from spartron.interop.hf import (
     model_config_from_hf,
     model_config_from_toml,
 )
+from spartron.interop.hf.convert import ModelSource
 from spartron.interop.hf.names import tensor_map
 from spartron.layers.decoder import run_decoder_stack
 from spartron.layers.model import build_model
@@ -319,6 +320,15 @@ def test_export_shards_and_import_streams_one_shard_at_a_time(hf_dirs, tmp_path,
     largest = max(t.numel() * 4 for t in _tensors(hf_dir).values())
     assert max(sizes) <= 40_000 + largest + 10_000  # a shard overflows only by its one oversized tensor
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in _tensors(out).values())
+    fetched = []
+
+    class Counting(ModelSource):
+        def fetch(self, names):
+            fetched.extend(names)
+            return super().fetch(names)
+
+    export_hf(Counting(model), tmp_path / "counted", max_shard_bytes=40_000)
+    assert sorted(fetched) == sorted(model.state_dict())  # each tensor read once over all shards
     real_open, open_now, peak, opened = safetensors.safe_open, [0], [0], []
 
     class Recording:

@@ -314,10 +314,14 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
         out_dir.mkdir(parents=True)
     save_file = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save_file
     weight_map, total = {}, 0
+    tensors: dict[str, Tensor] = {}  # what the previous shard fetched and this one still needs
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         needed = sorted({s for n in names for s in producers[n]})
-        tensors = source.fetch(needed)
+        tensors = {n: t for n, t in tensors.items() if n in needed}
+        missing = [n for n in needed if n not in tensors]
+        if missing:
+            tensors.update(source.fetch(missing))
         if not writer:
             continue
         shard = {}
@@ -329,7 +333,7 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
             total += shard[n].numel() * shard[n].element_size()
             weight_map[n] = file
         save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        del shard, tensors
+        del shard
     if writer:
         (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2, sort_keys=True) + "\n")
@@ -340,11 +344,15 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
 
 
 def _hf_order(name: str) -> tuple:
-    """Embedding first, then layer by layer (experts in numeric order), then norm and head."""
+    """Embedding first, then layer by layer, then norm and head. A layer's routed experts come last,
+    projection by projection (every expert's gate_proj, then up_proj, then down_proj), so the shards
+    written one after another need one stacked Spartron expert tensor at a time."""
     parts = name.split(".")
     if name.startswith("model.layers."):
-        return (1, int(parts[2]), [int(p) if p.isdigit() else -1 for p in parts[3:]], name)
-    return (0 if "embed" in name else 2, 0, [], name)
+        if len(parts) > 6 and parts[4] == "experts" and parts[5].isdigit():
+            return (1, int(parts[2]), 1, parts[6], int(parts[5]))
+        return (1, int(parts[2]), 0, name, 0)
+    return (0 if "embed" in name else 2, 0, 0, name, 0)
 
 
 __all__ = ["HFCheckpointError", "HFConfigError", "ModelSource", "TensorSource", "export_hf", "import_hf",
