@@ -205,7 +205,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
             theirs = f.get_slice(hf_name)[_index(target.box)]
         if not torch.equal(theirs.to(target.tensor.dtype), target.tensor):
             raise HFCheckpointError(f"{hf_dir / files[hf_name]}: {hf_name} differs from the model's {ours} "
-                                    "(Spartron's MTP shares the model's embedding and head)")
+                                    "(Spartron keeps one tensor for both: the MTP layers and a tied head share "
+                                    "the model's embedding and head)")
     short = [n for n, count in filled.items() if count != targets[n].tensor.numel()]
     if short:
         raise HFCheckpointError(f"{hf_dir}: no values for {short[:3]} on this rank")
