@@ -49,10 +49,9 @@ from common import bind_to_cores  # noqa: E402
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
 from spartron.launch.process import exit_process  # noqa: E402
-from spartron.layers.model import build_model  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
-from spartron.runtime.parallelize import parallelize  # noqa: E402
+from spartron.runtime.trainer import default_model_factory  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -169,7 +168,7 @@ def measure_off_and_on(cfg, device: torch.device, steps: int, warmup: int, group
     the run hits both alike. Peak = the highest of the measured steps'."""
     torch.manual_seed(0)
     with device:
-        model = parallelize(build_model(cfg.model, groups), groups, cfg)
+        model = default_model_factory(cfg, groups)
     keep = cfg.train.keep_grad_buffers
     offloaders = {"off": None, "on": ActivationOffloader.for_model(model, cfg.offload, device)}
     tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size)
@@ -299,7 +298,7 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     for n, cfg in configs.items():
         torch.manual_seed(0)
         with device:
-            model = parallelize(build_model(cfg.model, groups), groups, cfg)
+            model = default_model_factory(cfg, groups)
         tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size, seed=rank)
         times, host = [], []
         for step in range(warmup + steps):

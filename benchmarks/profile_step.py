@@ -311,10 +311,8 @@ def top_cpu_ops(prof, n: int) -> list[dict]:
 
 def region_stats(model: torch.nn.Module) -> dict | None:
     """Saved / recomputed op counters summed over every checkpoint region's latest call."""
-    from spartron.runtime.parallelize import checkpointed_blocks
-
-    stats = [s for _, _, b in checkpointed_blocks(model)
-             if (r := checkpoint_region_of(b)) is not None and (s := r.last_stats) is not None]
+    stats = [s for b in model.blocks()
+             if (r := checkpoint_region_of(b.module)) is not None and (s := r.last_stats) is not None]
     if not stats:
         return None
     saved, recomputed = collections.Counter(), collections.Counter()

@@ -9,7 +9,7 @@ checkpointing first, then ``fully_shard``, and a replay never re-runs an FSDP fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import nn
@@ -67,16 +67,23 @@ def apply_activation_checkpointing(module: nn.Module, config: ACConfig, name: st
     return module
 
 
+def checkpointed_positions(n_blocks: int, config: ACConfig) -> list[int]:
+    """THE `ac.freq` rule: the positions (0, freq, 2*freq, ...) of the blocks that become regions."""
+    return [] if config.mode == "none" else list(range(0, n_blocks, config.freq))
+
+
 def apply_ac_to_blocks(blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
-                       config: ACConfig) -> list[str]:
-    """Checkpoint every ``config.freq``-th block (indices 0, freq, 2*freq, ...); returns their names."""
-    if config.mode == "none":
-        return []
+                       config: ACConfig, non_reentrant: Collection[nn.Module] = ()) -> list[str]:
+    """Checkpoint every ``config.freq``-th block (indices 0, freq, 2*freq, ...); returns their names.
+
+    Blocks in ``non_reentrant`` get a non-reentrant region whatever ``config.reentrant`` says (a
+    block that runs several times per step: see spartron.layers.parallelize.apply_ac)."""
     items = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
         [(str(i), b) for i, b in enumerate(blocks)]
     wrapped = []
-    for position, (key, block) in enumerate(items):
-        if position % config.freq == 0:
-            apply_activation_checkpointing(block, config, name=f"block {key}")
-            wrapped.append(key)
+    for position in checkpointed_positions(len(items), config):
+        key, block = items[position]
+        cfg = config.model_copy(update={"reentrant": False}) if block in non_reentrant else config
+        apply_activation_checkpointing(block, cfg, name=f"block {key}")
+        wrapped.append(key)
     return wrapped

@@ -196,32 +196,3 @@ def mean_or_none(values: Sequence[Tensor | None]) -> Tensor | None:
 def sum_or_none(values: Sequence[Tensor | None]) -> Tensor | None:
     present = [v for v in values if v is not None]
     return torch.stack(present).sum(dim=0) if present else None
-
-
-def set_intra_layer_micro_batches(model: torch.nn.Module, cfg: Any) -> None:
-    """Wire `train.intra_layer_micro_batches` and its scope (RunConfig `cfg`) into the model; errors
-    name the keys."""
-    n = cfg.train.intra_layer_micro_batches
-    if n == 1:
-        return
-    scope = cfg.train.intra_layer_micro_batch_scope
-    if scope == "experts":
-        moe_layers = model.moe_layers() if hasattr(model, "moe_layers") else []
-        if not moe_layers:
-            raise ValueError(f"train.intra_layer_micro_batches = {n} with intra_layer_micro_batch_scope = "
-                             f"'experts': {type(model).__name__} has no MoE layers to split")
-        for moe in moe_layers:
-            moe.micro_batches = n
-        return
-    if not hasattr(model, "intra_layer_micro_batches"):
-        raise ValueError(f"train.intra_layer_micro_batches = {n}: {type(model).__name__} does not run "
-                         "intra-layer micro-batches (the reference SparseMoEModel does)")
-    if cfg.train.micro_batch_size % n:
-        raise ValueError(f"train.intra_layer_micro_batches = {n} must divide train.micro_batch_size "
-                         f"= {cfg.train.micro_batch_size} (micro-batches split the batch dimension)")
-    moe = cfg.model.moe
-    if moe.aux_loss_coeff > 0 and moe.aux_loss_type == "batch":
-        raise ValueError("train.intra_layer_micro_batches > 1 needs model.moe.aux_loss_type = 'seq': a "
-                         "batch-level balance loss is not the mean of its micro-batches' losses (or use "
-                         "train.intra_layer_micro_batch_scope = 'experts', which routes all tokens at once)")
-    model.intra_layer_micro_batches = n

@@ -10,6 +10,8 @@ the RNG state or the layout (spartron.layers.init): every EP/CP/FSDP layout buil
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -24,14 +26,19 @@ from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
+from spartron.runtime.parallelize import Block
 
 
 class SparseMoEModel(nn.Module):
     """`transport`: the EP group's communication buffers (None: one made here); every MoE layer of the
-    model gets it when built, so all share one exchange / DeepEP buffer, released by `close()`."""
+    model gets it when built, so all share one exchange / DeepEP buffer, released by `close()`.
+    `micro_batches` / `micro_batch_scope` (train.intra_layer_micro_batches and its scope, validated
+    with the run config): each decoder layer runs that many batch slices with their phases
+    interleaved ("layer"), or each MoE layer that many chunks of its routed path ("experts")."""
 
     def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None, seed: int = 0,
-                 transport: EPTransport | None = None):
+                 transport: EPTransport | None = None, micro_batches: int = 1,
+                 micro_batch_scope: Literal["layer", "experts"] = "layer"):
         super().__init__()
         self.cfg = cfg
         self.cp_group = cp_group
@@ -43,9 +50,10 @@ class SparseMoEModel(nn.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = MTP(cfg, ep_group, cp_group, t) if cfg.mtp.depth > 0 else None
-        # Intra-layer micro-batches of the decoder stack (train.intra_layer_micro_batches, set by
-        # runtime.parallelize): each layer runs N batch slices with their phases interleaved.
-        self.intra_layer_micro_batches = 1
+        self.intra_layer_micro_batches = micro_batches if micro_batch_scope == "layer" else 1
+        if micro_batch_scope == "experts":
+            for moe in self.moe_layers():
+                moe.micro_batches = micro_batches
         self.init_weights(seed)
 
     def init_weights(self, seed: int = 0) -> None:
@@ -116,6 +124,20 @@ class SparseMoEModel(nn.Module):
             mods += [b.layer.ffn for b in self.mtp.blocks if b.layer.is_moe]
         return mods
 
+    def blocks(self) -> list[Block]:
+        """The decoder blocks in call order, main stack then MTP (spartron.runtime.parallelize's units)."""
+        out = [Block(name, layer, layer.ffn.experts if layer.is_moe else None)
+               for name, layer in self.layers.items()]
+        if self.mtp is not None:
+            reused = self.mtp.depth > len(self.mtp.blocks)  # one weight-shared block runs every depth
+            out += [Block(f"mtp {i}", b.layer, b.layer.ffn.experts if b.layer.is_moe else None, reused)
+                    for i, b in enumerate(self.mtp.blocks)]
+        return out
+
+    def ep_sharded_parameters(self) -> list[nn.Parameter]:
+        """The routed experts' parameters: each EP rank holds only its experts, under the same names."""
+        return [p for block in self.blocks() if block.experts is not None for p in block.experts.parameters()]
+
     def update_expert_bias(self, group=None) -> None:
         """Once per optimizer step: every MoE layer updates its selection bias from the step's counts."""
         for moe in self.moe_layers():
@@ -127,21 +149,22 @@ class SparseMoEModel(nn.Module):
         return self.transport.destroy()
 
 
-def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTransport | None = None) -> SparseMoEModel:
+def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTransport | None = None,
+                micro_batches: int = 1, micro_batch_scope: Literal["layer", "experts"] = "layer") -> SparseMoEModel:
     """Build the reference model on the explicit groups (None: single rank), initialised from `seed`
     (the trainer passes train.seed) by the layout-invariant rule of spartron.layers.init; `transport`:
-    the EP group's buffers (None: the model makes its own).
+    the EP group's buffers (None: the model makes its own); intra-layer micro-batches as SparseMoEModel.
 
     `model.dtype` is the parameter dtype (the presets train bf16 parameters with AdamW, as in
     ARCHITECTURE.md): parameters are initialised in float32 and cast once; buffers such as the
     router's fp32 expert bias keep their own dtype.
     """
     master = cfg.model_copy(update={"dtype": "float32"})
+    kw = {"seed": seed, "transport": transport, "micro_batches": micro_batches, "micro_batch_scope": micro_batch_scope}
     if groups is None:
-        model = SparseMoEModel(master, seed=seed, transport=transport)
+        model = SparseMoEModel(master, **kw)
     else:
-        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp,
-                               seed=seed, transport=transport)
+        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
     model.cfg = cfg
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:

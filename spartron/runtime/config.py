@@ -316,8 +316,8 @@ class RunConfig(ConfigSection):
         return self
 
     def _check_intra_layer_micro_batches(self) -> None:
-        """What can be checked of train.intra_layer_micro_batches before a model exists (the model
-        checks the rest when it is wired: spartron/checkpointing/microbatch.py)."""
+        """THE rules of train.intra_layer_micro_batches and its scope (the model is built with them as
+        they are; a MoE layer checks only its chunk's token count when it runs)."""
         t, moe = self.train, self.model.moe
         n = t.intra_layer_micro_batches
         if n == 1:

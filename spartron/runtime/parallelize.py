@@ -1,80 +1,86 @@
-"""parallelize(model, groups, cfg): checkpoint regions INSIDE FSDP2, per block, then the root.
+"""parallelize(model, groups, ac): checkpoint regions INSIDE FSDP2, per block, then the root.
 
 Order matters and is fixed here, in one place:
-1. activation checkpointing wraps every `freq`-th decoder block's forward (a checkpoint region);
+1. activation checkpointing wraps every `freq`-th block's forward (a checkpoint region);
 2. optional torch.compile per block, only without checkpoint regions (the config rejects compile
    with ac.mode != 'none': the operator policy is a TorchDispatchMode that dynamo cannot trace, so
    regions stay eager, as seed 000 keeps dense checkpoint boundaries outside compiled graphs);
-3. FSDP2: the routed experts of each MoE block on the expert mesh (with the gradient divided by the
+3. FSDP2: the routed experts of each block on the expert mesh (with the gradient divided by the
    full data x context world, since every rank's tokens reach an expert through all-to-all), then
    the block on the dense mesh — its hooks run OUTSIDE the region, so a replay never re-runs a block's
    all-gather — then the root (embeddings, final norm, head);
 4. explicit backward prefetch: the root prefetches the last block and its experts before backward
    replay starts, then each block prefetches the block before it.
+
+What it needs from a model is the `ParallelizableModel` protocol: its blocks in call order, each with
+its routed experts and whether it runs several times per step. It never looks inside the model.
+
+The AC class swap (apply_activation_checkpointing) is the one outside hook on the blocks: the way
+FSDP2's fully_shard swaps classes, it keeps parameter names and state_dict keys and leaves FSDP's
+hooks outside the region, which a wrapper module could not do.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spartron.checkpointing import apply_activation_checkpointing
+from spartron.checkpointing import apply_ac_to_blocks
 from spartron.checkpointing.config import ACConfig
+from spartron.parallel.groups import ParallelGroups
 
 
-def checkpointed_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute name, block) for every decoder block, main stack then MTP, in call order."""
-    blocks = [(model.layers, name, layer) for name, layer in model.layers.items()]
-    if getattr(model, "mtp", None) is not None:
-        blocks += [(block, "layer", block.layer) for block in model.mtp.blocks]
-    return blocks
+@dataclass(frozen=True)
+class Block:
+    """One block of a model as parallelize sees it: a checkpoint region, compile and FSDP unit."""
+
+    name: str
+    module: nn.Module
+    experts: nn.Module | None = None  # its routed experts (EP-sharded: FSDP over the expert mesh)
+    reused: bool = False  # runs several times per step (a weight-shared MTP block)
 
 
-def apply_ac(model: nn.Module, ac: ACConfig) -> None:
-    """Wrap every `freq`-th block (main stack, then MTP) in a checkpoint region.
+@runtime_checkable
+class ParallelizableModel(Protocol):
+    """What parallelize relies on (the reference SparseMoEModel implements it)."""
 
-    A weight-shared MTP block runs `depth` times per step. Its region is non-reentrant: with a
-    reentrant region, FSDP2 (torch 2.13) leaves the block's separately sharded experts unsharded
-    after backward, with the gradient of one of the calls never reduce-scattered (see
+    def blocks(self) -> list[Block]:
+        """Every block in call order (main stack, then MTP)."""
+
+
+def apply_ac(model: ParallelizableModel, ac: ACConfig) -> list[str]:
+    """Wrap every `freq`-th block in a checkpoint region; returns the wrapped blocks' names.
+
+    A block that runs several times per step (the weight-shared MTP block) gets a non-reentrant
+    region: with a reentrant region, FSDP2 (torch 2.13) leaves the block's separately sharded experts
+    unsharded after backward, with the gradient of one of the calls never reduce-scattered (see
     tests/layers/test_model.py parity tests, which caught it).
     """
-    if ac.mode == "none":
-        return
-    reused = shared_mtp_block(model)
-    for i, (parent, name, block) in enumerate(checkpointed_blocks(model)):
-        if i % ac.freq == 0:
-            cfg = ac.model_copy(update={"reentrant": False}) if parent is reused else ac
-            wrapped = apply_activation_checkpointing(block, cfg)
-            if wrapped is not block:
-                setattr(parent, name, wrapped)
+    blocks = model.blocks()
+    return apply_ac_to_blocks({b.name: b.module for b in blocks}, ac,
+                              non_reentrant=[b.module for b in blocks if b.reused])
 
 
-def shared_mtp_block(model: nn.Module) -> nn.Module | None:
-    """The MTP block that serves several depths (share_weights), else None."""
-    mtp = getattr(model, "mtp", None)
-    return mtp.blocks[0] if mtp is not None and mtp.depth > len(mtp.blocks) else None
-
-
-def apply_fsdp(model: nn.Module, groups) -> None:
+def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups) -> None:
     """FSDP2 over the dense and expert meshes; gradients are reduced in float32 whatever the param dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
     grad_world = groups.size("dp_cp")
     sum_only = dist.get_backend(groups.world) == "gloo"
-    sharded_blocks = []
-    for _, _, block in checkpointed_blocks(model):
-        experts = getattr(getattr(block, "ffn", None), "experts", None)
-        if experts is not None:
-            fully_shard(experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True, **kw)
-            experts.set_gradient_divide_factor(float(grad_world))
+    for block in blocks:
+        if block.experts is not None:
+            fully_shard(block.experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True, **kw)
+            block.experts.set_gradient_divide_factor(float(grad_world))
             # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor. Not with a 1-rank shard
             # group: there FSDP2 (torch 2.13) already divides while copying and would divide twice.
             if sum_only and groups.size("expert_fsdp") > 1:
-                experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=groups.fsdp_mesh, reshard_after_forward=True, **kw)
-        sharded_blocks.append((block, experts))
+                block.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block.module, mesh=groups.fsdp_mesh, reshard_after_forward=True, **kw)
     # Embeddings, final norm and head stay with the root: the loss reads the head weight directly
     # (chunked cross-entropy, tied embeddings), so it must be unsharded for the whole forward.
     fully_shard(model, mesh=groups.fsdp_mesh, **kw)
@@ -82,30 +88,27 @@ def apply_fsdp(model: nn.Module, groups) -> None:
     # starts; each block then prefetches the block before it. (Prefetching a previous block's experts
     # from a block that runs several times per step, the shared MTP block, corrupted its expert
     # gradients in torch 2.13's FSDP2, so experts are only prefetched from the root.)
-    if sharded_blocks:
-        last_block, last_experts = sharded_blocks[-1]
-        model.set_modules_to_backward_prefetch([last_block] + ([last_experts] if last_experts is not None else []))
-    for i in range(len(sharded_blocks) - 1, 0, -1):
-        sharded_blocks[i][0].set_modules_to_backward_prefetch([sharded_blocks[i - 1][0]])
+    if blocks:
+        last = blocks[-1]
+        model.set_modules_to_backward_prefetch([last.module] + ([last.experts] if last.experts is not None else []))
+    for later, earlier in zip(blocks[:0:-1], blocks[-2::-1], strict=True):
+        later.module.set_modules_to_backward_prefetch([earlier.module])
 
 
-def parallelize(model: nn.Module, groups, cfg) -> nn.Module:
-    """Apply AC, compile and FSDP2 per the run config; returns the (same) model."""
-    apply_ac(model, cfg.ac)
-    wire_micro_batching(model, cfg)
-    if cfg.train.compile:
-        for _, _, block in checkpointed_blocks(model):
+def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
+                compile_backend: str | None = None) -> nn.Module:
+    """Apply AC, compile (when `compile_backend` is given: train.compile) and FSDP2 (when `groups`
+    span more than one rank) to a ParallelizableModel; returns the same model."""
+    if not isinstance(model, ParallelizableModel):
+        raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
+                        f"{type(model).__name__} has none")
+    apply_ac(model, ac)
+    blocks = model.blocks()
+    if compile_backend is not None:
+        for block in blocks:
             # In place: parameter names and state_dict keys stay the same. Not fullgraph: the MoE
             # dispatcher's host-side split sizes break the graph by design (documented in moe/dispatch.py).
-            block.compile(fullgraph=False, backend=cfg.train.compile_backend)
+            block.module.compile(fullgraph=False, backend=compile_backend)
     if groups is not None and groups.size("world") > 1:
-        apply_fsdp(model, groups)
+        apply_fsdp(model, blocks, groups)
     return model
-
-
-def wire_micro_batching(model: nn.Module, cfg) -> None:
-    """[train] intra_layer_micro_batches -> the model (owned by checkpointing/microbatch.py). Offload
-    windows need no wiring here: the trainer builds an ActivationOffloader over the model's regions."""
-    from spartron.checkpointing.microbatch import set_intra_layer_micro_batches
-
-    set_intra_layer_micro_batches(model, cfg)

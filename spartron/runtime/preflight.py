@@ -10,7 +10,6 @@ offload_window); this module only runs them early.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -85,12 +84,12 @@ def check_device_options(cfg: RunConfig) -> None:
 
 def n_checkpoint_regions(cfg: RunConfig) -> int:
     """Checkpoint regions of the reference model: every ac.freq-th block of the decoder stack and
-    the MTP blocks (one block for weight-shared depths), as spartron.runtime.parallelize.apply_ac."""
-    if cfg.ac.mode == "none":
-        return 0
+    the MTP blocks (one block for weight-shared depths), by the one freq rule apply_ac uses."""
+    from spartron.checkpointing.apply import checkpointed_positions
+
     mtp = cfg.model.mtp
     blocks = cfg.model.n_layers + ((1 if mtp.share_weights else mtp.depth) if mtp.depth else 0)
-    return math.ceil(blocks / cfg.ac.freq)
+    return len(checkpointed_positions(blocks, cfg.ac))
 
 
 def check_offload_window(cfg: RunConfig) -> None:

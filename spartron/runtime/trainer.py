@@ -106,7 +106,10 @@ def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
     from spartron.layers.model import build_model
     from spartron.runtime.parallelize import parallelize
 
-    return parallelize(build_model(cfg.model, groups, seed=cfg.train.seed), groups, cfg)
+    t = cfg.train
+    model = build_model(cfg.model, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,
+                        micro_batch_scope=t.intra_layer_micro_batch_scope)
+    return parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None)
 
 
 def resolve_device(cfg: RunConfig) -> torch.device:

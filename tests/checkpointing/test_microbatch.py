@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,7 +13,6 @@ from spartron.checkpointing.microbatch import (
     drive,
     interleave,
     merge_micro_batches,
-    set_intra_layer_micro_batches,
     split_micro_batches,
 )
 from spartron.layers.decoder import DecoderLayer
@@ -71,16 +68,16 @@ def _grads(model):
 
 
 def _one_vs_micro_batched(cfg, ac_mode: str, n_seqs: int):
-    """The model with 1 micro-batch vs a copy wired for cfg's micro-batches (AC per ac_mode) on the
-    same batch: equal losses, expert counts, gradients and routing telemetry. Returns the copy and
-    what its layer 2 (a DSA consumer) took and gave."""
+    """The model with 1 micro-batch vs the same model (same seed: same weights) built for cfg's
+    micro-batches (AC per ac_mode) on the same batch: equal losses, expert counts, gradients and routing
+    telemetry. Returns the micro-batched model and what its layer 2 (a DSA consumer) took and gave."""
     torch.manual_seed(0)
     one = build_model(cfg.model)
-    two = copy.deepcopy(one)
+    two = build_model(cfg.model, micro_batches=cfg.train.intra_layer_micro_batches,
+                      micro_batch_scope=cfg.train.intra_layer_micro_batch_scope)
     if ac_mode != "none":
         for layer in two.layers.values():
             apply_activation_checkpointing(layer, cfg.ac)
-    set_intra_layer_micro_batches(two, cfg)
     seen = []
     two.layers["2"].register_forward_hook(lambda m, a, out: seen.append((a, out)))
     tokens, labels = batch(cfg, n=n_seqs)
@@ -125,9 +122,6 @@ def test_experts_scope_matches_one_micro_batch_loss_and_grads(ac_mode, aux_loss_
 
 
 def test_experts_scope_errors():
-    cfg = tiny("train.intra_layer_micro_batches=2", "train.intra_layer_micro_batch_scope=experts")
-    with pytest.raises(ValueError, match="intra_layer_micro_batch_scope = 'experts': Linear has no MoE layers"):
-        set_intra_layer_micro_batches(torch.nn.Linear(2, 2), cfg)
     moe = build_model(tiny().model).moe_layers()[0]
     moe.micro_batches = 33
     with pytest.raises(ValueError, match=r"= 33 \(scope 'experts'\) needs at least 33 tokens per MoE layer call"):
@@ -229,18 +223,11 @@ def test_experts_scope_with_ep2_on_gloo_orders_shared_experts_before_one_count_e
 
 
 def test_micro_batch_errors_name_the_keys():
+    # the rules live in the run config (refused at load); the model takes what it is built with
     with pytest.raises(ValueError, match=r"train.intra_layer_micro_batches = 3 must divide train.micro_batch_size"):
-        set_intra_layer_micro_batches(build_model(tiny().model), tiny("train.intra_layer_micro_batches=3",
-                                                                      "train.micro_batch_size=4"))
-    with pytest.raises(ValueError, match="needs model.moe.aux_loss_type = 'seq'"):  # refused at load
-        tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_type=batch")
-    cfg = tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2")
-    cfg.model.moe.aux_loss_type = "batch"  # validates the [model.moe] section only: the model checks too
+        tiny("train.intra_layer_micro_batches=3", "train.micro_batch_size=4")
     with pytest.raises(ValueError, match="needs model.moe.aux_loss_type = 'seq'"):
-        set_intra_layer_micro_batches(build_model(cfg.model), cfg)
-    with pytest.raises(ValueError, match="does not run intra-layer micro-batches"):
-        set_intra_layer_micro_batches(torch.nn.Linear(2, 2), tiny("train.intra_layer_micro_batches=2",
-                                                                  "train.micro_batch_size=2"))
+        tiny("train.intra_layer_micro_batches=2", "train.micro_batch_size=2", "model.moe.aux_loss_type=batch")
     with pytest.raises(ValueError, match="must divide the per-forward batch"):
         split_micro_batches(torch.zeros(3, 4), 2)
 

@@ -361,9 +361,10 @@ def test_gpu_offloaded_inputs_are_free_while_the_host_runs_ahead():
 
 def _sharded_model(cfg, groups, reference):
     ep_rank = groups.rank_in("ep")
-    model = build_model(cfg.model, groups)
+    model = build_model(cfg.model, groups, micro_batches=cfg.train.intra_layer_micro_batches,
+                        micro_batch_scope=cfg.train.intra_layer_micro_batch_scope)
     model.load_state_dict({name: _expert_slice(name, t, ep_rank) for name, t in reference.state_dict().items()})
-    return parallelize(model, groups, cfg)
+    return parallelize(model, groups, cfg.ac)
 
 
 def _expert_slice(name, t, ep_rank):
@@ -436,7 +437,7 @@ def test_reference_model_frees_each_offloaded_input_before_the_next_region(ac_mo
     its device memory is free during the rest of the forward. Checked without the garbage collector."""
     cfg = load_config("configs/tiny.toml", ["device=cpu", f"ac.mode={ac_mode}", "offload.enabled=true"])
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg.model), None, cfg)
+    model = parallelize(build_model(cfg.model), None, cfg.ac)
     offloader = ActivationOffloader.for_model(model, cfg.offload, "cpu")
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
     with offloader.session():  # warm: a first call's lazy imports keep their frames for a while

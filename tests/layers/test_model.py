@@ -147,7 +147,7 @@ def _parity_worker(rank, world, ac_mode, cp=2, ep=2):
     ref_state = reference.state_dict()
     for n, t in model.state_dict().items():  # the EP x CP model from the seed is the reference's slice
         assert torch.equal(t, _expert_slice(n, ref_state[n], ep_rank, ep)), n
-    parallelize(model, groups, cfg)
+    parallelize(model, groups, cfg.ac)
     assert list(model.state_dict()) == keys  # AC and FSDP keep every key
     per_dp = 4 // groups.size("dp")
     dp = groups.rank_in("dp")
@@ -185,7 +185,7 @@ def test_compiled_blocks_match_eager():
     eager_cfg = tiny("ac.mode=none")
     compiled_cfg = tiny("ac.mode=none", "train.compile=true", "train.compile_backend=aot_eager")
     eager, compiled = make_model(eager_cfg), make_model(compiled_cfg)
-    parallelize(compiled, None, compiled_cfg)
+    parallelize(compiled, None, compiled_cfg.ac, compile_backend=compiled_cfg.train.compile_backend)
     assert list(eager.state_dict()) == list(compiled.state_dict())
     data = batch(eager_cfg, 2)
     a, b = eager(*data)["loss"], compiled(*data)["loss"]

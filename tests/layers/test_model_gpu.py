@@ -24,8 +24,9 @@ def _grads(preset: str, ac_mode: str, extra: list[str]) -> tuple[float, dict[str
     cfg = load_config(preset, [*SMALL, f"ac.mode={ac_mode}", *extra])
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = build_model(cfg.model)
-    parallelize(model, None, cfg)
+        model = build_model(cfg.model, micro_batches=cfg.train.intra_layer_micro_batches,
+                            micro_batch_scope=cfg.train.intra_layer_micro_batch_scope)
+    parallelize(model, None, cfg.ac)
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 1024), device="cuda", generator=g)
     labels = torch.randint(0, cfg.model.vocab_size, (2, 1024), device="cuda", generator=g)

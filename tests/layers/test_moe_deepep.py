@@ -324,7 +324,7 @@ def _train_with_deepep_worker(rank, world, run_dir):
         deepep = cfg.model.model_copy(update={"moe": cfg.model.moe.model_copy(update={"dispatcher": "deepep"})})
         model = build_model(deepep, groups, transport=EPTransport(groups.ep, deepep_library=library))
         assert all(isinstance(m.dispatcher, DeepEPDispatcher) for m in model.moe_layers())
-        return parallelize(model, groups, cfg)
+        return parallelize(model, groups, cfg.ac)
 
     result = train(_tiny_deepep_cfg(run_dir, "all_to_all"), factory)
     return len(result.records), len(made), [b.destroyed for b in made], sum(b.calls["dispatch"] for b in made)

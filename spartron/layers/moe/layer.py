@@ -58,7 +58,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (FeedForward(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim, **common)
                                if cfg.n_shared_experts > 0 else None)
         # > 1: the routed token path runs in this many chunks, interleaved (train.intra_layer_micro_batch_scope
-        # = "experts", set by checkpointing.microbatch.set_intra_layer_micro_batches)
+        # = "experts": set by the model that owns the layer, SparseMoEModel, when it is built)
         self.micro_batches = 1
         self.register_buffer("step_tokens_per_expert",
                              torch.zeros(cfg.n_routed_experts, dtype=torch.int64, device=device),
