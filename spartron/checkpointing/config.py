@@ -14,7 +14,9 @@ class ACConfig(ConfigSection):
 
     mode: "none" (no regions), "full" (keep only the mandatory operations) or "selective" (also keep
     `targets`). targets: exact operator names ("aten::mm") or namespaces ("spartron_collectives");
-    None means the defaults, a list REPLACES them, [] keeps only the mandatory set.
+    None means the defaults, a list REPLACES them, [] keeps only the mandatory set. Targets are checked
+    against the operators torch has registered when the config is validated: the run config
+    (spartron.runtime.config) imports Spartron's op libraries first, so their namespaces are there.
     """
 
     mode: Literal["none", "full", "selective"] = "none"
@@ -29,7 +31,6 @@ class ACConfig(ConfigSection):
     def _known_targets(cls, targets: list[str] | None) -> list[str] | None:
         """Every entry must name a registered operator or namespace: a typo is not a silent no-op."""
         if targets:
-            import spartron.runtime.ops  # noqa: F401  (registers Spartron's op namespaces)
             from spartron.checkpointing.policy import validate_targets
 
             validate_targets(targets)

@@ -2,7 +2,7 @@
 
 One declarative table. Models expose no checkpoint target names; the policy sees operators as they
 reach the dispatcher (``aten::mm``, ``spartron::sparse_mla``, ...). Names are strings so this module
-imports none of the ops it refers to (they live in ``spartron.runtime.ops`` and register themselves).
+imports none of the ops it refers to (they live beside the code that uses them and register themselves).
 
 - MANDATORY: operations that must run exactly once per step whatever the mode: they mutate
   caller-owned state (routing telemetry), make a decision the replay must repeat exactly (top-k),
@@ -91,7 +91,7 @@ def _registered_names() -> tuple[set[str], set[str]]:
 def validate_targets(targets: Iterable[str]) -> None:
     """Raise ValueError for a target that names no registered operator or namespace.
 
-    Call after importing ``spartron.runtime.ops`` so Spartron's namespaces exist.
+    Checks what torch has registered now: import Spartron's op libraries first (the run config does).
     """
     ops, namespaces = _registered_names()
     for entry in targets:
