@@ -306,3 +306,30 @@ def test_ranks_stopping_without_a_shell_sigterm_do_not_requeue(tmp_path):
     assert proc.returncode == 75
     assert [c["cmd"] for c in calls] == ["srun"]
     assert signal.SIGTERM == 15  # the trap is for TERM (what Slurm and scancel send)
+
+
+def test_hostile_entry_flag_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value in _hostile(tmp_path / "pwned"):
+        assert main(["sbatch", TINY, "--dry-run", "--entry", value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("spartron: error: argument --entry: invalid choice") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_hostile_config_file_path_never_reaches_the_script(tmp_path, capsys, monkeypatch):
+    """The job runs its frozen copy (<run dir>/slurm/config.toml), never the path the user gave."""
+    marker = tmp_path / "pwned"
+    monkeypatch.chdir(tmp_path)
+    venv = _fake_venv(tmp_path)
+    for i, value in enumerate(_hostile(marker)):
+        config = tmp_path / f"c{i}" / value.replace("/", "_") / "run.toml"
+        config.parent.mkdir(parents=True)
+        config.write_text(Path(TINY).read_text())
+        assert main(["sbatch", str(config), "--dry-run", "--set", f'launch.venv="{venv}"']) == 0
+        script = capsys.readouterr().out
+        assert value.replace("/", "_") not in script
+        proc, calls = _run(script, tmp_path / "run")
+        assert proc.returncode == 0, proc.stderr
+        assert calls[0]["argv"][-1] == str(tmp_path / "runs" / "tiny" / "slurm" / "config.toml")
+    assert not marker.exists()
