@@ -292,7 +292,7 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
             if root is not None:
                 what, status = root.describe(), root.status  # before the kill below changes them
                 failed_at = root.stopped_at if root.stopped_at is not None else root.ended_at
-                early = [r.rank for r in ranks if r.returncode == 0 and r.ended_at < failed_at]
+                early = [r for r in ranks if r.returncode in (0, STOPPED_STATUS) and r.ended_at < failed_at]
                 for r in ranks:
                     r.kill()
                 _report_failure(root, what, ranks, early)
@@ -335,13 +335,14 @@ def _endings(ranks: Sequence[_Rank]) -> str:
     return "; ".join(f"rank {r.rank} {r.describe()}" for r in ranks)
 
 
-def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank], early: Sequence[int]) -> None:
+def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank], early: Sequence[_Rank]) -> None:
     where = "its output is above" if root.log is None else f"last lines of {root.log}:"
     print(f"spartron: rank {root.rank} {what}, the first rank to fail; stopped the other ranks; {where}",
           file=sys.stderr)
     if root.log is not None:
         print(_tail(root.log) or "(the log is empty)", file=sys.stderr)
     print(f"spartron: how the ranks ended: {_endings(ranks)}", file=sys.stderr)
-    if early:  # a rank that leaves early (status 0) strands its peers in a collective until they time out
-        print(f"spartron: note: rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} exited with "
-              f"status 0 before rank {root.rank} failed; its peers may have been waiting for it", file=sys.stderr)
+    if early:  # a rank that leaves early (status 0 or 75) strands its peers in a collective until they time out
+        left = ", ".join(f"rank {r.rank} exited with status {r.returncode}" for r in early)
+        print(f"spartron: note: {left} before rank {root.rank} failed; its peers may have been waiting for it",
+              file=sys.stderr)
