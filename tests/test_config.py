@@ -54,11 +54,13 @@ def test_defaults_and_overrides():
     (["parallel.ep=0"], "invalid config: parallel.ep: Input should be greater than or equal to 1 (got 0)"),
     (["parallel.fsdp=0"], "invalid config: parallel.fsdp must be >= 1 or -1 (fill the remaining ranks)"),
     (["parallel.order=tp-dp-pp"],
-     "invalid config: parallel.order must be a '-'-joined permutation of tp-cp-ep-dp-pp, got 'tp-dp-pp'"),
+     "invalid config: parallel.order must be a '-'-joined permutation of tp-cp-ep-dp-pp (megatron-core's names), "
+     "got 'tp-dp-pp'"),
     # contradictory values
     (["parallel.ep=3"], "invalid config: model.moe.n_routed_experts 8 must be divisible by parallel.ep 3"),
     (["parallel.ep=2", "model.moe.dispatcher=local"],
-     "invalid config: model.moe.dispatcher 'local' cannot run with parallel.ep > 1"),
+     "invalid config: model.moe.dispatcher = 'local' cannot serve an EP group of 2 ranks; use 'all_to_all' or "
+     "'deepep'"),
     (["offload.enabled=true", "ac.mode=none"],
      "invalid config: offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'"),
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),

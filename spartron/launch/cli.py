@@ -52,11 +52,7 @@ def _load(args: argparse.Namespace) -> RunConfig:
 
 def _world_layout(cfg: RunConfig, world_size: int):
     """The ParallelDims for this world size; raises ConfigError/ParallelDimsError before any launch."""
-    from spartron.parallel.dims import ParallelDims
-
-    p = cfg.parallel
-    return ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
-                        dp_replicate=p.dp_replicate, order=p.order)
+    return cfg.parallel.dims(world_size)
 
 
 # ---- train / smoke ---------------------------------------------------------------------------
@@ -79,12 +75,11 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool,
 def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks."""
     from spartron.launch.local import existing_launcher, launch_local
-    from spartron.launch.slurm import run_dir_of
     from spartron.parallel.env import process_environ
 
     cfg = _load(args)
     environ = process_environ()
-    run_dir = run_dir_of(cfg, Path.cwd())
+    run_dir = cfg.run_dir(Path.cwd())
     _check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
@@ -254,7 +249,6 @@ def cmd_regress_compare(args: argparse.Namespace) -> int:
 
 def cmd_regress_run(args: argparse.Namespace) -> int:
     """Train the config `repeats` times (run dirs <run dir>-r<i>) and compare each with the baseline."""
-    from spartron.launch.slurm import run_dir_of
 
     cfg = _load(args)
     if args.repeats < 1:
@@ -263,7 +257,7 @@ def cmd_regress_run(args: argparse.Namespace) -> int:
         raise UsageError("give --baseline, or --repeats >= 2 to compare repeats with each other")
     if args.baseline is not None:
         _metrics_file(args.baseline, "baseline")
-    base_dir = run_dir_of(cfg, Path.cwd())
+    base_dir = cfg.run_dir(Path.cwd())
     run_dirs = [base_dir.with_name(f"{base_dir.name}-r{i}") for i in range(args.repeats)]
     for run_dir in run_dirs:  # a regression run never appends to, or overwrites, an earlier one
         if run_dir.exists():

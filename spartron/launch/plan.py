@@ -8,7 +8,7 @@ depend on AC, offload and sequence length): the line says so.
 from __future__ import annotations
 
 from spartron.layers.costs import count_parameters, state_bytes_per_rank
-from spartron.parallel.dims import GROUP_DIMS, ParallelDims
+from spartron.parallel.dims import GROUP_DIMS
 from spartron.runtime.config import RunConfig, dump_config
 
 
@@ -18,9 +18,7 @@ def _gib(n: int) -> str:
 
 def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
     """The text `spartron plan` prints (at most `max_groups` groups listed per dimension)."""
-    p = cfg.parallel
-    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
-                        dp_replicate=p.dp_replicate, order=p.order)
+    dims = cfg.parallel.dims(world_size)
     out = ["# resolved config", dump_config(cfg).rstrip(), "", f"# parallel layout: {dims.describe()}"]
     for name in GROUP_DIMS:
         groups = dims.rank_groups(name)

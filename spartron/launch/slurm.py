@@ -60,12 +60,6 @@ class SlurmJob:
         return (self.run_dir / "slurm" / f"{job_id}.out", self.run_dir / "slurm" / f"{job_id}.err")
 
 
-def run_dir_of(cfg: RunConfig, workdir: Path) -> Path:
-    """The run directory the trainer writes to: train.run_dir, else runs/<name>, under workdir."""
-    path = Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
-    return path if path.is_absolute() else workdir / path
-
-
 def default_venv() -> str | None:
     """The virtual environment of the interpreter running this (None outside a venv)."""
     return sys.prefix if sys.prefix != sys.base_prefix else None
@@ -114,7 +108,7 @@ def render_job(cfg: RunConfig, workdir: Path, entry: str = "train") -> SlurmJob:
         raise SlurmError(f"name {job_name!r} cannot be a Slurm job name: use letters, digits, '.', '_' "
                          "or '-' (or set launch.job_name)")
     workdir = Path(_directive_path(workdir.resolve(), "working directory"))
-    run_dir = run_dir_of(cfg, workdir)
+    run_dir = cfg.run_dir(workdir)
     slurm_dir = Path(_directive_path(run_dir / "slurm", "run directory"))
     frozen = cfg.model_copy(deep=True)
     frozen.train.run_dir = str(run_dir)  # every rank writes to the same absolute place

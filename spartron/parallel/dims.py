@@ -38,6 +38,14 @@ class ParallelDimsError(ValueError):
     """A parallel layout that cannot work; the message says which product failed and why."""
 
 
+def check_order(order: object, key: str = "order") -> None:
+    """THE rule for a rank order (ParallelDims and the run config's `parallel.order` both use it)."""
+    tokens = order.split("-") if isinstance(order, str) else None
+    if tokens is None or sorted(tokens) != sorted(MEGATRON_ORDER_NAMES):
+        raise ParallelDimsError(f"{key} must be a '-'-joined permutation of {'-'.join(MEGATRON_ORDER_NAMES)} "
+                                f"(megatron-core's names), got {order!r}")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
@@ -54,12 +62,7 @@ class ParallelDims:
                 raise ParallelDimsError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ParallelDimsError(f"{name} must be >= 1, got {value}")
-        tokens = self.order.split("-") if isinstance(self.order, str) else None
-        if tokens is None or sorted(tokens) != sorted(MEGATRON_ORDER_NAMES):
-            raise ParallelDimsError(
-                f"order must be a '-'-joined permutation of {'-'.join(MEGATRON_ORDER_NAMES)} "
-                f"(megatron-core's names), got {self.order!r}"
-            )
+        check_order(self.order)
         dense = self.dp_replicate * self.fsdp * self.cp
         if dense != self.world_size:
             raise ParallelDimsError(

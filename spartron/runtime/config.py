@@ -18,7 +18,8 @@ import spartron.runtime.ops  # noqa: F401  (registers Spartron's ops: `ac.target
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig
-from spartron.parallel.dims import GROUP_DIMS, MEGATRON_ORDER_NAMES
+from spartron.layers.moe.dispatch import check_dispatcher
+from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
 from spartron.runtime.debug import DebugConfig
 
 
@@ -65,9 +66,7 @@ class ParallelConfig(ConfigSection):
             raise ValueError("parallel.nccl configures NCCL communicators, but parallel.backend = 'gloo'")
         if self.fsdp == 0 or self.fsdp < -1:
             raise ValueError(f"parallel.fsdp must be >= 1 or -1 (fill the remaining ranks), got {self.fsdp}")
-        if sorted(self.order.split("-")) != sorted(MEGATRON_ORDER_NAMES):
-            raise ValueError(f"parallel.order must be a '-'-joined permutation of "
-                             f"{'-'.join(MEGATRON_ORDER_NAMES)}, got {self.order!r}")
+        check_order(self.order, "parallel.order")
         return self
 
     def nccl_settings(self) -> dict[str, dict[str, int]]:
@@ -81,6 +80,11 @@ class ParallelConfig(ConfigSection):
             raise ConfigError(f"parallel: world size {world_size} is not divisible by dp_replicate * cp = "
                               f"{self.dp_replicate * self.cp}, so parallel.fsdp = -1 cannot fill it")
         return world_size // (self.dp_replicate * self.cp)
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """THE layout of this section on `world_size` ranks (fsdp = -1 filled in)."""
+        return ParallelDims(world_size=world_size, fsdp=self.resolve_fsdp(world_size), cp=self.cp, ep=self.ep,
+                            dp_replicate=self.dp_replicate, order=self.order)
 
 
 class DataConfig(ConfigSection):
@@ -270,6 +274,11 @@ class RunConfig(ConfigSection):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
 
+    def run_dir(self, workdir: Path | None = None) -> Path:
+        """THE run directory: train.run_dir, else runs/<name>; a relative one under `workdir` when given."""
+        path = Path(self.train.run_dir) if self.train.run_dir else Path("runs") / self.name
+        return path if workdir is None or path.is_absolute() else workdir / path
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -287,9 +296,7 @@ class RunConfig(ConfigSection):
         if self.model.n_layers and self.model.moe.n_routed_experts % self.parallel.ep:
             raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be "
                              f"divisible by parallel.ep {self.parallel.ep}")
-        if self.parallel.ep > 1 and self.model.moe.dispatcher == "local":
-            raise ValueError("model.moe.dispatcher 'local' cannot run with parallel.ep > 1; "
-                             "use 'all_to_all' or 'deepep'")
+        check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
         if self.train.compile and self.ac.mode != "none":
             raise ValueError(
                 "train.compile = true cannot be combined with ac.mode = "

@@ -13,15 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from spartron.parallel.dims import ParallelDims
 from spartron.runtime.config import ConfigError, RunConfig
 
 
 def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = None) -> None:
     """Raise ConfigError (or ParallelDimsError) for a run that cannot start on `world_size` ranks here."""
-    p = cfg.parallel
-    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
-                        dp_replicate=p.dp_replicate, order=p.order)
+    dims = cfg.parallel.dims(world_size)
     cfg.train.micro_steps(dims.dp)
     check_device_options(cfg)
     check_offload_window(cfg)
@@ -37,9 +34,7 @@ def check_before_submit(cfg: RunConfig, world_size: int) -> None:
     """What `spartron sbatch` can check on the login node before submitting a job of `world_size`
     tasks: the layout, the batch, the offload window, and CUDA-only options in a job without GPUs
     (the login node's own devices say nothing about the compute nodes')."""
-    p = cfg.parallel
-    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
-                        dp_replicate=p.dp_replicate, order=p.order)
+    dims = cfg.parallel.dims(world_size)
     cfg.train.micro_steps(dims.dp)
     check_offload_window(cfg)
     cuda_only = _cuda_only_options(cfg) + (["device = 'cuda'"] if cfg.device == "cuda" else [])
@@ -105,8 +100,7 @@ def check_offload_window(cfg: RunConfig) -> None:
 
 def check_run_dir(cfg: RunConfig, workdir: Path) -> None:
     """The run directory must be a directory, or creatable: its nearest existing parent a writable folder."""
-    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
-    run_dir = run_dir if run_dir.is_absolute() else workdir / run_dir
+    run_dir = cfg.run_dir(workdir)
     key = "train.run_dir" if cfg.train.run_dir else "name"
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"{key}: run directory {str(run_dir)!r} exists and is not a directory")

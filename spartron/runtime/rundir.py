@@ -351,12 +351,7 @@ def _metrics_run_id(path: Path) -> str | None:
 
 def check_run_start(cfg: Any, world_size: int) -> RunStart:
     """plan_run for a RunConfig on `world_size` ranks (the pre-spawn check of `spartron train`)."""
-    from spartron.parallel.dims import ParallelDims
-
-    p = cfg.parallel
-    dims = ParallelDims(world_size=world_size, fsdp=p.resolve_fsdp(world_size), cp=p.cp, ep=p.ep,
-                        dp_replicate=p.dp_replicate, order=p.order)
+    dims = cfg.parallel.dims(world_size)
     t = cfg.train
-    run_dir = Path(t.run_dir) if t.run_dir else Path("runs") / cfg.name
-    return plan_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps, world_size=world_size,
+    return plan_run(cfg.run_dir(), resume=t.resume, overwrite=t.overwrite, steps=t.steps, world_size=world_size,
                     layout=dims.describe(), config=state_config(cfg))

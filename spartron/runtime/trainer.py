@@ -121,10 +121,6 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def run_dir_of(cfg: RunConfig) -> Path:
-    return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
-
-
 def micro_steps(cfg: RunConfig, dims: ParallelDims) -> int:
     """Micro-batches per optimizer step on each rank; a ConfigError if the batch does not divide."""
     return cfg.train.micro_steps(dims.dp)
@@ -201,8 +197,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     rank, world = dist.get_rank(), dist.get_world_size()
     p = cfg.parallel
     # Everything that can be wrong with the config is checked before the first collective.
-    dims = ParallelDims(world, fsdp=p.resolve_fsdp(world), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate,
-                        order=p.order)
+    dims = p.dims(world)
     n_micro = micro_steps(cfg, dims)
     fault = check_fault(cfg.debug, world, t.steps)
     if fault:
@@ -213,7 +208,7 @@ def _train(cfg: RunConfig, model_factory: ModelFactory,
     groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
                                   nccl=p.nccl_settings())
     # The run directory against this run (refusals, resume step) before the model is built.
-    run_dir, shape = run_dir_of(cfg), state_config(cfg)
+    run_dir, shape = cfg.run_dir(), state_config(cfg)
     plan, run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
                              layout=dims.describe(), config=shape)
 
