@@ -2,14 +2,15 @@
 
 The loop lives in one function, `run_decoder_stack`: it passes each layer's explicit outputs (DSA
 top-k ids from source layers) to the next layers and collects aux losses, indexer losses and router
-counts. Variants customise it through the `call_layer` hook, never by copying the loop.
+counts. MTP (spartron.layers.mtp) has a loop of its own because it is not a stack: each depth takes
+the previous depth's hidden state together with a new embedding and is scored by the head.
 Activation checkpointing and offload are applied to the layer modules (apply_activation_checkpointing),
 so this loop reads the same with or without them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -93,22 +94,14 @@ class StackOutput:
     tokens_per_expert: list[Tensor] = field(default_factory=list)
 
 
-LayerCall = Callable[[nn.Module, Tensor, Tensor, "Tensor | None"], DecoderLayerOutput]
-
-
-def default_call_layer(layer: nn.Module, h: Tensor, positions: Tensor, ids: Tensor | None) -> DecoderLayerOutput:
-    return layer(h, positions, dsa_topk_ids=ids)
-
-
 def run_decoder_stack(layers: Sequence[nn.Module], h: Tensor, positions: Tensor,
-                      dsa_topk_ids: Tensor | None = None,
-                      call_layer: LayerCall = default_call_layer) -> StackOutput:
+                      dsa_topk_ids: Tensor | None = None) -> StackOutput:
     """Run the layers in order. A layer that returns ids (a DSA source) hands them to the next layers."""
     out = StackOutput(hidden_states=h, dsa_topk_ids=dsa_topk_ids)
     del h  # no second reference to the first layer's input: it is freed once that layer is done
     for layer in layers:
         ids = ids_for_layer(layer.attn.dsa_role, out.dsa_topk_ids)  # only DSA consumers take ids
-        result = call_layer(layer, out.hidden_states, positions, ids)
+        result = layer(out.hidden_states, positions, dsa_topk_ids=ids)
         out.hidden_states = result["hidden_states"]
         if result["dsa_topk_ids"] is not None:
             out.dsa_topk_ids = result["dsa_topk_ids"]

@@ -3,8 +3,10 @@
 Depth k predicts token i+k+1 at position i: it combines the previous depth's hidden state (norm) with
 the embedding of token i+k (norm), projects 2*dim -> dim, runs one decoder layer, and scores with the
 model's shared head. One block can serve every depth (`share_weights`). DSA ids flow explicitly: the
-main stack's last ids go into depth 1 and each depth hands its ids to the next (the MTP layer's
-indexer is shared across depths: computed at the first depth, consumed by the others).
+main stack's last ids go into depth 1 and each depth hands its ids to the next (with
+`model.dsa.share_indexer_across_mtp` the indexer runs at the first depth and the others consume its
+ids). The loop over depths is MTP's own, not the decoder stack's: each depth also takes a new
+embedding and is scored by the head.
 """
 
 from __future__ import annotations
