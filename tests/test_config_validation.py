@@ -406,3 +406,15 @@ def test_other_control_characters_are_refused_too(char):
     """They could not be written back to TOML: the frozen config of a Slurm job would not load."""
     assert _error(f'name="a{char}b"').startswith("invalid config: name: must not contain control characters, got ")
     assert load_config(TINY, ['name="a\\tb"']).name == "a\tb"
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"{not json\n\x00\xff", ": not UTF-8 text (byte 11): not a metrics JSONL"),
+    (b'{"type": "step"}\n', ":1: a step record needs an integer 'step'"),
+    (b'{"type": "step", "step": "x"}\n', ":1: a step record needs an integer 'step'"),
+])
+def test_regress_compare_of_a_broken_metrics_file_is_one_line(data, message, tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(data)
+    assert main(["regress", "compare", str(path), str(path)]) == 2
+    assert capsys.readouterr().err == f"spartron: error: {path}{message}\n"

@@ -204,7 +204,11 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     plan_run), so a file with a second fresh header or two run ids is refused, not silently merged.
     """
     headers, by_step = [], {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as err:
+        raise MetricsFileError(f"{path}: not UTF-8 text (byte {err.start}): not a metrics JSONL") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -216,6 +220,8 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
         if record.get("type") == "header":
             headers.append(record)
         elif record.get("type") == "step":
+            if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+                raise MetricsFileError(f"{path}:{number}: a step record needs an integer 'step'")
             by_step[record["step"]] = record
     ids = {h["run_id"] for h in headers if h.get("run_id")}
     fresh = [i for i, h in enumerate(headers) if i and "resumed_from_step" in h and h["resumed_from_step"] is None]
