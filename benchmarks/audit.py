@@ -742,15 +742,18 @@ def _kill_leftovers(work: Path) -> None:
 def run_audit(cases: list[Case], root: Path, jobs: int = 1, log=print) -> list[Result]:
     stub_dir = _stubs(root)
     base_state = _base_state(root) if any(c.area == "state" for c in cases) else None
-    results = []
-    for i, case in enumerate(cases, 1):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case: Case) -> Result:
         result = run_case(case, root, stub_dir, base_state)
-        results.append(result)
-        log(f"[{i:3}/{len(cases)}] {result.cls:<17} {result.seconds:5.1f}s {case.id}: {result.detail[:140]}")
-    return results
+        log(f"{result.cls:<17} {result.seconds:5.1f}s {case.id}: {result.detail[:140]}")
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each case is its own subprocess and folder
+        return list(pool.map(one, cases))
 
 
-def write_results(results: list[Result], out_md: Path, out_json: Path) -> None:
+def write_results(results: list[Result], out_md: Path, out_json: Path, wall_s: float, jobs: int) -> None:
     counts = Counter(r.cls for r in results)
     by_area: dict[str, Counter] = {}
     for r in results:
@@ -759,10 +762,12 @@ def write_results(results: list[Result], out_md: Path, out_json: Path) -> None:
     summary = {"cases": len(results), "counts": {c: counts[c] for c in CLASSES},
                "clear_or_safe_fraction": round(good / max(len(results), 1), 4),
                "by_area": {a: dict(c) for a, c in sorted(by_area.items())},
-               "seconds": round(sum(r.seconds for r in results), 1)}
+               "case_seconds": round(sum(r.seconds for r in results), 1), "wall_seconds": round(wall_s, 1),
+               "jobs": jobs, "commit": _commit()}
     out_json.write_text(json.dumps({"summary": summary, "results": [r.__dict__ for r in results]}, indent=1) + "\n")
     lines = ["# Bad-input audit (`python benchmarks/audit.py`)", "",
-             f"{len(results)} cases, {summary['seconds']} s. Clear or accepted safely: {good} "
+             f"{len(results)} cases in {summary['wall_seconds']} s ({jobs} at a time) at commit {summary['commit']}. "
+             f"Clear or accepted safely: {good} "
              f"({100 * good / max(len(results), 1):.1f}%).", "",
              "| class | cases |", "| --- | --- |"]
     lines += [f"| {c} | {counts[c]} |" for c in CLASSES]
@@ -778,12 +783,20 @@ def write_results(results: list[Result], out_md: Path, out_json: Path) -> None:
     out_md.write_text("\n".join(lines) + "\n")
 
 
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return proc.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated areas or case-id prefixes")
     parser.add_argument("--quick", action="store_true", help="only the quick subset")
     parser.add_argument("--root", help="folder for the case folders (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit for a full run)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     args = parser.parse_args()
     cases = all_cases()
     ids = [c.id for c in cases]
@@ -795,10 +808,12 @@ def main() -> int:
         cases = [c for c in cases if c.area in wanted or any(c.id.startswith(w) for w in wanted)]
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="spartron-audit-"))
     root.mkdir(parents=True, exist_ok=True)
-    results = run_audit(cases, root)
+    start = time.perf_counter()
+    results = run_audit(cases, root, jobs=args.jobs)
+    wall = time.perf_counter() - start
     out = args.out or (None if (args.only or args.quick) else str(ROOT / "benchmarks" / "results" / "audit"))
     if out:
-        write_results(results, Path(out + ".md"), Path(out + ".json"))
+        write_results(results, Path(out + ".md"), Path(out + ".json"), wall, args.jobs)
         print(f"wrote {out}.md and {out}.json")
     counts = Counter(r.cls for r in results)
     print(", ".join(f"{c}: {counts[c]}" for c in CLASSES))
