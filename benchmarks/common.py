@@ -21,6 +21,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals (touching ones merged)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def write_report(path: Path | None, report: dict) -> None:
     """Write the JSON report (indented, one trailing newline) where --out says; no --out: nothing.
 

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 
-from common import bind_to_cores  # noqa: E402
+from common import bind_to_cores, merge_intervals  # noqa: E402
 
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
@@ -333,16 +333,6 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     exit_process(0)  # not through interpreter teardown (see spartron/launch/process.py; mp.spawn keeps exit 0)
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
 def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     total, i, j = 0, 0, 0
     while i < len(a) and j < len(b):
@@ -376,9 +366,10 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool, tra
                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
     except AttributeError as err:  # profiler internals moved: say so in the JSON
         return {"error": f"cannot read kineto events: {err}"}
-    comm = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if is_comm_kernel(e.name())])
-    comp = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if not is_comm_kernel(e.name())])
-    busy = _union(comm + comp)
+    spans = [((e.start_ns(), e.start_ns() + e.duration_ns()), is_comm_kernel(e.name())) for e in events]
+    comm = merge_intervals([span for span, is_comm in spans if is_comm])
+    comp = merge_intervals([span for span, is_comm in spans if not is_comm])
+    busy = merge_intervals(comm + comp)
     ms = lambda ns: ns / 1e6  # noqa: E731
     length = lambda u: sum(b - a for a, b in u)  # noqa: E731
     families: dict[str, float] = {}

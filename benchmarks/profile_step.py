@@ -46,6 +46,9 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+
+from common import merge_intervals  # noqa: E402
 
 from spartron.checkpointing import checkpoint_region_of  # noqa: E402
 from spartron.layers.costs import training_flops_per_token  # noqa: E402
@@ -85,23 +88,14 @@ def _end(e: dict) -> float:
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e3
+    """Length of the union of the intervals (trace microseconds), in ms."""
+    return sum(e - s for s, e in merge_intervals(intervals)) / 1e3
 
 
 def _gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     """Idle gaps (start, end) of the union of intervals inside [lo, hi]."""
     gaps, cursor = [], lo
-    for s, e in sorted(intervals):
+    for s, e in merge_intervals(intervals):
         if s > cursor:
             gaps.append((cursor, min(s, hi)))
         cursor = max(cursor, e)
@@ -136,21 +130,11 @@ class _SpanIndex:
         return None
 
 
-def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
 class _Windows:
     """Per-thread merged time windows, answering 'is ts inside one of them'."""
 
     def __init__(self, spans: dict) -> None:
-        self.spans = {tid: _merged(s) for tid, s in spans.items()}
+        self.spans = {tid: merge_intervals(s) for tid, s in spans.items()}
         self.starts = {tid: [s for s, _ in m] for tid, m in self.spans.items()}
 
     def contains(self, tid, ts: float) -> bool:
