@@ -418,3 +418,17 @@ def test_regress_compare_of_a_broken_metrics_file_is_one_line(data, message, tmp
     path.write_bytes(data)
     assert main(["regress", "compare", str(path), str(path)]) == 2
     assert capsys.readouterr().err == f"spartron: error: {path}{message}\n"
+
+
+def test_paths_too_long_for_the_os_are_one_line(tmp_path):
+    long = "a" * 300
+    assert _error("train.data.kind=mmap", f'train.data.path="{long}"') == (
+        "invalid config: train.data.path: too long for a path: 300 bytes, longest component 300 (at most 255 per "
+        "component and 4095 in all)")
+    assert _error(f'train.run_dir="/tmp/{"b/" * 2100}"').startswith("invalid config: train.run_dir: too long for a path")
+    with pytest.raises(ConfigError, match=r"^config file 'a{200}': File name too long$"):
+        load_config("a" * 5000)
+    with pytest.raises(ConfigError, match=r"train.data.path 'a{300}' cannot be read: File name too long"):
+        from spartron.runtime.data import check_token_file
+
+        check_token_file(long, "uint16", 8, 100)

@@ -87,10 +87,25 @@ class ParallelConfig(ConfigSection):
                             dp_replicate=self.dp_replicate, order=self.order)
 
 
+_NAME_MAX, _PATH_MAX = 255, 4095  # bytes of one path component and of a whole path (Linux)
+
+
+def check_path_length(v: str | None) -> str | None:
+    """A path the OS can open: no component over 255 bytes, at most 4095 bytes in all."""
+    if v is not None:
+        longest = max((len(part.encode()) for part in PurePosixPath(v).parts), default=0)
+        if longest > _NAME_MAX or len(v.encode()) > _PATH_MAX:
+            raise ValueError(f"too long for a path: {len(v.encode())} bytes, longest component {longest} "
+                             f"(at most {_NAME_MAX} per component and {_PATH_MAX} in all)")
+    return v
+
+
 class DataConfig(ConfigSection):
     kind: Literal["synthetic", "mmap"] = "synthetic"
     path: str | None = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"
+
+    _path = field_validator("path")(check_path_length)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -161,6 +176,7 @@ class TrainConfig(ConfigSection):
         if v is not None:
             if not v.strip():
                 raise ValueError("must be a non-empty path (or leave it unset for runs/<name>)")
+            check_path_length(v)
             if not PurePosixPath(v).is_absolute() and ".." in PurePosixPath(v).parts:
                 raise ValueError(f"a relative run directory must stay below the working directory "
                                  f"(no '..'); give an absolute path to write elsewhere, got {v!r}")
@@ -415,10 +431,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} is not a regular file")
+        try:
+            if not path.exists():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} is not a regular file")
+        except OSError as err:  # a name too long, a loop of links
+            raise ConfigError(f"config file {str(path)[:200]!r}: {err.strerror or err}") from None
         try:
             data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # an editor's BOM is not an error
         except OSError as err:

@@ -59,12 +59,12 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
     naming train.data.path otherwise. Returns the memory map."""
     path = Path(path)
     where = f"train.data.path {str(path)!r}"
-    if not path.exists():
-        raise ConfigError(f"{where} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{where} is not a regular file")
     width = np.dtype(token_dtype).itemsize
     try:
+        if not path.exists():
+            raise ConfigError(f"{where} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"{where} is not a regular file")
         size = path.stat().st_size
         if size == 0:
             raise ConfigError(f"{where} is empty")

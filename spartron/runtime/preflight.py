@@ -102,6 +102,13 @@ def check_run_dir(cfg: RunConfig, workdir: Path) -> None:
     """The run directory must be a directory, or creatable: its nearest existing parent a writable folder."""
     run_dir = cfg.run_dir(workdir)
     key = "train.run_dir" if cfg.train.run_dir else "name"
+    try:
+        _check_dir(run_dir, key)
+    except OSError as err:
+        raise ConfigError(f"{key}: run directory {str(run_dir)[:200]!r}: {err.strerror or err}") from None
+
+
+def _check_dir(run_dir: Path, key: str) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"{key}: run directory {str(run_dir)!r} exists and is not a directory")
     parent = run_dir
