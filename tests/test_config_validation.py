@@ -432,3 +432,8 @@ def test_paths_too_long_for_the_os_are_one_line(tmp_path):
         from spartron.runtime.data import check_token_file
 
         check_token_file(long, "uint16", 8, 100)
+
+
+def test_regress_compare_of_a_path_too_long_is_one_line(capsys):
+    assert main(["regress", "compare", "r" * 5000, "b"]) == 2
+    assert capsys.readouterr().err == f"spartron: error: run '{'r' * 200}': File name too long\n"

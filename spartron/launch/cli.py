@@ -223,8 +223,12 @@ def _tolerances(args: argparse.Namespace):
 def _metrics_file(path: str | Path, what: str) -> Path:
     """A metrics.jsonl given itself or as its run directory."""
     path = Path(path)
-    found = path / "metrics.jsonl" if path.is_dir() else path
-    if not found.is_file():
+    try:
+        found = path / "metrics.jsonl" if path.is_dir() else path
+        is_file = found.is_file()
+    except OSError as err:  # a name too long, a loop of links
+        raise UsageError(f"{what} {str(path)[:200]!r}: {err.strerror or err}") from None
+    if not is_file:
         raise UsageError(f"{what} {str(path)!r} is neither a metrics JSONL nor a run directory with "
                          "metrics.jsonl")
     return found
