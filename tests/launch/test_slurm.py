@@ -310,3 +310,28 @@ def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path):
     assert rc != 0 and "FAILED with exit status" in out, out + err
     assert err.strip().splitlines()[-1] == "spartron: the first to fail, as srun saw it: rank 1 on n2: Exited " \
         "with exit code 3"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_signal_before_the_time_limit_saves_and_stops_before_the_limit(tmp_path):
+    """launch.signal_before_s = 100 with a 2-minute limit: Slurm signals the batch shell 100 s (up to 60 s
+    more) before the limit; the ranks save and stop with 75 well before Slurm's TIMEOUT kill."""
+    from spartron.runtime.state import verify_step
+
+    if _slurm_unavailable():
+        pytest.skip(_slurm_unavailable())
+    start = time.monotonic()
+    proc = _spartron(["sbatch", TINY, "--time", "2", "--wait", "--set", "launch.signal_before_s=100",
+                      "--set", "train.steps=100000", "--set", "train.progress=false", "--set", 'name="limit"'],
+                     tmp_path)
+    rc, out, err = _finish(proc, timeout=300)
+    assert rc == STOPPED_STATUS, out + err
+    assert time.monotonic() - start < 120  # before the time limit
+    assert "FAILED with exit status 75" in out and "saved a complete step and stopped" in out
+    run_dir = tmp_path / "runs" / "limit"
+    (saved,) = _saved_steps(run_dir)
+    assert verify_step(run_dir / f"step-{saved:08d}") is None
+    job_id = out.split("submitted job ")[1].split()[0]
+    assert "spartron: the batch shell got SIGTERM; forwarding it to the ranks" in \
+        (run_dir / "slurm" / f"{job_id}.out").read_text()
