@@ -142,6 +142,7 @@ def config_cases() -> list[Case]:
         add(f"name-{cid}", [f"name={tstr(name)}"], ["name"])
     add("run_dir-escape", ["train.run_dir=../../elsewhere"], ["train.run_dir"])
     add("run_dir-empty", ['train.run_dir=""'], ["train.run_dir"])
+    add("run_dir-too-long", [f'train.run_dir="/tmp/{"r" * 300}"'], ["train.run_dir"])
     # non-finite floats
     floats = ["train.lr", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio", "train.peak_tflops",
               "parallel.timeout_s", "model.norm_eps", "model.init_std", "model.mla.rope_theta",
@@ -278,6 +279,9 @@ def config_file_cases() -> list[Case]:
     add("wrong-type", base.replace(b"steps = 5", b"steps = \"five\""), names=("train.steps",))
     add("huge-int", base.replace(b"steps = 5", b"steps = 99999999999999999999999"), names=("train.steps",))
     out.append(Case("file-missing", "config", ["plan", "nope.toml"], ("nope.toml",)))
+    out.append(Case("file-name-too-long", "config", ["plan", "a" * 5000], ("aaaa",)))
+    out.append(Case("file-link-loop", "config", ["plan", "loop1"], ("loop1",),
+                    setup=lambda w: ((w / "loop1").symlink_to("loop2"), (w / "loop2").symlink_to("loop1"))))
     out.append(Case("file-directory", "config", ["plan", "."], ("'.'",)))
     out.append(Case("file-dev-zero", "config", ["plan", "/dev/zero"], ("/dev/zero",), timeout=30))
     out.append(Case("file-fifo", "config", ["plan", "fifo.toml"], ("fifo.toml",), timeout=30,
@@ -321,6 +325,7 @@ def cli_cases() -> list[Case]:
     add("sbatch-wait-timeout-nowait", ["sbatch", "{tiny}", "--submit", "--wait-timeout", "10"],
         ["--wait-timeout"], forbid_submit=True)
     add("regress-missing", ["regress", "compare", "nope", "nope2"], ["nope"])
+    add("regress-too-long", ["regress", "compare", "n" * 5000, "b"], ["nnnn"])
     add("regress-garbage", ["regress", "compare", "g.jsonl", "g.jsonl"], ["g.jsonl"],
         setup=_write(Path("g.jsonl"), b"{not json\n\x00\xff"))
     add("regress-empty", ["regress", "compare", "e.jsonl", "e.jsonl"], ["e.jsonl"], setup=_write(Path("e.jsonl"), b""),
@@ -365,6 +370,7 @@ def data_cases() -> list[Case]:
     add("u16-big-vocab", "v.bin", tokens("v.bin", range(1000)), extra=("model.vocab_size=129280",),
         names=("train.data.token_dtype",))
     add("dev-zero", "/dev/zero")
+    add("too-long", "d" * 5000)
     add("symlink-dir", "link", lambda w: (w / "link").symlink_to(w))
     return out
 
