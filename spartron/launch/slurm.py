@@ -85,6 +85,21 @@ def _checked_launch(cfg: RunConfig) -> LaunchConfig:
         raise SlurmError(f"launch.{key}: {first['msg']} (got {first.get('input')!r})") from None
 
 
+def time_limit_s(text: str) -> int | None:
+    """Seconds in a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS); None: unlimited."""
+    if text in ("UNLIMITED", "infinite"):
+        return None
+    days, rest = text.split("-", 1) if "-" in text else ("0", text)
+    parts = [int(p) for p in rest.split(":")]
+    if "-" in text:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # MM or MM:SS
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 def _comment(text: str) -> str:
     """`text` for a comment line: JSON-escaped, so no newline, CR or control character survives."""
     return json.dumps(text)
@@ -103,6 +118,10 @@ def render_job(cfg: RunConfig, workdir: Path, entry: str = "train") -> SlurmJob:
     if launch.requeue and not cfg.train.resume:
         raise SlurmError("launch.requeue = true needs train.resume = true: a requeued job resumes from its "
                          "newest saved step")
+    limit = time_limit_s(launch.time)
+    if launch.signal_before_s and limit is not None and launch.signal_before_s >= limit:
+        raise SlurmError(f"launch.signal_before_s = {launch.signal_before_s} is not below launch.time = "
+                         f"{launch.time} ({limit} s): the job would be told to stop as it starts")
     job_name = launch.job_name or cfg.name
     if not isinstance(job_name, str) or not _JOB_NAME.fullmatch(job_name):
         raise SlurmError(f"name {job_name!r} cannot be a Slurm job name: use letters, digits, '.', '_' "

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from spartron.launch.cli import main
-from spartron.launch.slurm import SlurmError, render_job
+from spartron.launch.slurm import SlurmError, render_job, time_limit_s
 from spartron.runtime.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -333,3 +333,18 @@ def test_hostile_config_file_path_never_reaches_the_script(tmp_path, capsys, mon
         assert proc.returncode == 0, proc.stderr
         assert calls[0]["argv"][-1] == str(tmp_path / "runs" / "tiny" / "slurm" / "config.toml")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("30", 1800), ("30:15", 1815), ("01:02:03", 3723), ("2-3", 183600), ("2-03:04", 183840),
+    ("1-00:00:01", 86401), ("UNLIMITED", None), ("infinite", None)])
+def test_time_limit_seconds(text, seconds):
+    assert time_limit_s(text) == seconds
+
+
+def test_a_signal_at_or_before_the_job_start_is_refused(tmp_path):
+    with pytest.raises(SlurmError, match=r"^launch\.signal_before_s = 300 is not below launch\.time = 00:05:00 "
+                                         r"\(300 s\): the job would be told to stop as it starts$"):
+        render_job(load_config(TINY, ['launch.time="00:05:00"', "launch.signal_before_s=300"]), tmp_path)
+    render_job(load_config(TINY, ['launch.time="00:05:01"', "launch.signal_before_s=300"]), tmp_path)
+    render_job(load_config(TINY, ['launch.time="UNLIMITED"', "launch.signal_before_s=300"]), tmp_path)
