@@ -437,3 +437,11 @@ def test_paths_too_long_for_the_os_are_one_line(tmp_path):
 def test_regress_compare_of_a_path_too_long_is_one_line(capsys):
     assert main(["regress", "compare", "r" * 5000, "b"]) == 2
     assert capsys.readouterr().err == f"spartron: error: run '{'r' * 200}': File name too long\n"
+
+
+def test_an_override_may_not_replace_a_whole_table():
+    """`--set train={steps=1}` would reset train.lr, seq_len, ... to their defaults without a word."""
+    assert _error("train={steps = 1}") == ("override train: would replace the whole [train] table, dropping its "
+                                           "other keys; set its keys one by one (train.<key>=...)")
+    assert load_config(TINY, ["model.mla.yarn={factor = 4.0}"]).model.mla.yarn.factor == 4.0  # a new table is fine
+    assert load_config(TINY, ["launch.env.A=x", "launch.env.B=y"]).launch.env == {"A": "x", "B": "y"}

@@ -416,7 +416,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node = child
-        node[parts[-1]] = _parse_value(text.strip(), key.strip())
+        value = _parse_value(text.strip(), key.strip())
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and node[parts[-1]]:
+            # replacing a table would silently reset its other keys to their defaults
+            raise ConfigError(f"override {'.'.join(parts)}: would replace the whole [{'.'.join(parts)}] table, "
+                              f"dropping its other keys; set its keys one by one ({'.'.join(parts)}.<key>=...)")
+        node[parts[-1]] = value
     return data
 
 
