@@ -244,7 +244,8 @@ def config_cases() -> list[Case]:
     # override syntax
     for cid, item, key in [("no-equals", "nonsense", "nonsense"), ("empty-key", "=1", "=1"),
                            ("empty-part", "a..b=1", "a..b"), ("value-not-section", "train.steps.x=1", "train.steps"),
-                           ("deep-value", "train.lr=" + "[" * 5000, "train.lr")]:
+                           ("deep-value", "train.lr=" + "[" * 5000, "train.lr"),
+                           ("replace-table", "train={steps = 1}", "train"), ("replace-dsa", "model.dsa={}", "model.dsa")]:
         add(f"override-{cid}", [item], [key])
     return cases
 
