@@ -141,6 +141,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["launcher", "rank1"])
 def test_sigterm_saves_a_complete_step_then_resume_continues(tmp_path, target):
     """SIGTERM to the launcher (forwarded) or to one rank only (the all-reduced flag): every rank saves
