@@ -190,3 +190,18 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_sigterm_to_a_single_process_run_saves_and_exits_75(tmp_path):
+    """No launcher (launch.nproc = 1, or one task of srun/torchrun): the rank's own handler does it."""
+    import os
+
+    run_dir = tmp_path / "runs" / "tiny"
+    proc = _start_long_run(tmp_path, 1)
+    _wait_for_steps(run_dir, proc, 2)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == STOPPED_STATUS, err
+    (saved,) = [int(p.name.split("-")[1]) for p in run_dir.glob("step-*")]
+    assert verify_step(run_dir / f"step-{saved:08d}") is None
+    assert [r["step"] for r in _step_records(run_dir)][-1] == saved
