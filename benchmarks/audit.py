@@ -213,7 +213,6 @@ def config_cases() -> list[Case]:
         ("ac-target-empty", ["ac.targets=[\"\"]"], "ac.targets"),
         ("ac-target-marker", ["ac.targets=[\"profiler\"]"], "ac.targets"),
         ("compile-ac", ["train.compile=true"], "train.compile"),
-        ("scope-n1", ["train.intra_layer_micro_batch_scope=experts"], "train.intra_layer_micro_batch_scope"),
         ("imb-divide", ["train.intra_layer_micro_batches=3", "train.micro_batch_size=4"], "train.intra_layer_micro_batches"),
         ("imb-tokens", ["train.intra_layer_micro_batches=100", "train.intra_layer_micro_batch_scope=experts",
                         "train.seq_len=64"], "train.intra_layer_micro_batches"),

@@ -134,8 +134,6 @@ def test_yarn_values_must_be_positive():
     (["offload.enabled=true", "offload.min_bytes=100", "offload.pool_max_bytes=10"],
      "offload.min_bytes 100 is above offload.pool_max_bytes 10: no tensor could be offloaded"),
     (["ac.mode=none", "ac.freq=2"], "ac.freq is set but ac.mode = 'none' makes no checkpoint regions"),
-    (["train.intra_layer_micro_batch_scope=experts"],
-     "train.intra_layer_micro_batch_scope = 'experts' is set but train.intra_layer_micro_batches = 1"),
 ])
 def test_ignored_options_are_errors(overrides, message):
     assert message in _error(*overrides)

@@ -344,10 +344,7 @@ class RunConfig(ConfigSection):
         they are; a MoE layer checks only its chunk's token count when it runs)."""
         t, moe = self.train, self.model.moe
         n = t.intra_layer_micro_batches
-        if n == 1:
-            if t.intra_layer_micro_batch_scope != "layer":
-                raise ValueError(f"train.intra_layer_micro_batch_scope = {t.intra_layer_micro_batch_scope!r} "
-                                 "is set but train.intra_layer_micro_batches = 1 splits nothing")
+        if n == 1:  # the scope may stay set: a sweep over micro-batch counts keeps it at 1 too
             return
         if t.intra_layer_micro_batch_scope == "experts":
             has_moe = self.model.first_k_dense < self.model.n_layers or self.model.mtp.depth > 0
