@@ -80,6 +80,7 @@ class Case:
     quick: bool = False
     note: str = ""
     env: dict[str, str] = field(default_factory=dict)  # extra environment (a launcher's variables)
+    harm: Callable[[Path], str | None] | None = None  # extra harm check on the case folder (None: no harm)
 
 
 @dataclass
@@ -525,6 +526,24 @@ def state_cases() -> list[Case]:
         accept_ok=True, expect_out="resumed from step 2")  # a linked step is the user's layout: read, not written
     add("metrics-garbage", lambda w: (w / "runs" / "base" / "metrics.jsonl").write_bytes(b"\x00\xff{garbage"),
         names=("metrics.jsonl",), accept_ok=True)
+
+    def metrics_link(w: Path) -> None:  # metrics.jsonl links to a file outside the run: it must not change
+        outside = w.parent / "outside-metrics"
+        outside.write_text("precious\n")
+        (w / "runs" / "base" / "metrics.jsonl").unlink()
+        (w / "runs" / "base" / "metrics.jsonl").symlink_to(outside)
+
+    def outside_unchanged(case_dir: Path) -> str | None:
+        outside = case_dir / "outside-metrics"
+        ok = outside.is_file() and outside.read_text() == "precious\n"
+        return None if ok else "wrote through the metrics.jsonl link to a file outside the run"
+
+    out.append(Case("state-metrics-symlink", "state", resume, ("metrics.jsonl",), setup=metrics_link, timeout=120.0,
+                    accept_ok=True, harm=outside_unchanged))
+    add("next-step-is-file", lambda w: (w / "runs" / "base" / "step-00000003").write_text("x"),
+        names=("step-00000003",), accept_ok=False)
+    add("huge-step-number", lambda w: shutil.copytree(step2(w), w / "runs" / "base" / "step-99999999999"),
+        names=("step-99999999999", "train.steps"))
     return out
 
 
@@ -657,6 +676,8 @@ def classify(case: Case, rc: int | None, out: str, err: str, case_dir: Path, wor
     outside = sorted(set(os.listdir(case_dir)) - before - {"work", "stdout", "stderr", "script.sh", "script.out"})
     if outside:
         return "harmful", f"wrote outside the work folder: {outside}"
+    if case.harm is not None and (why := case.harm(case_dir)):
+        return "harmful", why
     if case.forbid_submit and stub_log.is_file() and "sbatch" in stub_log.read_text():
         return "harmful", "submitted a job before refusing the input"
     if rc is None:
