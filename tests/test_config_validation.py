@@ -443,3 +443,16 @@ def test_an_override_may_not_replace_a_whole_table():
                                            "other keys; set its keys one by one (train.<key>=...)")
     assert load_config(TINY, ["model.mla.yarn={factor = 4.0}"]).model.mla.yarn.factor == 4.0  # a new table is fine
     assert load_config(TINY, ["launch.env.A=x", "launch.env.B=y"]).launch.env == {"A": "x", "B": "y"}
+
+
+def test_inductor_on_cpu_needs_a_compiler(monkeypatch):
+    from spartron.runtime.preflight import check_compiler
+
+    monkeypatch.delenv("CXX", raising=False)
+    cfg = load_config(TINY, ["ac.mode=none", "train.compile=true"])
+    with pytest.raises(ConfigError, match=r"^train.compile = true with compile_backend 'inductor' on CPU needs a C\+\+ "
+                                          r"compiler \(g\+\+ or clang\+\+ or c\+\+ on PATH\)"):
+        check_compiler(cfg, which=lambda name: None)
+    check_compiler(cfg, which=lambda name: "/usr/bin/" + name if name == "c++" else None)
+    check_compiler(load_config(TINY, ["ac.mode=none", "train.compile=true", "train.compile_backend=aot_eager"]),
+                   which=lambda name: None)
