@@ -11,6 +11,7 @@ offload_window); this module only runs them early.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from spartron.runtime.config import ConfigError, RunConfig
@@ -21,6 +22,7 @@ def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = 
     dims = cfg.parallel.dims(world_size)
     cfg.train.micro_steps(dims.dp)
     check_device_options(cfg)
+    check_compiler(cfg)
     check_offload_window(cfg)
     check_run_dir(cfg, workdir or Path.cwd())
     if cfg.train.data.kind == "mmap":
@@ -75,6 +77,21 @@ def check_device_options(cfg: RunConfig) -> None:
     if cuda_only and not cuda:
         where = "device = 'cpu'" if cfg.device == "cpu" else "no CUDA device here (device = 'auto')"
         raise ConfigError(f"{cuda_only[0]} needs CUDA, but this run is on CPU ({where})")
+
+
+def check_compiler(cfg: RunConfig, which=shutil.which) -> None:
+    """train.compile with inductor on CPU writes and builds C++: without a compiler the first step fails."""
+    if not cfg.train.compile or cfg.train.compile_backend != "inductor" or cfg.device == "cuda":
+        return
+    if cfg.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    if not any(which(name) for name in names):
+        raise ConfigError(f"train.compile = true with compile_backend 'inductor' on CPU needs a C++ compiler "
+                          f"({' or '.join(names)} on PATH); install one or set train.compile_backend = 'aot_eager'")
 
 
 def n_checkpoint_regions(cfg: RunConfig) -> int:
