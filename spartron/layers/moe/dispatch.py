@@ -199,10 +199,11 @@ class CopyEngineDispatcher(AllToAllDispatcher):
     the exchange needs, and this rank's received counts per local expert, in one host copy.
     """
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, transport: EPTransport):
-        """`transport`: the EP group's (its exchange buffer is shared by every layer on the group)."""
+    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, transport: EPTransport | None = None):
+        """`transport`: the EP group's (its exchange buffer is shared by every layer on the group); None:
+        this dispatcher's own."""
         super().__init__(n_experts, ep_group)
-        self.buffer = transport.exchange_buffer()
+        self.buffer = (EPTransport(ep_group) if transport is None else transport).exchange_buffer()
 
     def exchange_counts(self, *states: DispatchState) -> None:
         ep, n_local, n = self.ep, self.n_local_experts, len(states)
