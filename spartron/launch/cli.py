@@ -293,6 +293,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "lays out (every rank group is listed in memory)")
     cfg = _load(args)
     world = cfg.launch.nproc if args.world_size is None else args.world_size
+    if world > MAX_PLAN_WORLD:  # launch.nproc when --world-size is not given
+        raise UsageError(f"launch.nproc {world} is above {MAX_PLAN_WORLD}, the most ranks `spartron plan` lays out")
     dims = _world_layout(cfg, world)
     sys.stdout.write(render_plan(cfg, world, max_groups=args.max_groups))
     try:  # a plan at scale is still worth printing; training at this size would refuse the batch
