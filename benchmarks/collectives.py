@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spartron.comm import collectives as C
 from spartron.runtime.metrics import git_commit
-from spartron.runtime.ops import collectives as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, elapsed_ms, run_ranks, write_report  # noqa: E402

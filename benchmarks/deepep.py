@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from spartron.checkpointing import build_policy
 from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
+from spartron.comm.collectives import all_to_all
+from spartron.comm.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
+from spartron.comm.deepep_buffer import load_deep_ep
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
-from spartron.layers.moe.deepep_buffer import load_deep_ep
 from spartron.runtime.metrics import git_commit
-from spartron.runtime.ops.collectives import all_to_all
-from spartron.runtime.ops.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, median_ms, run_ranks, write_report  # noqa: E402

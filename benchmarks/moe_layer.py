@@ -24,11 +24,11 @@ import torch
 import torch._dynamo  # noqa: F401  (imported lazily by custom ops; load it once before forking)
 import torch.distributed as dist
 
+from spartron.comm.collectives import all_to_all
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.experts import grouped_mm_available
 from spartron.runtime.metrics import git_commit
-from spartron.runtime.ops.collectives import all_to_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, median_ms, run_ranks, write_report  # noqa: E402

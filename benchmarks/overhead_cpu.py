@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from spartron.checkpointing import CheckpointOptions, CheckpointRegion, build_policy
 from spartron.checkpointing.replay import ReplayFrame, active_frame
 from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
-from spartron.runtime.ops import collectives as C
+from spartron.comm import collectives as C
 from spartron.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`

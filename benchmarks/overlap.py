@@ -11,7 +11,7 @@ rank's experts receive, and the rows it sends to the other rank), per rank:
 - `comm`: the exchange alone, by one of two transports:
   - `nccl`: `all_to_all_single` (NCCL kernels: they occupy SMs while they move data),
   - `copy_engine`: the MoE dispatcher's copy-engine exchange (`ExchangeBuffer.exchange`,
-    runtime/ops/copy_engine.py): peer copies into the receiver's symmetric-memory slot
+    comm/copy_engine.py): peer copies into the receiver's symmetric-memory slot
     (cudaMemcpyAsync over NVLink: the copy engines, no SMs), one barrier, a copy out;
 - `both`: the exchange on a side stream started with the GEMMs on the compute stream.
 `hidden_fraction` = (gemm + comm - both) / min(gemm, comm): 1 = the shorter one fully hidden at no
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, rows: int, experts: int, dim: int, inter: int, 
 
     transports = {"nccl": nccl}
     try:  # the MoE dispatcher's own exchange (spartron_symm::exchange's protocol), the same rows
-        from spartron.runtime.ops.copy_engine import ExchangeBuffer
+        from spartron.comm.copy_engine import ExchangeBuffer
 
         buffer = ExchangeBuffer(dist.group.WORLD)  # symmetric memory, allocated collectively at the first call
         counts = [rows // world] * (world * world)  # every rank sends half its rows to each rank

@@ -13,14 +13,12 @@ it through the model's `close()` when a run ends well). A layer built without on
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-from spartron.runtime.ops.copy_engine import ExchangeBuffer, SymmetricMemory
-
-if TYPE_CHECKING:
-    from spartron.layers.moe.deepep_buffer import DeepEPBuffer
+from spartron.comm.copy_engine import ExchangeBuffer, SymmetricMemory
+from spartron.comm.deepep_buffer import FEATURE, DeepEPBuffer
 
 
 class EPTransport:
@@ -48,8 +46,6 @@ class EPTransport:
 
     def deepep_buffer(self, top_k: int, n_experts: int, num_sms: int, hidden: int | None) -> DeepEPBuffer:
         """The DeepEP buffer of the group (the same object for every caller, who must agree on its shape)."""
-        from spartron.layers.moe.deepep_buffer import FEATURE, DeepEPBuffer  # TEMP until the comm move
-
         if self._deepep is None:
             self._deepep = DeepEPBuffer(self.group, top_k, n_experts, num_sms, hidden, library=self.deepep_library)
             return self._deepep

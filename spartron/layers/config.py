@@ -93,10 +93,10 @@ class MoEConfig(ConfigSection):
     aux_loss_type: Literal["seq", "batch"] = "seq"
     dispatcher: Literal["local", "all_to_all", "deepep"] = "all_to_all"
     # how "all_to_all" moves tokens: NCCL kernels, or the copy engines over symmetric memory (one host;
-    # leaves the SMs to the compute it overlaps with: spartron/runtime/ops/copy_engine.py)
+    # leaves the SMs to the compute it overlaps with: spartron/comm/copy_engine.py)
     all_to_all_transport: Literal["nccl", "copy_engine"] = "nccl"
     # how the copy-engine exchange orders the ranks: "barrier" (a spinning kernel, measured) or
-    # "stream_wait" (epoch signals and a stream-side wait, no kernel: spartron/runtime/ops/copy_engine.py)
+    # "stream_wait" (epoch signals and a stream-side wait, no kernel: spartron/comm/copy_engine.py)
     copy_engine_sync: Literal["barrier", "stream_wait"] = "barrier"
     deepep_num_sms: int = Field(24, ge=2)
     grouped_mm: Literal["auto", "grouped", "loop"] = "auto"

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from spartron.runtime.ops import collectives
+from spartron.comm import collectives
 
 
 def _check_divisible(seq_len: int, cp_size: int) -> None:

@@ -16,19 +16,19 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy
-from spartron.comm.transport import EPTransport
-from spartron.layers.config import ModelConfig, MoEConfig
-from spartron.layers.model import build_model
-from spartron.layers.moe import MoELayer, build_dispatcher
-from spartron.layers.moe.dispatch import AllToAllDispatcher, CopyEngineDispatcher
-from spartron.runtime.ops import collectives
-from spartron.runtime.ops.copy_engine import (
+from spartron.comm import collectives
+from spartron.comm.copy_engine import (
     ExchangeBuffer,
     HostSharedMemory,
     exchange,
     exchange_plan,
     transpose_counts,
 )
+from spartron.comm.transport import EPTransport
+from spartron.layers.config import ModelConfig, MoEConfig
+from spartron.layers.model import build_model
+from spartron.layers.moe import MoELayer, build_dispatcher
+from spartron.layers.moe.dispatch import AllToAllDispatcher, CopyEngineDispatcher
 from spartron.testing import run_distributed
 
 DIM = 64

@@ -22,12 +22,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy, checkpoint
 from spartron.checkpointing.microbatch import interleave
+from spartron.comm import deepep as deepep_ops
+from spartron.comm.deepep_buffer import DeepEPBuffer, check_deepep_shape, nvl_buffer_bytes
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer, build_dispatcher
-from spartron.layers.moe.deepep_buffer import DeepEPBuffer, check_deepep_shape, nvl_buffer_bytes
 from spartron.layers.moe.dispatch import DeepEPDispatcher
-from spartron.runtime.ops import deepep as deepep_ops
 from spartron.testing import run_distributed
 
 DIM, TOKENS_PER_SEQ, BATCH = 64, 8, 4

@@ -159,7 +159,7 @@ def test_build_needs_initialized_distributed():
 
 def _nccl_settings_rank(rank, world):
     """The configured EP group has its own NCCL communicator carrying the settings, and works."""
-    from spartron.runtime.ops.collectives import all_to_all
+    from spartron.comm.collectives import all_to_all
 
     torch.cuda.set_device(rank)
     groups = ParallelGroups.build(ParallelDims(world_size=world, fsdp=world, ep=world), "cuda",

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spartron.comm.collectives import all_gather, all_to_all, splits_to_host
+from spartron.comm.copy_engine import exchange, transpose_counts
+from spartron.comm.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
+from spartron.comm.deepep_buffer import check_deepep_shape, load_deep_ep
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import MoEConfig
-from spartron.layers.moe.deepep_buffer import check_deepep_shape, load_deep_ep
-from spartron.runtime.ops.collectives import all_gather, all_to_all, splits_to_host
-from spartron.runtime.ops.copy_engine import exchange, transpose_counts
-from spartron.runtime.ops.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 
 
 @dataclass
@@ -192,7 +192,7 @@ class AllToAllDispatcher(LocalDispatcher):
 
 class CopyEngineDispatcher(AllToAllDispatcher):
     """The all-to-all dispatcher with the token exchange done by the copy engines over symmetric
-    memory (`spartron_symm::exchange`, runtime/ops/copy_engine.py): no SMs taken from the compute it
+    memory (`spartron_symm::exchange`, comm/copy_engine.py): no SMs taken from the compute it
     overlaps with. Same rows in the same order as the NCCL path, so the same numerics.
 
     The counts: an all-gather of every rank's per-expert counts gives the whole [ep, ep] send matrix
@@ -239,7 +239,7 @@ class DeepEPDispatchState:
 
 
 class DeepEPDispatcher:
-    """Expert parallelism over NVLink with DeepEP's intranode kernels (ops in runtime/ops/deepep.py).
+    """Expert parallelism over NVLink with DeepEP's intranode kernels (ops in comm/deepep.py).
 
     Unlike the all-to-all path, DeepEP sends each token once per destination rank (not once per
     (token, k) slot) together with its top-k ids and gate weights. The receiving rank expands the

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spartron.comm.collectives import splits_to_host
 from spartron.layers.init import init_parameters_
-from spartron.runtime.ops.collectives import splits_to_host
 
 
 def grouped_mm_available() -> bool:

@@ -9,4 +9,4 @@ Namespaces (the strings users put in `[ac] targets`):
 - `spartron_symm`: exchange (copy_engine.py; the MoE token exchange over the copy engines)
 """
 
-from spartron.runtime.ops import collectives, copy_engine, deepep, routing, sparse_mla, telemetry  # noqa: F401
+from spartron.runtime.ops import routing, sparse_mla, telemetry  # noqa: F401

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from spartron.runtime.ops.collectives import resolve_group
+from spartron.comm.collectives import resolve_group
 from spartron.scoped import ScopedValue
 
 NAMESPACE = "spartron_symm"
@@ -314,7 +314,7 @@ def _current(group_name: str) -> ExchangeBuffer:
     buffer = _BUFFER.get()
     if buffer is None:
         raise RuntimeError("spartron_symm::exchange needs an ExchangeBuffer: call it through "
-                           "spartron.runtime.ops.copy_engine.exchange (or inside `with buffer_scope(buffer):`)")
+                           "spartron.comm.copy_engine.exchange (or inside `with buffer_scope(buffer):`)")
     if buffer.group.group_name != group_name:
         raise RuntimeError(f"spartron_symm::exchange for group {group_name!r}, but the current buffer serves "
                            f"{buffer.group.group_name!r}")

@@ -17,7 +17,7 @@ channel count (= SMs / 2), not on the number of tokens. `nvl_buffer_bytes` mirro
 `Config.get_nvl_buffer_size_hint` (NVSHMEM disabled) for the dispatch and combine configs and takes
 the larger; `runtime()` additionally takes DeepEP's own hint, so a library change cannot undersize it.
 
-The ops find it through `spartron.runtime.ops.deepep.buffer_scope` (their wrappers take the buffer).
+The ops find it through `spartron.comm.deepep.buffer_scope` (their wrappers take the buffer).
 """
 
 from __future__ import annotations

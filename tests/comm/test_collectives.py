@@ -15,7 +15,7 @@ import torch._dynamo  # noqa: F401  (the first custom-op call imports it: once h
 import torch.distributed as dist
 import torch.utils._python_dispatch
 
-from spartron.runtime.ops import collectives as C
+from spartron.comm import collectives as C
 from spartron.testing import DistributedTestError, run_distributed
 
 D = 3

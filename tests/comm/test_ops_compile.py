@@ -8,7 +8,7 @@ import torch
 import torch._dynamo  # noqa: F401  (the first custom-op call imports it: once here, not in each forked rank)
 
 from spartron.checkpointing import build_policy
-from spartron.runtime.ops import collectives as C
+from spartron.comm import collectives as C
 from spartron.runtime.ops import telemetry
 from spartron.testing import run_distributed
 

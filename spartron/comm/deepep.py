@@ -50,7 +50,7 @@ def current_buffer() -> Any:
     buffer = _BUFFER.get()
     if buffer is None:
         raise RuntimeError("spartron_deepep ops need a DeepEPBuffer: call them through the wrappers in "
-                           "spartron.runtime.ops.deepep (or inside `with buffer_scope(buffer):`)")
+                           "spartron.comm.deepep (or inside `with buffer_scope(buffer):`)")
     return buffer
 
 
@@ -225,7 +225,7 @@ _combine.register_autograd(_combine_grad, setup_context=_combine_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# Wrappers (the buffer is a spartron.layers.moe.deepep_buffer.DeepEPBuffer)
+# Wrappers (the buffer is a spartron.comm.deepep_buffer.DeepEPBuffer)
 # ---------------------------------------------------------------------------------------------
 
 def deepep_dispatch(buffer: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
