@@ -456,3 +456,13 @@ def test_inductor_on_cpu_needs_a_compiler(monkeypatch):
     check_compiler(cfg, which=lambda name: "/usr/bin/" + name if name == "c++" else None)
     check_compiler(load_config(TINY, ["ac.mode=none", "train.compile=true", "train.compile_backend=aot_eager"]),
                    which=lambda name: None)
+
+
+def test_local_rank_count_is_bounded_by_the_machine():
+    from spartron.runtime.preflight import check_local_ranks
+
+    check_local_ranks(64, cpus=2)
+    check_local_ranks(512, cpus=128)
+    with pytest.raises(ConfigError, match=r"^launch.nproc 65 is more local ranks than this machine can run \(2 cores; "
+                                          r"at most 64 here\)"):
+        check_local_ranks(65, cpus=2)

@@ -68,7 +68,7 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool,
         check_device_options(cfg)
         return
     world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
-    check_before_launch(cfg, world_size)
+    check_before_launch(cfg, world_size, local_ranks=None if is_rank else cfg.launch.nproc)
     check_run_start(cfg, world_size)  # the run directory: new run into old steps, finished run, mismatches
 
 

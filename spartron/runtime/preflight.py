@@ -17,8 +17,12 @@ from pathlib import Path
 from spartron.runtime.config import ConfigError, RunConfig
 
 
-def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = None) -> None:
-    """Raise ConfigError (or ParallelDimsError) for a run that cannot start on `world_size` ranks here."""
+def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = None,
+                        local_ranks: int | None = None) -> None:
+    """Raise ConfigError (or ParallelDimsError) for a run that cannot start on `world_size` ranks here;
+    `local_ranks`: how many this process is about to spawn on this machine (None: it is a rank itself)."""
+    if local_ranks is not None:
+        check_local_ranks(local_ranks)
     dims = cfg.parallel.dims(world_size)
     cfg.train.micro_steps(dims.dp)
     check_device_options(cfg)
@@ -77,6 +81,15 @@ def check_device_options(cfg: RunConfig) -> None:
     if cuda_only and not cuda:
         where = "device = 'cpu'" if cfg.device == "cpu" else "no CUDA device here (device = 'auto')"
         raise ConfigError(f"{cuda_only[0]} needs CUDA, but this run is on CPU ({where})")
+
+
+def check_local_ranks(nproc: int, cpus: int | None = None) -> None:
+    """More local ranks than 4 per core (at least 64) would only thrash the machine: a typo, not a run."""
+    cpus = cpus or os.cpu_count() or 1
+    limit = max(64, 4 * cpus)
+    if nproc > limit:
+        raise ConfigError(f"launch.nproc {nproc} is more local ranks than this machine can run ({cpus} cores; at "
+                          f"most {limit} here): use spartron sbatch for many nodes")
 
 
 def check_compiler(cfg: RunConfig, which=shutil.which) -> None:
