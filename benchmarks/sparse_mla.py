@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spartron.runtime.ops import sparse_mla_triton
-from spartron.runtime.ops.sparse_mla import default_chunk_size, reference_backward, reference_forward, sparse_mla
+from spartron.layers.attention import sparse_mla_triton
+from spartron.layers.attention.sparse_mla import default_chunk_size, reference_backward, reference_forward, sparse_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, write_report  # noqa: E402

@@ -9,7 +9,7 @@ FLOPs count what the layers compute, per trained token, forward + backward = 3 x
   projection, head): 6 x its parameters; embedding lookups, norms and elementwise work are not
   counted;
 - dense attention: 2 x heads x (qk + v dims) per causally visible key (SDPA's QK^T and PV);
-- DSA layers attend in the absorbed latent form (spartron.layers.mla): 2 x heads x
+- DSA layers attend in the absorbed latent form (spartron.layers.attention.mla): 2 x heads x
   (kv_lora + rope + kv_lora) per selected key (at most `index_topk` visible keys);
 - the lightning indexer runs only in DSA SOURCE layers (`dsa_schedule`; consumers reuse the ids):
   projections, and 2 x index heads x (index dim + 1) per visible key for the weighted scores. A
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.config import ModelConfig
-from spartron.layers.dsa import dsa_schedule
 from spartron.parallel.dims import ParallelDims
 
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}

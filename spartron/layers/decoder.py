@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from spartron.checkpointing import microbatch as mb
 from spartron.checkpointing.microbatch import Phase, drive, interleave
 from spartron.comm.transport import EPTransport
+from spartron.layers.attention.dsa import ids_for_layer
+from spartron.layers.attention.mla import MLA
 from spartron.layers.config import ModelConfig
-from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
-from spartron.layers.mla import MLA
 from spartron.layers.moe import MoELayer
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import DecoderLayerOutput

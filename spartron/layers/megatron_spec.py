@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.layers.attention.context_parallel import cp_size_of, local_positions
+from spartron.layers.attention.dsa import ids_for_layer
+from spartron.layers.attention.mla import MLA
 from spartron.layers.config import ModelConfig
-from spartron.layers.context_parallel import cp_size_of, local_positions
-from spartron.layers.dsa import ids_for_layer
 from spartron.layers.ffn import FeedForward
 from spartron.layers.init import init_parameters_
 from spartron.layers.megatron_config import spartron_config_from_megatron
-from spartron.layers.mla import MLA
 from spartron.layers.moe import MoELayer
 from spartron.layers.outputs import AttentionOutput, MoEOutput
 

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_batches
 from spartron.comm.transport import EPTransport
+from spartron.layers.attention.context_parallel import cp_positions, cp_shard
 from spartron.layers.config import ModelConfig
-from spartron.layers.context_parallel import cp_positions, cp_shard
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.init import init_parameters_
 from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from spartron.comm.transport import EPTransport
+from spartron.layers.attention.dsa import dsa_schedule, ids_for_layer
 from spartron.layers.config import ModelConfig
 from spartron.layers.decoder import DecoderLayer
-from spartron.layers.dsa import dsa_schedule, ids_for_layer
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import MTPOutput
 

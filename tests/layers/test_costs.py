@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import (
     count_parameters,
@@ -17,7 +18,6 @@ from spartron.layers.costs import (
     training_flop_parts,
     training_flops_per_token,
 )
-from spartron.layers.dsa import dsa_schedule
 from spartron.layers.model import build_model
 from spartron.parallel.dims import ParallelDims
 from spartron.runtime.config import load_config

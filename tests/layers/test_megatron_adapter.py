@@ -15,8 +15,8 @@ from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
+from spartron.layers.attention.context_parallel import local_positions, shard_sequence  # noqa: E402
 from spartron.layers.config import ModelConfig  # noqa: E402
-from spartron.layers.context_parallel import local_positions, shard_sequence  # noqa: E402
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
 from spartron.layers.init import init_parameters_, init_tensor_  # noqa: E402
 from spartron.layers.megatron import (  # noqa: E402

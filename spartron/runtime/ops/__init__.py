@@ -9,4 +9,5 @@ Namespaces (the strings users put in `[ac] targets`):
 - `spartron_symm`: exchange (copy_engine.py; the MoE token exchange over the copy engines)
 """
 
-from spartron.runtime.ops import routing, sparse_mla, telemetry  # noqa: F401
+import spartron.layers.attention  # noqa: F401
+from spartron.runtime.ops import routing, telemetry  # noqa: F401

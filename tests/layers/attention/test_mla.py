@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from spartron.layers.attention.mla import MLA
+from spartron.layers.attention.rope import mla_softmax_scale, rope_inv_freq
 from spartron.layers.config import ModelConfig
-from spartron.layers.mla import MLA
 from spartron.layers.norms import RMSNorm
-from spartron.layers.rope import mla_softmax_scale, rope_inv_freq
 
 MLA_SHAPES = dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
 

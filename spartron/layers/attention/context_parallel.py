@@ -65,7 +65,7 @@ def check_local_positions(positions: Tensor, group: dist.ProcessGroup | None) ->
     expected = local_positions(positions.numel() * cp, cp, rank, positions.device)
     if positions.shape != expected.shape or not torch.equal(positions, expected):
         raise ValueError(f"context parallelism {cp}: rank {rank} must hold positions "
-                         "spartron.layers.context_parallel.local_positions(seq_len, cp, rank) "
+                         "spartron.layers.attention.context_parallel.local_positions(seq_len, cp, rank) "
                          "(load-balanced chunks r and 2cp-1-r of 0..seq_len-1)")
 
 

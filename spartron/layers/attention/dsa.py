@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.layers.attention.context_parallel import gather_sequence
+from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
-from spartron.layers.context_parallel import gather_sequence
-from spartron.layers.rope import apply_rope
 
 DSARole = str | None  # None (dense attention), "source" (computes ids), "consumer" (reuses ids)
 

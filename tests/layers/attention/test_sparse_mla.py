@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spartron.runtime.ops.sparse_mla import sparse_mla
+from spartron.layers.attention.sparse_mla import sparse_mla
 
 
 def _case(b=2, s_q=7, s_kv=9, h=3, d=6, k=4, dtype=torch.float64, seed=0):

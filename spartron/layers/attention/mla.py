@@ -19,25 +19,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
-from spartron.layers.config import ModelConfig
-from spartron.layers.context_parallel import check_local_positions, cp_size_of, gather_sequence
-from spartron.layers.dsa import (
+from spartron.layers.attention.context_parallel import check_local_positions, cp_size_of, gather_sequence
+from spartron.layers.attention.dsa import (
     LightningIndexer,
     causal_visible,
     dsa_schedule,
     trained_indexer_ids_and_loss,
 )
+from spartron.layers.attention.rope import apply_rope, mla_softmax_scale, rope_cos_sin
+from spartron.layers.attention.sparse_mla import sparse_mla
+from spartron.layers.config import ModelConfig
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import AttentionOutput
-from spartron.layers.rope import apply_rope, mla_softmax_scale, rope_cos_sin
-from spartron.runtime.ops.sparse_mla import sparse_mla
 
 
 class MLA(nn.Module):
     """MLA attention of decoder layer `layer_idx` (n_layers + d for MTP depth d).
 
     forward(x [B,S_local,D], positions [S_local] int64 global positions, dsa_topk_ids) -> AttentionOutput.
-    `dsa_topk_ids` goes to consumer layers only (see `spartron.layers.dsa.ids_for_layer`); an MTP
+    `dsa_topk_ids` goes to consumer layers only (see `spartron.layers.attention.dsa.ids_for_layer`); an MTP
     source layer also accepts them, which is how one weight-shared MTP block computes ids at depth 0
     and reuses them at later depths.
     """
@@ -108,7 +108,7 @@ class MLA(nn.Module):
         if self.dsa_role is None or (self.dsa_role == "source" and not self.is_mtp):
             kind = "a dense-attention" if self.dsa_role is None else "a DSA source"
             raise ValueError(f"layer {self.layer_idx} is {kind} layer and takes no dsa_topk_ids "
-                             "(pass them only to consumers: spartron.layers.dsa.ids_for_layer)")
+                             "(pass them only to consumers: spartron.layers.attention.dsa.ids_for_layer)")
         if ids.dtype != torch.int32 or ids.dim() != 3 or ids.shape[:2] != x.shape[:2]:
             raise ValueError(f"dsa_topk_ids must be int32 [B, S_local, K] matching x {tuple(x.shape[:2])}, "
                              f"got {ids.dtype} {tuple(ids.shape)}")

@@ -91,7 +91,7 @@ def _sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d
 
 @_sparse_mla.register_kernel("cuda")
 def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size):
-    from spartron.runtime.ops import sparse_mla_triton  # the kernels import triton only when used
+    from spartron.layers.attention import sparse_mla_triton  # the kernels import triton only when used
 
     return sparse_mla_triton.forward(q, kv, topk_ids, softmax_scale, d_v)
 
@@ -137,7 +137,7 @@ def _sparse_mla_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tens
 
 @_sparse_mla_backward.register_kernel("cuda")
 def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size):
-    from spartron.runtime.ops import sparse_mla_triton
+    from spartron.layers.attention import sparse_mla_triton
 
     return sparse_mla_triton.backward(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v)
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spartron.layers.config import ModelConfig
-from spartron.layers.context_parallel import (
+from spartron.layers.attention.context_parallel import (
     global_chunk_order,
     local_positions,
     shard_sequence,
     unshard_sequence,
 )
-from spartron.layers.mla import MLA
+from spartron.layers.attention.mla import MLA
+from spartron.layers.config import ModelConfig
 from spartron.testing import run_distributed
 
 
@@ -131,7 +131,7 @@ def test_cp_rejects_positions_that_are_not_the_balanced_shard():
 
 
 def test_group_wrappers_are_identity_without_cp():
-    from spartron.layers.context_parallel import cp_positions, cp_shard
+    from spartron.layers.attention.context_parallel import cp_positions, cp_shard
 
     x = torch.randn(1, 6, 2)
     assert cp_shard(x, None) is x

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from spartron.checkpointing import checkpoint
+from spartron.layers.attention.dsa import LightningIndexer, dsa_schedule, ids_for_layer, index_scores, topk_ids
+from spartron.layers.attention.mla import MLA
+from spartron.layers.attention.rope import mla_softmax_scale, rope_cos_sin
 from spartron.layers.config import ModelConfig
-from spartron.layers.dsa import LightningIndexer, dsa_schedule, ids_for_layer, index_scores, topk_ids
-from spartron.layers.mla import MLA
-from spartron.layers.rope import mla_softmax_scale, rope_cos_sin
 
 DSA = dict(n_index_heads=3, index_head_dim=8, index_topk=4, topk_freq=2)
 
@@ -177,7 +177,7 @@ def literal_kl(m: MLA, x, pos, ids, sparse):
         b, n, _ = x.shape
         h, dn = m.n_heads, cfg.qk_nope_head_dim
         cos, sin = rope_cos_sin(pos, cfg)
-        from spartron.layers.rope import apply_rope
+        from spartron.layers.attention.rope import apply_rope
         q = m.wq_b(m.q_norm(m.wq_a(x))).view(b, n, h, -1)
         q = torch.cat([q[..., :dn], apply_rope(q[..., dn:], cos, sin, True)], -1)
         kv_a = m.wkv_a(x)

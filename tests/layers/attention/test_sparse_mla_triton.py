@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spartron.runtime.ops import sparse_mla_triton
-from spartron.runtime.ops.sparse_mla import reference_backward, reference_forward, sparse_mla
+from spartron.layers.attention import sparse_mla_triton
+from spartron.layers.attention.sparse_mla import reference_backward, reference_forward, sparse_mla
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton sparse-MLA kernels")
 

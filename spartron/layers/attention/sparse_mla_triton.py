@@ -61,7 +61,7 @@ def backward_config(n_heads: int) -> KernelConfig:
 
 def _kernels():
     require("triton", "the sparse_mla CUDA kernels", "pip install triton (it ships with CUDA builds of torch)")
-    return importlib.import_module("spartron.runtime.ops.sparse_mla_triton_kernels")
+    return importlib.import_module("spartron.layers.attention.sparse_mla_triton_kernels")
 
 
 def _pow2(n: int) -> int:
