@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-import spartron.runtime.ops  # noqa: F401  (registers Spartron's ops: `ac.targets` are validated against them)
+import spartron.layers  # noqa: F401  (registers Spartron's ops: `ac.targets` are validated against them)
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigSection
 from spartron.layers.config import ModelConfig

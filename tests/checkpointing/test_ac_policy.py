@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import spartron.runtime.ops  # noqa: F401  (registers the spartron namespaces)
+import spartron.layers  # noqa: F401  (registers the spartron namespaces)
 from spartron.checkpointing import (
     DEFAULT_TARGETS,
     MANDATORY,
@@ -24,9 +24,9 @@ from spartron.checkpointing import (
     CheckpointReplayError,
     build_policy,
 )
+from spartron.layers.moe.telemetry import record_routing_stats
+from spartron.layers.moe.topk import moe_topk
 from spartron.runtime.config import ConfigError, load_config
-from spartron.runtime.ops.routing import moe_topk
-from spartron.runtime.ops.telemetry import record_routing_stats
 
 REENTRANT = pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "nonreentrant"])
 

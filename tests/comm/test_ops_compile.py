@@ -9,7 +9,7 @@ import torch._dynamo  # noqa: F401  (the first custom-op call imports it: once h
 
 from spartron.checkpointing import build_policy
 from spartron.comm import collectives as C
-from spartron.runtime.ops import telemetry
+from spartron.layers.moe import telemetry
 from spartron.testing import run_distributed
 
 SPLITS = [[1, 3], [2, 0]]  # SPLITS[j][r] = rows rank j sends to rank r (uneven, one empty)

@@ -30,8 +30,8 @@ from spartron.layers.init import init_parameters_
 from spartron.layers.moe.dispatch import build_dispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
+from spartron.layers.moe.telemetry import record_routing_stats
 from spartron.layers.outputs import MoEOutput
-from spartron.runtime.ops.telemetry import record_routing_stats
 
 
 class MoELayer(nn.Module):

@@ -3,7 +3,7 @@
 Selection vs weights. The aux-loss-free expert bias (DeepSeek-V3) is added to the scores only to
 choose experts; the gate weights are gathered from the unbiased scores, so the bias steers load
 without entering the layer's output or its gradients. Selection itself is the mandatory-save op
-`spartron::moe_topk` (runtime/ops/routing.py): a checkpoint replay reuses the saved ids.
+`spartron::moe_topk` (layers/moe/topk.py): a checkpoint replay reuses the saved ids.
 
 Group score rule (group-limited routing, `n_groups > 1`): with sigmoid scores a group is ranked by
 the sum of its two best biased scores (DeepSeek-V3), with softmax scores by its best score
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from spartron.layers.config import MoEConfig
 from spartron.layers.init import init_parameters_
-from spartron.runtime.ops.routing import moe_topk
+from spartron.layers.moe.topk import moe_topk
 
 
 class Routing(TypedDict):

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spartron.layers.config import MoEConfig
 from spartron.layers.moe.router import Router, load_balancing_loss
-from spartron.runtime.ops.routing import moe_topk
+from spartron.layers.moe.topk import moe_topk
 from spartron.testing import run_distributed
 
 

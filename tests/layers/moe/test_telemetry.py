@@ -9,8 +9,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from spartron.checkpointing import CheckpointOptions, CheckpointRegion, build_policy, checkpoint
-from spartron.runtime.ops import telemetry
-from spartron.runtime.ops.telemetry import record_routing_stats
+from spartron.layers.moe import telemetry
+from spartron.layers.moe.telemetry import record_routing_stats
 
 NUM_EXPERTS = 5
 

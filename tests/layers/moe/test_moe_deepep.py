@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-import deepep_emulator  # test double of DeepEP, next to this file (tests/layers)
+import deepep_emulator  # test double of DeepEP, next to this file (tests/layers/moe)
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (custom ops import it lazily: 4 s in every forked rank otherwise)
