@@ -220,7 +220,7 @@ def test_unreadable_config_files_are_one_line(tmp_path):
 def test_region_count_matches_the_built_model():
     from spartron.checkpointing.offload import checkpoint_regions
     from spartron.layers.model import build_model
-    from spartron.runtime.parallelize import apply_ac
+    from spartron.layers.parallelize import apply_ac
 
     for extra in ([], ["ac.freq=2"], ["ac.freq=3", "model.mtp.share_weights=false"], ["model.mtp.depth=0"]):
         cfg = load_config(TINY, extra)

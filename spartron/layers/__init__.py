@@ -16,11 +16,12 @@ from spartron.layers.model import SparseMoEModel, build_model
 from spartron.layers.moe import GroupedExperts, MoELayer, Router, build_dispatcher
 from spartron.layers.mtp import MTP
 from spartron.layers.outputs import AttentionOutput, DecoderLayerOutput, ModelOutput, MoEOutput, MTPOutput
+from spartron.layers.parallelize import Block, ParallelizableModel, parallelize
 
 __all__ = [
-    "MLA", "MTP", "AttentionOutput", "DSAConfig", "DecoderLayer", "DecoderLayerOutput", "GroupedExperts",
+    "MLA", "MTP", "AttentionOutput", "Block", "DSAConfig", "DecoderLayer", "DecoderLayerOutput", "GroupedExperts",
     "LightningIndexer", "MLAConfig", "MTPConfig", "MTPOutput", "ModelConfig", "ModelOutput", "MoEConfig", "MoELayer",
-    "MoEOutput", "ParamCount", "Router", "SparseMoEModel", "YarnConfig", "build_dispatcher",
-    "build_model", "count_parameters", "dsa_schedule", "run_decoder_stack", "sparse_mla",
+    "MoEOutput", "ParallelizableModel", "ParamCount", "Router", "SparseMoEModel", "YarnConfig", "build_dispatcher",
+    "build_model", "count_parameters", "dsa_schedule", "parallelize", "run_decoder_stack", "sparse_mla",
     "state_bytes_per_rank", "training_flops_per_token",
 ]

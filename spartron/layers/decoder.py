@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from spartron.checkpointing import microbatch as mb
-from spartron.checkpointing.microbatch import Phase, drive, interleave
 from spartron.comm.transport import EPTransport
 from spartron.layers.attention.dsa import ids_for_layer
 from spartron.layers.attention.mla import MLA
@@ -26,6 +24,7 @@ from spartron.layers.ffn import FeedForward
 from spartron.layers.moe import MoELayer
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import DecoderLayerOutput
+from spartron.layers.schedule import Phase, drive, interleave, mean_or_none, sum_or_none
 
 
 class DecoderLayer(nn.Module):
@@ -78,9 +77,9 @@ def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
     out_ids = [o["dsa_topk_ids"] for o in outs]
     return DecoderLayerOutput(hidden_states=[o["hidden_states"] for o in outs],
                               dsa_topk_ids=None if out_ids[0] is None else out_ids,
-                              indexer_loss=mb.mean_or_none([o["indexer_loss"] for o in outs]),
-                              aux_loss=mb.mean_or_none([o["aux_loss"] for o in outs]),
-                              tokens_per_expert=mb.sum_or_none([o["tokens_per_expert"] for o in outs]))
+                              indexer_loss=mean_or_none([o["indexer_loss"] for o in outs]),
+                              aux_loss=mean_or_none([o["aux_loss"] for o in outs]),
+                              tokens_per_expert=sum_or_none([o["tokens_per_expert"] for o in outs]))
 
 
 @dataclass

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spartron.checkpointing.microbatch import merge_micro_batches, split_micro_batches
 from spartron.comm.transport import EPTransport
 from spartron.layers.attention.context_parallel import cp_positions, cp_shard
 from spartron.layers.config import ModelConfig
@@ -26,7 +25,8 @@ from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
-from spartron.runtime.parallelize import Block
+from spartron.layers.parallelize import Block
+from spartron.layers.schedule import merge_micro_batches, split_micro_batches
 
 
 class SparseMoEModel(nn.Module):
@@ -125,7 +125,7 @@ class SparseMoEModel(nn.Module):
         return mods
 
     def blocks(self) -> list[Block]:
-        """The decoder blocks in call order, main stack then MTP (spartron.runtime.parallelize's units)."""
+        """The decoder blocks in call order, main stack then MTP (spartron.layers.parallelize's units)."""
         out = [Block(name, layer, layer.ffn.experts if layer.is_moe else None)
                for name, layer in self.layers.items()]
         if self.mtp is not None:

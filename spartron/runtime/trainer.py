@@ -104,7 +104,7 @@ class TrainResult:
 def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
     """The reference model of spartron.layers.model, parallelised (AC, compile, FSDP2) for the groups."""
     from spartron.layers.model import build_model
-    from spartron.runtime.parallelize import parallelize
+    from spartron.layers.parallelize import parallelize
 
     t = cfg.train
     model = build_model(cfg.model, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,

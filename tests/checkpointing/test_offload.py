@@ -23,10 +23,10 @@ from spartron.checkpointing.offload import (
     offload_window,
 )
 from spartron.layers.model import build_model
+from spartron.layers.parallelize import parallelize
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime.config import ConfigError, load_config
-from spartron.runtime.parallelize import parallelize
 from spartron.testing import run_distributed
 
 ON = OffloadConfig(enabled=True)

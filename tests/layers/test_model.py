@@ -10,10 +10,10 @@ from spartron.checkpointing import apply_activation_checkpointing
 from spartron.checkpointing.config import ACConfig
 from spartron.layers.model import SparseMoEModel, build_model
 from spartron.layers.outputs import DecoderLayerOutput, ModelOutput, MTPOutput
+from spartron.layers.parallelize import parallelize
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime.config import load_config
-from spartron.runtime.parallelize import parallelize
 from spartron.testing import run_distributed
 
 SEQ = 32

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from spartron.layers.model import build_model
+from spartron.layers.parallelize import parallelize
 from spartron.runtime.config import load_config
-from spartron.runtime.parallelize import parallelize
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bf16 model on the GPU")]

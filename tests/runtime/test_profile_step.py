@@ -105,8 +105,8 @@ def test_kernel_categories(prof):
 
 def test_region_stats_sum_saved_and_recomputed(prof):
     from spartron.layers.model import build_model
+    from spartron.layers.parallelize import apply_ac
     from spartron.runtime.config import load_config
-    from spartron.runtime.parallelize import apply_ac
 
     cfg = load_config(REPO / "configs" / "tiny.toml", ["device=cpu", "model.mtp.depth=0", "model.n_layers=2",
                                                        "ac.mode=selective"])

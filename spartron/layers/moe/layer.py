@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spartron.checkpointing.microbatch import Phase, PhaseGen, drive, interleave
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
@@ -32,6 +31,7 @@ from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 from spartron.layers.moe.telemetry import record_routing_stats
 from spartron.layers.outputs import MoEOutput
+from spartron.layers.schedule import Phase, PhaseGen, drive, interleave
 
 
 class MoELayer(nn.Module):
@@ -75,7 +75,7 @@ class MoELayer(nn.Module):
         return drive(self.forward_phases(x))
 
     def forward_phases(self, x: Tensor) -> Generator[Phase, None, MoEOutput]:
-        """The forward as phases (see spartron.checkpointing.microbatch): it yields before each step
+        """The forward as phases (see spartron.layers.schedule): it yields before each step
         another micro-batch's work may overlap with; `forward` runs it straight through.
 
         With `micro_batches` > 1 it yields nothing: routing and the shared experts run once over all

@@ -21,13 +21,13 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy, checkpoint
-from spartron.checkpointing.microbatch import interleave
 from spartron.comm import deepep as deepep_ops
 from spartron.comm.deepep_buffer import DeepEPBuffer, check_deepep_shape, nvl_buffer_bytes
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer, build_dispatcher
 from spartron.layers.moe.dispatch import DeepEPDispatcher
+from spartron.layers.schedule import interleave
 from spartron.testing import run_distributed
 
 DIM, TOKENS_PER_SEQ, BATCH = 64, 8, 4
@@ -308,7 +308,7 @@ def test_build_model_gives_all_deepep_layers_one_buffer(tmp_path):
 
 def _train_with_deepep_worker(rank, world, run_dir):
     from spartron.layers.model import build_model
-    from spartron.runtime.parallelize import parallelize
+    from spartron.layers.parallelize import parallelize
     from spartron.runtime.trainer import train
 
     made = []

@@ -8,15 +8,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, checkpoint_region_of
-from spartron.checkpointing.microbatch import (
+from spartron.layers.decoder import DecoderLayer
+from spartron.layers.model import build_model
+from spartron.layers.schedule import (
     Phase,
     drive,
     interleave,
     merge_micro_batches,
     split_micro_batches,
 )
-from spartron.layers.decoder import DecoderLayer
-from spartron.layers.model import build_model
 from spartron.runtime.config import load_config
 from spartron.testing import run_distributed
 
