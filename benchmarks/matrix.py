@@ -3,7 +3,7 @@
 Each cell is a real `spartron train` run (the local launcher spawns one rank per GPU, NCCL), on the
 GPU preset reduced by `--set` overrides so a cell takes seconds. Every cell trains on the same
 global batches, so its loss and grad-norm traces are compared with the EP1/CP1 baseline (no AC) by
-`spartron.runtime.regression` (loss and grad norm only: throughput and memory differ by layout by
+`spartron.launch.regression` (loss and grad norm only: throughput and memory differ by layout by
 design); a second baseline run measures the noise floor. Writes one JSON with every cell (tokens/s
 per GPU, MFU, peak memory, loss trace, the comparison) and a PNG of the loss traces.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from spartron.launch.regression import Tolerances, compare_runs  # noqa: E402
 from spartron.runtime.metrics import git_commit, read_metrics  # noqa: E402
-from spartron.runtime.regression import Tolerances, compare_runs  # noqa: E402
 
 AC = {"none": ["ac.mode=none"], "full": ["ac.mode=full"], "selective": ["ac.mode=selective"],
       "selective+offload": ["ac.mode=selective", "offload.enabled=true"]}

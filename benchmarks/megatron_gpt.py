@@ -4,7 +4,7 @@
     python benchmarks/megatron_gpt.py --smoke                                       # tiny, CPU, seconds
 
 What it shows: Megatron's GPTModel (embedding, TransformerBlock, output layer, vocab-parallel loss)
-runs Spartron MLA / DSA attention and Spartron MoE through `spartron.layers.megatron`, with the aux
+runs Spartron MLA / DSA attention and Spartron MoE through `spartron.interop.megatron`, with the aux
 and indexer losses taken from the SideChannel and the expert bias updated once per step. Each case
 trains on one fixed batch, so the loss must fall; per-step losses, median step time (after
 --warmup steps), tokens/s and peak memory go to the JSON. A case that fails records its error and
@@ -34,16 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also unde
 
 from common import device_name, write_report  # noqa: E402
 
-from spartron.layers.config import ModelConfig  # noqa: E402
-from spartron.layers.megatron import (  # noqa: E402
+from spartron.interop.megatron import (  # noqa: E402
     SideChannel,
     megatron_config_from_spartron,
     moe_adapters,
     spartron_block_spec,
 )
+from spartron.interop.megatron.groups import to_process_group_collection  # noqa: E402
+from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
-from spartron.parallel.megatron import to_process_group_collection  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 
 # DeepSeek-V3-style shapes (configs/dsv3-12l.toml) cut to 4 layers: 1 dense + 3 MoE.

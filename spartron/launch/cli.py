@@ -189,7 +189,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
 # ---- regress ---------------------------------------------------------------------------------
 def _add_tolerances(p: argparse.ArgumentParser) -> None:
-    """Tolerance flags; unset ones keep spartron.runtime.regression.Tolerances' defaults."""
+    """Tolerance flags; unset ones keep spartron.launch.regression.Tolerances' defaults."""
     p.add_argument("--loss-rel", type=float, help="allowed relative loss difference per step")
     p.add_argument("--grad-norm-abs", type=float,
                    help="allowed absolute grad-norm difference (the noise floor if that is larger)")
@@ -206,7 +206,7 @@ def _add_tolerances(p: argparse.ArgumentParser) -> None:
 def _tolerances(args: argparse.Namespace):
     import dataclasses
 
-    from spartron.runtime.regression import Tolerances
+    from spartron.launch.regression import Tolerances
 
     given = {"loss_rel": args.loss_rel, "grad_norm_abs": args.grad_norm_abs,
              "memory_abs_bytes": None if args.memory_abs_gb is None else args.memory_abs_gb * 1e9,
@@ -235,7 +235,7 @@ def _metrics_file(path: str | Path, what: str) -> Path:
 
 
 def _compare(run: str | Path, baseline: str | Path, args: argparse.Namespace) -> bool:
-    from spartron.runtime import regression
+    from spartron.launch import regression
 
     tolerances = _tolerances(args)  # flags first: a bad flag is reported whatever the files hold
     run_file, base_file = _metrics_file(run, "run"), _metrics_file(baseline, "baseline")

@@ -11,7 +11,7 @@ Config mapping and the list of Megatron settings the adapters cannot honour live
 imported lazily (inside the spec builders and the reverse config mapping) because it is optional.
 """
 
-from spartron.layers.megatron_config import (
+from spartron.interop.megatron.config import (
     MAPPED,
     MEGATRON_OWNED,
     REQUIRED,
@@ -19,7 +19,7 @@ from spartron.layers.megatron_config import (
     megatron_config_from_spartron,
     spartron_config_from_megatron,
 )
-from spartron.layers.megatron_spec import (
+from spartron.interop.megatron.spec import (
     SideChannel,
     SpartronDenseMLP,
     SpartronMLAAttention,

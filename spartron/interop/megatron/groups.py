@@ -52,7 +52,7 @@ def to_process_group_collection(groups: ParallelGroups) -> ProcessGroupCollectio
     unknown = sorted(set(MEGATRON_FIELDS) - known)
     if unknown:
         raise RuntimeError(f"this megatron-core has no ProcessGroupCollection fields {unknown}; "
-                           "spartron.parallel.megatron targets megatron-core 0.16")
+                           "spartron.interop.megatron.groups targets megatron-core 0.16")
     single = _single_rank_group(groups)
     values = {name: single if ours is None else groups.group(ours) for name, ours in MEGATRON_FIELDS.items()}
     values.update({name: None for name in MEGATRON_UNSET_FIELDS if name in known})

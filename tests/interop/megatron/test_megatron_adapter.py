@@ -15,11 +15,7 @@ from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from spartron.layers.attention.context_parallel import local_positions, shard_sequence  # noqa: E402
-from spartron.layers.config import ModelConfig  # noqa: E402
-from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
-from spartron.layers.init import init_parameters_, init_tensor_  # noqa: E402
-from spartron.layers.megatron import (  # noqa: E402
+from spartron.interop.megatron import (  # noqa: E402
     MAPPED,
     MEGATRON_OWNED,
     REQUIRED,
@@ -33,10 +29,14 @@ from spartron.layers.megatron import (  # noqa: E402
     spartron_layer_key,
     spartron_layer_spec,
 )
+from spartron.interop.megatron.groups import to_process_group_collection  # noqa: E402
+from spartron.layers.attention.context_parallel import local_positions, shard_sequence  # noqa: E402
+from spartron.layers.config import ModelConfig  # noqa: E402
+from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
+from spartron.layers.init import init_parameters_, init_tensor_  # noqa: E402
 from spartron.layers.norms import RMSNorm  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
-from spartron.parallel.megatron import to_process_group_collection  # noqa: E402
 from spartron.testing import run_distributed  # noqa: E402
 
 MLA_SMALL = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spartron.runtime.regression import Tolerances, compare_runs, grad_norm_noise_floor, plot_runs
+from spartron.launch.regression import Tolerances, compare_runs, grad_norm_noise_floor, plot_runs
 
 
 def write_run(path, steps=5, loss_scale=1.0, gn_shift=0.0, mem_shift=0.0, tps_scale=1.0, deterministic=True,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from spartron.parallel.dims import ParallelDims
-from spartron.parallel.groups import ParallelGroups
-from spartron.parallel.megatron import (
+from spartron.interop.megatron.groups import (
     MEGATRON_FIELDS,
     from_process_group_collection,
     to_process_group_collection,
 )
+from spartron.parallel.dims import ParallelDims
+from spartron.parallel.groups import ParallelGroups
 from spartron.testing import run_distributed
 
 # Imported in the parent so forked ranks do not each pay the seconds megatron's import costs.

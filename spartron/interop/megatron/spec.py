@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.interop.megatron.config import spartron_config_from_megatron
 from spartron.layers.attention.context_parallel import cp_size_of, local_positions
 from spartron.layers.attention.dsa import ids_for_layer
 from spartron.layers.attention.mla import MLA
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.init import init_parameters_
-from spartron.layers.megatron_config import spartron_config_from_megatron
 from spartron.layers.moe import MoELayer
 from spartron.layers.outputs import AttentionOutput, MoEOutput
 
@@ -111,7 +111,7 @@ def resolve_group(name: str, pg_collection: ProcessGroupCollection | None,
     if pg_collection is not None and groups is not None and _ranks(from_pgc) != _ranks(from_groups):
         raise ValueError(f"the {name} group of pg_collection has ranks {_ranks(from_pgc)} but "
                          f"ParallelGroups.{name} has {_ranks(from_groups)}: build pg_collection with "
-                         "spartron.parallel.megatron.to_process_group_collection(groups)")
+                         "spartron.interop.megatron.groups.to_process_group_collection(groups)")
     pg = from_groups if groups is not None else from_pgc
     return pg if pg is not None and dist.get_world_size(pg) > 1 else None
 
