@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.comm.transport import EPTransport
 from spartron.interop.megatron.config import spartron_config_from_megatron
 from spartron.layers.attention.context_parallel import cp_size_of, local_positions
 from spartron.layers.attention.dsa import ids_for_layer
@@ -203,12 +204,14 @@ class SpartronMoEMLP(_MLPSlot):
 
     def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
                  groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
-                 submodules: Any = None, init_seed: int = 0):
+                 submodules: Any = None, init_seed: int = 0, transport: EPTransport | None = None):
+        """`transport`: the EP group's buffers, shared by the block's MoE slots (spartron_block_spec
+        passes one to all; None: this slot's own)."""
         super().__init__(config, side_channel, base_config, init_seed)
         if submodules is not None:
             raise ValueError("SpartronMoEMLP takes no submodules")
         self.ep_group = resolve_group("ep", pg_collection, groups)
-        self.moe = MoELayer(self.model_cfg, ep_group=self.ep_group)
+        self.moe = MoELayer(self.model_cfg, ep_group=self.ep_group, transport=transport)
 
     def ffn_module(self) -> nn.Module:
         return self.moe
@@ -262,7 +265,8 @@ def moe_adapters(module: nn.Module) -> list[SpartronMoEMLP]:
 
 def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_config: ModelConfig | None = None,
                         groups: ParallelGroups | None = None,
-                        pg_collection: ProcessGroupCollection | None = None, init_seed: int = 0) -> ModuleSpec:
+                        pg_collection: ProcessGroupCollection | None = None, init_seed: int = 0,
+                        transport: EPTransport | None = None) -> ModuleSpec:
     """ModuleSpec of a Megatron TransformerLayer with Spartron MLA and a Spartron MoE (`kind="moe"`)
     or dense SwiGLU (`kind="dense"`) FFN, and Megatron's torch RMSNorms.
 
@@ -270,6 +274,7 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
     schedule of the layer's index (Megatron config's DSA fields + `base_config.dsa.layers/topk_freq`).
     `pg_collection`/`groups` give the MoE its EP group (TransformerLayer passes the MLP none).
     `init_seed`: the seed of the layout-invariant init (SparseMoEModel's layer i with that seed).
+    `transport`: the EP group's communication buffers for the MoE slot (None: its own).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -279,7 +284,7 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
     if kind not in ("moe", "dense"):
         raise ValueError(f"kind must be 'moe' or 'dense', got {kind!r}")
     common = {"side_channel": side_channel, "base_config": base_config, "init_seed": init_seed}
-    moe_params = {**common, "groups": groups, "pg_collection": pg_collection}
+    moe_params = {**common, "groups": groups, "pg_collection": pg_collection, "transport": transport}
     mlp = (ModuleSpec(module=SpartronMoEMLP, params=moe_params) if kind == "moe"
            else ModuleSpec(module=SpartronDenseMLP, params=common))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
@@ -295,11 +300,14 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
 def spartron_block_spec(config, side_channel: SideChannel, base_config: ModelConfig | None = None,
                         groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
                         init_seed: int = 0) -> TransformerBlockSubmodules:
-    """TransformerBlock spec: model.first_k_dense dense layers then MoE layers, final torch RMSNorm."""
+    """TransformerBlock spec: model.first_k_dense dense layers then MoE layers, final torch RMSNorm.
+
+    All MoE layers of the block share ONE transport of the EP group (one DeepEP / exchange buffer)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     cfg = spartron_config_from_megatron(config, base=base_config)
+    transport = EPTransport(resolve_group("ep", pg_collection, groups), cfg.moe.copy_engine_sync)
     specs = [spartron_layer_spec(side_channel, "dense" if i < cfg.first_k_dense else "moe", base_config,
-                                 groups, pg_collection, init_seed) for i in range(cfg.n_layers)]
+                                 groups, pg_collection, init_seed, transport) for i in range(cfg.n_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)

@@ -15,6 +15,7 @@ from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
+from spartron.comm.transport import EPTransport  # noqa: E402
 from spartron.interop.megatron import (  # noqa: E402
     MAPPED,
     MEGATRON_OWNED,
@@ -254,6 +255,16 @@ def _side_channel_rules(rank, world):
         except (RuntimeError, ValueError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     return errors
+
+
+def test_block_spec_gives_every_moe_slot_one_transport():
+    cfg = small_cfg(moe=MOE_SMALL)
+    tcfg = megatron_config_from_spartron(cfg)
+    spec = spartron_block_spec(tcfg, SideChannel(), base_config=cfg)
+    moe_slots = [s.submodules.mlp for s in spec.layer_specs if s.submodules.mlp.module is SpartronMoEMLP]
+    transports = {id(slot.params["transport"]) for slot in moe_slots}
+    assert len(moe_slots) == cfg.n_layers - cfg.first_k_dense > 1 and len(transports) == 1
+    assert isinstance(moe_slots[0].params["transport"], EPTransport)
 
 
 def test_side_channel_and_unsupported_inputs_fail_clearly():
