@@ -107,7 +107,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     if compile_backend is not None:
         for block in blocks:
             # In place: parameter names and state_dict keys stay the same. Not fullgraph: the MoE
-            # dispatcher's host-side split sizes break the graph by design (documented in moe/dispatch.py).
+            # dispatcher's host-side split sizes break the graph by design (layers/moe/dispatch.py says why).
             block.module.compile(fullgraph=False, backend=compile_backend)
     if groups is not None and groups.size("world") > 1:
         apply_fsdp(model, blocks, groups)

@@ -6,9 +6,10 @@
                                                        pg_collection=pgc), pg_collection=pgc)
     side.reset(); out = block(hidden[s, b, h], attention_mask=None); loss = lm_loss + side.loss()
 
-Config mapping and the list of Megatron settings the adapters cannot honour live in
-`megatron_config`, the SideChannel and the ModuleSpec adapters in `megatron_spec`. megatron-core is
-imported lazily (inside the spec builders and the reverse config mapping) because it is optional.
+Config mapping and the list of Megatron settings the adapters cannot honour live in `config.py`,
+the SideChannel and the ModuleSpec adapters in `spec.py`, the ProcessGroupCollection export in
+`groups.py`. megatron-core is imported lazily (inside the spec builders and the reverse config
+mapping) because it is optional.
 """
 
 from spartron.interop.megatron.config import (

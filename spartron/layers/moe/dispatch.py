@@ -26,6 +26,8 @@ the host) sits in `dispatch`, not in `prepare`: under interleaving `dispatch` ru
 communication stream that waits only for its own micro-batch, so the blocking device->host copy
 waits for that micro-batch's routing while the compute stream keeps running the other micro-batch's
 queued attention. In `prepare` it would drain the compute stream before any all-to-all is issued.
+Under torch.compile the same host copy (`splits_to_host`, whose list feeds the all-to-all's split
+sizes) is a deliberate graph break: the compiled graphs end before it and start again after it.
 
 Global expert e lives on EP rank e // E_local. Sorting slots by global expert therefore also makes
 each destination rank's rows contiguous, which is what the all-to-all's split sizes describe.
