@@ -14,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, field_validator
 # directive in a generated script or log line, a NUL truncates paths at the OS boundary, and the
 # other control characters (tab aside) cannot be written back to TOML (the frozen config of a job).
 _FORBIDDEN_CHARS = {"\n": "a newline", "\r": "a carriage return", "\0": "a NUL byte"}
-_CONTROL = frozenset(chr(c) for c in [*range(0x20), 0x7F]) - {"\t"}
+# also C1 controls (U+0085 ends a line for Python), the Unicode line and paragraph separators, and the
+# bidirectional overrides that make a name read differently from what it is (in a log or a job list)
+_CONTROL = frozenset(chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F),
+                                      *range(0x2066, 0x206A)]) - {"\t"}
 
 
 _INT_LIMIT = 2**63  # every integer option fits a signed 64-bit integer (torch, numpy, JSON readers)

@@ -399,7 +399,7 @@ def test_norm_eps_and_init_std_have_upper_bounds():
                                             "to 1 (got 2.0)")
 
 
-@pytest.mark.parametrize("char", ["\\u0001", "\\u001b", "\\u007f"])
+@pytest.mark.parametrize("char", ["\\u0001", "\\u001b", "\\u007f", "\\u0085", "\\u2028", "\\u202e", "\\u2066"])
 def test_other_control_characters_are_refused_too(char):
     """They could not be written back to TOML: the frozen config of a Slurm job would not load."""
     assert _error(f'name="a{char}b"').startswith("invalid config: name: must not contain control characters, got ")
