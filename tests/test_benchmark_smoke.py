@@ -1,0 +1,34 @@
+"""The CPU smoke mode of every benchmark runs (the GPU numbers come from the same scripts on a lent machine).
+
+Each script runs as a file, as benchmarks/run_gpu.sh runs it, with --smoke (tiny shapes, gloo). matrix.py
+is left out: its smoke mode trains four cells with `spartron train` into the checkout's runs/ folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# One intra-op thread per process, as the test harness's ranks: the machine's cores are shared.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
+                                    "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt"])
+def test_smoke_mode_runs(script, tmp_path):
+    if script == "megatron_gpt":
+        pytest.importorskip("megatron.core", reason="needs megatron-core")
+    out = tmp_path / f"{script}.json"
+    args = ["--out", str(out)] if script in ("e2e", "profile_step") else []
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    if args:
+        report = json.loads(out.read_text())
+        assert report, script
