@@ -38,17 +38,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 
-from common import bind_to_cores, merge_intervals  # noqa: E402
+from common import merge_intervals, run_ranks  # noqa: E402
 
 from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
-from spartron.launch.process import exit_process  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import default_model_factory  # noqa: E402
@@ -277,18 +275,14 @@ def peak_phase(off: list[dict], on: list[dict]) -> dict:
             "grads_at_peak": off[i]["end"]["grads"], "allocated_before_phase": off[i]["start"]["allocated"]}
 
 
-def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: list[str], steps: int,
-               warmup: int, result_path: str, trace_dir: str | None) -> None:
+def _mb_worker(rank: int, world: int, config: str, overrides: list[str], steps: int, warmup: int,
+               trace_dir: str | None) -> dict:
+    """One rank of the micro-batch comparison (common.run_ranks starts the ranks and their group)."""
     from spartron.parallel.dims import ParallelDims
     from spartron.parallel.groups import ParallelGroups
 
     cuda = torch.cuda.is_available()
-    if cuda:
-        bind_to_cores(rank, world)
-        torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world),
-                            rank=rank, world_size=world)
     # all_to_all unless --set model.moe.dispatcher=deepep (DeepEP built: benchmarks/build_deepep.sh)
     configs = {n: load_config(config, ["model.moe.dispatcher=all_to_all", *overrides, f"parallel.ep={world}",
                                        f"train.intra_layer_micro_batches={n}"]) for n in (1, 2)}
@@ -325,12 +319,9 @@ def _mb_worker(rank: int, world: int, store_path: str, config: str, overrides: l
     results["scope"] = configs[2].train.intra_layer_micro_batch_scope
     results["transport"] = configs[1].model.moe.all_to_all_transport
     results["copy_engine_sync"] = configs[1].model.moe.copy_engine_sync
-    if rank == 0:
-        results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
-        Path(result_path).write_text(json.dumps(results))
+    results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
     groups.destroy()
-    dist.destroy_process_group()
-    exit_process(0)  # not through interpreter teardown (see spartron/launch/process.py; mp.spawn keeps exit 0)
+    return results
 
 
 def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
@@ -444,11 +435,9 @@ def part_microbatch(config: Path, overrides: list[str], steps: int, warmup: int,
     world = 2
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         return {"skipped": f"needs {world} GPUs, found {torch.cuda.device_count()}"}
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "mb.json")
-        mp.spawn(_mb_worker, args=(world, os.path.join(tmp, "store"), str(config), overrides, steps, warmup,
-                                   result, str(trace_dir) if trace_dir else None), nprocs=world, join=True)
-        return {"ep": world, **json.loads(Path(result).read_text())}
+    ranks = run_ranks(_mb_worker, world, str(config), overrides, steps, warmup, str(trace_dir) if trace_dir else None,
+                      cuda=torch.cuda.is_available())
+    return {"ep": world, **ranks[0]}  # rank 0's times (the ranks step together)
 
 
 def print_report(report: dict) -> None:
