@@ -59,7 +59,8 @@ class MLA(nn.Module):
         self.kv_lora_rank = mla.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
         self.softmax_scale = mla_softmax_scale(mla)
-        if mla.q_lora_rank > 0:
+        self.q_lora = mla.q_lora_rank > 0  # compressed query (wq_a, q_norm, wq_b) or one wq
+        if self.q_lora:
             self.wq_a = nn.Linear(cfg.dim, mla.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(mla.q_lora_rank, eps=cfg.norm_eps)
             self.wq_b = nn.Linear(mla.q_lora_rank, self.n_heads * self.qk_dim, bias=False)
@@ -73,7 +74,7 @@ class MLA(nn.Module):
 
     def _query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head queries [B,S,H,qk_dim] and the indexer's query input (q latent, or x)."""
-        if hasattr(self, "wq_a"):
+        if self.q_lora:
             q_latent = self.q_norm(self.wq_a(x))
             return self.wq_b(q_latent).unflatten(-1, (self.n_heads, self.qk_dim)), q_latent
         return self.wq(x).unflatten(-1, (self.n_heads, self.qk_dim)), x
