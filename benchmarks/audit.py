@@ -716,7 +716,7 @@ def run_case(case: Case, root: Path, stub_dir: Path, base_state: Path | None) ->
         work.mkdir(parents=True)
     marker = case_dir / "pwned"
     argv = [_fmt(a, work, marker) for a in case.argv]
-    shown = [a.replace(TINY, "configs/tiny.toml").replace(str(marker), "<marker>").replace(str(work), "<work>")
+    shown = [a.replace("{tiny}", "configs/tiny.toml").replace("{m}", "<marker>").replace("{dir}", "<work>")
              for a in case.argv]
     shown = [f"{k}={v}" for k, v in case.env.items()] + shown
     if case.setup is not None:
