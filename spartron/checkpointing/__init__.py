@@ -2,13 +2,15 @@
 
 Public names: ``checkpoint`` (functional boundary), ``CheckpointRegion`` / ``CheckpointOptions``
 (a boundary with bound options), ``reuse_during_recompute``, ``apply_activation_checkpointing``,
-``apply_ac_to_blocks``, ``ACConfig``, ``OffloadConfig``, ``build_policy`` and the policy table.
+``apply_ac_to_blocks`` (with ``checkpointed_positions``, the one ``ac.freq`` rule), ``ACConfig``,
+``OffloadConfig``, ``build_policy`` and the policy table.
 """
 
 from spartron.checkpointing.apply import (
     apply_ac_to_blocks,
     apply_activation_checkpointing,
     checkpoint_region_of,
+    checkpointed_positions,
     region_options,
 )
 from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion, checkpoint
@@ -25,7 +27,8 @@ from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
 
 __all__ = [
     "ACConfig", "OffloadConfig", "apply_activation_checkpointing", "apply_ac_to_blocks",
-    "checkpoint_region_of", "region_options", "CheckpointOptions", "CheckpointRegion", "checkpoint",
+    "checkpoint_region_of", "checkpointed_positions", "region_options", "CheckpointOptions", "CheckpointRegion",
+    "checkpoint",
     "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
     "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",
 ]
