@@ -416,13 +416,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_user_error(err: Exception) -> bool:
-    """Mistakes in the config, the flags or the launch environment (not bugs in a run)."""
+    """Mistakes in the config, the flags, the data, the disk or the launch environment (not bugs in a run),
+    also when the trainer wrapped one in its "rank r failed at step s" TrainingError (a data sample found
+    bad mid-run, a save refused for a full disk): their messages already name the key or path."""
     kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError)
     for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError"),
                          ("spartron.runtime.rundir", "StateLoadError"),
+                         ("spartron.runtime.state", "StateSaveError"),
                          ("spartron.runtime.metrics", "MetricsFileError")):
         if module in sys.modules:  # not imported means it cannot have raised; keeps --help free of torch
             kinds += (getattr(sys.modules[module], name),)
+    trainer = sys.modules.get("spartron.runtime.trainer")
+    if trainer is not None and type(err) is trainer.TrainingError and err.__cause__ is not None:
+        return isinstance(err.__cause__, kinds)
     return isinstance(err, kinds)
 
 

@@ -14,6 +14,7 @@ peak resident set size (``ru_maxrss``) since start: an upper bound, monotone ove
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -123,8 +124,13 @@ class MetricsLog:
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # O_NOFOLLOW: a linked metrics.jsonl must not make the run append to a file outside its directory
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            raise MetricsFileError(f"{path} cannot be opened for appending: {err.strerror or err}"
+                                   + (" (it is a symbolic link)" if path.is_symlink() else "")) from None
         _drop_partial_last_line(path)
-        self._file = path.open("a")
+        self._file = os.fdopen(fd, "a")
         if progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -294,12 +294,16 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     - a resume whose newest complete step is at or past train.steps (nothing would be trained);
     - a resume under another world size, parallel layout or optimizer settings (meta.json of that step);
     - a directory another run is training in (its lock is held);
-    - a resume whose saved step belongs to another run than the directory's metrics.jsonl.
+    - a resume whose saved step belongs to another run than the directory's metrics.jsonl;
+    - a metrics.jsonl that is a symbolic link.
     File damage is left to load_state, which verifies every file collectively.
     """
     run_dir = Path(run_dir)
     check_not_in_use(run_dir)
     steps_saved, incomplete = complete_steps(run_dir), incomplete_steps(run_dir)
+    if (run_dir / METRICS).is_symlink():  # appending through it would write outside the run directory
+        raise StateLoadError(f"{run_dir / METRICS} is a symbolic link (to {os.readlink(run_dir / METRICS)}): "
+                             "a run's metrics must be a file inside its run directory; remove the link")
     has_metrics = (run_dir / METRICS).is_file()
     if not resume:
         held = [step_dir(run_dir, s).name for s in steps_saved] + incomplete + ([METRICS] if has_metrics else [])

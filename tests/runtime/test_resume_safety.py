@@ -342,3 +342,29 @@ def test_cli_resume_of_another_model_shape_is_exit_2_with_one_line(tmp_path):
     assert last.startswith(f"spartron: error: {step_dir(run, 1)} holds a model of another shape: differing "
                            "config: model.vocab_size (saved 512, this run 2048); tensors: ")
     assert "Traceback" not in done.stderr
+
+
+def test_a_linked_metrics_file_is_refused_and_nothing_is_appended_through_it(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside.jsonl"
+    run.mkdir()
+    outside.write_text("untouched\n")
+    (run / "metrics.jsonl").symlink_to(outside)
+    assert run1(cfg_for(run)) == (f"StateLoadError: {run / 'metrics.jsonl'} is a symbolic link (to {outside}): "
+                                  "a run's metrics must be a file inside its run directory; remove the link")
+    with pytest.raises(MetricsFileError, match=r"cannot be opened for appending: .* \(it is a symbolic link\)$"):
+        MetricsLog(run / "metrics.jsonl", 1, enabled=True, progress=False)  # the writer itself never follows it
+    assert outside.read_text() == "untouched\n"
+
+
+def test_cli_a_save_that_cannot_write_is_exit_2_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step-00000001").write_text("a file where the step directory goes\n")
+    done = _cli(["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"train.run_dir={json.dumps(str(run))}",
+                 "--set", "train.steps=1", "--set", "train.save_every=1", "--set", "train.progress=false",
+                 "--set", "train.peak_tflops=1.0", "--set", "train.seq_len=32"], tmp_path)
+    assert done.returncode == USAGE_ERROR, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("spartron: error: rank 0 failed at step 1: StateSaveError: saving step 1 failed: "), last
+    assert (run / "step-00000001").read_text() == "a file where the step directory goes\n"
