@@ -7,8 +7,8 @@
 For each mode the model is built exactly as the trainer builds it, warmed up, timed without the
 profiler (median of --timed steps), then one step runs under torch.profiler (CPU + CUDA) and, on
 CUDA, one more under `torch.cuda.set_sync_debug_mode("warn")` to locate host syncs by file:line.
-The step is `spartron.runtime.trainer._one_step` itself (data, forward, backward, grad norm, clip,
-optimizer, expert-bias update, final synchronize), so what is profiled is what e2e.py times.
+The step is `Trainer.step` itself (data, forward, backward, grad norm, clip, optimizer,
+expert-bias update, final synchronize), so what is profiled is what e2e.py times.
 
 Reported per mode (from the exported kineto trace):
 - step wall time (unprofiled median and profiled), GPU busy time (union of kernel/memcpy/memset
@@ -38,7 +38,6 @@ import tempfile
 import time
 import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,6 +53,7 @@ from spartron.checkpointing import checkpoint_region_of  # noqa: E402
 from spartron.layers.costs import training_flops_per_token  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.trainer import Trainer  # noqa: E402
 
 MODES = {
     "none": ["ac.mode=none", "offload.enabled=false"],
@@ -343,56 +343,16 @@ def sync_sites(sites: collections.Counter):
 
 # ---- one mode ----------------------------------------------------------------------------------
 
-class _Run:
-    """The trainer's objects for one config, built like spartron.runtime.trainer._train builds them."""
-
-    def __init__(self, cfg) -> None:
-        from spartron.parallel.dims import ParallelDims
-        from spartron.parallel.groups import ParallelGroups
-        from spartron.runtime.data import build_loader
-        from spartron.runtime.optim import build_optimizer
-        from spartron.runtime.trainer import _ep_sharded, default_model_factory, micro_steps, resolve_device
-
-        self.cfg = cfg
-        t, p = cfg.train, cfg.parallel
-        self.device = resolve_device(cfg)
-        world = dist.get_world_size()
-        dims = ParallelDims(world, fsdp=p.resolve_fsdp(world), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate,
-                            order=p.order)
-        self.n_micro = micro_steps(cfg, dims)
-        self.groups = ParallelGroups.build(dims, self.device.type, timeout=timedelta(seconds=p.timeout_s),
-                                           nccl=p.nccl_settings())
-        torch.manual_seed(t.seed)
-        with self.device:
-            self.model = default_model_factory(cfg, self.groups)
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
-        self.offloader = None
-        if cfg.offload.enabled:
-            from spartron.checkpointing.offload import ActivationOffloader
-
-            self.offloader = ActivationOffloader.for_model(self.model, cfg.offload, self.device)
-        self.optimizer = build_optimizer(self.model, t)
-        self.ep_extra = _ep_sharded(self.model, self.groups)
-        self.loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, self.groups.rank_in("dp"),
-                                   dims.dp)
-        self.step_no = 0
-
-    def step(self) -> dict:
-        from spartron.runtime.trainer import _one_step
-
-        self.step_no += 1
-        return _one_step(self.cfg, self.step_no, self.model, self.optimizer, self.loader, self.params,
-                         self.ep_extra, self.groups, self.n_micro, self.device, self.offloader)
-
-
 def profile_mode(config: Path, mode: str, args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     total_steps = args.warmup + args.timed + 2
+    run_dir = tempfile.mkdtemp(prefix="spartron-profile-")  # the trainer's metrics go here, nothing is saved
     cfg = load_config(config, MODES[mode] + [f"train.steps={total_steps}", "train.save_every=0",
-                                             "train.progress=false", *args.set])
+                                             "train.progress=false", f"train.run_dir={json.dumps(run_dir)}",
+                                             *args.set])
     build_start = time.perf_counter()
-    run = _Run(cfg)
+    run = Trainer(cfg).setup()  # the trainer itself: the same model, optimizer, loader and step as a run
     cuda = run.device.type == "cuda"
     build_done = time.perf_counter()
     for _ in range(args.warmup):
@@ -451,6 +411,7 @@ def profile_mode(config: Path, mode: str, args: argparse.Namespace) -> dict:
         "sync_sites": [{"where": k, "count": v} for k, v in sites.most_common()],
         "regions": regions,
     }
+    run.close()  # the log; the EP buffers, collectively
     del run, prof, trace
     gc.collect()
     if cuda:

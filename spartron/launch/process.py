@@ -1,5 +1,5 @@
 """How a Spartron process ends: `exit_process`, the one exit of the `spartron` command and of
-``python -m spartron.runtime.trainer``.
+``python -m spartron.launch.rank``.
 
 DTensor's caches keep device meshes, and through them gloo process groups and their C++ threads,
 alive after ``destroy_process_group``. Interpreter finalization then destroyed them in no defined

@@ -1,5 +1,5 @@
-"""The training engine: `train(cfg)` runs one job from a RunConfig; `python -m spartron.runtime.trainer
-CONFIG [--set key=value ...]` runs it as a process (one per rank under torchrun/srun/the launcher).
+"""The training engine: a `Trainer` runs one job from a RunConfig on this rank (setup / step / close) and
+`train(cfg)` is the loop over it. The process entry of a rank is spartron.launch.rank (or `spartron train`).
 
 One optimizer step: global_batch_size sequences are split over the data-parallel ranks (dp =
 dp_replicate x fsdp) and, on each, into micro-batches of micro_batch_size; gradients accumulate
@@ -18,11 +18,9 @@ step boundary after saving it (spartron.runtime.preemption); `[debug]` makes one
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,15 +30,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from spartron.checkpointing.offload import ActivationOffloader
-from spartron.launch.process import STOPPED_STATUS, exit_process
 from spartron.layers.costs import training_flops_per_token
 from spartron.layers.outputs import ModelOutput
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime import metrics as M
-from spartron.runtime.config import ConfigError, RunConfig, dump_config, load_config
+from spartron.runtime.config import ConfigError, RunConfig, dump_config
 from spartron.runtime.data import build_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
@@ -58,24 +56,37 @@ from spartron.runtime.state import (
 
 @runtime_checkable
 class TrainableModel(Protocol):
-    """What the trainer needs from a model (the reference SparseMoEModel implements it).
+    """What the trainer needs from every model (the reference SparseMoEModel implements all below).
 
-    Required: ``model(tokens[B,S], labels[B,S]) -> ModelOutput`` with ``loss`` = LM + MTP + aux +
-    indexer losses, scaled so that the average over the dp_cp ranks is the global token mean.
-    Optional methods, used when present:
-    - ``update_expert_bias(group)``: once per optimizer step, after ``optimizer.step()``; ``group`` is
-      the dp x cp ProcessGroup (``groups.dp_cp``) over which the step's expert counts are summed.
-    - ``ep_sharded_parameters() -> Iterable[Parameter]``: parameters whose tensors hold only this EP
-      rank's experts without saying so in a DTensor placement (their squared norms are summed over
-      the EP group for clipping). Without it, parameters under a module path containing ``experts``
-      are taken to be EP-sharded when parallel.ep > 1.
-    - ``set_requires_gradient_sync(bool)`` (FSDP2): reduce gradients only on the last micro-batch.
-    - ``close()``: release communication buffers (a collective) when the run ends well.
+    ``model(tokens[B,S], labels[B,S]) -> ModelOutput`` with ``loss`` = LM + MTP + aux + indexer
+    losses, scaled so that the average over the dp_cp ranks is the global token mean. The protocols
+    after this one are what a model may add; the trainer uses each one a model implements.
     """
 
     def __call__(self, tokens: Tensor, labels: Tensor) -> ModelOutput: ...
 
     def parameters(self) -> Iterable[nn.Parameter]: ...
+
+
+@runtime_checkable
+class ExpertBiasModel(Protocol):
+    def update_expert_bias(self, group: dist.ProcessGroup) -> None:
+        """Once per optimizer step, after ``optimizer.step()``; ``group`` is the dp x cp ProcessGroup
+        (``groups.dp_cp``) over which the step's expert counts are summed."""
+
+
+@runtime_checkable
+class ExpertParallelModel(Protocol):
+    def ep_sharded_parameters(self) -> Iterable[nn.Parameter]:
+        """Parameters whose tensors hold only this EP rank's experts without saying so in a DTensor
+        placement (their squared norms are summed over the EP group for clipping; they are saved per
+        EP rank). Required with parallel.ep > 1."""
+
+
+@runtime_checkable
+class ClosableModel(Protocol):
+    def close(self) -> object:
+        """Release communication buffers: a collective, called on every rank when a run ends well."""
 
 
 ModelFactory = Callable[[RunConfig, ParallelGroups], nn.Module]
@@ -129,11 +140,10 @@ def micro_steps(cfg: RunConfig, dims: ParallelDims) -> int:
 def _ep_sharded(model: nn.Module, groups: ParallelGroups) -> dict[int, tuple]:
     if groups.size("ep") == 1:
         return {}
-    if hasattr(model, "ep_sharded_parameters"):
-        params = list(model.ep_sharded_parameters())
-    else:
-        params = [p for name, p in model.named_parameters() if "experts" in name.split(".")]
-    return {id(p): (groups.ep,) for p in params}
+    if not isinstance(model, ExpertParallelModel):
+        raise ConfigError(f"parallel.ep = {groups.size('ep')}: {type(model).__name__} has no "
+                          "ep_sharded_parameters() saying which parameters hold only this rank's experts")
+    return {id(p): (groups.ep,) for p in model.ep_sharded_parameters()}
 
 
 def _init_process_group(cfg: RunConfig) -> bool:
@@ -176,162 +186,202 @@ class _StepStats:
         return means, counts
 
 
+class Trainer:
+    """One training job on this rank, in three explicit parts.
+
+    `setup()` checks the config against the world, builds the groups, the model (the factory's),
+    the optimizer, the loader, the offloader and the metrics log, and resumes from the run directory.
+    `step()` runs one optimizer step (its micro-batches, clipping, optimizer, expert-bias update),
+    records and logs its metrics, saves when due (or when any rank got SIGTERM) and returns the record.
+    `close()` ends the run: the log is closed and, when the run ended well, the model's communication
+    buffers are released (a collective). `train()` is the loop over them; benchmarks and profilers
+    build and step the same object.
+    """
+
+    def __init__(self, cfg: RunConfig, model_factory: ModelFactory | None = None,
+                 before_commit: Callable[[Path], None] | None = None, stop: StopOnSigterm | None = None):
+        self.cfg = cfg
+        self.model_factory = model_factory or default_model_factory
+        self.before_commit = before_commit
+        self.stop = stop or StopOnSigterm()  # not installed: only stop.request() stops the run
+        self.records: list[dict] = []
+        self.stopped_at: int | None = None
+
+    def setup(self) -> Trainer:
+        cfg, t, p = self.cfg, self.cfg.train, self.cfg.parallel
+        self.device = device = resolve_device(cfg)
+        self.rank, self.world = rank, world = dist.get_rank(), dist.get_world_size()
+        # Everything that can be wrong with the config is checked before the first collective.
+        self.dims = dims = p.dims(world)
+        self.n_micro = micro_steps(cfg, dims)
+        fault = check_fault(cfg.debug, world, t.steps)
+        if fault:
+            raise ConfigError(fault)
+        if cfg.debug.fail_step is not None and rank == 0:  # never a surprise in a real run's log
+            print(f"spartron: [debug] rank {cfg.debug.fail_rank} will fail at step {cfg.debug.fail_step} "
+                  f"(fail_mode = {cfg.debug.fail_mode!r})", file=sys.stderr, flush=True)
+        self.groups = groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
+                                                    nccl=p.nccl_settings())
+        # The run directory against this run (refusals, resume step) before the model is built.
+        self.run_dir, self.state_shape = run_dir, shape = cfg.run_dir(), state_config(cfg)
+        plan, self.run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
+                                      layout=dims.describe(), config=shape)
+
+        # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
+        # for custom factories that draw from the global RNG: the same state on every rank.
+        torch.manual_seed(t.seed)
+        with device:
+            self.model = model = self.model_factory(cfg, groups)
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
+        self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
+        self.optimizer = build_optimizer(model, t)
+        self.ep_extra = _ep_sharded(model, groups)
+        # Saved per EP rank: every EP rank holds different experts under the same names.
+        self.ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in self.ep_extra],
+                         "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
+        self.loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
+
+        self.step_no, self.counters = 0, {"tokens": 0}
+        self.resumed_from = plan.resume_step
+        if self.resumed_from is not None:
+            self._resume(plan)
+        self.log = M.MetricsLog(run_dir / "metrics.jsonl", t.steps, enabled=rank == 0, progress=t.progress)
+        self.log.write({"type": "header", "name": cfg.name, "config": cfg.model_dump(mode="json"),
+                        "config_toml": dump_config(cfg), "versions": M.versions(), "git_commit": M.git_commit(),
+                        "hardware": M.hardware(device, world), "layout": dims.describe(),
+                        "deterministic": device.type == "cpu", "resumed_from_step": self.resumed_from,
+                        "run_id": self.run_id, "skipped_incomplete_steps": list(plan.skipped),
+                        "micro_steps": self.n_micro})
+        self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
+        return self
+
+    def _resume(self, plan) -> None:  # noqa: ANN001
+        path = step_dir(self.run_dir, self.resumed_from)
+        meta, rank_state = load_state(path, self.model, self.optimizer, self.device, config=self.state_shape,
+                                      verify_checksums=self.cfg.train.verify_checksums, **self.ep_state)
+        self.step_no, self.counters, self.run_id = meta["step"], meta["counters"], meta["run_id"] or self.run_id
+        try:
+            self.loader.load_state_dict(rank_state["data"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StateLoadError(f"{path / f'rank-{self.rank:05d}.json'}: its data position does not fit this run "
+                                 f"({err})") from None
+        if self.rank == 0:
+            changed = resume_notes(meta["config"] or {}, self.state_shape)
+            note = f"; settings changed since that step (its tensors fit): {', '.join(changed)}" if changed else ""
+            print(plan.message() + note, file=sys.stderr, flush=True)
+
+    @property
+    def done(self) -> bool:
+        """train.steps reached, or stopped early after a SIGTERM."""
+        return self.stopped_at is not None or self.step_no >= self.cfg.train.steps
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step and what follows it (metrics, log, a save when due); returns its record.
+        A failure is raised as a TrainingError naming the rank and the step."""
+        cfg, t = self.cfg, self.cfg.train
+        step = self.step_no + 1
+        try:
+            inject_fault(cfg.debug, self.rank, step)
+            record = self._optimizer_step(step)
+            self.step_no = step
+            counters = self.counters
+            counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
+            tokens_per_step = t.global_batch_size * t.seq_len
+            counters["tokens"] += tokens_per_step
+            tps = tokens_per_step / record["step_time_s"]
+            record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / self.world,
+                          mfu=self.flops_per_token * tps / self.world / self.peak_flops)
+            self.records.append(record)
+            self.log.write(record)
+            stopping = self.stop.agreed(self.device) and step < t.steps  # every rank stops at the same step
+            if (t.save_every and step % t.save_every == 0) or stopping:
+                save_state(self.run_dir, step, self.model, self.optimizer, dict(counters),
+                           {"data": self.loader.state_dict()}, self.device, self.before_commit, run_id=self.run_id,
+                           config=self.state_shape, keep_last=t.keep_last, **self.ep_state)
+            if stopping:
+                self.stopped_at = step
+        except TrainingError:
+            raise
+        except Exception as err:
+            raise TrainingError(f"rank {self.rank} failed at step {step}: {type(err).__name__}: {err}") from err
+        return record
+
+    def _optimizer_step(self, step: int) -> dict[str, Any]:
+        t, model, optimizer, device = self.cfg.train, self.model, self.optimizer, self.device
+        lr = lr_at(step, t)
+        set_lr(optimizer, lr)
+        M.reset_peak_memory(device)
+        start = time.perf_counter()
+        stats = _StepStats()
+        n_micro = self.n_micro
+        with self.offloader.session() if self.offloader is not None else contextlib.nullcontext():  # one per step
+            for micro in range(n_micro):
+                if isinstance(model, FSDPModule):  # FSDP2: reduce gradients only on the last micro-batch
+                    model.set_requires_gradient_sync(micro == n_micro - 1)
+                tokens, labels = self.loader.next_batch(t.micro_batch_size)
+                out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+                (out["loss"] / n_micro).backward()
+                stats.add(out)
+        (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp)
+        grad_norm = global_grad_norm(self.params, self.ep_extra)
+        norm = float(grad_norm)
+        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
+            raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
+                                     f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
+        # before the optimizer step: the state stays the last good one
+        _check_loss_limits(t, step, loss, self.counters.get("first_loss"))
+        if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
+            clip_grads_(self.params, t.grad_clip, grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
+        if isinstance(model, ExpertBiasModel):
+            model.update_expert_bias(self.groups.dp_cp)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        alloc, reserved = M.peak_memory(device)
+        return {"type": "step", "step": step, "loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp,
+                "aux_loss": aux_loss, "indexer_loss": indexer_loss, "grad_norm": norm, "lr": lr,
+                "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
+                "peak_memory_reserved_bytes": reserved,
+                "expert_load_max_violation": M.expert_load_max_violation(counts)}
+
+    def close(self, ok: bool = True) -> TrainResult:
+        """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may
+        still be inside a collective)."""
+        self.log.close(summary=ok and self.cfg.train.progress)
+        if ok:
+            if isinstance(self.model, ClosableModel):  # collective: every rank ends the run well together
+                self.model.close()
+            if self.stopped_at is not None and self.rank == 0:
+                print(f"spartron: SIGTERM: saved step {self.stopped_at} of {self.cfg.train.steps} in {self.run_dir} "
+                      f"and stopped; resume = true continues from it", file=sys.stderr, flush=True)
+        return TrainResult(run_dir=self.run_dir, records=self.records, resumed_from=self.resumed_from,
+                           stopped_at=self.stopped_at)
+
+
 def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
           before_commit: Callable[[Path], None] | None = None) -> TrainResult:
-    """Run (or resume) the job described by cfg on the ranks of the current launch."""
+    """Run (or resume) the job described by cfg on the ranks of the current launch: a Trainer's setup,
+    steps until done, close."""
     with StopOnSigterm() as stop:  # from the start: a SIGTERM during setup stops after the first step
         owns_pg = _init_process_group(cfg)
-        result = _train(cfg, model_factory or default_model_factory, before_commit, stop)
+        trainer = Trainer(cfg, model_factory, before_commit, stop).setup()
+        try:
+            while not trainer.done:
+                trainer.step()
+        except Exception:
+            trainer.close(ok=False)
+            raise
+        result = trainer.close()
     # On failure the group is left alone: tearing it down can block on peers still in a collective.
     if owns_pg:
         dist.barrier()  # no rank tears its transport down while a peer still talks to it (gloo aborts)
         dist.destroy_process_group()
     return result
-
-
-def _train(cfg: RunConfig, model_factory: ModelFactory,
-           before_commit: Callable[[Path], None] | None, stop: StopOnSigterm | None = None) -> TrainResult:
-    t = cfg.train
-    stop = stop or StopOnSigterm()  # not installed: only stop.request() stops the run
-    device = resolve_device(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    p = cfg.parallel
-    # Everything that can be wrong with the config is checked before the first collective.
-    dims = p.dims(world)
-    n_micro = micro_steps(cfg, dims)
-    fault = check_fault(cfg.debug, world, t.steps)
-    if fault:
-        raise ConfigError(fault)
-    if cfg.debug.fail_step is not None and rank == 0:  # never a surprise in a real run's log
-        print(f"spartron: [debug] rank {cfg.debug.fail_rank} will fail at step {cfg.debug.fail_step} "
-              f"(fail_mode = {cfg.debug.fail_mode!r})", file=sys.stderr, flush=True)
-    groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
-                                  nccl=p.nccl_settings())
-    # The run directory against this run (refusals, resume step) before the model is built.
-    run_dir, shape = cfg.run_dir(), state_config(cfg)
-    plan, run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
-                             layout=dims.describe(), config=shape)
-
-    # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
-    # for custom factories that draw from the global RNG: the same state on every rank.
-    torch.manual_seed(t.seed)
-    with device:
-        model = model_factory(cfg, groups)
-    params = [q for q in model.parameters() if q.requires_grad]
-    # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
-    offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
-    optimizer = build_optimizer(model, t)
-    ep_extra = _ep_sharded(model, groups)
-    # Saved per EP rank: every EP rank holds different experts under the same names.
-    ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
-                "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
-    loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
-
-    start, counters = 0, {"tokens": 0}
-    resumed_from = plan.resume_step
-    if resumed_from is not None:
-        path = step_dir(run_dir, resumed_from)
-        meta, rank_state = load_state(path, model, optimizer, device, config=shape,
-                                      verify_checksums=t.verify_checksums, **ep_state)
-        start, counters, run_id = meta["step"], meta["counters"], meta["run_id"] or run_id
-        try:
-            loader.load_state_dict(rank_state["data"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise StateLoadError(f"{path / f'rank-{rank:05d}.json'}: its data position does not fit this run "
-                                 f"({err})") from None
-        if rank == 0:
-            changed = resume_notes(meta["config"] or {}, shape)
-            note = f"; settings changed since that step (its tensors fit): {', '.join(changed)}" if changed else ""
-            print(plan.message() + note, file=sys.stderr, flush=True)
-
-    log = M.MetricsLog(run_dir / "metrics.jsonl", t.steps, enabled=rank == 0, progress=t.progress)
-    log.write({"type": "header", "name": cfg.name, "config": cfg.model_dump(mode="json"),
-               "config_toml": dump_config(cfg), "versions": M.versions(), "git_commit": M.git_commit(),
-               "hardware": M.hardware(device, world), "layout": dims.describe(),
-               "deterministic": device.type == "cpu", "resumed_from_step": resumed_from,
-               "run_id": run_id, "skipped_incomplete_steps": list(plan.skipped),
-               "micro_steps": n_micro})
-    flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    peak = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
-    tokens_per_step = t.global_batch_size * t.seq_len
-    records: list[dict] = []
-    step, stopped_at = start, None
-    try:
-        for step in range(start + 1, t.steps + 1):
-            inject_fault(cfg.debug, rank, step)
-            record = _one_step(cfg, step, model, optimizer, loader, params, ep_extra, groups, n_micro, device,
-                               offloader, first_loss=counters.get("first_loss"))
-            counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
-            counters["tokens"] += tokens_per_step
-            tps = tokens_per_step / record["step_time_s"]
-            record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / world,
-                          mfu=flops_per_token * tps / world / peak)
-            records.append(record)
-            log.write(record)
-            stopping = stop.agreed(device) and step < t.steps  # every rank stops at the same step
-            if (t.save_every and step % t.save_every == 0) or stopping:
-                save_state(run_dir, step, model, optimizer, dict(counters), {"data": loader.state_dict()},
-                           device, before_commit, run_id=run_id, config=shape, keep_last=t.keep_last,
-                           **ep_state)
-            if stopping:
-                stopped_at = step
-                break
-    except TrainingError:
-        log.close(summary=False)
-        raise
-    except Exception as err:
-        log.close(summary=False)
-        raise TrainingError(f"rank {rank} failed at step {step}: {type(err).__name__}: {err}") from err
-    log.close(summary=t.progress)
-    if hasattr(model, "close"):  # collective, so only here: every rank ends the run well together
-        model.close()
-    if stopped_at is not None and rank == 0:
-        print(f"spartron: SIGTERM: saved step {stopped_at} of {t.steps} in {run_dir} and stopped; "
-              f"resume = true continues from it", file=sys.stderr, flush=True)
-    return TrainResult(run_dir=run_dir, records=records, resumed_from=resumed_from, stopped_at=stopped_at)
-
-
-def _one_step(cfg: RunConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, loader,
-              params: list[nn.Parameter], ep_extra: dict, groups: ParallelGroups, n_micro: int,
-              device: torch.device, offloader: ActivationOffloader | None = None,
-              first_loss: float | None = None) -> dict[str, Any]:
-    t = cfg.train
-    lr = lr_at(step, t)
-    set_lr(optimizer, lr)
-    M.reset_peak_memory(device)
-    start = time.perf_counter()
-    stats = _StepStats()
-    with offloader.session() if offloader is not None else contextlib.nullcontext():  # closed with the step
-        for micro in range(n_micro):
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(micro == n_micro - 1)
-            tokens, labels = loader.next_batch(t.micro_batch_size)
-            out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
-            (out["loss"] / n_micro).backward()
-            stats.add(out)
-    (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, groups.dp_cp)
-    grad_norm = global_grad_norm(params, ep_extra)
-    norm = float(grad_norm)
-    if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
-        raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
-                                 f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
-    _check_loss_limits(t, step, loss, first_loss)  # before the optimizer step: the state stays the last good one
-    if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
-        clip_grads_(params, t.grad_clip, grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
-    if hasattr(model, "update_expert_bias"):
-        model.update_expert_bias(groups.dp_cp)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    alloc, reserved = M.peak_memory(device)
-    return {"type": "step", "step": step, "loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp,
-            "aux_loss": aux_loss, "indexer_loss": indexer_loss, "grad_norm": norm, "lr": lr,
-            "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
-            "peak_memory_reserved_bytes": reserved,
-            "expert_load_max_violation": M.expert_load_max_violation(counts)}
 
 
 def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
@@ -342,23 +392,3 @@ def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> N
             and loss > t.loss_spike_factor * first_loss:
         raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
                              f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g}")
-
-
-def main(argv: list[str] | None = None, model_factory: ModelFactory | None = None) -> int:
-    """Process entry: train, print the traceback and exit non-zero on any failure (never hang in teardown)."""
-    parser = argparse.ArgumentParser(prog="python -m spartron.runtime.trainer", description=__doc__)
-    parser.add_argument("config", nargs="?", default=None, help="run config TOML (default: defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        result = train(cfg, model_factory)
-    except BaseException:  # noqa: BLE001 - every failure must surface and end this rank
-        rank = dist.get_rank() if dist.is_initialized() else "?"
-        sys.stderr.write(f"[spartron rank {rank}] training failed:\n{traceback.format_exc()}")
-        exit_process(1)  # skip process-group teardown, which can block on peers that are still waiting
-    return 0 if result.stopped_at is None else STOPPED_STATUS
-
-
-if __name__ == "__main__":
-    exit_process(main())

@@ -272,7 +272,7 @@ def test_a_rank_raising_at_step_3_ends_every_rank_nonzero_within_the_timeout(tmp
 
 if __name__ == "__main__":
     from spartron.launch.process import exit_process
-    from spartron.runtime.trainer import main
+    from spartron.launch.rank import main
 
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()

@@ -54,7 +54,7 @@ def last_segment(metrics_path: Path) -> tuple[dict, list[dict]]:
 
 # ---- 1 rank: kill -9 after the step-2 save, resume with the same command ------------------------
 def trainer_command(run_dir: Path, *extra: str) -> list[str]:
-    command = [sys.executable, "-m", "spartron.runtime.trainer", str(TINY)]
+    command = [sys.executable, "-m", "spartron.launch.rank", str(TINY)]
     for item in overrides(run_dir, *extra):
         command += ["--set", item]
     return command
