@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "spartron"
 
@@ -155,20 +153,10 @@ def test_every_top_level_entry_has_a_floor():
     assert sorted(entries - set(FLOOR_OF)) == []
 
 
-# Until the restructure of issue 21 lands these fail on the tree; the violations at 87f8072:
-#   checkpointing/config.py -> runtime/ops; layers/{context_parallel,mla,model,moe/dispatch,moe/experts,
-#   moe/layer,moe/router}.py -> runtime/ops/*; runtime/trainer.py -> launch/process.py;
-#   interop/hf/{config_map,saved_state}.py -> runtime/{config,data,optim,state}.py;
-#   cycles layers/moe/dispatch.py <-> layers/moe/deepep_buffer.py, interop/hf/convert.py <-> saved_state.py
-RESTRUCTURE_PENDING = pytest.mark.xfail(strict=True, reason="issue 21: the moves are not done yet")
-
-
-@RESTRUCTURE_PENDING
 def test_every_import_points_down():
     assert upward_imports(import_graph()) == []
 
 
-@RESTRUCTURE_PENDING
 def test_no_import_cycles():
     assert import_cycles(import_graph()) == []
 
