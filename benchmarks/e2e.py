@@ -67,6 +67,7 @@ def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path) 
         "steps": len(result.records),
         "timed_steps": len(timed),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "step_times_s": [r["step_time_s"] for r in result.records],  # every step, warm-up included
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
         "peak_memory_allocated_gib": max(r["peak_memory_allocated_bytes"] for r in result.records) / 2**30,
