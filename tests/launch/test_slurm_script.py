@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shell_payloads import MULTI_LINE, SINGLE_LINE  # next to this file
 
 from spartron.launch.cli import main
 from spartron.launch.slurm import SlurmError, render_job, time_limit_s
@@ -27,21 +28,7 @@ from spartron.runtime.config import RunConfig, load_config
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
 
-# Each hostile value mentions {m}, the marker file it would create if any part of it ran.
-HOSTILE = [
-    "$(touch {m})",
-    "`touch {m}`",
-    "'; touch {m}; echo '",
-    '"; touch {m}; echo "',
-    ";touch {m}",
-    "a b | touch {m} && touch {m}",
-    "$((1+1)) ${{HOME}} \\$(touch {m}) \\",
-    "--x=$(touch {m})",
-    "#SBATCH --wrap='touch {m}'",
-    "x\ntouch {m}",
-    "x\rtouch {m}",
-    "x\n#SBATCH --wrap='touch {m}'\ntouch {m}",
-]
+HOSTILE = SINGLE_LINE + MULTI_LINE
 MULTILINE = ("\n", "\r")
 
 # What a rendered script may run: its own builtins, variables and the Slurm stubs.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from saved_files import rewrite_listed  # next to this file
 from torch import nn
 
 from spartron.runtime.state import (
@@ -57,14 +58,6 @@ def _model(seed: int = 0, width: int = 4):
     return model, opt
 
 
-def rewrite_listed(path: Path, name: str, data: bytes) -> None:
-    """Replace a saved file AND its manifest entry, as an attacker would: only the content checks can object."""
-    (path / name).write_bytes(data)
-    marker = json.loads((path / COMPLETE).read_text())
-    for entry in marker["files"]:
-        if entry["path"] == name:
-            entry.update(size=len(data), crc32=zlib.crc32(data))
-    (path / COMPLETE).write_text(json.dumps(marker))
 
 
 # ---- hostile payloads ----------------------------------------------------------------------------------
