@@ -48,10 +48,12 @@ def cell_name(c: dict) -> str:
     return f"ep{c['ep']}-cp{c['cp']}-{c['ac'].replace('+', '-')}-mb{c['mb']}"
 
 
-def run_cell(config: Path, gpus: int, c: dict, base: list[str], name: str, timeout: float) -> dict:
+def run_cell(config: Path, gpus: int, c: dict, base: list[str], name: str, timeout: float, runs: Path) -> dict:
+    """One cell as a fresh `spartron train` run in runs/<name> (an earlier matrix's run there is replaced)."""
     overrides = [*base, f"launch.nproc={gpus}", f"parallel.ep={c['ep']}", f"parallel.cp={c['cp']}",
                  f"train.intra_layer_micro_batches={c['mb']}", f"name={name}", "train.progress=false",
-                 "train.save_every=0", *AC[c["ac"]]]
+                 "train.save_every=0", f"train.run_dir={json.dumps(str(runs.resolve() / name))}",
+                 "train.resume=false", "train.overwrite=true", *AC[c["ac"]]]
     if c["ep"] > 1:
         overrides.append("model.moe.dispatcher=all_to_all")
     cmd = [sys.executable, "-m", "spartron.launch.cli", "train", str(config)]
@@ -109,6 +111,7 @@ def main() -> None:
     p.add_argument("--loss-rel", type=float, default=1e-2, help="allowed relative loss difference (bf16)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="tiny CPU preset on 2 gloo ranks, 3 steps, 3 cells")
+    p.add_argument("--runs", type=Path, default=REPO / "runs", help="folder of the cells' run directories")
     args = p.parse_args()
     if args.smoke:
         args.config, args.gpus, args.steps, args.warmup = REPO / "configs" / "tiny.toml", 2, 3, 1
@@ -123,10 +126,11 @@ def main() -> None:
             keep = set(args.only.split(","))
             todo = [c for c in todo if cell_name(c) in keep]
     baseline = {"ep": 1, "cp": 1, "ac": "none", "mb": 1}
-    runs = REPO / "runs"
-    results = [run_cell(args.config, args.gpus, baseline, base, "matrix-baseline2", args.cell_timeout)]
+    runs = args.runs
+    results = [run_cell(args.config, args.gpus, baseline, base, "matrix-baseline2", args.cell_timeout, runs)]
     for c in todo:
-        results.append(run_cell(args.config, args.gpus, c, base, "matrix-" + cell_name(c), args.cell_timeout))
+        results.append(run_cell(args.config, args.gpus, c, base, "matrix-" + cell_name(c), args.cell_timeout,
+                                runs))
     base_dir = runs / ("matrix-" + cell_name(baseline))
     tol = Tolerances(loss_rel=args.loss_rel, memory_abs_bytes=math.inf, throughput_rel=math.inf,
                      exact_first_step=False)

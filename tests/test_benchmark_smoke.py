@@ -1,7 +1,7 @@
 """The CPU smoke mode of every benchmark runs (the GPU numbers come from the same scripts on a lent machine).
 
-Each script runs as a file, as benchmarks/run_gpu.sh runs it, with --smoke (tiny shapes, gloo). matrix.py
-is left out: its smoke mode trains four cells with `spartron train` into the checkout's runs/ folder.
+Each script runs as a file, as benchmarks/run_gpu.sh runs it, with --smoke (tiny shapes, gloo); matrix.py's
+cells train with `spartron train` into the test's own folder (--runs).
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
-                                    "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt"])
+                                    "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
     out = tmp_path / f"{script}.json"
-    args = ["--out", str(out)] if script in ("e2e", "profile_step") else []
+    args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix") else []
+    if script == "matrix":
+        args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     if args:
         report = json.loads(out.read_text())
         assert report, script
+    if script == "matrix":  # every cell trained, and each one compared with the baseline passes
+        assert [c["rc"] for c in report["cells"]] == [0, 0, 0, 0]
+        assert [c.get("regression", {}).get("passed") for c in report["cells"][2:]] == [True, True]
