@@ -3,8 +3,6 @@ region-stats aggregation on a real checkpointed model."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def prof():
-    spec = importlib.util.spec_from_file_location("profile_step", REPO / "benchmarks" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["profile_step"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import profile_step
+
+    return profile_step
 
 
 def _x(cat, name, ts, dur, tid=1, **args):
@@ -126,9 +122,8 @@ def test_region_stats_sum_saved_and_recomputed(prof):
 
 def test_offload_benchmark_kernel_families():
     """benchmarks/offload.py groups kernels by family to explain micro-batch 2 vs 1; first match wins."""
-    spec = importlib.util.spec_from_file_location("offload_bench", REPO / "benchmarks" / "offload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import offload as module
+
     family = module.kernel_family
     assert family("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
     assert family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
