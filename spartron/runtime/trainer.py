@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -186,6 +186,24 @@ class _StepStats:
         return means, counts
 
 
+@dataclass(frozen=True)
+class StepProbe:
+    """What a benchmark or profiler may vary or watch in one `Trainer.step` (a run never sets one).
+
+    `offloader`: the offloader this step's session comes from instead of the run's ("run"), or None for a
+    step without offload; benchmarks alternate windows on one model this way (offload is a property of
+    the step's session, not of the model). `on_phase(name)` is called with "forward" (before the first
+    micro-batch), "backward" (each micro-batch's forward returned), "optimizer" (the last backward was
+    issued) and "end" (the step's work finished on the device). `on_region_forward` /
+    `on_region_backward` are the offload session's region observers. The open session is
+    `Trainer.offload_session` while the step runs and after it.
+    """
+    offloader: ActivationOffloader | None | Literal["run"] = "run"
+    on_phase: Callable[[str], None] | None = None
+    on_region_forward: Callable[[int], None] | None = None
+    on_region_backward: Callable[[int], None] | None = None
+
+
 class Trainer:
     """One training job on this rank, in three explicit parts.
 
@@ -235,6 +253,7 @@ class Trainer:
         self.params = [q for q in model.parameters() if q.requires_grad]
         # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
         self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
+        self.offload_session = None  # the current (or last) step's session: see StepProbe
         self.optimizer = build_optimizer(model, t)
         self.ep_extra = _ep_sharded(model, groups)
         # Saved per EP rank: every EP rank holds different experts under the same names.
@@ -278,14 +297,14 @@ class Trainer:
         """train.steps reached, or stopped early after a SIGTERM."""
         return self.stopped_at is not None or self.step_no >= self.cfg.train.steps
 
-    def step(self) -> dict[str, Any]:
+    def step(self, probe: StepProbe | None = None) -> dict[str, Any]:
         """One optimizer step and what follows it (metrics, log, a save when due); returns its record.
-        A failure is raised as a TrainingError naming the rank and the step."""
+        A failure is raised as a TrainingError naming the rank and the step. `probe`: see StepProbe."""
         cfg, t = self.cfg, self.cfg.train
         step = self.step_no + 1
         try:
             inject_fault(cfg.debug, self.rank, step)
-            record = self._optimizer_step(step)
+            record = self._optimizer_step(step, probe or StepProbe())
             self.step_no = step
             counters = self.counters
             counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
@@ -309,22 +328,33 @@ class Trainer:
             raise TrainingError(f"rank {self.rank} failed at step {step}: {type(err).__name__}: {err}") from err
         return record
 
-    def _optimizer_step(self, step: int) -> dict[str, Any]:
+    def _open_offload_session(self, probe: StepProbe):  # noqa: ANN202
+        """The step's offload session (one per step), or a null context for a step without one."""
+        offloader = self.offloader if probe.offloader == "run" else probe.offloader
+        self.offload_session = None if offloader is None else offloader.session(
+            on_region_backward=probe.on_region_backward, on_region_forward=probe.on_region_forward)
+        return self.offload_session if self.offload_session is not None else contextlib.nullcontext()
+
+    def _optimizer_step(self, step: int, probe: StepProbe) -> dict[str, Any]:
         t, model, optimizer, device = self.cfg.train, self.model, self.optimizer, self.device
+        phase = probe.on_phase or (lambda name: None)
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
         M.reset_peak_memory(device)
         start = time.perf_counter()
         stats = _StepStats()
         n_micro = self.n_micro
-        with self.offloader.session() if self.offloader is not None else contextlib.nullcontext():  # one per step
+        with self._open_offload_session(probe):
+            phase("forward")
             for micro in range(n_micro):
                 if isinstance(model, FSDPModule):  # FSDP2: reduce gradients only on the last micro-batch
                     model.set_requires_gradient_sync(micro == n_micro - 1)
                 tokens, labels = self.loader.next_batch(t.micro_batch_size)
                 out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+                phase("backward")
                 (out["loss"] / n_micro).backward()
                 stats.add(out)
+            phase("optimizer")
         (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp)
         grad_norm = global_grad_norm(self.params, self.ep_extra)
         norm = float(grad_norm)
@@ -341,6 +371,7 @@ class Trainer:
             model.update_expert_bias(self.groups.dp_cp)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        phase("end")
         elapsed = time.perf_counter() - start
         alloc, reserved = M.peak_memory(device)
         return {"type": "step", "step": step, "loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp,
