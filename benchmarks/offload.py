@@ -3,7 +3,9 @@
     python benchmarks/offload.py --out benchmarks/results/offload.json     # CUDA (H200), dsv3-12l
     python benchmarks/offload.py --smoke                                   # tiny preset, CPU, seconds
 
-Part 1 (one GPU): forward+backward step time and peak allocated memory for full and selective AC,
+Everything runs through the public Trainer (`Trainer.step(StepProbe(...))` picks the step's offloader
+and observes its phases); a step is the trainer's whole step: forward, backward and the optimizer.
+Part 1 (one GPU): step time and peak allocated memory for full and selective AC,
 offload off and on (window all_but_last), with the bytes offloaded per step, the peak reduction as a
 fraction of those bytes (target >= 0.8), the step-time ratio on/off (target <= 1.05) and the D2H
 throughput of the offload copies (timed with events on the D2H stream) against the measured
@@ -19,7 +21,7 @@ their overlap and idle time (why 2 is or is not faster).
 Off and on run on the same model, alternating step by step (drift hits both alike).
 Memory by phase: one extra step per AC mode x offload off/on records allocated / peak memory at
 phase boundaries (embedding; each checkpoint region's forward; backward of loss + head; the backward
-of each region, told by the offload session's observers) with the region tensors the session holds
+of each region, told by the offload session's observers; the optimizer) with the region tensors the session holds
 there, so the output says where the peak is and how much the window could lower it.
 On CPU (--smoke) both parts run on the tiny preset with gloo (no allocator stats, no profile).
 """
@@ -30,6 +32,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,12 +52,7 @@ from spartron.checkpointing.apply import checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.offload import ActivationOffloader  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
-from spartron.runtime.trainer import default_model_factory  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from spartron.runtime.trainer import StepProbe, Trainer  # noqa: E402
 
 
 def pinned_ceiling_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | None:
@@ -74,13 +72,6 @@ def pinned_ceiling_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | 
     return best
 
 
-def _batch(cfg, device, n: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (n, cfg.train.seq_len)
-    return (torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device),
-            torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device))
-
-
 def _grad_bytes(model) -> int:
     total = 0
     for p in model.parameters():
@@ -91,143 +82,113 @@ def _grad_bytes(model) -> int:
     return total
 
 
-def memory_by_phase(model, tokens, labels, offloader: ActivationOffloader, keep_grads: bool,
-                    device: torch.device) -> list[dict]:
+def _trainer(cfg, run_root: str, name: str) -> Trainer:
+    """A Trainer of this benchmark: a fresh run in `run_root`, no saves, no progress lines."""
+    overrides = {"name": name, "train": cfg.train.model_copy(update={
+        "run_dir": str(Path(run_root) / name), "save_every": 0, "resume": False, "progress": False,
+        "peak_tflops": cfg.train.peak_tflops or 1.0, "steps": 10_000})}  # peak: MFU is not reported here
+    return Trainer(cfg.model_copy(update=overrides)).setup()
+
+
+def memory_by_phase(trainer: Trainer, offloader: ActivationOffloader) -> list[dict]:
     """One extra step: allocated memory at phase boundaries and the peak inside each phase.
 
-    The boundaries come from the offload session's observers (a region call starts; a region's
-    backward starts); the last forward region's row runs until the forward returns, so it includes
-    the final norm, head and loss. With offload off a session with an empty window observes the same
-    points, so off and on are comparable row by row. `held` = bytes of saved region tensors alive on
-    device at the start of the phase (what a window can move to the host), `grads` = parameter
-    gradients allocated.
+    The boundaries come from the step's phases and the offload session's observers (a region call
+    starts; a region's backward starts); the last forward region's row runs until the forward
+    returns, so it includes the final norm, head and loss. With offload off a session with an empty
+    window observes the same points, so off and on are comparable row by row. `held` = bytes of saved
+    region tensors alive on device at the start of the phase (what a window can move to the host),
+    `grads` = parameter gradients allocated.
     """
+    model, device = trainer.model, trainer.device
     cuda = device.type == "cuda"
     names = {id(checkpoint_region_of(m)): n for n, m in model.named_modules() if checkpoint_region_of(m) is not None}
     key_names = {k: names.get(id(r), "?") for k, r in enumerate(offloader.regions)}
     rows: list[dict] = []
 
-    def mark(next_phase: str | None) -> None:
+    def mark(label: str | None) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         now = {"allocated": torch.cuda.memory_allocated(device) if cuda else None,
-               "held": session.held_device_bytes(), "grads": _grad_bytes(model)}
+               "held": trainer.offload_session.held_device_bytes(), "grads": _grad_bytes(model)}
         if rows:
             rows[-1]["peak"] = torch.cuda.max_memory_allocated(device) if cuda else None
             rows[-1]["end"] = now
-        if next_phase is not None:
-            rows.append({"phase": next_phase, "start": now})
+        if label is not None:
+            repeats = sum(r["phase"] == label or r["phase"].startswith(f"{label} #") for r in rows)
+            rows.append({"phase": label if not repeats else f"{label} #{repeats + 1}", "start": now})
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-    model.zero_grad(set_to_none=not keep_grads)
-
     def region_marker(direction: str):
-        """The observer that starts a phase row per region call ('#2' etc. for repeated calls)."""
-        def observe(key: int) -> None:
-            label = f"{direction} region {key} ({key_names[key]})"
-            repeats = sum(r["phase"].startswith(label) for r in rows)
-            mark(label if not repeats else f"{label} #{repeats + 1}")
-        return observe
+        return lambda key: mark(f"{direction} region {key} ({key_names[key]})")
 
-    with offloader.session(on_region_backward=region_marker("bwd"),
-                           on_region_forward=region_marker("fwd")) as session:
-        mark("forward: embedding")
-        loss = model(tokens, labels)["loss"]
-        mark("bwd loss + head")
-        loss.backward()
-        mark(None)
+    step_phases = {"forward": "forward: embedding", "backward": "bwd loss + head", "optimizer": "optimizer",
+                   "end": None}
+    trainer.step(StepProbe(offloader=offloader, on_phase=lambda name: mark(step_phases[name]),
+                           on_region_forward=region_marker("fwd"), on_region_backward=region_marker("bwd")))
     return rows
 
 
-def _step(model, tokens, labels, offloader: ActivationOffloader | None, keep_grads: bool,
-          device: torch.device) -> tuple[float, int | None, object]:
-    """One forward + backward: (seconds, peak allocated bytes, the offload session or None)."""
-    model.zero_grad(set_to_none=not keep_grads)  # as the trainer's optimizer step does
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    session = None
-    if offloader is None:
-        model(tokens, labels)["loss"].backward()
-    else:
-        with offloader.session() as session:
-            model(tokens, labels)["loss"].backward()
-    _sync(device)
-    seconds = time.perf_counter() - start
-    return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, session
-
-
-def measure_off_and_on(cfg, device: torch.device, steps: int, warmup: int, groups) -> dict:
-    """Step time (forward + backward, no optimizer) and peak memory of one model with offload off and
-    on. The same model runs both (offload is a property of the step's session, not of the model),
-    alternating off/on step by step with the order swapped every step, so host or clock drift during
-    the run hits both alike. Peak = the highest of the measured steps'."""
-    torch.manual_seed(0)
-    with device:
-        model = default_model_factory(cfg, groups)
-    keep = cfg.train.keep_grad_buffers
-    offloaders = {"off": None, "on": ActivationOffloader.for_model(model, cfg.offload, device)}
-    tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size)
+def measure_off_and_on(trainer: Trainer, steps: int, warmup: int) -> dict:
+    """Step time and peak memory of one Trainer's steps with offload off and on. The same model runs
+    both (offload is a property of the step's session, not of the model), alternating off/on step by
+    step with the order swapped every step, so host or clock drift during the run hits both alike.
+    Peak = the highest of the measured steps'."""
+    offloaders = {"off": None, "on": trainer.offloader}
     times: dict[str, list[float]] = {"off": [], "on": []}
     peaks: dict[str, list[int]] = {"off": [], "on": []}
     d2h_bytes, d2h_seconds, summary = 0, 0.0, None
     for step in range(warmup + steps):
         for name in (("off", "on") if step % 2 == 0 else ("on", "off")):
-            seconds, peak, session = _step(model, tokens, labels, offloaders[name], keep, device)
+            record = trainer.step(StepProbe(offloader=offloaders[name]))
             if step < warmup:
                 continue
-            times[name].append(seconds)
-            if peak is not None:
-                peaks[name].append(peak)
+            times[name].append(record["step_time_s"])
+            if record["peak_memory_allocated_bytes"] is not None:
+                peaks[name].append(record["peak_memory_allocated_bytes"])
+            session = trainer.offload_session
             if session is not None:
                 summary = session.summary()
                 for copy in session.host_copies():
                     d2h_bytes += copy.buffer.numel()
                     if copy.d2h_started is not None:
                         d2h_seconds += copy.d2h_started.elapsed_time(copy.d2h_done) / 1e3
-    observer = ActivationOffloader.for_model(model, cfg.offload.model_copy(update={"enabled": False}), device)
+    observer = ActivationOffloader.for_model(trainer.model, trainer.cfg.offload.model_copy(update={"enabled": False}),
+                                             trainer.device)
     out = {}
     for name in ("off", "on"):
         out[name] = {"step_ms": 1e3 * statistics.median(times[name]),
                      "step_ms_each": [round(1e3 * t, 2) for t in times[name]],
                      "peak_allocated_bytes": max(peaks[name]) if peaks[name] else None,
-                     "memory_by_phase": memory_by_phase(model, tokens, labels,
-                                                        offloaders["on"] if name == "on" else observer, keep,
-                                                        device)}
+                     "memory_by_phase": memory_by_phase(trainer, trainer.offloader if name == "on" else observer)}
     out["on"]["offloaded_bytes_per_step"] = summary["session"]["offloaded_bytes"]
     out["on"]["offload"] = summary
     out["on"]["d2h_gbps"] = d2h_bytes / d2h_seconds / 1e9 if d2h_seconds else None
-    del model, offloaders, observer
-    gc.collect()  # modules, regions and the offloader form cycles: free them before the next config runs
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
-def _one_rank_groups(device: torch.device, tmp: str):
-    """A 1-rank group on CUDA: parallelize then applies FSDP2's bf16 mixed precision, as the trainer does."""
-    if device.type != "cuda":
-        return None
-    from spartron.parallel.dims import ParallelDims
-    from spartron.parallel.groups import ParallelGroups
-
-    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store1"), 1), rank=0, world_size=1)
-    return ParallelGroups.build(ParallelDims(1, fsdp=1), "cuda")
-
-
-def part_offload(config: Path, overrides: list[str], device: torch.device, steps: int, warmup: int) -> dict:
+def _offload_rank(rank: int, world: int, config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Part 1 on one rank (common.run_ranks starts it with its process group): every mode's Trainer."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     ceiling = pinned_ceiling_gbps(device)
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        groups = _one_rank_groups(device, tmp)
-        for label, mode in OFFLOAD_MODES.items():
-            rows[label] = _compare(config, [*overrides, *mode], device, steps, warmup, groups, ceiling)
-        if groups is not None:
-            groups.destroy()
-            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="spartron-offload-") as tmp:
+        for i, (label, mode) in enumerate(OFFLOAD_MODES.items()):
+            cfg = load_config(config, [*overrides, *mode, "offload.enabled=true"])
+            trainer = _trainer(cfg, tmp, f"offload{i}")
+            rows[label] = _compare(measure_off_and_on(trainer, steps, warmup), ceiling)
+            trainer.close()
+            del trainer
+            gc.collect()  # modules, regions and the offloader form cycles: free them before the next mode runs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return {"pinned_d2h_ceiling_gbps": ceiling, "modes": rows}
+
+
+def part_offload(config: Path, overrides: list[str], steps: int, warmup: int) -> dict:
+    (result,) = run_ranks(_offload_rank, 1, str(config), overrides, steps, warmup, cuda=torch.cuda.is_available())
+    return result
 
 
 # The offload comparisons: AC mode, and whether gradients are freed after each step (torch's default,
@@ -243,10 +204,8 @@ OFFLOAD_MODES: dict[str, list[str]] = {
 }
 
 
-def _compare(config, overrides, device, steps, warmup, groups, ceiling) -> dict:
+def _compare(measured: dict, ceiling: float | None) -> dict:
     """One mode with offload off and on."""
-    measured = measure_off_and_on(load_config(config, [*overrides, "offload.enabled=true"]), device, steps, warmup,
-                                  groups)
     off, on = measured["off"], measured["on"]
     row = {"off": off, "on": on, "step_time_ratio": on["step_ms"] / off["step_ms"]}
     if off["peak_allocated_bytes"] is not None:
@@ -278,49 +237,43 @@ def peak_phase(off: list[dict], on: list[dict]) -> dict:
 def _mb_worker(rank: int, world: int, config: str, overrides: list[str], steps: int, warmup: int,
                trace_dir: str | None) -> dict:
     """One rank of the micro-batch comparison (common.run_ranks starts the ranks and their group)."""
-    from spartron.parallel.dims import ParallelDims
-    from spartron.parallel.groups import ParallelGroups
-
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     # all_to_all unless --set model.moe.dispatcher=deepep (DeepEP built: benchmarks/build_deepep.sh)
     configs = {n: load_config(config, ["model.moe.dispatcher=all_to_all", *overrides, f"parallel.ep={world}",
                                        f"train.intra_layer_micro_batches={n}"]) for n in (1, 2)}
-    groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), device.type,
-                                  nccl=configs[1].parallel.nccl_settings())
     results = {}
-    for n, cfg in configs.items():
-        torch.manual_seed(0)
-        with device:
-            model = default_model_factory(cfg, groups)
-        tokens, labels = _batch(cfg, device, cfg.train.micro_batch_size, seed=rank)
-        times, host = [], []
-        for step in range(warmup + steps):
-            model.zero_grad(set_to_none=True)
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            model(tokens, labels)["loss"].backward()
-            issued = time.perf_counter()
-            _sync(device)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-                host.append(issued - start)
-        results[f"micro_batches_{n}"] = {"step_ms": 1e3 * statistics.median(times),
-                                         "host_issue_ms": 1e3 * statistics.median(host)}
-        trace = os.path.join(trace_dir, f"mb{n}_rank{rank}.json.gz") if trace_dir else None
-        gpu = profile_step(model, tokens, labels, device, rank == 0, trace) if cuda else None
-        if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
-            gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
-        results[f"micro_batches_{n}"]["gpu"] = gpu
-        model.close()  # collective: releases the EP group's communication buffers
-        del model
+    shared = [tempfile.mkdtemp(prefix="spartron-mb-") if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # one run directory for all ranks, as a job has
+    try:
+        for n, cfg in configs.items():
+            trainer = _trainer(cfg, shared[0], f"mb{n}")
+            times, host = [], []
+            for step in range(warmup + steps):
+                marks: dict[str, float] = {}
+                dist.barrier()
+                probe = StepProbe(on_phase=lambda name, marks=marks: marks.setdefault(name, time.perf_counter()))
+                record = trainer.step(probe)
+                if step >= warmup:
+                    times.append(record["step_time_s"])
+                    host.append(marks["optimizer"] - marks["forward"])
+            results[f"micro_batches_{n}"] = {"step_ms": 1e3 * statistics.median(times),
+                                             "host_issue_ms": 1e3 * statistics.median(host)}
+            trace = os.path.join(trace_dir, f"mb{n}_rank{rank}.json.gz") if trace_dir else None
+            gpu = profile_step(trainer, rank == 0, trace) if cuda else None
+            if gpu and "gpu_busy_ms" in gpu:  # idle against the unprofiled step (the profiler slows the host)
+                gpu["gpu_idle_ms"] = results[f"micro_batches_{n}"]["step_ms"] - gpu["gpu_busy_ms"]
+            results[f"micro_batches_{n}"]["gpu"] = gpu
+            trainer.close()  # collective: releases the EP group's communication buffers
+            del trainer
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shared[0], ignore_errors=True)
     results["dispatcher"] = configs[1].model.moe.dispatcher
     results["scope"] = configs[2].train.intra_layer_micro_batch_scope
     results["transport"] = configs[1].model.moe.all_to_all_transport
     results["copy_engine_sync"] = configs[1].model.moe.copy_engine_sync
     results["speedup_2_over_1"] = results["micro_batches_1"]["step_ms"] / results["micro_batches_2"]["step_ms"]
-    groups.destroy()
     return results
 
 
@@ -335,21 +288,18 @@ def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def profile_step(model, tokens, labels, device: torch.device, analyse: bool, trace: str | None = None) -> dict | None:
-    """One step under the CUDA profiler: GPU time split into compute kernels (incl. copies),
+def profile_step(trainer: Trainer, analyse: bool, trace: str | None = None) -> dict | None:
+    """One Trainer step under the CUDA profiler: GPU time split into compute kernels (incl. copies),
     communication kernels (`is_comm_kernel`), the part of that hidden under compute, and idle time
     (GPU waiting for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.zero_grad(set_to_none=True)
-    _sync(device)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        model(tokens, labels)["loss"].backward()
-        _sync(device)
+        trainer.step()  # synchronises the device before it returns
         wall_ns = (time.perf_counter() - start) * 1e9
-    ops = _device_time_by_op(model, tokens, labels, device, trace)  # a step with collectives: every rank runs it
+    ops = _device_time_by_op(trainer, trace)  # a step with collectives: every rank runs it
     if not analyse:
         return None
     try:
@@ -384,17 +334,14 @@ def profile_step(model, tokens, labels, device: torch.device, analyse: bool, tra
     return out
 
 
-def _device_time_by_op(model, tokens, labels, device: torch.device, trace: str | None = None) -> list[dict]:
+def _device_time_by_op(trainer: Trainer, trace: str | None = None) -> list[dict]:
     """Another step under the profiler with host ops recorded: device time per operator (its own
     kernels, not its children's), the largest first. Says which op issues the kernels that grow.
     `trace`: also write this step's Chrome trace there (host ops and kernels, for offline analysis)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.zero_grad(set_to_none=True)
-    _sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        model(tokens, labels)["loss"].backward()
-        _sync(device)
+        trainer.step()
     if trace:
         prof.export_chrome_trace(trace)
     rows = [{"name": e.key[:_NAME_CHARS], "count": int(e.count), "ms": e.self_device_time_total / 1e3}
@@ -588,7 +535,7 @@ def main() -> None:
                     "d2h_fraction_of_ceiling_min": 0.7, "micro_batch_speedup_min": 1.0},
     }
     if not args.skip_offload:
-        report["offload"] = part_offload(config, overrides, device, args.steps, args.warmup)
+        report["offload"] = part_offload(config, overrides, args.steps, args.warmup)
     if not args.skip_microbatch:
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
