@@ -39,23 +39,24 @@ from spartron.runtime.metrics import git_commit
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, elapsed_ms, run_ranks, write_report  # noqa: E402
 
-WORLD = 2
 TOLERANCE = 0.05
+HOST_TOLERANCE = 1.1
 TIMINGS = ("median_ms", "host_us_per_call", "latency_median_ms")
 
 
 def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int) -> dict:
+    world = dist.get_world_size()
     elem = torch.empty((), dtype=dtype).element_size()
-    cols = 1024 if nbytes >= 1024 * elem * WORLD else 1
-    rows = max(WORLD, nbytes // (elem * cols) // WORLD * WORLD)
+    cols = 1024 if nbytes >= 1024 * elem * world else 1
+    rows = max(world, nbytes // (elem * cols) // world * world)
     x = torch.randn(rows, cols, device=device).to(dtype)
-    splits = [rows // WORLD] * WORLD
+    splits = [rows // world] * world
     out = torch.empty_like(x)
     group = dist.group.WORLD
 
     xg = x.clone().requires_grad_()
     opts, group_name = dist.AllToAllOptions(), group.group_name
-    functional = torch.ops._c10d_functional
+    functional, functional_autograd = torch.ops._c10d_functional, torch.ops._c10d_functional_autograd
     variants = {
         "raw": lambda: dist.all_to_all_single(out, x, splits, splits, group=group),
         "raw_new_output": lambda: dist.all_to_all_single(torch.empty_like(x), x, splits, splits, group=group),
@@ -64,6 +65,9 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
         "c10d_entry_new_output": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits, opts).wait(),
         # torch's own functional (C++) all-to-all, the one torch.compile's collectives use
         "torch_functional": lambda: functional.wait_tensor(functional.all_to_all_single(x, splits, splits, group_name)),
+        # the same with autograd recording (its C++ autograd node): the floor for the training path
+        "torch_functional_requires_grad": lambda: functional.wait_tensor(
+            functional_autograd.all_to_all_single(xg, splits, splits, group_name)),
         "custom": lambda: C.all_to_all(x, splits, splits, group),
         "custom_requires_grad": lambda: C.all_to_all(xg, splits, splits, group),
     }
@@ -98,7 +102,7 @@ def _rank_rows(rank: int, world: int, args) -> list[dict]:
     rows = []
     for mb in args.sizes_mb:
         r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks)
-        gathered: list[dict] = [None] * WORLD  # type: ignore[list-item]
+        gathered: list[dict] = [None] * world  # type: ignore[list-item]
         dist.all_gather_object(gathered, r)
         worst = {key: {k: max(g[key][k] for g in gathered) for k in r[key]}
                  for key in TIMINGS}
@@ -107,10 +111,10 @@ def _rank_rows(rank: int, world: int, args) -> list[dict]:
 
 
 def run(args) -> dict:
-    if not args.smoke and torch.cuda.device_count() < WORLD:
-        raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); "
-                         "use --smoke for the CPU/gloo version")
-    rows = run_ranks(_rank_rows, WORLD, args, cuda=not args.smoke, tmp_dir=args.tmpdir)[0]  # same on every rank
+    if not args.smoke and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); "
+                         "use --world 1 (host cost on one GPU) or --smoke for the CPU/gloo version")
+    rows = run_ranks(_rank_rows, args.world, args, cuda=not args.smoke, tmp_dir=args.tmpdir)[0]  # same on every rank
     for row in rows:
         ms = row["median_ms"]
         row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
@@ -123,14 +127,21 @@ def run(args) -> dict:
         lat = row["latency_median_ms"]
         row["latency_custom_over_raw"] = lat["custom"] / lat["raw"]
         row["within_tolerance"] = row["custom_over_raw"] <= 1 + TOLERANCE
+        host = row["host_us_per_call"]  # the host-cost target: <= HOST_TOLERANCE x torch's functional op
+        row["host_custom_over_torch_functional"] = host["custom"] / host["torch_functional"]
+        row["host_custom_grad_over_torch_functional_grad"] = (host["custom_requires_grad"]
+                                                              / host["torch_functional_requires_grad"])
+        row["host_custom_grad_over_torch_functional"] = host["custom_requires_grad"] / host["torch_functional"]
+        row["host_within_tolerance"] = max(row["host_custom_over_torch_functional"],
+                                           row["host_custom_grad_over_torch_functional_grad"]) <= HOST_TOLERANCE
     return {
         "benchmark": "all_to_all: spartron_collectives op vs dist.all_to_all_single",
         "device": "cpu (gloo, smoke)" if args.smoke else device_name(cuda=True),
         "backend": "gloo" if args.smoke else "nccl",
-        "world_size": WORLD, "dtype": "float32" if args.smoke else "bfloat16",
-        "torch": torch.__version__, "commit": git_commit(), "smoke": args.smoke,
+        "world_size": args.world, "dtype": "float32" if args.smoke else "bfloat16",
+        "torch": torch.__version__, "commit": args.commit or git_commit(), "smoke": args.smoke,
         "iters_per_block": args.iters, "blocks": args.blocks, "warmup": args.warmup,
-        "tolerance": TOLERANCE,
+        "tolerance": TOLERANCE, "host_tolerance": HOST_TOLERANCE,
         "ceiling": "the raw dist.all_to_all_single call (the op adds no transport of its own)",
         "results": rows,
     }
@@ -145,6 +156,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=None, help="alternating raw/custom blocks")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--tmpdir", default="/tmp")
+    p.add_argument("--world", type=int, default=2, help="ranks (1: host cost on a 1-rank group, one GPU)")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git's; the device copy's lies)")
     args = p.parse_args()
     if args.sizes_mb is None:
         args.sizes_mb = [0.01, 0.1] if args.smoke else [1, 16, 256]
@@ -167,6 +180,10 @@ def main() -> None:
               f"{r['custom_over_raw_new_output']:7.3f} | {host['raw']:11.1f} {host['custom']:7.1f} "
               f"{host['custom_requires_grad']:7.1f} | {lat['raw']:11.3f} {lat['custom']:7.3f} | "
               f"{r['floor_over_raw']:9.3f} {r['torch_functional_over_raw']:12.3f} {r['custom_over_floor']:12.3f}{flag}")
+        print(f"    host us: torch_functional {host['torch_functional']:.1f}, +grad "
+              f"{host['torch_functional_requires_grad']:.1f}; custom/fn {r['host_custom_over_torch_functional']:.3f}, "
+              f"custom+grad/fn+grad {r['host_custom_grad_over_torch_functional_grad']:.3f} "
+              f"(<= {HOST_TOLERANCE}: {r['host_within_tolerance']})")
     write_report(args.out, report)
 
 

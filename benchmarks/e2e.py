@@ -110,6 +110,7 @@ def main() -> int:
     parser.add_argument("--model-factory", default=None,
                         help="module:callable building the model (default: spartron's reference model)")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's; a device copy's may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU for 3 steps")
     args = parser.parse_args()
     if args.smoke:
@@ -148,7 +149,7 @@ def main() -> int:
         "device": device_name(torch.cuda.is_available() and not args.smoke),
         "world_size": world,
         "torch": torch.__version__,
-        "git_commit": git_commit(),
+        "git_commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set,
         "steps": args.steps,

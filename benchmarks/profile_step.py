@@ -519,6 +519,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--trace-dir", type=Path, default=None, help="also keep each mode's chrome trace here")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's; a device copy's may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, 1 warmup + 1 timed step")
     args = parser.parse_args()
     if args.smoke:
@@ -558,7 +559,7 @@ def main() -> int:
         "benchmark": "profile_step",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         "torch": torch.__version__,
-        "git_commit": git_commit(),
+        "git_commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set,
         "warmup_steps": args.warmup,

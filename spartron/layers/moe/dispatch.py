@@ -88,6 +88,30 @@ def permute_rows(x: Tensor, order: Tensor) -> Tensor:
     return _PermuteRows.apply(x, order)
 
 
+class _GateWeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weights: Tensor, per_slot: Tensor) -> Tensor:
+        ctx.save_for_backward(weights, per_slot)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        weights, per_slot = ctx.saved_tensors
+        grad_weights = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1)
+        return grad_weights, weights.unsqueeze(-1) * grad.unsqueeze(1)
+
+
+def gate_weighted_sum(weights: Tensor, per_slot: Tensor) -> Tensor:
+    """`sum_k weights[t, k] * per_slot[t, k]`: weights [T, top_k], per_slot [T, top_k, dim] -> [T, dim].
+
+    Why not plain `torch.bmm(weights[:, None], per_slot)`: its autograd computes the weights'
+    gradient as a [T, 1, top_k] GEMM output whose rows are top_k elements wide; for top_k 6 (12
+    bytes) cuBLAS falls back to an sm80 `wmma ... align2` kernel (1.3 ms per MoE layer on the H200).
+    Here that gradient is `per_slot @ grad` ([T, top_k, 1]) and the per-slot gradient, a K = 1
+    product, an elementwise outer product: the same values (one fp32 product rounded once)."""
+    return _GateWeightedSum.apply(weights, per_slot)
+
+
 class LocalDispatcher:
     """No expert parallelism: all experts are local, dispatch and combine move nothing."""
 
@@ -129,7 +153,7 @@ class LocalDispatcher:
         """Expert outputs in slot order -> [tokens, dim] gate-weighted sums over the top-k."""
         tokens, top_k = state.topk_weights.shape
         per_slot = permute_rows(y, state.slot_inverse).view(tokens, top_k, y.shape[-1])
-        return torch.bmm(state.topk_weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)
+        return gate_weighted_sum(state.topk_weights.to(y.dtype), per_slot)
 
 
 class AllToAllDispatcher(LocalDispatcher):
@@ -295,8 +319,7 @@ class DeepEPDispatcher:
         """Expert rows -> gate-weighted sum per received token."""
         received, top_k = state.recv_topk_ids.shape
         slots = y.new_zeros(received * top_k, y.shape[-1]).index_copy_(0, state.recv_order, y)
-        gates = state.recv_topk_weights.to(y.dtype).unsqueeze(1)  # [R, 1, top_k]
-        return torch.bmm(gates, slots.view(received, top_k, -1)).squeeze(1)
+        return gate_weighted_sum(state.recv_topk_weights.to(y.dtype), slots.view(received, top_k, -1))
 
     def combine(self, y: Tensor, state: DeepEPDispatchState) -> Tensor:
         """Per-token partial results -> summed on the source rank."""
