@@ -36,9 +36,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -133,7 +133,8 @@ def config_cases() -> list[Case]:
     for key, template in strings.items():
         dotted = template.split("=", 1)[0]
         for cname, char in (("nl", "\n"), ("cr", "\r"), ("nul", "\0"), ("esc", "\x1b")):
-            add(f"{key}-{cname}", [template.format(v=tstr(f"/abs/a{char}b"))], [dotted], quick=(key, cname) == ("name", "nl"))
+            add(f"{key}-{cname}", [template.format(v=tstr(f"/abs/a{char}b"))], [dotted],
+                quick=(key, cname) == ("name", "nl"))
     add("ac_target-nl", ["ac.targets=[\"aten::mm\\n\"]"], ["ac.targets"])
     add("data_path-nul", ["train.data.kind=mmap", "train.data.path=\"/x\\u0000y\""], ["train.data.path"])
     # run names and dirs
@@ -158,24 +159,35 @@ def config_cases() -> list[Case]:
     for cid, item, key in [
         ("beta1-1", "train.beta1=1.0", "train.beta1"), ("beta2-neg", "train.beta2=-0.5", "train.beta2"),
         ("beta1-big", "train.beta1=1.5", "train.beta1"), ("norm_eps-neg", "model.norm_eps=-1e-6", "model.norm_eps"),
-        ("norm_eps-0", "model.norm_eps=0", "model.norm_eps"), ("init_std-neg", "model.init_std=-0.02", "model.init_std"),
+        ("norm_eps-0", "model.norm_eps=0", "model.norm_eps"),
+        ("init_std-neg", "model.init_std=-0.02", "model.init_std"),
         ("init_std-0", "model.init_std=0.0", "model.init_std"), ("lr-0", "train.lr=0", "train.lr"),
         ("lr-neg", "train.lr=-1e-3", "train.lr"), ("seed-neg", "train.seed=-1", "train.seed"),
         ("seed-huge", f"train.seed={2**64}", "train.seed"), ("steps-0", "train.steps=0", "train.steps"),
-        ("seq_len-1", "train.seq_len=1", "train.seq_len"), ("gbs-0", "train.global_batch_size=0", "train.global_batch_size"),
-        ("mbs-0", "train.micro_batch_size=0", "train.micro_batch_size"), ("timeout-0", "parallel.timeout_s=0", "parallel.timeout_s"),
+        ("seq_len-1", "train.seq_len=1", "train.seq_len"),
+        ("gbs-0", "train.global_batch_size=0", "train.global_batch_size"),
+        ("mbs-0", "train.micro_batch_size=0", "train.micro_batch_size"),
+        ("timeout-0", "parallel.timeout_s=0", "parallel.timeout_s"),
         ("cp-0", "parallel.cp=0", "parallel.cp"), ("ep-0", "parallel.ep=0", "parallel.ep"),
         ("fsdp-0", "parallel.fsdp=0", "parallel.fsdp"), ("fsdp--2", "parallel.fsdp=-2", "parallel.fsdp"),
         ("n_layers-0", "model.n_layers=0", "model.n_layers"), ("vocab-1", "model.vocab_size=1", "model.vocab_size"),
         ("dim-0", "model.dim=0", "model.dim"), ("min_lr-2", "train.min_lr_ratio=2", "train.min_lr_ratio"),
-        ("warmup-neg", "train.warmup_steps=-1", "train.warmup_steps"), ("save_every-neg", "train.save_every=-1", "train.save_every"),
-        ("topk-gt-experts", "model.moe.top_k=9", "model.moe.top_k"), ("groups-no-divide", "model.moe.n_groups=3", "model.moe.n_groups"),
-        ("topk_groups-gt", "model.moe.topk_groups=3", "model.moe.topk_groups"), ("rope-odd", "model.mla.qk_rope_head_dim=7", "model.mla.qk_rope_head_dim"),
-        ("first_k_dense-gt", "model.first_k_dense=5", "model.first_k_dense"), ("experts-ep", "parallel.ep=3", "parallel.ep"),
-        ("rope_theta-1", "model.mla.rope_theta=1.0", "model.mla.rope_theta"), ("yarn-0", "model.mla.yarn={factor = 0.0}", "model.mla.yarn.factor"),
-        ("nccl-ctas", "parallel.nccl.ep={min_ctas = 8, max_ctas = 2}", "min_ctas"), ("nproc-0", "launch.nproc=0", "launch.nproc"),
-        ("gpus-neg", "launch.gpus_per_node=-1", "launch.gpus_per_node"), ("deepep_sms-1", "model.moe.deepep_num_sms=1", "model.moe.deepep_num_sms"),
-        ("dsa_topk-0", "model.dsa.index_topk=0", "model.dsa.index_topk"), ("mtp-neg", "model.mtp.depth=-1", "model.mtp.depth"),
+        ("warmup-neg", "train.warmup_steps=-1", "train.warmup_steps"),
+        ("save_every-neg", "train.save_every=-1", "train.save_every"),
+        ("topk-gt-experts", "model.moe.top_k=9", "model.moe.top_k"),
+        ("groups-no-divide", "model.moe.n_groups=3", "model.moe.n_groups"),
+        ("topk_groups-gt", "model.moe.topk_groups=3", "model.moe.topk_groups"),
+        ("rope-odd", "model.mla.qk_rope_head_dim=7", "model.mla.qk_rope_head_dim"),
+        ("first_k_dense-gt", "model.first_k_dense=5", "model.first_k_dense"),
+        ("experts-ep", "parallel.ep=3", "parallel.ep"),
+        ("rope_theta-1", "model.mla.rope_theta=1.0", "model.mla.rope_theta"),
+        ("yarn-0", "model.mla.yarn={factor = 0.0}", "model.mla.yarn.factor"),
+        ("nccl-ctas", "parallel.nccl.ep={min_ctas = 8, max_ctas = 2}", "min_ctas"),
+        ("nproc-0", "launch.nproc=0", "launch.nproc"),
+        ("gpus-neg", "launch.gpus_per_node=-1", "launch.gpus_per_node"),
+        ("deepep_sms-1", "model.moe.deepep_num_sms=1", "model.moe.deepep_num_sms"),
+        ("dsa_topk-0", "model.dsa.index_topk=0", "model.dsa.index_topk"),
+        ("mtp-neg", "model.mtp.depth=-1", "model.mtp.depth"),
     ]:
         add(cid, [item], [key])
     # wrong types, unknown keys, bad literals
@@ -185,13 +197,17 @@ def config_cases() -> list[Case]:
         ("section-list", "model.moe=[1]", "model.moe"), ("bool-int", "train.compile=1", "train.compile"),
         ("int-float", "train.steps=1.5", "train.steps"), ("bool-str", "train.resume=yes", "train.resume"),
         ("unknown-top", "bogus=1", "bogus"), ("unknown-model", "model.bogus=1", "model.bogus"),
-        ("unknown-data", "train.data.bogus=1", "train.data.bogus"), ("misspelt", "train.learning_rate=1e-3", "train.learning_rate"),
+        ("unknown-data", "train.data.bogus=1", "train.data.bogus"),
+        ("misspelt", "train.learning_rate=1e-3", "train.learning_rate"),
         ("env-name", 'launch.env={"1A" = "x"}', "launch.env"), ("env-rank", 'launch.env={RANK = "0"}', "RANK"),
         ("env-slurm", 'launch.env={SLURM_PROCID = "0"}', "SLURM_PROCID"), ("device", "device=tpu", "device"),
         ("optimizer", "train.optimizer=sgd", "train.optimizer"), ("ac-mode", "ac.mode=partial", "ac.mode"),
-        ("dispatcher", "model.moe.dispatcher=magic", "model.moe.dispatcher"), ("dtype", "model.dtype=float16", "model.dtype"),
-        ("order", "parallel.order=tp-cp-ep-dp", "parallel.order"), ("backend", "parallel.backend=mpi", "parallel.backend"),
-        ("nccl-group", "parallel.nccl.bogus={max_ctas = 2}", "parallel.nccl"), ("nccl-gloo", "parallel.backend=gloo", "parallel.nccl"),
+        ("dispatcher", "model.moe.dispatcher=magic", "model.moe.dispatcher"),
+        ("dtype", "model.dtype=float16", "model.dtype"),
+        ("order", "parallel.order=tp-cp-ep-dp", "parallel.order"),
+        ("backend", "parallel.backend=mpi", "parallel.backend"),
+        ("nccl-group", "parallel.nccl.bogus={max_ctas = 2}", "parallel.nccl"),
+        ("nccl-gloo", "parallel.backend=gloo", "parallel.nccl"),
     ]:
         extra = ["parallel.nccl.ep={max_ctas = 2}"] if cid == "nccl-gloo" else []
         add(cid, [*extra, item], [key])
@@ -203,7 +219,8 @@ def config_cases() -> list[Case]:
         ("offload-window-off", ["offload.window=[0]"], "offload.window"),
         ("offload-keep_last-off", ["offload.keep_last=3"], "offload.keep_last"),
         ("offload-pool-0", ["offload.enabled=true", "offload.pool_max_bytes=0"], "offload.pool_max_bytes"),
-        ("offload-min-gt-pool", ["offload.enabled=true", "offload.min_bytes=10", "offload.pool_max_bytes=5"], "offload.min_bytes"),
+        ("offload-min-gt-pool", ["offload.enabled=true", "offload.min_bytes=10", "offload.pool_max_bytes=5"],
+         "offload.min_bytes"),
         ("offload-prefetch-0", ["offload.enabled=true", "offload.prefetch_depth=0"], "offload.prefetch_depth"),
         ("offload-no-ac", ["ac.mode=none", "offload.enabled=true"], "offload.enabled"),
         ("ac-freq-none", ["ac.mode=none", "ac.freq=2"], "ac.freq"),
@@ -214,7 +231,8 @@ def config_cases() -> list[Case]:
         ("ac-target-empty", ["ac.targets=[\"\"]"], "ac.targets"),
         ("ac-target-marker", ["ac.targets=[\"profiler\"]"], "ac.targets"),
         ("compile-ac", ["train.compile=true"], "train.compile"),
-        ("imb-divide", ["train.intra_layer_micro_batches=3", "train.micro_batch_size=4"], "train.intra_layer_micro_batches"),
+        ("imb-divide", ["train.intra_layer_micro_batches=3", "train.micro_batch_size=4"],
+         "train.intra_layer_micro_batches"),
         ("imb-tokens", ["train.intra_layer_micro_batches=100", "train.intra_layer_micro_batch_scope=experts",
                         "train.seq_len=64"], "train.intra_layer_micro_batches"),
         ("imb-batch-aux", ["train.intra_layer_micro_batches=2", "train.micro_batch_size=2",
@@ -245,7 +263,8 @@ def config_cases() -> list[Case]:
     for cid, item, key in [("no-equals", "nonsense", "nonsense"), ("empty-key", "=1", "=1"),
                            ("empty-part", "a..b=1", "a..b"), ("value-not-section", "train.steps.x=1", "train.steps"),
                            ("deep-value", "train.lr=" + "[" * 5000, "train.lr"),
-                           ("replace-table", "train={steps = 1}", "train"), ("replace-dsa", "model.dsa={}", "model.dsa")]:
+                           ("replace-table", "train={steps = 1}", "train"),
+                           ("replace-dsa", "model.dsa={}", "model.dsa")]:
         add(f"override-{cid}", [item], [key])
     return cases
 
@@ -312,7 +331,8 @@ def cli_cases() -> list[Case]:
         cid = f"sbatch{flag}-{value[:6]}".replace("$", "").replace("(", "").replace("`", "").replace(";", "")
         add(cid, ["sbatch", "{tiny}", "--dry-run", flag, value], [flag, flag[2:].replace("-", "_")])
     add("sbatch-dry-wait", ["sbatch", "{tiny}", "--dry-run", "--wait"], ["--wait"])
-    add("sbatch-batch", ["sbatch", "{tiny}", "--submit", "--nodes", "3"], ["train.global_batch_size"], forbid_submit=True)
+    add("sbatch-batch", ["sbatch", "{tiny}", "--submit", "--nodes", "3"], ["train.global_batch_size"],
+        forbid_submit=True)
     add("sbatch-deepep-cpu", ["sbatch", "{tiny}", "--submit", "--set", "model.moe.dispatcher=deepep"],
         ["model.moe.dispatcher"], forbid_submit=True)
     add("sbatch-offload-window", ["sbatch", "{tiny}", "--submit", "--set", "offload.enabled=true", "--set",
@@ -423,7 +443,8 @@ def launch_cases() -> list[Case]:
         ("world-0", {"RANK": "0", "WORLD_SIZE": "0", **master}, ("WORLD_SIZE", "world size")),
         ("rank-oob", {"RANK": "5", "WORLD_SIZE": "2", **master}, ("RANK", "rank 5")),
         ("no-master", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, ("MASTER_ADDR",)),
-        ("port-bad", {"RANK": "0", "WORLD_SIZE": "1", **master, "MASTER_PORT": "99999"}, ("MASTER_PORT", "master port")),
+        ("port-bad", {"RANK": "0", "WORLD_SIZE": "1", **master, "MASTER_PORT": "99999"},
+         ("MASTER_PORT", "master port")),
         ("slurm-partial", {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}, ("SLURM_",)),
         ("peer-missing", {"RANK": "0", "WORLD_SIZE": "2", **master}, ("rank", "MASTER", "join", "timed out")),
     ]:

@@ -423,7 +423,8 @@ def test_paths_too_long_for_the_os_are_one_line(tmp_path):
     assert _error("train.data.kind=mmap", f'train.data.path="{long}"') == (
         "invalid config: train.data.path: too long for a path: 300 bytes, longest component 300 (at most 255 per "
         "component and 4095 in all)")
-    assert _error(f'train.run_dir="/tmp/{"b/" * 2100}"').startswith("invalid config: train.run_dir: too long for a path")
+    too_long = _error(f'train.run_dir="/tmp/{"b/" * 2100}"')
+    assert too_long.startswith("invalid config: train.run_dir: too long for a path")
     with pytest.raises(ConfigError, match=r"^config file 'a{200}': File name too long$"):
         load_config("a" * 5000)
     with pytest.raises(ConfigError, match=r"train.data.path 'a{300}' cannot be read: File name too long"):
