@@ -21,6 +21,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
 from spartron.runtime.debug import DebugConfig
+from spartron.runtime.observe import ObserveConfig
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,22 @@ class TrainConfig(ConfigSection):
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU; None: measured by a matmul loop
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)
+    # Evaluation (spartron.runtime.evaluate): after every eval_every-th step (0: never) the validation loss
+    # over eval_steps batches of global_batch_size held-out sequences, the same ones each time.
+    eval_every: int = Field(0, ge=0)
+    eval_steps: int = Field(1, ge=1)
+    # A NEW run starts from these weights: "hf:DIR", a Hugging Face DeepSeek-V3 checkpoint whose config the
+    # run's [model] must compute (a resumed run loads its own saved step instead).
+    init_from: str | None = None
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not v.startswith("hf:") or not v[3:].strip():
+                raise ValueError(f"must be 'hf:DIR' (a Hugging Face checkpoint directory), got {v!r}")
+            check_path_length(v[3:])
+        return v
 
     def micro_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step on each of `dp` data-parallel ranks (THE batch rule)."""
@@ -289,6 +306,7 @@ class RunConfig(ConfigSection):
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)  # TensorBoard, W&B, progress, OOM snapshots
 
     def run_dir(self, workdir: Path | None = None) -> Path:
         """THE run directory: train.run_dir, else runs/<name>; a relative one under `workdir` when given."""
@@ -337,6 +355,9 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
         self._check_intra_layer_micro_batches()
+        if self.train.eval_every and self.train.data.kind == "mmap":
+            raise ValueError("train.eval_every needs a held-out split, and a train.data.kind = 'mmap' token file "
+                             "has none: evaluate on synthetic data, or set train.eval_every = 0")
         return self
 
     def _check_intra_layer_micro_batches(self) -> None:

@@ -64,11 +64,16 @@ def peak_memory(device: torch.device) -> tuple[int, int]:
 
 def expert_load_max_violation(tokens_per_expert: Tensor | None) -> float | None:
     """max over MoE layers of (busiest expert's tokens / mean tokens per expert - 1); 0 = balanced."""
+    per_layer = expert_load_per_layer(tokens_per_expert)
+    return None if per_layer is None else max(per_layer)
+
+
+def expert_load_per_layer(tokens_per_expert: Tensor | None) -> list[float] | None:
+    """Per MoE layer (model order, MTP last): busiest expert's tokens / mean tokens per expert - 1."""
     if tokens_per_expert is None or tokens_per_expert.numel() == 0:
         return None
     counts = tokens_per_expert.double().reshape(-1, tokens_per_expert.shape[-1])
-    mean = counts.mean(dim=-1).clamp_min(1e-12)
-    return float((counts.max(dim=-1).values / mean - 1).max())
+    return (counts.max(dim=-1).values / counts.mean(dim=-1).clamp_min(1e-12) - 1).tolist()
 
 
 # ---- run header --------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ def versions() -> dict[str, str]:
 
 
 # ---- the log -------------------------------------------------------------------------------------
-SUMMARY_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s",
+SUMMARY_KEYS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s",
                 "peak_memory_allocated_bytes", "expert_load_max_violation")
 
 
@@ -156,6 +161,8 @@ class MetricsLog:
             return
         self.records.append(record)
         info = f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s"
+        if record.get("val_loss") is not None:
+            info += f" val {record['val_loss']:.4f} (ppl {record['val_ppl']:.4g})"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], info=info)
         elif self._plain:

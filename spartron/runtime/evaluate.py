@@ -1,0 +1,88 @@
+"""Evaluation: the validation loss (and perplexity) of a model on the held-out split.
+
+`train.eval_every = N` evaluates after every N-th optimizer step (and `spartron eval` a saved step) on
+`train.eval_steps` batches of `train.global_batch_size` held-out sequences: the SAME sequences every
+time, so the values of one run are comparable step to step, and the same for every layout (each
+data-parallel rank reads its share, as in training). The value is the mean language-model loss
+(MTP, auxiliary and indexer losses are training objectives, not reported here); perplexity is its
+exponential.
+
+The held-out split: synthetic data draws its validation sequences from the same task at sample
+indices training never reaches (from 2**40 on); a token file has no held-out part yet, so
+`train.eval_every` with `train.data.kind = 'mmap'` is refused by the config.
+
+An evaluation leaves the run as it found it: no gradients, dropout off, the model's buffers (the
+routers' step counts that feed the expert-bias update) restored, the RNG streams untouched (a resumed
+run must replay the uninterrupted one exactly).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spartron.runtime.data import TokenLoader, build_loader
+
+HELDOUT_OFFSET = 2**40  # first synthetic sample index of the held-out split
+
+
+class _HeldOut:
+    """A sample source shifted to indices training never reads."""
+
+    def __init__(self, source, offset: int) -> None:  # noqa: ANN001
+        self.source, self.offset = source, offset
+
+    def sample(self, index: int) -> Tensor:
+        return self.source.sample(self.offset + index)
+
+
+def heldout_loader(cfg, dp_rank: int, dp_size: int) -> TokenLoader:  # noqa: ANN001 - a RunConfig
+    """The validation split of `cfg.train.data` for one data-parallel rank, at its start."""
+    t = cfg.train
+    train_loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, dp_rank, dp_size)
+    return TokenLoader(_HeldOut(train_loader.source, HELDOUT_OFFSET), dp_rank, dp_size)
+
+
+class Evaluator:
+    """Validation loss over a fixed held-out set; `run(model)` is a collective over `group` (dp x cp)."""
+
+    def __init__(self, cfg, dp_rank: int, dp_size: int, n_micro: int, group: dist.ProcessGroup,  # noqa: ANN001
+                 device: torch.device) -> None:
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.n_batches = cfg.train.eval_steps * n_micro  # micro-batches per rank per evaluation
+        self.group, self.device = group, device
+
+    def run(self, model: nn.Module) -> dict[str, Any]:
+        """{"val_loss", "val_ppl", "val_tokens", "eval_time_s"}: the same values on every rank."""
+        t = self.cfg.train
+        loader = heldout_loader(self.cfg, self.dp_rank, self.dp_size)
+        start = time.perf_counter()
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        was_training = model.training
+        cuda = [self.device] if self.device.type == "cuda" else []
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                model.eval()
+                for _ in range(self.n_batches):
+                    tokens, labels = loader.next_batch(t.micro_batch_size)
+                    out = model(tokens.to(self.device), labels.to(self.device))
+                    total += out["lm_loss"].detach().double()
+        finally:
+            model.train(was_training)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+        total /= self.n_batches
+        dist.all_reduce(total, group=self.group)  # gloo has no AVG: sum, then divide
+        loss = float(total) / dist.get_world_size(self.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
+                "val_tokens": t.eval_steps * t.global_batch_size * t.seq_len,
+                "eval_time_s": time.perf_counter() - start}

@@ -1,0 +1,74 @@
+"""Metric sinks besides metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only).
+
+One table (`SCALARS`) says which record field becomes which tag, so both sinks show the same names:
+train/* (losses, grad norm, lr), perf/* (tokens/s, MFU, step time), memory/* (GB), moe/* (expert load:
+the worst layer, and each MoE layer's busiest-expert excess `moe/layer_<i>/load_violation`), val/*
+(evaluation). The x axis is the optimizer step. A resumed run appends to the same folder; TensorBoard
+shows the re-run steps past the last save over the first run's values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+SCALARS: tuple[tuple[str, str, float], ...] = (
+    ("loss", "train/loss", 1.0), ("lm_loss", "train/lm_loss", 1.0), ("aux_loss", "train/aux_loss", 1.0),
+    ("indexer_loss", "train/indexer_loss", 1.0), ("grad_norm", "train/grad_norm", 1.0), ("lr", "train/lr", 1.0),
+    ("tokens", "train/tokens", 1.0), ("tokens_per_s", "perf/tokens_per_s", 1.0),
+    ("tokens_per_s_per_gpu", "perf/tokens_per_s_per_gpu", 1.0), ("mfu", "perf/mfu", 1.0),
+    ("step_time_s", "perf/step_time_s", 1.0), ("peak_memory_allocated_bytes", "memory/peak_allocated_gb", 1 / GB),
+    ("peak_memory_reserved_bytes", "memory/peak_reserved_gb", 1 / GB),
+    ("expert_load_max_violation", "moe/load_max_violation", 1.0), ("val_loss", "val/loss", 1.0),
+    ("val_ppl", "val/perplexity", 1.0),
+)
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """Tag -> value of one step record (fields that are None or absent are left out)."""
+    out = {tag: float(record[key]) * scale for key, tag, scale in SCALARS if record.get(key) is not None}
+    for depth, value in enumerate(record.get("mtp_losses") or []):
+        out[f"train/mtp_loss_{depth + 1}"] = float(value)
+    for layer, value in enumerate(record.get("expert_load_per_layer") or []):
+        out[f"moe/layer_{layer}/load_violation"] = float(value)
+    return out
+
+
+class MetricSinks:
+    """The configured sinks of `[observe]`; `write(record)` logs one step record to each."""
+
+    def __init__(self, cfg, run_dir: Path, config: dict) -> None:  # noqa: ANN001 - an ObserveConfig
+        self.tb = self.wandb_run = None
+        self.tb_dir = run_dir / "tensorboard"
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+        if cfg.wandb_project is not None:
+            import wandb
+
+            self.wandb_run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, mode=cfg.wandb_mode,
+                                        dir=str(run_dir), name=run_dir.name, config=config, resume="allow")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("type") != "step":
+            return
+        values, step = scalars(record), record["step"]
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+            layers = record.get("expert_load_per_layer")
+            if layers:
+                import numpy as np
+
+                self.tb.add_histogram("moe/load_violation_over_layers", np.asarray(layers, dtype=np.float64), step)
+            self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
