@@ -147,7 +147,13 @@ class ModelConfig(ConfigSection):
     dsa: DSAConfig | None = None
     mtp: MTPConfig = Field(default_factory=MTPConfig)
 
+    # Precision (spartron.layers.parallelize applies it): `dtype` is the COMPUTE dtype, what forward and
+    # backward run in and what FSDP all-gathers; `master_dtype` is the dtype of the sharded parameters the
+    # optimizer updates, of their gradients and of the optimizer state (None: `dtype`, the bf16-only mode);
+    # `reduce_dtype` is the dtype gradients are reduce-scattered in.
     @model_validator(mode="after")
+    master_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     def _check(self) -> ModelConfig:
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"model.first_k_dense {self.first_k_dense} must be <= model.n_layers {self.n_layers}")
@@ -164,8 +170,27 @@ def dsa_layers(cfg: ModelConfig) -> list[int]:
     layers = cfg.dsa.layers
     if layers == "all":
         return list(range(cfg.n_layers))
+        self._check_precision()
     if layers == "moe":
         return list(range(cfg.first_k_dense, cfg.n_layers))
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype parameters are stored and updated in: master_dtype, else dtype."""
+        return self.master_dtype or self.dtype
+
+    def _check_precision(self) -> None:
+        if self.master_dtype == self.dtype:
+            raise ValueError(f"model.master_dtype = {self.master_dtype!r} equals model.dtype: leave it unset "
+                             "(parameters are then stored in model.dtype)")
+        if self.master_dtype == "bfloat16":
+            raise ValueError("model.master_dtype = 'bfloat16' with model.dtype = 'float32' keeps masters less "
+                             "precise than the compute: set model.dtype = 'bfloat16' and leave model.master_dtype "
+                             "unset (bf16-only), or model.master_dtype = 'float32' with model.dtype = 'bfloat16'")
+        if self.reduce_dtype == "bfloat16" and self.stored_dtype == "float32":
+            raise ValueError("model.reduce_dtype = 'bfloat16' with float32 gradients (model.master_dtype or "
+                             "model.dtype 'float32') rounds every gradient to bf16 before an fp32 update: "
+                             "use model.reduce_dtype = 'float32'")
+
     return sorted(layers)
 
 

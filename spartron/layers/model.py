@@ -10,6 +10,7 @@ the RNG state or the layout (spartron.layers.init): every EP/CP/FSDP layout buil
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -150,23 +151,29 @@ class SparseMoEModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTransport | None = None,
-                micro_batches: int = 1, micro_batch_scope: Literal["layer", "experts"] = "layer") -> SparseMoEModel:
+                micro_batches: int = 1, micro_batch_scope: Literal["layer", "experts"] = "layer",
+                device: torch.device | str | None = None) -> SparseMoEModel:
     """Build the reference model on the explicit groups (None: single rank), initialised from `seed`
     (the trainer passes train.seed) by the layout-invariant rule of spartron.layers.init; `transport`:
     the EP group's buffers (None: the model makes its own); intra-layer micro-batches as SparseMoEModel.
 
-    `model.dtype` is the parameter dtype (the presets train bf16 parameters with AdamW, as in
-    ARCHITECTURE.md): parameters are initialised in float32 and cast once; buffers such as the
-    router's fp32 expert bias keep their own dtype.
+    `device` "meta": parameters without storage or values, to be parallelised there and given their
+    shards by `spartron.layers.init.materialize_(model, device, seed, cfg.init_std)` (what the trainer
+    does); None: the current default device, initialised here.
+
+    Parameters are stored in `cfg.stored_dtype` (model.master_dtype, else model.dtype): initialised in
+    float32 and cast once; `spartron.layers.parallelize` makes the compute run in model.dtype. Buffers
+    such as the router's fp32 expert bias keep their own dtype.
     """
-    master = cfg.model_copy(update={"dtype": "float32"})
+    master = cfg.model_copy(update={"dtype": "float32", "master_dtype": None})
     kw = {"seed": seed, "transport": transport, "micro_batches": micro_batches, "micro_batch_scope": micro_batch_scope}
-    if groups is None:
-        model = SparseMoEModel(master, **kw)
-    else:
-        model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        if groups is None:
+            model = SparseMoEModel(master, **kw)
+        else:
+            model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
     model.cfg = cfg
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, cfg.stored_dtype)
     if dtype != torch.float32:
         for p in model.parameters():
             p.data = p.data.to(dtype)

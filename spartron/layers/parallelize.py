@@ -5,10 +5,11 @@ Order matters and is fixed here, in one place:
 2. optional torch.compile per block, only without checkpoint regions (the config rejects compile
    with ac.mode != 'none': the operator policy is a TorchDispatchMode that dynamo cannot trace, so
    regions stay eager, as seed 000 keeps dense checkpoint boundaries outside compiled graphs);
-3. FSDP2: the routed experts of each block on the expert mesh (with the gradient divided by the
-   full data x context world, since every rank's tokens reach an expert through all-to-all), then
-   the block on the dense mesh — its hooks run OUTSIDE the region, so a replay never re-runs a block's
-   all-gather — then the root (embeddings, final norm, head);
+3. FSDP2 with the precision policy (compute and reduction dtypes): the routed experts of each
+   block on the expert mesh (with the gradient divided by the full data x context world, since
+   every rank's tokens reach an expert through all-to-all), then the block on the dense mesh — its
+   hooks run OUTSIDE the region, so a replay never re-runs a block's all-gather — then the root
+   (embeddings, final norm, head);
 4. explicit backward prefetch: the root prefetches the last block and its experts before backward
    replay starts, then each block prefetches the block before it.
 
@@ -65,11 +66,14 @@ def apply_ac(model: ParallelizableModel, ac: ACConfig) -> list[str]:
                               non_reentrant=[b.module for b in blocks if b.reused])
 
 
-def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups) -> None:
-    """FSDP2 over the dense and expert meshes; gradients are reduced in float32 whatever the param dtype."""
+def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 over the dense and expert meshes. `param_dtype`: the dtype parameters are all-gathered and
+    computed in (None: their stored dtype); gradients are reduce-scattered in `reduce_dtype` and kept
+    in the stored dtype (fp32 masters get fp32 gradients)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     grad_world = groups.size("dp_cp")
     sum_only = dist.get_backend(groups.world) == "gloo"
     for block in blocks:
@@ -96,9 +100,13 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups) ->
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
-                compile_backend: str | None = None) -> nn.Module:
-    """Apply AC, compile (when `compile_backend` is given: train.compile) and FSDP2 (when `groups`
-    span more than one rank) to a ParallelizableModel; returns the same model."""
+                compile_backend: str | None = None, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Apply AC, compile (when `compile_backend` is given: train.compile) and FSDP2 to a
+    ParallelizableModel; returns the same model. FSDP2 runs when `groups` span more than one rank, or
+    when `param_dtype` (the compute dtype, model.dtype under model.master_dtype) is given: the cast of
+    the sharded masters to it is FSDP's, so it applies on one rank too. Works on a model built on the
+    meta device (spartron.layers.init.materialize_ gives it storage afterwards)."""
     if not isinstance(model, ParallelizableModel):
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
                         f"{type(model).__name__} has none")
@@ -109,6 +117,9 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
             # In place: parameter names and state_dict keys stay the same. Not fullgraph: the MoE
             # dispatcher's host-side split sizes break the graph by design (layers/moe/dispatch.py says why).
             block.module.compile(fullgraph=False, backend=compile_backend)
-    if groups is not None and groups.size("world") > 1:
-        apply_fsdp(model, blocks, groups)
+    if param_dtype is not None and groups is None:
+        raise ValueError("parallelize: a compute dtype (param_dtype) needs FSDP2, so it needs the groups "
+                         "(ParallelGroups of the world, one rank included)")
+    if groups is not None and (groups.size("world") > 1 or param_dtype is not None):
+        apply_fsdp(model, blocks, groups, param_dtype, reduce_dtype)
     return model

@@ -113,14 +113,21 @@ class TrainResult:
 
 
 def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
-    """The reference model of spartron.layers.model, parallelised (AC, compile, FSDP2) for the groups."""
+    """The reference model of spartron.layers.model, built on the meta device, parallelised there (AC,
+    compile, FSDP2 with model.dtype as compute dtype over model.master_dtype masters, gradients reduced
+    in model.reduce_dtype) and materialised shard by shard on the current default device: no rank
+    holds more than its shards and one parameter's temporary."""
+    from spartron.layers.init import materialize_
     from spartron.layers.model import build_model
     from spartron.layers.parallelize import parallelize
 
-    t = cfg.train
-    model = build_model(cfg.model, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,
-                        micro_batch_scope=t.intra_layer_micro_batch_scope)
-    return parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None)
+    t, m = cfg.train, cfg.model
+    model = build_model(m, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,
+                        micro_batch_scope=t.intra_layer_micro_batch_scope, device="meta")
+    model = parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None,
+                        param_dtype=getattr(torch, m.dtype) if m.master_dtype else None,
+                        reduce_dtype=getattr(torch, m.reduce_dtype))
+    return materialize_(model, torch.get_default_device(), t.seed, m.init_std)
 
 
 def resolve_device(cfg: RunConfig) -> torch.device:

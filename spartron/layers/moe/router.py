@@ -64,8 +64,12 @@ class Router(nn.Module):
 
     def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
         init_parameters_(self, seed, self.init_std, prefix)
-        with torch.no_grad():
-            self.expert_bias.zero_()
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The expert bias starts at zero (also after materialising from the meta device)."""
+        self.expert_bias.zero_()
 
     def forward(self, x: Tensor) -> Routing:
         """Route x [batch, seq, dim]; tokens are flattened batch-major."""
