@@ -24,13 +24,14 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import gather_sequence
+from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
 from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
 
 DSARole = str | None  # None (dense attention), "source" (computes ids), "consumer" (reuses ids)
 
-# Bytes of [chunk, index_heads, S_kv] score temporaries in the no-grad (frozen) path.
-_INDEX_CHUNK_BUDGET_BYTES = 1 << 29
+__all__ = ["DSARole", "LightningIndexer", "causal_visible", "dsa_schedule", "ids_for_layer", "index_scores",
+           "indexer_kl_loss", "main_attention_target", "topk_ids", "trained_indexer_ids_and_loss", "validate_dsa"]
 
 
 def validate_dsa(cfg: ModelConfig) -> None:
@@ -70,26 +71,6 @@ def ids_for_layer(role: DSARole, latest_ids: Tensor | None) -> Tensor | None:
     return latest_ids
 
 
-def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t)."""
-    return k_positions[None, :] <= q_positions[:, None]
-
-
-def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tensor:
-    """I [B,S_q,S_kv] (>= float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.einsum("bthd,bsd->bths", q.to(acc), k.to(acc)).relu()
-    scores = torch.einsum("bths,bth->bts", logits, weights.to(acc))
-    return scores.masked_fill(~visible, float("-inf"))
-
-
-def topk_ids(scores: Tensor, topk: int) -> Tensor:
-    """int32 ids [B, S_q, min(topk, S_kv)] of the highest scores; -1 where the pick is a masked key."""
-    k = min(topk, scores.shape[-1])
-    values, ids = scores.topk(k, dim=-1)
-    return torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
-
-
 class LightningIndexer(nn.Module):
     """Projections of the lightning indexer; returns index queries, head weights and gathered keys."""
 
@@ -101,6 +82,7 @@ class LightningIndexer(nn.Module):
         self.head_dim = dsa.index_head_dim
         self.rope_dim = cfg.mla.qk_rope_head_dim
         self.topk = dsa.index_topk
+        self.fp8 = dsa.indexer_fp8  # the frozen selection's dot in float8 e4m3 (model.dsa.indexer_fp8)
         self.cp_group = cp_group
         q_in = cfg.mla.q_lora_rank or cfg.dim
         self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
@@ -123,17 +105,10 @@ class LightningIndexer(nn.Module):
 
     def select_frozen(self, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor, q_positions: Tensor,
                       k_positions: Tensor) -> Tensor:
-        """Top-k ids under no_grad, chunked over queries so [chunk, H, S_kv] stays bounded."""
+        """Top-k ids under no_grad through `spartron::indexer_topk` (the Triton kernel on CUDA)."""
         with torch.no_grad():
             q, weights, k = self(x, q_in, cos, sin)
-            s_q, s_kv = q.shape[1], k.shape[1]
-            chunk = max(1, _INDEX_CHUNK_BUDGET_BYTES // (4 * q.shape[0] * self.n_heads * s_kv))
-            parts = []
-            for c0 in range(0, s_q, chunk):
-                c1 = min(c0 + chunk, s_q)
-                visible = causal_visible(q_positions[c0:c1], k_positions)
-                parts.append(topk_ids(index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible), self.topk))
-            return torch.cat(parts, dim=1)
+            return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8)
 
 
 def _kl(target: Tensor, log_pred: Tensor) -> Tensor:

@@ -155,7 +155,8 @@ class MLA(nn.Module):
                 ids, loss = trained_indexer_ids_and_loss(
                     self.indexer, x, q_in, cos, sin, causal_visible(positions, k_positions), q_abs, kv,
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
-        out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank)
+        out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
+                                   deterministic=self.cfg.dsa.deterministic_dkv)
         out = torch.einsum("bshc,hvc->bshv", out_latent, w_uv)
         return AttentionOutput(hidden_states=self.wo(out.reshape(b, s, h * self.v_dim)), dsa_topk_ids=ids,
                                indexer_loss=loss)

@@ -20,7 +20,9 @@ torch.compile all see these two boundaries.
 
 On CUDA both ops run the Triton kernels of sparse_mla_triton.py (registered below as the ops' CUDA
 kernels); a CUDA input they cannot take (head dim other than 576, d_v other than 512, float32) is an
-error naming the limit. The PyTorch code here is the CPU path and the oracle the kernels are tested
+error naming the limit. `deterministic` (model.dsa.deterministic_dkv) makes the CUDA backward add
+key gradients in int64 fixed point (bitwise reproducible); the CPU reference is sequential and
+deterministic either way. The PyTorch code here is the CPU path and the oracle the kernels are tested
 against (`reference_forward` / `reference_backward`, callable on any device).
 """
 
@@ -85,19 +87,20 @@ def reference_forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: fl
 
 @torch.library.custom_op("spartron::sparse_mla", mutates_args=())
 def _sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
+                chunk_size: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """`deterministic` only rides along to the backward (the forward has no cross-query sums)."""
     return reference_forward(q, kv, topk_ids, softmax_scale, d_v, chunk_size)
 
 
 @_sparse_mla.register_kernel("cuda")
-def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size):
+def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size, deterministic):
     from spartron.layers.attention import sparse_mla_triton  # the kernels import triton only when used
 
     return sparse_mla_triton.forward(q, kv, topk_ids, softmax_scale, d_v)
 
 
 @_sparse_mla.register_fake
-def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size):
+def _(q, kv, topk_ids, softmax_scale, d_v, chunk_size, deterministic):
     b, s_q, h, _ = q.shape
     return q.new_empty(b, s_q, h, d_v), q.new_empty(b, s_q, h, dtype=_acc_dtype(q.dtype))
 
@@ -130,28 +133,29 @@ def reference_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor
 @torch.library.custom_op("spartron::sparse_mla_backward", mutates_args=())
 def _sparse_mla_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor,
                          out: Tensor, lse: Tensor, softmax_scale: float, d_v: int,
-                         chunk_size: int) -> tuple[Tensor, Tensor]:
+                         chunk_size: int, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """`out` is unused here; the CUDA kernel takes Delta = rowsum(dO * out) from it."""
     return reference_backward(grad_out, grad_lse, q, kv, topk_ids, lse, softmax_scale, d_v, chunk_size)
 
 
 @_sparse_mla_backward.register_kernel("cuda")
-def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size):
+def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size, deterministic=False):
     from spartron.layers.attention import sparse_mla_triton
 
-    return sparse_mla_triton.backward(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v)
+    return sparse_mla_triton.backward(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v,
+                                      deterministic=deterministic)
 
 
 @_sparse_mla_backward.register_fake
-def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size):
+def _(grad_out, grad_lse, q, kv, topk_ids, out, lse, softmax_scale, d_v, chunk_size, deterministic=False):
     return torch.empty_like(q), torch.empty_like(kv)
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, topk_ids, softmax_scale, d_v, chunk_size = inputs
+    q, kv, topk_ids, softmax_scale, d_v, chunk_size, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, kv, topk_ids, out, lse)
-    ctx.args = (softmax_scale, d_v, chunk_size)
+    ctx.args = (softmax_scale, d_v, chunk_size, deterministic)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -162,17 +166,18 @@ def _backward(ctx, grad_out, grad_lse):
         grad_lse = torch.zeros_like(lse)
     grad_q, grad_kv = _sparse_mla_backward(grad_out.contiguous(), grad_lse.contiguous(), q, kv, topk_ids, out,
                                            lse, *ctx.args)
-    return grad_q, grad_kv, None, None, None, None
+    return grad_q, grad_kv, None, None, None, None, None
 
 
 _sparse_mla.register_autograd(_backward, setup_context=_setup_context)
 
 
 def sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
-               chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+               chunk_size: int | None = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Sparse absorbed-MLA attention; returns (out [B,S_q,H,d_v], lse [B,S_q,H]).
 
-    `chunk_size` (queries per chunk of the reference implementation) changes memory, not results.
+    `chunk_size` (queries per chunk of the reference implementation) changes memory, not results;
+    `deterministic` makes the CUDA backward's dkv bitwise reproducible (module docstring).
     """
     if q.dim() != 4 or kv.dim() != 3 or topk_ids.dim() != 3:
         raise ValueError(f"sparse_mla expects q [B,S_q,H,D], kv [B,S_kv,D], topk_ids [B,S_q,K]; got "
@@ -194,4 +199,4 @@ def sparse_mla(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_
     if chunk_size < 1:
         raise ValueError(f"sparse_mla: chunk_size must be >= 1, got {chunk_size}")
     return _sparse_mla(q.contiguous(), kv.contiguous(), topk_ids.contiguous(), float(softmax_scale),
-                       int(d_v), int(chunk_size))
+                       int(d_v), int(chunk_size), bool(deterministic))

@@ -23,6 +23,9 @@ from spartron.optional import require
 LATENT_DIM = 512
 ROPE_DIM = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# Deterministic dkv: int64 fixed point with this many fraction bits. Resolution 2^-40 (9.1e-13) per
+# added term; every partial sum of a dkv entry must stay below 2^23 (8.4e6) in magnitude, or it wraps.
+DKV_FIXED_POINT_BITS = 40
 
 
 @dataclass(frozen=True)
@@ -92,15 +95,16 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids: Tensor, out: Tensor,
-             lse: Tensor, softmax_scale: float, d_v: int,
-             cfg: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
-    """(dq like q, dkv like kv); dkv is accumulated in float32 with atomics, then cast."""
+             lse: Tensor, softmax_scale: float, d_v: int, cfg: KernelConfig | None = None,
+             deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """(dq like q, dkv like kv); dkv is accumulated in float32 with atomics, then cast, or with
+    `deterministic` in int64 fixed point (DKV_FIXED_POINT_BITS), bitwise the same on every run."""
     check_supported(q, kv, d_v)
     b, s_q, h, d = q.shape
     s_kv = kv.shape[1]
     cfg = cfg or backward_config(h)
     grad_q = torch.empty_like(q)
-    grad_kv = torch.zeros(b, s_kv, d, dtype=torch.float32, device=kv.device)
+    grad_kv = torch.zeros(b, s_kv, d, dtype=torch.int64 if deterministic else torch.float32, device=kv.device)
     if q.numel() == 0:
         return grad_q, grad_kv.to(kv.dtype)
     delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
@@ -108,6 +112,9 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
         topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
-        DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), num_warps=cfg.num_warps,
+        DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
+        FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
+    if deterministic:
+        return grad_q, (grad_kv.double() * 2.0**-DKV_FIXED_POINT_BITS).to(kv.dtype)
     return grad_q, grad_kv.to(kv.dtype)

@@ -7,7 +7,8 @@ scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returne
 
 Backward recomputes P from the saved lse, takes Delta = rowsum(dO * O) - dlse from the caller, keeps
 dq in registers for the whole walk, and adds each block's dkv rows into a float32 buffer with relaxed
-atomics (order-dependent rounding: not bitwise deterministic). The latent is handled as four column
+atomics (order-dependent rounding: not bitwise deterministic), or, with FIXED > 0 (the deterministic
+mode, FIXED = 2^fraction bits), into an int64 fixed-point buffer. The latent is handled as four column
 chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once; the
 dkv chunks are computed transposed (q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and
 sit in shared memory once (the untransposed form made Triton keep a second copy: 312 KiB at 64 heads).
@@ -88,11 +89,23 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
 
 
 @triton.jit
-def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c):
+def _atomic_add_dkv(ptrs, part, mask, FIXED: tl.constexpr):
+    """Add an fp32 tile into dkv: float atomics, or (FIXED > 0) int64 fixed point in units of 1 / FIXED,
+    rounded to nearest; integer addition is associative, so that sum is bitwise reproducible."""
+    if FIXED > 0:
+        scaled = part * FIXED
+        fixed = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int64)
+        tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr):
     """dkv[rows, cols] += (q_c^T dS + dO_c^T P)^T (dS already carries the softmax scale)."""
     part = tl.dot(tl.trans(q_c), ds)
     part = tl.dot(tl.trans(do_c), p, part)
-    tl.atomic_add(tl.trans(dkv_rows) + cols[:, None], part, mask=valid[None, :], sem="relaxed")
+    _atomic_add_dkv(tl.trans(dkv_rows) + cols[:, None], part, valid[None, :], FIXED)
 
 
 @triton.jit
@@ -127,26 +140,26 @@ def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid
 
 @triton.jit
 def _bwd_apply(pb, ds, k0, k1, k2, k3, kr, dq0, dq1, dq2, dq3, dqr, drows, valid, q0, q1, q2, q3, qr, do0,
-               do1, do2, do3, dc, dr, DC: tl.constexpr):
+               do1, do2, do3, dc, dr, DC: tl.constexpr, FIXED: tl.constexpr):
     """dq += dS K; dkv[rows] += P^T dO + dS^T q (atomics). Returns the dq accumulators."""
     dq0 = tl.dot(ds, k0, dq0)
     dq1 = tl.dot(ds, k1, dq1)
     dq2 = tl.dot(ds, k2, dq2)
     dq3 = tl.dot(ds, k3, dq3)
     dqr = tl.dot(ds, kr, dqr)
-    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0)
-    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1)
-    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2)
-    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3)
+    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED)
+    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED)
+    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED)
+    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED)
     part = tl.dot(tl.trans(qr), ds)
-    tl.atomic_add(tl.trans(drows) + 4 * DC + dr[:, None], part, mask=valid[None, :], sem="relaxed")
+    _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED)
     return dq0, dq1, dq2, dq3, dqr
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
                           n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr):
+                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr):
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     pid = tl.program_id(0)
@@ -189,7 +202,7 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
                             scale, scale_log2)
         dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
                                              dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
-                                             do2, do3, dc, dr, DC)
+                                             do2, do3, dc, dr, DC, FIXED)
 
     dq_rows = dq_ptr + hrow[:, None] * D
     ty = dq_ptr.dtype.element_ty

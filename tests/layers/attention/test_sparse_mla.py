@@ -86,7 +86,8 @@ def test_opcheck_fake_and_autograd_registration():
     q, kv, ids = _case(b=2, s_q=4, s_kv=4, h=2, d=3, k=2)
     q.requires_grad_()
     kv.requires_grad_()
-    torch.library.opcheck(torch.ops.spartron.sparse_mla.default, (q, kv, ids, 0.7, 2, 2))
+    for deterministic in (False, True):
+        torch.library.opcheck(torch.ops.spartron.sparse_mla.default, (q, kv, ids, 0.7, 2, 2, deterministic))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,0 +1,99 @@
+"""`spartron::indexer_topk`: lightning-indexer scores and their causal top-k as one op (no gradient).
+
+  q [B, S_q, H, d] index queries, weights [B, S_q, H] head weights, k [B, S_kv, d] (one key head);
+  q_positions [S_q] / k_positions [S_kv] int64 global positions (key s is visible to query t iff
+  k_positions[s] <= q_positions[t]; under CP the queries are local and the keys all-gathered);
+  returns int32 ids [B, S_q, min(topk, S_kv)] of the highest I[t,s] = sum_h w[t,h] ReLU(q[t,h] . k[s])
+  over visible keys, in descending score order, -1 where a query sees fewer keys than the slots.
+`fp8`: q and k are quantised to float8 e4m3 (one scale per (query, head) row and per key row,
+amax / 448) before the dot, as Hopper's fp8 MMA would take them; both paths quantise the same way.
+
+The PyTorch reference (`reference_indexer_topk`, chunked over queries so [chunk, H, S_kv] stays
+bounded) is the CPU path and the test oracle; on CUDA the Triton kernel of indexer_triton.py scores
+tiles without the per-head logits and torch.topk selects per query chunk. The trained-indexer (KL)
+path needs differentiable scores and keeps `index_scores`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spartron.layers.attention.indexer_fp8 import fp8_operands
+
+# Bytes of [chunk, H, S_kv] score temporaries of the reference path.
+_REFERENCE_CHUNK_BYTES = 1 << 29
+
+
+def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t)."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tensor:
+    """I [B,S_q,S_kv] (>= float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.einsum("bthd,bsd->bths", q.to(acc), k.to(acc)).relu()
+    scores = torch.einsum("bths,bth->bts", logits, weights.to(acc))
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def topk_ids(scores: Tensor, topk: int) -> Tensor:
+    """int32 ids [B, S_q, min(topk, S_kv)] of the highest scores; -1 where the pick is a masked key."""
+    k = min(topk, scores.shape[-1])
+    values, ids = scores.topk(k, dim=-1)
+    return torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
+
+
+def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor,
+                           topk: int, fp8: bool = False) -> Tensor:
+    """The PyTorch path: chunked `index_scores` + `topk_ids` (float32 or wider accumulation)."""
+    k_scale = None
+    if fp8:
+        q8, weights, k8, k_scale = fp8_operands(q, weights, k)
+        q, k = q8.float(), k8.float()
+    s_q, s_kv = q.shape[1], k.shape[1]
+    chunk = max(1, _REFERENCE_CHUNK_BYTES // (4 * q.shape[0] * q.shape[2] * max(s_kv, 1)))
+    parts = []
+    for c0 in range(0, s_q, chunk):
+        c1 = min(c0 + chunk, s_q)
+        visible = causal_visible(q_positions[c0:c1], k_positions)
+        scores = index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible)
+        if k_scale is not None:
+            scores = scores * k_scale[:, None, :]
+        parts.append(topk_ids(scores, topk))
+    return torch.cat(parts, dim=1)
+
+
+@torch.library.custom_op("spartron::indexer_topk", mutates_args=())
+def _indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
+                  fp8: bool) -> Tensor:
+    return reference_indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8)
+
+
+@_indexer_topk.register_kernel("cuda")
+def _(q, weights, k, q_positions, k_positions, topk, fp8):
+    from spartron.layers.attention import indexer_triton  # the kernel imports triton only when used
+
+    return indexer_triton.indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8)
+
+
+@_indexer_topk.register_fake
+def _(q, weights, k, q_positions, k_positions, topk, fp8):
+    return q.new_empty(q.shape[0], q.shape[1], min(topk, k.shape[1]), dtype=torch.int32)
+
+
+def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
+                 fp8: bool = False) -> Tensor:
+    """Top-k key ids per query of the lightning indexer (see the module docstring); no gradient."""
+    if q.dim() != 4 or weights.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] \
+            or k.shape[2] != q.shape[3]:
+        raise ValueError(f"indexer_topk expects q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]; got "
+                         f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(k.shape)}")
+    if q_positions.shape != (q.shape[1],) or k_positions.shape != (k.shape[1],):
+        raise ValueError(f"indexer_topk: positions must be [S_q] and [S_kv] = [{q.shape[1]}] and [{k.shape[1]}]; "
+                         f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}")
+    if topk < 1:
+        raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
+    return _indexer_topk(q.detach().contiguous(), weights.detach().contiguous(), k.detach().contiguous(),
+                         q_positions.contiguous(), k_positions.contiguous(), int(topk), bool(fp8))

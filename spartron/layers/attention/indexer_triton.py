@@ -1,0 +1,95 @@
+"""Launcher for the Triton lightning-indexer kernel: shape limits, tile config, chunked top-k.
+
+`spartron::indexer_topk` registers `indexer_topk` below as its CUDA kernel (indexer_topk.py); a CUDA
+input the kernel cannot take is an error naming the limit, never a silent fallback. Triton is
+imported only when the kernel runs. Queries go in chunks so the fp32 [B, chunk, S_kv] score buffer
+stays near `SCORE_BUFFER_BYTES`; each chunk is scored by the kernel and reduced by torch.topk.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from spartron.layers.attention.indexer_fp8 import fp8_operands
+from spartron.optional import require
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+SCORE_BUFFER_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class IndexerKernelConfig:
+    """Query rows and key columns of one tile, warps, and pipeline depth of the head loop."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def check_supported(q: Tensor, k: Tensor) -> None:
+    """Raise ValueError naming the limit when the CUDA kernel cannot take these inputs."""
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"indexer_topk CUDA kernel: needs a power-of-two index head dim >= 16; got {d}")
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"indexer_topk CUDA kernel: needs bfloat16 or float16 q and k; got {q.dtype}, {k.dtype}")
+
+
+def _kernels():
+    require("triton", "the indexer_topk CUDA kernel", "pip install triton (it ships with CUDA builds of torch)")
+    return importlib.import_module("spartron.layers.attention.indexer_triton_kernels")
+
+
+def chunk_rows(b: int, s_q: int, s_kv: int, block_m: int) -> int:
+    """Queries per chunk: the score buffer near SCORE_BUFFER_BYTES, a multiple of the tile rows."""
+    rows = max(1, SCORE_BUFFER_BYTES // (4 * b * max(s_kv, 1)))
+    return min(s_q, max(block_m, rows // block_m * block_m))
+
+
+def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
+           k_positions: Tensor, q_start: int, c_len: int, out: Tensor,
+           cfg: IndexerKernelConfig | None = None) -> Tensor:
+    """Fill out [B, c_len, S_kv] fp32 with the scores of queries q_start .. q_start + c_len (-inf where not
+    visible). q [B, S_q, H, d] and k [B, S_kv, d] contiguous (bf16/fp16, or fp8 with k_scale)."""
+    cfg = cfg or IndexerKernelConfig()
+    b, s_q, h, d = q.shape
+    s_kv = k.shape[1]
+    grid = (-(-s_kv // cfg.block_n), -(-c_len // cfg.block_m), b)
+    _kernels().indexer_scores_kernel[grid](
+        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions, out, s_q, s_kv,
+        q_start, c_len, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return out
+
+
+def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
+                 fp8: bool, cfg: IndexerKernelConfig | None = None) -> Tensor:
+    """int32 ids [B, S_q, min(topk, S_kv)] (descending score, -1 past a query's visible keys)."""
+    check_supported(q, k)
+    cfg = cfg or IndexerKernelConfig()
+    b, s_q, _, _ = q.shape
+    s_kv = k.shape[1]
+    kk = min(topk, s_kv)
+    ids = torch.empty(b, s_q, kk, dtype=torch.int32, device=q.device)
+    if ids.numel() == 0:
+        return ids
+    k_scale = None
+    if fp8:
+        q, w, k, k_scale = fp8_operands(q, weights, k)
+    else:
+        w = weights.float()
+    q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
+    qpos, kpos = q_positions.to(torch.int32), k_positions.to(torch.int32)
+    chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
+    buf = torch.empty(b * chunk * s_kv, dtype=torch.float32, device=q.device)
+    for c0 in range(0, s_q, chunk):
+        c = min(chunk, s_q - c0)
+        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * s_kv].view(b, c, s_kv), cfg)
+        values, picked = out.topk(kk, dim=-1)
+        ids[:, c0:c0 + c] = torch.where(torch.isfinite(values), picked, -1)
+    return ids
