@@ -1,4 +1,4 @@
-"""The `spartron` command: train, smoke, sbatch, regress, plan.
+"""The `spartron` command: train, eval, smoke, sbatch, regress, plan, convert.
 
 One config, one code path: `spartron train run.toml` runs `launch.nproc` ranks here, and the job that
 `spartron sbatch run.toml --nodes 16` submits runs the same `spartron train` once per Slurm task.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -64,28 +65,38 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool,
     from spartron.runtime.preflight import check_before_launch, check_device_options
     from spartron.runtime.rundir import check_run_start
 
-    if entry == "smoke":
+    if entry in ("smoke", "eval"):  # eval reads a saved step: the run directory's start rules do not apply
         check_device_options(cfg)
         return
     world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
     check_before_launch(cfg, world_size, local_ranks=None if is_rank else cfg.launch.nproc)
     check_run_start(cfg, world_size)  # the run directory: new run into old steps, finished run, mismatches
+    if cfg.train.init_from is not None:
+        from spartron.runtime.init_from import check_init_from
+        from spartron.runtime.state import latest_complete_step
+
+        if latest_complete_step(cfg.run_dir(Path.cwd())) is None:  # a new run: it reads the checkpoint
+            check_init_from(cfg)
 
 
 def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks."""
     from spartron.launch.local import existing_launcher, launch_local
     from spartron.parallel.env import process_environ
+    from spartron.runtime.observe import launch_env
 
     cfg = _load(args)
-    environ = process_environ()
     run_dir = cfg.run_dir(Path.cwd())
+    os.environ.update(launch_env(cfg.observe, run_dir))  # read by torch when the process group starts
+    environ = process_environ()
     _check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
         for item in args.set:
             command += ["--set", item]
+        if entry == "eval":
+            command += ["--step", args.step]
         fault = check_fault(cfg.debug, cfg.launch.nproc, cfg.train.steps)
         if fault:
             raise ConfigError(fault)
@@ -102,6 +113,8 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
             return 0
 
         return _as_rank(smoke)
+    if entry == "eval":
+        return _as_rank(lambda: _eval_rank(cfg, args.step, environ))
     from spartron.runtime.trainer import train
 
     return _as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0)
@@ -131,6 +144,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_smoke(args: argparse.Namespace) -> int:
     return _run_ranks(args, "smoke")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    return _run_ranks(args, "eval")
+
+
+def _eval_rank(cfg: RunConfig, step: str, environ: dict[str, str]) -> int:
+    """One rank of `spartron eval`: rank 0 prints the result as one JSON line on stdout."""
+    from spartron.parallel.env import discover
+    from spartron.runtime.trainer import evaluate_saved
+
+    result = evaluate_saved(cfg, step)
+    if discover(environ).rank == 0:
+        print(json.dumps(result), flush=True)
+        print(f"spartron: {result['path']}: validation loss {result['val_loss']:.6g} (perplexity "
+              f"{result['val_ppl']:.6g}) over {result['val_tokens']} held-out tokens", file=sys.stderr)
+    return 0
 
 
 # ---- sbatch ----------------------------------------------------------------------------------
@@ -349,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "all_gather, and write <run dir>/smoke.json.")
     _add_config(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_smoke)
+
+    p = sub.add_parser("eval", help="validation loss of a saved step on the held-out split",
+                       description="Load a saved step (or a run directory's newest complete step) on "
+                                   "launch.nproc ranks and print its validation loss and perplexity over "
+                                   "train.eval_steps batches of held-out sequences, as one JSON line.")
+    _add_config(p)
+    p.add_argument("--step", required=True, metavar="DIR", help="a saved step, or a run directory (newest step)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("sbatch", help="render and submit a Slurm job running the config",
                        description="Render an sbatch script (one task per GPU, or launch.nproc per node on "

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from spartron.launch.process import STOPPED_STATUS
 from spartron.runtime.config import LaunchConfig, RunConfig, dump_config
+from spartron.runtime.observe import launch_env
 
 # Characters allowed in paths written into #SBATCH directives (sbatch parses those itself).
 _DIRECTIVE_PATH = re.compile(r"/[A-Za-z0-9._/+=@:,~-]*")
@@ -160,6 +161,7 @@ def render_job(cfg: RunConfig, workdir: Path, entry: str = "train") -> SlurmJob:
     lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1",
               f"export OMP_NUM_THREADS={launch.cpus_per_task}"]
     lines += [f"export {key}={shlex.quote(value)}" for key, value in launch.env.items()]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in launch_env(cfg.observe, run_dir).items()]
     venv = launch.venv or (None if launch.container else default_venv())
     if venv:
         lines.append(f"source {shlex.quote(str(Path(venv) / 'bin' / 'activate'))}")

@@ -41,10 +41,15 @@ from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
 from spartron.runtime.data import build_loader
 from spartron.runtime.debug import check_fault, inject_fault
+from spartron.runtime.evaluate import Evaluator
+from spartron.runtime.init_from import init_from_factory
+from spartron.runtime.observe import RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
+    COMPLETE,
     StateLoadError,
+    latest_complete_step,
     load_state,
     resume_notes,
     save_state,
@@ -153,6 +158,15 @@ def _ep_sharded(model: nn.Module, groups: ParallelGroups) -> dict[int, tuple]:
     return {id(p): (groups.ep,) for p in model.ep_sharded_parameters()}
 
 
+def _ep_state(model: nn.Module, groups: ParallelGroups, dims: ParallelDims) -> tuple[dict, dict]:
+    """(the EP-sharded parameters' extra norm groups, save_state / load_state's EP keywords)."""
+    ep_extra = _ep_sharded(model, groups)
+    # Saved per EP rank: every EP rank holds different experts under the same names.
+    ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
+                "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
+    return ep_extra, ep_state
+
+
 def _init_process_group(cfg: RunConfig) -> bool:
     """Initialise torch.distributed from the launcher's environment unless already done; True if we did."""
     if dist.is_initialized():
@@ -255,17 +269,17 @@ class Trainer:
         # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
         # for custom factories that draw from the global RNG: the same state on every rank.
         torch.manual_seed(t.seed)
+        factory = self.model_factory
+        if t.init_from is not None and plan.resume_step is None:  # a resumed run loads its own saved step
+            factory = init_from_factory(cfg, factory)
         with device:
-            self.model = model = self.model_factory(cfg, groups)
+            self.model = model = factory(cfg, groups)
         self.params = [q for q in model.parameters() if q.requires_grad]
         # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
         self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
         self.offload_session = None  # the current (or last) step's session: see StepProbe
         self.optimizer = build_optimizer(model, t)
-        self.ep_extra = _ep_sharded(model, groups)
-        # Saved per EP rank: every EP rank holds different experts under the same names.
-        self.ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in self.ep_extra],
-                         "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
+        self.ep_extra, self.ep_state = _ep_state(model, groups, dims)
         self.loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
 
         self.step_no, self.counters = 0, {"tokens": 0}
@@ -282,6 +296,11 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
+        self.evaluator = (Evaluator(cfg, groups.rank_in("dp"), dims.dp, self.n_micro, groups.dp_cp, device)
+                          if t.eval_every else None)
+        self.observer = RunObserver(cfg.observe, run_dir, rank, device, cfg.model_dump(mode="json"))
+        if rank == 0 and t.progress:
+            print(banner(cfg, dims, model, run_dir, self.resumed_from), file=sys.stderr, flush=True)
         return self
 
     def _resume(self, plan) -> None:  # noqa: ANN001
@@ -311,7 +330,8 @@ class Trainer:
         step = self.step_no + 1
         try:
             inject_fault(cfg.debug, self.rank, step)
-            record = self._optimizer_step(step, probe or StepProbe())
+            with self.observer.phase(f"step {step}", step):
+                record = self._optimizer_step(step, probe or StepProbe())
             self.step_no = step
             counters = self.counters
             counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
@@ -320,13 +340,18 @@ class Trainer:
             tps = tokens_per_step / record["step_time_s"]
             record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / self.world,
                           mfu=self.flops_per_token * tps / self.world / self.peak_flops)
+            if self.evaluator is not None and (step % t.eval_every == 0 or step == t.steps):
+                with self.observer.phase(f"evaluation after step {step}", step):
+                    record.update(self.evaluator.run(self.model))
             self.records.append(record)
             self.log.write(record)
+            self.observer.write(record)
             stopping = self.stop.agreed(self.device) and step < t.steps  # every rank stops at the same step
             if (t.save_every and step % t.save_every == 0) or stopping:
-                save_state(self.run_dir, step, self.model, self.optimizer, dict(counters),
-                           {"data": self.loader.state_dict()}, self.device, self.before_commit, run_id=self.run_id,
-                           config=self.state_shape, keep_last=t.keep_last, **self.ep_state)
+                with self.observer.phase(f"saving step {step}", step):
+                    save_state(self.run_dir, step, self.model, self.optimizer, dict(counters),
+                               {"data": self.loader.state_dict()}, self.device, self.before_commit,
+                               run_id=self.run_id, config=self.state_shape, keep_last=t.keep_last, **self.ep_state)
             if stopping:
                 self.stopped_at = step
         except TrainingError:
@@ -385,12 +410,14 @@ class Trainer:
                 "aux_loss": aux_loss, "indexer_loss": indexer_loss, "grad_norm": norm, "lr": lr,
                 "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
                 "peak_memory_reserved_bytes": reserved,
-                "expert_load_max_violation": M.expert_load_max_violation(counts)}
+                "expert_load_max_violation": M.expert_load_max_violation(counts),
+                "expert_load_per_layer": M.expert_load_per_layer(counts)}
 
     def close(self, ok: bool = True) -> TrainResult:
         """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may
         still be inside a collective)."""
         self.log.close(summary=ok and self.cfg.train.progress)
+        self.observer.close()
         if ok:
             if isinstance(self.model, ClosableModel):  # collective: every rank ends the run well together
                 self.model.close()
@@ -430,3 +457,36 @@ def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> N
             and loss > t.loss_spike_factor * first_loss:
         raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
                              f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g}")
+
+
+def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory | None = None) -> dict[str, Any]:
+    """`spartron eval`: the validation loss (spartron.runtime.evaluate) of a saved step, or of a run
+    directory's newest complete step, on the ranks of the current launch (the saved world size; any
+    train.eval_steps). Returns the Evaluator's values with "step" and "path"; the run is not changed."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        newest = latest_complete_step(path) if path.is_dir() else None
+        if newest is None:
+            raise StateLoadError(f"{path}: neither a saved step nor a run directory holding one")
+        path = step_dir(path, newest)
+    owns_pg = _init_process_group(cfg)
+    device = resolve_device(cfg)
+    dims = cfg.parallel.dims(dist.get_world_size())
+    n_micro = micro_steps(cfg, dims)
+    groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                                  nccl=cfg.parallel.nccl_settings())
+    torch.manual_seed(cfg.train.seed)
+    with device:
+        model = (model_factory or default_model_factory)(cfg, groups)
+    optimizer = build_optimizer(model, cfg.train)  # load_state restores both; only the model is used
+    _, ep_state = _ep_state(model, groups, dims)
+    meta, _ = load_state(path, model, optimizer, device, config=state_config(cfg),
+                         verify_checksums=cfg.train.verify_checksums, **ep_state)
+    result = Evaluator(cfg, groups.rank_in("dp"), dims.dp, n_micro, groups.dp_cp, device).run(model)
+    result.update(step=meta["step"], path=str(path))
+    if isinstance(model, ClosableModel):
+        model.close()
+    if owns_pg:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
