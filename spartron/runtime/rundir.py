@@ -23,7 +23,12 @@ COMPLETE = "COMPLETE"
 META = "meta.json"
 METRICS = "metrics.jsonl"
 LOCK = ".lock"  # held (flock) by rank 0 of the run training in the directory
-FORMAT_VERSION = 2  # 2: COMPLETE holds the file manifest; meta.json the run id and state config
+# 2: COMPLETE holds the file manifest; meta.json the run id and state config. 3: expert parameters under
+# global names (layout-free: loads under another EP / CP / FSDP size or world size). A format-2 state (keyed
+# per EP rank) still loads under its own layout.
+FORMAT_VERSION = 3
+LEGACY_FORMAT = 2
+READABLE_FORMATS = (LEGACY_FORMAT, FORMAT_VERSION)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d{8,})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")  # a step holds flat file names only
@@ -142,10 +147,11 @@ def read_manifest(path: Path) -> list[dict]:
     if not marker.is_file():
         raise StateLoadError(f"{path} is not a complete saved state (no {COMPLETE} marker)")
     data = read_json(marker)
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+    if not isinstance(data, dict) or data.get("format_version") not in READABLE_FORMATS:
         version = data.get("format_version", 1) if isinstance(data, dict) else 1
-        raise StateLoadError(f"{marker}: saved-state format {version!r}, this Spartron reads format "
-                             f"{FORMAT_VERSION} (a manifest of every file with its size and checksum)")
+        raise StateLoadError(f"{marker}: saved-state format {version!r}, this Spartron reads formats "
+                             f"{LEGACY_FORMAT} and {FORMAT_VERSION} (a manifest of every file with its size and "
+                             "checksum)")
     files = data.get("files")
     if not isinstance(files, list) or not all(
             isinstance(f, dict) and set(f) == {"path", "size", "crc32"} and isinstance(f["path"], str)
@@ -161,7 +167,7 @@ def read_meta(path: Path) -> dict:
     """meta.json of a verified step, checked field by field."""
     file = path / META
     meta = read_json(file)
-    expected = {"format_version": lambda v: v == FORMAT_VERSION, "step": _is_int,
+    expected = {"format_version": lambda v: v in READABLE_FORMATS, "step": _is_int,
                 "world_size": lambda v: _is_int(v, 1),
                 "counters": lambda v: isinstance(v, dict) and _is_int(v.get("tokens", 0))
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()),
@@ -179,14 +185,15 @@ def read_meta(path: Path) -> dict:
 
 
 def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: dict | None) -> None:
-    """The mismatches that need no model: world size, parallel layout, optimizer settings."""
-    if meta["world_size"] != world:
-        saved = f" (parallel layout [{meta['layout']}])" if meta.get("layout") else ""
-        raise StateLoadError(f"{path} was saved with world size {meta['world_size']}{saved}; this run has world "
-                             f"size {world} (per-rank data positions and RNG cannot be remapped)")
-    if layout is not None and meta.get("layout") not in (None, layout):
-        raise StateLoadError(f"{path} was saved with parallel layout [{meta['layout']}]; this run has "
-                             f"[{layout}] (expert and context shards cannot be remapped)")
+    """The mismatches that need no model: optimizer settings, and the layout of a format-2 state (its
+    experts are keyed per EP rank: it loads only under the layout that wrote it)."""
+    if meta["format_version"] == LEGACY_FORMAT and (
+            meta["world_size"] != world or (layout is not None and meta.get("layout") not in (None, layout))):
+        saved = f"world size {meta['world_size']}" + (f", parallel layout [{meta['layout']}]" if meta.get("layout")
+                                                      else "")
+        now = f"world size {world}" + (f", parallel layout [{layout}]" if layout else "")
+        raise StateLoadError(f"{path} is a saved-state format {LEGACY_FORMAT} state (experts keyed per EP rank), "
+                             f"which resumes only on the layout that saved it ({saved}); this run has {now}")
     if config is not None and meta.get("config") is not None:
         changed = [c for c in config_changes(meta["config"], config, "train.") if _refused(c)]
         if changed:
@@ -292,7 +299,7 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     before spawning ranks, and every rank again). StateLoadError when the run cannot start:
     - a new run (resume = false) into a directory holding saved steps or metrics, without train.overwrite;
     - a resume whose newest complete step is at or past train.steps (nothing would be trained);
-    - a resume under another world size, parallel layout or optimizer settings (meta.json of that step);
+    - a resume under other optimizer settings, or a format-2 state under another layout (meta.json);
     - a directory another run is training in (its lock is held);
     - a resume whose saved step belongs to another run than the directory's metrics.jsonl;
     - a metrics.jsonl that is a symbolic link.

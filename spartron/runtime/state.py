@@ -23,8 +23,8 @@ save writes non-finite parameters or optimizer state: every rank checks its shar
 
 What loading verifies (`load_state`, on every rank, before DCP's collectives): the manifest; every listed
 file's size, and its CRC-32 unless ``verify_checksums=False`` (the files are split over the ranks; a bad
-file is one line naming it and the newest intact step); format version, world size, parallel layout,
-optimizer settings and every tensor's name, shape and dtype against this run's model (a mismatch names
+file is one line naming it and the newest intact step); format version, optimizer settings (and a
+format-2 state's layout) and every tensor's name, global shape and dtype against this run's model (a mismatch names
 the differing config keys); symbolic links (a step directory or a file) are refused. Where a run may start
 (new run into old steps, nothing left to train, another run holding the directory's lock) is decided by
 spartron.runtime.rundir, before any rank is spawned and again by `start_run` on every rank.
@@ -38,10 +38,12 @@ EPYC), against 2.0 GB/s for SHA-256 (SHA-NI) and 1.3 GB/s for BLAKE2b. Measured 
 once more, 0.07 s here (5.3 GiB/s) and one extra read of the state from storage in general, which is
 what ``train.verify_checksums = false`` saves; sizes alone take 0.06 ms.
 
-Expert-parallel parameters: each EP rank holds DIFFERENT experts under the same name, and their FSDP2
-DTensors only describe the expert-FSDP split, so DCP would see one tensor and keep one EP rank's
-copy. Their entries (model and optimizer) are therefore saved under per-EP-rank keys
-``<fqn>/ep<rank>``; a resume must use the same EP layout.
+Layout-free (format 3): every tensor is saved under its global name and shape, expert-parallel ones as
+global [n_routed_experts, ...] tensors (spartron.runtime.state_layout), so DCP reshards on load: a state
+resumes under another EP, CP, FSDP or world size. The data position follows as a global sample count
+(re-split by the trainer); the RNG is restored only under the saved layout. Format-2 states (expert
+entries keyed per EP rank, ``<fqn>/ep<rank>``) load under the layout that saved them; under another,
+one line says so.
 
 Loading never runs code from a file: DCP's ``.metadata`` is read by an unpickler that admits an exact
 set of (module, qualified name) pairs, `METADATA_GLOBALS`, and nothing else. (torch's weights-only
@@ -91,6 +93,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
 from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-state API is this module's
@@ -98,6 +101,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     _STEP_DIR,
     COMPLETE,
     FORMAT_VERSION,
+    LEGACY_FORMAT,
     META,
     METRICS,
     STATE_TRAIN_KEYS,
@@ -120,6 +124,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     state_config,
     step_dir,
 )
+from spartron.runtime.state_layout import globalize, restore
 
 _READ_CHUNK = 8 << 20
 
@@ -461,14 +466,15 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
                before_commit: Callable[[Path], None] | None = None,
                ep_sharded: Collection[str] = (), ep_rank: int = 0, layout: str | None = None,
                run_id: str | None = None, config: dict[str, Any] | None = None,
-               keep_last: int | None = None) -> Path:
+               keep_last: int | None = None, ep_mesh: DeviceMesh | None = None) -> Path:
     """Collective: save everything needed to continue after optimizer step `step`; returns the directory.
 
     counters: small global JSON values (same on every rank), rank_state: this rank's JSON-able state
     (data position). before_commit(tmp_dir) runs on every rank after all data is written and before
     the COMPLETE marker (a crash-injection hook for tests); if it raises, nothing is committed and the
     temporary directory is left as a crash would leave it. ep_sharded: names of parameters holding only
-    this EP rank's experts (ep_rank), saved per EP rank. layout: the parallel layout
+    this EP rank's experts (stacked on dim 0), saved as global tensors over ep_mesh
+    (spartron.runtime.state_layout.expert_mesh; ep_rank is only read to load format-2 states). layout: the parallel layout
     (ParallelDims.describe()); run_id and config (`state_config`) identify the run; a load checks all
     three. keep_last: after the commit, remove all but the newest keep_last complete steps (None/0: keep all).
     Raises StateSaveError on every rank when any rank cannot write or holds non-finite state.
@@ -511,7 +517,7 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
     check(error)
 
     tally: dict[str, list[int]] = {}
-    _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
+    originals = globalize(model_sd, optim_sd, ep_sharded, ep_mesh)
     error, writer = None, _TallyWriter(tmp, tally)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
@@ -522,6 +528,7 @@ def save_state(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
             error = f"rank {rank}: {_first_line(err)}"
     except OSError as err:
         error = f"rank {rank}: {_first_line(writer.fs.errors[0] if writer.fs.errors else err)}"
+    restore(model_sd, optim_sd, originals)
     check(error)
 
     error = None
@@ -679,12 +686,15 @@ def _check_tensors(path: Path, saved: dict[str, Any], model_sd: dict, ep_sharded
 def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                device: torch.device, ep_sharded: Collection[str] = (), ep_rank: int = 0,
                layout: str | None = None, config: dict[str, Any] | None = None,
-               verify_checksums: bool = True) -> tuple[dict, dict]:
-    """Collective: load a complete saved state into model and optimizer, restore this rank's RNG.
+               verify_checksums: bool = True, ep_mesh: DeviceMesh | None = None) -> tuple[dict, dict]:
+    """Collective: load a complete saved state into model and optimizer, on this run's layout.
 
     Returns (meta, rank_state) where meta has "step", "counters", "run_id" and "config"; ep_sharded,
-    ep_rank, layout and config as in save_state. Everything is verified (module docstring) before DCP's
-    collectives; any problem is a StateLoadError naming the file, the same on every rank.
+    ep_rank, ep_mesh, layout and config as in save_state. Everything is verified (module docstring) before
+    DCP's collectives; any problem is a StateLoadError naming the file, the same on every rank. DCP reshards
+    the tensors onto this layout. Under the saved layout (world size and `layout` equal) each rank restores
+    its own RNG and gets its own rank state; under another one no RNG is restored and every rank gets
+    rank 0's rank state (the data position, which the trainer re-splits: state_layout.resplit_data_position).
     """
     path = Path(path)
     rank, world = _rank_world()
@@ -703,9 +713,14 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         raise StateLoadError(f"{path / '.metadata'}: refers to {unlisted[0]}, which {COMPLETE} does not list")
     saved = metadata.state_dict_metadata
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
+    per_ep_rank = meta["format_version"] == LEGACY_FORMAT  # checked by check_meta to be the saved layout
+    originals = {}
+    if per_ep_rank:
+        _rename_ep_entries(model_sd, optim_sd, ep_sharded, ep_rank, to_saved=True)
+    else:
+        originals = globalize(model_sd, optim_sd, ep_sharded, ep_mesh)
     changed = config_changes(meta["config"] or {}, config or {}, "model.") if config is not None else []
-    _check_tensors(path, saved, model_sd, ep_sharded, changed)
+    _check_tensors(path, saved, model_sd, ep_sharded if per_ep_rank else (), changed)
     optim_sd["state"] = _states_in_checkpoint(optim_sd["state"], set(saved))
     state = {"model": model_sd, "optim": optim_sd}
     try:
@@ -714,7 +729,10 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         exc = err.failures[min(err.failures)][0]
         raise StateLoadError(str(exc) if isinstance(exc, StateLoadError) else
                              f"{path}: {_first_line(exc)}") from None
-    _rename_ep_entries(state["model"], state["optim"], ep_sharded, ep_rank, to_saved=False)
+    if per_ep_rank:
+        _rename_ep_entries(state["model"], state["optim"], ep_sharded, ep_rank, to_saved=False)
+    else:
+        restore(state["model"], state["optim"], originals)
     set_model_state_dict(model, state["model"])
     # Not strict: parameters that never had a gradient (e.g. the DSA indexers with
     # model.dsa.indexer_mode = 'frozen') have no optimizer state in the checkpoint, and must have none after
@@ -727,7 +745,8 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         if bad is not None:
             raise StateLoadError(f"{path}: {bad} holds non-finite values (no save writes them: the files were "
                                  "altered)")
-        rank_state = _restore_rank_files(path, rank, device)
+        same_layout = meta["world_size"] == world and (layout is None or meta["layout"] in (None, layout))
+        rank_state = _restore_rank_files(path, rank, device) if same_layout else _rank_state(path, 0)
     except StateLoadError as err:
         error = str(err)
     failed = _agreed_errors(error)
@@ -749,6 +768,15 @@ def _restore_rank_files(path: Path, rank: int, device: torch.device) -> Any:
         return plain["rank"]
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as err:
         raise StateLoadError(f"{js}: RNG state does not fit this run ({_first_line(err)})") from None
+
+
+def _rank_state(path: Path, rank: int) -> Any:
+    """The saved rank state (data position) of `rank`, without its RNG."""
+    js = path / f"rank-{rank:05d}.json"
+    plain = read_json(js)
+    if not isinstance(plain, dict) or "rank" not in plain:
+        raise StateLoadError(f"{js}: must hold a JSON object with a 'rank' field")
+    return plain["rank"]
 
 
 def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, layout: str | None = None,

@@ -57,6 +57,7 @@ from spartron.runtime.state import (
     state_config,
     step_dir,
 )
+from spartron.runtime.state_layout import expert_mesh, resplit_data_position
 
 
 @runtime_checkable
@@ -161,9 +162,9 @@ def _ep_sharded(model: nn.Module, groups: ParallelGroups) -> dict[int, tuple]:
 def _ep_state(model: nn.Module, groups: ParallelGroups, dims: ParallelDims) -> tuple[dict, dict]:
     """(the EP-sharded parameters' extra norm groups, save_state / load_state's EP keywords)."""
     ep_extra = _ep_sharded(model, groups)
-    # Saved per EP rank: every EP rank holds different experts under the same names.
+    # Every EP rank holds different experts under the same names: saved as global tensors over ep_mesh.
     ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
-                "ep_rank": groups.rank_in("ep"), "layout": dims.describe()}
+                "ep_rank": groups.rank_in("ep"), "layout": dims.describe(), "ep_mesh": expert_mesh(groups)}
     return ep_extra, ep_state
 
 
@@ -308,8 +309,9 @@ class Trainer:
         meta, rank_state = load_state(path, self.model, self.optimizer, self.device, config=self.state_shape,
                                       verify_checksums=self.cfg.train.verify_checksums, **self.ep_state)
         self.step_no, self.counters, self.run_id = meta["step"], meta["counters"], meta["run_id"] or self.run_id
-        try:
-            self.loader.load_state_dict(rank_state["data"])
+        try:  # the global sample count, re-split over this run's dp ranks (a no-op on the saved layout)
+            self.loader.load_state_dict(resplit_data_position(rank_state["data"], self.loader.dp_rank,
+                                                              self.loader.dp_size, str(path)))
         except (KeyError, TypeError, ValueError) as err:
             raise StateLoadError(f"{path / f'rank-{self.rank:05d}.json'}: its data position does not fit this run "
                                  f"({err})") from None

@@ -103,19 +103,32 @@ def test_loading_refuses_to_unpickle_foreign_objects(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_world_size_mismatch_is_an_error(tmp_path):
+def test_another_world_size_loads_rank_0s_data_position_and_keeps_this_rngs(tmp_path):
     model, opt = _trained(0)
-    path = save_state(tmp_path, 1, model, opt, {}, {}, CPU)
+    path = save_state(tmp_path, 1, model, opt, {}, {"data": {"position": 3}}, CPU)
     meta = json.loads((path / "meta.json").read_text())
     rewrite_listed(path, "meta.json", json.dumps({**meta, "world_size": 4}).encode())
-    with pytest.raises(StateLoadError, match="saved with world size 4; this run has world size 1"):
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    _, rank_state = load_state(path, model, opt, CPU)
+    assert rank_state == {"data": {"position": 3}} and torch.equal(torch.rand(1), expected)
+    rewrite_listed(path, "meta.json", json.dumps({**meta, "world_size": 4, "format_version": 2}).encode())
+    with pytest.raises(StateLoadError, match=r"is a saved-state format 2 state \(experts keyed per EP rank\), which "
+                                             r"resumes only on the layout that saved it \(world size 4\); this run "
+                                             r"has world size 1$"):
         load_state(path, model, opt, CPU)
 
 
-def test_parallel_layout_mismatch_is_an_error(tmp_path):
+def test_another_parallel_layout_loads_but_not_for_a_format_2_state(tmp_path):
     model, opt = _trained(0)
     path = save_state(tmp_path, 1, model, opt, {}, {}, CPU, layout="ep 2 cp 1")
-    assert json.loads((path / "meta.json").read_text())["layout"] == "ep 2 cp 1"
-    with pytest.raises(StateLoadError, match=r"saved with parallel layout \[ep 2 cp 1\]; this run has \[ep 1 cp 1\]"):
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["layout"] == "ep 2 cp 1" and meta["format_version"] == 3
+    load_state(path, model, opt, CPU, layout="ep 1 cp 1")
+    rewrite_listed(path, "meta.json", json.dumps({**meta, "format_version": 2}).encode())
+    with pytest.raises(StateLoadError, match=r"resumes only on the layout that saved it \(world size 1, parallel "
+                                             r"layout \[ep 2 cp 1\]\); this run has world size 1, parallel layout "
+                                             r"\[ep 1 cp 1\]$"):
         load_state(path, model, opt, CPU, layout="ep 1 cp 1")
     load_state(path, model, opt, CPU, layout="ep 2 cp 1")  # the same layout loads

@@ -244,7 +244,7 @@ def test_malformed_json_files_are_one_line_errors_naming_the_file(tmp_path, name
     ('{"format_version": 2, "files": [{"path": "../../etc/passwd", "size": 1, "crc32": 0}]}',
      "'files' must list {path, size, crc32} entries with plain file names"),
     ("", "not valid JSON"),
-    ('{"format_version": 1}', "saved-state format 1, this Spartron reads format 2"),
+    ('{"format_version": 1}', "saved-state format 1, this Spartron reads formats 2 and 3"),
     ('{"format_version": 2, "files": []}', "'files' must name each file once, meta.json included"),
 ])
 def test_bad_complete_marker_is_refused_naming_it(tmp_path, marker, expected):

@@ -113,11 +113,11 @@ def test_four_ranks_ep2_cp2_resume_in_a_fresh_process_group_matches_bitwise(tmp_
     assert all(r == full[0] for r in full)  # every rank reports the same all-reduced values
     assert full[0][0] is None and [r[0] for r in full[0][1]] == [1, 2, 3, 4]
     assert complete_steps(reference) == [2, 4]
-    # Each EP rank's experts (4 of 8 each) are in the checkpoint under their own keys, not one copy.
+    # Both EP ranks' experts (4 of 8 each) are in the checkpoint as one global tensor, not one rank's copy.
     saved = SafeFileSystemReader(step_dir(reference, 2)).read_metadata().state_dict_metadata
     expert_keys = sorted(k for k in saved if k.startswith("model.layers.1.ffn.experts.w1"))
-    assert expert_keys == ["model.layers.1.ffn.experts.w1/ep0", "model.layers.1.ffn.experts.w1/ep1"]
-    assert all(saved[k].size[0] == 4 for k in expert_keys)
+    assert expert_keys == ["model.layers.1.ffn.experts.w1"] and saved[expert_keys[0]].size[0] == 8
+    assert sorted(c.offsets[0] for c in saved[expert_keys[0]].chunks) == [0, 2, 4, 6]  # ep x expert_fsdp
 
     # A new run directory holding only the step-2 save: the state a crash after that save leaves.
     shutil.copytree(step_dir(reference, 2), step_dir(resumed_dir, 2))
