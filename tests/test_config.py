@@ -65,7 +65,7 @@ def test_defaults_and_overrides():
      "invalid config: offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'"),
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),
     (["train.compile=true"],  # tiny.toml has ac.mode = "selective"
-     "invalid config: train.compile = true cannot be combined with ac.mode = 'selective'"),
+     "invalid config: train.compile = true with ac.mode = 'selective' needs ac.reentrant = false"),
     (["parallel.nccl.epx.max_ctas=8"],
      "invalid config: parallel.nccl: unknown group 'epx'; known: world, cp, fsdp"),
     (["parallel.nccl.ep.min_ctas=16", "parallel.nccl.ep.max_ctas=8"],

@@ -2,7 +2,8 @@
 
 Public names: ``checkpoint`` (functional boundary), ``CheckpointRegion`` / ``CheckpointOptions``
 (a boundary with bound options), ``reuse_during_recompute``, ``apply_activation_checkpointing``,
-``apply_ac_to_blocks`` (with ``checkpointed_positions``, the one ``ac.freq`` rule), ``ACConfig``,
+``apply_ac_to_blocks`` (with ``checkpointed_positions``, the one ``ac.freq`` rule), ``compile_block``
+(a block's forward or its region as one compiled graph), ``ACConfig``,
 ``OffloadConfig``, ``build_policy`` and the policy table.
 """
 
@@ -11,6 +12,7 @@ from spartron.checkpointing.apply import (
     apply_activation_checkpointing,
     checkpoint_region_of,
     checkpointed_positions,
+    compile_block,
     region_options,
 )
 from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion, checkpoint
@@ -27,7 +29,7 @@ from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
 
 __all__ = [
     "ACConfig", "OffloadConfig", "apply_activation_checkpointing", "apply_ac_to_blocks",
-    "checkpoint_region_of", "checkpointed_positions", "region_options", "CheckpointOptions", "CheckpointRegion",
+    "checkpoint_region_of", "checkpointed_positions", "compile_block", "region_options", "CheckpointOptions", "CheckpointRegion",
     "checkpoint",
     "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
     "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",

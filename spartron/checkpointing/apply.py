@@ -9,9 +9,10 @@ checkpointing first, then ``fully_shard``, and a replay never re-runs an FSDP fo
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion
@@ -19,6 +20,7 @@ from spartron.checkpointing.config import ACConfig
 from spartron.checkpointing.policy import build_policy
 
 _REGION_ATTR = "_spartron_ac_region"
+_COMPILED_ATTR = "_spartron_compiled_forward"
 
 
 def region_options(config: ACConfig, name: str | None = None) -> CheckpointOptions:
@@ -64,6 +66,39 @@ def apply_activation_checkpointing(module: nn.Module, config: ACConfig, name: st
         raise ValueError(f"{label} is already wrapped in a checkpoint region")
     object.__setattr__(module, _REGION_ATTR, CheckpointRegion(region_options(config, label)))
     module.__class__ = _checkpointed_class(type(module))
+    return module
+
+
+def _compiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # host split sizes: unbacked SymInts
+            return getattr(self, _COMPILED_ATTR)(super(subclass, self).forward, *args, **kwargs)
+
+    subclass = type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return subclass
+
+
+def _call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def compile_block(module: nn.Module, backend: str | Callable[..., Any] = "inductor",
+                  fullgraph: bool = True) -> nn.Module:
+    """Compile one block's forward in place (names, state and call signature unchanged).
+
+    A checkpointed block compiles its region (CheckpointRegion.compile: torch's checkpoint with the
+    policy table as its selective-checkpoint policy); any other block compiles its forward. Either
+    way the compiled graph is the forward alone: hooks on the module (FSDP2's) and the region's
+    offload scope run outside it, in eager code. Unlike nn.Module.compile, data-dependent host values
+    (MoE split sizes) trace as unbacked SymInts, so ``fullgraph`` holds on the real model."""
+    region = checkpoint_region_of(module)
+    if region is not None:
+        region.compile(backend, fullgraph=fullgraph)
+        return module
+    if hasattr(module, _COMPILED_ATTR):
+        raise ValueError(f"{type(module).__name__} is already compiled")
+    object.__setattr__(module, _COMPILED_ATTR, torch.compile(_call, backend=backend, fullgraph=fullgraph))
+    module.__class__ = _compiled_class(type(module))
     return module
 
 

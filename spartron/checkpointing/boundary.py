@@ -245,6 +245,20 @@ def _run_non_reentrant(call: _RegionCall) -> Any:
         context_fn=lambda: (call.original_pass(), call.replay_pass()), early_stop=False)
 
 
+def _compiled_body(options: CheckpointOptions) -> Callable[..., Any]:
+    """The function a compiled region traces: torch's checkpoint with the policy's SAC contexts."""
+    policy_fn = options.policy.sac_policy_fn()
+
+    def contexts() -> tuple[Any, Any]:
+        return torch_checkpoint.create_selective_checkpoint_contexts(policy_fn)
+
+    def body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=contexts,
+                                           preserve_rng_state=options.preserve_rng_state, **kwargs)
+
+    return body
+
+
 class CheckpointRegion:
     """A checkpoint boundary with its options bound: ``region(fn, *args, **kwargs)``.
 
@@ -253,7 +267,8 @@ class CheckpointRegion:
 
     def __init__(self, options: CheckpointOptions | None = None) -> None:
         self.options = options or CheckpointOptions()
-        self.last_stats: RegionStats | None = None
+        self.last_stats: RegionStats | None = None  # eager calls only: a compiled call keeps none
+        self._compiled: Callable[..., Any] | None = None
         # Set only while an offload session (checkpointing/offload.py) of the current step is open:
         # a factory of the saved_tensors_hooks context each call runs under, so the tensors the
         # region saves for backward (its inputs) are seen by exact identity.
@@ -262,11 +277,34 @@ class CheckpointRegion:
     def __call__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing will replay: run plainly (eval / inference)
             return fn(*args, **kwargs)
+        scope = self.saved_inputs_scope() if self.saved_inputs_scope is not None else contextlib.nullcontext()
+        if self._compiled is not None:
+            # Host split sizes (MoE expert counts, all-to-all splits) trace as unbacked SymInts, not
+            # as a graph break or a recompile per new split pattern.
+            with scope, torch._dynamo.config.patch(capture_scalar_outputs=True):
+                return self._compiled(fn, *args, **kwargs)
         call = _RegionCall(self.options, fn, args, kwargs)
         self.last_stats = call.stats
-        scope = self.saved_inputs_scope() if self.saved_inputs_scope is not None else contextlib.nullcontext()
         with scope:
             return _run_reentrant(call) if self.options.reentrant else _run_non_reentrant(call)
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor", fullgraph: bool = True) -> None:
+        """Run every later call as one compiled graph: torch's non-reentrant checkpoint with its
+        selective-checkpoint contexts, driven by this region's policy table (``OpPolicy.sac_policy_fn``),
+        so the partitioner saves the ops an eager region saves (mandatory ones included) and
+        recomputes the rest inside the compiled backward. What compiled mode checks instead of the
+        eager op-by-op replay validation: the replay is the traced backward graph itself, so it cannot
+        run a different op sequence; a Python-level change (other shapes, branches, module state) fails
+        dynamo's guards and retraces, or raises under ``fullgraph``. The region boundary (offload
+        hooks, FSDP's hooks) stays outside the graph, in eager code.
+
+        Reentrant regions cannot compile exactly: their policy is a Python dispatch mode around an
+        autograd.Function, which dynamo neither traces nor lets see inside a compiled graph."""
+        if self.options.reentrant:
+            raise ValueError(f"checkpoint region {self.options.name!r}: a reentrant region cannot be compiled "
+                             "(its operator policy is a Python dispatch mode that compiled graphs bypass); "
+                             "use a non-reentrant region (ac.reentrant = false)")
+        self._compiled = torch.compile(_compiled_body(self.options), backend=backend, fullgraph=fullgraph)
 
 
 def checkpoint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

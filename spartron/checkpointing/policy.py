@@ -19,7 +19,7 @@ imports none of the ops it refers to (they live beside the code that uses them a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +33,7 @@ MANDATORY: tuple[tuple[str, str], ...] = (
     ("spartron_collectives::splits_to_host", "device->host copy of all-to-all split sizes (sync)"),
     ("spartron_deepep", "DeepEP dispatch/combine hold communication state that cannot be replayed"),
     ("spartron_symm", "copy-engine exchange: barriers and peer writes on a shared buffer, never run twice"),
+    ("spartron_ac::reused", "a reuse_during_recompute result in a compiled region: computed once, saved"),
 )
 """(operator name or namespace, why it is saved). Cannot be excluded by any config."""
 
@@ -153,6 +154,19 @@ class OpPolicy:
             + [f"{n} (device->host)" for n in sorted(self.device_to_host)],
             "targets": sorted(self.target_names | self.target_namespaces),
         }
+
+    def sac_policy_fn(self) -> Callable[..., Any]:
+        """This table as torch's selective-checkpoint policy (``create_selective_checkpoint_contexts``):
+        what ``decide`` keeps is MUST_SAVE, everything else PREFER_RECOMPUTE. Compiled regions use it,
+        so the partitioner saves exactly what an eager region saves."""
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        def policy_fn(ctx: Any, func: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if self.decide(func, args, kwargs) is None:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+
+        return policy_fn
 
 
 def is_device_to_host(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

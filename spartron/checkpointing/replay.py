@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from spartron.scoped import ScopedValue
 
@@ -104,6 +104,18 @@ class ReplayFrame:
 _CURRENT_FRAME: ScopedValue[ReplayFrame] = ScopedValue("spartron_replay_frame")
 
 
+@torch.library.custom_op("spartron_ac::reused", mutates_args=())
+def _reused(x: torch.Tensor) -> torch.Tensor:
+    """A reused result inside a compiled region: a copy the policy table marks mandatory (saved), so
+    the compiled backward reads it instead of recomputing the work that made it."""
+    return x.clone()
+
+
+@_reused.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def active_frame(frame: ReplayFrame, phase: Phase) -> contextlib.AbstractContextManager[ReplayFrame]:
     """Make ``frame`` current for one pass (``phase``) of its region."""
     frame.phase = phase
@@ -120,6 +132,8 @@ def reuse_during_recompute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
     The original pass runs ``fn`` with grad enabled so that a result which would need a gradient is
     caught (it raises instead of silently dropping the gradient). Outside a region, just ``fn(...)``.
     """
+    if torch.compiler.is_compiling():  # a compiled region (CheckpointRegion.compile): no frames
+        return tree_map(lambda x: _reused(x) if isinstance(x, torch.Tensor) else x, fn(*args, **kwargs))
     frame = _CURRENT_FRAME.get()
     if frame is None:
         return fn(*args, **kwargs)

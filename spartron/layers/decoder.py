@@ -10,7 +10,7 @@ so this loop reads the same with or without them.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,7 @@ from spartron.layers.ffn import FeedForward
 from spartron.layers.moe import MoELayer
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import DecoderLayerOutput
-from spartron.layers.schedule import Phase, drive, interleave, mean_or_none, sum_or_none
+from spartron.layers.schedule import Carry, Step, drive, interleave, mean_or_none, sum_or_none, then
 
 
 class DecoderLayer(nn.Module):
@@ -48,20 +48,42 @@ class DecoderLayer(nn.Module):
         """x: [B, S, D], or a list of intra-layer micro-batches run interleaved (fields become lists)."""
         if isinstance(x, (list, tuple)):
             return run_micro_batches(self, list(x), positions, dsa_topk_ids)
-        return drive(self.forward_phases(x, positions, dsa_topk_ids))
+        return drive(self.phases(), _carry(x, positions, dsa_topk_ids))["out"]
 
-    def forward_phases(self, x: Tensor, positions: Tensor,
-                       dsa_topk_ids: Tensor | None = None) -> Generator[Phase, None, DecoderLayerOutput]:
-        attn = self.attn(self.attn_norm(x), positions, dsa_topk_ids=dsa_topk_ids)
-        h = x + attn["hidden_states"]
-        ids, indexer_loss = attn["dsa_topk_ids"], attn["indexer_loss"]
-        if self.is_moe:
-            moe = yield from self.ffn.forward_phases(self.ffn_norm(h))
-            return DecoderLayerOutput(hidden_states=h + moe["hidden_states"], dsa_topk_ids=ids,
-                                      indexer_loss=indexer_loss, aux_loss=moe["aux_loss"],
+    def phases(self) -> list[Step]:
+        """The forward as steps over a carry of "x", "positions", "dsa_topk_ids" that ends holding
+        "out" (the DecoderLayerOutput): attention opens the MoE layer's first step and the output
+        closes its last, so a MoE block has the MoE layer's phases and a dense block one step."""
+        if not self.is_moe:
+            return [Step(then(self._attention, self._dense_ffn))]
+        steps = self.ffn.phases()
+        steps[0] = Step(then(self._attention, self._ffn_input, steps[0].run), steps[0].phase)
+        steps[-1] = Step(then(steps[-1].run, self._moe_output), steps[-1].phase)
+        return steps
+
+    def _attention(self, c: Carry) -> None:
+        x = c.pop("x")
+        attn = self.attn(self.attn_norm(x), c.pop("positions"), dsa_topk_ids=c.pop("dsa_topk_ids"))
+        c["h"] = x + attn["hidden_states"]
+        c["ids"], c["indexer_loss"] = attn["dsa_topk_ids"], attn["indexer_loss"]
+
+    def _ffn_input(self, c: Carry) -> None:
+        c["moe_in"] = self.ffn_norm(c["h"])
+
+    def _dense_ffn(self, c: Carry) -> None:
+        h = c.pop("h")
+        c["out"] = DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=c.pop("ids"),
+                                      indexer_loss=c.pop("indexer_loss"), aux_loss=None, tokens_per_expert=None)
+
+    def _moe_output(self, c: Carry) -> None:
+        moe = c.pop("moe_out")
+        c["out"] = DecoderLayerOutput(hidden_states=c.pop("h") + moe["hidden_states"], dsa_topk_ids=c.pop("ids"),
+                                      indexer_loss=c.pop("indexer_loss"), aux_loss=moe["aux_loss"],
                                       tokens_per_expert=moe["tokens_per_expert"])
-        return DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=ids,
-                                  indexer_loss=indexer_loss, aux_loss=None, tokens_per_expert=None)
+
+
+def _carry(x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None) -> Carry:
+    return {"x": x, "positions": positions, "dsa_topk_ids": dsa_topk_ids}
 
 
 def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
@@ -72,8 +94,9 @@ def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
     ids = dsa_topk_ids if dsa_topk_ids is not None else [None] * len(xs)
     if len(ids) != len(xs):
         raise ValueError(f"{len(xs)} micro-batches but {len(ids)} dsa_topk_ids entries")
-    outs = interleave([layer.forward_phases(x, positions, i) for x, i in zip(xs, ids, strict=True)],
-                      device=xs[0].device)
+    carries = interleave([(layer.phases(), _carry(x, positions, i)) for x, i in zip(xs, ids, strict=True)],
+                         device=xs[0].device)
+    outs = [c["out"] for c in carries]
     out_ids = [o["dsa_topk_ids"] for o in outs]
     return DecoderLayerOutput(hidden_states=[o["hidden_states"] for o in outs],
                               dsa_topk_ids=None if out_ids[0] is None else out_ids,

@@ -2,9 +2,9 @@
 
 Order matters and is fixed here, in one place:
 1. activation checkpointing wraps every `freq`-th block's forward (a checkpoint region);
-2. optional torch.compile per block, only without checkpoint regions (the config rejects compile
-   with ac.mode != 'none': the operator policy is a TorchDispatchMode that dynamo cannot trace, so
-   regions stay eager, as seed 000 keeps dense checkpoint boundaries outside compiled graphs);
+2. optional torch.compile per block, fullgraph (`compile_block`): a checkpointed block compiles its
+   region, with the operator policy as torch's selective-checkpoint policy (non-reentrant regions
+   only: the config rejects compile with reentrant ones), any other block its forward;
 3. FSDP2 with the precision policy (compute and reduction dtypes): the routed experts of each
    block on the expert mesh (with the gradient divided by the full data x context world, since
    every rank's tokens reach an expert through all-to-all), then the block on the dense mesh — its
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spartron.checkpointing import apply_ac_to_blocks
+from spartron.checkpointing import apply_ac_to_blocks, compile_block
 from spartron.checkpointing.config import ACConfig
 from spartron.parallel.groups import ParallelGroups
 
@@ -113,10 +113,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     apply_ac(model, ac)
     blocks = model.blocks()
     if compile_backend is not None:
-        for block in blocks:
-            # In place: parameter names and state_dict keys stay the same. Not fullgraph: the MoE
-            # dispatcher's host-side split sizes break the graph by design (layers/moe/dispatch.py says why).
-            block.module.compile(fullgraph=False, backend=compile_backend)
+        for block in blocks:  # in place: parameter names and state_dict keys stay the same
+            compile_block(block.module, compile_backend, fullgraph=True)
     if param_dtype is not None and groups is None:
         raise ValueError("parallelize: a compute dtype (param_dtype) needs FSDP2, so it needs the groups "
                          "(ParallelGroups of the world, one rank included)")

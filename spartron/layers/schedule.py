@@ -1,17 +1,17 @@
 """Intra-layer micro-batch interleaving: one region call runs N micro-batches' phases interleaved.
 
-A layer describes its forward once, as a generator of phases (`DecoderLayer.forward_phases`, which
-delegates its FFN to `MoELayer.forward_phases`): it yields a `Phase` before each step that can
-overlap with other micro-batches' work and returns its output at the end. `drive` runs one such
-generator straight through (the ordinary forward); `interleave` steps N of them round-robin (a comm
-step and the compute step after it form one turn), so the host issues one MoE layer as
+A layer describes its forward once, as a list of `Step`s (`DecoderLayer.phases`, which splices in
+`MoELayer.phases`): each step reads and writes entries of one carry dict, and every step but the
+first names the `Phase` before it, a point where other micro-batches' work may overlap. `drive`
+runs one list straight through (the ordinary forward); `interleave` steps N of them round-robin (a
+comm step and the compute step after it form one turn), so the host issues one MoE layer as
 
     attention + routing + prepare mb0, mb1 -> dispatch + experts mb0 -> dispatch + experts mb1
     -> combine + finalize + shared experts mb0 -> combine + finalize + shared experts mb1
 
 and the decoder stack loop is unchanged: a region simply receives lists (a PyTree) of micro-batches.
 
-On CUDA, communication steps (the code after a `Phase(comm=True)` yield) run on a side stream of
+On CUDA, communication steps (a step whose phase has `comm=True`) run on a side stream of
 their micro-batch, and the streams are ordered by events, never by waiting for a whole stream:
 - a micro-batch's comm step waits for the event recorded after ITS previous compute step, so the
   combine of mb0 starts as soon as mb0's experts are done, while mb1's experts (queued later on the
@@ -21,8 +21,12 @@ their micro-batch, and the streams are ordered by events, never by waiting for a
   the host in the all-to-all dispatch) waits only for that micro-batch: the CPU blocks while the
   compute stream still runs queued work (mb1's attention under dispatch mb0, mb0's experts under
   dispatch mb1), instead of draining it;
-- tensors a step reads that another stream allocated (`Phase.reads`) are recorded on the stream
-  that reads them, so the caching allocator does not hand their memory out while it is still read.
+- tensors a step reads that another stream allocated (`Phase.reads`, carry keys) are recorded on
+  the stream that reads them, so the caching allocator does not hand their memory out while it is
+  still read.
+Steps are plain functions, not generators, so torch.compile traces a block's forward (one step
+after another) in one graph. Inside a compiled graph the steps of N micro-batches are issued in the
+same interleaved order on one stream (no side streams: the compiled graph orders its own work).
 With two micro-batches one MoE layer then overlaps dispatch(mb0) with attention(mb1),
 dispatch(mb1) with experts(mb0), combine(mb0) with experts(mb1) and combine(mb1) with the
 finalize + shared experts of mb0. Backward needs no schedule of its own: autograd runs each
@@ -44,33 +48,47 @@ dispatch. What it gives up: nothing overlaps the exchange with attention.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+Carry = dict[str, Any]
+"""What the steps of one micro-batch hand each other: named intermediate values."""
 
 
 class Phase(NamedTuple):
     """A point where a layer's forward may yield to another micro-batch."""
 
     name: str
-    comm: bool = False  # the step after this yield is communication (side stream on CUDA)
-    # tensors the step after this yield reads that another stream allocated or will read: recorded
-    # on the stream the step runs on (extra entries cost nothing but a delayed memory reuse)
-    reads: tuple[Tensor | None, ...] = ()
+    comm: bool = False  # the step after this point is communication (side stream on CUDA)
+    # carry keys of tensors the step after this point reads that another stream allocated or will
+    # read: recorded on the stream the step runs on (extra entries cost nothing but a delayed reuse)
+    reads: tuple[str, ...] = ()
 
 
-PhaseGen = Generator[Phase, None, Any]
+class Step(NamedTuple):
+    """One piece of a forward: `run(carry)` reads and writes carry entries; `phase` is the point
+    before it (None for a first step)."""
+
+    run: Callable[[Carry], None]
+    phase: Phase | None = None
 
 
-def drive(phases: PhaseGen) -> Any:
-    """Run one phase generator to the end and return its result (the non-interleaved forward)."""
-    while True:
-        try:
-            next(phases)
-        except StopIteration as done:
-            return done.value
+def then(*runs: Callable[[Carry], None]) -> Callable[[Carry], None]:
+    """One step function running `runs` in order (splicing one layer's steps into another's)."""
+    def run(carry: Carry) -> None:
+        for r in runs:
+            r(carry)
+    return run
+
+
+def drive(steps: Sequence[Step], carry: Carry) -> Carry:
+    """Run the steps of one micro-batch in order (the non-interleaved forward); returns the carry."""
+    for step in steps:
+        step.run(carry)
+    return carry
 
 
 class _Streams:
@@ -82,24 +100,22 @@ class _Streams:
         self.computed: list[Any] = [None] * n  # event after micro-batch i's last compute step
         self.communicated: list[Any] = [None] * n  # event after its last comm step (not yet waited for)
 
-    def comm_step(self, i: int, gen: PhaseGen, phase: Phase) -> Any:
+    def comm_step(self, i: int, step: Step, carry: Carry) -> None:
         stream = self.comm[i]
         stream.wait_event(self.computed[i])  # its own compute so far, not the other micro-batches'
-        _record(phase.reads, stream)
+        _record(carry, step.phase.reads, stream)
         with torch.cuda.stream(stream):
-            out = _step(gen)
+            step.run(carry)
         self.communicated[i] = torch.cuda.Event()
         self.communicated[i].record(stream)
-        return out
 
-    def compute_step(self, i: int, gen: PhaseGen, phase: Phase | None) -> Any:
+    def compute_step(self, i: int, step: Step, carry: Carry) -> None:
         self.join(i)
-        if phase is not None:
-            _record(phase.reads, self.compute)
-        out = _step(gen)
+        if step.phase is not None:
+            _record(carry, step.phase.reads, self.compute)
+        step.run(carry)
         self.computed[i] = torch.cuda.Event()
         self.computed[i].record(self.compute)
-        return out
 
     def join(self, i: int) -> None:
         """The compute stream waits for micro-batch i's last comm step (if it has not yet)."""
@@ -108,25 +124,19 @@ class _Streams:
             self.communicated[i] = None
 
 
-def _record(tensors: Sequence[Tensor | None], stream: Any) -> None:
-    for t in tensors:
-        if t is not None and t.device.type == "cuda":
+def _record(carry: Carry, keys: Sequence[str], stream: Any) -> None:
+    for key in keys:
+        t = carry.get(key)
+        if isinstance(t, Tensor) and t.device.type == "cuda":
             t.record_stream(stream)
 
 
-_FINISHED = object()
+def _is_comm(steps: Sequence[Step], index: int) -> bool:
+    return index < len(steps) and steps[index].phase is not None and steps[index].phase.comm
 
 
-def _step(gen: PhaseGen) -> Any:
-    """Advance to the next yield; returns the Phase yielded, or (_FINISHED, value) at the end."""
-    try:
-        return next(gen)
-    except StopIteration as done:
-        return (_FINISHED, done.value)
-
-
-def interleave(gens: Sequence[PhaseGen], device: torch.device | None = None) -> list[Any]:
-    """Step the generators round-robin; returns their results in order.
+def interleave(plans: Sequence[tuple[Sequence[Step], Carry]], device: torch.device | None = None) -> list[Carry]:
+    """Run N micro-batches' (steps, carry) round-robin; returns their carries in order.
 
     A turn runs one step of a micro-batch, and after a comm step also the compute step that follows
     it. The order on the compute stream is the same either way; what changes is when the host
@@ -136,37 +146,37 @@ def interleave(gens: Sequence[PhaseGen], device: torch.device | None = None) -> 
     routing was done with nothing queued behind it, and the compute stream idled until the host
     came back and issued mb0's experts.
     """
-    streams = _Streams(device, len(gens)) if device is not None and device.type == "cuda" else None
-    pending: list[Phase | None] = [None] * len(gens)  # the phase each generator yielded last
-    results: list[Any] = [None] * len(gens)
+    on_cuda = device is not None and device.type == "cuda" and not torch.compiler.is_compiling()
+    streams = _Streams(device, len(plans)) if on_cuda else None
+    cursor = [0] * len(plans)  # the index of each micro-batch's next step
 
     def advance(i: int) -> bool:
-        """Run micro-batch i's pending step; True when its generator finished."""
-        phase = pending[i]
+        """Run micro-batch i's next step; True when it was its last."""
+        steps, carry = plans[i]
+        step = steps[cursor[i]]
         if streams is None:
-            out = _step(gens[i])
-        elif phase is not None and phase.comm:
-            out = streams.comm_step(i, gens[i], phase)
+            step.run(carry)
+        elif step.phase is not None and step.phase.comm:
+            streams.comm_step(i, step, carry)
         else:
-            out = streams.compute_step(i, gens[i], phase)
-        if isinstance(out, tuple) and len(out) == 2 and out[0] is _FINISHED:
-            results[i] = out[1]
-            if streams is not None:  # finished inside a comm step: join before the caller uses it
-                streams.join(i)
-            return True
-        pending[i] = out
-        return False
+            streams.compute_step(i, step, carry)
+        cursor[i] += 1
+        done = cursor[i] == len(steps)
+        if done and streams is not None:  # finished inside a comm step: join before the caller uses it
+            streams.join(i)
+        return done
 
-    active = list(range(len(gens)))
+    active = [i for i, (steps, _) in enumerate(plans) if steps]
     while active:
         for i in list(active):
-            was_comm = pending[i] is not None and pending[i].comm
+            steps = plans[i][0]
+            was_comm = _is_comm(steps, cursor[i])
             done = advance(i)
-            if not done and was_comm and not pending[i].comm:
+            if not done and was_comm and not _is_comm(steps, cursor[i]):
                 done = advance(i)
             if done:
                 active.remove(i)
-    return results
+    return [carry for _, carry in plans]
 
 
 def split_micro_batches(x: Tensor, n: int) -> list[Tensor]:

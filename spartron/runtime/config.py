@@ -331,12 +331,12 @@ class RunConfig(ConfigSection):
             raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be "
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
-        if self.train.compile and self.ac.mode != "none":
+        if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:
             raise ValueError(
-                "train.compile = true cannot be combined with ac.mode = "
-                f"{self.ac.mode!r}: the checkpoint policy watches every dispatched operator from a "
-                "TorchDispatchMode, which torch.compile cannot trace and whose saves it would fuse away; "
-                "compile with ac.mode = 'none', or keep ac and set train.compile = false")
+                f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
+                "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
+                "(the same operator table) the compiled graph obeys; a reentrant region's policy is a Python "
+                "dispatch mode that compiled graphs bypass, so its saves could not be exact")
         if self.offload.what == "inputs_and_dsa_ids" and self.model.dsa is None:
             raise ValueError("offload.what = 'inputs_and_dsa_ids' offloads DSA top-k ids, but the model has no "
                              "[model.dsa]: use offload.what = 'inputs'")

@@ -12,10 +12,12 @@ from spartron.layers.decoder import DecoderLayer
 from spartron.layers.model import build_model
 from spartron.layers.schedule import (
     Phase,
+    Step,
     drive,
     interleave,
     merge_micro_batches,
     split_micro_batches,
+    then,
 )
 from spartron.runtime.config import load_config
 from spartron.testing import run_distributed
@@ -33,34 +35,47 @@ def batch(cfg, n: int = 4, seed: int = 1):
             torch.randint(0, cfg.model.vocab_size, (n, SEQ), generator=g))
 
 
+def _logged(mb: int, phases: list[str], log: list[str]) -> tuple[list[Step], dict]:
+    """A layer as steps: "attn" first, then one step per phase name; the carry ends holding mb * 10."""
+    def first(c):
+        log.append(f"attn{mb}")
+        c["out"] = mb * 10
+
+    def step(name):
+        return Step(lambda c: log.append(f"{name}{mb}"), Phase(name, comm=name in ("dispatch", "combine")))
+
+    return [Step(first), *[step(name) for name in phases]], {}
+
+
 def test_round_robin_schedule_interleaves_phases_and_follows_each_comm_step_with_its_compute_step():
     log = []
 
-    def layer(mb: int, phases: list[str]):
-        log.append(f"attn{mb}")
-        for name in phases:
-            yield Phase(name, comm=name in ("dispatch", "combine"))
-            log.append(f"{name}{mb}")
-        return mb * 10
+    def run(*plans):
+        return [c["out"] for c in interleave(plans)]
 
     moe = ["dispatch", "experts", "combine", "finalize"]
-    results = interleave([layer(0, moe), layer(1, moe)])
-    assert results == [0, 10]
+    assert run(_logged(0, moe, log), _logged(1, moe, log)) == [0, 10]
     # dispatch mb1 (which may block the host) is issued after mb0's experts, so they run under it
     assert log == ["attn0", "attn1", "dispatch0", "experts0", "dispatch1", "experts1", "combine0", "finalize0",
                    "combine1", "finalize1"]
     log.clear()  # compute steps alone alternate one step per turn
-    assert interleave([layer(0, ["a", "b"]), layer(1, ["a", "b"])]) == [0, 10]
+    assert run(_logged(0, ["a", "b"], log), _logged(1, ["a", "b"], log)) == [0, 10]
     assert log == ["attn0", "attn1", "a0", "a1", "b0", "b1"]
     log.clear()  # a comm step followed by another comm step ends the turn; three micro-batches
-    assert interleave([layer(i, ["dispatch", "combine", "experts"]) for i in range(3)]) == [0, 10, 20]
+    assert run(*[_logged(i, ["dispatch", "combine", "experts"], log) for i in range(3)]) == [0, 10, 20]
     assert log == ["attn0", "attn1", "attn2", "dispatch0", "dispatch1", "dispatch2", "combine0", "experts0",
                    "combine1", "experts1", "combine2", "experts2"]
     log.clear()
-    assert drive(layer(0, ["dispatch", "experts"])) == 0 and log == ["attn0", "dispatch0", "experts0"]
-    log.clear()  # a generator with no phases (a dense layer) finishes in the first round
-    assert interleave([layer(0, []), layer(1, ["experts"])]) == [0, 10]
+    assert drive(*_logged(0, ["dispatch", "experts"], log))["out"] == 0 and log == ["attn0", "dispatch0", "experts0"]
+    log.clear()  # a plan of one step (a dense layer) finishes in the first round
+    assert run(_logged(0, [], log), _logged(1, ["experts"], log)) == [0, 10]
     assert log == ["attn0", "attn1", "experts1"]
+
+
+def test_then_runs_step_functions_in_order_on_one_carry():
+    carry = {"x": 1}
+    then(lambda c: c.update(x=c["x"] + 1), lambda c: c.update(y=c["x"] * 10))(carry)
+    assert carry == {"x": 2, "y": 20}
 
 
 def _grads(model):
@@ -240,21 +255,28 @@ def test_comm_steps_run_on_their_own_micro_batch_stream_and_results_match_drive(
     streams: dict[str, object] = {}
 
     def layer(mb: int, x: torch.Tensor):
-        h = (x * (mb + 2)).sin()  # compute
-        yield Phase("dispatch", comm=True, reads=(h,))
-        streams[f"dispatch{mb}"] = torch.cuda.current_stream(device)
-        torch.cuda._sleep(2_000_000)  # a slow "collective": the compute stream must not wait for it here
-        h = h.flip(0) + 1
-        yield Phase("experts", reads=(h,))
-        streams[f"experts{mb}"] = torch.cuda.current_stream(device)
-        h = h @ h.T
-        yield Phase("combine", comm=True, reads=(h,))
-        streams[f"combine{mb}"] = torch.cuda.current_stream(device)
-        return h.cos().sum(0)
+        def attn(c):
+            c["h"] = (x * (mb + 2)).sin()  # compute
+
+        def dispatch(c):
+            streams[f"dispatch{mb}"] = torch.cuda.current_stream(device)
+            torch.cuda._sleep(2_000_000)  # a slow "collective": the compute stream must not wait for it here
+            c["h"] = c["h"].flip(0) + 1
+
+        def experts(c):
+            streams[f"experts{mb}"] = torch.cuda.current_stream(device)
+            c["h"] = c["h"] @ c["h"].T
+
+        def combine(c):
+            streams[f"combine{mb}"] = torch.cuda.current_stream(device)
+            c["out"] = c.pop("h").cos().sum(0)
+
+        return [Step(attn), Step(dispatch, Phase("dispatch", comm=True, reads=("h",))),
+                Step(experts, Phase("experts", reads=("h",))), Step(combine, Phase("combine", comm=True, reads=("h",)))], {}
 
     xs = [torch.randn(256, 256, device=device) for _ in range(2)]
-    expected = [drive(layer(i, x)) for i, x in enumerate(xs)]
-    got = interleave([layer(i, x) for i, x in enumerate(xs)], device=device)
+    expected = [drive(*layer(i, x))["out"] for i, x in enumerate(xs)]
+    got = [c["out"] for c in interleave([layer(i, x) for i, x in enumerate(xs)], device=device)]
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)  # the results are usable on the compute stream right away
     assert streams["experts0"] == compute and streams["experts1"] == compute

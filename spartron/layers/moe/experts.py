@@ -73,7 +73,9 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_expert
         if isinstance(counts, Tensor):
             counts = splits_to_host(counts)
-        if sum(counts) != x.shape[0]:
+        if torch.compiler.is_compiling():  # host counts are unbacked SymInts here: a runtime assert
+            torch._check(sum(counts) == x.shape[0], lambda: "GroupedExperts: tokens_per_expert sum != rows")
+        elif sum(counts) != x.shape[0]:
             raise ValueError(f"GroupedExperts: tokens_per_expert sums to {sum(counts)}, "
                              f"x has {x.shape[0]} rows")
         outs = []

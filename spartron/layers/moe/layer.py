@@ -16,8 +16,6 @@ the count of the current forward alone (a fresh tensor, for metrics).
 
 from __future__ import annotations
 
-from collections.abc import Generator
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -31,7 +29,7 @@ from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 from spartron.layers.moe.telemetry import record_routing_stats
 from spartron.layers.outputs import MoEOutput
-from spartron.layers.schedule import Phase, PhaseGen, drive, interleave
+from spartron.layers.schedule import Carry, Phase, Step, drive, interleave, then
 
 
 class MoELayer(nn.Module):
@@ -77,45 +75,72 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> MoEOutput:
         """x [batch, seq, dim] (this rank's tokens) -> MoEOutput."""
-        return drive(self.forward_phases(x))
+        return drive(self.phases(), {"moe_in": x})["moe_out"]
 
-    def forward_phases(self, x: Tensor) -> Generator[Phase, None, MoEOutput]:
-        """The forward as phases (see spartron.layers.schedule): it yields before each step
-        another micro-batch's work may overlap with; `forward` runs it straight through.
+    def phases(self) -> list[Step]:
+        """The forward as steps (see spartron.layers.schedule) over a carry holding "moe_in" (x) that
+        ends holding "moe_out" (the MoEOutput); `forward` runs them straight through.
 
-        With `micro_batches` > 1 it yields nothing: routing and the shared experts run once over all
+        With `micro_batches` > 1 it is one step: routing and the shared experts run once over all
         tokens, and only the routed token path runs per chunk of tokens, interleaved (`_chunked`)."""
+        if self.micro_batches > 1:
+            return [Step(then(self._route, self._chunked_step))]
+        routed = self._routed_steps()
+        return [Step(then(self._route, self._prepare)), *routed[:-1],
+                Step(then(routed[-1].run, self._output), routed[-1].phase)]
+
+    def _route(self, c: Carry) -> None:
+        x = c["moe_in"]
         if x.dim() != 3:
             raise ValueError(f"MoELayer expects x [batch, seq, dim], got shape {tuple(x.shape)}")
-        routing = self.router(x)
-        topk_ids, topk_weights = routing["topk_ids"], routing["topk_weights"]
-        record_routing_stats(topk_ids, self.step_tokens_per_expert)
-        tokens = x.reshape(-1, x.shape[-1])
-        if self.micro_batches > 1:
-            out, counts = self._chunked(tokens, topk_ids, topk_weights)
-        else:
-            out, counts = yield from self._routed(*self.dispatcher.prepare(tokens, topk_ids, topk_weights))
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(tokens)
-        return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"], topk_ids=topk_ids,
-                         topk_weights=topk_weights, tokens_per_expert=counts, aux_loss=routing["aux_loss"])
+        c["routing"] = routing = self.router(x)
+        record_routing_stats(routing["topk_ids"], self.step_tokens_per_expert)
+        c["tokens"] = x.reshape(-1, x.shape[-1])
 
-    def _routed(self, rows: Tensor, state) -> Generator[Phase, None, tuple[Tensor, Tensor]]:
-        """Routed experts of prepared `rows` (dispatcher.prepare) -> ([T, dim] gate-weighted sums,
-        counts per expert)."""
+    def _prepare(self, c: Carry) -> None:
+        c["rows"], c["state"] = self.dispatcher.prepare(c["tokens"], c["routing"]["topk_ids"],
+                                                        c["routing"]["topk_weights"])
+
+    def _chunked_step(self, c: Carry) -> None:
+        c["routed"] = self._chunked(c["tokens"], c["routing"]["topk_ids"], c["routing"]["topk_weights"])
+        self._output(c, shared_done=True)
+
+    def _output(self, c: Carry, shared_done: bool = False) -> None:
+        out, counts = c["routed"]
+        if self.shared_experts is not None and not shared_done:
+            out = out + self.shared_experts(c["tokens"])
+        x, routing = c.pop("moe_in"), c.pop("routing")
+        for key in ("tokens", "routed", "state"):  # not kept past the layer (an interleave holds every carry)
+            c.pop(key, None)
+        c["moe_out"] = MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"],
+                                 topk_ids=routing["topk_ids"], topk_weights=routing["topk_weights"],
+                                 tokens_per_expert=counts, aux_loss=routing["aux_loss"])
+
+    def _routed_steps(self) -> list[Step]:
+        """Routed experts of prepared carry["rows"] / ["state"] (dispatcher.prepare) -> carry["routed"]
+        = ([T, dim] gate-weighted sums, counts per expert). Phase.reads: the rows handed across
+        streams, which the next step replaces while the other stream may still read them; what
+        "state" holds stays alive until the layer ends, after the compute stream has joined the last
+        comm step, so it needs no recording."""
         d = self.dispatcher
-        # Phase.reads: the `rows` handed across streams, which the next step drops (rebinding) while
-        # the other stream may still read them. What `state` holds stays alive until this returns,
-        # after the compute stream has joined the last comm step, so it needs no recording.
-        yield Phase("dispatch", comm=True, reads=(rows,))  # (EP) count exchange, splits to host, all-to-all
-        rows = d.dispatch(rows, state)
-        yield Phase("experts", reads=(rows,))
-        rows, tokens_per_local_expert = d.post_dispatch(rows, state)
-        rows = d.pre_combine(self.experts(rows, tokens_per_local_expert), state)
-        yield Phase("combine", comm=True, reads=(rows,))
-        rows = d.combine(rows, state)
-        yield Phase("finalize", reads=(rows,))
-        return d.finalize(rows, state), state.tokens_per_expert
+
+        def dispatch(c: Carry) -> None:  # (EP) count exchange, splits to host, all-to-all
+            c["rows"] = d.dispatch(c["rows"], c["state"])
+
+        def experts(c: Carry) -> None:
+            rows, tokens_per_local_expert = d.post_dispatch(c["rows"], c["state"])
+            c["rows"] = d.pre_combine(self.experts(rows, tokens_per_local_expert), c["state"])
+
+        def combine(c: Carry) -> None:
+            c["rows"] = d.combine(c["rows"], c["state"])
+
+        def finalize(c: Carry) -> None:
+            c["routed"] = (d.finalize(c.pop("rows"), c["state"]), c["state"].tokens_per_expert)
+
+        return [Step(dispatch, Phase("dispatch", comm=True, reads=("rows",))),
+                Step(experts, Phase("experts", reads=("rows",))),
+                Step(combine, Phase("combine", comm=True, reads=("rows",))),
+                Step(finalize, Phase("finalize", reads=("rows",)))]
 
     def _chunked(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
         """The routed path over `micro_batches` chunks of tokens, interleaved, plus the shared experts.
@@ -135,15 +160,22 @@ class MoELayer(nn.Module):
         prepared = [d.prepare(t, i, w) for t, i, w in
                     zip(tokens.split(sizes), topk_ids.split(sizes), topk_weights.split(sizes), strict=True)]
         d.exchange_counts_together([state for _, state in prepared])
-        gens: list = [self._routed(rows, state) for rows, state in prepared]
+        # Each chunk's first step is empty (its first point is the dispatch); the shared experts are
+        # one step with no phase: `interleave` runs it whole in its first turn, after the chunks'
+        # (empty) first steps and before any exchange.
+        plans: list = [([Step(_nothing), *self._routed_steps()], {"rows": rows, "state": state})
+                       for rows, state in prepared]
         if self.shared_experts is not None:
-            gens.append(_at_first_turn(self.shared_experts, tokens))
-        results = interleave(gens, device=tokens.device)
-        out = torch.cat([r[0] for r in results[:n]])
-        counts = torch.stack([r[1] for r in results[:n]]).sum(dim=0)
+            plans.append(([Step(self._shared)], {"tokens": tokens}))
+        results = interleave(plans, device=tokens.device)
+        out = torch.cat([r["routed"][0] for r in results[:n]])
+        counts = torch.stack([r["routed"][1] for r in results[:n]]).sum(dim=0)
         if self.shared_experts is not None:
-            out = out + results[n]
+            out = out + results[n]["shared"]
         return out, counts
+
+    def _shared(self, c: Carry) -> None:
+        c["shared"] = self.shared_experts(c["tokens"])
 
     @torch.no_grad()
     def update_expert_bias(self, counts: Tensor | None = None,
@@ -169,8 +201,5 @@ def even_split_sizes(rows: int, n: int) -> list[int]:
     return [rows // n + (i < rows % n) for i in range(n)]
 
 
-def _at_first_turn(fn, x: Tensor) -> PhaseGen:
-    """`fn(x)` as a phase generator with no phase: `interleave` runs it whole in its first turn,
-    after the other micro-batches' first steps (up to their first dispatch) and before any exchange."""
-    return fn(x)
-    yield  # unreachable: makes this a generator function
+def _nothing(c: Carry) -> None:
+    """The first step of a chunk whose work starts at its dispatch."""
