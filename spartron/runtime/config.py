@@ -358,6 +358,11 @@ class RunConfig(ConfigSection):
         if self.train.eval_every and self.train.data.kind == "mmap":
             raise ValueError("train.eval_every needs a held-out split, and a train.data.kind = 'mmap' token file "
                              "has none: evaluate on synthetic data, or set train.eval_every = 0")
+        if self.observe.memory_snapshot_on_oom and self.device == "cpu":
+            raise ValueError("observe.memory_snapshot_on_oom records the CUDA allocator's history, but device = 'cpu'")
+        if self.observe.nccl_flight_recorder and (self.device == "cpu" or self.parallel.backend == "gloo"):
+            raise ValueError("observe.nccl_flight_recorder records NCCL collectives, but this run uses gloo "
+                             "(device = 'cpu' or parallel.backend = 'gloo')")
         return self
 
     def _check_intra_layer_micro_batches(self) -> None:

@@ -4,6 +4,7 @@ it fails. `RunObserver` is the trainer's one handle on all of it.
 - TensorBoard event files in `<run dir>/tensorboard` (`observe.tensorboard`; spartron.runtime.tensorboard)
   and Weights & Biases (`observe.wandb_project`), on rank 0; each optional package is checked when the
   config is validated, so a configured sink without its package is an error naming the key.
+- A startup banner (rank 0, before the first step): parameter counts, layout, planned memory, outputs.
 - Progress on long phases: rank 0 prints a line every `observe.progress_every_s` while one step or one
   save is still running (a timer thread; the first step of a big model compiles and warms up for minutes).
 - `observe.memory_snapshot_on_oom` (CUDA): the allocator records its history from setup on, and a CUDA
@@ -21,7 +22,7 @@ import importlib.util
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -72,8 +73,9 @@ def launch_env(cfg: ObserveConfig, run_dir: Path) -> dict[str, str]:
 class Heartbeat:
     """Rank 0's timer thread: while a phase runs longer than `every_s`, print how long it has run."""
 
-    def __init__(self, every_s: float, enabled: bool) -> None:
+    def __init__(self, every_s: float, enabled: bool, say: Callable[[str], None] | None = None) -> None:
         self.every_s, self.enabled = every_s, enabled and every_s > 0
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._phase: tuple[str, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,9 +107,6 @@ class Heartbeat:
             if due > (said[1] if said[0] == since else 0):
                 said = (since, due)
                 self.say(f"spartron: {what} running for {ran:.0f} s")
-
-    def say(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._stop.set()
@@ -170,3 +169,46 @@ class RunObserver:
         self.memory.close()
         if self.sinks is not None:
             self.sinks.close()
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int | None) -> str:  # noqa: ANN001
+    """The lines rank 0 prints before the first step. Total and active counts (active: dense parameters
+    plus top_k of n_routed_experts of the routed ones) and the planned bytes of parameters, gradients and
+    optimizer state per rank are the cost model's (spartron.layers.costs) for the reference model; the
+    per-rank count is this rank's own shards of the model actually built."""
+    from spartron.layers.costs import count_parameters, state_bytes_per_rank
+
+    params = count_parameters(cfg.model)
+    moe = cfg.model.moe
+    active = params.dense + params.experts * moe.top_k // max(moe.n_routed_experts, 1)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    planned = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)["total"]
+    t, o = cfg.train, cfg.observe
+    outputs = [f"metrics {run_dir / 'metrics.jsonl'}", f"saved steps {run_dir}/step-*"
+               + (f" every {t.save_every}" if t.save_every else " (train.save_every = 0: none)")]
+    if dims.world_size > 1:
+        outputs.append(f"rank logs {run_dir / 'logs'}")
+    if o.tensorboard:
+        outputs.append(f"tensorboard {run_dir / 'tensorboard'}")
+    if o.wandb_project:
+        outputs.append(f"wandb project {o.wandb_project} ({o.wandb_mode})")
+    start = f"resuming after step {resumed_from}" if resumed_from is not None else (
+        f"from {t.init_from}" if t.init_from else f"from seed {t.seed}")
+    evaluation = (f"every {t.eval_every} steps on {t.eval_steps * t.global_batch_size} held-out sequences"
+                  if t.eval_every else "off (train.eval_every = 0)")
+    return "\n".join([
+        f"spartron: run {cfg.name!r}: {t.steps} steps of {t.global_batch_size} x {t.seq_len} tokens, {start}",
+        f"  parameters   {_count(params.total)} total, {_count(active)} active per token, {_count(local)} on rank 0",
+        f"  layout       {dims.describe()}",
+        f"  memory/rank  {planned / 2**30:.3f} GiB planned for parameters, gradients and optimizer state "
+        "(activations not included)",
+        f"  evaluation   {evaluation}",
+        "  outputs      " + "; ".join(outputs),
+    ])
