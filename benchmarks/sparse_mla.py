@@ -4,7 +4,8 @@
     python benchmarks/sparse_mla.py --smoke                                           # tiny, CPU, seconds
 
 Sparse: absorbed MLA form, q [1, S, H, kv_lora + rope], kv [1, S, kv_lora + rope], random causal
-top-k ids (unique per query, -1 padding for early queries), value dim kv_lora. Dense: the per-head
+top-k ids (unique per query, -1 padding for early queries), value dim kv_lora. The backward is also
+timed with the deterministic dkv (model.dsa.deterministic_dkv). Dense: the per-head
 form the dense MLA layer runs, SDPA causal with q/k head dim nope + rope and v head dim v.
 Cases: each `--cases` entry SEQxHEADS (default 16k x 16 and 16k x 64 forward, backward and
 forward+backward; 64k x 64 forward only) with dense SDPA at the same length and heads; `--reference`
@@ -115,6 +116,10 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
         torch.ops.spartron.sparse_mla_backward(grad_out, zero_lse, q.detach(), kv.detach(), ids, out, lse,
                                                scale, lat, chunk)
 
+    def sparse_bwd_deterministic():  # model.dsa.deterministic_dkv: int64 fixed-point dkv
+        torch.ops.spartron.sparse_mla_backward(grad_out, zero_lse, q.detach(), kv.detach(), ids, out, lse,
+                                               scale, lat, chunk, True)
+
     def sparse_fwd_bwd():
         o, _ = sparse_mla(q, kv, ids, scale, lat)
         o.backward(grad_out)
@@ -127,7 +132,9 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
 
     cases = [("sparse_fwd", sparse_fwd, fwd_flops)]
     if not fwd_only:
-        cases += [("sparse_bwd", sparse_bwd, 2.5 * fwd_flops), ("sparse_fwd_bwd", sparse_fwd_bwd, 3.5 * fwd_flops)]
+        cases += [("sparse_bwd", sparse_bwd, 2.5 * fwd_flops),
+                  ("sparse_bwd_deterministic", sparse_bwd_deterministic, 2.5 * fwd_flops),
+                  ("sparse_fwd_bwd", sparse_fwd_bwd, 3.5 * fwd_flops)]
     if reference:
         cases += [("reference_fwd_bwd", reference_fwd_bwd, 3.5 * fwd_flops)]
     qd = torch.randn(1, h, s, nope + rope, device=device, dtype=dtype, generator=g).requires_grad_()

@@ -92,6 +92,7 @@ CASES = [  # (batch, s_q, s_kv, heads, top-k, shuffled ids)
     (2, 1000, 1000, 48, 256, False),
     (1, 16384, 16384, 16, 2048, False),
     (1, 16384, 16384, 64, 2048, False),
+    (1, 16384, 16384, 128, 2048, False),
     (1, 4096, 4096, 128, 2048, True),
 ]
 
@@ -177,3 +178,110 @@ def test_cuda_float32_is_an_error_not_a_fallback():
     ids = torch.zeros(1, 2, 2, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs; got torch.float32"):
         sparse_mla(q, kv, ids, 0.1, 512)
+
+
+def _case(b, s, h, k, seed, shuffle=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, s, h, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, s, 576, device="cuda", generator=g).bfloat16()
+    ids = _ids(b, s, s, k, g, shuffle)
+    go = torch.randn(b, s, h, 512, device="cuda", generator=g).bfloat16()
+    return q, kv, ids, go
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h", [16, 64])
+def test_deterministic_dkv_is_bitwise_reproducible_and_accurate(h):
+    b, s, k = 1, 4096, 2048
+    q, kv, ids, go = _case(b, s, h, k, seed=11)
+    scale = 192 ** -0.5
+    gl = torch.zeros(b, s, h, device="cuda")
+    out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
+    runs = [sparse_mla_triton.backward(go, gl, q, kv, ids, out, lse, scale, 512, deterministic=True)
+            for _ in range(3)]
+    assert all(torch.equal(r[1], runs[0][1]) and torch.equal(r[0], runs[0][0]) for r in runs[1:])
+    ref_out, ref_lse = reference_forward(q.double(), kv.double(), ids, scale, 512, 256)
+    ref_dq, ref_dkv = reference_backward(go.double(), gl.double(), q.double(), kv.double(), ids, ref_lse, scale,
+                                         512, 256)
+    dq, dkv = runs[0]
+    atomic_dkv = sparse_mla_triton.backward(go, gl, q, kv, ids, out, lse, scale, 512)[1]
+    errors = dict(dq=_rel(dq, ref_dq), dkv=_rel(dkv, ref_dkv), atomic_dkv=_rel(atomic_dkv, ref_dkv))
+    print(f"deterministic h={h}:", " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert all(e <= 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_deterministic_flag_reaches_the_kernel_through_autograd():
+    q, kv, ids, go = _case(1, 1024, 16, 256, seed=12)
+    grads = []
+    for _ in range(2):
+        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, _ = sparse_mla(qg, kvg, ids, 0.1, 512, deterministic=True)
+        out.backward(go)
+        grads.append(kvg.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h", [16, 128])
+def test_kernels_under_cp2_equal_cp1(h):
+    """CP layout: each rank's local queries (load-balanced shard) with their global-position ids attend
+    over the all-gathered kv; out, lse and dq equal the CP=1 rows bitwise, and the ranks' dkv sum (what
+    the all-gather's backward reduce-scatters) matches CP=1 and the float64 reference."""
+    from spartron.layers.attention.context_parallel import shard_sequence
+
+    b, s, k = 1, 4096, 2048
+    q, kv, ids, go = _case(b, s, h, k, seed=13)
+    scale = 192 ** -0.5
+    gl = torch.zeros(b, s, h, device="cuda")
+    out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
+    dq, dkv = sparse_mla_triton.backward(go, gl, q, kv, ids, out, lse, scale, 512)
+    dkv_sum = torch.zeros_like(kv, dtype=torch.float32)
+    for rank in range(2):
+        q_r, ids_r, go_r = (shard_sequence(t, 2, rank) for t in (q, ids, go))
+        out_r, lse_r = sparse_mla_triton.forward(q_r.contiguous(), kv, ids_r.contiguous(), scale, 512)
+        assert torch.equal(out_r, shard_sequence(out, 2, rank)) and torch.equal(lse_r, shard_sequence(lse, 2, rank))
+        dq_r, dkv_r = sparse_mla_triton.backward(go_r.contiguous(), shard_sequence(gl, 2, rank).contiguous(),
+                                                 q_r.contiguous(), kv, ids_r.contiguous(), out_r, lse_r, scale, 512)
+        assert torch.equal(dq_r, shard_sequence(dq, 2, rank))
+        dkv_sum += dkv_r.float()
+    ref_out, ref_lse = reference_forward(q.double(), kv.double(), ids, scale, 512, 256)
+    _, ref_dkv = reference_backward(go.double(), gl.double(), q.double(), kv.double(), ids, ref_lse, scale, 512, 256)
+    errors = dict(cp_vs_cp1=_rel(dkv_sum, dkv.double()), cp_vs_float64=_rel(dkv_sum, ref_dkv))
+    print(f"cp2 h={h}:", " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert all(e <= 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h", [16, 64])
+def test_kernels_at_64k_match_float64_on_sampled_queries(h):
+    """64k tokens x top-k 2048: the kernels run over every query; out, lse and dq are checked on 256
+    sampled queries, and dkv with the output gradient zero elsewhere (so the sampled queries' float64
+    backward is the whole dkv)."""
+    b, s, k = 1, 65536, 2048
+    g = torch.Generator(device="cuda").manual_seed(14)
+    q = torch.randn(b, s, h, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, s, 576, device="cuda", generator=g).bfloat16()
+    ids = _ids(b, s, s, k, g, shuffle=False)
+    rows = torch.randperm(s, device="cuda", generator=g)[:256].sort().values
+    go = torch.zeros(b, s, h, 512, device="cuda", dtype=torch.bfloat16)
+    go[:, rows] = torch.randn(b, rows.numel(), h, 512, device="cuda", generator=g).bfloat16()
+    scale = 192 ** -0.5
+    qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = sparse_mla(qg, kvg, ids, scale, 512)
+    out.backward(go)
+    qs, ids_s = q[:, rows].double(), ids[:, rows]
+    ref_out, ref_lse = reference_forward(qs, kv.double(), ids_s, scale, 512, 64)
+    ref_dq, ref_dkv = reference_backward(go[:, rows].double(), torch.zeros_like(ref_lse), qs, kv.double(), ids_s,
+                                         ref_lse, scale, 512, 64)
+    fin = torch.isfinite(ref_lse)
+    errors = dict(out=_rel(out[:, rows], ref_out), lse=_rel(lse[:, rows][fin], ref_lse[fin]),
+                  dq=_rel(qg.grad[:, rows], ref_dq), dkv=_rel(kvg.grad, ref_dkv))
+    for name, t in dict(out=out, dq=qg.grad, dkv=kvg.grad).items():
+        assert torch.isfinite(t).all(), f"{name} has non-finite values"
+    print(f"64k h={h}:", " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert all(e <= 1e-2 for e in errors.values()), errors

@@ -1,0 +1,152 @@
+"""The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + torch.topk) timed and checked.
+
+    python benchmarks/indexer.py --out benchmarks/results/indexer.json --commit SHA   # CUDA
+    python benchmarks/indexer.py --smoke                                              # tiny, CPU (reference)
+
+Per case SEQ (default 16k and 64k; 32 index heads x 128, top-k 2048, batch 1, causal): the score
+kernel alone (whole chunks, as the op runs them), torch.topk alone on one chunk of scores, and the
+whole op in bf16 and fp8, every timed step recorded. FLOPs: 2 x visible (query, key) pairs x heads x
+head dim (the MMA work; ReLU, weights and top-k are not counted), against the bf16 matmul ceiling
+measured in the same run. Agreement on sampled queries: the bf16 op's ids against a float64 oracle
+(set equal except keys within 1e-3 relative of the k-th score), and fp8's ids against bf16's
+(fraction of shared ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py / sparse_mla.py, also under -m
+from common import device_name, write_report  # noqa: E402
+from sparse_mla import git_commit, matmul_ceiling, timed  # noqa: E402
+
+from spartron.layers.attention.indexer_topk import index_scores, indexer_topk  # noqa: E402
+
+
+def sampled_rows(s: int, n: int, device) -> torch.Tensor:
+    """n query rows spread over the sequence, the last one included (it sees every key)."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    rows = torch.randperm(s, generator=g)[: n - 1]
+    return torch.cat([rows, torch.tensor([s - 1])]).unique().to(device)
+
+
+def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3) -> dict:
+    """Float64 scores of the sampled rows; the op's ids may differ from the exact top-k only in keys whose
+    exact score lies within rel_tol (relative) of the k-th score."""
+    pos = torch.arange(k.shape[1], device=k.device)
+    bad, checked = 0, 0
+    for r in rows.tolist():
+        vis = (pos <= r)[None]
+        exact = index_scores(q[:, r:r + 1].double(), w[:, r:r + 1].double(), k.double(), vis)[0, 0]
+        kk = min(topk, r + 1)
+        kth = exact.topk(kk).values[-1]
+        got = ids[0, r][ids[0, r] >= 0].long()
+        want = exact.topk(kk).indices
+        diff = torch.cat([got[~torch.isin(got, want)], want[~torch.isin(want, got)]])
+        near = (exact[diff] - kth).abs() <= rel_tol * kth.abs()
+        bad += int((~near).sum()) + abs(got.numel() - kk)
+        checked += kk
+    return dict(rows=rows.numel(), ids_checked=checked, ids_outside_tolerance=bad)
+
+
+def case(args, device, s: int) -> dict:
+    h, d, topk = args.heads, args.dim, args.topk
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, s, h, d, device=device, generator=g).to(dtype)
+    k = torch.randn(1, s, d, device=device, generator=g).to(dtype)
+    w = torch.randn(1, s, h, device=device, generator=g).to(dtype) * (h * d) ** -0.5
+    pos = torch.arange(s, device=device)
+    pairs = s * (s + 1) // 2
+    flops = 2 * pairs * h * d
+    rows = {}
+
+    def full(fp8=False):
+        return indexer_topk(q, w, k, pos, pos, topk, fp8)
+
+    steps = [("indexer_topk_bf16", lambda: full(False), flops)]
+    if device.type == "cuda":
+        from spartron.layers.attention import indexer_triton as it
+        chunk = it.chunk_rows(1, s, s, it.IndexerKernelConfig().block_m)
+        buf = torch.empty(1, chunk, s, device=device)
+        w32, qpos = w.float(), pos.to(torch.int32)
+
+        def scores_only():
+            for c0 in range(0, s, chunk):
+                c = min(chunk, s - c0)
+                it.scores(q, w32, k, None, qpos, qpos, c0, c, buf[:, :c])
+
+        def topk_only():  # the last chunk's scores (the fullest rows)
+            buf.topk(min(topk, s), dim=-1)
+
+        steps = [("scores_kernel", scores_only, flops), ("torch_topk_one_chunk", topk_only, 0)] + steps
+        steps.append(("indexer_topk_fp8", lambda: full(True), flops))
+        rows["chunk_rows"] = chunk
+    for name, fn, fl in steps:
+        r = timed(fn, device, args.iters, args.warmup)
+        rows[name] = dict(r, flops=fl, tflops=fl / r["ms"] / 1e9 if fl else None)
+        print(name, f"{r['ms']:.3f} ms", flush=True)
+    ids = full(False)
+    sample = sampled_rows(s, args.check_rows, device)
+    rows["bf16_vs_float64_oracle"] = oracle_mismatch(q, w, k, sample, ids, topk)
+    if device.type == "cuda":
+        ids8 = full(True)
+        shared = [torch.isin(ids8[0, r][ids8[0, r] >= 0], ids[0, r][ids[0, r] >= 0]).float().mean().item()
+                  for r in sample.tolist()]
+        rows["fp8_vs_bf16_shared_fraction"] = dict(mean=sum(shared) / len(shared), min=min(shared))
+        rows["fp8_vs_float64_oracle"] = oracle_mismatch(q, w, k, sample, ids8, topk)
+    return dict(seq=s, heads=h, head_dim=d, topk=topk, visible_pairs=pairs, results=rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the reference path)")
+    p.add_argument("--seqs", type=int, nargs="+", default=[16384, 65536])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--check-rows", dest="check_rows", type=int, default=256)
+    p.add_argument("--commit", default=None, help="git commit to record (the GPU copy's git metadata lies)")
+    args = p.parse_args()
+    if args.smoke:
+        args.seqs, args.heads, args.dim, args.topk, args.iters, args.warmup, args.check_rows = [96], 4, 16, 8, 2, 1, 8
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    cases = []
+    for s in args.seqs:
+        print(f"case seq {s}", flush=True)
+        cases.append(case(args, device, s))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    cuda = device.type == "cuda"
+    ceiling = matmul_ceiling(device, torch.bfloat16 if cuda else torch.float32, 8192 if cuda else 256, 20 if cuda else 2)
+    for c in cases:
+        for r in c["results"].values():
+            if isinstance(r, dict) and r.get("tflops"):
+                r["fraction_of_bf16_ceiling"] = r["tflops"] / ceiling
+    triton_version = None
+    if cuda:
+        import triton
+        triton_version = triton.__version__
+    report = dict(benchmark="indexer", device=device_name(cuda), torch=torch.__version__, triton=triton_version,
+                  cuda=torch.version.cuda, commit=args.commit or git_commit(), smoke=args.smoke, iters=args.iters,
+                  warmup=args.warmup, flop_model="2 * visible causal pairs * heads * head_dim",
+                  ceiling_bf16_matmul_tflops=ceiling, cases=cases)
+    for c in cases:
+        for name, r in c["results"].items():
+            if isinstance(r, dict) and "ms" in r:
+                frac = r.get("fraction_of_bf16_ceiling")
+                print(f"{c['seq']:6d} {name:24s} {r['ms']:9.3f} ms" + (f" {frac:6.1%} of ceiling" if frac else ""))
+            elif isinstance(r, dict):
+                print(f"{c['seq']:6d} {name:24s} {r}")
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

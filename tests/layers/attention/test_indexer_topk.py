@@ -1,0 +1,236 @@
+"""`spartron::indexer_topk`: the lightning indexer's scores + causal top-k op, its fp8 option and its kernel.
+
+CPU: the reference equals the unchunked formula (causal and CP positions), fp8 quantisation, the
+dispatch, the kernel's limits, the config rule, the benchmark's smoke mode. GPU (`pytest -m gpu`):
+the Triton kernel's scores and ids against a float64 oracle (the top-k set equal except keys within
+1e-3 relative of the k-th score), CP positions, and fp8 against bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from spartron.layers.attention import indexer_triton
+from spartron.layers.attention.context_parallel import local_positions
+from spartron.layers.attention.dsa import LightningIndexer
+from spartron.layers.attention.indexer_fp8 import fp8_operands, quantize_fp8
+from spartron.layers.attention.indexer_topk import (
+    causal_visible,
+    index_scores,
+    indexer_topk,
+    reference_indexer_topk,
+    topk_ids,
+)
+from spartron.layers.config import DSAConfig, ModelConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton indexer kernel")
+
+
+def _inputs(b, s_q, s_kv, h, d, device="cpu", dtype=torch.float64, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, s_q, h, d, device=device, generator=g).to(dtype)
+    k = torch.randn(b, s_kv, d, device=device, generator=g).to(dtype)
+    w = (torch.randn(b, s_q, h, device=device, generator=g) * (h * d) ** -0.5).to(dtype)
+    return q, w, k
+
+
+# --- CPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cp_rank", [None, 0, 1])
+def test_reference_equals_the_unchunked_formula(cp_rank, monkeypatch):
+    q, w, k = _inputs(2, 24 if cp_rank is None else 12, 24, 3, 8)
+    q_pos = torch.arange(24) if cp_rank is None else local_positions(24, 2, cp_rank)
+    k_pos = torch.arange(24)
+    want = topk_ids(index_scores(q, w, k, causal_visible(q_pos, k_pos)), 5)
+    monkeypatch.setattr("spartron.layers.attention.indexer_topk._REFERENCE_CHUNK_BYTES", 4 * 2 * 3 * 24 * 5)
+    got = indexer_topk(q, w, k, q_pos, k_pos, 5)  # chunks of 5 queries
+    assert got.dtype == torch.int32 and got.shape == (2, q.shape[1], 5)
+    assert torch.equal(got, want)
+    if cp_rank != 1:  # position 0 (on rank 0) sees one key: the rest of its row is -1
+        assert got[:, int(q_pos.argmin())].tolist() == [[0, -1, -1, -1, -1]] * 2
+    else:  # rank 1 holds positions 6..17: every row full
+        assert q_pos.min() == 6 and bool((got >= 0).all())
+
+
+def test_topk_is_capped_at_the_key_count():
+    q, w, k = _inputs(1, 4, 4, 2, 8)
+    assert indexer_topk(q, w, k, torch.arange(4), torch.arange(4), 10).shape == (1, 4, 4)
+
+
+def test_fp8_quantises_each_row_to_its_amax():
+    x = torch.tensor([[1.0, -2.0, 0.5], [448.0, 0.0, -224.0], [0.0, 0.0, 0.0]])
+    x8, scale = quantize_fp8(x)
+    assert x8.dtype == torch.float8_e4m3fn
+    assert torch.equal(scale, torch.tensor([2.0 / 448, 1.0, torch.finfo(torch.float32).tiny]))
+    assert x8.float()[1].tolist() == [448.0, 0.0, -224.0]
+    assert x8.float().abs().amax(-1)[:2].tolist() == [448.0, 448.0]
+
+
+def test_fp8_reference_is_the_top_k_of_the_dequantised_scores():
+    q, w, k = _inputs(1, 16, 16, 2, 8, dtype=torch.float32)
+    pos = torch.arange(16)
+    q8, w8, k8, ks = fp8_operands(q, w, k)
+    scores = index_scores(q8.float() * 1.0, w8, k8.float(), causal_visible(pos, pos)) * ks[:, None, :]
+    # the same scores as dequantising first: ReLU(a q . b k) = a b ReLU(q . k) for a, b > 0
+    _, qs = quantize_fp8(q)
+    deq = index_scores(q8.float() * qs[..., None], w, k8.float() * ks[..., None], causal_visible(pos, pos))
+    torch.testing.assert_close(scores, deq, rtol=1e-5, atol=1e-6)
+    assert torch.equal(indexer_topk(q, w, k, pos, pos, 4, fp8=True), topk_ids(scores, 4))
+
+
+def test_cuda_has_its_own_kernel():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("spartron::indexer_topk", "CUDA")
+
+
+def test_fake_and_dispatch_registration():
+    q, w, k = _inputs(1, 6, 6, 2, 8)
+    pos = torch.arange(6)
+    torch.library.opcheck(torch.ops.spartron.indexer_topk.default, (q, w, k, pos, pos, 3, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("d, dtype, message", [
+    (96, torch.bfloat16, "needs a power-of-two index head dim >= 16; got 96"),
+    (8, torch.bfloat16, "got 8"),
+    (128, torch.float32, "needs bfloat16 or float16 q and k; got torch.float32"),
+])
+def test_kernel_limits_are_errors_naming_the_limit(d, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        indexer_triton.check_supported(torch.zeros(1, 2, 4, d, dtype=dtype), torch.zeros(1, 2, d, dtype=dtype))
+
+
+def test_bad_shapes_are_rejected():
+    q, w, k = _inputs(1, 6, 6, 2, 8)
+    with pytest.raises(ValueError, match="expects q"):
+        indexer_topk(q, w[..., :1], k, torch.arange(6), torch.arange(6), 3)
+    with pytest.raises(ValueError, match="positions must be"):
+        indexer_topk(q, w, k, torch.arange(5), torch.arange(6), 3)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        indexer_topk(q, w, k, torch.arange(6), torch.arange(6), 0)
+
+
+def test_score_chunks_stay_near_the_buffer_budget():
+    assert indexer_triton.chunk_rows(1, 16384, 16384, 128) == 16384  # 1 GiB: the whole 16k sequence
+    assert indexer_triton.chunk_rows(1, 65536, 65536, 128) == 4096
+    assert indexer_triton.chunk_rows(2, 65536, 65536, 128) == 2048
+    assert indexer_triton.chunk_rows(1, 100, 1 << 30, 128) == 100  # never below one tile, never above S_q
+
+
+def test_fp8_is_for_the_frozen_selection_only():
+    with pytest.raises(ValidationError, match="model.dsa.indexer_fp8 applies to the frozen selection only"):
+        DSAConfig(indexer_fp8=True, indexer_mode="kl_dense", indexer_loss_coeff=0.1)
+    cfg = ModelConfig.model_validate(dict(
+        dim=16, n_heads=2, n_layers=2, first_k_dense=1,
+        mla=dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+        dsa=dict(n_index_heads=2, index_head_dim=8, index_topk=3, indexer_fp8=True)))
+    assert LightningIndexer(cfg).fp8 is True
+
+
+def test_benchmark_smoke_mode(tmp_path):
+    out = tmp_path / "indexer.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer.py"), "--smoke", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cases"][0]["results"]["bf16_vs_float64_oracle"]["ids_outside_tolerance"] == 0
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+def _outside_tolerance(q, w, k, q_pos, k_pos, ids, rows, rel_tol=1e-3) -> int:
+    """Ids of sampled rows that differ from the float64 top-k by more than rel_tol of the k-th score."""
+    bad = 0
+    for r in rows:
+        vis = causal_visible(q_pos[r:r + 1], k_pos)
+        exact = index_scores(q[:, r:r + 1].double(), w[:, r:r + 1].double(), k.double(), vis)
+        for bi in range(q.shape[0]):
+            row = exact[bi, 0]
+            kk = min(ids.shape[-1], int(vis.sum()))
+            top = row.topk(kk)
+            got = ids[bi, r][ids[bi, r] >= 0].long()
+            diff = torch.cat([got[~torch.isin(got, top.indices)], top.indices[~torch.isin(top.indices, got)]])
+            bad += int(((row[diff] - top.values[-1]).abs() > rel_tol * top.values[-1].abs()).sum())
+            bad += abs(got.numel() - kk)
+    return bad
+
+
+GPU_CASES = [  # (batch, s_q, heads, head dim, top-k)
+    (1, 333, 4, 64, 50),  # lengths off every tile size
+    (2, 1000, 32, 128, 256),
+    (1, 16384, 32, 128, 2048),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("b, s, h, d, topk", GPU_CASES)
+def test_kernel_ids_match_float64_oracle(b, s, h, d, topk):
+    q, w, k = _inputs(b, s, s, h, d, "cuda", torch.bfloat16, seed=s)
+    pos = torch.arange(s, device="cuda")
+    ids = indexer_topk(q, w, k, pos, pos, topk)
+    assert ids.shape == (b, s, min(topk, s)) and ids.dtype == torch.int32
+    assert torch.equal((ids >= 0).sum(-1), torch.clamp(pos + 1, max=topk).expand(b, -1).int())
+    rows = sorted(set(torch.randint(0, s, (64,), generator=torch.Generator().manual_seed(1)).tolist()) | {0, s - 1})
+    assert _outside_tolerance(q, w, k, pos, pos, ids, rows) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_scores_match_reference_and_mask():
+    q, w, k = _inputs(2, 300, 300, 8, 64, "cuda", torch.bfloat16)
+    pos = torch.arange(300, device="cuda")
+    out = torch.empty(2, 170, 300, device="cuda")
+    indexer_triton.scores(q, w.float(), k, None, pos.int(), pos.int(), 100, 170, out)
+    ref = index_scores(q[:, 100:270], w[:, 100:270], k, causal_visible(pos[100:270], pos))
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_under_cp_equals_cp1():
+    """Local queries (load-balanced shard, global positions) against all-gathered keys: CP=2 ids
+    equal the CP=1 ids of the same queries."""
+    s = 4096
+    q, w, k = _inputs(1, s, s, 32, 128, "cuda", torch.bfloat16, seed=3)
+    pos = torch.arange(s, device="cuda")
+    full = indexer_topk(q, w, k, pos, pos, 512)
+    for rank in range(2):
+        local = local_positions(s, 2, rank, "cuda")
+        ids = indexer_topk(q[:, local], w[:, local], k, local, pos, 512)
+        assert torch.equal(ids, full[:, local])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_ids_match_their_oracle_and_mostly_agree_with_bf16():
+    s, topk = 4096, 512
+    q, w, k = _inputs(1, s, s, 32, 128, "cuda", torch.bfloat16, seed=4)
+    pos = torch.arange(s, device="cuda")
+    ids8 = indexer_topk(q, w, k, pos, pos, topk, fp8=True)
+    ids = indexer_topk(q, w, k, pos, pos, topk)
+    rows = list(range(topk, s, 97))
+    q8, w8, k8, ks = fp8_operands(q, w, k)
+    # the fp8 oracle: float64 scores of the quantised operands (key scale applied per column)
+    bad = _outside_tolerance(q8.float(), w8, k8.float() * ks[..., None], pos, pos, ids8, rows)
+    assert bad == 0
+    shared = [torch.isin(ids8[0, r], ids[0, r]).float().mean().item() for r in rows]
+    print(f"fp8 vs bf16 shared ids: mean {sum(shared) / len(shared):.4f} min {min(shared):.4f}")
+    assert sum(shared) / len(shared) > 0.75
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_float32_is_an_error_not_a_fallback():
+    q, w, k = _inputs(1, 4, 4, 2, 16, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="needs bfloat16 or float16 q and k; got torch.float32"):
+        indexer_topk(q, w, k, torch.arange(4, device="cuda"), torch.arange(4, device="cuda"), 2)
