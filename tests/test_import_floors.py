@@ -23,7 +23,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("checkpointing",),
     ("layers",),
     ("interop",),
-    ("runtime",),
+    ("runtime", "data"),  # data reads the run config's errors; the trainer's loaders read data
     ("launch",),
     ("testing",),  # the test harness sits above all
 ]

@@ -363,6 +363,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- data ------------------------------------------------------------------------------------
+def cmd_data(args: argparse.Namespace) -> int:
+    """Tokenize a corpus (jsonl / parquet / text file or folder) into a token folder (spartron.data)."""
+    from spartron.data import prepare_corpus
+
+    meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key)
+    print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
+          f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
+          f"(model.vocab_size >= {meta['vocab_size']})")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spartron", description="Distributed training of sparse MoE models with MLA+DSA.")
@@ -450,6 +462,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="export shard size (default 5 GiB)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("data", help="tokenize a text corpus into a token folder for train.data.kind = 'packed'",
+                       description="Tokenize CORPUS (a .jsonl / .parquet / .txt file or a folder of them: records "
+                                   "with 'text', or chat 'messages') with a local tokenizer into DIR: tokens.bin, "
+                                   "loss_mask.bin (chats) and tokens.json (dtype, vocabulary, tokenizer hash, "
+                                   "document offsets).")
+    p.add_argument("corpus", help="a corpus file or folder")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder saved by transformers")
+    p.add_argument("--out", required=True, metavar="DIR", help="new (or empty) output folder")
+    p.add_argument("--eos", help="the end-of-document token (default: eos_token of tokenizer_config.json)")
+    p.add_argument("--text-key", default="text", help="the text field of pretraining records (default text)")
+    p.set_defaults(func=cmd_data)
     return parser
 
 

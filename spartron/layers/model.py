@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from spartron.comm.transport import EPTransport
 from spartron.layers.attention.context_parallel import cp_positions, cp_shard
+from spartron.layers.attention.doc_mask import check_document_positions, document_shifted_labels
 from spartron.layers.config import ModelConfig
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.init import init_parameters_
@@ -86,10 +87,19 @@ class SparseMoEModel(nn.Module):
             return split_micro_batches(h, self.intra_layer_micro_batches)
         return h
 
-    def forward(self, tokens: Tensor, labels: Tensor) -> ModelOutput:
+    def forward(self, tokens: Tensor, labels: Tensor, positions: Tensor | None = None) -> ModelOutput:
+        """`positions` [B, S] int64: packed documents (positions restart at 0 at each document start; RoPE
+        per document, block-causal attention, MTP targets within the document: attention.doc_mask)."""
         seq = tokens.shape[1]
-        positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
-                     else cp_positions(seq, self.cp_group, device=tokens.device))
+        documents = positions is not None
+        if documents:
+            if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+                raise ValueError("packed-document positions cannot be combined with context parallelism "
+                                 "(train.data.doc_mask with parallel.cp > 1)")
+            check_document_positions(positions, tokens.shape[0], seq)
+        else:
+            positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
+                         else cp_positions(seq, self.cp_group, device=tokens.device))
         # The embedding goes to the stack without a local here, so the first layer's input is freed
         # as soon as that layer is done with it (an offload window moves it to the host).
         stack = run_decoder_stack(list(self.layers.values()), self._embed_tokens(tokens), positions)
@@ -104,7 +114,9 @@ class SparseMoEModel(nn.Module):
                 stack.hidden_states,
                 embed_at_depth=lambda k: self.embed(self._cp(shift_left(tokens, k, 0))),
                 positions=positions, dsa_topk_ids=stack.dsa_topk_ids,
-                loss_at_depth=lambda k, hn: self._token_mean(hn, self._cp(shift_left(labels, k, IGNORE_INDEX))))
+                loss_at_depth=lambda k, hn: self._token_mean(hn, self._cp(
+                    document_shifted_labels(labels, positions, k) if documents
+                    else shift_left(labels, k, IGNORE_INDEX))))
             mtp_losses = mtp_out["losses"]
             for out in layer_outs:
                 aux += [out["aux_loss"]] if out["aux_loss"] is not None else []

@@ -102,22 +102,45 @@ def check_path_length(v: str | None) -> str | None:
 
 
 class DataConfig(ConfigSection):
-    kind: Literal["synthetic", "mmap"] = "synthetic"
+    """`[train.data]`: what the model trains on (spartron.runtime.data builds the loaders).
+
+    kind "synthetic": a learnable random stream, no file. "mmap": a flat uint16/uint32 token file
+    (`path`), read in windows of seq_len + 1. "packed": a token folder written by `spartron data`
+    (`path`): documents packed into sequences with per-document positions, a block-causal document
+    mask (`doc_mask`, default true; false: plain causal attention over the packed row) and the chat
+    loss mask. `val_fraction`: the held-out split (mmap: the file's last samples; packed: its last
+    documents), never trained on; synthetic data always has a held-out stream of its own.
+    """
+
+    kind: Literal["synthetic", "mmap", "packed"] = "synthetic"
     path: str | None = None
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # mmap only: packed folders record their dtype
+    val_fraction: float = Field(0.0, ge=0, lt=1)
+    doc_mask: bool | None = None  # packed only; None: true
 
     _path = field_validator("path")(check_path_length)
 
+    @property
+    def documents(self) -> bool:
+        """Packed documents with per-document positions and the document mask."""
+        return self.kind == "packed" and self.doc_mask is not False
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.kind == "mmap" and not self.path:
-            raise ValueError("train.data.path is required when train.data.kind = 'mmap'")
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(f"train.data.path is required when train.data.kind = {self.kind!r}")
         if self.kind == "synthetic":  # an option that would be ignored is a mistake, not a no-op
-            ignored = [key for key, value in (("path", self.path), ("token_dtype", self.token_dtype))
-                       if value != DataConfig.model_fields[key].default]
+            ignored = [key for key in ("path", "token_dtype", "val_fraction", "doc_mask")
+                       if getattr(self, key) != DataConfig.model_fields[key].default]
             if ignored:
                 raise ValueError(f"train.data.{ignored[0]} is set but train.data.kind = 'synthetic' reads "
-                                 "no file: set train.data.kind = 'mmap' or remove it")
+                                 "no file: set train.data.kind = 'mmap' or 'packed', or remove it")
+        if self.kind == "packed" and self.token_dtype != DataConfig.model_fields["token_dtype"].default:
+            raise ValueError("train.data.token_dtype is set but train.data.kind = 'packed' reads the dtype from the "
+                             "folder's tokens.json: remove it")
+        if self.kind == "mmap" and self.doc_mask is not None:
+            raise ValueError("train.data.doc_mask is set but a flat token file (train.data.kind = 'mmap') has no "
+                             "documents: use train.data.kind = 'packed' with a folder from `spartron data`")
         return self
 
 
@@ -346,6 +369,14 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
                              f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
         d = self.train.data
+        if d.documents and self.parallel.cp > 1:
+            raise ValueError(f"train.data.doc_mask (packed documents, on by default for train.data.kind = 'packed') "
+                             f"cannot be combined with parallel.cp = {self.parallel.cp} yet: set train.data.doc_mask "
+                             "= false (plain causal attention over packed rows) or parallel.cp = 1")
+        t = self.train
+        if d.documents and t.intra_layer_micro_batches > 1 and t.intra_layer_micro_batch_scope == "layer":
+            raise ValueError("train.data.doc_mask (packed documents) with train.intra_layer_micro_batches > 1 needs "
+                             "train.intra_layer_micro_batch_scope = 'experts' (per-row positions are not split)")
         if d.kind == "mmap" and d.token_dtype == "uint16" and self.model.vocab_size > 2**16:
             raise ValueError(f"train.data.token_dtype = 'uint16' holds ids below 65536, but model.vocab_size is "
                              f"{self.model.vocab_size}: a file of this vocabulary is written as uint32")

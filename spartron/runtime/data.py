@@ -1,6 +1,7 @@
-"""Token data: a synthetic deterministic stream (default) and memory-mapped token files.
+"""Token data for the trainer: a synthetic deterministic stream (default), memory-mapped token files and
+packed documents of a token folder (spartron.data), each with a held-out validation split.
 
-Both are indexed by a GLOBAL sample index, and data-parallel rank r of n reads samples r, r+n,
+Every source is indexed by a GLOBAL sample index, and data-parallel rank r of n reads samples r, r+n,
 r+2n, ...: a sample depends only on (source, seed, global index), so a run is reproducible for a
 given dp size and resumable from a single integer position (no iterator state to pickle).
 
@@ -8,18 +9,25 @@ Context-parallel ranks of one dp rank receive the SAME full sequences; the model
 sequence dimension across CP ranks (load-balanced for causal attention) itself.
 
 Each sample is seq_len + 1 consecutive tokens packed without padding; tokens = sample[:-1],
-labels = sample[1:].
+labels = sample[1:]. Packed documents also give per-document positions and mask labels across
+document boundaries and on chat prompts (spartron.data.packing).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from spartron.runtime.config import ConfigError, DataConfig
+from spartron.data.packing import PackedDocuments, split_documents
+from spartron.data.tokenfile import META, open_token_folder
+from spartron.runtime.config import ConfigError, DataConfig, RunConfig
+
+Example = tuple[Tensor, Tensor, Tensor | None]  # tokens [S], labels [S], positions [S] (packed documents) or None
 
 
 class SyntheticTokens:
@@ -31,6 +39,7 @@ class SyntheticTokens:
     """
 
     noise_rate = 0.125
+    fingerprint = "synthetic"
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
@@ -46,6 +55,10 @@ class SyntheticTokens:
         for t in range(1, self.seq_len + 1):
             out.append(noise_list[t] if noisy[t] else self._next[out[-1]])
         return torch.tensor(out, dtype=torch.long)
+
+    def example(self, index: int) -> Example:
+        sample = self.sample(index)
+        return sample[:-1], sample[1:], None
 
 
 # How much of a token file the vocabulary check reads: the head, and windows spread over the whole
@@ -77,6 +90,32 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
         tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
     except OSError as err:
         raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
+    _check_sidecar(path, token_dtype, vocab_size, where)
+    return check_token_ids(tokens, token_dtype, vocab_size, where)
+
+
+def _check_sidecar(path: Path, token_dtype: str, vocab_size: int, where: str) -> None:
+    """A tokens.bin of a `spartron data` folder: its tokens.json must agree with the config's dtype and vocabulary."""
+    meta_file = path.parent / META
+    if path.name != "tokens.bin" or not meta_file.is_file():
+        return
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return  # not ours to judge here: the flat file is what kind = 'mmap' reads
+    if not isinstance(meta, dict):
+        return
+    if meta.get("dtype") in ("uint16", "uint32") and meta["dtype"] != token_dtype:
+        raise ConfigError(f"{where}: {meta_file} says the tokens are {meta['dtype']}, but train.data.token_dtype "
+                          f"= {token_dtype!r}")
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, int) and vocab > vocab_size:
+        raise ConfigError(f"{where}: {meta_file} says its tokenizer has {vocab} tokens, more than model.vocab_size "
+                          f"{vocab_size}")
+
+
+def check_token_ids(tokens: np.ndarray, token_dtype: str, vocab_size: int, where: str) -> np.ndarray:
+    """Scan the head and windows spread over the whole file for ids >= vocab_size; returns `tokens`."""
     n = len(tokens)
     head = tokens[: min(n, _HEAD_TOKENS)]
     if token_dtype == "uint16" and len(head) >= 64 and head[0::2].any() and not head[1::2].any():
@@ -99,55 +138,153 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
 class MmapTokens:
     """A flat binary file of token ids (uint16/uint32, e.g. written by numpy.tofile), memory-mapped.
 
-    Sample g is tokens[k*seq_len : k*seq_len + seq_len + 1] with k = g mod (number of samples), so
-    the stream wraps around the file (epochs) deterministically. The file is checked when opened
+    Sample g is tokens[k*seq_len : k*seq_len + seq_len + 1] with k = first + g mod count: samples
+    [first, first + count) of the file (the training samples, or the held-out ones at its end), so
+    the stream wraps around them (epochs) deterministically. The file is checked when opened
     (check_token_file) and every sample's ids are checked against the vocabulary when read.
     """
 
-    def __init__(self, path: str | Path, token_dtype: str, seq_len: int, vocab_size: int) -> None:
+    def __init__(self, path: str | Path, token_dtype: str, seq_len: int, vocab_size: int,
+                 val_fraction: float = 0.0, split: str = "train") -> None:
         self.path = Path(path)
         self.tokens = check_token_file(path, token_dtype, seq_len, vocab_size)
         self.seq_len, self.vocab_size = seq_len, vocab_size
-        self.n_samples = (len(self.tokens) - 1) // seq_len
+        total = (len(self.tokens) - 1) // seq_len
+        n_val = int(total * val_fraction)
+        if val_fraction > 0 and (n_val == 0 or n_val == total):
+            raise ConfigError(f"train.data.val_fraction = {val_fraction} of the {total} samples of train.data.path "
+                              f"{str(self.path)!r} leaves {'no held-out' if n_val == 0 else 'no training'} sample")
+        self.first, self.n_samples = (0, total - n_val) if split == "train" else (total - n_val, n_val)
+        if self.n_samples == 0:
+            raise ConfigError("train.data.val_fraction = 0: train.data.kind = 'mmap' has no held-out split "
+                              "(set train.data.val_fraction, e.g. 0.01)")
+        self.fingerprint = f"mmap:{len(self.tokens)}:{token_dtype}"
 
     def sample(self, index: int) -> Tensor:
-        k = index % self.n_samples
+        k = self.first + index % self.n_samples
         chunk = np.asarray(self.tokens[k * self.seq_len: k * self.seq_len + self.seq_len + 1], dtype=np.int64)
         if int(chunk.max()) >= self.vocab_size:
             raise ConfigError(f"train.data.path {str(self.path)!r}: sample {k} (tokens from {k * self.seq_len}) "
                               f"holds token id {int(chunk.max())} >= model.vocab_size {self.vocab_size}")
         return torch.from_numpy(chunk)
 
+    def example(self, index: int) -> Example:
+        sample = self.sample(index)
+        return sample[:-1], sample[1:], None
+
+
+class HeldOutSynthetic:
+    """The synthetic stream's validation split: the same task, samples from 2**61 on (never trained on)."""
+
+    offset = 2**61
+
+    def __init__(self, source: SyntheticTokens) -> None:
+        self.source, self.fingerprint = source, "synthetic:held-out"
+
+    def example(self, index: int) -> Example:
+        sample = self.source.sample(self.offset + index)
+        return sample[:-1], sample[1:], None
+
+
+class PackedSource:
+    """Packed documents (spartron.data.packing) as a loader source; `documents` False drops the positions
+    (plain causal attention over the packed row; labels still stop at document boundaries)."""
+
+    def __init__(self, packed: PackedDocuments, documents: bool, fingerprint: str) -> None:
+        self.packed, self.documents, self.fingerprint = packed, documents, fingerprint
+
+    def example(self, index: int) -> Example:
+        tokens, labels, positions = self.packed.example(index)
+        return tokens, labels, positions if self.documents else None
+
+
+Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource
+
+
+@dataclass
+class Batch:
+    """One micro-batch: tokens and labels [B, S] and, for packed documents, positions [B, S]."""
+
+    tokens: Tensor
+    labels: Tensor
+    positions: Tensor | None = None
+
+    def model_kwargs(self, device: torch.device) -> dict[str, Tensor]:
+        """The model's keyword arguments beyond (tokens, labels): {} or {"positions": ...} on `device`."""
+        return {} if self.positions is None else {"positions": self.positions.to(device, non_blocking=True)}
+
 
 class TokenLoader:
-    """Batches of (tokens, labels) [B, seq_len] for one data-parallel rank, resumable by position."""
+    """Batches for one data-parallel rank, resumable by position."""
 
-    def __init__(self, source: SyntheticTokens | MmapTokens, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, source: Source, dp_rank: int, dp_size: int) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, {dp_size})")
         self.source, self.dp_rank, self.dp_size = source, dp_rank, dp_size
         self.position = 0  # samples already consumed by this rank
 
-    def next_batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
+    def next(self, batch_size: int) -> Batch:
         indices = [(self.position + i) * self.dp_size + self.dp_rank for i in range(batch_size)]
         self.position += batch_size
-        samples = torch.stack([self.source.sample(g) for g in indices])
-        return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+        tokens, labels, positions = zip(*(self.source.example(g) for g in indices), strict=True)
+        return Batch(torch.stack(tokens), torch.stack(labels),
+                     None if positions[0] is None else torch.stack(positions))
+
+    def next_batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
+        """(tokens, labels) [B, S] (sources without positions; see `next` for packed documents)."""
+        batch = self.next(batch_size)
+        return batch.tokens, batch.labels
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+        return {"position": self.position, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "source": self.source.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
             raise ValueError(f"data state was saved by dp rank {state['dp_rank']} of {state['dp_size']}, "
                              f"cannot resume it on dp rank {self.dp_rank} of {self.dp_size}")
+        saved = state.get("source")  # absent in states saved before sources were recorded
+        if saved is not None and saved != self.source.fingerprint:
+            raise ValueError(f"the data position was saved for data {saved!r}, but train.data now reads "
+                             f"{self.source.fingerprint!r}: resuming would read other samples")
         self.position = int(state["position"])
+
+
+def _source(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
+    if cfg.kind == "synthetic":
+        synthetic = SyntheticTokens(vocab_size, seq_len, seed)
+        return synthetic if split == "train" else HeldOutSynthetic(synthetic)
+    if cfg.kind == "mmap":
+        return MmapTokens(cfg.path, cfg.token_dtype, seq_len, vocab_size, cfg.val_fraction, split)
+    folder = open_token_folder(cfg.path)
+    where = f"train.data.path {cfg.path!r}"
+    if folder.vocab_size > vocab_size:
+        raise ConfigError(f"{where}: its tokenizer has {folder.vocab_size} tokens, more than model.vocab_size "
+                          f"{vocab_size}")
+    check_token_ids(folder.tokens, folder.meta["dtype"], vocab_size, where)
+    train, held_out = split_documents(len(folder.offsets) - 1, cfg.val_fraction)
+    if split != "train" and held_out is None:
+        raise ConfigError("train.data.val_fraction = 0: no documents are held out for evaluation "
+                          "(set train.data.val_fraction, e.g. 0.01)")
+    packed = PackedDocuments(folder, train if split == "train" else held_out, seq_len, vocab_size, split)
+    return PackedSource(packed, cfg.documents, folder.fingerprint)
 
 
 def build_loader(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, dp_rank: int,
                  dp_size: int) -> TokenLoader:
-    if cfg.kind == "synthetic":
-        source: SyntheticTokens | MmapTokens = SyntheticTokens(vocab_size, seq_len, seed)
-    else:
-        source = MmapTokens(cfg.path, cfg.token_dtype, seq_len, vocab_size)
-    return TokenLoader(source, dp_rank, dp_size)
+    """The training loader of a [train.data] section (what build_train_loader reads from a RunConfig)."""
+    return TokenLoader(_source(cfg, vocab_size, seq_len, seed, "train"), dp_rank, dp_size)
+
+
+def build_train_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:
+    """The training split of cfg.train.data for data-parallel rank `dp_rank` of `dp_size`."""
+    t = cfg.train
+    return build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, dp_rank, dp_size)
+
+
+def build_eval_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:
+    """The held-out validation split of cfg.train.data (never trained on), from its first sample: each
+    call starts over, so an evaluation reads the same samples every time. ConfigError naming
+    train.data.val_fraction when the data holds nothing out."""
+    t = cfg.train
+    return TokenLoader(_source(t.data, cfg.model.vocab_size, t.seq_len, t.seed, "val"), dp_rank, dp_size)

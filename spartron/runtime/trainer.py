@@ -39,7 +39,7 @@ from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
-from spartron.runtime.data import build_loader
+from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.init_from import init_from_factory
@@ -281,7 +281,9 @@ class Trainer:
         self.offload_session = None  # the current (or last) step's session: see StepProbe
         self.optimizer = build_optimizer(model, t)
         self.ep_extra, self.ep_state = _ep_state(model, groups, dims)
-        self.loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, groups.rank_in("dp"), dims.dp)
+        self.async_save_group = AsyncSaveGroup() if t.async_save else None
+        self.pending_save: PendingSave | None = None  # an async save, committed after the next step
+        self.loader = build_train_loader(cfg, groups.rank_in("dp"), dims.dp)
 
         self.step_no, self.counters = 0, {"tokens": 0}
         self.resumed_from = plan.resume_step
@@ -383,8 +385,9 @@ class Trainer:
             for micro in range(n_micro):
                 if isinstance(model, FSDPModule):  # FSDP2: reduce gradients only on the last micro-batch
                     model.set_requires_gradient_sync(micro == n_micro - 1)
-                tokens, labels = self.loader.next_batch(t.micro_batch_size)
-                out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+                batch = self.loader.next(t.micro_batch_size)  # packed documents add their positions
+                out = model(batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
+                            **batch.model_kwargs(device))
                 phase("backward")
                 (out["loss"] / n_micro).backward()
                 stats.add(out)

@@ -48,7 +48,7 @@ def test_resume_from_state_dict_continues_the_stream():
     expected = a.next_batch(2)
     b = TokenLoader(src, 1, 2)
     b.load_state_dict(state)
-    assert state == {"position": 3, "dp_rank": 1, "dp_size": 2}
+    assert state == {"position": 3, "dp_rank": 1, "dp_size": 2, "source": "synthetic"}
     assert all(torch.equal(x, y) for x, y in zip(b.next_batch(2), expected, strict=True))
     with pytest.raises(ValueError, match="saved by dp rank 1 of 2, cannot resume it on dp rank 0 of 2"):
         TokenLoader(src, 0, 2).load_state_dict(state)

@@ -130,7 +130,7 @@ def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor,
     with torch.no_grad():
         if ids is None:
             scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
-            scores = scores.masked_fill(~visible, float("-inf"))
+            scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
         else:
             valid = ids >= 0
             picked = _gather_keys(kv, ids).to(acc)  # [B,S,K,D]

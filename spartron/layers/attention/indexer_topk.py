@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spartron.layers.attention.doc_mask import document_visible
 from spartron.layers.attention.indexer_fp8 import fp8_operands
 
 # Bytes of [chunk, H, S_kv] score temporaries of the reference path.
@@ -26,7 +27,10 @@ _REFERENCE_CHUNK_BYTES = 1 << 29
 
 
 def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t)."""
+    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t). Per-document positions
+    [B, S] (packed documents, no CP) give [B, S, S]: causal within each document (attention.doc_mask)."""
+    if q_positions.dim() == 2:
+        return document_visible(q_positions)
     return k_positions[None, :] <= q_positions[:, None]
 
 
@@ -57,7 +61,8 @@ def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: T
     parts = []
     for c0 in range(0, s_q, chunk):
         c1 = min(c0 + chunk, s_q)
-        visible = causal_visible(q_positions[c0:c1], k_positions)
+        visible = (document_visible(q_positions, slice(c0, c1)) if q_positions.dim() == 2
+                   else causal_visible(q_positions[c0:c1], k_positions))
         scores = index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible)
         if k_scale is not None:
             scores = scores * k_scale[:, None, :]
@@ -90,6 +95,10 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
             or k.shape[2] != q.shape[3]:
         raise ValueError(f"indexer_topk expects q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]; got "
                          f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(k.shape)}")
+    if q_positions.dim() == 2 and q_positions.shape == k_positions.shape == q.shape[:2] == k.shape[:2]:
+        # packed documents (attention.doc_mask): the reference path; the kernel's mask is causal only
+        with torch.no_grad():
+            return reference_indexer_topk(q, weights, k, q_positions, k_positions, int(topk), bool(fp8))
     if q_positions.shape != (q.shape[1],) or k_positions.shape != (k.shape[1],):
         raise ValueError(f"indexer_topk: positions must be [S_q] and [S_kv] = [{q.shape[1]}] and [{k.shape[1]}]; "
                          f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}")

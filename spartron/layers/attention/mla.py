@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import check_local_positions, cp_size_of, gather_sequence
+from spartron.layers.attention.doc_mask import check_document_positions, document_attention
 from spartron.layers.attention.dsa import (
     LightningIndexer,
     causal_visible,
@@ -97,7 +98,9 @@ class MLA(nn.Module):
     def _check_inputs(self, x: Tensor, positions: Tensor, ids: Tensor | None) -> None:
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"MLA expects x [B, S_local, {self.cfg.dim}], got {tuple(x.shape)}")
-        if positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
+        if positions.dim() == 2 and cp_size_of(self.cp_group) == 1:  # packed documents (attention.doc_mask)
+            check_document_positions(positions, x.shape[0], x.shape[1])
+        elif positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
             raise ValueError(f"MLA expects positions int64 [{x.shape[1]}], got {positions.dtype} "
                              f"{tuple(positions.shape)}")
         check_local_positions(positions, self.cp_group)
@@ -128,6 +131,10 @@ class MLA(nn.Module):
             [self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, h, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
+        if positions.dim() == 2:  # packed documents: block-causal (spartron.layers.attention.doc_mask)
+            out = document_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions,
+                                     self.softmax_scale)
+            return self.wo(out.transpose(1, 2).reshape(b, s, h * self.v_dim))
         if cp_size_of(self.cp_group) == 1:  # keys are the local tokens in order: plain causal (a 1-rank
             mask, causal = None, True      # CP group too: an explicit mask runs cuDNN's 3-4x slower kernel)
         else:

@@ -67,17 +67,19 @@ def mla_softmax_scale(mla: MLAConfig) -> float:
 
 
 def rope_cos_sin(positions: Tensor, mla: MLAConfig) -> tuple[Tensor, Tensor]:
-    """cos, sin tables [S, qk_rope_head_dim/2] (float64; `apply_rope` casts) for int64 `positions` [S]."""
+    """cos, sin tables [S, qk_rope_head_dim/2] (float64; `apply_rope` casts) for int64 `positions` [S], or
+    [B, S, qk_rope_head_dim/2] for per-row positions [B, S] (packed documents: attention.doc_mask)."""
     inv_freq = rope_inv_freq(mla.qk_rope_head_dim, mla.rope_theta, mla.yarn, device=positions.device)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     factor = rope_attention_factor(mla.yarn)
     return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """Rotate the last dim of x [B, S, *heads, d] by tables [S, d/2]; computed in >= float32."""
+    """Rotate the last dim of x [B, S, *heads, d] by tables [S, d/2] or [B, S, d/2]; computed in >= float32."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    view = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (cos.shape[1],)
+    rows = cos.shape[0] if cos.dim() == 3 else 1  # per-row tables: packed documents
+    view = (rows, cos.shape[-2]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     c, s = cos.to(compute).view(view), sin.to(compute).view(view)
     xf = x.to(compute)
     if interleaved:

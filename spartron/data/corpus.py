@@ -1,0 +1,129 @@
+"""Local text corpora: jsonl, parquet and plain-text files, or a folder of them, read as documents.
+
+A record is a pretraining document (a string under `text_key`, default "text") or a chat
+(`messages`: a list of {"role", "content"} with role system / user / assistant / tool). A folder
+is read recursively in sorted path order, so a corpus always yields the same documents in the same
+order. Nothing read here is executed: JSON through `json`, parquet through pyarrow (optional: a
+clear error names the package when a .parquet file is met without it), text as UTF-8.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from spartron.optional import require
+from spartron.runtime.config import ConfigError
+
+SUFFIXES = (".jsonl", ".parquet", ".txt")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Document:
+    """Plain text: every token is a training target."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Chat:
+    """(role, content) turns: only the assistant turns are training targets (SFT)."""
+
+    messages: tuple[tuple[str, str], ...]
+
+
+def corpus_files(path: str | Path) -> list[Path]:
+    """The corpus files of a file or a folder (recursive, sorted); a ConfigError naming the path if none."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"corpus {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise ConfigError(f"corpus {str(path)!r}: unknown file type {path.suffix!r} (read: {', '.join(SUFFIXES)})")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+    if not files:
+        raise ConfigError(f"corpus folder {str(path)!r} holds no {', '.join(SUFFIXES)} file")
+    return files
+
+
+def parse_record(record: object, text_key: str, where: str) -> Document | Chat:
+    """A jsonl line or parquet row as a Document or a Chat; a ConfigError naming `where` otherwise."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    if "messages" in record and text_key not in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ConfigError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise ConfigError(f"{where}: messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+            turns.append((m["role"], m["content"]))
+        return Chat(tuple(turns))
+    text = record.get(text_key)
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: a record needs a string {text_key!r} or a list 'messages'")
+    return Document(text)
+
+
+def _jsonl(path: Path, text_key: str) -> Iterator[Document | Chat]:
+    try:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
+                except UnicodeDecodeError as err:
+                    raise ConfigError(f"{where}: not UTF-8 text (byte {err.start})") from None
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, RecursionError) as err:
+                    raise ConfigError(f"{where}: not valid JSON: {err}") from None
+                yield parse_record(record, text_key, where)
+    except OSError as err:
+        raise ConfigError(f"corpus file {str(path)!r} cannot be read: {err.strerror or err}") from None
+
+
+def _parquet(path: Path, text_key: str) -> Iterator[Document | Chat]:
+    pq = require("pyarrow.parquet", f"reading the parquet corpus file {str(path)!r}", "pip install pyarrow")
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file that is not parquet
+        raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
+    columns = [c for c in (text_key, "messages") if c in file.schema_arrow.names]
+    if not columns:
+        names = ", ".join(file.schema_arrow.names)
+        raise ConfigError(f"{path}: no {text_key!r} or 'messages' column (columns: {names})")
+    row = 0
+    for batch in file.iter_batches(columns=columns):
+        for record in batch.to_pylist():
+            row += 1
+            if text_key in record and record[text_key] is None:
+                record.pop(text_key)
+            yield parse_record(record, text_key, f"{path}: row {row}")
+
+
+def _text(path: Path) -> Iterator[Document]:
+    try:
+        yield Document(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"corpus file {str(path)!r} cannot be read: {err.strerror or err}") from None
+
+
+def read_corpus(path: str | Path, text_key: str = "text") -> Iterator[tuple[Path, Document | Chat]]:
+    """(file, record) for every record of the corpus, files in sorted order, records in file order."""
+    for file in corpus_files(path):
+        records = (_jsonl(file, text_key) if file.suffix == ".jsonl" else
+                   _parquet(file, text_key) if file.suffix == ".parquet" else _text(file))
+        for record in records:
+            yield file, record

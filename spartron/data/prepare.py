@@ -1,0 +1,31 @@
+"""`spartron data CORPUS --tokenizer T --out DIR`: tokenize a corpus once into a token folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from spartron.data.corpus import Document, corpus_files, read_corpus
+from spartron.data.tokenfile import write_token_folder
+from spartron.data.tokenizer import load_tokenizer
+
+
+def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
+                   text_key: str = "text") -> dict:
+    """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`;
+    returns the metadata written to out/tokens.json. Empty documents are skipped (and counted)."""
+    tok = load_tokenizer(tokenizer, eos_token)
+    root = Path(corpus)
+    files = corpus_files(root)
+    info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
+            "skipped_empty": 0}
+
+    def records() -> Iterator[tuple[list[int], list[int]]]:
+        for _, record in read_corpus(root, text_key):
+            if isinstance(record, Document) and not record.text:
+                info["skipped_empty"] += 1  # final before the metadata is written (after the stream)
+                continue
+            yield tok.encode_record(record)
+
+    return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                              tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info)

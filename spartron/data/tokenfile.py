@@ -1,0 +1,155 @@
+"""Spartron's token folder: what `spartron data` writes and `train.data.kind = "packed"` reads.
+
+  tokens.bin      every document's ids back to back, EOS-terminated, uint16 (vocab <= 65536) or uint32:
+                  the flat token file `train.data.kind = "mmap"` also reads
+  loss_mask.bin   uint8, one per token, 1 where the token is a training target (only for chat corpora)
+  tokens.json     written last: format, dtype, vocab_size, eos_id, the tokenizer's file and SHA-256,
+                  n_tokens, document_offsets ([n_documents + 1], first 0, last n_tokens), the corpus files
+
+A folder without tokens.json is incomplete. Reading checks every field and the file sizes against it
+and refuses anything else with one line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spartron.runtime.config import ConfigError
+
+FORMAT = "spartron-tokens"
+VERSION = 1
+TOKENS, MASK, META = "tokens.bin", "loss_mask.bin", "tokens.json"
+_META_MAX_BYTES = 1 << 30
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest dtype holding every id of the vocabulary."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+@dataclass
+class TokenFolder:
+    """An opened token folder: the memory maps and the checked metadata."""
+
+    path: Path
+    meta: dict
+    tokens: np.memmap
+    loss_mask: np.memmap | None
+    offsets: np.ndarray  # int64 [n_documents + 1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def fingerprint(self) -> str:
+        """What a saved data position is valid for: the same tokens and documents."""
+        return f"packed:{self.meta['tokenizer']['sha256'][:16]}:{self.meta['n_tokens']}:{len(self.offsets) - 1}"
+
+
+def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[int]]], *, vocab_size: int,
+                       eos_id: int, tokenizer: dict, corpus: dict, chunk_tokens: int = 1 << 20) -> dict:
+    """Stream (ids, loss mask) records into `out` (new or empty); returns the metadata written."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(token_dtype(vocab_size))
+    offsets, ids_buf, mask_buf, has_mask = [0], [], [], False
+    with (out / TOKENS).open("wb") as tf, (out / MASK).open("wb") as mf:
+        def flush() -> None:
+            np.asarray(ids_buf, dtype=dtype).tofile(tf)
+            np.asarray(mask_buf, dtype=np.uint8).tofile(mf)
+            ids_buf.clear()
+            mask_buf.clear()
+
+        for ids, mask in records:
+            ids_buf += ids
+            mask_buf += mask
+            has_mask = has_mask or not all(mask)
+            offsets.append(offsets[-1] + len(ids))
+            if len(ids_buf) >= chunk_tokens:
+                flush()
+        flush()
+    if offsets[-1] == 0:
+        (out / TOKENS).unlink()
+        (out / MASK).unlink()
+        raise ConfigError("the corpus holds no document")
+    if not has_mask:
+        (out / MASK).unlink()
+    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
+            "tokenizer": tokenizer, "n_tokens": offsets[-1], "n_documents": len(offsets) - 1,
+            "loss_mask": MASK if has_mask else None, "document_offsets": offsets, "corpus": corpus}
+    (out / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _need(meta: dict, key: str, kind: type | tuple[type, ...], where: str):  # noqa: ANN202
+    value = meta.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{where}: key {key!r} is missing or not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def open_token_folder(path: str | Path) -> TokenFolder:
+    """Open and check a token folder; ConfigError naming train.data.path and the file otherwise."""
+    path = Path(path)
+    where = f"train.data.path {str(path)!r}"
+    meta_file = path / META
+    try:
+        if not path.is_dir():
+            raise ConfigError(f"{where} is not a folder (train.data.kind = 'packed' reads a folder written by "
+                              "`spartron data`)")
+        if not meta_file.is_file():
+            raise ConfigError(f"{where} has no {META} (not written by `spartron data`, or not finished)")
+        if meta_file.stat().st_size > _META_MAX_BYTES:
+            raise ConfigError(f"{meta_file} is larger than {_META_MAX_BYTES} bytes")
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(f"{meta_file}: not valid JSON ({err})") from None
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
+    where = str(meta_file)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ConfigError(f"{where}: not a {FORMAT} version {VERSION} file")
+    dtype = meta.get("dtype")
+    if dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"{where}: dtype must be 'uint16' or 'uint32', got {dtype!r}")
+    vocab = _need(meta, "vocab_size", int, where)
+    n_tokens = _need(meta, "n_tokens", int, where)
+    eos = _need(meta, "eos_id", int, where)
+    if vocab < 1 or (dtype == "uint16" and vocab > 2**16) or not 0 <= eos < vocab or n_tokens < 1:
+        raise ConfigError(f"{where}: vocab_size {vocab}, eos_id {eos}, n_tokens {n_tokens} do not fit dtype {dtype}")
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict) or not isinstance(tok.get("sha256"), str):
+        raise ConfigError(f"{where}: key 'tokenizer' must hold the tokenizer's 'sha256'")
+    raw = _need(meta, "document_offsets", list, where)
+    if not all(isinstance(o, int) and not isinstance(o, bool) for o in raw):
+        raise ConfigError(f"{where}: document_offsets must be integers")
+    offsets = np.asarray(raw, dtype=np.int64)
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n_tokens or not (np.diff(offsets) > 0).all():
+        raise ConfigError(f"{where}: document_offsets must rise strictly from 0 to n_tokens = {n_tokens}")
+    tokens = _map(path / TOKENS, dtype, n_tokens)
+    mask_name = meta.get("loss_mask")
+    if mask_name not in (None, MASK):
+        raise ConfigError(f"{where}: loss_mask must be null or {MASK!r}, got {mask_name!r}")
+    mask = _map(path / MASK, "uint8", n_tokens) if mask_name else None
+    return TokenFolder(path, meta, tokens, mask, offsets)
+
+
+def _map(file: Path, dtype: str, n: int) -> np.memmap:
+    width = np.dtype(dtype).itemsize
+    try:
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            raise ConfigError(f"{file} is missing (or not a regular file)")
+        if size != n * width:
+            raise ConfigError(f"{file} has {size} bytes, but {META} says {n} tokens of {dtype} ({n * width} bytes)")
+        return np.memmap(file, dtype=np.dtype(dtype), mode="r")
+    except OSError as err:
+        raise ConfigError(f"{file} cannot be read: {err.strerror or err}") from None

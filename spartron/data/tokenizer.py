@@ -1,0 +1,96 @@
+"""A local tokenizer (a `tokenizers` tokenizer.json, or a folder saved by transformers holding one) and
+how documents and chats become token ids with their loss mask.
+
+Every document ends with the end-of-sequence token, so packed documents keep their boundary. The
+EOS token is given explicitly, else read from the folder's tokenizer_config.json (`eos_token`).
+
+Chats use Spartron's own plain format, one turn after another: the role header "<|role|>\\n", the
+content, then EOS after an assistant turn and "\\n" after any other. Only assistant content and its
+EOS are training targets (loss mask 1); headers, system, user and tool turns are context (mask 0).
+Chat templates of transformers are Jinja programs and are never run (nothing read from disk runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spartron.data.corpus import Chat, Document
+from spartron.optional import require
+from spartron.runtime.config import ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class Tokenizer:
+    """A loaded tokenizer with what the token files record about it."""
+
+    backend: object  # tokenizers.Tokenizer
+    path: Path  # the tokenizer.json read
+    sha256: str  # of that file's bytes: a token file names the exact tokenizer that wrote it
+    vocab_size: int  # with added tokens
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_record(self, record: Document | Chat) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of one record, EOS-terminated."""
+        if isinstance(record, Document):
+            ids = self.encode(record.text) + [self.eos_id]
+            return ids, [1] * len(ids)
+        ids, mask = [], []
+        for role, content in record.messages:
+            header = self.encode(f"<|{role}|>\n")
+            body = self.encode(content)
+            target = int(role == "assistant")
+            end = [self.eos_id] if target else self.encode("\n")
+            ids += header + body + end
+            mask += [0] * len(header) + [target] * (len(body) + len(end))
+        if ids[-1] != self.eos_id or not mask[-1]:  # the conversation ends with EOS either way
+            ids.append(self.eos_id)
+            mask.append(0)
+        return ids, mask
+
+
+def _eos_from_config(folder: Path) -> str | None:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{config}: not a readable JSON file ({err})") from None
+    eos = data.get("eos_token") if isinstance(data, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """The tokenizer at `path` (tokenizer.json, or a folder holding it); ConfigError naming the path."""
+    tokenizers = require("tokenizers", "tokenizing text (spartron data)", "pip install tokenizers")
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"tokenizer {str(path)!r}: no {TOKENIZER_FILE} there (give the file or a folder "
+                          "saved by transformers' save_pretrained)")
+    try:
+        raw = file.read_bytes()
+        backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"tokenizer {str(file)!r} cannot be read: {err}") from None
+    except Exception as err:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad file
+        raise ConfigError(f"tokenizer {str(file)!r} is not a tokenizers JSON file: {err}") from None
+    eos = eos_token or _eos_from_config(file.parent)
+    if eos is None:
+        raise ConfigError(f"tokenizer {str(file)!r}: which token ends a document? Pass --eos TOKEN (no "
+                          "tokenizer_config.json with an eos_token beside it)")
+    eos_id = backend.token_to_id(eos)
+    if eos_id is None:
+        raise ConfigError(f"tokenizer {str(file)!r}: the EOS token {eos!r} is not in its vocabulary")
+    return Tokenizer(backend, file, hashlib.sha256(raw).hexdigest(), backend.get_vocab_size(with_added_tokens=True),
+                     eos_id)
