@@ -230,7 +230,9 @@ def _add_tolerances(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-floor-from", action="append", default=[], metavar="RUN",
                    help="a second baseline run of the same config; the grad-norm noise floor is measured "
                         "between it and the baseline (repeatable)")
-    p.add_argument("--plot", metavar="PNG", help="also write a run-vs-baseline plot")
+    p.add_argument("--enforce-throughput", action="store_true",
+                   help="fail on a throughput drop also for deterministic (CPU) runs, where it is only reported")
+    p.add_argument("--plot", metavar="PNG", help="also write a run-vs-baseline plot (tolerance bands, verdicts)")
 
 
 def _tolerances(args: argparse.Namespace):
@@ -247,6 +249,8 @@ def _tolerances(args: argparse.Namespace):
     given = {k: v for k, v in given.items() if v is not None}
     if args.no_exact_first_step:
         given["exact_first_step"] = False
+    if args.enforce_throughput:
+        given["enforce_throughput_on_cpu"] = True
     return dataclasses.replace(Tolerances(), **given)
 
 
@@ -273,7 +277,7 @@ def _compare(run: str | Path, baseline: str | Path, args: argparse.Namespace) ->
     report = regression.compare_runs(run_file, base_file, tolerances, noise_floor_from=noise)
     print(report.text())
     if args.plot:
-        print(f"spartron: wrote {regression.plot_runs(run_file, base_file, args.plot)}")
+        print(f"spartron: wrote {regression.plot_runs(run_file, base_file, args.plot, tolerances, report)}")
     return report.passed
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spartron.launch.regression import Tolerances, compare_runs, grad_norm_noise_floor, plot_runs
+from spartron.launch.regression import Tolerances, compare_runs, comparison_figure, grad_norm_noise_floor, plot_runs
 
 
 def write_run(path, steps=5, loss_scale=1.0, gn_shift=0.0, mem_shift=0.0, tps_scale=1.0, deterministic=True,
@@ -35,11 +35,13 @@ def test_identical_runs_pass(tmp_path):
     (dict(loss_scale=1.001), "loss (relative)", "max relative diff 0.001 at step"),
     (dict(gn_shift=0.2), "grad norm (absolute)", "max abs diff 0.2 at step"),
     (dict(mem_shift=0.3e9), "peak memory (absolute)", "run 2.300 GB vs baseline 2.000 GB (diff +0.300 GB"),
-    (dict(tps_scale=0.9), "throughput (median tokens/s)", "(-10.00%, allowed -5%)"),
+    (dict(tps_scale=0.9, deterministic=False), "throughput (median tokens/s)",
+     "(-10.00%, allowed -5% = max(5%, noise floor 0.0%))"),
     (dict(first_loss_bump=1e-7), "first-step loss (exact)", "step 1: run 4.9000001"),
 ])
 def test_perturbed_run_fails_with_a_clear_report(tmp_path, perturb, failing, phrase):
-    report = compare_runs(write_run(tmp_path / "run.jsonl", **perturb), write_run(tmp_path / "base.jsonl"))
+    base = write_run(tmp_path / "base.jsonl", deterministic=perturb.get("deterministic", True))
+    report = compare_runs(write_run(tmp_path / "run.jsonl", **perturb), base)
     assert not report.passed
     failed = {c.name: c.detail for c in report.checks if not c.passed}
     expected = {failing} | ({"first-step loss (exact)"} if "loss_scale" in perturb else set())
@@ -84,3 +86,50 @@ def test_plot_file_is_a_png(tmp_path):
                     tmp_path / "plots" / "cmp.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_throughput_is_reported_not_enforced_on_cpu_unless_asked(tmp_path):
+    run, base = write_run(tmp_path / "r.jsonl", tps_scale=0.5), write_run(tmp_path / "b.jsonl")
+    report = compare_runs(run, base)
+    assert report.passed, report.text()
+    check = report.check("throughput (median tokens/s)")
+    assert (check.passed, check.enforced) == (False, False)
+    assert "  [WARN] throughput (median tokens/s): run 501.5 vs baseline 1003 (-50.00%, allowed -5% = max(5%, " \
+           "noise floor 0.0%)); not enforced on CPU (deterministic runs share their cores)" in report.text()
+    assert report.text().endswith("result: PASS (5/6 checks passed; 1 warning(s) not enforced)")
+    strict = compare_runs(run, base, Tolerances(enforce_throughput_on_cpu=True))
+    assert not strict.passed and "[FAIL] throughput" in strict.text()
+
+
+def test_throughput_noise_floor_from_a_second_baseline_and_per_gpu(tmp_path):
+    def per_gpu(path, scale):
+        lines = [json.dumps({"type": "header", "deterministic": False})]
+        lines += [json.dumps({"type": "step", "step": s, "loss": 1.0, "grad_norm": 1.0, "tokens_per_s": 8000.0 * scale,
+                              "tokens_per_s_per_gpu": 1000.0 * scale}) for s in (1, 2, 3)]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    base, base2, run = per_gpu(tmp_path / "b", 1.0), per_gpu(tmp_path / "b2", 0.9), per_gpu(tmp_path / "r", 0.92)
+    assert not compare_runs(run, base).passed
+    report = compare_runs(run, base, noise_floor_from=[base2])
+    assert report.passed, report.text()
+    assert report.throughput_floor == pytest.approx(0.1)
+    assert "[PASS] throughput (median tokens/s per gpu): run 920 vs baseline 1000 (-8.00%, allowed -10% = max(5%, " \
+           "noise floor 10.0%))" in report.text()
+
+
+def test_plot_names_the_runs_and_shows_verdicts(tmp_path):
+    import matplotlib.pyplot as plt
+
+    run_dir, base_dir = tmp_path / "candidate", tmp_path / "reference"
+    run_dir.mkdir(), base_dir.mkdir()
+    run = write_run(run_dir / "metrics.jsonl", loss_scale=1.01)
+    base = write_run(base_dir / "metrics.jsonl")
+    fig = comparison_figure(run, base)
+    assert [ax.get_title() for ax in fig.axes] == ["loss: FAIL", "grad norm: PASS", "tokens/s: PASS",
+                                                   "peak allocated memory (GB): PASS"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["allowed", "reference", "candidate"]
+    assert fig.get_suptitle() == "candidate vs reference: FAIL (first-step loss (exact), loss (relative))"
+    band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]  # baseline loss 4.9 .. 4.5, -/+ loss_rel
+    assert (band.min(), band.max()) == pytest.approx((4.5 * (1 - 2e-4), 4.9 * (1 + 2e-4)))
+    plt.close(fig)
