@@ -176,6 +176,9 @@ class TrainConfig(ConfigSection):
     keep_last: int | None = Field(None, ge=0)  # keep the newest N complete saved steps; None/0: all
     # Loading checks every file's size, and its CRC-32 unless false (costs one read of the state; see state.py).
     verify_checksums: bool = True
+    # Write saved tensors in the background (DCP async_save, after a copy to host memory): the next step
+    # trains while they are written; the step is committed (COMPLETE written) at the end of that next step.
+    async_save: bool = False
     # Stop with an error naming the step when the (finite) loss explodes; both off by default.
     max_loss: float | None = Field(None, gt=0)  # the loss may not exceed this
     loss_spike_factor: float | None = Field(None, gt=1)  # ... nor this many times the run's first-step loss
@@ -221,6 +224,12 @@ class TrainConfig(ConfigSection):
                 raise ValueError(f"a relative run directory must stay below the working directory "
                                  f"(no '..'); give an absolute path to write elsewhere, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _async_save(self) -> TrainConfig:
+        if self.async_save and not self.save_every:  # nothing would be saved asynchronously
+            raise ValueError("train.async_save = true needs train.save_every > 0 (it would be ignored)")
+        return self
 
     @model_validator(mode="after")
     def _overwrite(self) -> TrainConfig:

@@ -48,12 +48,14 @@ from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_nor
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
     COMPLETE,
+    AsyncSaveGroup,
+    PendingSave,
     StateLoadError,
     latest_complete_step,
     load_state,
     resume_notes,
-    save_state,
     start_run,
+    start_save,
     state_config,
     step_dir,
 )
@@ -350,12 +352,22 @@ class Trainer:
             self.records.append(record)
             self.log.write(record)
             self.observer.write(record)
+            if self.pending_save is not None:  # train.async_save: its write overlapped this step
+                pending, self.pending_save = self.pending_save, None
+                with self.observer.phase(f"committing step {pending.step}", step):
+                    pending.commit()
             stopping = self.stop.agreed(self.device) and step < t.steps  # every rank stops at the same step
             if (t.save_every and step % t.save_every == 0) or stopping:
                 with self.observer.phase(f"saving step {step}", step):
-                    save_state(self.run_dir, step, self.model, self.optimizer, dict(counters),
-                               {"data": self.loader.state_dict()}, self.device, self.before_commit,
-                               run_id=self.run_id, config=self.state_shape, keep_last=t.keep_last, **self.ep_state)
+                    background = self.async_save_group if step < t.steps and not stopping else None
+                    pending = start_save(self.run_dir, step, self.model, self.optimizer, dict(counters),
+                                         {"data": self.loader.state_dict()}, self.device, self.before_commit,
+                                         async_group=background, run_id=self.run_id, config=self.state_shape,
+                                         keep_last=t.keep_last, **self.ep_state)
+                    if background is None:
+                        pending.commit()
+                    else:
+                        self.pending_save = pending
             if stopping:
                 self.stopped_at = step
         except TrainingError:
@@ -424,6 +436,11 @@ class Trainer:
         self.log.close(summary=ok and self.cfg.train.progress)
         self.observer.close()
         if ok:
+            if self.pending_save is not None:  # a caller that stops stepping before train.steps
+                self.pending_save.commit()
+                self.pending_save = None
+            if self.async_save_group is not None:
+                self.async_save_group.destroy()
             if isinstance(self.model, ClosableModel):  # collective: every rank ends the run well together
                 self.model.close()
             if self.stopped_at is not None and self.rank == 0:
