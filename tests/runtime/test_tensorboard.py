@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from spartron.launch.slurm import render_job
 from spartron.layers.costs import count_parameters
@@ -35,7 +34,10 @@ def _train(rank, world, cfg):
     train(cfg)
 
 
-def _events(run_dir: Path) -> EventAccumulator:
+def _events(run_dir: Path):  # noqa: ANN202
+    # imported here: the GPU image has no tensorboard, and the file's GPU test needs none
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     return acc
