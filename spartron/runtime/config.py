@@ -395,9 +395,6 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
         self._check_intra_layer_micro_batches()
-        if self.train.eval_every and self.train.data.kind == "mmap":
-            raise ValueError("train.eval_every needs a held-out split, and a train.data.kind = 'mmap' token file "
-                             "has none: evaluate on synthetic data, or set train.eval_every = 0")
         if self.observe.memory_snapshot_on_oom and self.device == "cpu":
             raise ValueError("observe.memory_snapshot_on_oom records the CUDA allocator's history, but device = 'cpu'")
         if self.observe.nccl_flight_recorder and (self.device == "cpu" or self.parallel.backend == "gloo"):

@@ -7,9 +7,8 @@ data-parallel rank reads its share, as in training). The value is the mean langu
 (MTP, auxiliary and indexer losses are training objectives, not reported here); perplexity is its
 exponential.
 
-The held-out split: synthetic data draws its validation sequences from the same task at sample
-indices training never reaches (from 2**40 on); a token file has no held-out part yet, so
-`train.eval_every` with `train.data.kind = 'mmap'` is refused by the config.
+The held-out split is the data's own (spartron.runtime.data.build_eval_loader: synthetic data's
+disjoint stream, the last `train.data.val_fraction` of a token file or corpus, never trained on).
 
 An evaluation leaves the run as it found it: no gradients, dropout off, the model's buffers (the
 routers' step counts that feed the expert-bias update) restored, the RNG streams untouched (a resumed
@@ -24,28 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from spartron.runtime.data import TokenLoader, build_loader
-
-HELDOUT_OFFSET = 2**40  # first synthetic sample index of the held-out split
-
-
-class _HeldOut:
-    """A sample source shifted to indices training never reads."""
-
-    def __init__(self, source, offset: int) -> None:  # noqa: ANN001
-        self.source, self.offset = source, offset
-
-    def sample(self, index: int) -> Tensor:
-        return self.source.sample(self.offset + index)
-
-
-def heldout_loader(cfg, dp_rank: int, dp_size: int) -> TokenLoader:  # noqa: ANN001 - a RunConfig
-    """The validation split of `cfg.train.data` for one data-parallel rank, at its start."""
-    t = cfg.train
-    train_loader = build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, dp_rank, dp_size)
-    return TokenLoader(_HeldOut(train_loader.source, HELDOUT_OFFSET), dp_rank, dp_size)
+from spartron.runtime.data import build_eval_loader
 
 
 class Evaluator:
@@ -55,12 +35,14 @@ class Evaluator:
                  device: torch.device) -> None:
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.n_batches = cfg.train.eval_steps * n_micro  # micro-batches per rank per evaluation
+        self.loader = build_eval_loader(cfg, dp_rank, dp_size)  # here: a split that is empty fails at setup
         self.group, self.device = group, device
 
     def run(self, model: nn.Module) -> dict[str, Any]:
         """{"val_loss", "val_ppl", "val_tokens", "eval_time_s"}: the same values on every rank."""
         t = self.cfg.train
-        loader = heldout_loader(self.cfg, self.dp_rank, self.dp_size)
+        loader = self.loader
+        loader.position = 0  # the same held-out samples every time
         start = time.perf_counter()
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         was_training = model.training
@@ -70,8 +52,9 @@ class Evaluator:
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
                 model.eval()
                 for _ in range(self.n_batches):
-                    tokens, labels = loader.next_batch(t.micro_batch_size)
-                    out = model(tokens.to(self.device), labels.to(self.device))
+                    batch = loader.next(t.micro_batch_size)
+                    out = model(batch.tokens.to(self.device), batch.labels.to(self.device),
+                                **batch.model_kwargs(self.device))
                     total += out["lm_loss"].detach().double()
         finally:
             model.train(was_training)

@@ -1,0 +1,126 @@
+"""Evaluation (train.eval_every / eval_steps, spartron.runtime.evaluate) on the reference model, on real
+gloo ranks: the logged validation loss is the held-out set's mean LM loss, an evaluation changes nothing
+the training sees (every step's loss and grad norm equal a run without it, RNG and buffers restored), the
+value does not depend on the layout, and `spartron eval` recomputes it from a saved step."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from spartron.runtime.config import ConfigError, load_config
+from spartron.runtime.data import build_eval_loader
+from spartron.runtime.evaluate import Evaluator
+from spartron.runtime.metrics import read_metrics
+from spartron.runtime.trainer import Trainer, evaluate_saved, train
+from spartron.testing import run_distributed
+
+SMALL = ["model.n_layers=2", "model.mtp.depth=1", "train.seq_len=16", "train.global_batch_size=2",
+         "train.progress=false", "train.peak_tflops=1.0", "train.warmup_steps=1", "train.lr=1e-2",
+         "ac.mode='none'"]
+
+
+def small_cfg(run_dir, *overrides):
+    return load_config("configs/tiny.toml", [*SMALL, f"train.run_dir={json.dumps(str(run_dir))}", *overrides])
+
+
+def _train_records(rank, world, cfg):
+    return [{k: r.get(k) for k in ("step", "loss", "grad_norm", "val_loss", "val_ppl", "val_tokens")}
+            for r in train(cfg).records]
+
+
+def _steps_then_manual_eval(rank, world, cfg):
+    trainer = Trainer(cfg).setup()
+    records = [trainer.step() for _ in range(cfg.train.steps)]
+    model, loader = trainer.model, build_eval_loader(cfg, 0, 1)
+    rng = torch.get_rng_state()
+    bias = [b.clone() for n, b in model.named_buffers()]
+    again = Evaluator(cfg, 0, 1, trainer.n_micro, trainer.groups.dp_cp, trainer.device).run(model)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert all(torch.equal(a, b) for a, b in zip(bias, [b for _, b in model.named_buffers()], strict=True))
+    total = 0.0
+    with torch.no_grad():
+        model.eval()
+        for _ in range(cfg.train.eval_steps * trainer.n_micro):
+            tokens, labels = loader.next_batch(cfg.train.micro_batch_size)
+            total += float(model(tokens, labels)["lm_loss"].double())
+        model.train()
+    trainer.close()
+    return records, again, total / (cfg.train.eval_steps * trainer.n_micro)
+
+
+def test_val_loss_is_the_heldout_mean_lm_loss(tmp_path):
+    cfg = small_cfg(tmp_path / "r", "train.steps=2", "train.eval_every=2", "train.eval_steps=2")
+    records, again, manual = run_distributed(_steps_then_manual_eval, 1, cfg, timeout=120)[0]
+    assert "val_loss" not in records[0]
+    last = records[-1]
+    assert last["val_loss"] == again["val_loss"] == pytest.approx(manual, rel=1e-12)
+    assert last["val_ppl"] == math.exp(last["val_loss"])
+    assert last["val_tokens"] == 2 * 2 * 16  # eval_steps x global_batch_size x seq_len
+
+
+def test_evaluation_changes_nothing_training_sees_and_is_layout_free(tmp_path):
+    plain = run_distributed(_train_records, 1, small_cfg(tmp_path / "a", "train.steps=3"), timeout=120)[0]
+    evald = run_distributed(_train_records, 1, small_cfg(tmp_path / "b", "train.steps=3", "train.eval_every=1"),
+                            timeout=120)[0]
+    assert [(r["loss"], r["grad_norm"]) for r in evald] == [(r["loss"], r["grad_norm"]) for r in plain]
+    assert all(r["val_loss"] is not None for r in evald) and all(r["val_loss"] is None for r in plain)
+    two = run_distributed(_train_records, 2, small_cfg(tmp_path / "c", "train.steps=3", "train.eval_every=1"),
+                          timeout=120)
+    assert two[0] == two[1]
+    for one, other in zip(evald, two[0], strict=True):
+        assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    _, steps = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [s["val_loss"] for s in steps] == [r["val_loss"] for r in evald]
+
+
+def test_eval_at_multiples_and_the_last_step(tmp_path):
+    records = run_distributed(_train_records, 1, small_cfg(tmp_path / "r", "train.steps=3", "train.eval_every=2"),
+                              timeout=120)[0]
+    assert [r["val_loss"] is not None for r in records] == [False, True, True]
+
+
+def _evaluate_saved(rank, world, cfg, path):
+    return evaluate_saved(cfg, path)
+
+
+def test_evaluate_saved_recomputes_a_saved_steps_val_loss(tmp_path):
+    cfg = small_cfg(tmp_path / "r", "train.steps=2", "train.eval_every=2", "train.save_every=2")
+    logged = run_distributed(_train_records, 1, cfg, timeout=120)[0][-1]["val_loss"]
+    result = run_distributed(_evaluate_saved, 1, cfg, tmp_path / "r", timeout=120)[0]
+    assert result["val_loss"] == logged and result["step"] == 2
+    assert result["path"] == str(tmp_path / "r" / "step-00000002")
+
+
+def test_a_token_file_without_a_heldout_part_is_refused_at_setup(tmp_path):
+    path = tmp_path / "tokens.bin"
+    (np.arange(4096) % 512).astype(np.uint16).tofile(path)
+    cfg = small_cfg(tmp_path / "r", "train.eval_every=1", "train.data.kind='mmap'",
+                    f"train.data.path={json.dumps(str(path))}")
+    with pytest.raises(ConfigError, match="train.data.val_fraction"):
+        Evaluator(cfg, 0, 1, 2, None, torch.device("cpu"))
+
+
+def test_spartron_eval_command(tmp_path):
+    """`spartron eval CONFIG --step DIR` prints the JSON result; a path holding no step is one line, exit 2."""
+    over = [*SMALL, "train.steps=2", "train.save_every=2", "train.eval_every=2",
+            f"train.run_dir={json.dumps(str(tmp_path / 'r'))}"]
+    logged = run_distributed(_train_records, 1, load_config("configs/tiny.toml", over), timeout=120)[0][-1]
+    sets = [arg for item in over for arg in ("--set", item)]
+    cmd = [sys.executable, "-m", "spartron.launch.cli", "eval", "configs/tiny.toml", *sets]
+    done = subprocess.run([*cmd, "--step", str(tmp_path / "r" / "step-00000002")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["val_loss"] == logged["val_loss"] and result["step"] == 2
+    assert "validation loss" in done.stderr
+    bad = subprocess.run([*cmd, "--step", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (f"spartron: error: {tmp_path / 'nothing'}: neither a saved step "
+                                                   "nor a run directory holding one")
