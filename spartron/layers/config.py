@@ -147,7 +147,13 @@ class ModelConfig(ConfigSection):
     norm_eps: float = Field(1e-6, gt=0, lt=1)  # an eps near the variance itself flattens every norm
     max_seq_len: int = Field(4096, ge=1)
     tie_embeddings: bool = False
+    # Precision (spartron.layers.parallelize applies it): `dtype` is the COMPUTE dtype, what forward and
+    # backward run in and what FSDP all-gathers; `master_dtype` is the dtype of the sharded parameters the
+    # optimizer updates, of their gradients and of the optimizer state (None: `dtype`, the bf16-only mode);
+    # `reduce_dtype` is the dtype gradients are reduce-scattered in.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    master_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     init_std: float = Field(0.02, gt=0, le=1)  # 0 starts every expert and head identical; > 1 diverges
     loss_chunk_size: int = Field(0, ge=0)  # 0: plain cross-entropy; N: chunks of N tokens
     mla: MLAConfig = Field(default_factory=MLAConfig)
@@ -155,13 +161,7 @@ class ModelConfig(ConfigSection):
     dsa: DSAConfig | None = None
     mtp: MTPConfig = Field(default_factory=MTPConfig)
 
-    # Precision (spartron.layers.parallelize applies it): `dtype` is the COMPUTE dtype, what forward and
-    # backward run in and what FSDP all-gathers; `master_dtype` is the dtype of the sharded parameters the
-    # optimizer updates, of their gradients and of the optimizer state (None: `dtype`, the bf16-only mode);
-    # `reduce_dtype` is the dtype gradients are reduce-scattered in.
     @model_validator(mode="after")
-    master_dtype: Literal["float32", "bfloat16"] | None = None
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     def _check(self) -> ModelConfig:
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"model.first_k_dense {self.first_k_dense} must be <= model.n_layers {self.n_layers}")
@@ -170,17 +170,9 @@ class ModelConfig(ConfigSection):
             if bad:
                 raise ValueError(f"model.dsa.layers has indices outside 0..{self.n_layers - 1}: {bad}")
         check_dsa(self)
+        self._check_precision()
         return self
 
-
-def dsa_layers(cfg: ModelConfig) -> list[int]:
-    """The decoder layers that run DSA (MTP depths aside), in order."""
-    layers = cfg.dsa.layers
-    if layers == "all":
-        return list(range(cfg.n_layers))
-        self._check_precision()
-    if layers == "moe":
-        return list(range(cfg.first_k_dense, cfg.n_layers))
     @property
     def stored_dtype(self) -> str:
         """The dtype parameters are stored and updated in: master_dtype, else dtype."""
@@ -199,6 +191,14 @@ def dsa_layers(cfg: ModelConfig) -> list[int]:
                              "model.dtype 'float32') rounds every gradient to bf16 before an fp32 update: "
                              "use model.reduce_dtype = 'float32'")
 
+
+def dsa_layers(cfg: ModelConfig) -> list[int]:
+    """The decoder layers that run DSA (MTP depths aside), in order."""
+    layers = cfg.dsa.layers
+    if layers == "all":
+        return list(range(cfg.n_layers))
+    if layers == "moe":
+        return list(range(cfg.first_k_dense, cfg.n_layers))
     return sorted(layers)
 
 
