@@ -3,7 +3,10 @@
 `spartron::indexer_topk` registers `indexer_topk` below as its CUDA kernel (indexer_topk.py); a CUDA
 input the kernel cannot take is an error naming the limit, never a silent fallback. Triton is
 imported only when the kernel runs. Queries go in chunks so the fp32 [B, chunk, S_kv] score buffer
-stays near `SCORE_BUFFER_BYTES`; each chunk is scored by the kernel and reduced by torch.topk.
+stays near `SCORE_BUFFER_BYTES` (and the sequence is cut in at least `MIN_CHUNKS`); each chunk is
+scored by the kernel and reduced by torch.topk. When key positions are 0..S_kv-1 (no CP, or CP's
+gathered keys) a chunk's visible keys are a prefix, up to its last query position: only that prefix is
+scored and searched, which roughly halves the top-k work of a causal sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from spartron.optional import require
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 SCORE_BUFFER_BYTES = 1 << 30
+MIN_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -46,23 +50,25 @@ def _kernels():
 
 
 def chunk_rows(b: int, s_q: int, s_kv: int, block_m: int) -> int:
-    """Queries per chunk: the score buffer near SCORE_BUFFER_BYTES, a multiple of the tile rows."""
-    rows = max(1, SCORE_BUFFER_BYTES // (4 * b * max(s_kv, 1)))
-    return min(s_q, max(block_m, rows // block_m * block_m))
+    """Queries per chunk: the score buffer near SCORE_BUFFER_BYTES and at least MIN_CHUNKS chunks, a
+    multiple of the tile rows."""
+    rows = min(max(1, SCORE_BUFFER_BYTES // (4 * b * max(s_kv, 1))), -(-s_q // MIN_CHUNKS))
+    return min(s_q, max(block_m, -(-rows // block_m) * block_m))
 
 
 def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
            k_positions: Tensor, q_start: int, c_len: int, out: Tensor,
            cfg: IndexerKernelConfig | None = None) -> Tensor:
-    """Fill out [B, c_len, S_kv] fp32 with the scores of queries q_start .. q_start + c_len (-inf where not
-    visible). q [B, S_q, H, d] and k [B, S_kv, d] contiguous (bf16/fp16, or fp8 with k_scale)."""
+    """Fill out [B, c_len, n_cols] fp32 with the scores of queries q_start .. q_start + c_len against the
+    first n_cols keys (-inf where not visible). q [B, S_q, H, d] and k [B, S_kv, d] contiguous
+    (bf16/fp16, or fp8 with k_scale)."""
     cfg = cfg or IndexerKernelConfig()
     b, s_q, h, d = q.shape
-    s_kv = k.shape[1]
-    grid = (-(-s_kv // cfg.block_n), -(-c_len // cfg.block_m), b)
+    s_kv, n_cols = k.shape[1], out.shape[-1]
+    grid = (-(-n_cols // cfg.block_n), -(-c_len // cfg.block_m), b)
     _kernels().indexer_scores_kernel[grid](
         q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions, out, s_q, s_kv,
-        q_start, c_len, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
+        q_start, c_len, n_cols, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return out
 
@@ -87,9 +93,17 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     qpos, kpos = q_positions.to(torch.int32), k_positions.to(torch.int32)
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     buf = torch.empty(b * chunk * s_kv, dtype=torch.float32, device=q.device)
-    for c0 in range(0, s_q, chunk):
-        c = min(chunk, s_q - c0)
-        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * s_kv].view(b, c, s_kv), cfg)
-        values, picked = out.topk(kk, dim=-1)
-        ids[:, c0:c0 + c] = torch.where(torch.isfinite(values), picked, -1)
+    n_chunks = -(-s_q // chunk)
+    n_cols = [s_kv] * n_chunks
+    if torch.equal(kpos, torch.arange(s_kv, dtype=torch.int32, device=q.device)):  # visible keys: a prefix
+        last = qpos.new_full((n_chunks * chunk,), 0)
+        last[:s_q] = qpos
+        n_cols = [min(s_kv, p + 1) for p in last.view(n_chunks, chunk).amax(-1).clamp_min(0).tolist()]
+    for i, c0 in enumerate(range(0, s_q, chunk)):
+        c, n = min(chunk, s_q - c0), n_cols[i]
+        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * n].view(b, c, n), cfg)
+        values, picked = out.topk(min(kk, n), dim=-1)
+        if n < kk:
+            ids[:, c0:c0 + c, n:] = -1
+        ids[:, c0:c0 + c, : values.shape[-1]] = torch.where(torch.isfinite(values), picked, -1)
     return ids

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len"])
-def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, out_ptr, s_q, s_kv, q_start, c_len,
+@triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len", "n_cols"])
+def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, out_ptr, s_q, s_kv, q_start, c_len, n_cols,
                           H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           HAS_KSCALE: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -25,10 +25,10 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, out_p
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < c_len
-    nmask = rn < s_kv
+    nmask = rn < n_cols  # the first n_cols keys (a prefix holding every visible one)
     qpos = tl.load(qpos_ptr + q_start + rm, mask=mmask, other=-1)
     kpos = tl.load(kpos_ptr + rn, mask=nmask, other=2147483647)
-    out_ptrs = out_ptr + (b * c_len + rm)[:, None].to(tl.int64) * s_kv + rn[None, :]
+    out_ptrs = out_ptr + (b * c_len + rm)[:, None].to(tl.int64) * n_cols + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
     if tl.min(kpos, 0) > tl.max(qpos, 0):  # no key of the tile is visible to any query of it
         tl.store(out_ptrs, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)

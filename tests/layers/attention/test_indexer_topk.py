@@ -118,7 +118,8 @@ def test_bad_shapes_are_rejected():
 
 
 def test_score_chunks_stay_near_the_buffer_budget():
-    assert indexer_triton.chunk_rows(1, 16384, 16384, 128) == 16384  # 1 GiB: the whole 16k sequence
+    assert indexer_triton.chunk_rows(1, 16384, 16384, 128) == 4096  # 1 GiB holds it all: MIN_CHUNKS = 4
+    assert indexer_triton.chunk_rows(1, 1000, 1000, 128) == 256  # 250 rounded up to whole tiles
     assert indexer_triton.chunk_rows(1, 65536, 65536, 128) == 4096
     assert indexer_triton.chunk_rows(2, 65536, 65536, 128) == 2048
     assert indexer_triton.chunk_rows(1, 100, 1 << 30, 128) == 100  # never below one tile, never above S_q
