@@ -78,6 +78,7 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
             raise ConfigError(f"{where} does not exist")
         if not path.is_file():
             raise ConfigError(f"{where} is not a regular file")
+        _check_sidecar(path, token_dtype, vocab_size, where)  # first: a wrong dtype explains a size error
         size = path.stat().st_size
         if size == 0:
             raise ConfigError(f"{where} is empty")
@@ -90,7 +91,6 @@ def check_token_file(path: str | Path, token_dtype: str, seq_len: int, vocab_siz
         tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
     except OSError as err:
         raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
-    _check_sidecar(path, token_dtype, vocab_size, where)
     return check_token_ids(tokens, token_dtype, vocab_size, where)
 
 
@@ -174,9 +174,11 @@ class MmapTokens:
 
 
 class HeldOutSynthetic:
-    """The synthetic stream's validation split: the same task, samples from 2**61 on (never trained on)."""
+    """The synthetic stream's validation split: the same task, samples from 3 x 2**30 on. torch's CPU
+    generator keeps 32 bits of a seed, so this is as far from the training samples as seeds go: a run
+    would have to train on 3.2e9 sequences to reach them."""
 
-    offset = 2**61
+    offset = 3 * 2**30
 
     def __init__(self, source: SyntheticTokens) -> None:
         self.source, self.fingerprint = source, "synthetic:held-out"

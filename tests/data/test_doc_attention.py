@@ -1,0 +1,172 @@
+"""Packed documents through the layers: the document mask, per-document RoPE, DSA top-k and MTP targets.
+
+The reference everywhere is each document run ALONE (positions 0..n-1, plain causal attention): a
+packed row must give every document exactly what it gets on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spartron.layers.attention.doc_mask import (
+    document_shifted_labels,
+    document_visible,
+    flex_document_attention,
+    reference_document_attention,
+)
+from spartron.layers.attention.mla import MLA
+from spartron.layers.config import ModelConfig
+from spartron.layers.model import build_model
+from spartron.runtime.config import ConfigError, load_config
+
+MLA_SHAPES = dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+LENGTHS = [[3, 5, 4], [12]]  # documents of each packed row of 12 tokens
+
+
+def positions_of(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+
+
+def make_cfg(dsa=None, **kw) -> ModelConfig:
+    return ModelConfig.model_validate(dict(dim=16, n_heads=3, n_layers=3, first_k_dense=1, mla=MLA_SHAPES, dsa=dsa,
+                                           **kw))
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def test_document_visible_is_causal_within_each_document():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(document_visible(pos)[0], expected)
+    assert torch.equal(document_visible(pos, slice(2, 5))[0], expected[2:5])
+
+
+def test_reference_and_flex_attention_equal_each_document_alone():
+    g = torch.Generator().manual_seed(0)
+    pos = positions_of(LENGTHS)
+    q, k = torch.randn(2, 3, 12, 10, generator=g, dtype=torch.float64), torch.randn(2, 3, 12, 10, generator=g,
+                                                                                      dtype=torch.float64)
+    v = torch.randn(2, 3, 12, 5, generator=g, dtype=torch.float64)
+    ref = reference_document_attention(q, k, v, pos, 0.3)
+    for b, row in enumerate(LENGTHS):
+        start = 0
+        for n in row:
+            part = slice(start, start + n)
+            alone = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1, :, part], k[b:b + 1, :, part],
+                                                                     v[b:b + 1, :, part], is_causal=True, scale=0.3)
+            torch.testing.assert_close(ref[b:b + 1, :, part], alone, rtol=1e-12, atol=1e-12)
+            start += n
+    with pytest.warns(UserWarning, match="without torch.compile"):  # eager flex: the unfused implementation
+        flex = flex_document_attention(q.float(), k.float(), v.float(), pos, 0.3, compiled=False)
+    torch.testing.assert_close(flex, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def _alone(layer: MLA, x: torch.Tensor, lengths: list[list[int]]) -> list[tuple[int, slice, dict]]:
+    out = []
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            part = slice(start, start + n)
+            out.append((b, part, layer(x[b:b + 1, part], torch.arange(n))))
+            start += n
+    return out
+
+
+def test_dense_mla_on_packed_documents_equals_each_document_alone():
+    layer = MLA(make_cfg(), 0).double()
+    randomize(layer)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    packed = layer(x, positions_of(LENGTHS))["hidden_states"]
+    for b, part, alone in _alone(layer, x, LENGTHS):
+        torch.testing.assert_close(packed[b:b + 1, part], alone["hidden_states"], rtol=1e-10, atol=1e-10)
+    # without the document mask the second document of row 0 would see the first
+    plain = layer(x, torch.arange(12))["hidden_states"]
+    assert not torch.allclose(plain[0, 3:8], packed[0, 3:8])
+
+
+@pytest.mark.parametrize("mode", ["frozen", "kl_dense", "kl_sparse"])
+def test_dsa_source_selects_within_documents_and_equals_each_document_alone(mode):
+    coeff = 0.0 if mode == "frozen" else 0.5
+    # top-k 5: every key of row 0's short documents (so ReLU ties cannot pick differently at another offset),
+    # a real selection in row 1's long document; without the mask row 0's picks would reach earlier documents
+    cfg = make_cfg(dsa=dict(n_index_heads=2, index_head_dim=8, index_topk=5, topk_freq=2, indexer_mode=mode,
+                            indexer_loss_coeff=coeff))
+    layer = MLA(cfg, 1).double()
+    randomize(layer)
+    x = torch.randn(2, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pos = positions_of(LENGTHS)
+    out = layer(x, pos)
+    ids = out["dsa_topk_ids"]
+    start = torch.arange(12)[None, :] - pos  # each query's document start
+    chosen = ids >= 0
+    assert torch.all((ids <= torch.arange(12)[None, :, None]) | ~chosen)
+    assert torch.all((ids >= start[..., None]) | ~chosen)  # never a key of an earlier document
+    kl_sum = 0.0
+    for b, part, alone in _alone(layer, x, LENGTHS):
+        torch.testing.assert_close(out["hidden_states"][b:b + 1, part], alone["hidden_states"], rtol=1e-10,
+                                   atol=1e-10)
+        if mode != "frozen":  # the KL target and scores see the document too: the loss is the query mean
+            kl_sum = kl_sum + alone["indexer_loss"] * (part.stop - part.start)
+        local = torch.where(ids[b:b + 1, part] >= 0, ids[b:b + 1, part] - part.start, -1)
+        k = alone["dsa_topk_ids"].shape[-1]  # the same key sets (ties may come in another order)
+        assert torch.equal(local[..., :k].sort(-1).values, alone["dsa_topk_ids"].sort(-1).values)
+        assert torch.all(local[..., k:] == -1)
+    if mode != "frozen":
+        torch.testing.assert_close(out["indexer_loss"], kl_sum / 24, rtol=1e-10, atol=1e-12)
+
+
+def test_mtp_targets_stop_at_document_boundaries():
+    labels = torch.tensor([[10, 11, -100, 20, 21, 22]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert document_shifted_labels(labels, pos, 1).tolist() == [[11, -100, -100, 21, 22, -100]]
+    assert document_shifted_labels(labels, pos, 2).tolist() == [[-100, -100, -100, 22, -100, -100]]
+    assert torch.equal(document_shifted_labels(labels, pos, 0), labels)
+
+
+def test_model_loss_on_packed_row_is_the_token_mean_of_each_document_alone():
+    cfg = load_config("configs/tiny.toml", ["model.mtp.depth=1", "model.dtype=float32"]).model
+    model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(2, 512, (n,), generator=g) for n in (9, 14, 9)]
+    tokens = torch.cat(docs)[None]
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    packed = model(tokens, labels, positions=pos)
+    lm_sum, mtp_sum, n_lm, n_mtp = 0.0, 0.0, 0, 0
+    for d in docs:
+        own_labels = torch.cat([d[1:], torch.tensor([-100])])[None]
+        alone = model(d[None], own_labels)
+        n = len(d) - 1
+        lm_sum, n_lm = lm_sum + alone["lm_loss"] * n, n_lm + n
+        mtp_sum, n_mtp = mtp_sum + alone["mtp_losses"][0] * (n - 1), n_mtp + n - 1  # depth 1: n - 1 targets
+    torch.testing.assert_close(packed["lm_loss"], lm_sum / n_lm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed["mtp_losses"][0], mtp_sum / n_mtp, rtol=1e-5, atol=1e-5)
+    plain = model(tokens, labels)  # the same row without positions: documents see each other
+    assert abs(plain["lm_loss"].detach().item() - packed["lm_loss"].detach().item()) > 1e-4
+
+
+def test_document_mask_config_errors():
+    with pytest.raises(ConfigError, match=r"train.data.doc_mask \(packed documents.*parallel.cp = 2 yet"):
+        load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2"])
+    load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2",
+                                      "train.data.doc_mask=false"])  # plain causal over packed rows: fine
+    with pytest.raises(ConfigError, match="needs train.intra_layer_micro_batch_scope = 'experts'"):
+        load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x",
+                                          "train.intra_layer_micro_batches=2", "train.micro_batch_size=2",
+                                          "train.global_batch_size=4"])
+    with pytest.raises(ConfigError, match="train.data.doc_mask is set but a flat token file"):
+        load_config("configs/tiny.toml", ["train.data.kind=mmap", "train.data.path=/x", "train.data.doc_mask=true"])
+    with pytest.raises(ConfigError, match="train.data.token_dtype is set but train.data.kind = 'packed'"):
+        load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x",
+                                          "train.data.token_dtype=uint32"])
+    with pytest.raises(ConfigError, match="train.data.val_fraction is set but train.data.kind = 'synthetic'"):
+        load_config("configs/tiny.toml", ["train.data.val_fraction=0.1"])
+    with pytest.raises(ConfigError, match="train.data.path is required when train.data.kind = 'packed'"):
+        load_config("configs/tiny.toml", ["train.data.kind=packed"])

@@ -1,0 +1,251 @@
+"""Corpora, the tokenizer, token folders, packing and the loaders: exact values and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from text_corpus import make_tokenizer, text_folder, write_jsonl  # next to this file
+
+from spartron.data import open_token_folder, prepare_corpus, read_corpus
+from spartron.data.corpus import Chat, Document
+from spartron.data.packing import PackedDocuments, split_documents
+from spartron.data.tokenizer import load_tokenizer
+from spartron.runtime.config import ConfigError, load_config
+from spartron.runtime.data import build_eval_loader, build_train_loader
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+
+
+def ids(tokenizer, text):
+    return load_tokenizer(tokenizer, "<eos>").encode(text)
+
+
+def test_folder_is_read_in_sorted_path_order_with_chats(tmp_path):
+    write_jsonl(tmp_path / "b" / "x.jsonl", [{"text": "the cat"}, {"messages": [
+        {"role": "user", "content": "why"}, {"role": "assistant", "content": "yes"}]}])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "dog"}])
+    (tmp_path / "c.txt").write_text("red house")
+    (tmp_path / "ignored.csv").write_text("x")
+    got = [(p.relative_to(tmp_path).as_posix(), r) for p, r in read_corpus(tmp_path)]
+    assert got == [("a.jsonl", Document("dog")), ("b/x.jsonl", Document("the cat")),
+                   ("b/x.jsonl", Chat((("user", "why"), ("assistant", "yes")))), ("c.txt", Document("red house"))]
+
+
+def test_parquet_corpus(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="parquet corpora need pyarrow (the test extra installs it)")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["the cat", "a dog"], "id": [1, 2]}), tmp_path / "p.parquet")
+    assert [r for _, r in read_corpus(tmp_path / "p.parquet")] == [Document("the cat"), Document("a dog")]
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "q.parquet")
+    with pytest.raises(ConfigError, match=r"q.parquet: no 'text' or 'messages' column \(columns: body\)"):
+        list(read_corpus(tmp_path / "q.parquet"))
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"bad.jsonl:2: not valid JSON"),
+    ('["a"]', r"bad.jsonl:2: a record must be a JSON object, got list"),
+    ('{"body": "x"}', r"bad.jsonl:2: a record needs a string 'text' or a list 'messages'"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', r"messages\[0\].role 'robot' is not one of"),
+    ('{"messages": []}', r"'messages' must be a non-empty list"),
+])
+def test_bad_records_are_one_line_errors_naming_file_and_line(tmp_path, line, message):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        list(read_corpus(tmp_path))
+
+
+def test_corpus_and_tokenizer_path_errors(tmp_path, tok):
+    with pytest.raises(ConfigError, match="holds no .jsonl, .parquet, .txt file"):
+        list(read_corpus(tmp_path / "tok"))
+    with pytest.raises(ConfigError, match=r"corpus '.*nope' does not exist"):
+        list(read_corpus(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="which token ends a document\\? Pass --eos TOKEN"):
+        load_tokenizer(tok)
+    with pytest.raises(ConfigError, match="the EOS token '</s>' is not in its vocabulary"):
+        load_tokenizer(tok, "</s>")
+    with pytest.raises(ConfigError, match="no tokenizer.json there"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is not a tokenizers JSON file"):
+        load_tokenizer(tmp_path / "junk.json", "<eos>")
+
+
+def test_transformers_folder_gives_the_eos_token(tmp_path, tok):
+    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok), eos_token="<eos>")
+    fast.save_pretrained(tmp_path / "saved")
+    t = load_tokenizer(tmp_path / "saved")
+    assert t.eos_id == 1 and t.encode("the cat") == ids(tok, "the cat")
+
+
+def test_chat_loss_mask_covers_assistant_content_and_its_eos(tok):
+    t = load_tokenizer(tok, "<eos>")
+    got, mask = t.encode_record(Chat((("system", "we"), ("user", "why not"), ("assistant", "yes"))))
+    v = t.backend.token_to_id
+    assert got == [v("<|system|>"), v("we"), v("<|user|>"), v("why"), v("not"), v("<|assistant|>"), v("yes"), 1]
+    assert mask == [0, 0, 0, 0, 0, 0, 1, 1]  # the "\n" after headers / turns is no token of this WordLevel
+    got, mask = t.encode_record(Chat((("user", "why"),)))  # no answer: context only, still EOS-terminated
+    assert got == [v("<|user|>"), v("why"), 1] and mask == [0, 0, 0]
+    assert t.encode_record(Document("the cat")) == (ids(tok, "the cat") + [1], [1, 1, 1])
+
+
+def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
+    write_jsonl(tmp_path / "c" / "a.jsonl", [{"text": "the cat sat"}, {"text": ""}, {"text": "a dog"}])
+    meta = prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
+    data = np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16).tolist()
+    assert data == ids(tok, "the cat sat") + [1] + ids(tok, "a dog") + [1]
+    on_disk = json.loads((tmp_path / "out" / "tokens.json").read_text())
+    assert on_disk == meta
+    assert {k: meta[k] for k in ("dtype", "vocab_size", "eos_id", "n_tokens", "n_documents", "loss_mask",
+                                 "document_offsets")} == {
+        "dtype": "uint16", "vocab_size": 40, "eos_id": 1, "n_tokens": 7, "n_documents": 2, "loss_mask": None,
+        "document_offsets": [0, 4, 7]}
+    import hashlib
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
+    assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1}
+    with pytest.raises(ConfigError, match="exists and is not empty"):
+        prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(format="other"), "not a spartron-tokens version 1 file"),
+    (lambda m: m.update(dtype="int8"), "dtype must be 'uint16' or 'uint32', got 'int8'"),
+    (lambda m: m.update(n_tokens=8), r"document_offsets must rise strictly from 0 to n_tokens = 8"),
+    (lambda m: m.update(document_offsets=[0, 4, 4, 7]), "document_offsets must rise strictly"),
+    (lambda m: m.update(document_offsets=[0, "4", 7]), "document_offsets must be integers"),
+    (lambda m: m.update(eos_id=99), "do not fit dtype uint16"),
+    (lambda m: m.pop("vocab_size"), "key 'vocab_size' is missing or not int"),
+    (lambda m: m.update(loss_mask="../x"), "loss_mask must be null or 'loss_mask.bin'"),
+])
+def test_damaged_token_folders_are_refused(tmp_path, tok, edit, message):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat"}, {"text": "a dog"}])
+    prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>")
+    meta_file = tmp_path / "out" / "tokens.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta)
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=message):
+        open_token_folder(tmp_path / "out")
+
+
+def test_truncated_tokens_and_missing_metadata(tmp_path, tok):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat"}])
+    prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>")
+    (tmp_path / "out" / "tokens.bin").write_bytes(b"\0\0")
+    with pytest.raises(ConfigError, match=r"tokens.bin has 2 bytes, but tokens.json says 4 tokens of uint16"):
+        open_token_folder(tmp_path / "out")
+    (tmp_path / "out" / "tokens.json").unlink()
+    with pytest.raises(ConfigError, match="has no tokens.json \\(not written by `spartron data`, or not finished\\)"):
+        open_token_folder(tmp_path / "out")
+
+
+def _folder(tmp_path, docs: list[list[int]], mask: list[list[int]] | None = None):
+    """A token folder holding exactly these documents (ids < 40)."""
+    from spartron.data.tokenfile import write_token_folder
+
+    recs = [(d, m) for d, m in zip(docs, mask or [[1] * len(d) for d in docs], strict=True)]
+    write_token_folder(tmp_path / "f", recs, vocab_size=40, eos_id=1, tokenizer={"sha256": "ab" * 32}, corpus={})
+    return open_token_folder(tmp_path / "f")
+
+
+def test_packing_positions_and_labels_exact(tmp_path):
+    folder = _folder(tmp_path, [[5, 6, 1], [7, 8, 9, 10, 1], [11, 1]],
+                     mask=[[1, 1, 1], [0, 0, 1, 1, 1], [1, 1]])  # document 2: a chat whose first 2 are prompt
+    packed = PackedDocuments(folder, split_documents(3, 0.0)[0], seq_len=4, vocab_size=40)
+    assert packed.n_samples == 2  # 10 tokens: windows of 5 at 0 and 4
+    tokens, labels, positions = packed.example(0)
+    assert tokens.tolist() == [5, 6, 1, 7] and positions.tolist() == [0, 1, 2, 0]
+    assert labels.tolist() == [6, 1, -100, -100]  # EOS -> next document: ignored; 8 is a prompt token
+    tokens, labels, positions = packed.example(1)
+    assert tokens.tolist() == [8, 9, 10, 1] and positions.tolist() == [0, 1, 2, 3]  # continued: starts afresh
+    assert labels.tolist() == [9, 10, 1, -100]
+    assert [t.tolist() for t in packed.example(2)] == [t.tolist() for t in packed.example(0)]  # wraps around
+
+
+def test_held_out_documents_are_never_trained_on(tmp_path):
+    docs = [[2 + i, 3 + i, 1] for i in range(10)]
+    folder = _folder(tmp_path, docs)
+    train, val = split_documents(10, 0.2)
+    assert (train.first, train.last, val.first, val.last) == (0, 8, 8, 10)
+    t = PackedDocuments(folder, train, 2, 40)
+    v = PackedDocuments(folder, val, 2, 40, "val")
+    seen_train = {x for i in range(t.n_samples) for x in t.example(i)[0].tolist()}
+    seen_val = {x for i in range(v.n_samples) for x in v.example(i)[0].tolist()}
+    assert seen_val == {10, 11, 1} and not (seen_val - {1}) & seen_train
+    with pytest.raises(ConfigError, match=r"train.data.val_fraction = 0.05 of 10 documents holds no document"):
+        split_documents(10, 0.05)
+
+
+def _cfg(tmp_path, *extra):
+    return load_config("configs/tiny.toml", ["train.seq_len=8", *extra])
+
+
+def test_loaders_shard_by_dp_rank_resume_and_hold_out(tmp_path, tok):
+    text_folder(tmp_path / "corpus", n_docs=30)
+    prepare_corpus(tmp_path / "corpus", tok, tmp_path / "out", eos_token="<eos>")
+    cfg = _cfg(tmp_path, "train.data.kind=packed", f"train.data.path={tmp_path / 'out'}", "train.data.val_fraction=0.1")
+    one = build_train_loader(cfg, 0, 1).next(4)
+    r0, r1 = build_train_loader(cfg, 0, 2).next(2), build_train_loader(cfg, 1, 2).next(2)
+    assert torch.equal(one.tokens[0::2], r0.tokens) and torch.equal(one.tokens[1::2], r1.tokens)
+    assert torch.equal(one.positions[1::2], r1.positions) and one.positions.dtype == torch.int64
+    assert set(one.model_kwargs(torch.device("cpu"))) == {"positions"}
+    a = build_train_loader(cfg, 1, 2)
+    a.next(3)
+    state = a.state_dict()
+    assert state == {"position": 3, "dp_rank": 1, "dp_size": 2, "source": "packed:" + state["source"][7:]}
+    expected = a.next(2)
+    b = build_train_loader(cfg, 1, 2)
+    b.load_state_dict(state)
+    got = b.next(2)
+    assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.labels, expected.labels)
+    with pytest.raises(ValueError, match="the data position was saved for data 'synthetic', but train.data now"):
+        b.load_state_dict({**state, "source": "synthetic"})
+    ev1, ev2 = build_eval_loader(cfg, 0, 1).next(2), build_eval_loader(cfg, 0, 1).next(2)
+    assert torch.equal(ev1.tokens, ev2.tokens)  # every evaluation reads the same samples
+    no_mask = _cfg(tmp_path, "train.data.kind=packed", f"train.data.path={tmp_path / 'out'}",
+                   "train.data.doc_mask=false")
+    batch = build_train_loader(no_mask, 0, 1).next(4)  # the same tokens and labels, plain causal attention
+    assert batch.positions is None and torch.equal(batch.tokens, one.tokens) and torch.equal(batch.labels, one.labels)
+    assert batch.model_kwargs(torch.device("cpu")) == {}
+    with pytest.raises(ConfigError, match="train.data.val_fraction = 0: no documents are held out"):
+        build_eval_loader(no_mask, 0, 1)
+
+
+def test_packed_folder_must_fit_the_model_vocabulary(tmp_path, tok):
+    text_folder(tmp_path / "corpus", n_docs=4)
+    prepare_corpus(tmp_path / "corpus", tok, tmp_path / "out", eos_token="<eos>")
+    cfg = _cfg(tmp_path, "train.data.kind=packed", f"train.data.path={tmp_path / 'out'}", "model.vocab_size=16")
+    with pytest.raises(ConfigError, match="its tokenizer has 40 tokens, more than model.vocab_size 16"):
+        build_train_loader(cfg, 0, 1)
+
+
+def test_mmap_and_synthetic_held_out_splits(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(81, dtype=np.uint16).tofile(path)  # 10 samples of 8 (+1)
+    cfg = _cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={path}", "train.data.val_fraction=0.2")
+    train = build_train_loader(cfg, 0, 1)
+    assert [train.next(1).tokens[0, 0].item() for _ in range(9)] == [0, 8, 16, 24, 32, 40, 48, 56, 0]
+    val = build_eval_loader(cfg, 0, 1)
+    assert [val.next(1).tokens[0, 0].item() for _ in range(3)] == [64, 72, 64]
+    plain = _cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={path}")
+    with pytest.raises(ConfigError, match="train.data.kind = 'mmap' has no held-out split"):
+        build_eval_loader(plain, 0, 1)
+    syn = _cfg(tmp_path)
+    t, v = build_train_loader(syn, 0, 1).next(2), build_eval_loader(syn, 0, 1).next(2)
+    assert not torch.equal(t.tokens, v.tokens) and v.positions is None
+
+
+def test_a_sidecar_beside_a_flat_token_file_is_checked(tmp_path, tok):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat on a mat and dog ran"}])
+    prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>")
+    cfg = _cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={tmp_path / 'out' / 'tokens.bin'}",
+               "train.data.token_dtype=uint32")
+    with pytest.raises(ConfigError, match="tokens.json says the tokens are uint16, but train.data.token_dtype"):
+        build_train_loader(cfg, 0, 1)
