@@ -1,5 +1,5 @@
 """End-to-end training benchmark: tokens/s per GPU, MFU and peak memory for each activation-
-checkpointing mode (none / full / selective / selective + offload) on a fixed preset.
+checkpointing mode (none / full / selective / selective + offload), compile off and on, on a fixed preset.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e.json            # GPU preset (dsv3-12l)
     python benchmarks/e2e.py --config configs/dsa-12l.toml --out ...      # the DSA preset
@@ -9,12 +9,16 @@ checkpointing mode (none / full / selective / selective + offload) on a fixed pr
 Each mode runs `spartron.runtime.trainer.train` for --steps steps on the same process group; the
 first --warmup steps (allocator and compile warm-up) are excluded from the medians. MFU is over
 --peak-tflops per GPU (default 750 on CUDA, the project's H200 reference; measured on CPU).
+`--compile off,on` runs every mode eager and with `train.compile = true` (checkpointed modes then use
+non-reentrant regions: reentrant + compile is a config error). Each row is checked against the issue's
+single-H200 dsv3-12l targets (TARGETS_MS; selective: <= 1.10x the eager-or-compiled AC-none row of the same call).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -34,6 +38,8 @@ from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import train  # noqa: E402
 
+TARGETS_MS = {"none": 215.0, "full": 270.0}  # issue 22, one H200, dsv3-12l
+SELECTIVE_OVER_NONE = 1.10
 MODES = {
     "none": ["ac.mode=none", "offload.enabled=false"],
     "full": ["ac.mode=full", "offload.enabled=false"],
@@ -51,9 +57,12 @@ def _factory(spec: str | None):
     return obj() if isinstance(obj, type) else obj
 
 
-def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path) -> dict:
+def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path, compiled: bool = False) -> dict:
+    name = mode + ("+compile" if compiled else "")
     overrides = MODES[mode] + [f"train.steps={args.steps}", "train.save_every=0", "train.resume=false",
-                               "train.progress=false", f"train.run_dir={run_root / mode.replace('+', '_')}"]
+                               "train.progress=false", f"train.run_dir={run_root / name.replace('+', '_')}"]
+    if compiled:
+        overrides += ["train.compile=true"] + (["ac.reentrant=false"] if mode != "none" else [])
     if args.peak_tflops:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     overrides += args.set
@@ -63,7 +72,10 @@ def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path) 
     result = train(cfg, _factory(args.model_factory))
     timed = result.records[args.warmup:] or result.records[-1:]
     return {
-        "mode": mode,
+        "mode": name,
+        "ac_mode": mode,
+        "compile": compiled,
+        "overrides": overrides,
         "steps": len(result.records),
         "timed_steps": len(timed),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
@@ -80,18 +92,35 @@ def run_mode(config: Path, mode: str, args: argparse.Namespace, run_root: Path) 
     }
 
 
+def check_targets(rows: list[dict]) -> None:
+    """Add `target_ms` and `target_met` to each row (selective: vs the AC-none row with the same compile)."""
+    none = {r["compile"]: r["step_time_s"] for r in rows if r.get("ac_mode") == "none" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            continue
+        target = TARGETS_MS.get(r["ac_mode"])
+        if r["ac_mode"].startswith("selective") and r["compile"] in none:
+            target = SELECTIVE_OVER_NONE * none[r["compile"]] * 1e3
+        r["target_ms"] = target
+        r["target_met"] = None if target is None else r["step_time_s"] * 1e3 <= target
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="spartron e2e")
-    for col in ("mode", "step ms", "tokens/s/GPU", "MFU", "peak alloc GiB", "peak reserved GiB", "loss"):
+    for col in ("mode", "step ms", "target ms", "tokens/s/GPU", "MFU", "peak alloc GiB", "peak reserved GiB",
+                "loss"):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["mode"], "error", r["error"][:60], "", "", "", "")
+            table.add_row(r["mode"], "error", "", r["error"][:60], "", "", "", "")
             continue
-        table.add_row(r["mode"], f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s_per_gpu']:.0f}",
+        target = "-"
+        if r.get("target_ms") is not None:
+            target = f"{r['target_ms']:.0f}" + ("" if r["target_met"] else " (missed)")
+        table.add_row(r["mode"], f"{r['step_time_s'] * 1e3:.1f}", target, f"{r['tokens_per_s_per_gpu']:.0f}",
                       f"{r['mfu']:.1%}", f"{r['peak_memory_allocated_gib']:.2f}",
                       f"{r['peak_memory_reserved_gib']:.2f}", f"{r['final_loss']:.4f}")
     Console().print(table)
@@ -102,8 +131,9 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "dsv3-12l.toml")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", default="off", help="comma-separated subset of off,on")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="per-GPU peak for MFU (default: 750 on CUDA, measured on CPU)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -128,15 +158,22 @@ def main() -> int:
     own = not dist.is_initialized()
     if own:
         init_distributed(discover(), "auto")
+    compiles = [c.strip() for c in args.compile.split(",") if c.strip()]
+    if not compiles or any(c not in ("off", "on") for c in compiles):
+        parser.error(f"--compile must be a comma-separated subset of off,on, got {args.compile!r}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="spartron-e2e-") as tmp:
-        for mode in modes:
-            try:
-                rows.append(run_mode(args.config, mode, args, Path(tmp)))
-            except Exception as err:  # noqa: BLE001 - one mode failing (e.g. OOM) must not hide the others
-                if dist.get_world_size() > 1:
-                    raise  # peers may be inside a collective: fail the whole job
-                rows.append({"mode": mode, "error": f"{type(err).__name__}: {err}"})
+        for compiled in (c == "on" for c in compiles):
+            for mode in modes:
+                try:
+                    rows.append(run_mode(args.config, mode, args, Path(tmp), compiled))
+                except Exception as err:  # noqa: BLE001 - one mode failing (e.g. OOM) must not hide the others
+                    if dist.get_world_size() > 1:
+                        raise  # peers may be inside a collective: fail the whole job
+                    rows.append({"mode": mode + ("+compile" if compiled else ""), "ac_mode": mode,
+                                 "compile": compiled, "error": f"{type(err).__name__}: {err}"})
+    if not args.smoke:  # the targets are the GPU preset's
+        check_targets(rows)
     rank = dist.get_rank()
     world = dist.get_world_size()
     if own:
@@ -149,12 +186,14 @@ def main() -> int:
         "device": device_name(torch.cuda.is_available() and not args.smoke),
         "world_size": world,
         "torch": torch.__version__,
+        "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
         "git_commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
         "peak_tflops_per_gpu": args.peak_tflops,
+        "targets_ms": {**TARGETS_MS, "selective": f"<= {SELECTIVE_OVER_NONE}x none"},
         "results": rows,
     }
     write_report(args.out, result)
