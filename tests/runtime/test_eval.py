@@ -48,15 +48,36 @@ def _steps_then_manual_eval(rank, world, cfg):
     with torch.no_grad():
         model.eval()
         for _ in range(cfg.train.eval_steps * trainer.n_micro):
-            tokens, labels = loader.next_batch(cfg.train.micro_batch_size)
-            total += float(model(tokens, labels)["lm_loss"].double())
+            batch = loader.next(cfg.train.micro_batch_size)
+            total += float(model(batch.tokens, batch.labels, **batch.model_kwargs(trainer.device))["lm_loss"].double())
         model.train()
     trainer.close()
     return records, again, total / (cfg.train.eval_steps * trainer.n_micro)
 
 
-def test_val_loss_is_the_heldout_mean_lm_loss(tmp_path):
-    cfg = small_cfg(tmp_path / "r", "train.steps=2", "train.eval_every=2", "train.eval_steps=2")
+def _packed_text(tmp_path) -> list[str]:
+    """A token folder of 30 short documents (spartron.data), as packed-data overrides with documents masked."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from spartron.data import prepare_corpus
+
+    words = "a b c d e f g h i j k l".split()
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    docs = [" ".join(words[(i + j * 5) % 12] for j in range(3 + i % 9)) for i in range(30)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare_corpus(tmp_path / "c.jsonl", tmp_path / "tok.json", tmp_path / "tokens", eos_token="<eos>")
+    return ["train.data.kind='packed'", f"train.data.path={json.dumps(str(tmp_path / 'tokens'))}",
+            "train.data.val_fraction=0.3"]
+
+
+@pytest.mark.parametrize("data", ["synthetic", "packed documents"])
+def test_val_loss_is_the_heldout_mean_lm_loss(tmp_path, data):
+    extra = _packed_text(tmp_path) if data != "synthetic" else []
+    cfg = small_cfg(tmp_path / "r", "train.steps=2", "train.eval_every=2", "train.eval_steps=2", *extra)
+    assert cfg.train.data.documents == (data != "synthetic")
     records, again, manual = run_distributed(_steps_then_manual_eval, 1, cfg, timeout=120)[0]
     assert "val_loss" not in records[0]
     last = records[-1]
