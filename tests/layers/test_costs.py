@@ -61,14 +61,17 @@ def test_parameter_count_equals_the_reference_model(overrides):
 def test_state_bytes_shard_over_fsdp_cp_and_count_optimizer_state():
     cfg = load_config(TINY)
     one = state_bytes_per_rank(cfg.model, ParallelDims(1, fsdp=1), "adamw")
-    four = state_bytes_per_rank(cfg.model, ParallelDims(4, fsdp=2, cp=2, ep=2), "adamw")
+    dims = ParallelDims(4, fsdp=2, cp=2, ep=2)
+    four = [state_bytes_per_rank(cfg.model, dims, "adamw", rank) for rank in range(4)]
     n = count_parameters(cfg.model).total
-    assert one == {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n, "master_weights": 0,
-                   "total": 16 * n}
-    assert four["parameters"] == one["parameters"] // 4
+    assert one == {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n, "total": 16 * n}
+    assert sum(f["parameters"] for f in four) == one["parameters"]  # shards, uneven (2-row weights over 4)
+    assert four[0]["parameters"] == max(f["parameters"] for f in four) > one["parameters"] // 4
     bf16 = state_bytes_per_rank(load_config(TINY, ['model.dtype="bfloat16"']).model, ParallelDims(1, fsdp=1),
                                 "muon")
-    assert bf16["parameters"] == 2 * n and bf16["master_weights"] == 4 * n and bf16["optimizer_state"] == 4 * n
+    muon = sum(p.numel() for p in build_model(cfg.model).parameters() if p.ndim == 2
+               and cfg.model.vocab_size not in p.shape)  # one momentum; everything else AdamW's two
+    assert bf16["parameters"] == 2 * n and bf16["optimizer_state"] == 2 * (muon + 2 * (n - muon))
 
 
 # ---- FLOPs by hand -------------------------------------------------------------------------------
