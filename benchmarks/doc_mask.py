@@ -22,7 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spartron.layers.attention.doc_mask import document_block_mask, document_visible, reference_document_attention
+from spartron.layers.attention.doc_mask import (
+    document_block_mask,
+    document_visible,
+    reference_block_mask,
+    reference_document_attention,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 from common import device_name, write_report  # noqa: E402
@@ -72,6 +77,8 @@ def main() -> None:
     p.add_argument("--qk-dim", type=int, default=192)
     p.add_argument("--v-dim", type=int, default=128)
     p.add_argument("--mean-doc", type=int, default=1024)
+    p.add_argument("--block-mask-only", action="store_true",
+                   help="time only the block-mask builds (from document starts vs create_block_mask)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args()
@@ -88,6 +95,18 @@ def main() -> None:
     grad = torch.randn(b, h, s, a.v_dim, device=device, dtype=dtype, generator=g)
     docs = document_positions(b, s, a.mean_doc).to(device)
     one_doc = torch.arange(s, device=device).expand(b, s).contiguous()
+
+    if a.block_mask_only:
+        builds = {"from_document_starts": lambda: document_block_mask(docs),
+                  "create_block_mask": lambda: reference_block_mask(docs)}
+        same = bool(torch.equal(builds["from_document_starts"]().to_dense(), builds["create_block_mask"]().to_dense()))
+        results = {name: timed(fn, device, a.iters, a.warmup) for name, fn in builds.items()}
+        print({name: round(r["median_ms"], 3) for name, r in results.items()}, "equal:", same)
+        write_report(a.out, {"benchmark": "doc_mask --block-mask-only", "device": device_name(cuda),
+                             "torch": torch.__version__, "triton": _triton_version(), "commit": a.commit,
+                             "shapes": {"batch": b, "seq": s, "mean_doc": a.mean_doc, "block": 128},
+                             "iters": a.iters, "warmup": a.warmup, "equal": same, "builds": results})
+        return
 
     from torch.nn.attention.flex_attention import flex_attention
     flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention

@@ -20,7 +20,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
-                                    "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix"])
+                                    "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
+                                    "doc_mask"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from spartron.layers.attention.doc_mask import (
+    document_block_mask,
     document_shifted_labels,
     document_visible,
     flex_document_attention,
+    reference_block_mask,
     reference_document_attention,
 )
 from spartron.layers.attention.mla import MLA
@@ -66,6 +68,17 @@ def test_reference_and_flex_attention_equal_each_document_alone():
     with pytest.warns(UserWarning, match="without torch.compile"):  # eager flex: the unfused implementation
         flex = flex_document_attention(q.float(), k.float(), v.float(), pos, 0.3, compiled=False)
     torch.testing.assert_close(flex, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq, block, mean", [(512, 128, 100), (1024, 64, 300), (256, 128, 1000), (200, 128, 50)])
+def test_block_mask_from_document_starts_equals_create_block_mask(seq, block, mean):
+    from benchmarks.doc_mask import document_positions
+
+    pos = document_positions(2, seq, mean, seed=seq)
+    fast, ref = document_block_mask(pos, block), reference_block_mask(pos, block)
+    assert torch.equal(fast.to_dense(), ref.to_dense())
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
 
 
 def _alone(layer: MLA, x: torch.Tensor, lengths: list[list[int]]) -> list[tuple[int, slice, dict]]:

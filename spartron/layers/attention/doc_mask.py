@@ -46,16 +46,49 @@ def reference_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def document_block_mask(positions: Tensor, block_size: int = 128):
-    """FlexAttention BlockMask of the document mask (one per forward: the layers of a step share it)."""
+def _mask_mod(positions: Tensor):  # noqa: ANN202 - FlexAttention's mask_mod of the document mask
+    def visible(batch, head, q_idx, kv_idx):  # noqa: ANN001, ARG001
+        return (kv_idx <= q_idx) & (kv_idx >= q_idx - positions[batch, q_idx])
+
+    return visible
+
+
+def reference_block_mask(positions: Tensor, block_size: int = 128):
+    """The BlockMask through FlexAttention's create_block_mask (evaluates the mask at every (q, k))."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, s = positions.shape
+    return create_block_mask(_mask_mod(positions), b, None, s, s, device=positions.device, BLOCK_SIZE=block_size)
 
-    def visible(batch, head, q_idx, kv_idx):  # noqa: ANN001, ARG001 - FlexAttention's mask_mod signature
-        return (kv_idx <= q_idx) & (kv_idx >= q_idx - positions[batch, q_idx])
 
-    return create_block_mask(visible, b, None, s, s, device=positions.device, BLOCK_SIZE=block_size)
+def _block_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, nq, nk] bool -> (count [B, 1, nq], indices [B, 1, nq, nk]) int32, the True blocks first, ascending."""
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+    return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+
+def document_block_mask(positions: Tensor, block_size: int = 128):
+    """FlexAttention BlockMask of the document mask, built from the document starts per block in
+    O(B x S x S/block) (create_block_mask evaluates all B x S x S pairs: 4 ms per call at B2 x S4096 on an
+    H200, and every layer builds one). A block is full when every query sees every key, partial when some
+    do; only partial blocks evaluate the mask_mod. Rows not a multiple of the block: create_block_mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, s = positions.shape
+    if s % block_size:
+        return reference_block_mask(positions, block_size)
+    n = s // block_size
+    t = torch.arange(s, device=positions.device)
+    start = (t - positions)[:, :, None]  # [B, S, 1]: each query's document start
+    first = torch.arange(n, device=positions.device)[None, None, :] * block_size  # key blocks' first key
+    last = first + block_size - 1
+    q = t[None, :, None]
+    any_visible = ((start <= last) & (q >= first)).view(b, n, block_size, n).any(2)
+    all_visible = ((start <= first) & (q >= last)).view(b, n, block_size, n).all(2)
+    partial_num, partial_idx = _block_indices(any_visible & ~all_visible)
+    full_num, full_idx = _block_indices(all_visible)
+    return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=_mask_mod(positions), seq_lengths=(s, s))
 
 
 def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
