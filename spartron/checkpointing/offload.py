@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from spartron.checkpointing.boundary import CheckpointRegion
 from spartron.checkpointing.config import OffloadConfig
@@ -321,6 +322,10 @@ class OffloadSession:
         return handle
 
     def _host_copy_of(self, t: torch.Tensor) -> _HostCopy | None:
+        with _disable_current_modes():  # the window's copies are not the region's ops (policy, replay check)
+            return self._host_copy_unseen(t)
+
+    def _host_copy_unseen(self, t: torch.Tensor) -> _HostCopy | None:
         known = self._by_identity.get(id(t))
         if known is not None and known[0]() is t:
             self.stats.deduplicated_tensors += 1
@@ -384,6 +389,10 @@ class OffloadSession:
 
     def _restore(self, call: _RegionCallRecord, ahead: bool) -> None:
         """Issue the host->device copies of one region call's offloaded tensors (once)."""
+        with _disable_current_modes():  # not ops of the region replaying now
+            self._restore_unseen(call, ahead)
+
+    def _restore_unseen(self, call: _RegionCallRecord, ahead: bool) -> None:
         call.backward_started = call.backward_started or not ahead
         for handle in call.handles:
             if handle.host is None or handle.unpacked or handle.tensor is not None:

@@ -7,8 +7,14 @@ backward graph of saved ops (their backward formulas receive the cached outputs)
 how the region replays (reentrant autograd.Function or torch's non-reentrant hooks), so both modes
 share it; torch's own selective-checkpoint contexts are non-reentrant only.
 
-The replay also checks that the saved ops it meets come in the order the original pass recorded,
-and names the first one that differs.
+The replay also checks that it dispatches the same op sequence as the original pass, saved ops
+and recomputed ones alike: the original pass records each op's identity (the OpOverload object, one
+list append, no allocation), the replay compares it op by op and raises at the first op added,
+missing or changed, naming it with its position and input shapes. Saved ops are also checked for the
+same input shapes. Replay-only markers (profiler ranges, FSDP hooks) and the ops inside
+``reuse_during_recompute`` (which run in the original pass only) are left out of both sequences.
+The check runs below autograd, so in non-reentrant mode it fires before torch's own "trying to save
+more tensors" check of the same op.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from spartron.checkpointing.policy import SAVE_WITH_BACKWARD_OUTPUTS, OpPolicy, op_packet_name
+from spartron.checkpointing.policy import REPLAY_ONLY_MARKERS, SAVE_WITH_BACKWARD_OUTPUTS, OpPolicy, op_packet_name
 from spartron.checkpointing.replay import current_frame
 
 log = logging.getLogger("spartron.checkpointing")
@@ -73,6 +79,15 @@ class _SavedOp:
     outputs: Any
     versions: list[tuple[torch.Tensor, int]]
     mutated: list[tuple[int, StorageWeakRef, torch.Tensor]]
+    shapes: list[tuple[int, ...]]
+
+
+def _input_shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
+    return [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    return ", ".join(str(list(s)) for s in shapes) or "no tensors"
 
 
 def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, index: int) -> Any:
@@ -94,6 +109,9 @@ class SavedOps:
         self.stats = stats
         self._entries: list[_SavedOp] = []
         self._cursor = 0
+        # every op of the original pass in dispatch order, and the replay's position in it
+        self.trace: list[torch._ops.OpOverload] = []
+        self.trace_pos = 0
         self._schema_infos: dict[torch._ops.OpOverload, tuple[list[int | None], list[int]]] = {}
 
     def _schema_info(self, func: torch._ops.OpOverload) -> tuple[list[int | None], list[int]]:
@@ -131,7 +149,7 @@ class SavedOps:
         leaves = [stored] if isinstance(stored, torch.Tensor) else tree_leaves(stored)
         versions = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor)]
         name = op_packet_name(func)
-        self._entries.append(_SavedOp(name, reason, stored, versions, mutated))
+        self._entries.append(_SavedOp(name, reason, stored, versions, mutated, _input_shapes(args, kwargs)))
         self.stats.ops_saved += 1
         self.stats.saved_by_op[name] += 1
         self.stats.bytes_saved += sum(t.numel() * t.element_size() for t, _ in versions) \
@@ -148,6 +166,11 @@ class SavedOps:
             raise CheckpointReplayError(
                 f"region {self.stats.name!r}: saved op #{self._cursor} differs between passes: the original "
                 f"pass saved {entry.name}, the replay dispatched {name}")
+        shapes = _input_shapes(args, kwargs)
+        if shapes != entry.shapes:
+            raise CheckpointReplayError(
+                f"region {self.stats.name!r}: saved op {name} (#{self._cursor}) has other input shapes in the "
+                f"replay: original [{_shapes_text(entry.shapes)}], replay [{_shapes_text(shapes)}]")
         for tensor, version in entry.versions:
             if tensor._version != version:
                 raise CheckpointReplayError(
@@ -167,8 +190,26 @@ class SavedOps:
 
         return tree_map(restore, entry.outputs, is_leaf=lambda x: isinstance(x, _ArgAlias))
 
+    def diverged(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> CheckpointReplayError:
+        """The error for a replay op that is not the original pass's op at the same position."""
+        pos, count = self.trace_pos, len(self.trace)
+        got = f"{op_packet_name(func)} (inputs {_shapes_text(_input_shapes(args, kwargs))})"
+        if pos >= count:
+            return CheckpointReplayError(
+                f"region {self.stats.name!r}: the replay dispatched op #{pos} {got} after the original "
+                f"pass's last op (it ran {count} ops): the replay added an op")
+        return CheckpointReplayError(
+            f"region {self.stats.name!r}: the replay diverged from the original pass at op #{pos}: the "
+            f"original pass ran {op_packet_name(self.trace[pos])}, the replay dispatched {got}")
+
     def finish_replay(self) -> None:
-        """Check the replay met every saved op, then free the cache."""
+        """Check the replay ran the whole op sequence and met every saved op, then free the cache."""
+        if self.trace_pos != len(self.trace):
+            pos, count, missing = self.trace_pos, len(self.trace), op_packet_name(self.trace[self.trace_pos])
+            self.release()
+            raise CheckpointReplayError(
+                f"region {self.stats.name!r}: the replay ended after {pos} of the original pass's {count} ops; "
+                f"the first op it did not dispatch is {missing} (#{pos})")
         if self._cursor != len(self._entries):
             replayed, count = self._cursor, len(self._entries)  # read before release() resets them
             missing = self._entries[replayed].name
@@ -181,6 +222,8 @@ class SavedOps:
     def release(self) -> None:
         self._entries = []
         self._cursor = 0
+        self.trace = []
+        self.trace_pos = 0
 
 
 def _detach(x: Any) -> Any:
@@ -188,6 +231,13 @@ def _detach(x: Any) -> Any:
 
 
 _UNDECIDED = object()
+_MARKER = "replay-only marker"  # a decision: profiler / FSDP ops, outside both op sequences
+# Dispatched by autograd itself depending on grad mode (a reentrant original pass runs without grad,
+# its replay with it), not by the region's code: outside both op sequences too, never saved.
+_GRAD_MODE_ARTIFACTS = frozenset({torch.ops.aten.detach.default})
+_RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RANGE_EXITS = frozenset({torch.ops.profiler._record_function_exit.default,
+                          torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def with_backward_outputs(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -221,33 +271,64 @@ class PolicyMode(TorchDispatchMode):
         self._decisions: dict[torch._ops.OpOverload, str | None] = {}
         self._ops_original = 0
         self._recomputed: dict[torch._ops.OpOverload, int] = {}
+        self._ranges: list[bool] = []  # profiler ranges opened in this pass: is each an FSDP one
+        self._fsdp_depth = 0
 
     def _decide(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+        if func.namespace in REPLAY_ONLY_MARKERS or func in _GRAD_MODE_ARTIFACTS:
+            self._decisions[func] = _MARKER
+            return _MARKER
         reason = self.saved.policy.decide(func, args, kwargs)
+        if reason is None and func.is_view:  # computes nothing; hooks of outer tools issue views too
+            reason = _MARKER
         if op_packet_name(func) not in self.saved.policy.device_to_host:  # arg-dependent: not cached
             self._decisions[func] = reason
         return reason
+
+    def _marker(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Run a marker op; an FSDP profiler range (FSDP2's hooks: all-gather copies, pre-backward)
+        opened inside a pass makes the ops until it closes FSDP's, not the region's."""
+        if not self._original:
+            self._recomputed[func] = self._recomputed.get(func, 0) + 1
+        out = func(*args, **kwargs)
+        if func is _RANGE_ENTER:  # ranges nest (LIFO); one opened before this pass closes unseen
+            fsdp = isinstance(args[0], str) and args[0].startswith("FSDP::")
+            self._ranges.append(fsdp)
+            self._fsdp_depth += fsdp
+        elif func in _RANGE_EXITS and self._ranges:
+            self._fsdp_depth -= self._ranges.pop()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reason = self._decisions.get(func, _UNDECIDED)
         if reason is _UNDECIDED:
             reason = self._decide(func, args, kwargs)
+        if reason is _MARKER:  # in neither sequence, never saved
+            return self._marker(func, args, kwargs)
+        if self._fsdp_depth:  # FSDP's own work inside one of its ranges
+            return func(*args, **kwargs)
+        saved = self.saved
         if self._original:
             frame = current_frame()
             if frame is not None and frame.reusing:  # inside reuse_during_recompute: runs once, never replays
                 return func(*args, **kwargs)
+            saved.trace.append(func)
             if reason is not None:
                 args, kwargs = with_backward_outputs(func, args, kwargs)
             out = func(*args, **kwargs)
             self._ops_original += 1
             if reason is not None:
-                self.saved.record(func, args, kwargs, out, reason)
+                saved.record(func, args, kwargs, out, reason)
             return out
+        pos = saved.trace_pos
+        if pos >= len(saved.trace) or saved.trace[pos] is not func:
+            raise saved.diverged(func, args, kwargs)
+        saved.trace_pos = pos + 1
         if reason is None:
             self._recomputed[func] = self._recomputed.get(func, 0) + 1
             return func(*args, **kwargs)
-        return self.saved.replay(func, args, kwargs)
+        return saved.replay(func, args, kwargs)
 
     def __exit__(self, exc_type, exc_value, traceback):
         stats = self.saved.stats

@@ -84,6 +84,7 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
             # group: there FSDP2 (torch 2.13) already divides while copying and would divide twice.
             if sum_only and groups.size("expert_fsdp") > 1:
                 block.experts.set_force_sum_reduction_for_comms(True)
+            _range_fsdp_pre_forward(block.experts)
         fully_shard(block.module, mesh=groups.fsdp_mesh, reshard_after_forward=True, **kw)
     # Embeddings, final norm and head stay with the root: the loss reads the head weight directly
     # (chunked cross-entropy, tied embeddings), so it must be unsharded for the whole forward.
@@ -97,6 +98,24 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
         model.set_modules_to_backward_prefetch([last.module] + ([last.experts] if last.experts is not None else []))
     for later, earlier in zip(blocks[:0:-1], blocks[-2::-1], strict=True):
         later.module.set_modules_to_backward_prefetch([earlier.module])
+
+
+def _range_fsdp_pre_forward(module: nn.Module) -> None:
+    """FSDP2's pre-forward hook of a module inside a checkpoint region, in one "FSDP::" profiler range:
+    the region's replay check leaves FSDP's ops out of the op sequence by those ranges, and FSDP2's
+    unshard on a 1-rank shard group (the copy into the unsharded parameter, in backward) has none."""
+    open_ranges = []
+
+    def enter(m: nn.Module, args: tuple) -> None:
+        r = torch.profiler.record_function("FSDP::pre_forward (inside a checkpoint region)")
+        r.__enter__()
+        open_ranges.append(r)
+
+    def leave(m: nn.Module, args: tuple) -> None:
+        open_ranges.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, prepend=True)  # before FSDP2's own (prepended) hook
+    module.register_forward_pre_hook(leave)
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,

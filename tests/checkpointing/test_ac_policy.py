@@ -99,7 +99,7 @@ def run_step(r, fn, *args) -> None:
 def test_mandatory_table_and_defaults_are_the_documented_ones():
     assert [entry for entry, _ in MANDATORY] == ["spartron::record_routing_stats", "spartron::moe_topk",
                                                 "spartron_collectives::splits_to_host", "spartron_deepep",
-                                                "spartron_symm"]
+                                                "spartron_symm", "spartron_ac::reused"]
     for name in ["aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "spartron::sparse_mla",
                  "spartron_collectives"]:
@@ -204,8 +204,9 @@ def test_replay_naming_the_first_differing_saved_op(reentrant):
         return y.sin()
 
     y = region(reentrant, "selective")(fn, torch.randn(3, 4, requires_grad=True), torch.randn(4, 4))
-    with pytest.raises(CheckpointReplayError, match=r"saved op #0 differs between passes: the original pass "
-                                                    r"saved aten::mm, the replay dispatched aten::bmm"):
+    with pytest.raises(CheckpointReplayError, match=r"diverged from the original pass at op #0: the original "
+                                                    r"pass ran aten::mm, the replay dispatched aten::bmm "
+                                                    r"\(inputs \[1, 3, 4\], \[1, 4, 4\]\)$"):
         y.sum().backward()
 
 
@@ -222,8 +223,8 @@ def test_replay_that_stops_early_counts_the_ops_it_replayed(reentrant):
     y = r(fn, torch.randn(3, 4, requires_grad=True), torch.randn(4, 4))
     with pytest.raises(CheckpointReplayError) as err:
         y.sum().backward()
-    assert str(err.value) == (f"region {r.last_stats.name!r}: the replay ended after 1 of 2 saved ops; "
-                              "the first op it did not dispatch is aten::mm")
+    assert str(err.value) == (f"region {r.last_stats.name!r}: the replay diverged from the original pass at op "
+                              "#1: the original pass ran aten::mm, the replay dispatched aten::sin (inputs [3, 4])")
 
 
 @REENTRANT
