@@ -229,8 +229,10 @@ class TokenLoader:
         indices = [(self.position + i) * self.dp_size + self.dp_rank for i in range(batch_size)]
         self.position += batch_size
         tokens, labels, positions = zip(*(self.source.example(g) for g in indices), strict=True)
-        return Batch(torch.stack(tokens), torch.stack(labels),
-                     None if positions[0] is None else torch.stack(positions))
+        rows = None if positions[0] is None else torch.stack(positions)
+        if rows is not None and torch.equal(rows, torch.arange(rows.shape[1]).expand_as(rows)):
+            rows = None  # no document starts inside any row: the same attention as plain causal, its faster kernel
+        return Batch(torch.stack(tokens), torch.stack(labels), rows)
 
     def next_batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """(tokens, labels) [B, S] (sources without positions; see `next` for packed documents)."""

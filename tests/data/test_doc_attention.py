@@ -183,3 +183,24 @@ def test_document_mask_config_errors():
         load_config("configs/tiny.toml", ["train.data.val_fraction=0.1"])
     with pytest.raises(ConfigError, match="train.data.path is required when train.data.kind = 'packed'"):
         load_config("configs/tiny.toml", ["train.data.kind=packed"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernel needs CUDA")
+def test_flex_document_attention_on_cuda_matches_the_masked_reference():
+    from benchmarks.doc_mask import document_positions
+    from spartron.layers.attention.doc_mask import document_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pos = document_positions(2, 1024, 200).cuda()
+    q, k = (torch.randn(2, 4, 1024, 192, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in "qk")
+    v = torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    out = document_attention(q, k, v, pos, 192**-0.5)
+    out.float().square().sum().backward()
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference_document_attention(qr, kr, vr, pos, 192**-0.5)
+    ref.square().sum().backward()
+    for got, want in ((out, ref), (q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        err = (got.float() - want).norm() / want.norm()
+        assert err < 1e-2, float(err)

@@ -43,6 +43,9 @@ def test_parquet_corpus(tmp_path):
 
     pq.write_table(pa.table({"text": ["the cat", "a dog"], "id": [1, 2]}), tmp_path / "p.parquet")
     assert [r for _, r in read_corpus(tmp_path / "p.parquet")] == [Document("the cat"), Document("a dog")]
+    chat = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "yes"}]
+    pq.write_table(pa.table({"messages": [chat]}), tmp_path / "c.parquet")
+    assert [r for _, r in read_corpus(tmp_path / "c.parquet")] == [Chat((("user", "why"), ("assistant", "yes")))]
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "q.parquet")
     with pytest.raises(ConfigError, match=r"q.parquet: no 'text' or 'messages' column \(columns: body\)"):
         list(read_corpus(tmp_path / "q.parquet"))
@@ -169,6 +172,16 @@ def test_packing_positions_and_labels_exact(tmp_path):
     assert [t.tolist() for t in packed.example(2)] == [t.tolist() for t in packed.example(0)]  # wraps around
 
 
+def test_rows_without_a_document_start_take_the_plain_causal_path(tmp_path):
+    from spartron.runtime.data import PackedSource, TokenLoader
+
+    folder = _folder(tmp_path, [list(range(2, 12)) + [1], [20, 21, 1]])  # 11 + 3 tokens
+    loader = TokenLoader(PackedSource(PackedDocuments(folder, split_documents(2, 0.0)[0], 4, 40), True, "x"), 0, 1)
+    first, second, third = loader.next(1), loader.next(1), loader.next(1)
+    assert first.positions is None and second.positions is None  # inside document 0: positions are 0..3
+    assert third.tokens.tolist() == [[10, 11, 1, 20]] and third.positions.tolist() == [[0, 1, 2, 0]]
+
+
 def test_held_out_documents_are_never_trained_on(tmp_path):
     docs = [[2 + i, 3 + i, 1] for i in range(10)]
     folder = _folder(tmp_path, docs)
@@ -194,7 +207,11 @@ def test_loaders_shard_by_dp_rank_resume_and_hold_out(tmp_path, tok):
     one = build_train_loader(cfg, 0, 1).next(4)
     r0, r1 = build_train_loader(cfg, 0, 2).next(2), build_train_loader(cfg, 1, 2).next(2)
     assert torch.equal(one.tokens[0::2], r0.tokens) and torch.equal(one.tokens[1::2], r1.tokens)
-    assert torch.equal(one.positions[1::2], r1.positions) and one.positions.dtype == torch.int64
+    def rows(batch):  # None: no document starts inside any row (positions 0..S-1)
+        return torch.arange(8).expand(len(batch.tokens), 8) if batch.positions is None else batch.positions
+
+    assert torch.equal(rows(one)[1::2], rows(r1)) and torch.equal(rows(one)[0::2], rows(r0))
+    assert one.positions.dtype == torch.int64
     assert set(one.model_kwargs(torch.device("cpu"))) == {"positions"}
     a = build_train_loader(cfg, 1, 2)
     a.next(3)
