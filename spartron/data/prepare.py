@@ -11,9 +11,10 @@ from spartron.data.tokenizer import load_tokenizer
 
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
-                   text_key: str = "text") -> dict:
-    """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`;
-    returns the metadata written to out/tokens.json. Empty documents are skipped (and counted)."""
+                   text_key: str = "text", batch_records: int = 1024) -> dict:
+    """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`, in
+    order, `batch_records` at a time; returns the metadata written to out/tokens.json. Empty documents
+    are skipped (and counted)."""
     tok = load_tokenizer(tokenizer, eos_token)
     root = Path(corpus)
     files = corpus_files(root)
@@ -21,11 +22,16 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
             "skipped_empty": 0}
 
     def records() -> Iterator[tuple[list[int], list[int]]]:
+        batch: list = []
         for _, record in read_corpus(root, text_key):
             if isinstance(record, Document) and not record.text:
                 info["skipped_empty"] += 1  # final before the metadata is written (after the stream)
                 continue
-            yield tok.encode_record(record)
+            batch.append(record)
+            if len(batch) == batch_records:
+                yield from tok.encode_records(batch)
+                batch = []
+        yield from tok.encode_records(batch)
 
     return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id,
                               tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info)

@@ -37,6 +37,19 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def encode_records(self, records: list[Document | Chat]) -> list[tuple[list[int], list[int]]]:
+        """encode_record of each, the documents' texts in one encode_batch (the Rust side's threads)."""
+        texts = [r.text for r in records if isinstance(r, Document)]
+        encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        out = []
+        for record in records:
+            if isinstance(record, Document):
+                ids = next(encoded).ids + [self.eos_id]
+                out.append((ids, [1] * len(ids)))
+            else:
+                out.append(self.encode_record(record))
+        return out
+
     def encode_record(self, record: Document | Chat) -> tuple[list[int], list[int]]:
         """(ids, loss mask) of one record, EOS-terminated."""
         if isinstance(record, Document):

@@ -99,6 +99,18 @@ def test_chat_loss_mask_covers_assistant_content_and_its_eos(tok):
     assert t.encode_record(Document("the cat")) == (ids(tok, "the cat") + [1], [1, 1, 1])
 
 
+def test_batched_encoding_keeps_the_order_and_equals_one_at_a_time(tmp_path, tok):
+    t = load_tokenizer(tok, "<eos>")
+    records = [Document("the cat"), Chat((("user", "why"), ("assistant", "yes"))), Document("a dog ran"),
+               Document("red")]
+    assert t.encode_records(records) == [t.encode_record(r) for r in records]
+    write_jsonl(tmp_path / "c.jsonl", [{"text": f"the cat {'sat ' * i}"} for i in range(7)])
+    a = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "a", eos_token="<eos>", batch_records=3)
+    b = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "b", eos_token="<eos>", batch_records=1)
+    assert a["document_offsets"] == b["document_offsets"]
+    assert (tmp_path / "a" / "tokens.bin").read_bytes() == (tmp_path / "b" / "tokens.bin").read_bytes()
+
+
 def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     write_jsonl(tmp_path / "c" / "a.jsonl", [{"text": "the cat sat"}, {"text": ""}, {"text": "a dog"}])
     meta = prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
