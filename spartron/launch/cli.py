@@ -100,9 +100,9 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
         fault = check_fault(cfg.debug, cfg.launch.nproc, cfg.train.steps)
         if fault:
             raise ConfigError(fault)
-        print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {run_dir / 'logs'}",
-              file=sys.stderr)
-        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs", bind_cores=cfg.launch.bind_cores,
+        logs = run_dir / "logs" / "eval" if entry == "eval" else run_dir / "logs"  # eval keeps training's logs
+        print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {logs}", file=sys.stderr)
+        return launch_local(command, cfg.launch.nproc, environ, logs, bind_cores=cfg.launch.bind_cores,
                             stopped_limit_s=cfg.parallel.timeout_s,
                             terminate_grace_s=cfg.launch.terminate_grace_s)
     if entry == "smoke":

@@ -483,8 +483,9 @@ def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> N
 
 def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory | None = None) -> dict[str, Any]:
     """`spartron eval`: the validation loss (spartron.runtime.evaluate) of a saved step, or of a run
-    directory's newest complete step, on the ranks of the current launch (the saved world size; any
-    train.eval_steps). Returns the Evaluator's values with "step" and "path"; the run is not changed."""
+    directory's newest complete step, on the ranks of the current launch (any layout: saved states are
+    layout-free; any train.eval_steps). Returns the Evaluator's values with "step" and "path"; the run is
+    not changed."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         newest = latest_complete_step(path) if path.is_dir() else None

@@ -141,6 +141,11 @@ def test_spartron_eval_command(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["val_loss"] == logged["val_loss"] and result["step"] == 2
     assert "validation loss" in done.stderr
+    two = subprocess.run([*cmd, "--set", "launch.nproc=2", "--step", str(tmp_path / "r")], capture_output=True,
+                         text=True, timeout=120)  # another layout than the saved one; its rank logs apart
+    assert two.returncode == 0, two.stderr
+    assert json.loads(two.stdout.strip().splitlines()[-1])["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+    assert (tmp_path / "r" / "logs" / "eval" / "rank1.log").is_file()
     bad = subprocess.run([*cmd, "--step", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == (f"spartron: error: {tmp_path / 'nothing'}: neither a saved step "
