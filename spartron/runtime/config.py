@@ -117,6 +117,7 @@ class DataConfig(ConfigSection):
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # mmap only: packed folders record their dtype
     val_fraction: float = Field(0.0, ge=0, lt=1)
     doc_mask: bool | None = None  # packed only; None: true
+    shuffle: bool = False  # mmap / packed: each epoch reads its samples in a new order (seeded by train.seed)
 
     _path = field_validator("path")(check_path_length)
 
@@ -130,7 +131,7 @@ class DataConfig(ConfigSection):
         if self.kind != "synthetic" and not self.path:
             raise ValueError(f"train.data.path is required when train.data.kind = {self.kind!r}")
         if self.kind == "synthetic":  # an option that would be ignored is a mistake, not a no-op
-            ignored = [key for key in ("path", "token_dtype", "val_fraction", "doc_mask")
+            ignored = [key for key in ("path", "token_dtype", "val_fraction", "doc_mask", "shuffle")
                        if getattr(self, key) != DataConfig.model_fields[key].default]
             if ignored:
                 raise ValueError(f"train.data.{ignored[0]} is set but train.data.kind = 'synthetic' reads "

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from spartron.data.packing import PackedDocuments, split_documents
+from spartron.data.shuffle import shuffled_index
 from spartron.data.tokenfile import META, open_token_folder
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig
 
@@ -200,7 +201,19 @@ class PackedSource:
         return tokens, labels, positions if self.documents else None
 
 
-Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource
+class Shuffled:
+    """A finite source read in a new seeded order each epoch (spartron.data.shuffle): still addressable by
+    sample index, so the saved position resumes it."""
+
+    def __init__(self, source: MmapTokens | PackedSource, n_samples: int, seed: int) -> None:
+        self.source, self.n_samples, self.seed = source, n_samples, seed
+        self.fingerprint = f"{source.fingerprint}:shuffled:{seed}"
+
+    def example(self, index: int) -> Example:
+        return self.source.example(shuffled_index(index, self.n_samples, self.seed))
+
+
+Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource | Shuffled
 
 
 @dataclass
@@ -277,7 +290,10 @@ def _source(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: st
 def build_loader(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, dp_rank: int,
                  dp_size: int) -> TokenLoader:
     """The training loader of a [train.data] section (what build_train_loader reads from a RunConfig)."""
-    return TokenLoader(_source(cfg, vocab_size, seq_len, seed, "train"), dp_rank, dp_size)
+    source = _source(cfg, vocab_size, seq_len, seed, "train")
+    if cfg.shuffle:
+        source = Shuffled(source, source.n_samples if isinstance(source, MmapTokens) else source.packed.n_samples, seed)
+    return TokenLoader(source, dp_rank, dp_size)
 
 
 def build_train_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:

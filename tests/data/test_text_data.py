@@ -278,3 +278,33 @@ def test_a_sidecar_beside_a_flat_token_file_is_checked(tmp_path, tok):
                "train.data.token_dtype=uint32")
     with pytest.raises(ConfigError, match="tokens.json says the tokens are uint16, but train.data.token_dtype"):
         build_train_loader(cfg, 0, 1)
+
+
+def test_shuffle_is_a_permutation_per_epoch_and_resumes(tmp_path):
+    from spartron.data.shuffle import permute, shuffled_index
+
+    for n in (1, 2, 3, 17, 100, 1025):
+        assert sorted(permute(k, n, b"key") for k in range(n)) == list(range(n))
+    epochs = [[shuffled_index(e * 10 + k, 10, 7) for k in range(10)] for e in range(3)]
+    assert [sorted(x - e * 10 for x in row) for e, row in enumerate(epochs)] == [list(range(10))] * 3
+    assert epochs[0] != epochs[1] and [x % 10 for x in epochs[0]] != list(range(10))
+    assert epochs[0] == [shuffled_index(k, 10, 7) for k in range(10)]  # deterministic
+    assert epochs[0] != [shuffled_index(k, 10, 8) for k in range(10)]  # another seed, another order
+
+    path = tmp_path / "t.bin"
+    np.arange(81, dtype=np.uint16).tofile(path)  # 10 samples of 8 (+1)
+    cfg = _cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={path}", "train.data.shuffle=true")
+    loader = build_train_loader(cfg, 0, 1)
+    firsts = [loader.next(1).tokens[0, 0].item() // 8 for _ in range(10)]
+    assert sorted(firsts) == list(range(10)) and firsts != list(range(10))
+    state = loader.state_dict()
+    assert state["source"] == "mmap:81:uint16:shuffled:0"
+    again = build_train_loader(cfg, 0, 1)
+    again.load_state_dict(state)
+    assert torch.equal(again.next(3).tokens, loader.next(3).tokens)
+    plain = build_train_loader(_cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={path}"), 0, 1)
+    with pytest.raises(ValueError, match="saved for data 'mmap:81:uint16:shuffled:0', but train.data now reads "
+                                         "'mmap:81:uint16'"):
+        plain.load_state_dict(state)
+    with pytest.raises(ConfigError, match="train.data.shuffle is set but train.data.kind = 'synthetic'"):
+        _cfg(tmp_path, "train.data.shuffle=true")
