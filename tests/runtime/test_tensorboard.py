@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -169,3 +170,44 @@ def test_observe_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config("configs/tiny.toml", overrides)
     assert message in str(info.value)
+
+
+STUB_WANDB = '''
+calls = []
+
+
+class Run:
+    def log(self, values, step):
+        calls.append(("log", values, step))
+
+    def finish(self):
+        calls.append(("finish",))
+
+
+def init(**kwargs):
+    calls.append(("init", kwargs))
+    return Run()
+'''
+
+
+def test_wandb_gets_the_same_scalars_when_configured(tmp_path, monkeypatch):
+    """With a package named wandb importable (a stand-in written here: the real one is not a dependency),
+    observe.wandb_project validates and the sink logs each step's scalars under the TensorBoard tags."""
+    (tmp_path / "site" / "wandb").mkdir(parents=True)
+    (tmp_path / "site" / "wandb" / "__init__.py").write_text(STUB_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    cfg = load_config("configs/tiny.toml", ["observe.wandb_project='spartron-test'", "observe.wandb_mode='offline'"])
+    from spartron.runtime.tensorboard import MetricSinks
+
+    sinks = MetricSinks(cfg.observe, tmp_path / "run", {"name": "tiny"})
+    record = {"type": "step", "step": 3, "loss": 2.0, "lr": 1e-3, "expert_load_per_layer": [0.5]}
+    sinks.write(record)
+    sinks.write({"type": "header"})  # not a step: nothing logged
+    sinks.close()
+    wandb = sys.modules.pop("wandb")  # the stand-in leaves no trace for other tests
+
+    assert wandb.calls == [
+        ("init", {"project": "spartron-test", "entity": None, "mode": "offline", "dir": str(tmp_path / "run"),
+                  "name": "run", "config": {"name": "tiny"}, "resume": "allow"}),
+        ("log", scalars(record), 3), ("finish",)]
+    assert scalars(record) == {"train/loss": 2.0, "train/lr": 1e-3, "moe/layer_0/load_violation": 0.5}
