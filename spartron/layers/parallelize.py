@@ -66,19 +66,31 @@ def apply_ac(model: ParallelizableModel, ac: ACConfig) -> list[str]:
                               non_reentrant=[b.module for b in blocks if b.reused])
 
 
+def expert_shard_dim(shape: tuple[int, ...] | torch.Size, shards: int) -> int:
+    """The dim FSDP2 shards a routed-expert weight [local experts, out, in] on over `shards` expert_fsdp
+    ranks: 0 (whole experts per rank) when the local experts split evenly, else dim 1 when it does (4
+    experts over 16 ranks would leave 12 ranks without a shard and the other 4 padded), else 0."""
+    if shape[0] % shards and len(shape) > 1 and shape[1] % shards == 0:
+        return 1
+    return 0
+
+
 def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 over the dense and expert meshes. `param_dtype`: the dtype parameters are all-gathered and
     computed in (None: their stored dtype); gradients are reduce-scattered in `reduce_dtype` and kept
     in the stored dtype (fp32 masters get fp32 gradients)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     grad_world = groups.size("dp_cp")
     sum_only = dist.get_backend(groups.world) == "gloo"
+    shards = groups.size("expert_fsdp")
     for block in blocks:
         if block.experts is not None:
-            fully_shard(block.experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True, **kw)
+            fully_shard(block.experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True,
+                        shard_placement_fn=lambda p: Shard(expert_shard_dim(p.shape, shards)), **kw)
             block.experts.set_gradient_divide_factor(float(grad_world))
             # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor. Not with a 1-rank shard
             # group: there FSDP2 (torch 2.13) already divides while copying and would divide twice.
