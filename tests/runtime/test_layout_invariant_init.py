@@ -27,8 +27,8 @@ SEED = 3
 LOSS_RTOL = 1e-6
 
 
-def _config(run_dir: str, ep: int, cp: int):
-    return load_config(TINY, ["train.steps=1", "train.seq_len=32", "train.global_batch_size=4",
+def _config(run_dir: str, ep: int, cp: int, extra: tuple[str, ...] = ()):
+    return load_config(TINY, [*extra, "train.steps=1", "train.seq_len=32", "train.global_batch_size=4",
                               "train.progress=false", "train.peak_tflops=1.0", f"train.seed={SEED}",
                               f"train.run_dir={run_dir}", f"parallel.ep={ep}", f"parallel.cp={cp}",
                               "parallel.timeout_s=60"])
@@ -48,8 +48,8 @@ def gathered_parameters(model, groups) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(rank, world, run_dir: str, ep: int, cp: int):
-    cfg = _config(run_dir, ep, cp)
+def _run(rank, world, run_dir: str, ep: int, cp: int, extra: tuple[str, ...] = ()):
+    cfg = _config(run_dir, ep, cp, extra)
     seen = {}
 
     def factory(cfg, groups):
@@ -93,3 +93,15 @@ def test_layouts_start_from_the_one_rank_model_and_give_its_step1_loss(tmp_path,
     for key in ("loss", "lm_loss"):
         assert record[key] == pytest.approx(one_rank_step[key], rel=LOSS_RTOL, abs=0), key
     assert record["mtp_losses"] == pytest.approx(one_rank_step["mtp_losses"], rel=LOSS_RTOL, abs=0)
+
+
+def test_experts_sharded_on_dim_1_start_from_the_one_rank_model_and_give_its_step1_loss(tmp_path):
+    """3 local experts over 2 expert_fsdp ranks do not split on dim 0: FSDP2 shards them on dim 1
+    (spartron.layers.parallelize.expert_shard_dim)."""
+    extra = ("model.moe.n_routed_experts=6",)
+    (one,) = run_distributed(_run, 1, str(tmp_path / "one"), 1, 1, extra, timeout=180)
+    results = run_distributed(_run, 4, str(tmp_path / "four"), 2, 1, extra, timeout=240)
+    for r in results:
+        assert r["names_match"] and r["differs"] == [] and r["equal_expert_pairs"] == [], r["differs"]
+    for key in ("loss", "lm_loss"):
+        assert results[0]["record"][key] == pytest.approx(one["record"][key], rel=LOSS_RTOL, abs=0), key

@@ -83,6 +83,7 @@ def _build(rank, world, overrides):
         names_match=sorted(params) == sorted(reference),
         dtypes=sorted({str(p.dtype) for p in params.values()}),
         sharded=all(isinstance(p, DTensor) for p in params.values()),
+        expert_dims=sorted({p.placements[-1].dim for n, p in params.items() if ".experts." in n and isinstance(p, DTensor)}),
         buffers_zero=all(bool((b == 0).all()) for b in model.buffers()),
         peak=counter.peak, local=local, biggest=biggest,
         whole=sum(r.numel() * r.element_size() for r in reference.values()))
@@ -93,7 +94,8 @@ def _build(rank, world, overrides):
     (2, ["parallel.ep=2", "model.dtype=bfloat16"]),
     (4, ["parallel.ep=4"]),
     (4, ["parallel.ep=2", "parallel.dp_replicate=2", "model.dtype=bfloat16", "model.master_dtype=float32"]),
-], ids=["1rank-fp32-masters", "ep2-fsdp2-bf16", "ep4-fsdp4-fp32", "ep2-hsdp2x2-fp32-masters"])
+    (4, ["parallel.ep=2", "model.moe.n_routed_experts=6"]),  # 3 local experts over 2 expert_fsdp ranks: Shard(1)
+], ids=["1rank-fp32-masters", "ep2-fsdp2-bf16", "ep4-fsdp4-fp32", "ep2-hsdp2x2-fp32-masters", "ep2-experts-shard1"])
 def test_a_meta_build_equals_the_one_rank_build_bitwise_and_holds_only_its_shards(world, overrides):
     for r in run_distributed(_build, world, overrides, timeout=120):
         assert r["names_match"] and r["differs"] == [], r["differs"]
@@ -103,6 +105,7 @@ def test_a_meta_build_equals_the_one_rank_build_bitwise_and_holds_only_its_shard
         # its shards plus one parameter's temporaries (its whole value and a slice or fp32 draw of it) and
         # a few scalars
         assert r["peak"] <= r["local"] + 2 * r["biggest"] + 4096, r
+        assert r["expert_dims"] == ([1] if "model.moe.n_routed_experts=6" in overrides else [0])
         if world == 4:
             assert r["local"] + 2 * r["biggest"] + 4096 < r["whole"]  # so a whole build would fail the bound
 
