@@ -54,11 +54,30 @@ class TokenFolder:
 
 def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[int]]], *, vocab_size: int,
                        eos_id: int, tokenizer: dict, corpus: dict, chunk_tokens: int = 1 << 20) -> dict:
-    """Stream (ids, loss mask) records into `out` (new or empty); returns the metadata written."""
+    """Stream (ids, loss mask) records into `out` (new or empty); returns the metadata written. A failure
+    (a bad record, a full disk, Ctrl-C) removes what was written, so the folder can be used again."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output folder {str(out)!r} cannot be made: {err.strerror or err}") from None
+    try:
+        return _write(out, records, vocab_size, eos_id, tokenizer, corpus, chunk_tokens)
+    except BaseException as err:
+        for name in (TOKENS, MASK, META):
+            (out / name).unlink(missing_ok=True)
+        if created:
+            out.rmdir()
+        if isinstance(err, OSError):
+            raise ConfigError(f"writing {str(out)!r} failed: {err.strerror or err}") from None
+        raise
+
+
+def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int, tokenizer: dict,
+           corpus: dict, chunk_tokens: int) -> dict:
     dtype = np.dtype(token_dtype(vocab_size))
     offsets, ids_buf, mask_buf, has_mask = [0], [], [], False
     with (out / TOKENS).open("wb") as tf, (out / MASK).open("wb") as mf:
@@ -77,8 +96,6 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
                 flush()
         flush()
     if offsets[-1] == 0:
-        (out / TOKENS).unlink()
-        (out / MASK).unlink()
         raise ConfigError("the corpus holds no document")
     if not has_mask:
         (out / MASK).unlink()

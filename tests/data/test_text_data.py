@@ -150,6 +150,22 @@ def test_damaged_token_folders_are_refused(tmp_path, tok, edit, message):
         open_token_folder(tmp_path / "out")
 
 
+def test_a_failed_run_of_spartron_data_leaves_nothing_behind(tmp_path, tok):
+    write_jsonl(tmp_path / "c" / "a.jsonl", [{"text": "the cat"}])
+    (tmp_path / "c" / "b.jsonl").write_text('{"text": "a dog"}\n{broken\n')
+    with pytest.raises(ConfigError, match=r"b.jsonl:2: not valid JSON"):
+        prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    write_jsonl(tmp_path / "e.jsonl", [{"text": ""}])
+    with pytest.raises(ConfigError, match="the corpus holds no document"):
+        prepare_corpus(tmp_path / "e.jsonl", tok, tmp_path / "empty", eos_token="<eos>")
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())  # the user's folder stays
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="output folder '.*file' exists and is not empty"):
+        prepare_corpus(tmp_path / "e.jsonl", tok, tmp_path / "file", eos_token="<eos>")
+
+
 def test_truncated_tokens_and_missing_metadata(tmp_path, tok):
     write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat"}])
     prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>")
