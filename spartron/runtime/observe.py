@@ -5,8 +5,9 @@ it fails. `RunObserver` is the trainer's one handle on all of it.
   and Weights & Biases (`observe.wandb_project`), on rank 0; each optional package is checked when the
   config is validated, so a configured sink without its package is an error naming the key.
 - A startup banner (rank 0, before the first step): parameter counts, layout, planned memory, outputs.
-- Progress on long phases: rank 0 prints a line every `observe.progress_every_s` while one step or one
-  save is still running (a timer thread; the first step of a big model compiles and warms up for minutes).
+- Progress on long phases: rank 0 prints a line every `observe.progress_every_s` (10 s) while the setup,
+  one step, one evaluation or one save is still running (a timer thread: building a big model, the first
+  step's warm-up and a save of many GiB are otherwise minutes of silence).
 - `observe.memory_snapshot_on_oom` (CUDA): the allocator records its history from setup on, and a CUDA
   out-of-memory error in a step dumps it to `<run dir>/memory/oom-rank<r>-step<s>.pickle` (open it at
   https://pytorch.org/memory_viz) before the error goes on.
@@ -41,7 +42,7 @@ class ObserveConfig(ConfigSection):
     wandb_project: str | None = None  # set: also log to Weights & Biases (package `wandb`)
     wandb_entity: str | None = None
     wandb_mode: Literal["online", "offline"] = "online"
-    progress_every_s: float = Field(30.0, ge=0)  # a line while one step or save runs longer; 0: off
+    progress_every_s: float = Field(10.0, ge=0)  # a line while setup, a step, an eval or a save runs longer; 0: off
     memory_snapshot_on_oom: bool = False  # CUDA: allocator history, dumped on out-of-memory
     memory_history_entries: int = Field(100_000, ge=1)
     nccl_flight_recorder: int = Field(0, ge=0)  # collectives kept per rank (TORCH_NCCL_TRACE_BUFFER_SIZE); 0: off

@@ -43,7 +43,7 @@ from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.init_from import init_from_factory
-from spartron.runtime.observe import RunObserver, banner
+from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
@@ -250,6 +250,15 @@ class Trainer:
         self.stopped_at: int | None = None
 
     def setup(self) -> Trainer:
+        """Build everything (class docstring); rank 0 says every observe.progress_every_s while it runs."""
+        beat = Heartbeat(self.cfg.observe.progress_every_s, enabled=dist.get_rank() == 0)
+        try:
+            with beat.phase("setup (process groups, model, optimizer, resume)"):
+                return self._setup()
+        finally:
+            beat.close()
+
+    def _setup(self) -> Trainer:
         cfg, t, p = self.cfg, self.cfg.train, self.cfg.parallel
         self.device = device = resolve_device(cfg)
         self.rank, self.world = rank, world = dist.get_rank(), dist.get_world_size()
