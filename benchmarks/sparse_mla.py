@@ -163,6 +163,8 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
         rows["sparse_fwd"]["speedup_vs_dense_fwd"] = rows["dense_sdpa_causal_fwd"]["ms"] / rows["sparse_fwd"]["ms"]
     if args.sweep and not fwd_only and device.type == "cuda":
         rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
+    if args.fwd_configs and device.type == "cuda":
+        rows["fwd_configs"] = fwd_variants(q.detach(), kv.detach(), ids, scale, fwd_flops, device, args)
     return dict(seq=s, heads=h, topk=k, selected_pairs=n_sel, sparse_q=[1, s, h, d], sparse_kv=[1, s, d],
                 dense_qk_head_dim=nope + rope, dense_v_dim=v, chunk_size=chunk, results=rows)
 
@@ -203,6 +205,33 @@ def sweep(q, kv, ids, grad_out, out, scale, device, args) -> list[dict]:
             print("sweep", row, flush=True)
             rows.append(row)
     return rows
+
+
+def parse_config(spec: str) -> sparse_mla_triton.KernelConfig:
+    """'BHxBKxWARPSxSTAGES', a trailing t: the keys-as-rows forward."""
+    bh, bk, warps, stages = (int(x) for x in spec.rstrip("t").split("x"))
+    return sparse_mla_triton.KernelConfig(bh, bk, warps, stages, keys_as_rows=spec.endswith("t"))
+
+
+def fwd_variants(q, kv, ids, scale, fwd_flops, device, args) -> list[dict]:
+    """Time each --fwd-configs forward and its norm-wise error against float64 on 256 sampled queries."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    rows_q = torch.randperm(q.shape[1], generator=g)[:256].sort().values.to(device)
+    ref, _ = reference_forward(q[:, rows_q].double(), kv.double(), ids[:, rows_q], scale, 512, 64)
+    found = []
+    for spec in args.fwd_configs:
+        cfg = parse_config(spec)
+        row = dict(spec=spec, **vars(cfg))
+        try:
+            out, _ = sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
+            row["rel_err_vs_float64"] = ((out[:, rows_q].double() - ref).norm() / ref.norm()).item()
+            r = timed(lambda cfg=cfg: sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg), device, args.iters, 1)
+            row.update(ms=r["ms"], steps_ms=r["steps_ms"], tflops=fwd_flops / r["ms"] / 1e9)
+        except Exception as err:  # out of shared memory / registers: recorded, not fatal
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        print("fwd config", {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
+        found.append(row)
+    return found
 
 
 def compiled_stats(kernel, bh: int, bk: int, warps: int, stages: int) -> list[dict]:
@@ -270,6 +299,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference at the first case")
     p.add_argument("--sweep", action="store_true", help="time the kernels' block configs at the first case")
+    p.add_argument("--fwd-configs", dest="fwd_configs", nargs="*", default=[],
+                   help="forward configs BHxBKxWARPSxSTAGES[t] timed at every case (t: keys as MMA rows)")
     p.add_argument("--commit", default=None, help="git commit to record (the GPU machine's copy has no .git)")
     args = p.parse_args()
     if args.smoke:
