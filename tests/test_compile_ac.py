@@ -5,6 +5,8 @@ mandatory op (routing top-k, telemetry, a reused DSA result), so none runs twice
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -101,3 +103,73 @@ def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"^checkpoint region 'block 0': a reentrant region cannot be compiled .*"
                                          r"use a non-reentrant region \(ac.reentrant = false\)$"):
         compile_block(block, "aot_eager")
+
+
+def _everything_worker(rank, world, ac_mode, backend):
+    """Offload + AC + 2 intra-layer micro-batches + FSDP2 + EP=2 over gloo all-to-all + DSA reuse,
+    compiled vs the same eager, on each of two ranks."""
+    from spartron.checkpointing.offload import ActivationOffloader
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+
+    ac = [f"ac.mode={ac_mode}", "ac.reentrant=false", "offload.enabled=true", "offload.what=inputs_and_dsa_ids"]
+    cfg = small("train.micro_batch_size=2", "parallel.ep=2", *(ac if ac_mode != "none" else ["ac.mode=none"]),
+                "train.intra_layer_micro_batches=2", "train.compile=true", f"train.compile_backend={backend}")
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=2, ep=2), "cpu")
+    models = []
+    for compile_backend in (None, backend):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, groups, micro_batches=2)
+        models.append(parallelize(model, groups, cfg.ac, compile_backend=compile_backend))
+    counters.clear()
+    seen = []
+    for step in range(2):
+        seen.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
+        tokens, labels = batch(cfg, 2, seed=10 * step + rank)
+        losses = []
+        for model in models:
+            offloader = ActivationOffloader.for_model(model, cfg.offload, "cpu") if ac_mode != "none" else None
+            with offloader.session() if offloader is not None else contextlib.nullcontext() as session:
+                loss = model(tokens, labels)["loss"]
+                loss.backward()
+            assert session is None or session.stats.offloaded_tensors > 0
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        if a.grad is not None:
+            assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
+    groups.destroy()
+    seen.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
+    reasons = {k.split("\n")[0] for k in counters["graph_break"]}
+    return seen, reasons
+
+
+@pytest.mark.slow
+def test_compiled_ep2_fsdp2_micro_batches_on_two_gloo_ranks_match_eager_with_the_experts_boundary():
+    # The one boundary: FSDP2's hooks on the separately sharded routed experts (dynamo-disabled), 2 per
+    # experts call = 2 MoE blocks x 2 micro-batches x 2 = 8 breaks, all in step 1; step 2 (new split
+    # sizes) adds one graph.
+    want = ([(0, 0), (8, 17), (8, 18)], {"Attempted to call function marked as skipped"})
+    assert run_distributed(_everything_worker, 2, "none", "aot_eager", timeout=600) == [want] * 2
+
+
+def _refused_worker(rank, world):
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+
+    cfg = small("parallel.ep=2", "ac.mode=full", "ac.reentrant=false", "train.compile=true",
+                "train.compile_backend=aot_eager")
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=2, ep=2), "cpu")
+    try:
+        parallelize(build_model(cfg.model, groups), groups, cfg.ac, compile_backend="aot_eager")
+    except ValueError as err:
+        return str(err)
+    finally:
+        groups.destroy()
+
+
+def test_compile_with_checkpoint_regions_around_fsdp_sharded_experts_is_refused():
+    assert run_distributed(_refused_worker, 2) == [
+        "train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): block 1's "
+        "routed experts are sharded on their own and their FSDP2 hooks run inside its checkpoint region, which a "
+        "compiled region cannot contain; use ac.mode = 'none' or train.compile = false"] * 2

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spartron.checkpointing import apply_ac_to_blocks, compile_block
+from spartron.checkpointing import apply_ac_to_blocks, checkpoint_region_of, compile_block
 from spartron.checkpointing.config import ACConfig
 from spartron.parallel.groups import ParallelGroups
 
@@ -112,6 +112,23 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
         later.module.set_modules_to_backward_prefetch([earlier.module])
 
 
+def _compiles_whole(block: Block, sharded: bool) -> bool:
+    """Whether a block compiles as one graph. FSDP2 shards a MoE block's routed experts on their own
+    (expert mesh), so their FSDP hooks run inside the block's forward, and dynamo cannot trace them:
+    with FSDP on, a MoE block compiles with that one deliberate boundary (graph breaks at the experts'
+    hooks, counted in tests/test_compile_ac.py), and a checkpointed one, whose compiled region must be
+    one graph, is refused rather than silently run eager."""
+    if not sharded or block.experts is None:
+        return True
+    if checkpoint_region_of(block.module) is not None:
+        raise ValueError(
+            f"train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): "
+            f"block {block.name}'s routed experts are sharded on their own and their FSDP2 hooks run inside its "
+            "checkpoint region, which a compiled region cannot contain; use ac.mode = 'none' or "
+            "train.compile = false")
+    return False
+
+
 def _range_fsdp_pre_forward(module: nn.Module) -> None:
     """FSDP2's pre-forward hook of a module inside a checkpoint region, in one "FSDP::" profiler range:
     the region's replay check leaves FSDP's ops out of the op sequence by those ranges, and FSDP2's
@@ -119,12 +136,15 @@ def _range_fsdp_pre_forward(module: nn.Module) -> None:
     open_ranges = []
 
     def enter(m: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # no eager replay check inside a compiled region
+            return
         r = torch.profiler.record_function("FSDP::pre_forward (inside a checkpoint region)")
         r.__enter__()
         open_ranges.append(r)
 
     def leave(m: nn.Module, args: tuple) -> None:
-        open_ranges.pop().__exit__(None, None, None)
+        if not torch.compiler.is_compiling():
+            open_ranges.pop().__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter, prepend=True)  # before FSDP2's own (prepended) hook
     module.register_forward_pre_hook(leave)
@@ -144,8 +164,9 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     apply_ac(model, ac)
     blocks = model.blocks()
     if compile_backend is not None:
+        sharded = groups is not None and (groups.size("world") > 1 or param_dtype is not None)
         for block in blocks:  # in place: parameter names and state_dict keys stay the same
-            compile_block(block.module, compile_backend, fullgraph=True)
+            compile_block(block.module, compile_backend, fullgraph=_compiles_whole(block, sharded))
     if param_dtype is not None and groups is None:
         raise ValueError("parallelize: a compute dtype (param_dtype) needs FSDP2, so it needs the groups "
                          "(ParallelGroups of the world, one rank included)")
