@@ -173,3 +173,33 @@ def test_compile_with_checkpoint_regions_around_fsdp_sharded_experts_is_refused(
         "train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): block 1's "
         "routed experts are sharded on their own and their FSDP2 hooks run inside its checkpoint region, which a "
         "compiled region cannot contain; use ac.mode = 'none' or train.compile = false"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["layer", "experts"])
+def test_compiled_full_ac_with_offload_and_two_micro_batches_matches_eager(scope):
+    from spartron.checkpointing.offload import ActivationOffloader
+
+    cfg = small("ac.mode=full", "ac.reentrant=false", "offload.enabled=true", "offload.what=inputs_and_dsa_ids",
+                "train.micro_batch_size=2", "train.intra_layer_micro_batches=2",
+                f"train.intra_layer_micro_batch_scope={scope}", "train.compile=true", "train.compile_backend=aot_eager")
+    models = []
+    for backend in (None, "aot_eager"):
+        model = build_model(cfg.model, micro_batches=2, micro_batch_scope=scope)
+        models.append(parallelize(model, None, cfg.ac, compile_backend=backend))
+    counters.clear()
+    for step in range(2):
+        data = batch(cfg, 2, seed=step)
+        results = []
+        for model in models:
+            with ActivationOffloader.for_model(model, cfg.offload, "cpu").session() as session:
+                loss = model(*data)["loss"]
+                loss.backward()
+            results.append((loss.detach(), session.stats.offloaded_tensors))
+        assert torch.equal(results[0][0], results[1][0]), (step, results)
+        assert results[0][1] > 0 and results[1][1] > 0  # both offload (the compiled graph saves other tensors)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 3
