@@ -209,7 +209,12 @@ def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: Ten
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    # One foreach multiply per (device, dtype): a per-tensor `mul_` by a 0-dim device tensor runs the
+    # broadcasting (non-vectorised) kernel, ~3x the HBM time (17.7 ms per dsv3-12l step on the H200).
+    by_kind: dict[tuple, list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            local.mul_(coef.to(local.device, local.dtype))
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), grads in by_kind.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
