@@ -30,14 +30,12 @@ DKV_FIXED_POINT_BITS = 40
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Head block, key block, warps and software-pipeline depth of one launch; `keys_as_rows` (forward
-    only): the transposed forward, keys along the MMA rows and heads along its columns."""
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
-    keys_as_rows: bool = False
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -89,8 +87,7 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     if out.numel() == 0:
         return out, lse
     k = _kernels()
-    kernel = k.sparse_mla_fwd_t_kernel if cfg.keys_as_rows else k.sparse_mla_fwd_kernel
-    kernel[_grid(b * s_q, h, cfg)](
+    k.sparse_mla_fwd_kernel[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * k.LOG2E,
         BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -19,7 +19,11 @@ warpgroups compute the whole score tile. Delaying each block's P by one iteratio
 twice) removed that but ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120) and was dropped;
 so did sending the backward's P and dS through a global scratch tile (83 vs 116 TFLOP/s, more spills:
 sparse_mla_triton_scratch_9d6ce6b.json). The backward at 64 heads is spill- and latency-bound (ncu:
-issue slots 20 % busy, one 8-warp program per SM; sparse_mla_triton_bwd_ncu_843dff6.log).
+issue slots 20 % busy, one 8-warp program per SM; sparse_mla_triton_bwd_ncu_843dff6.log). A forward
+with keys along the MMA rows (S^T = K Q^T, O^T += V^T P^T, so 16 heads are the MMA's N) was slower:
+107 vs 153 TFLOP/s at 16 heads, best 182 vs 261 at 64 (sparse_mla_fwd_keys_as_rows_3abf734.log).
+The deterministic dkv mode (int64 atomics, twice the atomic traffic) costs 2.1x the backward:
+188.8 vs 89.8 ms at 16k x 64 heads (sparse_mla_deterministic_e5e9a84.json).
 """
 
 from __future__ import annotations
@@ -84,58 +88,6 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     acc = acc / tl.where(has, denom, 1.0)[:, None]
     out_rows = out_ptr + (tok * n_heads + heads)[:, None] * DV
     tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * n_heads + heads, lse, mask=hmask)
-
-
-@triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
-def sparse_mla_fwd_t_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
-                            scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                            DR: tl.constexpr, KP: tl.constexpr):
-    """The forward with keys along the MMA rows: S^T = K Q^T [BK, BH] and O^T += V^T P^T [DV, BH], so
-    the head block is the MMA's N (16 heads fill it) and BK keys its M (wgmma's 64 rows per warpgroup),
-    instead of 16 heads leaving 3/4 of a 64-row tile empty. Same results as sparse_mla_fwd_kernel."""
-    pid = tl.program_id(0)
-    n_hb = tl.cdiv(n_heads, BH)
-    tok = (pid // n_hb).to(tl.int64)
-    hb = pid % n_hb
-    b = tok // s_q
-    heads = hb * BH + tl.arange(0, BH)
-    hmask = heads < n_heads
-    dv = tl.arange(0, DV)
-    dr = tl.arange(0, DR)
-    q_cols = q_ptr + (tok * n_heads + heads)[None, :] * (DV + DR)
-    q_lat_t = tl.load(q_cols + dv[:, None], mask=hmask[None, :], other=0.0)  # [DV, BH]
-    q_pe_t = tl.load(q_cols + DV + dr[:, None], mask=hmask[None, :], other=0.0)
-
-    m = tl.full([BH], -1.0e30, tl.float32)
-    denom = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([DV, BH], tl.float32)
-    id_row = ids_ptr + tok * topk
-    n_used = _used_slots(id_row, topk, s_kv, KP)
-    kv_base = kv_ptr + b * s_kv * (DV + DR)
-    for k0 in tl.range(0, n_used, BK):
-        kk = k0 + tl.arange(0, BK)
-        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-        valid = (ids >= 0) & (ids < s_kv)
-        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
-        kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-        kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(kv_lat, q_lat_t)
-        s = tl.dot(kv_pe, q_pe_t, s)
-        s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 0))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        denom = denom * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :]
-        acc = tl.dot(tl.trans(kv_lat), p.to(kv_lat.dtype), acc)
-        m = m_new
-
-    has = denom > 0.0
-    acc = acc / tl.where(has, denom, 1.0)[None, :]
-    out_cols = out_ptr + (tok * n_heads + heads)[None, :] * DV
-    tl.store(out_cols + dv[:, None], acc.to(out_ptr.dtype.element_ty), mask=hmask[None, :])
     lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + tok * n_heads + heads, lse, mask=hmask)
 
