@@ -125,7 +125,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     cuda = device.type == "cuda"
-    ceiling = matmul_ceiling(device, torch.bfloat16 if cuda else torch.float32, 8192 if cuda else 256, 20 if cuda else 2)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ceiling = matmul_ceiling(device, dtype, 8192 if cuda else 256, 20 if cuda else 2)
     for c in cases:
         for r in c["results"].values():
             if isinstance(r, dict) and r.get("tflops"):

@@ -53,7 +53,7 @@ def test_reference_equals_the_unchunked_formula(cp_rank, monkeypatch):
     monkeypatch.setattr("spartron.layers.attention.indexer_topk._REFERENCE_CHUNK_BYTES", 4 * 2 * 3 * 24 * 5)
     got = indexer_topk(q, w, k, q_pos, k_pos, 5)  # chunks of 5 queries
     assert got.dtype == torch.int32 and got.shape == (2, q.shape[1], 5)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(reference_indexer_topk(q, w, k, q_pos, k_pos, 5), want)
     if cp_rank != 1:  # position 0 (on rank 0) sees one key: the rest of its row is -1
         assert got[:, int(q_pos.argmin())].tolist() == [[0, -1, -1, -1, -1]] * 2
     else:  # rank 1 holds positions 6..17: every row full
