@@ -167,6 +167,10 @@ def main() -> int:
             for mode in modes:
                 try:
                     rows.append(run_mode(args.config, mode, args, Path(tmp), compiled))
+                    r = rows[-1]  # one line per mode as it finishes: a run cut short still reports these
+                    print(f"e2e {r['mode']}: {r['step_time_s'] * 1e3:.1f} ms/step, steps (ms) "
+                          f"{[round(x * 1e3, 1) for x in r['step_times_s']]}, peak "
+                          f"{r['peak_memory_allocated_gib']:.2f} GiB", flush=True)
                 except Exception as err:  # noqa: BLE001 - one mode failing (e.g. OOM) must not hide the others
                     if dist.get_world_size() > 1:
                         raise  # peers may be inside a collective: fail the whole job
