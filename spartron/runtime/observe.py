@@ -54,7 +54,8 @@ class ObserveConfig(ConfigSection):
                 if getattr(self, key) != ObserveConfig.model_fields[key].default:
                     raise ValueError(f"observe.{key} is set but observe.wandb_project is not: set the project "
                                      "to log to Weights & Biases, or remove it")
-        if self.memory_history_entries != 100_000 and not self.memory_snapshot_on_oom:
+        if self.memory_history_entries != ObserveConfig.model_fields["memory_history_entries"].default \
+                and not self.memory_snapshot_on_oom:
             raise ValueError("observe.memory_history_entries is set but observe.memory_snapshot_on_oom = false")
         for key, package in (("tensorboard", "tensorboard"), ("wandb_project", "wandb")):
             if getattr(self, key) not in (None, False) and importlib.util.find_spec(package) is None:
@@ -146,6 +147,8 @@ class RunObserver:
         self.heartbeat = Heartbeat(cfg.progress_every_s, enabled=rank == 0)
         self.memory = MemoryHistory(cfg, device)
         self.snapshots: list[Path] = []
+        if cfg.nccl_flight_recorder:  # NCCL writes its dumps there (launch_env), but creates no folder
+            (run_dir / "nccl_trace").mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
     def phase(self, what: str, step: int) -> Iterator[None]:

@@ -147,6 +147,8 @@ def test_nccl_flight_recorder_env_in_both_launchers(tmp_path):
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir / "nccl_trace" / "rank_")}
     cfg = load_config("configs/tiny.toml", ["device='cuda'", "observe.nccl_flight_recorder=2000",
                                             "launch.gpus_per_node=8", f"train.run_dir={json.dumps(str(run_dir))}"])
+    RunObserver(cfg.observe, run_dir, 1, torch.device("cpu"), {}).close()  # the dump folder exists before a timeout
+    assert (run_dir / "nccl_trace").is_dir()
     script = render_job(cfg, tmp_path).script
     assert "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000\n" in script
     assert f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={run_dir / 'nccl_trace' / 'rank_'}\n" in script
