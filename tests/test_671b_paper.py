@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from spartron.launch.plan import plan_memory
 from spartron.layers.costs import count_parameters, param_shapes, param_shards
 from spartron.layers.model import build_model
 from spartron.layers.parallelize import parallelize
-from spartron.launch.plan import plan_memory
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime.config import load_config
 

@@ -83,7 +83,8 @@ def _build(rank, world, overrides):
         names_match=sorted(params) == sorted(reference),
         dtypes=sorted({str(p.dtype) for p in params.values()}),
         sharded=all(isinstance(p, DTensor) for p in params.values()),
-        expert_dims=sorted({p.placements[-1].dim for n, p in params.items() if ".experts." in n and isinstance(p, DTensor)}),
+        expert_dims=sorted({p.placements[-1].dim for n, p in params.items()
+                            if ".experts." in n and isinstance(p, DTensor)}),
         buffers_zero=all(bool((b == 0).all()) for b in model.buffers()),
         peak=counter.peak, local=local, biggest=biggest,
         whole=sum(r.numel() * r.element_size() for r in reference.values()))
