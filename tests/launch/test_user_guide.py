@@ -1,13 +1,15 @@
 """The README's user guide, end to end on CPU, with the commands it shows: tokenize a folder of jsonl with a
-local tokenizer (`spartron data`), read a Hugging Face checkpoint's `[model]` (`spartron convert --from-hf`),
-train from it (`train.init_from`) on the text with evaluation every 2 steps and TensorBoard, save, resume,
-export (`spartron convert --to-hf`), and `transformers` loads the export and computes the validation loss
-that `spartron eval` reports for the same step."""
+local tokenizer (`spartron data`), train on the text with evaluation every 2 steps and TensorBoard, save,
+resume, export (`spartron convert --to-hf`), and `transformers` loads the export and computes the validation
+loss that `spartron eval` reports for the same step. The model is either the tiny-hf preset from scratch, or
+a Hugging Face checkpoint (`spartron convert --from-hf` for its `[model]`, then `train.init_from`)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -49,7 +51,8 @@ def _evaluate(rank, world, cfg, path):
     return evaluate_saved(cfg, path)
 
 
-def test_user_guide_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("start", ["tiny-hf preset", "Hugging Face checkpoint"])
+def test_user_guide_end_to_end(tmp_path, capsys, start):
     # a Hugging Face checkpoint (here a tiny random one saved by transformers itself)
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(DeepseekV3Config(
@@ -63,10 +66,13 @@ def test_user_guide_end_to_end(tmp_path, capsys):
     tok = _tokenizer(tmp_path / "tokenizer.json")
     assert main(["data", str(_corpus(tmp_path / "corpus")), "--tokenizer", str(tok), "--out", str(tmp_path / "tokens"),
                  "--eos", "<eos>"]) == 0
-    # spartron convert --from-hf DIR --to RUN_DIR: also writes the checkpoint's [model] section
-    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "imported")]) == 0
     run_dir = tmp_path / "runs" / "mine"
-    (tmp_path / "run.toml").write_text((tmp_path / "imported" / "model.toml").read_text() + f"""
+    if start == "tiny-hf preset":
+        config, init_from = Path("configs/tiny-hf.toml").read_text().split("[train]")[0], ""
+    else:  # spartron convert --from-hf DIR --to RUN_DIR: also writes the checkpoint's [model] section
+        assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "imported")]) == 0
+        config, init_from = (tmp_path / "imported" / "model.toml").read_text(), f"hf:{tmp_path / 'hf'}"
+    (tmp_path / "run.toml").write_text(config + f"""
 [train]
 steps = 2
 seq_len = 16
@@ -77,7 +83,7 @@ eval_steps = 2
 progress = false
 peak_tflops = 1.0
 run_dir = {json.dumps(str(run_dir))}
-init_from = {json.dumps(f"hf:{tmp_path / 'hf'}")}
+{f"init_from = {json.dumps(init_from)}" if init_from else ""}
 
 [train.data]
 kind = "packed"
