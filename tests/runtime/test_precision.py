@@ -48,6 +48,14 @@ def test_each_dtype_has_its_meaning():
     assert (bf16.dtype, bf16.stored_dtype, bf16.reduce_dtype) == ("bfloat16", "bfloat16", "bfloat16")
 
 
+def test_a_hugging_face_checkpoint_starts_fp32_master_training():
+    """The precision keys say how Spartron trains, not which function: a bf16 checkpoint's model matches."""
+    from spartron.interop.hf import check_config_matches
+
+    run = load_config(TINY, MODES["masters"] + ["model.reduce_dtype=float32"]).model
+    check_config_matches(run, load_config(TINY, MODES["bf16"]).model)  # raises HFConfigError if not
+
+
 def _global(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).float().clone()
 
