@@ -93,10 +93,8 @@ class SparseMoEModel(nn.Module):
         seq = tokens.shape[1]
         documents = positions is not None
         if documents:
-            if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
-                raise ValueError("packed-document positions cannot be combined with context parallelism "
-                                 "(train.data.doc_mask with parallel.cp > 1)")
             check_document_positions(positions, tokens.shape[0], seq)
+            rows, positions = positions, self._cp(positions)  # whole rows (MTP targets); this rank's queries
         else:
             positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
                          else cp_positions(seq, self.cp_group, device=tokens.device))
@@ -115,7 +113,7 @@ class SparseMoEModel(nn.Module):
                 embed_at_depth=lambda k: self.embed(self._cp(shift_left(tokens, k, 0))),
                 positions=positions, dsa_topk_ids=stack.dsa_topk_ids,
                 loss_at_depth=lambda k, hn: self._token_mean(hn, self._cp(
-                    document_shifted_labels(labels, positions, k) if documents
+                    document_shifted_labels(labels, rows, k) if documents
                     else shift_left(labels, k, IGNORE_INDEX))))
             mtp_losses = mtp_out["losses"]
             for out in layer_outs:

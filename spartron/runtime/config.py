@@ -379,10 +379,6 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
                              f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
         d = self.train.data
-        if d.documents and self.parallel.cp > 1:
-            raise ValueError(f"train.data.doc_mask (packed documents, on by default for train.data.kind = 'packed') "
-                             f"cannot be combined with parallel.cp = {self.parallel.cp} yet: set train.data.doc_mask "
-                             "= false (plain causal attention over packed rows) or parallel.cp = 1")
         t = self.train
         if d.documents and t.intra_layer_micro_batches > 1 and t.intra_layer_micro_batch_scope == "layer":
             raise ValueError("train.data.doc_mask (packed documents) with train.intra_layer_micro_batches > 1 needs "

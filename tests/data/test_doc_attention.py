@@ -165,11 +165,50 @@ def test_model_loss_on_packed_row_is_the_token_mean_of_each_document_alone():
     assert abs(plain["lm_loss"].detach().item() - packed["lm_loss"].detach().item()) > 1e-4
 
 
+def _packed_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    docs = [[torch.randint(2, 512, (n,), generator=g) for n in lengths] for lengths in ([5, 11, 16], [20, 12])]
+    tokens = torch.stack([torch.cat(row) for row in docs])
+    labels = torch.stack([torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in row]) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in docs])
+    return tokens, labels, positions
+
+
+def _cp_worker(rank, world):  # noqa: ANN001, ARG001
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=1, cp=2), "cpu")
+    tokens, labels, positions = _packed_batch()
+    got = {}
+    for mode in ("frozen", "kl_dense"):  # the indexer_topk path with document starts, and the KL path's mask
+        over = ["model.mtp.depth=1", f"model.dsa.indexer_mode={mode}", "model.dsa.index_topk=4"]
+        over += [] if mode == "frozen" else ["model.dsa.indexer_loss_coeff=0.5"]
+        cfg = load_config("configs/tiny.toml", over).model
+        ref = build_model(cfg, seed=0)(tokens, labels, positions=positions)
+        out = build_model(cfg, groups, seed=0)(tokens, labels, positions=positions)
+        pairs = {"lm_loss": (out["lm_loss"], ref["lm_loss"]), "mtp": (out["mtp_losses"][0], ref["mtp_losses"][0])}
+        if mode != "frozen":
+            pairs["indexer_loss"] = (out["indexer_loss"], ref["indexer_loss"])
+        for key, (a, b) in pairs.items():
+            value = a.detach().clone()
+            torch.distributed.all_reduce(value)  # each rank's loss is scaled so the mean over ranks is global
+            got[f"{mode} {key}"] = (float(value / world), float(b))
+    return got
+
+
+def test_packed_documents_under_context_parallelism_equal_one_rank():
+    from spartron.testing import run_distributed
+
+    results = run_distributed(_cp_worker, 2, timeout=120)
+    assert set(results[0]) == {"frozen lm_loss", "frozen mtp", "kl_dense lm_loss", "kl_dense mtp",
+                               "kl_dense indexer_loss"}
+    for key, (cp2, one) in results[0].items():
+        assert cp2 == pytest.approx(one, rel=1e-5, abs=1e-6), key
+
+
 def test_document_mask_config_errors():
-    with pytest.raises(ConfigError, match=r"train.data.doc_mask \(packed documents.*parallel.cp = 2 yet"):
-        load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2"])
-    load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2",
-                                      "train.data.doc_mask=false"])  # plain causal over packed rows: fine
+    load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2"])
     with pytest.raises(ConfigError, match="needs train.intra_layer_micro_batch_scope = 'experts'"):
         load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x",
                                           "train.intra_layer_micro_batches=2", "train.micro_batch_size=2",

@@ -6,11 +6,13 @@ they say everything about the packing: query t sees key s iff s <= t and s >= t 
 (s lies in t's document, at or before t). RoPE takes the same per-document positions, so each
 document is encoded as if it were alone.
 
+Under context parallelism a rank holds the positions of its own (load-balanced) queries, and `q_index`
+[S_q] gives their global indices: query t sees key s iff s <= q_index[t] and s >= q_index[t] -
+positions[t]; the keys are the all-gathered sequence 0..S-1.
+
 Two implementations of the same mask: on CUDA FlexAttention with a block mask (fully masked
 blocks are skipped, so the cost falls with the documents' lengths), elsewhere SDPA with the
-explicit boolean mask (the CPU reference). Context parallelism with documents is refused by the
-run config (train.data.doc_mask with parallel.cp > 1): the load-balanced CP shard would need the
-global positions as well.
+explicit boolean mask (the CPU reference).
 """
 
 from __future__ import annotations
@@ -29,36 +31,46 @@ def check_document_positions(positions: Tensor, batch: int, seq: int) -> None:
                          f"document), got {positions.dtype} {tuple(positions.shape)}")
 
 
-def document_visible(positions: Tensor, rows: slice | None = None) -> Tensor:
-    """[B, R, S] bool: key s is visible to query t (rows of the sequence, all by default) iff s <= t and
-    s is in t's document."""
-    seq = positions.shape[-1]
-    rows = rows or slice(0, seq)
-    t = torch.arange(seq, device=positions.device)[rows]
-    s = torch.arange(seq, device=positions.device)
+def document_visible(positions: Tensor, rows: slice | None = None, q_index: Tensor | None = None,
+                     n_keys: int | None = None) -> Tensor:
+    """[B, R, n_keys] bool: key s is visible to query t (rows of the queries, all by default) iff s <= t's
+    global index and s is in t's document. q_index: the queries' global indices (default 0..S_q-1);
+    n_keys: default S_q."""
+    s_q = positions.shape[-1]
+    rows = rows or slice(0, s_q)
+    t = (torch.arange(s_q, device=positions.device) if q_index is None else q_index)[rows]
+    s = torch.arange(s_q if n_keys is None else n_keys, device=positions.device)
     start = t[None, :] - positions[:, rows]  # [B, R]: where each query's document starts
     return (s[None, None, :] <= t[None, :, None]) & (s[None, None, :] >= start[:, :, None])
 
 
-def reference_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor:
-    """SDPA with the explicit [B, 1, S, S] mask; q, k [B, H, S, E], v [B, H, S, Ev] -> [B, H, S, Ev]."""
-    mask = document_visible(positions)[:, None]
+def reference_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
+                                 q_index: Tensor | None = None) -> Tensor:
+    """SDPA with the explicit [B, 1, S_q, S_kv] mask; q [B, H, S_q, E], k [B, H, S_kv, E], v [B, H, S_kv, Ev]."""
+    mask = document_visible(positions, q_index=q_index, n_keys=k.shape[2])[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _mask_mod(positions: Tensor):  # noqa: ANN202 - FlexAttention's mask_mod of the document mask
-    def visible(batch, head, q_idx, kv_idx):  # noqa: ANN001, ARG001
-        return (kv_idx <= q_idx) & (kv_idx >= q_idx - positions[batch, q_idx])
+def _mask_mod(positions: Tensor, q_index: Tensor | None = None):  # noqa: ANN202 - FlexAttention's mask_mod
+    if q_index is None:
+        def visible(batch, head, q_idx, kv_idx):  # noqa: ANN001, ARG001
+            return (kv_idx <= q_idx) & (kv_idx >= q_idx - positions[batch, q_idx])
+    else:
+        def visible(batch, head, q_idx, kv_idx):  # noqa: ANN001, ARG001
+            t = q_index[q_idx]
+            return (kv_idx <= t) & (kv_idx >= t - positions[batch, q_idx])
 
     return visible
 
 
-def reference_block_mask(positions: Tensor, block_size: int = 128):
+def reference_block_mask(positions: Tensor, block_size: int = 128, q_index: Tensor | None = None,
+                         n_keys: int | None = None):
     """The BlockMask through FlexAttention's create_block_mask (evaluates the mask at every (q, k))."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, s = positions.shape
-    return create_block_mask(_mask_mod(positions), b, None, s, s, device=positions.device, BLOCK_SIZE=block_size)
+    return create_block_mask(_mask_mod(positions, q_index), b, None, s, s if n_keys is None else n_keys,
+                             device=positions.device, BLOCK_SIZE=block_size)
 
 
 def _block_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,21 +104,26 @@ def document_block_mask(positions: Tensor, block_size: int = 128):
 
 
 def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
-                            compiled: bool = True) -> Tensor:
+                            compiled: bool = True, q_index: Tensor | None = None) -> Tensor:
     """FlexAttention with the document block mask; `compiled` False runs flex eagerly (CPU tests: the
-    unfused implementation, same numerics up to rounding)."""
+    unfused implementation, same numerics up to rounding). With q_index (CP) the mask is built by
+    create_block_mask over the local queries and all keys."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-    return fn(q, k, v, block_mask=document_block_mask(positions), scale=scale)
+    mask = (document_block_mask(positions) if q_index is None
+            else reference_block_mask(positions, q_index=q_index, n_keys=k.shape[2]))
+    return fn(q, k, v, block_mask=mask, scale=scale)
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor:
-    """Block-causal attention over packed documents: FlexAttention on CUDA, the SDPA reference elsewhere."""
+def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
+                       q_index: Tensor | None = None) -> Tensor:
+    """Block-causal attention over packed documents: FlexAttention on CUDA, the SDPA reference elsewhere.
+    q [B, H, S_q, E]; positions [B, S_q]; q_index [S_q] the queries' global indices under CP."""
     check_document_positions(positions, q.shape[0], q.shape[2])
     if q.device.type == "cuda":
-        return flex_document_attention(q, k, v, positions, scale)
-    return reference_document_attention(q, k, v, positions, scale)
+        return flex_document_attention(q, k, v, positions, scale, q_index=q_index)
+    return reference_document_attention(q, k, v, positions, scale, q_index)
 
 
 def document_shifted_labels(labels: Tensor, positions: Tensor, k: int) -> Tensor:

@@ -104,11 +104,12 @@ class LightningIndexer(nn.Module):
         return q, weights, gather_sequence(k, self.cp_group, dim=1)
 
     def select_frozen(self, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor, q_positions: Tensor,
-                      k_positions: Tensor) -> Tensor:
-        """Top-k ids under no_grad through `spartron::indexer_topk` (the Triton kernel on CUDA)."""
+                      k_positions: Tensor, q_starts: Tensor | None = None) -> Tensor:
+        """Top-k ids under no_grad through `spartron::indexer_topk` (the Triton kernel on CUDA); `q_starts`:
+        each query's document start, packed documents (attention.doc_mask)."""
         with torch.no_grad():
             q, weights, k = self(x, q_in, cos, sin)
-            return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8)
+            return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8, q_starts)
 
 
 def _kl(target: Tensor, log_pred: Tensor) -> Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spartron.layers.attention.doc_mask import document_visible
 from spartron.layers.attention.indexer_fp8 import fp8_operands
 
 # Bytes of [chunk, H, S_kv] score temporaries of the reference path.
@@ -27,10 +26,7 @@ _REFERENCE_CHUNK_BYTES = 1 << 29
 
 
 def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t). Per-document positions
-    [B, S] (packed documents, no CP) give [B, S, S]: causal within each document (attention.doc_mask)."""
-    if q_positions.dim() == 2:
-        return document_visible(q_positions)
+    """[S_q, S_kv] bool: key s is visible to query t iff position(s) <= position(t)."""
     return k_positions[None, :] <= q_positions[:, None]
 
 
@@ -50,8 +46,9 @@ def topk_ids(scores: Tensor, topk: int) -> Tensor:
 
 
 def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor,
-                           topk: int, fp8: bool = False) -> Tensor:
-    """The PyTorch path: chunked `index_scores` + `topk_ids` (float32 or wider accumulation)."""
+                           topk: int, fp8: bool = False, q_starts: Tensor | None = None) -> Tensor:
+    """The PyTorch path: chunked `index_scores` + `topk_ids` (float32 or wider accumulation). `q_starts`
+    [B, S_q]: packed documents, key s also needs k_positions[s] >= q_starts[b, t] (attention.doc_mask)."""
     k_scale = None
     if fp8:
         q8, weights, k8, k_scale = fp8_operands(q, weights, k)
@@ -61,8 +58,9 @@ def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: T
     parts = []
     for c0 in range(0, s_q, chunk):
         c1 = min(c0 + chunk, s_q)
-        visible = (document_visible(q_positions, slice(c0, c1)) if q_positions.dim() == 2
-                   else causal_visible(q_positions[c0:c1], k_positions))
+        visible = causal_visible(q_positions[c0:c1], k_positions)
+        if q_starts is not None:  # packed documents: keys of the query's own document only
+            visible = visible & (k_positions[None, None, :] >= q_starts[:, c0:c1, None])
         scores = index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible)
         if k_scale is not None:
             scores = scores * k_scale[:, None, :]
@@ -89,20 +87,22 @@ def _(q, weights, k, q_positions, k_positions, topk, fp8):
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
-                 fp8: bool = False) -> Tensor:
+                 fp8: bool = False, q_starts: Tensor | None = None) -> Tensor:
     """Top-k key ids per query of the lightning indexer (see the module docstring); no gradient."""
     if q.dim() != 4 or weights.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] \
             or k.shape[2] != q.shape[3]:
         raise ValueError(f"indexer_topk expects q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]; got "
                          f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(k.shape)}")
-    if q_positions.dim() == 2 and q_positions.shape == k_positions.shape == q.shape[:2] == k.shape[:2]:
-        # packed documents (attention.doc_mask): the reference path; the kernel's mask is causal only
-        with torch.no_grad():
-            return reference_indexer_topk(q, weights, k, q_positions, k_positions, int(topk), bool(fp8))
     if q_positions.shape != (q.shape[1],) or k_positions.shape != (k.shape[1],):
         raise ValueError(f"indexer_topk: positions must be [S_q] and [S_kv] = [{q.shape[1]}] and [{k.shape[1]}]; "
                          f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}")
     if topk < 1:
         raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
+    if q_starts is not None:  # packed documents (attention.doc_mask): the reference path, the kernel masks causally
+        if q_starts.shape != q.shape[:2]:
+            raise ValueError(f"indexer_topk: q_starts must be [B, S_q] = {tuple(q.shape[:2])}, "
+                             f"got {tuple(q_starts.shape)}")
+        with torch.no_grad():
+            return reference_indexer_topk(q, weights, k, q_positions, k_positions, int(topk), bool(fp8), q_starts)
     return _indexer_topk(q.detach().contiguous(), weights.detach().contiguous(), k.detach().contiguous(),
                          q_positions.contiguous(), k_positions.contiguous(), int(topk), bool(fp8))

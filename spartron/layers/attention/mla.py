@@ -19,8 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
-from spartron.layers.attention.context_parallel import check_local_positions, cp_size_of, gather_sequence
-from spartron.layers.attention.doc_mask import check_document_positions, document_attention
+from spartron.layers.attention.context_parallel import (
+    check_local_positions,
+    cp_positions,
+    cp_size_of,
+    gather_sequence,
+)
+from spartron.layers.attention.doc_mask import check_document_positions, document_attention, document_visible
 from spartron.layers.attention.dsa import (
     LightningIndexer,
     causal_visible,
@@ -98,12 +103,13 @@ class MLA(nn.Module):
     def _check_inputs(self, x: Tensor, positions: Tensor, ids: Tensor | None) -> None:
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"MLA expects x [B, S_local, {self.cfg.dim}], got {tuple(x.shape)}")
-        if positions.dim() == 2 and cp_size_of(self.cp_group) == 1:  # packed documents (attention.doc_mask)
+        if positions.dim() == 2:  # packed documents (attention.doc_mask): per-document positions of these tokens
             check_document_positions(positions, x.shape[0], x.shape[1])
-        elif positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
-            raise ValueError(f"MLA expects positions int64 [{x.shape[1]}], got {positions.dtype} "
-                             f"{tuple(positions.shape)}")
-        check_local_positions(positions, self.cp_group)
+        else:
+            if positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
+                raise ValueError(f"MLA expects positions int64 [{x.shape[1]}], got {positions.dtype} "
+                                 f"{tuple(positions.shape)}")
+            check_local_positions(positions, self.cp_group)
         if ids is None:
             if self.dsa_role == "consumer":
                 raise ValueError(f"layer {self.layer_idx} is a DSA consumer: pass the source layer's "
@@ -119,9 +125,14 @@ class MLA(nn.Module):
 
     def _key_positions(self, positions: Tensor) -> Tensor:
         cp = cp_size_of(self.cp_group)
-        if cp == 1:
+        if cp == 1 and positions.dim() == 1:
             return positions
-        return torch.arange(positions.numel() * cp, device=positions.device)
+        return torch.arange(positions.shape[-1] * cp, device=positions.device)
+
+    def _query_index(self, positions: Tensor) -> Tensor | None:
+        """Packed documents under CP: the global indices of this rank's queries (None without CP)."""
+        cp = cp_size_of(self.cp_group)
+        return None if cp == 1 else cp_positions(positions.shape[-1] * cp, self.cp_group, positions.device)
 
     def _dense(self, q_nope: Tensor, q_pe: Tensor, kv: Tensor, positions: Tensor,
                k_positions: Tensor) -> Tensor:
@@ -133,7 +144,7 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_pe), dim=-1)
         if positions.dim() == 2:  # packed documents: block-causal (spartron.layers.attention.doc_mask)
             out = document_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions,
-                                     self.softmax_scale)
+                                     self.softmax_scale, self._query_index(positions))
             return self.wo(out.transpose(1, 2).reshape(b, s, h * self.v_dim))
         if cp_size_of(self.cp_group) == 1:  # keys are the local tokens in order: plain causal (a 1-rank
             mask, causal = None, True      # CP group too: an explicit mask runs cuDNN's 3-4x slower kernel)
@@ -155,12 +166,21 @@ class MLA(nn.Module):
         loss = None
         if ids is None:  # a source computing its ids
             dsa = self.cfg.dsa
-            if dsa.indexer_mode == "frozen":
+            documents = positions.dim() == 2  # packed documents: each query's own document (attention.doc_mask)
+            if documents:  # the queries' global indices, and where each one's document starts
+                q_index = self._query_index(positions)
+                index = k_positions[:positions.shape[-1]] if q_index is None else q_index
+            if dsa.indexer_mode == "frozen" and documents:
+                ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, index, k_positions,
+                                             index[None] - positions)
+            elif dsa.indexer_mode == "frozen":
                 ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, positions,
                                              k_positions)
             else:
+                visible = (document_visible(positions, q_index=index, n_keys=kv.shape[1]) if documents
+                           else causal_visible(positions, k_positions))
                 ids, loss = trained_indexer_ids_and_loss(
-                    self.indexer, x, q_in, cos, sin, causal_visible(positions, k_positions), q_abs, kv,
+                    self.indexer, x, q_in, cos, sin, visible, q_abs, kv,
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
