@@ -132,7 +132,7 @@ class _RegionCall:
 
     @contextlib.contextmanager
     def original_pass(self) -> Iterator[None]:
-        with active_frame(self.frame, "original"), PolicyMode(self.saved, "original"):
+        with active_frame(self.frame, "original"), PolicyMode(self.saved, "original", self.frame):
             yield
 
     @contextlib.contextmanager
@@ -143,7 +143,7 @@ class _RegionCall:
                 "region (retain_graph) is not supported")
         self.replayed = True
         try:
-            with active_frame(self.frame, "replay"), PolicyMode(self.saved, "replay"):
+            with active_frame(self.frame, "replay"), PolicyMode(self.saved, "replay", self.frame):
                 yield
             self.saved.finish_replay()
             self.frame.check_consumed()

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from spartron.checkpointing.policy import REPLAY_ONLY_MARKERS, SAVE_WITH_BACKWARD_OUTPUTS, OpPolicy, op_packet_name
-from spartron.checkpointing.replay import current_frame
+from spartron.checkpointing.replay import ReplayFrame, current_frame
 
 log = logging.getLogger("spartron.checkpointing")
 
@@ -79,14 +79,17 @@ class _SavedOp:
     outputs: Any
     versions: list[tuple[torch.Tensor, int]]
     mutated: list[tuple[int, StorageWeakRef, torch.Tensor]]
-    shapes: list[tuple[int, ...]]
+    shapes: list[torch.Size]
 
 
-def _input_shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
-    return [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+def _input_shapes(args: tuple, kwargs: dict) -> list[torch.Size]:
+    shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+    if kwargs:
+        shapes += [a.shape for a in kwargs.values() if isinstance(a, torch.Tensor)]
+    return shapes
 
 
-def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+def _shapes_text(shapes: list[torch.Size]) -> str:
     return ", ".join(str(list(s)) for s in shapes) or "no tensors"
 
 
@@ -232,6 +235,7 @@ def _detach(x: Any) -> Any:
 
 _UNDECIDED = object()
 _MARKER = "replay-only marker"  # a decision: profiler / FSDP ops, outside both op sequences
+_PASS = "not the region's computation"  # a decision: views and autograd's detach, outside both sequences
 # Dispatched by autograd itself depending on grad mode (a reentrant original pass runs without grad,
 # its replay with it), not by the region's code: outside both op sequences too, never saved.
 _GRAD_MODE_ARTIFACTS = frozenset({torch.ops.aten.detach.default})
@@ -263,10 +267,12 @@ class PolicyMode(TorchDispatchMode):
     stats when the pass ends.
     """
 
-    def __init__(self, saved: SavedOps, phase: str) -> None:
+    def __init__(self, saved: SavedOps, phase: str, frame: ReplayFrame | None = None) -> None:
         super().__init__()
         self.saved = saved
         self.phase = phase
+        # the region call's replay frame (its `reusing` count is read per op); default: the current one
+        self._frame = frame if frame is not None else current_frame()
         self._original = phase == "original"
         self._decisions: dict[torch._ops.OpOverload, str | None] = {}
         self._ops_original = 0
@@ -275,12 +281,15 @@ class PolicyMode(TorchDispatchMode):
         self._fsdp_depth = 0
 
     def _decide(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
-        if func.namespace in REPLAY_ONLY_MARKERS or func in _GRAD_MODE_ARTIFACTS:
+        if func.namespace in REPLAY_ONLY_MARKERS:
             self._decisions[func] = _MARKER
             return _MARKER
+        if func in _GRAD_MODE_ARTIFACTS:
+            self._decisions[func] = _PASS
+            return _PASS
         reason = self.saved.policy.decide(func, args, kwargs)
         if reason is None and func.is_view:  # computes nothing; hooks of outer tools issue views too
-            reason = _MARKER
+            reason = _PASS
         if op_packet_name(func) not in self.saved.policy.device_to_host:  # arg-dependent: not cached
             self._decisions[func] = reason
         return reason
@@ -304,13 +313,17 @@ class PolicyMode(TorchDispatchMode):
         reason = self._decisions.get(func, _UNDECIDED)
         if reason is _UNDECIDED:
             reason = self._decide(func, args, kwargs)
+        if reason is _PASS:  # a view or autograd's detach: in neither sequence, never saved
+            if not self._original:
+                self._recomputed[func] = self._recomputed.get(func, 0) + 1
+            return func(*args, **kwargs)
         if reason is _MARKER:  # in neither sequence, never saved
             return self._marker(func, args, kwargs)
         if self._fsdp_depth:  # FSDP's own work inside one of its ranges
             return func(*args, **kwargs)
         saved = self.saved
         if self._original:
-            frame = current_frame()
+            frame = self._frame
             if frame is not None and frame.reusing:  # inside reuse_during_recompute: runs once, never replays
                 return func(*args, **kwargs)
             saved.trace.append(func)
