@@ -94,7 +94,9 @@ def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
     ids = dsa_topk_ids if dsa_topk_ids is not None else [None] * len(xs)
     if len(ids) != len(xs):
         raise ValueError(f"{len(xs)} micro-batches but {len(ids)} dsa_topk_ids entries")
-    carries = interleave([(layer.phases(), _carry(x, positions, i)) for x, i in zip(xs, ids, strict=True)],
+    # packed-document positions [B, S] are per row: each micro-batch takes its rows' (1-D ones are shared)
+    rows = list(positions.chunk(len(xs), dim=0)) if positions.dim() == 2 else [positions] * len(xs)
+    carries = interleave([(layer.phases(), _carry(x, p, i)) for x, p, i in zip(xs, rows, ids, strict=True)],
                          device=xs[0].device)
     outs = [c["out"] for c in carries]
     out_ids = [o["dsa_topk_ids"] for o in outs]

@@ -379,10 +379,6 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} must be divisible by 2 * parallel.cp "
                              f"({2 * self.parallel.cp}) for load-balanced causal context parallelism")
         d = self.train.data
-        t = self.train
-        if d.documents and t.intra_layer_micro_batches > 1 and t.intra_layer_micro_batch_scope == "layer":
-            raise ValueError("train.data.doc_mask (packed documents) with train.intra_layer_micro_batches > 1 needs "
-                             "train.intra_layer_micro_batch_scope = 'experts' (per-row positions are not split)")
         if d.kind == "mmap" and d.token_dtype == "uint16" and self.model.vocab_size > 2**16:
             raise ValueError(f"train.data.token_dtype = 'uint16' holds ids below 65536, but model.vocab_size is "
                              f"{self.model.vocab_size}: a file of this vocabulary is written as uint32")

@@ -207,12 +207,19 @@ def test_packed_documents_under_context_parallelism_equal_one_rank():
         assert cp2 == pytest.approx(one, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.parametrize("scope", ["layer", "experts"])
+def test_intra_layer_micro_batches_split_the_document_positions_with_the_rows(scope):
+    cfg = load_config("configs/tiny.toml", ["model.mtp.depth=1"]).model
+    tokens, labels, positions = _packed_batch()
+    whole = build_model(cfg, seed=0)(tokens, labels, positions=positions)
+    split = build_model(cfg, seed=0, micro_batches=2, micro_batch_scope=scope)(tokens, labels, positions=positions)
+    for key in ("lm_loss", "aux_loss"):
+        torch.testing.assert_close(split[key], whole[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split["mtp_losses"][0], whole["mtp_losses"][0], rtol=1e-5, atol=1e-6)
+
+
 def test_document_mask_config_errors():
     load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x", "parallel.cp=2"])
-    with pytest.raises(ConfigError, match="needs train.intra_layer_micro_batch_scope = 'experts'"):
-        load_config("configs/tiny.toml", ["train.data.kind=packed", "train.data.path=/x",
-                                          "train.intra_layer_micro_batches=2", "train.micro_batch_size=2",
-                                          "train.global_batch_size=4"])
     with pytest.raises(ConfigError, match="train.data.doc_mask is set but a flat token file"):
         load_config("configs/tiny.toml", ["train.data.kind=mmap", "train.data.path=/x", "train.data.doc_mask=true"])
     with pytest.raises(ConfigError, match="train.data.token_dtype is set but train.data.kind = 'packed'"):
