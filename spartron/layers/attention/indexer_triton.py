@@ -6,8 +6,7 @@ imported only when the kernel runs. Queries go in chunks so the fp32 [B, chunk, 
 stays near `SCORE_BUFFER_BYTES` (and the sequence is cut in at least `MIN_CHUNKS`); each chunk is
 scored by the kernel and reduced by torch.topk. When key positions are 0..S_kv-1 (no CP, or CP's
 gathered keys) a chunk's visible keys are a prefix, up to its last query position: only that prefix is
-scored and searched, which roughly halves the top-k work of a causal sequence. Packed documents:
-`q_starts` [B, S_q] (each query's document start) also hides the keys before it.
+scored and searched, which roughly halves the top-k work of a causal sequence.
 """
 
 from __future__ import annotations
@@ -59,26 +58,24 @@ def chunk_rows(b: int, s_q: int, s_kv: int, block_m: int) -> int:
 
 def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
            k_positions: Tensor, q_start: int, c_len: int, out: Tensor,
-           cfg: IndexerKernelConfig | None = None, q_starts: Tensor | None = None) -> Tensor:
+           cfg: IndexerKernelConfig | None = None) -> Tensor:
     """Fill out [B, c_len, n_cols] fp32 with the scores of queries q_start .. q_start + c_len against the
     first n_cols keys (-inf where not visible). q [B, S_q, H, d] and k [B, S_kv, d] contiguous
-    (bf16/fp16, or fp8 with k_scale); q_starts int32 [B, S_q] for packed documents."""
+    (bf16/fp16, or fp8 with k_scale)."""
     cfg = cfg or IndexerKernelConfig()
     b, s_q, h, d = q.shape
     s_kv, n_cols = k.shape[1], out.shape[-1]
     grid = (-(-n_cols // cfg.block_n), -(-c_len // cfg.block_m), b)
     _kernels().indexer_scores_kernel[grid](
-        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions,
-        q_starts if q_starts is not None else q_positions, out, s_q, s_kv, q_start, c_len, n_cols, H=h, D=d,
-        BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None, HAS_STARTS=q_starts is not None,
+        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions, out, s_q, s_kv,
+        q_start, c_len, n_cols, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return out
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
-                 fp8: bool, cfg: IndexerKernelConfig | None = None, q_starts: Tensor | None = None) -> Tensor:
-    """int32 ids [B, S_q, min(topk, S_kv)] (descending score, -1 past a query's visible keys); q_starts
-    [B, S_q]: each query's document start (packed documents)."""
+                 fp8: bool, cfg: IndexerKernelConfig | None = None) -> Tensor:
+    """int32 ids [B, S_q, min(topk, S_kv)] (descending score, -1 past a query's visible keys)."""
     check_supported(q, k)
     cfg = cfg or IndexerKernelConfig()
     b, s_q, _, _ = q.shape
@@ -94,7 +91,6 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
         w = weights.float()
     q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
     qpos, kpos = q_positions.to(torch.int32), k_positions.to(torch.int32)
-    starts = None if q_starts is None else q_starts.to(torch.int32).contiguous()
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     buf = torch.empty(b * chunk * s_kv, dtype=torch.float32, device=q.device)
     n_chunks = -(-s_q // chunk)
@@ -105,7 +101,7 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
         n_cols = [min(s_kv, p + 1) for p in last.view(n_chunks, chunk).amax(-1).clamp_min(0).tolist()]
     for i, c0 in enumerate(range(0, s_q, chunk)):
         c, n = min(chunk, s_q - c0), n_cols[i]
-        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * n].view(b, c, n), cfg, starts)
+        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * n].view(b, c, n), cfg)
         values, picked = out.topk(min(kk, n), dim=-1)
         if n < kk:
             ids[:, c0:c0 + c, n:] = -1

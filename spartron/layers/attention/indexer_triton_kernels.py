@@ -6,8 +6,7 @@ walks the heads, one [BM, d] x [d, BN] MMA per head, folding ReLU and the head w
 [BM, BN] accumulator, so the [S, H, S_kv] per-head logits never exist. A tile whose every key lies
 after every query (by position) stores -inf without loading anything. FP8: q and k arrive as e4m3
 with their scales folded in by the caller (per (query, head) into the weights, per key in `k_scale`,
-applied once per tile: ReLU commutes with a positive scale). Packed documents (HAS_STARTS): key s is
-visible to query t only from the query's document start on, kpos[s] >= starts[b, t].
+applied once per tile: ReLU commutes with a positive scale).
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len", "n_cols"])
-def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, starts_ptr, out_ptr, s_q, s_kv, q_start,
-                          c_len, n_cols, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          HAS_KSCALE: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr):
+def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, out_ptr, s_q, s_kv, q_start, c_len, n_cols,
+                          H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          HAS_KSCALE: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -31,12 +30,7 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, start
     kpos = tl.load(kpos_ptr + rn, mask=nmask, other=2147483647)
     out_ptrs = out_ptr + (b * c_len + rm)[:, None].to(tl.int64) * n_cols + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
-    skip = tl.min(kpos, 0) > tl.max(qpos, 0)  # no key of the tile is visible to any query of it
-    first = qpos  # unused without HAS_STARTS
-    if HAS_STARTS:  # ... or every key lies before every query's document
-        first = tl.load(starts_ptr + b * s_q + q_start + rm, mask=mmask, other=2147483647)
-        skip = skip | (tl.max(tl.where(nmask, kpos, -1), 0) < tl.min(first, 0))
-    if skip:
+    if tl.min(kpos, 0) > tl.max(qpos, 0):  # no key of the tile is visible to any query of it
         tl.store(out_ptrs, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)
     else:
         d = tl.arange(0, D)
@@ -53,8 +47,5 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, start
             acc += tl.maximum(s, 0.0) * wh[:, None]
         if HAS_KSCALE:
             acc = acc * tl.load(ks_ptr + b * s_kv + rn, mask=nmask, other=0.0)[None, :]
-        visible = kpos[None, :] <= qpos[:, None]
-        if HAS_STARTS:
-            visible = visible & (kpos[None, :] >= first[:, None])
-        acc = tl.where(visible, acc, float("-inf"))
+        acc = tl.where(kpos[None, :] <= qpos[:, None], acc, float("-inf"))
         tl.store(out_ptrs, acc, mask=omask)

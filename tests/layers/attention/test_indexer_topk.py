@@ -146,18 +146,15 @@ def test_benchmark_smoke_mode(tmp_path):
 
 # --- GPU -----------------------------------------------------------------------------------------
 
-def _outside_tolerance(q, w, k, q_pos, k_pos, ids, rows, rel_tol=1e-3, starts=None) -> int:
-    """Ids of sampled rows that differ from the float64 top-k by more than rel_tol of the k-th score
-    (`starts` [B, S_q]: each query's document start, packed documents)."""
+def _outside_tolerance(q, w, k, q_pos, k_pos, ids, rows, rel_tol=1e-3) -> int:
+    """Ids of sampled rows that differ from the float64 top-k by more than rel_tol of the k-th score."""
     bad = 0
     for r in rows:
-        vis = causal_visible(q_pos[r:r + 1], k_pos).expand(q.shape[0], 1, -1)
-        if starts is not None:
-            vis = vis & (k_pos[None, None, :] >= starts[:, r:r + 1, None])
+        vis = causal_visible(q_pos[r:r + 1], k_pos)
         exact = index_scores(q[:, r:r + 1].double(), w[:, r:r + 1].double(), k.double(), vis)
         for bi in range(q.shape[0]):
             row = exact[bi, 0]
-            kk = min(ids.shape[-1], int(vis[bi].sum()))
+            kk = min(ids.shape[-1], int(vis.sum()))
             top = row.topk(kk)
             got = ids[bi, r][ids[bi, r] >= 0].long()
             diff = torch.cat([got[~torch.isin(got, top.indices)], top.indices[~torch.isin(top.indices, got)]])
@@ -238,22 +235,3 @@ def test_cuda_float32_is_an_error_not_a_fallback():
     q, w, k = _inputs(1, 4, 4, 2, 16, "cuda", torch.float32)
     with pytest.raises(ValueError, match="needs bfloat16 or float16 q and k; got torch.float32"):
         indexer_topk(q, w, k, torch.arange(4, device="cuda"), torch.arange(4, device="cuda"), 2)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_kernel_with_document_starts_keeps_each_query_in_its_document():
-    """Packed documents: `q_starts` (each query's document start) hides the keys before it; the ids equal
-    the top-k of the scores under the block-causal mask, and a document's first query picks itself."""
-    b, s, topk = 2, 3000, 256
-    q, w, k = _inputs(b, s, s, 32, 128, "cuda", torch.bfloat16, seed=6)
-    pos = torch.arange(s, device="cuda")
-    starts = torch.zeros(b, s, dtype=torch.int64, device="cuda")
-    for bi, bounds in enumerate(([0, 700, 701, 2100], [0, 1500])):
-        for i, st in enumerate(bounds):
-            starts[bi, st:bounds[i + 1] if i + 1 < len(bounds) else s] = st
-    ids = indexer_triton.indexer_topk(q, w, k, pos, pos, topk, False, q_starts=starts)
-    assert torch.equal((ids >= 0).sum(-1), torch.clamp(pos - starts + 1, max=topk).int())
-    rows = [0, 5, 699, 700, 701, 702, 1499, 1500, 1501, 2099, 2100, 2101, 2999]
-    assert _outside_tolerance(q, w, k, pos, pos, ids, rows, starts=starts) == 0
-    assert ids[0, 700].tolist()[:2] == [700, -1] and ids[0, 701].tolist()[:3] == [701, -1, -1]
