@@ -9,30 +9,14 @@ for eager steps (train.compile changes what is saved; the plan does not model it
 
 from __future__ import annotations
 
-from spartron.layers.costs import MemoryPlan, StepShape, count_parameters, memory_plan, state_bytes_per_rank
+from spartron.layers.costs import count_parameters, state_bytes_per_rank
 from spartron.parallel.dims import GROUP_DIMS
 from spartron.runtime.config import RunConfig, dump_config
+from spartron.runtime.memory import plan_memory, step_shape  # noqa: F401 (this module's API too)
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
-
-
-def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
-    """The run config's keys that shape a step's memory (train.*, ac.*, offload.*, device)."""
-    t, ac, off = cfg.train, cfg.ac, cfg.offload
-    dims = cfg.parallel.dims(world_size)
-    return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, micro_steps=t.micro_steps(dims.dp),
-                     optimizer=t.optimizer, ac_mode=ac.mode, ac_freq=ac.freq,
-                     ac_targets=tuple(ac.targets) if ac.targets is not None else None, offload=off.enabled,
-                     offload_keep_last=off.keep_last if off.window == "all_but_last" else 0,
-                     offload_prefetch_depth=off.prefetch_depth, keep_grad_buffers=t.keep_grad_buffers,
-                     device="cpu" if cfg.device == "cpu" else "cuda")
-
-
-def plan_memory(cfg: RunConfig, world_size: int, rank: int = 0) -> MemoryPlan:
-    """The predicted peak allocated memory of one training step of `cfg` on `rank` of `world_size`."""
-    return memory_plan(cfg.model, cfg.parallel.dims(world_size), step_shape(cfg, world_size), rank)
 
 
 def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:

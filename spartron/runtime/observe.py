@@ -182,18 +182,22 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int | None) -> str:  # noqa: ANN001
+def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int | None,  # noqa: ANN001
+           plan=None) -> str:  # noqa: ANN001 - a costs.MemoryPlan
     """The lines rank 0 prints before the first step. Total and active counts (active: dense parameters
-    plus top_k of n_routed_experts of the routed ones) and the planned bytes of parameters, gradients and
-    optimizer state per rank are the cost model's (spartron.layers.costs) for the reference model; the
-    per-rank count is this rank's own shards of the model actually built."""
+    plus top_k of n_routed_experts of the routed ones), the state bytes per rank and `plan` (the predicted
+    peak of a step, spartron.runtime.memory.plan_memory; None: not computed) are the cost model's
+    (spartron.layers.costs) for the reference model; the per-rank count is this rank's own shards of the
+    model actually built."""
     from spartron.layers.costs import count_parameters, state_bytes_per_rank
 
     params = count_parameters(cfg.model)
     moe = cfg.model.moe
     active = params.dense + params.experts * moe.top_k // max(moe.n_routed_experts, 1)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    planned = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)["total"]
+    state = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)["total"]
+    peak = (f"predicted peak {plan.peak / 2**30:.3f} GiB at {plan.phase}, of which " if plan is not None
+            else "")
     t, o = cfg.train, cfg.observe
     outputs = [f"metrics {run_dir / 'metrics.jsonl'}", f"saved steps {run_dir}/step-*"
                + (f" every {t.save_every}" if t.save_every else " (train.save_every = 0: none)")]
@@ -211,8 +215,7 @@ def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int |
         f"spartron: run {cfg.name!r}: {t.steps} steps of {t.global_batch_size} x {t.seq_len} tokens, {start}",
         f"  parameters   {_count(params.total)} total, {_count(active)} active per token, {_count(local)} on rank 0",
         f"  layout       {dims.describe()}",
-        f"  memory/rank  {planned / 2**30:.3f} GiB planned for parameters, gradients and optimizer state "
-        "(activations not included)",
+        f"  memory/rank  {peak}{state / 2**30:.3f} GiB parameters, gradients and optimizer state (cost model)",
         f"  evaluation   {evaluation}",
         "  outputs      " + "; ".join(outputs),
     ])

@@ -43,6 +43,7 @@ from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.init_from import init_from_factory
+from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
@@ -314,7 +315,11 @@ class Trainer:
                           if t.eval_every else None)
         self.observer = RunObserver(cfg.observe, run_dir, rank, device, cfg.model_dump(mode="json"))
         if rank == 0 and t.progress:
-            print(banner(cfg, dims, model, run_dir, self.resumed_from), file=sys.stderr, flush=True)
+            try:
+                plan = plan_memory(cfg, world)
+            except Exception:  # noqa: BLE001 - as in `spartron plan`: the banner still says the rest
+                plan = None
+            print(banner(cfg, dims, model, run_dir, self.resumed_from, plan), file=sys.stderr, flush=True)
         return self
 
     def _resume(self, plan) -> None:  # noqa: ANN001

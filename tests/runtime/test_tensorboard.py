@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from spartron.launch.slurm import render_job
-from spartron.layers.costs import count_parameters
+from spartron.layers.costs import count_parameters, state_bytes_per_rank
 from spartron.parallel.dims import ParallelDims
 from spartron.runtime.config import ConfigError, load_config
+from spartron.runtime.memory import plan_memory
 from spartron.runtime.metrics import read_metrics
 from spartron.runtime.observe import Heartbeat, ObserveConfig, RunObserver, banner, launch_env
 from spartron.runtime.tensorboard import scalars
@@ -79,13 +80,17 @@ def test_banner_names_counts_layout_memory_and_outputs(tmp_path):
     cfg = small_cfg(tmp_path / "r", "train.save_every=2", "train.eval_every=5", "observe.tensorboard=true")
     model = torch.nn.Linear(10, 10)  # the per-rank count is the built model's own: 110
     dims = ParallelDims(world_size=2, fsdp=2)
-    lines = banner(cfg, dims, model, tmp_path / "r", None).splitlines()
+    plan = plan_memory(cfg, 2)
+    lines = banner(cfg, dims, model, tmp_path / "r", None, plan).splitlines()
     total = count_parameters(cfg.model)
     assert lines[0] == "spartron: run 'tiny': 5 steps of 2 x 16 tokens, from seed 0"
     assert lines[1].startswith(f"  parameters   {total.total / 1e3:.2f}K total, ")
     assert lines[1].endswith(", 110 on rank 0")
     assert lines[2] == f"  layout       {dims.describe()}"
-    assert lines[3].startswith("  memory/rank  ") and "GiB planned" in lines[3]
+    state = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)["total"]
+    assert lines[3] == (f"  memory/rank  predicted peak {plan.peak / 2**30:.3f} GiB at {plan.phase}, of which "
+                        f"{state / 2**30:.3f} GiB parameters, gradients and optimizer state (cost model)")
+    assert "predicted" not in banner(cfg, dims, model, tmp_path / "r", None).splitlines()[3]
     assert lines[4] == "  evaluation   every 5 steps on 2 held-out sequences"
     r = tmp_path / "r"
     assert lines[5] == (f"  outputs      metrics {r / 'metrics.jsonl'}; saved steps {r}/step-* every 2; "
