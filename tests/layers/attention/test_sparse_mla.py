@@ -107,3 +107,46 @@ def test_value_dim_must_fit_the_latent():
     q, kv, ids = _case()
     with pytest.raises(ValueError, match="d_v 7 must be in 1..6"):
         sparse_mla(q, kv, ids, 0.7, 7)
+
+
+def _cp_op_parity(rank, world):
+    """The CP layout at the op: local (load-balanced) queries with global-position ids attend over the
+    all-gathered kv; out, lse and dq equal the CP=1 rows, and the gather's backward sums dkv into each
+    rank's own kv shard, equal to CP=1's; the indexer picks the CP=1 ids of the local queries."""
+    import torch.distributed as dist
+
+    from spartron.layers.attention.context_parallel import gather_sequence, local_positions, shard_sequence
+    from spartron.layers.attention.indexer_topk import indexer_topk
+
+    group = dist.new_group(list(range(world)))
+    s = 16
+    q, kv, _ = _case(b=2, s_q=s, s_kv=s, h=3, d=6, k=4, seed=5)
+    pos = torch.arange(s)
+    g = torch.Generator().manual_seed(6)
+    iq, ik, iw = (torch.randn(2, s, 2, 8, generator=g, dtype=torch.float64), torch.randn(2, s, 8, generator=g,
+                  dtype=torch.float64), torch.randn(2, s, 2, generator=g, dtype=torch.float64))
+    ids = indexer_topk(iq, iw, ik, pos, pos, 5)
+    go = torch.randn(2, s, 3, 4, generator=g, dtype=torch.float64)
+    q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out1, lse1 = sparse_mla(q1, kv1, ids, 0.7, 4, chunk_size=3)
+    (out1 * go).sum().backward()
+
+    local = local_positions(s, world, rank)
+    ids_r = indexer_topk(shard_sequence(iq, world, rank), shard_sequence(iw, world, rank),
+                         gather_sequence(shard_sequence(ik, world, rank), group), local, pos, 5)
+    assert torch.equal(ids_r, shard_sequence(ids, world, rank))
+    q_r = shard_sequence(q, world, rank).requires_grad_()
+    kv_r = shard_sequence(kv, world, rank).requires_grad_()
+    out_r, lse_r = sparse_mla(q_r, gather_sequence(kv_r, group), ids_r, 0.7, 4, chunk_size=3)
+    (out_r * shard_sequence(go, world, rank)).sum().backward()
+    torch.testing.assert_close(out_r, shard_sequence(out1, world, rank), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse_r, shard_sequence(lse1, world, rank), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(q_r.grad, shard_sequence(q1.grad, world, rank), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kv_r.grad, shard_sequence(kv1.grad, world, rank), rtol=1e-10, atol=1e-12)
+    return True
+
+
+def test_cp2_equals_cp1_at_the_op():
+    from spartron.testing import run_distributed
+
+    assert run_distributed(_cp_op_parity, 2, timeout=60) == [True, True]
