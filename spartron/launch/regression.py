@@ -2,7 +2,8 @@
 
 The checks (defaults from the method of XTuner's review, see REFERENCES.md):
 - step-1 loss bit-identical, when both runs say they are deterministic (CPU);
-- loss: every step within a relative tolerance (2e-4);
+- loss: every step within a relative tolerance (2e-4); the validation loss too, at the steps both runs
+  evaluated (train.eval_every), when the baseline has one;
 - grad norm: every step within max(absolute tolerance 0.1, the noise floor), the noise floor being
   the largest step-wise difference between two baseline runs of the same config;
 - peak allocated memory: the largest over the run within 0.2 GB (absolute);
@@ -142,6 +143,18 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
     checks.append(Check("loss (relative)", worst <= t.loss_rel,
                         f"max relative diff {worst:.3g} at step {step} (tolerance {t.loss_rel:g}): "
                         f"run {run_loss[step]:.6g} vs baseline {base_loss[step]:.6g}"))
+
+    run_val, base_val = _series(run_steps, "val_loss"), _series(base_steps, "val_loss")
+    if base_val:  # train.eval_every: the same held-out set at the same steps, same tolerance as the loss
+        if sorted(run_val) != sorted(base_val):
+            checks.append(Check("validation loss (relative)", False,
+                                f"evaluated at steps {sorted(run_val)[:10]} in the run, {sorted(base_val)[:10]} "
+                                "in the baseline"))
+        else:
+            step, worst = _worst_step(run_val, base_val, rel=True)
+            checks.append(Check("validation loss (relative)", worst <= t.loss_rel,
+                                f"max relative diff {worst:.3g} at step {step} (tolerance {t.loss_rel:g}): "
+                                f"run {run_val[step]:.6g} vs baseline {base_val[step]:.6g}"))
 
     run_gn, base_gn = _series(run_steps, "grad_norm"), _series(base_steps, "grad_norm")
     if base_gn:

@@ -133,3 +133,21 @@ def test_plot_names_the_runs_and_shows_verdicts(tmp_path):
     band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]  # baseline loss 4.9 .. 4.5, -/+ loss_rel
     assert (band.min(), band.max()) == pytest.approx((4.5 * (1 - 2e-4), 4.9 * (1 + 2e-4)))
     plt.close(fig)
+
+
+def test_validation_loss_is_compared_where_the_baseline_evaluated(tmp_path):
+    def with_val(path, val, steps=(2, 4)):
+        lines = [json.dumps({"type": "header", "deterministic": False})]
+        lines += [json.dumps({"type": "step", "step": s, "loss": 3.0, **({"val_loss": val} if s in steps else {})})
+                  for s in (1, 2, 3, 4)]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    base = with_val(tmp_path / "b", 2.0)
+    assert compare_runs(with_val(tmp_path / "same", 2.0), base).check("validation loss (relative)").passed
+    worse = compare_runs(with_val(tmp_path / "w", 2.002), base)
+    assert not worse.passed
+    assert worse.check("validation loss (relative)").detail == ("max relative diff 0.001 at step 2 (tolerance 0.0002): "
+                                                               "run 2.002 vs baseline 2")
+    other = compare_runs(with_val(tmp_path / "o", 2.0, steps=(4,)), base).check("validation loss (relative)")
+    assert not other.passed and other.detail == "evaluated at steps [4] in the run, [2, 4] in the baseline"
