@@ -302,6 +302,14 @@ def build_train_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoade
     return build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, dp_rank, dp_size)
 
 
+def check_data(cfg: RunConfig) -> None:
+    """What the launcher checks before spawning ranks: the training split opens (files, sizes, metadata,
+    vocabulary) and, when the run evaluates or holds documents out, the held-out split too."""
+    build_train_loader(cfg, 0, 1)
+    if cfg.train.data.kind != "synthetic" and (cfg.train.data.val_fraction > 0 or cfg.train.eval_every):
+        build_eval_loader(cfg, 0, 1)
+
+
 def build_eval_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:
     """The held-out validation split of cfg.train.data (never trained on), from its first sample: each
     call starts over, so an evaluation reads the same samples every time. ConfigError naming

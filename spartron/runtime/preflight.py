@@ -29,11 +29,10 @@ def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = 
     check_compiler(cfg)
     check_offload_window(cfg)
     check_run_dir(cfg, workdir or Path.cwd())
-    if cfg.train.data.kind == "mmap":
-        from spartron.runtime.data import check_token_file
+    if cfg.train.data.kind != "synthetic":
+        from spartron.runtime.data import check_data
 
-        d = cfg.train.data
-        check_token_file(d.path, d.token_dtype, cfg.train.seq_len, cfg.model.vocab_size)
+        check_data(cfg)
 
 
 def check_before_submit(cfg: RunConfig, world_size: int) -> None:

@@ -50,3 +50,19 @@ def test_spartron_data_errors_are_one_line(tmp_path, capsys):
                  str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == (f"spartron: error: tokenizer {str(tmp_path / 'none')!r}: no tokenizer.json "
                                        "there (give the file or a folder saved by transformers' save_pretrained)\n")
+
+
+def test_spartron_train_checks_the_data_before_spawning(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    text_folder(tmp_path / "corpus", n_docs=20)
+    out = tmp_path / "tokens"
+    assert main(["data", str(tmp_path / "corpus"), "--tokenizer", str(tok), "--out", str(out), "--eos", "<eos>"]) == 0
+    capsys.readouterr()
+    base = ["train", "configs/tiny.toml", "--set", "train.data.kind=packed", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert main([*base, "--set", f"train.data.path={tmp_path / 'corpus'}"]) == 2
+    assert capsys.readouterr().err == (f"spartron: error: train.data.path {str(tmp_path / 'corpus')!r} has no "
+                                       "tokens.json (not written by `spartron data`, or not finished)\n")
+    assert main([*base, "--set", f"train.data.path={out}", "--set", "train.eval_every=2"]) == 2
+    assert capsys.readouterr().err == ("spartron: error: train.data.val_fraction = 0: no documents are held out for "
+                                       "evaluation (set train.data.val_fraction, e.g. 0.01)\n")
+    assert not (tmp_path / "r").exists()  # refused before any rank or run directory
