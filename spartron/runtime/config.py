@@ -21,7 +21,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
 from spartron.runtime.debug import DebugConfig
-from spartron.runtime.observe import ObserveConfig
+from spartron.runtime.observe import FLIGHT_RECORDER_ENV, ObserveConfig
 
 
 class ConfigError(ValueError):
@@ -308,6 +308,9 @@ class LaunchConfig(ConfigSection):
             if key in _LAUNCHER_ENV or key.startswith("SLURM_"):
                 raise ValueError(f"{key} is set by the launcher (srun / the local launcher) for each rank; "
                                  "setting it here would give every rank the same value")
+            if key in FLIGHT_RECORDER_ENV:
+                raise ValueError(f"{key} is set by the launchers from observe.nccl_flight_recorder (with the dump "
+                                 "folder in the run directory): set that instead")
             if "\0" in value:
                 raise ValueError(f"value of {key} contains a NUL byte")
         return v

@@ -64,12 +64,15 @@ class ObserveConfig(ConfigSection):
         return self
 
 
+FLIGHT_RECORDER_ENV = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
 def launch_env(cfg: ObserveConfig, run_dir: Path) -> dict[str, str]:
     """The environment the ranks' process groups need for what `cfg` asks (the flight recorder)."""
     if not cfg.nccl_flight_recorder:
         return {}
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(cfg.nccl_flight_recorder), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir / "nccl_trace" / "rank_")}
+    values = (str(cfg.nccl_flight_recorder), "1", str(run_dir / "nccl_trace" / "rank_"))
+    return dict(zip(FLIGHT_RECORDER_ENV, values, strict=True))
 
 
 class Heartbeat:

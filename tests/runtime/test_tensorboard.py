@@ -170,6 +170,8 @@ def test_nccl_flight_recorder_env_in_both_launchers(tmp_path):
     (["observe.nccl_flight_recorder=100"], "observe.nccl_flight_recorder records NCCL collectives, but this run "
                                            "uses gloo"),
     (["observe.progress_every_s=-1"], "observe.progress_every_s: Input should be greater than or equal to 0"),
+    (["launch.env.TORCH_NCCL_TRACE_BUFFER_SIZE='100'"], "launch.env: TORCH_NCCL_TRACE_BUFFER_SIZE is set by the "
+                                                        "launchers from observe.nccl_flight_recorder"),
 ])
 def test_observe_config_errors_name_the_key(overrides, message):
     if any("wandb_project" in o for o in overrides) and importlib.util.find_spec("wandb"):
