@@ -45,7 +45,7 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     shape = torch.Size([per_rank[0] * mesh.size(0), *per_rank[1:]])
     # FSDP2's split over expert_fsdp is its DTensor's last placement: Shard(0), or Shard(1) when the local
     # experts do not split evenly (spartron.layers.parallelize.expert_shard_dim)
-    inner = Shard(0)  # TMPCHECK
+    inner = t.placements[-1] if isinstance(t, DTensor) else Replicate()
     return DTensor.from_local(_local(t), mesh, [Shard(0), inner], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
