@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.config import ModelConfig
+from spartron.layers.parallelize import expert_shard_dim
 from spartron.parallel.dims import ParallelDims
 
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}
@@ -237,8 +238,9 @@ def _index_in(dims: ParallelDims, name: str, rank: int) -> int:
 
 def param_shards(m: ModelConfig, dims: ParallelDims, rank: int) -> dict[str, tuple[int, ...]]:
     """This rank's local shape of every parameter after parallelize (DTensor.to_local().shape): dense
-    parameters Shard(0) over the fsdp x cp group, routed experts n_routed/ep per EP rank, then Shard(0)
-    over expert_fsdp (torch.chunk sizes, unpadded: 0 rows past the last chunk)."""
+    parameters Shard(0) over the fsdp x cp group, routed experts n_routed/ep per EP rank, then split over
+    expert_fsdp on the dim parallelize.expert_shard_dim picks (torch.chunk sizes, unpadded: 0 past the
+    last chunk)."""
     if not 0 <= rank < dims.world_size:
         raise ValueError(f"rank {rank} is not a rank of {dims.describe()}")
     dense_i, shard = _index_in(dims, "fsdp_cp", rank), dims.fsdp * dims.cp
@@ -246,10 +248,11 @@ def param_shards(m: ModelConfig, dims: ParallelDims, rank: int) -> dict[str, tup
     out = {}
     for fqn, shape in param_shapes(m).items():
         if is_routed_expert(fqn):
-            rows = _chunk(shape[0] // dims.ep, dims.expert_fsdp, expert_i)
+            local = (shape[0] // dims.ep, *shape[1:])
+            d = expert_shard_dim(local, dims.expert_fsdp)
+            out[fqn] = tuple(_chunk(n, dims.expert_fsdp, expert_i) if i == d else n for i, n in enumerate(local))
         else:
-            rows = _chunk(shape[0], shard, dense_i)
-        out[fqn] = (rows, *shape[1:])
+            out[fqn] = (_chunk(shape[0], shard, dense_i), *shape[1:])
     return out
 
 
@@ -447,6 +450,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     """
     a = PARAM_BYTES[m.dtype]
     stored = PARAM_BYTES[m.stored_dtype]
+    shapes = param_shapes(m)
     state = state_bytes_per_rank(m, dims, step.optimizer, rank)
     static = state["parameters"] + state["optimizer_state"]
     grads = state["gradients"]
@@ -488,7 +492,14 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     unsharded = 2 * biggest.params * a if fsdp else 0
     root = head * (1 if m.tie_embeddings else 2) * a if fsdp else 0
     reduction = biggest.params * (a + reduce) if fsdp else 0
+    if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
+        reduction += biggest.params * reduce
     grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
+    if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers:
+        # the trainer turns FSDP2's gradient sync off for all but the last micro-batch: until then every
+        # block's UNSHARDED gradients accumulate (compute dtype); sharded ones appear only when reduced
+        unsharded_params = sum(_numel(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items())
+        grads_always = unsharded_params * a
     head_grad = 0 if grads_always else head * stored  # the first gradient backward makes
     last = blocks[-1]
     phases = {

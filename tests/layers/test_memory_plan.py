@@ -106,9 +106,9 @@ def test_state_bytes_are_in_the_stored_dtype_without_a_master_copy():
     assert state_bytes_per_rank(masters, dims, "adamw")["total"] == 16 * n
 
 
-def _measured_and_planned(rank, world, mode: str, run_dir: str):
+def _measured_and_planned(rank, world, mode: str, run_dir: str, extra: tuple[str, ...] = ()):
     cfg = load_config(TINY, [f"ac.mode={mode}", "train.steps=2", "train.progress=false", "train.peak_tflops=1",
-                             f"train.run_dir={run_dir}"])
+                             f"train.run_dir={run_dir}", *extra])
     trainer = Trainer(cfg).setup()
     trainer.step()  # the optimizer state exists from here on, as in every later step
     live = [*trainer.model.state_dict().values(), *(p.grad for p in trainer.model.parameters()),
@@ -116,13 +116,21 @@ def _measured_and_planned(rank, world, mode: str, run_dir: str):
     with LiveStorageBytes([t for t in live if isinstance(t, torch.Tensor)]) as tracker:
         trainer.step()
     trainer.close()
-    return tracker.peak, plan_memory(cfg, world).peak
+    return tracker.peak, plan_memory(cfg, world, rank).peak
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_predicted_peak_is_within_10_percent_of_the_tracked_peak(mode, tmp_path):
     measured, planned = run_distributed(_measured_and_planned, 1, mode, str(tmp_path), timeout=120)[0]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("full", ()), ("selective", ("parallel.ep=2",)),
+                                            ("none", ("parallel.cp=2",))], ids=["fsdp2", "ep2", "cp2"])
+def test_two_ranks_predicted_peak_is_within_10_percent(mode, extra, tmp_path):
+    """FSDP2 on gloo with gradient accumulation (2-4 micro-batches: unsharded gradients accumulate)."""
+    for measured, planned in run_distributed(_measured_and_planned, 2, mode, str(tmp_path), extra, timeout=120):
+        assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
 def test_spartron_plan_prints_the_predicted_peak():
