@@ -135,6 +135,31 @@ def test_dsa_source_selects_within_documents_and_equals_each_document_alone(mode
         torch.testing.assert_close(out["indexer_loss"], kl_sum / 24, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_runs_on_cuda_outside_checkpoint_regions_only():
+    from spartron.checkpointing import checkpoint
+    from spartron.layers.attention.doc_mask import uses_flex
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs on them
+    assert uses_flex(cuda) and not uses_flex(cpu)
+    seen, failures = [], []
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 12, 10, generator=g) for _ in range(3))
+
+    def region(x):
+        seen.append(uses_flex(cuda))
+        try:  # why the rule exists: FlexAttention's higher-order op refuses the policy's dispatch mode
+            flex_document_attention(q, k, v, positions_of(LENGTHS), 0.3, compiled=False)
+        except NotImplementedError as err:
+            failures.append(str(err))
+        return x * 2
+
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(region, x).sum().backward()  # original pass and replay, each under the AC policy's mode
+    assert seen == [False, False] and len(failures) == 2
+    assert "no rule registered for HigherOrderOperator flex_attention" in failures[0]
+
+
 def test_mtp_targets_stop_at_document_boundaries():
     labels = torch.tensor([[10, 11, -100, 20, 21, 22]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])

@@ -12,7 +12,10 @@ positions[t]; the keys are the all-gathered sequence 0..S-1.
 
 Two implementations of the same mask: on CUDA FlexAttention with a block mask (fully masked
 blocks are skipped, so the cost falls with the documents' lengths), elsewhere SDPA with the
-explicit boolean mask (the CPU reference).
+explicit boolean mask (the CPU reference). Inside activation-checkpoint regions (ac.mode full /
+selective) the CUDA path is SDPA with the mask too: the operator policy watches ops from a
+TorchDispatchMode, and FlexAttention's higher-order op has no rule for such a mode (it raises).
+`uses_flex` is that rule, in one place.
 """
 
 from __future__ import annotations
@@ -116,12 +119,19 @@ def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, 
     return fn(q, k, v, block_mask=mask, scale=scale)
 
 
+def uses_flex(device: torch.device) -> bool:
+    """FlexAttention on CUDA outside a user TorchDispatchMode (the AC policy's); compile's own modes count not."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return device.type == "cuda" and not is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
                        q_index: Tensor | None = None) -> Tensor:
-    """Block-causal attention over packed documents: FlexAttention on CUDA, the SDPA reference elsewhere.
+    """Block-causal attention over packed documents: FlexAttention where `uses_flex`, else the SDPA reference.
     q [B, H, S_q, E]; positions [B, S_q]; q_index [S_q] the queries' global indices under CP."""
     check_document_positions(positions, q.shape[0], q.shape[2])
-    if q.device.type == "cuda":
+    if uses_flex(q.device):
         return flex_document_attention(q, k, v, positions, scale, q_index=q_index)
     return reference_document_attention(q, k, v, positions, scale, q_index)
 
