@@ -11,11 +11,11 @@ from spartron.data.tokenizer import load_tokenizer
 
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
-                   text_key: str = "text", batch_records: int = 1024) -> dict:
+                   text_key: str = "text", batch_records: int = 1024, bos_token: str | None = None) -> dict:
     """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`, in
     order, `batch_records` at a time; returns the metadata written to out/tokens.json. Empty documents
     are skipped (and counted)."""
-    tok = load_tokenizer(tokenizer, eos_token)
+    tok = load_tokenizer(tokenizer, eos_token, bos_token)
     root = Path(corpus)
     files = corpus_files(root)
     info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
@@ -33,5 +33,5 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
                 batch = []
         yield from tok.encode_records(batch)
 
-    return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+    return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
                               tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info)

@@ -3,7 +3,7 @@
   tokens.bin      every document's ids back to back, EOS-terminated, uint16 (vocab <= 65536) or uint32:
                   the flat token file `train.data.kind = "mmap"` also reads
   loss_mask.bin   uint8, one per token, 1 where the token is a training target (only for chat corpora)
-  tokens.json     written last: format, dtype, vocab_size, eos_id, the tokenizer's file and SHA-256,
+  tokens.json     written last: format, dtype, vocab_size, eos_id, bos_id, the tokenizer's file and SHA-256,
                   n_tokens, document_offsets ([n_documents + 1], first 0, last n_tokens), the corpus files
 
 A folder without tokens.json is incomplete. Reading checks every field and the file sizes against it
@@ -53,7 +53,8 @@ class TokenFolder:
 
 
 def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[int]]], *, vocab_size: int,
-                       eos_id: int, tokenizer: dict, corpus: dict, chunk_tokens: int = 1 << 20) -> dict:
+                       eos_id: int, tokenizer: dict, corpus: dict, chunk_tokens: int = 1 << 20,
+                       bos_id: int | None = None) -> dict:
     """Stream (ids, loss mask) records into `out` (new or empty); returns the metadata written. A failure
     (a bad record, a full disk, Ctrl-C) removes what was written, so the folder can be used again."""
     out = Path(out)
@@ -65,7 +66,7 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
     except OSError as err:
         raise ConfigError(f"output folder {str(out)!r} cannot be made: {err.strerror or err}") from None
     try:
-        return _write(out, records, vocab_size, eos_id, tokenizer, corpus, chunk_tokens)
+        return _write(out, records, vocab_size, eos_id, bos_id, tokenizer, corpus, chunk_tokens)
     except BaseException as err:
         for name in (TOKENS, MASK, META):
             (out / name).unlink(missing_ok=True)
@@ -76,8 +77,8 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
         raise
 
 
-def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int, tokenizer: dict,
-           corpus: dict, chunk_tokens: int) -> dict:
+def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int,
+           bos_id: int | None, tokenizer: dict, corpus: dict, chunk_tokens: int) -> dict:
     dtype = np.dtype(token_dtype(vocab_size))
     offsets, ids_buf, mask_buf, has_mask = [0], [], [], False
     with (out / TOKENS).open("wb") as tf, (out / MASK).open("wb") as mf:
@@ -100,7 +101,7 @@ def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size
     if not has_mask:
         (out / MASK).unlink()
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
-            "tokenizer": tokenizer, "n_tokens": offsets[-1], "n_documents": len(offsets) - 1,
+            "bos_id": bos_id, "tokenizer": tokenizer, "n_tokens": offsets[-1], "n_documents": len(offsets) - 1,
             "loss_mask": MASK if has_mask else None, "document_offsets": offsets, "corpus": corpus}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
@@ -142,6 +143,9 @@ def open_token_folder(path: str | Path) -> TokenFolder:
     eos = _need(meta, "eos_id", int, where)
     if vocab < 1 or (dtype == "uint16" and vocab > 2**16) or not 0 <= eos < vocab or n_tokens < 1:
         raise ConfigError(f"{where}: vocab_size {vocab}, eos_id {eos}, n_tokens {n_tokens} do not fit dtype {dtype}")
+    bos = meta.get("bos_id")  # absent or null: documents start without one
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
+        raise ConfigError(f"{where}: bos_id must be null or a token id below vocab_size {vocab}, got {bos!r}")
     tok = meta.get("tokenizer")
     if not isinstance(tok, dict) or not isinstance(tok.get("sha256"), str):
         raise ConfigError(f"{where}: key 'tokenizer' must hold the tokenizer's 'sha256'")

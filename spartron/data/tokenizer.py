@@ -2,7 +2,9 @@
 how documents and chats become token ids with their loss mask.
 
 Every document ends with the end-of-sequence token, so packed documents keep their boundary. The
-EOS token is given explicitly, else read from the folder's tokenizer_config.json (`eos_token`).
+EOS token is given explicitly, else read from the folder's tokenizer_config.json (`eos_token`). A
+begin-of-sequence token (`--bos`, or `bos_token` where tokenizer_config.json sets `add_bos_token`)
+starts every document when given, as models trained with one (DeepSeek-V3, Llama) expect.
 
 Chats use Spartron's own plain format, one turn after another: the role header "<|role|>\\n", the
 content, then EOS after an assistant turn and "\\n" after any other. Only assistant content and its
@@ -33,6 +35,7 @@ class Tokenizer:
     sha256: str  # of that file's bytes: a token file names the exact tokenizer that wrote it
     vocab_size: int  # with added tokens
     eos_id: int
+    bos_id: int | None = None  # starts every document when set
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -44,8 +47,7 @@ class Tokenizer:
         out = []
         for record in records:
             if isinstance(record, Document):
-                ids = next(encoded).ids + [self.eos_id]
-                out.append((ids, [1] * len(ids)))
+                out.append(self._document(next(encoded).ids))
             else:
                 out.append(self.encode_record(record))
         return out
@@ -53,9 +55,8 @@ class Tokenizer:
     def encode_record(self, record: Document | Chat) -> tuple[list[int], list[int]]:
         """(ids, loss mask) of one record, EOS-terminated."""
         if isinstance(record, Document):
-            ids = self.encode(record.text) + [self.eos_id]
-            return ids, [1] * len(ids)
-        ids, mask = [], []
+            return self._document(self.encode(record.text))
+        ids, mask = ([], []) if self.bos_id is None else ([self.bos_id], [0])
         for role, content in record.messages:
             header = self.encode(f"<|{role}|>\n")
             body = self.encode(content)
@@ -68,22 +69,32 @@ class Tokenizer:
             mask.append(0)
         return ids, mask
 
+    def _document(self, body: list[int]) -> tuple[list[int], list[int]]:
+        ids = ([] if self.bos_id is None else [self.bos_id]) + body + [self.eos_id]
+        return ids, [1] * len(ids)  # a document's first token is never a label (it starts the document)
 
-def _eos_from_config(folder: Path) -> str | None:
+
+def _special_tokens(folder: Path) -> tuple[str | None, str | None]:
+    """(eos_token, bos_token if add_bos_token) of a transformers folder's tokenizer_config.json."""
     config = folder / "tokenizer_config.json"
     if not config.is_file():
-        return None
+        return None, None
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ConfigError(f"{config}: not a readable JSON file ({err})") from None
-    eos = data.get("eos_token") if isinstance(data, dict) else None
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
+    if not isinstance(data, dict):
+        return None, None
+
+    def token(key: str) -> str | None:
+        value = data.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
+
+    return token("eos_token"), token("bos_token") if data.get("add_bos_token") is True else None
 
 
-def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
+def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: str | None = None) -> Tokenizer:
     """The tokenizer at `path` (tokenizer.json, or a folder holding it); ConfigError naming the path."""
     tokenizers = require("tokenizers", "tokenizing text (spartron data)", "pip install tokenizers")
     path = Path(path)
@@ -98,12 +109,16 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
         raise ConfigError(f"tokenizer {str(file)!r} cannot be read: {err}") from None
     except Exception as err:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad file
         raise ConfigError(f"tokenizer {str(file)!r} is not a tokenizers JSON file: {err}") from None
-    eos = eos_token or _eos_from_config(file.parent)
+    config_eos, config_bos = _special_tokens(file.parent)
+    eos, bos = eos_token or config_eos, bos_token or config_bos
     if eos is None:
         raise ConfigError(f"tokenizer {str(file)!r}: which token ends a document? Pass --eos TOKEN (no "
                           "tokenizer_config.json with an eos_token beside it)")
-    eos_id = backend.token_to_id(eos)
-    if eos_id is None:
-        raise ConfigError(f"tokenizer {str(file)!r}: the EOS token {eos!r} is not in its vocabulary")
+    ids = {}
+    for what, tok in (("EOS", eos), ("BOS", bos)):
+        if tok is not None:
+            ids[what] = backend.token_to_id(tok)
+            if ids[what] is None:
+                raise ConfigError(f"tokenizer {str(file)!r}: the {what} token {tok!r} is not in its vocabulary")
     return Tokenizer(backend, file, hashlib.sha256(raw).hexdigest(), backend.get_vocab_size(with_added_tokens=True),
-                     eos_id)
+                     ids["EOS"], ids.get("BOS"))

@@ -372,7 +372,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     """Tokenize a corpus (jsonl / parquet / text file or folder) into a token folder (spartron.data)."""
     from spartron.data import prepare_corpus
 
-    meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key)
+    meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
+                          bos_token=args.bos)
     print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
           f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
           f"(model.vocab_size >= {meta['vocab_size']})")
@@ -476,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder saved by transformers")
     p.add_argument("--out", required=True, metavar="DIR", help="new (or empty) output folder")
     p.add_argument("--eos", help="the end-of-document token (default: eos_token of tokenizer_config.json)")
+    p.add_argument("--bos", help="a token starting every document (default: bos_token of tokenizer_config.json "
+                                 "when it sets add_bos_token; else none)")
     p.add_argument("--text-key", default="text", help="the text field of pretraining records (default text)")
     p.set_defaults(func=cmd_data)
     return parser

@@ -88,6 +88,27 @@ def test_transformers_folder_gives_the_eos_token(tmp_path, tok):
     assert t.eos_id == 1 and t.encode("the cat") == ids(tok, "the cat")
 
 
+def test_a_begin_of_sequence_token_starts_every_document(tmp_path, tok):
+    t = load_tokenizer(tok, "<eos>", "<|system|>")  # any vocabulary token can serve as BOS here
+    bos = t.backend.token_to_id("<|system|>")
+    assert t.encode_record(Document("the cat")) == ([bos] + ids(tok, "the cat") + [1], [1, 1, 1, 1])
+    got, mask = t.encode_record(Chat((("user", "why"), ("assistant", "yes"))))
+    assert got[0] == bos and mask[0] == 0 and got[-1] == 1
+    assert t.encode_records([Document("a dog")]) == [t.encode_record(Document("a dog"))]
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat"}, {"text": "a dog"}])
+    meta = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>", bos_token="<|system|>")
+    assert meta["bos_id"] == bos and meta["document_offsets"] == [0, 4, 8]
+    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok), eos_token="<eos>", bos_token="<|user|>")
+    fast.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert load_tokenizer(tmp_path / "saved").bos_id is None  # bos_token alone does not add it
+    (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    assert load_tokenizer(tmp_path / "saved").bos_id == t.backend.token_to_id("<|user|>")
+    with pytest.raises(ConfigError, match="the BOS token '<s>' is not in its vocabulary"):
+        load_tokenizer(tok, "<eos>", "<s>")
+
+
 def test_chat_loss_mask_covers_assistant_content_and_its_eos(tok):
     t = load_tokenizer(tok, "<eos>")
     got, mask = t.encode_record(Chat((("system", "we"), ("user", "why not"), ("assistant", "yes"))))
@@ -138,6 +159,7 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     (lambda m: m.update(eos_id=99), "do not fit dtype uint16"),
     (lambda m: m.pop("vocab_size"), "key 'vocab_size' is missing or not int"),
     (lambda m: m.update(loss_mask="../x"), "loss_mask must be null or 'loss_mask.bin'"),
+    (lambda m: m.update(bos_id=40), "bos_id must be null or a token id below vocab_size 40, got 40"),
 ])
 def test_damaged_token_folders_are_refused(tmp_path, tok, edit, message):
     write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat"}, {"text": "a dog"}])
