@@ -5,19 +5,21 @@ value does not depend on the layout, and `spartron eval` recomputes it from a sa
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from spartron.launch.cli import main
 from spartron.runtime.config import ConfigError, load_config
 from spartron.runtime.data import build_eval_loader
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.metrics import read_metrics
+from spartron.runtime.state import StateLoadError
 from spartron.runtime.trainer import Trainer, evaluate_saved, train
 from spartron.testing import run_distributed
 
@@ -128,25 +130,31 @@ def test_a_token_file_without_a_heldout_part_is_refused_at_setup(tmp_path):
         Evaluator(cfg, 0, 1, 2, None, torch.device("cpu"))
 
 
+def _cli(rank, world, argv):
+    """`spartron ...` in a rank of the test harness (its process group already up); (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
 def test_spartron_eval_command(tmp_path):
-    """`spartron eval CONFIG --step DIR` prints the JSON result; a path holding no step is one line, exit 2."""
+    """`spartron eval CONFIG --step DIR` prints the JSON result of the run directory's newest step; a path
+    holding no step is refused naming it (a StateLoadError: one line, exit 2, from the CLI)."""
     over = [*SMALL, "train.steps=2", "train.save_every=2", "train.eval_every=2",
             f"train.run_dir={json.dumps(str(tmp_path / 'r'))}"]
-    logged = run_distributed(_train_records, 1, load_config("configs/tiny.toml", over), timeout=120)[0][-1]
+    cfg = load_config("configs/tiny.toml", over)
+    logged = run_distributed(_train_records, 1, cfg, timeout=120)[0][-1]
     sets = [arg for item in over for arg in ("--set", item)]
-    cmd = [sys.executable, "-m", "spartron.launch.cli", "eval", "configs/tiny.toml", *sets]
-    done = subprocess.run([*cmd, "--step", str(tmp_path / "r" / "step-00000002")], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["val_loss"] == logged["val_loss"] and result["step"] == 2
-    assert "validation loss" in done.stderr
-    two = subprocess.run([*cmd, "--set", "launch.nproc=2", "--step", str(tmp_path / "r")], capture_output=True,
-                         text=True, timeout=120)  # another layout than the saved one; its rank logs apart
-    assert two.returncode == 0, two.stderr
-    assert json.loads(two.stdout.strip().splitlines()[-1])["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
-    assert (tmp_path / "r" / "logs" / "eval" / "rank1.log").is_file()
-    bad = subprocess.run([*cmd, "--step", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1] == (f"spartron: error: {tmp_path / 'nothing'}: neither a saved step "
-                                                   "nor a run directory holding one")
+    status, out, err = run_distributed(_cli, 1, ["eval", "configs/tiny.toml", *sets, "--step", str(tmp_path / "r")],
+                                       timeout=120)[0]
+    assert status == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["val_loss"] == logged["val_loss"] and result["val_tokens"] == 2 * 16
+    assert (result["step"], result["path"]) == (2, str(tmp_path / "r" / "step-00000002"))
+    assert err.strip().splitlines()[-1] == (f"spartron: {tmp_path / 'r' / 'step-00000002'}: validation loss "
+                                            f"{result['val_loss']:.6g} (perplexity {result['val_ppl']:.6g}) over "
+                                            "32 held-out tokens")
+    with pytest.raises(StateLoadError) as info:
+        evaluate_saved(cfg, tmp_path / "nothing")
+    assert str(info.value) == f"{tmp_path / 'nothing'}: neither a saved step nor a run directory holding one"
