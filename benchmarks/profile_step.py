@@ -69,8 +69,12 @@ SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchro
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero",
             "aten::equal", "aten::masked_select", "aten::unique", "aten::_unique2", "aten::repeat_interleave")
 KERNEL_CATEGORIES = (  # first match wins (lower-cased kernel name)
+    # inductor's kernels (compiled steps): templates (GEMMs), fused pointwise, fused reductions
+    ("gemm", r"^triton_tem_"),
+    ("elementwise", r"^triton_poi_"),
+    ("reduce", r"^triton_(red|per)_"),
     ("attention", r"flash|fmha|cudnn|attention|sdpa|_mha|mha_"),
-    ("grouped_gemm", r"grouped"),
+    ("grouped_gemm", r"grouped|groupproblemshape"),  # torch._grouped_mm's CUTLASS kernel: GroupProblemShape
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|matmul"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("sort_scan", r"sort|radix|scan|cub::|cumsum|onesweep"),
@@ -348,7 +352,8 @@ def profile_mode(config: Path, mode: str, args: argparse.Namespace) -> dict:
 
     total_steps = args.warmup + args.timed + 2
     run_dir = tempfile.mkdtemp(prefix="spartron-profile-")  # the trainer's metrics go here, nothing is saved
-    cfg = load_config(config, MODES[mode] + [f"train.steps={total_steps}", "train.save_every=0",
+    compiled = ["train.compile=true"] + (["ac.reentrant=false"] if mode != "none" else []) if args.compile else []
+    cfg = load_config(config, MODES[mode] + compiled + [f"train.steps={total_steps}", "train.save_every=0",
                                              "train.progress=false", f"train.run_dir={json.dumps(run_dir)}",
                                              *args.set])
     build_start = time.perf_counter()
@@ -391,6 +396,7 @@ def profile_mode(config: Path, mode: str, args: argparse.Namespace) -> dict:
     flops = training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
     result = {
         "mode": mode,
+        "compile": cfg.train.compile,
         "n_layers": cfg.model.n_layers,
         "seq_len": cfg.train.seq_len,
         "global_batch_size": cfg.train.global_batch_size,
@@ -519,6 +525,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--trace-dir", type=Path, default=None, help="also keep each mode's chrome trace here")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    parser.add_argument("--compile", action="store_true",
+                        help="train.compile = true (checkpointed modes with ac.reentrant = false)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's; a device copy's may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, 1 warmup + 1 timed step")
     args = parser.parse_args()

@@ -97,6 +97,16 @@ def test_kernel_categories(prof):
         "index_scatter_gather"
     assert prof.kernel_category("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert prof.kernel_category("something_else") == "other"
+    # torch._grouped_mm's sm90 CUTLASS kernel (its mangled name says GroupProblemShape, not "grouped")
+    assert prof.kernel_category("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6"
+                                "kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS") == \
+        "grouped_gemm"
+    assert prof.kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    # inductor's kernels in a compiled step
+    assert prof.kernel_category("triton_poi_fused__to_copy_mul_silu_0") == "elementwise"
+    assert prof.kernel_category("triton_red_fused__to_copy_mean_pow_1") == "reduce"
+    assert prof.kernel_category("triton_per_fused_cat_index_2") == "reduce"
+    assert prof.kernel_category("triton_tem_fused_mm_3") == "gemm"
 
 
 def test_region_stats_sum_saved_and_recomputed(prof):
