@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spartron.comm.copy_engine import GROWTH_QUANTUM
+from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.config import ModelConfig
 from spartron.layers.parallelize import expert_shard_dim
@@ -434,6 +436,22 @@ def _loss(m: ModelConfig, tokens: int, a: int) -> tuple[int, int, int]:
     return saved, f32 + tokens * v * a, 2 * f32 + tokens * v * a
 
 
+def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
+    """The EP group's long-lived buffers (spartron.comm): DeepEP's NVLink buffer, or the copy engine's
+    symmetric memory (two receive slots of the rows a rank receives, grown 1.25x to a quantum; rows
+    assumed balanced: tokens x top_k). The NCCL all-to-all's buffers are the dispatched tokens, counted
+    with the activations."""
+    e = m.moe
+    if dims.ep == 1 or m.first_k_dense >= m.n_layers and not m.mtp.depth:
+        return 0
+    if e.dispatcher == "deepep":
+        return nvl_buffer_bytes(m.dim, dims.ep, e.deepep_num_sms)
+    if e.dispatcher == "all_to_all" and e.all_to_all_transport == "copy_engine":
+        slot = -(-tokens * e.top_k * m.dim * PARAM_BYTES[m.dtype] // 256) * 256
+        return -(-int(2 * slot * 1.25) // GROWTH_QUANTUM) * GROWTH_QUANTUM
+    return 0
+
+
 def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> MemoryPlan:
     """Predicted peak allocated bytes of one training step on `rank` (eager, as the trainer runs it).
 
@@ -502,6 +520,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         grads_always = unsharded_params * a
     head_grad = 0 if grads_always else head * stored  # the first gradient backward makes
     last = blocks[-1]
+    comm = comm_buffer_bytes(m, dims, tokens)
+    static += comm
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
@@ -509,7 +529,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         "optimizer": static + grads + reduction,
     }
     phase = max(phases, key=phases.get)
-    parts = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"]}
+    parts = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
+             "communication_buffers": comm}
     if phase == "optimizer":
         parts |= {"gradients": grads, "gradient_reduction": phases[phase] - static - grads}
     else:

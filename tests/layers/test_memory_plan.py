@@ -133,6 +133,19 @@ def test_two_ranks_predicted_peak_is_within_10_percent(mode, extra, tmp_path):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
+def test_communication_buffers_are_the_ep_groups_long_lived_ones():
+    from spartron.comm.deepep_buffer import nvl_buffer_bytes
+
+    def plan(*extra):
+        cfg = load_config(TINY, ["parallel.ep=2", "train.global_batch_size=4", *extra])
+        return plan_memory(cfg, 2).parts["communication_buffers"]
+
+    assert plan() == 0  # NCCL all-to-all: the dispatched tokens are activations
+    assert plan('model.moe.dispatcher="deepep"') == nvl_buffer_bytes(64, 2, 24)
+    # copy engine: 2 slots of 64 tokens x top-2 x 64 dims x fp32 = 64 KiB, x 1.25, in 64 MiB quanta
+    assert plan('model.moe.all_to_all_transport="copy_engine"') == 64 * 2**20
+
+
 def test_spartron_plan_prints_the_predicted_peak():
     cfg = load_config(TINY)
     text = render_plan(cfg, 1)
