@@ -167,6 +167,11 @@ class TrainConfig(ConfigSection):
     # After each optimizer step, zero the gradients in place instead of freeing them (Megatron's
     # persistent gradient buffers): no per-step allocation, but gradient memory is held through forward.
     keep_grad_buffers: bool = False
+    # With several micro-batches per step, when FSDP2 reduce-scatters gradients: after the last one only
+    # (less communication; every block's unsharded gradients stay live until then: the whole local model's
+    # in model.master_dtype), or after every one (only sharded gradients live, as torchtitan does: what
+    # large models need; communication once per micro-batch).
+    grad_sync: Literal["last_micro_batch", "every_micro_batch"] = "last_micro_batch"
     compile: bool = False
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     save_every: int = Field(0, ge=0)  # 0: never

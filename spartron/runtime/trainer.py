@@ -409,8 +409,8 @@ class Trainer:
         with self._open_offload_session(probe):
             phase("forward")
             for micro in range(n_micro):
-                if isinstance(model, FSDPModule):  # FSDP2: reduce gradients only on the last micro-batch
-                    model.set_requires_gradient_sync(micro == n_micro - 1)
+                if isinstance(model, FSDPModule):  # FSDP2: reduce on the last micro-batch or on each (train.grad_sync)
+                    model.set_requires_gradient_sync(micro == n_micro - 1 or t.grad_sync == "every_micro_batch")
                 batch = self.loader.next(t.micro_batch_size)  # packed documents add their positions
                 out = model(batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
                             **batch.model_kwargs(device))
