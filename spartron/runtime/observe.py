@@ -8,8 +8,8 @@ it fails. `RunObserver` is the trainer's one handle on all of it.
 - Progress on long phases: rank 0 prints a line every `observe.progress_every_s` (10 s) while the setup,
   one step, one evaluation or one save is still running (a timer thread: building a big model, the first
   step's warm-up and a save of many GiB are otherwise minutes of silence).
-- `observe.memory_snapshot_on_oom` (CUDA): the allocator records its history from setup on, and a CUDA
-  out-of-memory error in a step dumps it to `<run dir>/memory/oom-rank<r>-step<s>.pickle` (open it at
+- `observe.memory_snapshot_on_oom` (CUDA): the allocator records its history from the end of setup on, and
+  a CUDA out-of-memory error in a step, an evaluation or a save dumps it to `<run dir>/memory/oom-rank<r>-step<s>.pickle` (open it at
   https://pytorch.org/memory_viz) before the error goes on.
 - `observe.nccl_flight_recorder = N`: NCCL's flight recorder keeps the last N collectives per rank and
   dumps them to `<run dir>/nccl_trace/rank_<r>` on a watchdog timeout. torch reads it from the
@@ -120,7 +120,7 @@ class Heartbeat:
 
 
 class MemoryHistory:
-    """CUDA allocator history from setup on; `dump(path)` writes the snapshot (memory_viz format)."""
+    """CUDA allocator history from its creation on; `dump(path)` writes the snapshot (memory_viz format)."""
 
     def __init__(self, cfg: ObserveConfig, device: torch.device) -> None:
         self.enabled = cfg.memory_snapshot_on_oom and device.type == "cuda"
