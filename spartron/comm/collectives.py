@@ -261,6 +261,12 @@ def splits_to_host(splits: Tensor) -> list[int]:
 
 def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: bool) -> list[int]:
     """`splits` as a validated list of `world` non-negative ints (None = even split of dim 0)."""
+    if type(splits) is list and not compiling:  # the MoE dispatch's case, twice per all-to-all: fewest checks
+        for size in splits:
+            if type(size) is not int:
+                raise ValueError(f"all_to_all: {name} must be ints, got {splits}")
+        if len(splits) == world and min(splits) >= 0:
+            return splits.copy()
     if splits is None:
         if x.shape[0] % world:
             raise ValueError(f"all_to_all: {name}=None needs x.size(0)={x.shape[0]} divisible by the "
