@@ -20,6 +20,9 @@ read-only disk) on any rank is agreed by all ranks, removes the temporary direct
 `StateSaveError` naming the path and the bytes the state needs; the previous step stays intact. No
 save writes non-finite parameters or optimizer state: every rank checks its shards first and all agree.
 `train.keep_last` removes older complete steps only after the new one is committed.
+`save_state` is `start_save(...).commit()`; with train.async_save the trainer passes an `AsyncSaveGroup` to
+`start_save`, whose tensors DCP's async_save copies to host memory and writes in the background, and commits
+the `PendingSave` after the next step: COMPLETE is still written last, after the write finished.
 
 What loading verifies (`load_state`, on every rank, before DCP's collectives): the manifest; every listed
 file's size, and its CRC-32 unless ``verify_checksums=False`` (the files are split over the ranks; a bad
