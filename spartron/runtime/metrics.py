@@ -62,6 +62,12 @@ def peak_memory(device: torch.device) -> tuple[int, int]:
     return rss, rss
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """CUDA: how often the caching allocator has freed its cache and retried an allocation since the process
+    started (fragmentation close to the limit; each retry is a synchronising cudaFree); None on CPU."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else None
+
+
 def expert_load_max_violation(tokens_per_expert: Tensor | None) -> float | None:
     """max over MoE layers of (busiest expert's tokens / mean tokens per expert - 1); 0 = balanced."""
     per_layer = expert_load_per_layer(tokens_per_expert)

@@ -1,9 +1,9 @@
 """Metric sinks besides metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only).
 
 One table (`SCALARS`) says which record field becomes which tag, so both sinks show the same names:
-train/* (losses, grad norm, lr), perf/* (tokens/s, MFU, step time), memory/* (GB), moe/* (expert load:
-the worst layer, and each MoE layer's busiest-expert excess `moe/layer_<i>/load_violation`), val/*
-(evaluation). The x axis is the optimizer step. A resumed run appends to the same folder; TensorBoard
+train/* (losses, grad norm, lr), perf/* (tokens/s, MFU, step and data-loading time), memory/* (GB, the
+allocator's retries), moe/* (expert load: the worst layer, and each MoE layer's busiest-expert excess
+`moe/layer_<i>/load_violation`), val/* (evaluation). The x axis is the optimizer step. A resumed run appends to the same folder; TensorBoard
 shows the re-run steps past the last save over the first run's values.
 """
 
@@ -18,8 +18,9 @@ SCALARS: tuple[tuple[str, str, float], ...] = (
     ("indexer_loss", "train/indexer_loss", 1.0), ("grad_norm", "train/grad_norm", 1.0), ("lr", "train/lr", 1.0),
     ("tokens", "train/tokens", 1.0), ("tokens_per_s", "perf/tokens_per_s", 1.0),
     ("tokens_per_s_per_gpu", "perf/tokens_per_s_per_gpu", 1.0), ("mfu", "perf/mfu", 1.0),
-    ("step_time_s", "perf/step_time_s", 1.0), ("peak_memory_allocated_bytes", "memory/peak_allocated_gb", 1 / GB),
-    ("peak_memory_reserved_bytes", "memory/peak_reserved_gb", 1 / GB),
+    ("step_time_s", "perf/step_time_s", 1.0), ("data_time_s", "perf/data_time_s", 1.0),
+    ("peak_memory_allocated_bytes", "memory/peak_allocated_gb", 1 / GB),
+    ("peak_memory_reserved_bytes", "memory/peak_reserved_gb", 1 / GB), ("alloc_retries", "memory/alloc_retries", 1.0),
     ("expert_load_max_violation", "moe/load_max_violation", 1.0), ("val_loss", "val/loss", 1.0),
     ("val_ppl", "val/perplexity", 1.0),
 )

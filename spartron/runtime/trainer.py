@@ -405,13 +405,15 @@ class Trainer:
         M.reset_peak_memory(device)
         start = time.perf_counter()
         stats = _StepStats()
-        n_micro = self.n_micro
+        n_micro, data_s = self.n_micro, 0.0
         with self._open_offload_session(probe):
             phase("forward")
             for micro in range(n_micro):
                 if isinstance(model, FSDPModule):  # FSDP2: reduce on the last micro-batch or on each (train.grad_sync)
                     model.set_requires_gradient_sync(micro == n_micro - 1 or t.grad_sync == "every_micro_batch")
+                fetch = time.perf_counter()
                 batch = self.loader.next(t.micro_batch_size)  # packed documents add their positions
+                data_s += time.perf_counter() - fetch
                 out = model(batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
                             **batch.model_kwargs(device))
                 phase("backward")
@@ -439,8 +441,8 @@ class Trainer:
         alloc, reserved = M.peak_memory(device)
         return {"type": "step", "step": step, "loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp,
                 "aux_loss": aux_loss, "indexer_loss": indexer_loss, "grad_norm": norm, "lr": lr,
-                "step_time_s": elapsed, "peak_memory_allocated_bytes": alloc,
-                "peak_memory_reserved_bytes": reserved,
+                "step_time_s": elapsed, "data_time_s": data_s, "peak_memory_allocated_bytes": alloc,
+                "peak_memory_reserved_bytes": reserved, "alloc_retries": M.alloc_retries(device),
                 "expert_load_max_violation": M.expert_load_max_violation(counts),
                 "expert_load_per_layer": M.expert_load_per_layer(counts)}
 

@@ -65,6 +65,9 @@ def test_tensorboard_scalars_equal_the_metrics_records(tmp_path):
     assert [e.value for e in acc.Scalars("val/loss")] == pytest.approx([steps[1]["val_loss"], steps[2]["val_loss"]],
                                                                        rel=1e-6)
     assert max(steps[0]["expert_load_per_layer"]) == steps[0]["expert_load_max_violation"]
+    assert all(0 < s["data_time_s"] < s["step_time_s"] and s["alloc_retries"] is None for s in steps)  # CPU
+    assert [e.value for e in acc.Scalars("perf/data_time_s")] == pytest.approx([s["data_time_s"] for s in steps],
+                                                                              rel=1e-6)
     assert acc.Tags()["histograms"] == ["moe/load_violation_over_layers"]
 
 
