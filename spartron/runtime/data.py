@@ -195,6 +195,7 @@ class PackedSource:
 
     def __init__(self, packed: PackedDocuments, documents: bool, fingerprint: str) -> None:
         self.packed, self.documents, self.fingerprint = packed, documents, fingerprint
+        self.n_samples = packed.n_samples
 
     def example(self, index: int) -> Example:
         tokens, labels, positions = self.packed.example(index)
@@ -292,7 +293,7 @@ def build_loader(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, dp_r
     """The training loader of a [train.data] section (what build_train_loader reads from a RunConfig)."""
     source = _source(cfg, vocab_size, seq_len, seed, "train")
     if cfg.shuffle:
-        source = Shuffled(source, source.n_samples if isinstance(source, MmapTokens) else source.packed.n_samples, seed)
+        source = Shuffled(source, source.n_samples, seed)
     return TokenLoader(source, dp_rank, dp_size)
 
 
