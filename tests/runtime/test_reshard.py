@@ -43,6 +43,7 @@ CASES = [
     pytest.param(1, (), 4, ("parallel.ep=4",), id="ep1-to-ep4"),
     pytest.param(4, (), 2, (), id="fsdp4-to-fsdp2"),
     pytest.param(4, ("parallel.ep=2", "parallel.cp=2"), 4, ("parallel.ep=4",), id="ep2xcp2-to-ep4"),
+    pytest.param(4, ("parallel.dp_replicate=2", "parallel.ep=2"), 2, ("parallel.ep=2",), id="hsdp2xep2-to-ep2"),
 ]
 
 
