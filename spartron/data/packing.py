@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 
 from spartron.data.tokenfile import TokenFolder
+from spartron.layers.loss import IGNORE_INDEX as IGNORE
 from spartron.runtime.config import ConfigError
-
-IGNORE = -100  # spartron.layers.loss.IGNORE_INDEX
 
 
 @dataclass(frozen=True)
