@@ -223,3 +223,16 @@ def test_wandb_gets_the_same_scalars_when_configured(tmp_path, monkeypatch):
                   "name": "run", "config": {"name": "tiny"}, "resume": "allow"}),
         ("log", scalars(record), 3), ("finish",)]
     assert scalars(record) == {"train/loss": 2.0, "train/lr": 1e-3, "moe/layer_0/load_violation": 0.5}
+
+
+def test_rank_0_prints_the_banner_before_the_first_step(tmp_path, capfd):
+    cfg = small_cfg(tmp_path / "r", "train.steps=1", "train.progress=true")
+    run_distributed(_train, 2, cfg, timeout=120)
+    err = capfd.readouterr().err.splitlines()
+    first = err.index("spartron: run 'tiny': 1 steps of 2 x 16 tokens, from seed 0")
+    assert err[first + 2].startswith("  layout       world 2 = ")
+    assert err[first + 5].startswith("  outputs      metrics ")
+    (step_line,) = [i for i, line in enumerate(err) if line.startswith("step 1/1 loss ")]  # rank 0 only
+    assert step_line > first + 5  # after the banner; between them at most progress lines of a slow first step
+    assert all(line.startswith("spartron: step 1 running for ") for line in err[first + 6:step_line])
+    assert sum(line.startswith("spartron: run 'tiny'") for line in err) == 1
