@@ -275,3 +275,27 @@ def test_flex_document_attention_on_cuda_matches_the_masked_reference():
     for got, want in ((out, ref), (q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
         err = (got.float() - want).norm() / want.norm()
         assert err < 1e-2, float(err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernel needs CUDA")
+def test_model_on_cuda_packed_row_equals_each_document_alone():
+    """The CUDA path end to end (FlexAttention with the block mask from document starts, the DSA indexer's
+    top-k with document starts, MTP targets), forward and backward, against each document alone."""
+    cfg = load_config("configs/tiny.toml", ["model.mtp.depth=1", "model.max_seq_len=512"]).model
+    with torch.device("cuda"):
+        model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(2, 512, (n,), generator=g) for n in (100, 156)]  # 256 tokens: two 128-blocks
+    tokens = torch.cat(docs)[None].cuda()
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None].cuda()
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None].cuda()
+    packed = model(tokens, labels, positions=pos)
+    packed["lm_loss"].backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    lm_sum, n_lm = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            alone = model(d[None].cuda(), torch.cat([d[1:], torch.tensor([-100])])[None].cuda())
+            lm_sum, n_lm = lm_sum + alone["lm_loss"] * (len(d) - 1), n_lm + len(d) - 1
+    torch.testing.assert_close(packed["lm_loss"].detach(), lm_sum / n_lm, rtol=1e-3, atol=1e-3)
