@@ -36,6 +36,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if needs_h or needs_w:
                 # d(sum CE)/d logits = softmax - onehot, zero on ignored rows (no host sync: no nonzero()).
                 grad_logits = torch.softmax(logits, dim=-1)
+                del logits  # one [chunk, V] fp32 buffer less while the gradient is cast (0.8 GB of peak at dsv3-12l)
                 valid = (y != IGNORE_INDEX).unsqueeze(1)
                 grad_logits.scatter_add_(1, torch.where(valid, y.unsqueeze(1), 0), -valid.to(grad_logits.dtype))
                 grad_logits = grad_logits.to(hidden.dtype)
