@@ -79,6 +79,14 @@ def test_block_mask_from_document_starts_equals_create_block_mask(seq, block, me
     assert torch.equal(fast.to_dense(), ref.to_dense())
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    if seq % (4 * block) == 0:  # CP = 2, rank 1: the local queries are chunks 1 and 2 of 4, keys all of them
+        from spartron.layers.attention.context_parallel import local_positions
+
+        q_index = local_positions(seq, 2, 1)
+        fast = document_block_mask(pos[:, q_index], block, q_index=q_index, n_keys=seq)
+        ref = reference_block_mask(pos[:, q_index], block, q_index=q_index, n_keys=seq)
+        assert torch.equal(fast.to_dense(), ref.to_dense())
+        assert torch.equal(fast.full_kv_indices, ref.full_kv_indices) and torch.equal(fast.kv_indices, ref.kv_indices)
 
 
 def _alone(layer: MLA, x: torch.Tensor, lengths: list[list[int]]) -> list[tuple[int, slice, dict]]:

@@ -82,40 +82,41 @@ def _block_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
 
-def document_block_mask(positions: Tensor, block_size: int = 128):
+def document_block_mask(positions: Tensor, block_size: int = 128, q_index: Tensor | None = None,
+                        n_keys: int | None = None):
     """FlexAttention BlockMask of the document mask, built from the document starts per block in
-    O(B x S x S/block) (create_block_mask evaluates all B x S x S pairs: 4 ms per call at B2 x S4096 on an
-    H200, and every layer builds one). A block is full when every query sees every key, partial when some
-    do; only partial blocks evaluate the mask_mod. Rows not a multiple of the block: create_block_mask."""
+    O(B x S_q x S_kv/block) (create_block_mask evaluates all B x S_q x S_kv pairs: 4 ms per call at B2 x S4096
+    on an H200, and every layer builds one). A block is full when every query sees every key, partial when
+    some do; only partial blocks evaluate the mask_mod. q_index / n_keys as in `document_visible` (CP: the
+    local queries against all keys). Lengths not a multiple of the block: create_block_mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    b, s = positions.shape
-    if s % block_size:
-        return reference_block_mask(positions, block_size)
-    n = s // block_size
-    t = torch.arange(s, device=positions.device)
-    start = (t - positions)[:, :, None]  # [B, S, 1]: each query's document start
-    first = torch.arange(n, device=positions.device)[None, None, :] * block_size  # key blocks' first key
+    b, s_q = positions.shape
+    s_kv = s_q if n_keys is None else n_keys
+    if s_q % block_size or s_kv % block_size:
+        return reference_block_mask(positions, block_size, q_index, n_keys)
+    nq, nk = s_q // block_size, s_kv // block_size
+    t = torch.arange(s_q, device=positions.device) if q_index is None else q_index
+    start = (t - positions)[:, :, None]  # [B, S_q, 1]: each query's document start
+    first = torch.arange(nk, device=positions.device)[None, None, :] * block_size  # key blocks' first key
     last = first + block_size - 1
     q = t[None, :, None]
-    any_visible = ((start <= last) & (q >= first)).view(b, n, block_size, n).any(2)
-    all_visible = ((start <= first) & (q >= last)).view(b, n, block_size, n).all(2)
+    any_visible = ((start <= last) & (q >= first)).view(b, nq, block_size, nk).any(2)
+    all_visible = ((start <= first) & (q >= last)).view(b, nq, block_size, nk).all(2)
     partial_num, partial_idx = _block_indices(any_visible & ~all_visible)
     full_num, full_idx = _block_indices(all_visible)
     return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=_mask_mod(positions), seq_lengths=(s, s))
+                                    mask_mod=_mask_mod(positions, q_index), seq_lengths=(s_q, s_kv))
 
 
 def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float,
                             compiled: bool = True, q_index: Tensor | None = None) -> Tensor:
     """FlexAttention with the document block mask; `compiled` False runs flex eagerly (CPU tests: the
-    unfused implementation, same numerics up to rounding). With q_index (CP) the mask is built by
-    create_block_mask over the local queries and all keys."""
+    unfused implementation, same numerics up to rounding). q_index: the queries' global indices (CP)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-    mask = (document_block_mask(positions) if q_index is None
-            else reference_block_mask(positions, q_index=q_index, n_keys=k.shape[2]))
+    mask = document_block_mask(positions, q_index=q_index, n_keys=k.shape[2])
     return fn(q, k, v, block_mask=mask, scale=scale)
 
 
