@@ -1,7 +1,8 @@
 """torch.compile with every AC mode on the real model (tiny preset, 2 layers + 1 MTP depth, DSA source
 and consumer, MoE): the same loss and gradients as eager, bitwise; fullgraph blocks (no graph break,
-no recompile when the MoE split sizes change); the compiled backward graph never contains a
-mandatory op (routing top-k, telemetry, a reused DSA result), so none runs twice."""
+no recompile when the MoE split sizes change, blocks of one kind share a graph); the compiled
+backward graph never contains a mandatory op (routing top-k, telemetry, a reused DSA result), so
+none runs twice."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ from spartron.testing import run_distributed
 
 SEQ = 32
 MANDATORY_IN_GRAPH = ("spartron.moe_topk", "spartron.record_routing_stats", "spartron_ac.reused")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test builds its own models: dynamo's caches (per code object) start empty for each."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def small(*overrides: str):
@@ -76,24 +85,40 @@ def _compiled_and_eager(cfg, backend, steps: int = 2, n: int = 2, groups=None):
 def test_compiled_blocks_match_eager_bitwise_with_no_graph_break_and_no_recompile(mode):
     cfg = small(f"ac.mode={mode}", *(["ac.reentrant=false"] if mode != "none" else []),
                 "train.compile=true", "train.compile_backend=aot_eager")
+    _check_compiled_blocks(cfg, mode)
+
+
+def test_twelve_layers_share_their_graphs_below_dynamos_recompile_limit():
+    # blocks of one kind have one type and one compiled callable: 12 layers (> the recompile limit
+    # of 8) compile 3 graphs (dense layer 0, DSA-source MoE layers, DSA-consumer MoE layers)
+    cfg = small("ac.mode=full", "ac.reentrant=false", "model.n_layers=12", "model.mtp.depth=0",
+                "train.compile=true", "train.compile_backend=aot_eager")
+    counters.clear()
+    model = build_model(cfg.model)
+    parallelize(model, None, cfg.ac, compile_backend="aot_eager")
+    model(*batch(cfg, 2, seed=0))["loss"].backward()
+    assert counters["stats"]["unique_graphs"] == 3 and sum(counters["graph_break"].values()) == 0
+    assert len({type(layer) for layer in model.layers.values()}) == 1
+
+
+def _check_compiled_blocks(cfg, mode):
     rec = Recorder()
     counters.clear()
     _compiled_and_eager(cfg, rec.backend)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # one graph per block (dense layer 0, MoE layer 1, the MTP block), traced once for both steps
-    assert counters["stats"]["unique_graphs"] == 3
-    assert len(rec.graphs["forward"]) == len(rec.graphs["backward"]) == 3
-    # mandatory ops run in forward only: the two MoE blocks route once each, the DSA source (layer 0)
-    # and the MTP block's indexer hand over a reused top-k
-    assert [rec.count("forward", op) for op in MANDATORY_IN_GRAPH] == [2, 2, 2]
+    # one graph per kind of block, traced once for both steps: dense layer 0 (a DSA source), and one
+    # MoE DSA consumer graph that layer 1 and the MTP block share
+    assert counters["stats"]["unique_graphs"] == 2
+    assert len(rec.graphs["forward"]) == len(rec.graphs["backward"]) == 2
+    # mandatory ops run in forward only: the MoE graph routes once, the source hands over a reused top-k
+    assert [rec.count("forward", op) for op in MANDATORY_IN_GRAPH] == [1, 1, 1]
     assert [rec.count("backward", op) for op in MANDATORY_IN_GRAPH] == [0, 0, 0]
     mm_backward = rec.count("backward", "aten.mm")
-    # full AC recomputes the forward matmuls in backward, selective saves them like no AC does
     # the policy table in the compiled graph: full AC recomputes the forward matmuls in backward
-    # (144 gradient matmuls + 69 recomputed), selective saves them like no AC does; both recompute
+    # (80 gradient matmuls + 38 recomputed), selective saves them like no AC does; both recompute
     # the norms and activations that no AC saves
     assert (mm_backward, rec.count("backward", "rsqrt"), rec.count("backward", "silu")) == \
-        {"none": (144, 12, 75), "full": (213, 48, 113), "selective": (144, 48, 113)}[mode]
+        {"none": (80, 8, 39), "full": (118, 32, 59), "selective": (80, 32, 59)}[mode]
 
 
 def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():
@@ -202,4 +227,6 @@ def test_compiled_full_ac_with_offload_and_two_micro_batches_matches_eager(scope
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
             assert torch.equal(a.grad, b.grad), name
-    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 3
+    # scope "layer": the stack's blocks take lists of micro-batches, the MTP block one tensor: 3 graphs
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == {"layer": 3, "experts": 2}[scope]

@@ -21,6 +21,7 @@ from spartron.checkpointing.policy import build_policy
 
 _REGION_ATTR = "_spartron_ac_region"
 _COMPILED_ATTR = "_spartron_compiled_forward"
+_DERIVED_ATTR = "_spartron_derived_classes"
 
 
 def region_options(config: ACConfig, name: str | None = None) -> CheckpointOptions:
@@ -28,6 +29,19 @@ def region_options(config: ACConfig, name: str | None = None) -> CheckpointOptio
     return CheckpointOptions(policy=build_policy(config.mode, config.targets), reentrant=config.reentrant,
                              preserve_rng_state=config.preserve_rng_state,
                              debug_summary=config.debug_summary, name=name)
+
+
+def _derived_class(cls: type[nn.Module], kind: str, make: Callable[[type[nn.Module]], type[nn.Module]]) -> type[nn.Module]:
+    """One ``kind`` subclass per class, kept on the class (as FSDP2 keeps its own): every block of a
+    model then has the same type, so a compiled block's graph (whose guards check the type) serves
+    all its layers instead of recompiling per layer."""
+    derived = cls.__dict__.get(_DERIVED_ATTR)
+    if derived is None:
+        derived = {}
+        setattr(cls, _DERIVED_ATTR, derived)
+    if kind not in derived:
+        derived[kind] = make(cls)
+    return derived[kind]
 
 
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -65,7 +79,7 @@ def apply_activation_checkpointing(module: nn.Module, config: ACConfig, name: st
     if is_checkpointed(module):
         raise ValueError(f"{label} is already wrapped in a checkpoint region")
     object.__setattr__(module, _REGION_ATTR, CheckpointRegion(region_options(config, label)))
-    module.__class__ = _checkpointed_class(type(module))
+    module.__class__ = _derived_class(type(module), "checkpointed", _checkpointed_class)
     return module
 
 
@@ -83,22 +97,30 @@ def _call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
 
 
 def compile_block(module: nn.Module, backend: str | Callable[..., Any] = "inductor",
-                  fullgraph: bool = True) -> nn.Module:
+                  fullgraph: bool = True, shared: dict | None = None) -> nn.Module:
     """Compile one block's forward in place (names, state and call signature unchanged).
 
     A checkpointed block compiles its region (CheckpointRegion.compile: torch's checkpoint with the
     policy table as its selective-checkpoint policy); any other block compiles its forward. Either
     way the compiled graph is the forward alone: hooks on the module (FSDP2's) and the region's
     offload scope run outside it, in eager code. Unlike nn.Module.compile, data-dependent host values
-    (MoE split sizes) trace as unbacked SymInts, so ``fullgraph`` holds on the real model."""
+    (MoE split sizes) trace as unbacked SymInts, so ``fullgraph`` holds on the real model.
+
+    ``shared``: one dict for all blocks of a model, so blocks with the same options share one
+    compiled callable and with it dynamo's cache (same guards: no recompile per layer, no hitting the
+    recompile limit with many layers)."""
+    shared = {} if shared is None else shared
     region = checkpoint_region_of(module)
     if region is not None:
-        region.compile(backend, fullgraph=fullgraph)
+        region.compile(backend, fullgraph=fullgraph, shared=shared)
         return module
     if hasattr(module, _COMPILED_ATTR):
         raise ValueError(f"{type(module).__name__} is already compiled")
-    object.__setattr__(module, _COMPILED_ATTR, torch.compile(_call, backend=backend, fullgraph=fullgraph))
-    module.__class__ = _compiled_class(type(module))
+    key = ("forward", backend, fullgraph)
+    if key not in shared:
+        shared[key] = torch.compile(_call, backend=backend, fullgraph=fullgraph)
+    object.__setattr__(module, _COMPILED_ATTR, shared[key])
+    module.__class__ = _derived_class(type(module), "compiled", _compiled_class)
     return module
 
 

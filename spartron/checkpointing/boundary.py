@@ -288,7 +288,8 @@ class CheckpointRegion:
         with scope:
             return _run_reentrant(call) if self.options.reentrant else _run_non_reentrant(call)
 
-    def compile(self, backend: str | Callable[..., Any] = "inductor", fullgraph: bool = True) -> None:
+    def compile(self, backend: str | Callable[..., Any] = "inductor", fullgraph: bool = True,
+                shared: dict | None = None) -> None:
         """Run every later call as one compiled graph: torch's non-reentrant checkpoint with its
         selective-checkpoint contexts, driven by this region's policy table (``OpPolicy.sac_policy_fn``),
         so the partitioner saves the ops an eager region saves (mandatory ones included) and
@@ -299,12 +300,19 @@ class CheckpointRegion:
         hooks, FSDP's hooks) stays outside the graph, in eager code.
 
         Reentrant regions cannot compile exactly: their policy is a Python dispatch mode around an
-        autograd.Function, which dynamo neither traces nor lets see inside a compiled graph."""
+        autograd.Function, which dynamo neither traces nor lets see inside a compiled graph.
+
+        ``shared``: a dict shared by the regions of one model; regions with the same policy and RNG
+        option then run one compiled callable (one dynamo cache, no recompile per layer)."""
         if self.options.reentrant:
             raise ValueError(f"checkpoint region {self.options.name!r}: a reentrant region cannot be compiled "
                              "(its operator policy is a Python dispatch mode that compiled graphs bypass); "
                              "use a non-reentrant region (ac.reentrant = false)")
-        self._compiled = torch.compile(_compiled_body(self.options), backend=backend, fullgraph=fullgraph)
+        shared = {} if shared is None else shared
+        key = ("region", self.options.policy, self.options.preserve_rng_state, backend, fullgraph)
+        if key not in shared:
+            shared[key] = torch.compile(_compiled_body(self.options), backend=backend, fullgraph=fullgraph)
+        self._compiled = shared[key]
 
 
 def checkpoint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -165,8 +165,9 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     blocks = model.blocks()
     if compile_backend is not None:
         sharded = groups is not None and (groups.size("world") > 1 or param_dtype is not None)
+        shared: dict = {}  # the blocks share compiled callables: one dynamo cache, not one per layer
         for block in blocks:  # in place: parameter names and state_dict keys stay the same
-            compile_block(block.module, compile_backend, fullgraph=_compiles_whole(block, sharded))
+            compile_block(block.module, compile_backend, fullgraph=_compiles_whole(block, sharded), shared=shared)
     if param_dtype is not None and groups is None:
         raise ValueError("parallelize: a compute dtype (param_dtype) needs FSDP2, so it needs the groups "
                          "(ParallelGroups of the world, one rank included)")
