@@ -1,4 +1,5 @@
-"""Local text corpora: jsonl, parquet and plain-text files, or a folder of them, read as documents.
+"""Local text corpora: jsonl (or gzipped jsonl), parquet and plain-text files, or a folder of them, read as
+documents.
 
 A record is a pretraining document (a string under `text_key`, default "text") or a chat
 (`messages`: a list of {"role", "content"} with role system / user / assistant / tool). A folder
@@ -9,7 +10,9 @@ clear error names the package when a .parquet file is met without it), text as U
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,12 @@ from pathlib import Path
 from spartron.optional import require
 from spartron.runtime.config import ConfigError
 
-SUFFIXES = (".jsonl", ".parquet", ".txt")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".txt")
+
+
+def _kind(path: Path) -> str | None:
+    """The corpus suffix a file name ends with (".jsonl.gz" before ".jsonl"), or None."""
+    return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if path.name.endswith(s)), None)
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -41,10 +49,10 @@ def corpus_files(path: str | Path) -> list[Path]:
     if not path.exists():
         raise ConfigError(f"corpus {str(path)!r} does not exist")
     if path.is_file():
-        if path.suffix not in SUFFIXES:
+        if _kind(path) is None:
             raise ConfigError(f"corpus {str(path)!r}: unknown file type {path.suffix!r} (read: {', '.join(SUFFIXES)})")
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
     if not files:
         raise ConfigError(f"corpus folder {str(path)!r} holds no {', '.join(SUFFIXES)} file")
     return files
@@ -74,7 +82,7 @@ def parse_record(record: object, text_key: str, where: str) -> Document | Chat:
 
 def _jsonl(path: Path, text_key: str) -> Iterator[Document | Chat]:
     try:
-        with path.open("rb") as f:
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")) as f:
             for lineno, raw in enumerate(f, 1):
                 where = f"{path}:{lineno}"
                 try:
@@ -88,8 +96,9 @@ def _jsonl(path: Path, text_key: str) -> Iterator[Document | Chat]:
                 except (json.JSONDecodeError, RecursionError) as err:
                     raise ConfigError(f"{where}: not valid JSON: {err}") from None
                 yield parse_record(record, text_key, where)
-    except OSError as err:
-        raise ConfigError(f"corpus file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except (OSError, EOFError, zlib.error) as err:  # gzip: a bad or truncated stream
+        why = getattr(err, "strerror", None) or err
+        raise ConfigError(f"corpus file {str(path)!r} cannot be read: {why}") from None
 
 
 def _parquet(path: Path, text_key: str) -> Iterator[Document | Chat]:
@@ -123,7 +132,8 @@ def _text(path: Path) -> Iterator[Document]:
 def read_corpus(path: str | Path, text_key: str = "text") -> Iterator[tuple[Path, Document | Chat]]:
     """(file, record) for every record of the corpus, files in sorted order, records in file order."""
     for file in corpus_files(path):
-        records = (_jsonl(file, text_key) if file.suffix == ".jsonl" else
-                   _parquet(file, text_key) if file.suffix == ".parquet" else _text(file))
+        kind = _kind(file)
+        records = (_jsonl(file, text_key) if kind in (".jsonl", ".jsonl.gz") else
+                   _parquet(file, text_key) if kind == ".parquet" else _text(file))
         for record in records:
             yield file, record

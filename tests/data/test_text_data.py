@@ -37,6 +37,18 @@ def test_folder_is_read_in_sorted_path_order_with_chats(tmp_path):
                    ("b/x.jsonl", Chat((("user", "why"), ("assistant", "yes")))), ("c.txt", Document("red house"))]
 
 
+def test_gzipped_jsonl_and_a_broken_gzip_stream(tmp_path):
+    import gzip
+
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(b'{"text": "the cat"}\n{"text": "a dog"}\n'))
+    (tmp_path / "b.jsonl").write_text('{"text": "red"}\n')
+    assert [(p.name, r) for p, r in read_corpus(tmp_path)] == [
+        ("a.jsonl.gz", Document("the cat")), ("a.jsonl.gz", Document("a dog")), ("b.jsonl", Document("red"))]
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:40])
+    with pytest.raises(ConfigError, match=r"corpus file '.*c.jsonl.gz' cannot be read: Compressed file ended"):
+        list(read_corpus(tmp_path))
+
+
 def test_parquet_corpus(tmp_path):
     pa = pytest.importorskip("pyarrow", reason="parquet corpora need pyarrow (the test extra installs it)")
     import pyarrow.parquet as pq
@@ -65,7 +77,7 @@ def test_bad_records_are_one_line_errors_naming_file_and_line(tmp_path, line, me
 
 
 def test_corpus_and_tokenizer_path_errors(tmp_path, tok):
-    with pytest.raises(ConfigError, match="holds no .jsonl, .parquet, .txt file"):
+    with pytest.raises(ConfigError, match="holds no .jsonl, .jsonl.gz, .parquet, .txt file"):
         list(read_corpus(tmp_path / "tok"))
     with pytest.raises(ConfigError, match=r"corpus '.*nope' does not exist"):
         list(read_corpus(tmp_path / "nope"))
