@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("data", help="tokenize a text corpus into a token folder for train.data.kind = 'packed'",
-                       description="Tokenize CORPUS (a .jsonl / .parquet / .txt file or a folder of them: records "
+                       description="Tokenize CORPUS (a .jsonl / .jsonl.gz / .parquet / .txt file or a folder of "
+                                   "them: records "
                                    "with 'text', or chat 'messages') with a local tokenizer into DIR: tokens.bin, "
                                    "loss_mask.bin (chats) and tokens.json (dtype, vocabulary, tokenizer hash, "
                                    "document offsets).")
