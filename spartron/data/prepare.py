@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spartron.data.corpus import Document, corpus_files, read_corpus
@@ -11,15 +11,26 @@ from spartron.data.tokenizer import load_tokenizer
 
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
-                   text_key: str = "text", batch_records: int = 1024, bos_token: str | None = None) -> dict:
+                   text_key: str = "text", batch_records: int = 1024, bos_token: str | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`, in
     order, `batch_records` at a time; returns the metadata written to out/tokens.json. Empty documents
-    are skipped (and counted)."""
+    are skipped (and counted). `progress(documents, tokens)` is called after every batch."""
     tok = load_tokenizer(tokenizer, eos_token, bos_token)
     root = Path(corpus)
     files = corpus_files(root)
     info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
             "skipped_empty": 0}
+
+    done = [0, 0]  # documents, tokens
+
+    def encoded(batch: list) -> list[tuple[list[int], list[int]]]:
+        out = tok.encode_records(batch)
+        done[0] += len(out)
+        done[1] += sum(len(ids) for ids, _ in out)
+        if progress is not None:
+            progress(*done)
+        return out
 
     def records() -> Iterator[tuple[list[int], list[int]]]:
         batch: list = []
@@ -29,9 +40,9 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
                 continue
             batch.append(record)
             if len(batch) == batch_records:
-                yield from tok.encode_records(batch)
+                yield from encoded(batch)
                 batch = []
-        yield from tok.encode_records(batch)
+        yield from encoded(batch)
 
     return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
                               tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info)

@@ -370,10 +370,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # ---- data ------------------------------------------------------------------------------------
 def cmd_data(args: argparse.Namespace) -> int:
     """Tokenize a corpus (jsonl / parquet / text file or folder) into a token folder (spartron.data)."""
+    import time
+
     from spartron.data import prepare_corpus
 
+    last = [time.monotonic()]
+
+    def progress(documents: int, tokens: int) -> None:  # a line every 10 s on a long corpus
+        if time.monotonic() - last[0] >= 10:
+            last[0] = time.monotonic()
+            print(f"spartron data: {documents} documents, {tokens} tokens", file=sys.stderr, flush=True)
+
     meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
-                          bos_token=args.bos)
+                          bos_token=args.bos, progress=progress)
     print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
           f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
           f"(model.vocab_size >= {meta['vocab_size']})")

@@ -138,7 +138,10 @@ def test_batched_encoding_keeps_the_order_and_equals_one_at_a_time(tmp_path, tok
                Document("red")]
     assert t.encode_records(records) == [t.encode_record(r) for r in records]
     write_jsonl(tmp_path / "c.jsonl", [{"text": f"the cat {'sat ' * i}"} for i in range(7)])
-    a = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "a", eos_token="<eos>", batch_records=3)
+    calls = []
+    a = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "a", eos_token="<eos>", batch_records=3,
+                       progress=lambda d, t: calls.append((d, t)))
+    assert [d for d, _ in calls] == [3, 6, 7] and calls[-1][1] == a["n_tokens"]
     b = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "b", eos_token="<eos>", batch_records=1)
     assert a["document_offsets"] == b["document_offsets"]
     assert (tmp_path / "a" / "tokens.bin").read_bytes() == (tmp_path / "b" / "tokens.bin").read_bytes()
