@@ -37,6 +37,13 @@ def test_folder_is_read_in_sorted_path_order_with_chats(tmp_path):
                    ("b/x.jsonl", Chat((("user", "why"), ("assistant", "yes")))), ("c.txt", Document("red house"))]
 
 
+def test_text_key_names_the_field_of_pretraining_records(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"body": "the cat", "text": 3}])
+    assert [r for _, r in read_corpus(tmp_path, text_key="body")] == [Document("the cat")]
+    with pytest.raises(ConfigError, match="a record needs a string 'text' or a list 'messages'"):
+        list(read_corpus(tmp_path))
+
+
 def test_gzipped_jsonl_and_a_broken_gzip_stream(tmp_path):
     import gzip
 
