@@ -6,9 +6,9 @@ parameter only describes its split over expert_fsdp. Saved as it is, DCP would s
 one EP rank's copy. So for the save and the load, every EP-sharded tensor (parameter and the optimizer
 states of its shape) is wrapped in a DTensor over an (ep, expert_fsdp) mesh, placements
 (Shard(0), FSDP2's own placement over expert_fsdp): its global shape is [n_routed_experts, ...] and its
-offset the global expert index of its first expert. DCP then writes every expert once under the plain name and reads back, on any
-other layout, the rows each rank now owns (resharding). The wrapper shares the local tensor's storage,
-so what DCP loads lands in the model's shard.
+offset the global expert index of its first expert. DCP then writes every expert once under the plain
+name and reads back, on any other layout, the rows each rank now owns (resharding). The wrapper shares
+the local tensor's storage, so what DCP loads lands in the model's shard.
 
 Dense parameters need nothing: their FSDP2 DTensors are already global (sharded over fsdp x cp).
 """
