@@ -7,6 +7,7 @@ none runs twice."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 
 import pytest
 import torch
@@ -266,3 +267,20 @@ def test_cuda_bf16_compiled_blocks_match_eager(mode):
         assert torch.isfinite(g).all(), name
         err = (g - ref[name]).norm() / ref[name].norm().clamp(min=1e-12)
         assert err < 5e-2, f"{name}: relative error {err:.3g} compiled vs eager"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="inductor on CPU needs a C++ compiler")
+def test_inductor_on_cpu_with_selective_ac_matches_eager():
+    cfg = small("ac.mode=selective", "ac.reentrant=false", "train.compile=true")
+    eager, compiled = build_model(cfg.model), build_model(cfg.model)
+    parallelize(eager, None, cfg.ac)
+    parallelize(compiled, None, cfg.ac, compile_backend="inductor")
+    data = batch(cfg, 2, seed=0)
+    want, got = eager(*data)["loss"], compiled(*data)["loss"]
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fused kernels: fp32 rounding, not bitwise
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
