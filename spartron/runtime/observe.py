@@ -9,8 +9,9 @@ it fails. `RunObserver` is the trainer's one handle on all of it.
   one step, one evaluation or one save is still running (a timer thread: building a big model, the first
   step's warm-up and a save of many GiB are otherwise minutes of silence).
 - `observe.memory_snapshot_on_oom` (CUDA): the allocator records its history from the end of setup on, and
-  a CUDA out-of-memory error in a step, an evaluation or a save dumps it to `<run dir>/memory/oom-rank<r>-step<s>.pickle` (open it at
-  https://pytorch.org/memory_viz) before the error goes on.
+  a CUDA out-of-memory error in a step, an evaluation or a save dumps it to
+  `<run dir>/memory/oom-rank<r>-step<s>.pickle` (open it at https://pytorch.org/memory_viz) before the error
+  goes on.
 - `observe.nccl_flight_recorder = N`: NCCL's flight recorder keeps the last N collectives per rank and
   dumps them to `<run dir>/nccl_trace/rank_<r>` on a watchdog timeout. torch reads it from the
   environment when the process group starts, so the launcher sets it (`launch_env`), never the user.

@@ -3,8 +3,8 @@
 One table (`SCALARS`) says which record field becomes which tag, so both sinks show the same names:
 train/* (losses, grad norm, lr), perf/* (tokens/s, MFU, step and data-loading time), memory/* (GB, the
 allocator's retries), moe/* (expert load: the worst layer, and each MoE layer's busiest-expert excess
-`moe/layer_<i>/load_violation`), val/* (evaluation). The x axis is the optimizer step. A resumed run appends to the same folder; TensorBoard
-shows the re-run steps past the last save over the first run's values.
+`moe/layer_<i>/load_violation`), val/* (evaluation). The x axis is the optimizer step. A resumed run appends
+to the same folder; TensorBoard shows the re-run steps past the last save over the first run's values.
 """
 
 from __future__ import annotations
