@@ -88,6 +88,30 @@ def permute_rows(x: Tensor, order: Tensor) -> Tensor:
     return _PermuteRows.apply(x, order)
 
 
+class _ReplicateTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, slot_order: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(slot_inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, slot_order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (slot_inverse,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, slot_inverse).view(-1, ctx.top_k, grad.shape[-1])
+        return per_slot.sum(dim=1), None, None, None
+
+
+def replicate_tokens(x: Tensor, slot_order: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
+    """`x[slot_order // top_k]`: token rows [T, dim] -> one row per (token, k) slot in `slot_order`.
+
+    Why not plain indexing: its backward is index_put with accumulation over the top_k copies of each
+    token, which sorts the indices (the same ~1 ms a call on the H200 as `permute_rows` avoids).
+    Here the backward gathers the slots back into token-major order (`slot_inverse`) and sums each
+    token's top_k rows: no sort, deterministic, the same sums (fp32 accumulation, one rounding)."""
+    return _ReplicateTokens.apply(x, slot_order, slot_inverse, top_k)
+
+
 class _GateWeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights: Tensor, per_slot: Tensor) -> Tensor:
@@ -131,7 +155,7 @@ class LocalDispatcher:
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         state = DispatchState(topk_weights=topk_weights, slot_order=slot_order, slot_inverse=slot_inverse,
                               tokens_per_expert=counts)
-        return x[slot_order // top_k], state
+        return replicate_tokens(x, slot_order, slot_inverse, top_k), state
 
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
         return x
