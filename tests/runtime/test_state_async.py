@@ -22,12 +22,10 @@ from spartron.runtime.state import (
 from spartron.runtime.trainer import train
 from spartron.testing import run_distributed
 
-CPU = torch.device("cpu")
 
-
-def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model_and_optimizer(seed: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 8))  # ~34 MiB + 2 x AdamW: a write that lasts
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 8)).to(device)  # ~34 MiB + AdamW: a write that lasts
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -35,11 +33,12 @@ def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _save_train_commit(rank, world, run_dir: str, commit: bool):
+def _save_train_commit(rank, world, run_dir: str, commit: bool, device: str = "cpu"):
     group = AsyncSaveGroup()
-    model, opt = _model_and_optimizer(0)
+    model, opt = _model_and_optimizer(0, device)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    pending = start_save(run_dir, 1, model, opt, {"tokens": 0}, {"data": {}}, CPU, async_group=group)
+    pending = start_save(run_dir, 1, model, opt, {"tokens": 0}, {"data": {}}, torch.device(device),
+                         async_group=group)
     overlapped = not pending.done()  # start_save returned while this rank's tensors were still being written
     no_step_yet = not step_dir(run_dir, 1).exists()
     for p in model.parameters():  # the next training step changes the parameters in place
@@ -50,8 +49,8 @@ def _save_train_commit(rank, world, run_dir: str, commit: bool):
         group.destroy()
         return overlapped, no_step_yet, None
     path = pending.commit()
-    fresh, fresh_opt = _model_and_optimizer(1)
-    load_state(path, fresh, fresh_opt, CPU)
+    fresh, fresh_opt = _model_and_optimizer(1, device)
+    load_state(path, fresh, fresh_opt, torch.device(device))
     bitwise = all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
     group.destroy()
     return overlapped, no_step_yet, bitwise
@@ -62,6 +61,13 @@ def test_an_async_save_overlaps_the_next_step_and_loads_bitwise(tmp_path):
     assert results == [(True, True, True)] * 2
     assert complete_steps(tmp_path) == [1] and (step_dir(tmp_path, 1) / COMPLETE).is_file()
     assert incomplete_steps(tmp_path) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: parameters on the GPU, staged to the host")
+def test_an_async_save_of_cuda_parameters_overlaps_the_next_step_and_loads_bitwise(tmp_path):
+    results = run_distributed(_save_train_commit, 1, str(tmp_path), True, "cuda", timeout=120, start_method="spawn")
+    assert results == [(True, True, True)]
 
 
 def test_a_crash_before_the_commit_leaves_no_complete_step(tmp_path):
