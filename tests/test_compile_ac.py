@@ -100,6 +100,9 @@ def test_twelve_layers_share_their_graphs_below_dynamos_recompile_limit():
     model(*batch(cfg, 2, seed=0))["loss"].backward()
     assert counters["stats"]["unique_graphs"] == 3 and sum(counters["graph_break"].values()) == 0
     assert len({type(layer) for layer in model.layers.values()}) == 1
+    with torch.no_grad():  # evaluation runs compiled too: one no-grad graph per kind, not eager
+        model(*batch(cfg, 2, seed=1))
+    assert counters["stats"]["unique_graphs"] == 6 and sum(counters["graph_break"].values()) == 0
 
 
 def _check_compiled_blocks(cfg, mode):

@@ -275,14 +275,14 @@ class CheckpointRegion:
         self.saved_inputs_scope: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def __call__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # nothing will replay: run plainly (eval / inference)
-            return fn(*args, **kwargs)
         scope = self.saved_inputs_scope() if self.saved_inputs_scope is not None else contextlib.nullcontext()
-        if self._compiled is not None:
+        if self._compiled is not None:  # also without grad (eval): its own compiled graph, not eager
             # Host split sizes (MoE expert counts, all-to-all splits) trace as unbacked SymInts, not
             # as a graph break or a recompile per new split pattern.
             with scope, torch._dynamo.config.patch(capture_scalar_outputs=True):
                 return self._compiled(fn, *args, **kwargs)
+        if not torch.is_grad_enabled():  # nothing will replay: run plainly (eval / inference)
+            return fn(*args, **kwargs)
         call = _RegionCall(self.options, fn, args, kwargs)
         self.last_stats = call.stats
         with scope:

@@ -12,7 +12,9 @@ One rule, written once here:
 - While a session is open every region runs its calls under `saved_tensors_hooks`. The reentrant
   boundary saves its inputs with `ctx.save_for_backward` (and torch's non-reentrant checkpoint saves
   its floating inputs the same way), so the pack hook sees exactly those tensors: matching is by
-  tensor identity, never by shared storage. A tensor of a region in the window, on the offload
+  tensor identity, never by shared storage. A compiled region (CheckpointRegion.compile) runs under
+  the same hooks, outside its graph: what its pack hook sees is what the compiled graph saves for
+  backward (its inputs and the outputs its policy keeps). A tensor of a region in the window, on the offload
   device, of at least `min_bytes` (floating point; integer index tensors such as the DSA top-k ids
   too with `what = "inputs_and_dsa_ids"`) is copied into a pooled host buffer on the D2H stream and
   the hook keeps no reference to the device tensor: the caching allocator frees it once the copy
