@@ -181,7 +181,7 @@ def test_two_ranks_ep2_without_cp_give_the_same_loss_and_grads():
 
 
 def test_compiled_blocks_match_eager():
-    # torch.compile per block (no checkpoint regions: the config rejects compile with AC).
+    # torch.compile per block without checkpoint regions (with AC: tests/test_compile_ac.py).
     eager_cfg = tiny("ac.mode=none")
     compiled_cfg = tiny("ac.mode=none", "train.compile=true", "train.compile_backend=aot_eager")
     eager, compiled = make_model(eager_cfg), make_model(compiled_cfg)
