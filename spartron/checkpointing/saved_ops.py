@@ -240,8 +240,8 @@ _PASS = "not the region's computation"  # a decision: views and autograd's detac
 # its replay with it), not by the region's code: outside both op sequences too, never saved.
 _GRAD_MODE_ARTIFACTS = frozenset({torch.ops.aten.detach.default})
 _RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
-_RANGE_EXITS = frozenset({torch.ops.profiler._record_function_exit.default,
-                          torch.ops.profiler._record_function_exit._RecordFunction})
+_RANGE_EXITS = frozenset(getattr(torch.ops.profiler._record_function_exit, name)
+                         for name in torch.ops.profiler._record_function_exit.overloads())
 
 
 def with_backward_outputs(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
