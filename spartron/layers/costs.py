@@ -307,6 +307,7 @@ class StepShape:
     offload_prefetch_depth: int = 1
     keep_grad_buffers: bool = False
     device: str = "cuda"  # cpu: SDPA's math path keeps the [B, H, S, S] probabilities
+    grad_sync: str = "last_micro_batch"  # train.grad_sync; "every_micro_batch": no unsharded grads accumulate
 
 
 @dataclass(frozen=True)
@@ -513,7 +514,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
         reduction += biggest.params * reduce
     grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
-    if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers:
+    if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers and step.grad_sync == "last_micro_batch":
         # the trainer turns FSDP2's gradient sync off for all but the last micro-batch: until then every
         # block's UNSHARDED gradients accumulate (compute dtype); sharded ones appear only when reduced
         unsharded_params = sum(_numel(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items())

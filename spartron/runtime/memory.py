@@ -17,7 +17,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
                      ac_targets=tuple(ac.targets) if ac.targets is not None else None, offload=off.enabled,
                      offload_keep_last=off.keep_last if off.window == "all_but_last" else 0,
                      offload_prefetch_depth=off.prefetch_depth, keep_grad_buffers=t.keep_grad_buffers,
-                     device="cpu" if cfg.device == "cpu" else "cuda")
+                     device="cpu" if cfg.device == "cpu" else "cuda", grad_sync=t.grad_sync)
 
 
 def plan_memory(cfg: RunConfig, world_size: int, rank: int = 0) -> MemoryPlan:
