@@ -120,9 +120,10 @@ def _check_compiled_blocks(cfg, mode):
     mm_backward = rec.count("backward", "aten.mm")
     # the policy table in the compiled graph: full AC recomputes the forward matmuls in backward
     # (80 gradient matmuls + 38 recomputed), selective saves them like no AC does; both recompute
-    # the norms and activations that no AC saves
+    # the norms and activations that no AC saves (silu: swiglu's backward recomputes silu(gate) in
+    # every mode, spartron.layers.ffn)
     assert (mm_backward, rec.count("backward", "rsqrt"), rec.count("backward", "silu")) == \
-        {"none": (80, 8, 39), "full": (118, 32, 59), "selective": (80, 32, 59)}[mode]
+        {"none": (80, 8, 41), "full": (118, 32, 61), "selective": (80, 32, 61)}[mode]
 
 
 def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():

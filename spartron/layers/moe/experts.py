@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.comm.collectives import splits_to_host
+from spartron.layers.ffn import swiglu
 from spartron.layers.init import init_parameters_
 
 
@@ -99,8 +100,8 @@ class GroupedExperts(nn.Module):
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         try:
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            h = swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                       torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         except (RuntimeError, NotImplementedError) as err:
             raise RuntimeError(f"torch._grouped_mm failed for {x.dtype} on {x.device} (torch "
