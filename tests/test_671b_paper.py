@@ -35,11 +35,11 @@ def sample_ranks(dims) -> list[int]:
     return sorted({0, dims.world_size - 1, *(g[(7 * i + 3) % len(g)] for i, g in enumerate(ep_groups))})
 
 
-def built_shards(cfg, rank: int) -> dict[str, tuple[int, ...]]:
+def built_shards(cfg, rank: int, world: int = WORLD) -> dict[str, tuple[int, ...]]:
     """{name: local shape} of `rank`'s model, built on meta and parallelised under a fake process group."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        groups = ParallelGroups.build(cfg.parallel.dims(WORLD), "cpu")
+        groups = ParallelGroups.build(cfg.parallel.dims(world), "cpu")
         m = cfg.model
         model = build_model(m, groups, seed=0, device="meta")
         model = parallelize(model, groups, cfg.ac, param_dtype=getattr(torch, m.dtype) if m.master_dtype else None)
@@ -81,3 +81,17 @@ def test_671b_shards_match_the_planner_and_the_plan_fits_h200_and_h100(name, h10
         assert plan.fits(141 * GB), (rank, plan.peak / GB)
         plan = plan_memory(h100_cfg, WORLD, rank)
         assert plan.fits(80 * GB), (rank, plan.peak / GB)
+
+
+def test_at_1024_gpus_the_experts_are_split_on_their_second_dim():
+    """EP 64 x expert_fsdp 16: an EP rank's 4 experts cannot go whole to 16 ranks, so every rank holds a
+    1/16 slice of each (spartron.layers.parallelize.expert_shard_dim), as the planner says."""
+    cfg = load_config(CONFIGS / "deepseek-v3-671b.toml")
+    dims = cfg.parallel.dims(1024)
+    assert (dims.ep, dims.expert_fsdp, dims.fsdp) == (64, 16, 1024)
+    for rank in (0, 1023):
+        built = built_shards(cfg, rank, 1024)
+        assert built == param_shards(cfg.model, dims, rank), rank
+        assert built["layers.3.ffn.experts.w1"] == (4, 2048 // 16, 7168)
+        assert built["layers.3.ffn.experts.w2"] == (4, 7168 // 16, 2048)
+        assert plan_memory(cfg, 1024, rank).fits(80 * GB)

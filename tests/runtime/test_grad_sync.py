@@ -58,3 +58,15 @@ def test_an_unknown_mode_is_an_error_naming_the_key():
         load_config(TINY, ["train.grad_sync=always"])
     assert str(err.value) == ("invalid config: train.grad_sync: Input should be 'last_micro_batch' or "
                               "'every_micro_batch' (got 'always')")
+
+
+def test_the_planner_counts_unsharded_gradients_only_when_they_accumulate():
+    from spartron.launch.plan import plan_memory
+    from spartron.layers.costs import state_bytes_per_rank
+
+    plans = {mode: plan_memory(load_config(TINY, ["train.global_batch_size=4", f"train.grad_sync={mode}"]), 2)
+             for mode in ("last_micro_batch", "every_micro_batch")}
+    cfg = load_config(TINY, [])
+    sharded = state_bytes_per_rank(cfg.model, cfg.parallel.dims(2), "adamw")["gradients"]
+    assert plans["every_micro_batch"].parts["gradients"] == sharded
+    assert plans["last_micro_batch"].parts["gradients"] > 1.9 * sharded  # the whole (unsharded) local model's
