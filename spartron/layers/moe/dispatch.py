@@ -119,10 +119,11 @@ class _GateWeightedSum(torch.autograd.Function):
         return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         weights, per_slot = ctx.saved_tensors
-        grad_weights = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1)
-        return grad_weights, weights.unsqueeze(-1) * grad.unsqueeze(1)
+        grad_weights = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
+        grad_slots = weights.unsqueeze(-1) * grad.unsqueeze(1) if ctx.needs_input_grad[1] else None
+        return grad_weights, grad_slots
 
 
 def gate_weighted_sum(weights: Tensor, per_slot: Tensor) -> Tensor:

@@ -35,5 +35,15 @@ def test_random_fp32_matches_bmm_to_rounding():
     grad = torch.randn(33, 64, generator=g)
     ref = torch.autograd.grad(torch.bmm(w.unsqueeze(1), y).squeeze(1), (y, w), grad)
     got = torch.autograd.grad(gate_weighted_sum(w, y), (y, w), grad)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one():
+    y = torch.ones(3, 2, 4, requires_grad=True)
+    w = torch.full((3, 2), 0.5)
+    (gy,) = torch.autograd.grad(gate_weighted_sum(w, y), (y,), torch.ones(3, 4))
+    assert gy.tolist() == [[[0.5] * 4] * 2] * 3
+    w2 = w.clone().requires_grad_()
+    (gw,) = torch.autograd.grad(gate_weighted_sum(w2, y.detach()), (w2,), torch.ones(3, 4))
+    assert gw.tolist() == [[4.0, 4.0]] * 3
