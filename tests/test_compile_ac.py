@@ -63,8 +63,9 @@ class Recorder:
                    for gm in self.graphs[kind] for n in gm.graph.nodes if n.op == "call_function")
 
 
-def _compiled_and_eager(cfg, backend, steps: int = 2, n: int = 2, groups=None):
-    eager, compiled = build_model(cfg.model, groups), build_model(cfg.model, groups)
+def _compiled_and_eager(cfg, backend, steps: int = 2, n: int = 2, groups=None, model_cfg=None):
+    model_cfg = model_cfg or cfg.model
+    eager, compiled = build_model(model_cfg, groups), build_model(model_cfg, groups)
     parallelize(eager, groups, cfg.ac)
     parallelize(compiled, groups, cfg.ac, compile_backend=backend)
     for step in range(steps):  # a second batch routes differently: new split sizes, same graphs
@@ -124,6 +125,15 @@ def _check_compiled_blocks(cfg, mode):
     # every mode, spartron.layers.ffn)
     assert (mm_backward, rec.count("backward", "rsqrt"), rec.count("backward", "silu")) == \
         {"none": (80, 8, 41), "full": (118, 32, 61), "selective": (80, 32, 61)}[mode]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_dense_mla_compiled_matches_eager_bitwise(mode):
+    cfg = small(f"ac.mode={mode}", "ac.reentrant=false", "train.compile=true", "train.compile_backend=aot_eager")
+    counters.clear()
+    _compiled_and_eager(cfg, "aot_eager", model_cfg=cfg.model.model_copy(update={"dsa": None}))
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 2
 
 
 def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():
