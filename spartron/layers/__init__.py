@@ -12,6 +12,7 @@ from spartron.layers.attention import MLA, LightningIndexer, dsa_schedule, spars
 from spartron.layers.config import DSAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, YarnConfig
 from spartron.layers.costs import ParamCount, count_parameters, state_bytes_per_rank, training_flops_per_token
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack
+from spartron.layers.init import init_parameters_, materialize_
 from spartron.layers.model import SparseMoEModel, build_model
 from spartron.layers.moe import GroupedExperts, MoELayer, Router, build_dispatcher
 from spartron.layers.mtp import MTP
@@ -22,6 +23,6 @@ __all__ = [
     "MLA", "MTP", "AttentionOutput", "Block", "DSAConfig", "DecoderLayer", "DecoderLayerOutput", "GroupedExperts",
     "LightningIndexer", "MLAConfig", "MTPConfig", "MTPOutput", "ModelConfig", "ModelOutput", "MoEConfig", "MoELayer",
     "MoEOutput", "ParallelizableModel", "ParamCount", "Router", "SparseMoEModel", "YarnConfig", "build_dispatcher",
-    "build_model", "count_parameters", "dsa_schedule", "parallelize", "run_decoder_stack", "sparse_mla",
-    "state_bytes_per_rank", "training_flops_per_token",
+    "build_model", "count_parameters", "dsa_schedule", "init_parameters_", "materialize_", "parallelize",
+    "run_decoder_stack", "sparse_mla", "state_bytes_per_rank", "training_flops_per_token",
 ]
