@@ -373,6 +373,9 @@ class RunConfig(ConfigSection):
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
         if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:
+            if "reentrant" not in self.ac.model_fields_set:  # left at its default: compile picks non-reentrant
+                self.ac.reentrant = False
+                return self._check()
             raise ValueError(
                 f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
                 "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
