@@ -64,7 +64,7 @@ def test_defaults_and_overrides():
     (["offload.enabled=true", "ac.mode=none"],
      "invalid config: offload.enabled needs checkpoint regions: set ac.mode to 'full' or 'selective'"),
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),
-    (["train.compile=true"],  # tiny.toml has ac.mode = "selective"
+    (["train.compile=true", "ac.reentrant=true"],  # tiny.toml has ac.mode = "selective"
      "invalid config: train.compile = true with ac.mode = 'selective' needs ac.reentrant = false"),
     (["parallel.nccl.epx.max_ctas=8"],
      "invalid config: parallel.nccl: unknown group 'epx'; known: world, cp, fsdp"),
@@ -111,3 +111,14 @@ def test_bad_files(tmp_path):
     unknown.write_text("[parallel]\nep = 2\nexpert_parallel = 2\n")
     with pytest.raises(ConfigError, match="parallel.expert_parallel: unknown key"):
         load_config(unknown)
+
+
+def test_compile_makes_an_unset_ac_reentrant_non_reentrant(tmp_path):
+    cfg = load_config("configs/tiny.toml", ["train.compile=true"])  # tiny.toml: ac.mode = "selective"
+    assert cfg.ac.reentrant is False
+    assert load_config("configs/tiny.toml", ["train.compile=true", "ac.reentrant=false"]).ac.reentrant is False
+    assert load_config("configs/tiny.toml", []).ac.reentrant is True  # eager keeps the reentrant default
+    assert load_config("configs/tiny.toml", ["train.compile=true", "ac.mode=none"]).ac.reentrant is True
+    path = tmp_path / "run.toml"
+    path.write_text(dump_config(cfg))  # the resolved value is written, so the dump loads the same
+    assert load_config(path).ac == cfg.ac

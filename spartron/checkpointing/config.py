@@ -14,7 +14,9 @@ class ACConfig(ConfigSection):
 
     mode: "none" (no regions), "full" (keep only the mandatory operations) or "selective" (also keep
     `targets`). targets: exact operator names ("aten::mm") or namespaces ("spartron_collectives");
-    None means the defaults, a list REPLACES them, [] keeps only the mandatory set. Targets are checked
+    None means the defaults, a list REPLACES them, [] keeps only the mandatory set. reentrant: the
+    region's boundary; left unset with train.compile = true it becomes false (compiled regions are
+    non-reentrant; setting it true there is an error, spartron.runtime.config). Targets are checked
     against the operators torch has registered when the config is validated: the run config
     (spartron.runtime.config) imports Spartron's op libraries first, so their namespaces are there.
     """
