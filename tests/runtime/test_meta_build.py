@@ -131,3 +131,12 @@ def test_a_meta_built_model_has_no_storage_until_materialised():
     materialize_(model, "cpu", SEED, cfg.init_std)
     eager = build_model(cfg, seed=SEED).state_dict()
     assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
+
+
+def test_expert_weights_are_split_on_dim_1_only_when_whole_experts_do_not_divide():
+    from spartron.layers.parallelize import expert_shard_dim
+
+    assert expert_shard_dim((8, 32, 64), 4) == 0 and expert_shard_dim((4, 32, 64), 1) == 0
+    assert expert_shard_dim((4, 2048, 7168), 16) == 1  # DeepSeek-V3, EP 64 on 1024 GPUs
+    assert expert_shard_dim((3, 32, 64), 2) == 1
+    assert expert_shard_dim((3, 33, 64), 2) == 0  # neither divides: whole experts, padded
