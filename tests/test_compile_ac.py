@@ -298,3 +298,15 @@ def test_inductor_on_cpu_with_selective_ac_matches_eager():
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_with_checkpointed_moe_blocks_under_fsdp_is_refused_before_spawning():
+    from spartron.runtime.config import ConfigError
+    from spartron.runtime.preflight import check_compile_with_regions
+
+    cfg = small("train.compile=true")  # tiny: selective AC, layer 0 dense, layer 1 MoE
+    check_compile_with_regions(cfg, 1)  # one rank, no FSDP2: compiles
+    check_compile_with_regions(small("train.compile=true", "ac.mode=none"), 2)
+    with pytest.raises(ConfigError, match=r"^train.compile = true with ac.mode != 'none' under FSDP2 \(several ranks "
+                                          r"or model.master_dtype\): block 1's routed experts"):
+        check_compile_with_regions(cfg, 2)

@@ -121,12 +121,16 @@ def _compiles_whole(block: Block, sharded: bool) -> bool:
     if not sharded or block.experts is None:
         return True
     if checkpoint_region_of(block.module) is not None:
-        raise ValueError(
-            f"train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): "
-            f"block {block.name}'s routed experts are sharded on their own and their FSDP2 hooks run inside its "
+        raise ValueError(compiled_region_refusal(block.name))
+    return False
+
+
+def compiled_region_refusal(block: str) -> str:
+    """Why a checkpointed MoE block cannot compile under FSDP2 (also said before spawning, preflight)."""
+    return (f"train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): "
+            f"block {block}'s routed experts are sharded on their own and their FSDP2 hooks run inside its "
             "checkpoint region, which a compiled region cannot contain; use ac.mode = 'none' or "
             "train.compile = false")
-    return False
 
 
 def _range_fsdp_pre_forward(module: nn.Module) -> None:
