@@ -373,14 +373,17 @@ class RunConfig(ConfigSection):
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
         if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:
-            if "reentrant" not in self.ac.model_fields_set:  # left at its default: compile picks non-reentrant
-                self.ac.reentrant = False
-                return self._check()
-            raise ValueError(
-                f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
-                "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
-                "(the same operator table) the compiled graph obeys; a reentrant region's policy is a Python "
-                "dispatch mode that compiled graphs bypass, so its saves could not be exact")
+            if "reentrant" in self.ac.model_fields_set:
+                raise ValueError(
+                    f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
+                    "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
+                    "(the same operator table) the compiled graph obeys; a reentrant region's policy is a Python "
+                    "dispatch mode that compiled graphs bypass, so its saves could not be exact")
+            self.ac.reentrant = False  # left at its default: compiled regions are non-reentrant
+            return self._check()
+        if self.train.compile and self.ac.debug_summary:
+            raise ValueError("ac.debug_summary is set but train.compile = true: a compiled region keeps no "
+                             "per-op stats (its saves are decided in the graph); set train.compile = false to log them")
         if self.offload.what == "inputs_and_dsa_ids" and self.model.dsa is None:
             raise ValueError("offload.what = 'inputs_and_dsa_ids' offloads DSA top-k ids, but the model has no "
                              "[model.dsa]: use offload.what = 'inputs'")
