@@ -66,6 +66,8 @@ def test_defaults_and_overrides():
     (["parallel.cp=3"], "invalid config: train.seq_len 64 must be divisible by 2 * parallel.cp (6)"),
     (["train.compile=true", "ac.reentrant=true"],  # tiny.toml has ac.mode = "selective"
      "invalid config: train.compile = true with ac.mode = 'selective' needs ac.reentrant = false"),
+    (["train.compile=true", "ac.debug_summary=true"],
+     "invalid config: ac.debug_summary is set but train.compile = true: a compiled region keeps no per-op stats"),
     (["parallel.nccl.epx.max_ctas=8"],
      "invalid config: parallel.nccl: unknown group 'epx'; known: world, cp, fsdp"),
     (["parallel.nccl.ep.min_ctas=16", "parallel.nccl.ep.max_ctas=8"],
