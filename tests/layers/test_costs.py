@@ -127,8 +127,9 @@ def test_flops_equal_flop_counter_mode_on_the_tiny_preset(indexer):
     - index scores: the indexer computes all S x S pairs and masks; the model counts visible pairs.
     - KL target (trained indexer): over the S x S square (kl_dense) or all K top-k slots, padding
       included (kl_sparse); the model counts visible keys.
-    - the MoE combine's gate-weighted sum of the top-k expert rows is a bmm ([T,1,k] x [T,k,D]);
-      the model, like MFU conventions, does not count it.
+    - the MoE combine's gate-weighted sum of the top-k expert rows is a bmm ([T,1,k] x [T,k,D]) and one
+      bmm in backward (the weights' gradient; the rows' gradient is an elementwise product:
+      dispatch.gate_weighted_sum); the model, like MFU conventions, does not count it.
     The attention cores the counter skips are checked against a brute-force count over the causal mask.
     """
     extra = [] if indexer == "frozen" else [f'model.dsa.indexer_mode="{indexer}"', "model.dsa.indexer_loss_coeff=0.1"]
@@ -151,7 +152,7 @@ def test_flops_equal_flop_counter_mode_on_the_tiny_preset(indexer):
                 + n_dense * n_tok * seq * 3 * dense_per_key
                 + n_sources * n_tok * seq * score_factor * 2 * d.n_index_heads * (d.index_head_dim + 1)
                 + n_sources * n_tok * target_keys * 2 * cfg.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim)
-                + n_moe * n_tok * 3 * 2 * cfg.moe.top_k * cfg.dim)
+                + n_moe * n_tok * 2 * 2 * cfg.moe.top_k * cfg.dim)
     assert counter.get_total_flops() == expected
 
     causal = sum(t + 1 for t in range(seq))
