@@ -75,7 +75,8 @@ def test_every_megatron_field_is_in_exactly_one_table():
                    "dispatcher": "deepep",
                    "deepep_num_sms": 8, "aux_loss_coeff": 0.001, "aux_loss_type": "seq"}),
     small_cfg(dsa={**DSA_SMALL, "layers": "moe", "indexer_mode": "kl_sparse", "indexer_loss_coeff": 0.5}),
-], ids=["moe", "dense", "yarn-bf16-noqlora", "softmax-groups-aux", "sigmoid-groups-deepep", "dsa"])
+    small_cfg(dsa={**DSA_SMALL, "indexer_fp8": True, "deterministic_dkv": True}),
+], ids=["moe", "dense", "yarn-bf16-noqlora", "softmax-groups-aux", "sigmoid-groups-deepep", "dsa", "dsa-fp8-det"])
 def test_round_trip_spartron_megatron_spartron(cfg):
     tcfg = megatron_config_from_spartron(cfg)
     assert spartron_config_from_megatron(tcfg, base=cfg) == cfg
@@ -105,7 +106,7 @@ def test_handwritten_megatron_config_maps_to_spartron():
         all_to_all_transport="nccl", copy_engine_sync="barrier", deepep_num_sms=24, grouped_mm="auto")
     assert cfg.dsa.model_dump() == dict(n_index_heads=4, index_head_dim=16, index_topk=8, topk_freq=1,
                                         layers="all", indexer_mode="frozen", indexer_loss_coeff=0.0,
-                                        share_indexer_across_mtp=True)
+                                        share_indexer_across_mtp=True, indexer_fp8=False, deterministic_dkv=False)
     assert cfg.norm_eps == 1e-6 and cfg.dtype == "float32"
 
 
