@@ -288,9 +288,12 @@ def test_flex_document_attention_on_cuda_matches_the_masked_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernel needs CUDA")
 def test_model_on_cuda_packed_row_equals_each_document_alone():
-    """The CUDA path end to end (FlexAttention with the block mask from document starts, the DSA indexer's
-    top-k with document starts, MTP targets), forward and backward, against each document alone."""
+    """The CUDA path end to end (FlexAttention with the block mask from document starts in every layer, MTP
+    targets), forward and backward, against each document alone. Without DSA: the sparse-MLA CUDA kernel
+    takes DeepSeek-V3 shapes only (head dim 576), not the tiny preset's; the indexer's document bound is
+    tested on CPU above."""
     cfg = load_config("configs/tiny.toml", ["model.mtp.depth=1", "model.max_seq_len=512"]).model
+    cfg = cfg.model_copy(update={"dsa": None})
     with torch.device("cuda"):
         model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
@@ -306,4 +309,4 @@ def test_model_on_cuda_packed_row_equals_each_document_alone():
         for d in docs:
             alone = model(d[None].cuda(), torch.cat([d[1:], torch.tensor([-100])])[None].cuda())
             lm_sum, n_lm = lm_sum + alone["lm_loss"] * (len(d) - 1), n_lm + len(d) - 1
-    torch.testing.assert_close(packed["lm_loss"].detach(), lm_sum / n_lm, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(packed["lm_loss"].detach(), lm_sum / n_lm, rtol=1e-4, atol=1e-4)
