@@ -16,6 +16,10 @@ gradients, runs even when every input is detached. Outputs come back as the same
 Non-reentrant mode: torch.utils.checkpoint's non-reentrant implementation carries the autograd
 plumbing; the region supplies the policy and frames through its ``context_fn``.
 
+Compiled mode (``CheckpointRegion.compile``, train.compile): a non-reentrant region runs as one
+compiled graph of torch's checkpoint whose selective-checkpoint policy is the same operator table,
+so compile and eager save the same ops; the region's eager frame (offload hooks) stays outside it.
+
 Options are bound when the region is built (``CheckpointRegion(options)``), so every call-time
 keyword argument, whatever its name, goes to ``fn``.
 """
