@@ -109,7 +109,9 @@ class DataConfig(ConfigSection):
     (`path`): documents packed into sequences with per-document positions, a block-causal document
     mask (`doc_mask`, default true; false: plain causal attention over the packed row) and the chat
     loss mask. `val_fraction`: the held-out split (mmap: the file's last samples; packed: its last
-    documents), never trained on; synthetic data always has a held-out stream of its own.
+    documents), never trained on; synthetic data always has a held-out stream of its own. `paths`
+    (instead of `path`) with `weights` (default equal) blends several files or folders of the kind
+    by weight (spartron.data.blend); each keeps its own held-out split.
     """
 
     kind: Literal["synthetic", "mmap", "packed"] = "synthetic"
@@ -118,8 +120,22 @@ class DataConfig(ConfigSection):
     val_fraction: float = Field(0.0, ge=0, lt=1)
     doc_mask: bool | None = None  # packed only; None: true
     shuffle: bool = False  # mmap / packed: each epoch reads its samples in a new order (seeded by train.seed)
+    paths: list[str] | None = None  # a blend, instead of `path`
+    weights: list[float] | None = None  # of `paths`; default equal
 
     _path = field_validator("path")(check_path_length)
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("must list at least one path (or use train.data.path)")
+            for item in v:
+                if not item.strip():
+                    raise ValueError("must hold non-empty paths")
+                check_path_length(item)
+        return v
 
     @property
     def documents(self) -> bool:
@@ -128,10 +144,19 @@ class DataConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.kind != "synthetic" and not self.path:
-            raise ValueError(f"train.data.path is required when train.data.kind = {self.kind!r}")
+        if self.kind != "synthetic" and not self.path and not self.paths:
+            raise ValueError(f"train.data.path is required when train.data.kind = {self.kind!r} "
+                             "(or train.data.paths for a blend)")
+        if self.path and self.paths:
+            raise ValueError("train.data.path and train.data.paths are both set: one file or folder, or a blend")
+        if self.weights is not None:
+            if self.paths is None:
+                raise ValueError("train.data.weights is set without train.data.paths (the blend it weighs)")
+            if len(self.weights) != len(self.paths) or any(w <= 0 for w in self.weights):
+                raise ValueError(f"train.data.weights must be {len(self.paths)} positive numbers, one per "
+                                 f"train.data.paths entry, got {self.weights}")
         if self.kind == "synthetic":  # an option that would be ignored is a mistake, not a no-op
-            ignored = [key for key in ("path", "token_dtype", "val_fraction", "doc_mask", "shuffle")
+            ignored = [key for key in ("path", "token_dtype", "val_fraction", "doc_mask", "shuffle", "paths")
                        if getattr(self, key) != DataConfig.model_fields[key].default]
             if ignored:
                 raise ValueError(f"train.data.{ignored[0]} is set but train.data.kind = 'synthetic' reads "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from spartron.data.blend import BlendSchedule, blend_schedule
 from spartron.data.packing import PackedDocuments, split_documents
 from spartron.data.shuffle import shuffled_index
 from spartron.data.tokenfile import META, open_token_folder
@@ -214,7 +215,7 @@ class Shuffled:
         return self.source.example(shuffled_index(index, self.n_samples, self.seed))
 
 
-Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource | Shuffled
+Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource | Shuffled  # | Blended of these
 
 
 @dataclass
@@ -268,14 +269,27 @@ class TokenLoader:
         self.position = int(state["position"])
 
 
-def _source(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
+class Blended:
+    """Several sources by weight (spartron.data.blend): sample g is sample k of source i, both from g alone."""
+
+    def __init__(self, sources: list[Source], schedule: BlendSchedule) -> None:
+        self.sources, self.schedule = sources, schedule
+        parts = ";".join(f"{s.fingerprint}x{n}" for s, n in zip(sources, schedule.counts, strict=True))
+        self.fingerprint = f"blend[{parts}]"
+
+    def example(self, index: int) -> Example:
+        source, k = self.schedule.locate(index)
+        return self.sources[source].example(k)
+
+
+def _source(cfg: DataConfig, path: str | None, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
     if cfg.kind == "synthetic":
         synthetic = SyntheticTokens(vocab_size, seq_len, seed)
         return synthetic if split == "train" else HeldOutSynthetic(synthetic)
     if cfg.kind == "mmap":
-        return MmapTokens(cfg.path, cfg.token_dtype, seq_len, vocab_size, cfg.val_fraction, split)
-    folder = open_token_folder(cfg.path)
-    where = f"train.data.path {cfg.path!r}"
+        return MmapTokens(path, cfg.token_dtype, seq_len, vocab_size, cfg.val_fraction, split)
+    folder = open_token_folder(path)
+    where = f"train.data.path {path!r}"
     if folder.vocab_size > vocab_size:
         raise ConfigError(f"{where}: its tokenizer has {folder.vocab_size} tokens, more than model.vocab_size "
                           f"{vocab_size}")
@@ -288,13 +302,21 @@ def _source(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: st
     return PackedSource(packed, cfg.documents, folder.fingerprint)
 
 
+def _data(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
+    """The source of a [train.data] section's split: one file or folder, or the blend of `paths` (each
+    shuffled on its own when train.data.shuffle; the held-out split is never shuffled)."""
+    sources = [_source(cfg, path, vocab_size, seq_len, seed, split) for path in (cfg.paths or [cfg.path])]
+    if cfg.shuffle and split == "train":
+        sources = [Shuffled(s, s.n_samples, seed) for s in sources]
+    if cfg.paths is None:
+        return sources[0]
+    return Blended(sources, blend_schedule(cfg.weights or [1.0] * len(sources)))
+
+
 def build_loader(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, dp_rank: int,
                  dp_size: int) -> TokenLoader:
     """The training loader of a [train.data] section (what build_train_loader reads from a RunConfig)."""
-    source = _source(cfg, vocab_size, seq_len, seed, "train")
-    if cfg.shuffle:
-        source = Shuffled(source, source.n_samples, seed)
-    return TokenLoader(source, dp_rank, dp_size)
+    return TokenLoader(_data(cfg, vocab_size, seq_len, seed, "train"), dp_rank, dp_size)
 
 
 def build_train_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:
@@ -316,4 +338,4 @@ def build_eval_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader
     call starts over, so an evaluation reads the same samples every time. ConfigError naming
     train.data.val_fraction when the data holds nothing out."""
     t = cfg.train
-    return TokenLoader(_source(t.data, cfg.model.vocab_size, t.seq_len, t.seed, "val"), dp_rank, dp_size)
+    return TokenLoader(_data(t.data, cfg.model.vocab_size, t.seq_len, t.seed, "val"), dp_rank, dp_size)

@@ -368,3 +368,62 @@ def test_shuffle_is_a_permutation_per_epoch_and_resumes(tmp_path):
         plain.load_state_dict(state)
     with pytest.raises(ConfigError, match="train.data.shuffle is set but train.data.kind = 'synthetic'"):
         _cfg(tmp_path, "train.data.shuffle=true")
+
+
+def test_blend_schedule_is_exact_per_round_and_addressable():
+    from spartron.data.blend import blend_schedule
+
+    s = blend_schedule([2.0, 1.0], round_size=3)
+    assert (s.counts, s.pattern, s.rank) == ((2, 1), (0, 1, 0), (0, 0, 1))
+    assert [s.locate(g) for g in range(7)] == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (0, 3), (0, 4)]
+    s = blend_schedule([0.7, 0.2, 0.1], round_size=1000)
+    assert s.counts == (700, 200, 100)
+    seen = [[], [], []]
+    for g in range(3000):
+        i, k = s.locate(g)
+        seen[i].append(k)
+        assert abs(len(seen[i]) - (g + 1) * s.counts[i] / 1000) <= 1  # never more than one pick off its share
+    assert [sorted(x) == list(range(len(x))) for x in seen] == [True] * 3  # each source read in order, once
+    assert blend_schedule([1.0, 1e-9], round_size=100).counts == (99, 1)  # every source at least once a round
+
+
+def test_blended_token_files_by_weight(tmp_path):
+    for name, base in (("a.bin", 0), ("b.bin", 1000)):
+        np.arange(base, base + 81, dtype=np.uint16).tofile(tmp_path / name)  # 10 samples of 8 each
+    paths = f'train.data.paths=["{tmp_path / "a.bin"}", "{tmp_path / "b.bin"}"]'
+    cfg = _cfg(tmp_path, "train.data.kind=mmap", paths, "train.data.weights=[3.0, 1.0]", "model.vocab_size=2048")
+    loader = build_train_loader(cfg, 0, 1)
+    firsts = [loader.next(1).tokens[0, 0].item() for _ in range(8)]
+    assert firsts == [0, 8, 1000, 16, 24, 32, 1008, 40]  # 3 : 1, each file in its order
+    state = loader.state_dict()
+    assert state["source"] == "blend[mmap:81:uint16x750;mmap:81:uint16x250]"
+    again = build_train_loader(cfg, 0, 1)
+    again.load_state_dict(state)
+    assert torch.equal(again.next(2).tokens, loader.next(2).tokens)
+    with pytest.raises(ConfigError, match="train.data.val_fraction = 0: train.data.kind = 'mmap' has no held-out"):
+        build_eval_loader(cfg, 0, 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.data.kind=mmap", "train.data.path=a", 'train.data.paths=["b"]'], "path and train.data.paths are both"),
+    (["train.data.kind=mmap", "train.data.path=a", "train.data.weights=[1.0]"], "weights is set without"),
+    (["train.data.kind=mmap", 'train.data.paths=["a", "b"]', "train.data.weights=[1.0]"], "must be 2 positive"),
+    (["train.data.kind=mmap", 'train.data.paths=["a"]', "train.data.weights=[0.0]"], "must be 1 positive"),
+    (["train.data.kind=mmap", "train.data.paths=[]"], "must list at least one path"),
+    (['train.data.paths=["a"]'], "train.data.paths is set but train.data.kind = 'synthetic'"),
+])
+def test_blend_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(tmp_path, *overrides)
+
+
+def test_blended_packed_folders_keep_their_own_held_out_documents(tmp_path, tok):
+    for name, n in (("x", 30), ("y", 20)):
+        text_folder(tmp_path / f"corpus-{name}", n_docs=n)
+        prepare_corpus(tmp_path / f"corpus-{name}", tok, tmp_path / name, eos_token="<eos>")
+    paths = f'train.data.paths=["{tmp_path / "x"}", "{tmp_path / "y"}"]'
+    cfg = _cfg(tmp_path, "train.data.kind=packed", paths, "train.data.val_fraction=0.1", "train.data.shuffle=true")
+    assert torch.equal(build_train_loader(cfg, 0, 1).next(4).tokens, build_train_loader(cfg, 0, 1).next(4).tokens)
+    ev = build_eval_loader(cfg, 0, 1)
+    assert ev.source.fingerprint.startswith("blend[packed:") and ":shuffled:" not in ev.source.fingerprint
+    assert ev.next(2).tokens.shape == (2, 8)
