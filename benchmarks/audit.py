@@ -397,7 +397,8 @@ def data_cases() -> list[Case]:
 
 
 def _token_folder(name: str, n: int = 200, edit: Callable[[dict], None] | None = None, ids: int = 2,
-                  raw_meta: bytes | None = None, short: bool = False) -> Callable[[Path], None]:
+                  raw_meta: bytes | None = None, short: bool = False,
+                  offsets: list[int] | None = None) -> Callable[[Path], None]:
     """A `spartron data` folder of n tokens (id `ids` + i % 30) in two documents, its tokens.json edited."""
     import numpy as np
 
@@ -405,9 +406,10 @@ def _token_folder(name: str, n: int = 200, edit: Callable[[dict], None] | None =
         d = work / name
         d.mkdir(parents=True)
         np.asarray([ids + i % 30 for i in range(n - (10 if short else 0))], dtype=np.uint16).tofile(d / "tokens.bin")
+        np.asarray(offsets or [0, n // 2, n], dtype=np.int64).tofile(d / "documents.bin")
         meta = {"format": "spartron-tokens", "version": 1, "dtype": "uint16", "vocab_size": 512, "eos_id": 1,
                 "bos_id": None, "tokenizer": {"sha256": "0" * 64}, "n_tokens": n, "n_documents": 2,
-                "loss_mask": None, "document_offsets": [0, n // 2, n], "corpus": {}}
+                "loss_mask": None, "documents": "documents.bin", "corpus": {}}
         if edit is not None:
             edit(meta)
         (d / "tokens.json").write_bytes(raw_meta if raw_meta is not None else json.dumps(meta).encode())
@@ -441,8 +443,8 @@ def packed_cases() -> list[Case]:
     add("meta-garbage", _token_folder("tok", raw_meta=b"\x00\xff{"))
     add("meta-deep", _token_folder("tok", raw_meta=b"[" * 100_000))
     add("meta-list", _token_folder("tok", raw_meta=b"[]"))
-    add("offsets-falling", _token_folder("tok", edit=lambda m: m.update(document_offsets=[0, 150, 100, 200])))
-    add("offsets-strings", _token_folder("tok", edit=lambda m: m.update(document_offsets=["0", "200"])))
+    add("offsets-falling", _token_folder("tok", offsets=[0, 150, 100]), names=("documents.bin",))
+    add("documents-traversal", _token_folder("tok", edit=lambda m: m.update(documents="../../etc/passwd")))
     add("n-tokens-huge", _token_folder("tok", edit=lambda m: m.update(n_tokens=2**62)))
     add("truncated-bin", _token_folder("tok", short=True))
     add("mask-traversal", _token_folder("tok", edit=lambda m: m.update(loss_mask="../../etc/passwd")),

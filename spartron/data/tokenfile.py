@@ -3,8 +3,10 @@
   tokens.bin      every document's ids back to back, EOS-terminated, uint16 (vocab <= 65536) or uint32:
                   the flat token file `train.data.kind = "mmap"` also reads
   loss_mask.bin   uint8, one per token, 1 where the token is a training target (only for chat corpora)
+  documents.bin   int64 [n_documents + 1]: where each document starts (first 0, last n_tokens); binary and
+                  memory-mapped, so a corpus of millions of documents costs no Python list on any rank
   tokens.json     written last: format, dtype, vocab_size, eos_id, bos_id, the tokenizer's file and SHA-256,
-                  n_tokens, document_offsets ([n_documents + 1], first 0, last n_tokens), the corpus files
+                  n_tokens, n_documents, the names of the files above, the corpus files
 
 A folder without tokens.json is incomplete. Reading checks every field and the file sizes against it
 and refuses anything else with one line naming the file and the key.
@@ -23,7 +25,7 @@ from spartron.runtime.config import ConfigError
 
 FORMAT = "spartron-tokens"
 VERSION = 1
-TOKENS, MASK, META = "tokens.bin", "loss_mask.bin", "tokens.json"
+TOKENS, MASK, DOCS, META = "tokens.bin", "loss_mask.bin", "documents.bin", "tokens.json"
 _META_MAX_BYTES = 1 << 30
 
 
@@ -40,7 +42,7 @@ class TokenFolder:
     meta: dict
     tokens: np.memmap
     loss_mask: np.memmap | None
-    offsets: np.ndarray  # int64 [n_documents + 1]
+    offsets: np.ndarray  # int64 [n_documents + 1] (memory-mapped)
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +70,7 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
     try:
         return _write(out, records, vocab_size, eos_id, bos_id, tokenizer, corpus, chunk_tokens)
     except BaseException as err:
-        for name in (TOKENS, MASK, META):
+        for name in (TOKENS, MASK, DOCS, META):
             (out / name).unlink(missing_ok=True)
         if created:
             out.rmdir()
@@ -80,29 +82,34 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
 def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int,
            bos_id: int | None, tokenizer: dict, corpus: dict, chunk_tokens: int) -> dict:
     dtype = np.dtype(token_dtype(vocab_size))
-    offsets, ids_buf, mask_buf, has_mask = [0], [], [], False
-    with (out / TOKENS).open("wb") as tf, (out / MASK).open("wb") as mf:
+    ids_buf, mask_buf, starts, has_mask = [], [], [0], False
+    n_tokens, n_documents = 0, 0
+    with (out / TOKENS).open("wb") as tf, (out / MASK).open("wb") as mf, (out / DOCS).open("wb") as df:
         def flush() -> None:
             np.asarray(ids_buf, dtype=dtype).tofile(tf)
             np.asarray(mask_buf, dtype=np.uint8).tofile(mf)
+            np.asarray(starts, dtype=np.int64).tofile(df)
             ids_buf.clear()
             mask_buf.clear()
+            starts.clear()
 
         for ids, mask in records:
             ids_buf += ids
             mask_buf += mask
             has_mask = has_mask or not all(mask)
-            offsets.append(offsets[-1] + len(ids))
+            n_tokens += len(ids)
+            n_documents += 1
+            starts.append(n_tokens)  # this document's end: the next one's start
             if len(ids_buf) >= chunk_tokens:
                 flush()
         flush()
-    if offsets[-1] == 0:
+    if n_tokens == 0:
         raise ConfigError("the corpus holds no document")
     if not has_mask:
         (out / MASK).unlink()
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
-            "bos_id": bos_id, "tokenizer": tokenizer, "n_tokens": offsets[-1], "n_documents": len(offsets) - 1,
-            "loss_mask": MASK if has_mask else None, "document_offsets": offsets, "corpus": corpus}
+            "bos_id": bos_id, "tokenizer": tokenizer, "n_tokens": n_tokens, "n_documents": n_documents,
+            "loss_mask": MASK if has_mask else None, "documents": DOCS, "corpus": corpus}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -149,12 +156,15 @@ def open_token_folder(path: str | Path) -> TokenFolder:
     tok = meta.get("tokenizer")
     if not isinstance(tok, dict) or not isinstance(tok.get("sha256"), str):
         raise ConfigError(f"{where}: key 'tokenizer' must hold the tokenizer's 'sha256'")
-    raw = _need(meta, "document_offsets", list, where)
-    if not all(isinstance(o, int) and not isinstance(o, bool) for o in raw):
-        raise ConfigError(f"{where}: document_offsets must be integers")
-    offsets = np.asarray(raw, dtype=np.int64)
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n_tokens or not (np.diff(offsets) > 0).all():
-        raise ConfigError(f"{where}: document_offsets must rise strictly from 0 to n_tokens = {n_tokens}")
+    n_docs = _need(meta, "n_documents", int, where)
+    if not 1 <= n_docs <= n_tokens:
+        raise ConfigError(f"{where}: n_documents {n_docs} must be in 1..n_tokens ({n_tokens})")
+    if meta.get("documents") != DOCS:
+        raise ConfigError(f"{where}: documents must be {DOCS!r}, got {meta.get('documents')!r}")
+    offsets = _map(path / DOCS, "int64", n_docs + 1, "document offsets")
+    if offsets[0] != 0 or offsets[-1] != n_tokens or not (np.diff(offsets) > 0).all():
+        raise ConfigError(f"{path / DOCS}: the document offsets must rise strictly from 0 to n_tokens = {n_tokens} "
+                          f"({META})")
     tokens = _map(path / TOKENS, dtype, n_tokens)
     mask_name = meta.get("loss_mask")
     if mask_name not in (None, MASK):
@@ -163,14 +173,14 @@ def open_token_folder(path: str | Path) -> TokenFolder:
     return TokenFolder(path, meta, tokens, mask, offsets)
 
 
-def _map(file: Path, dtype: str, n: int) -> np.memmap:
+def _map(file: Path, dtype: str, n: int, what: str = "tokens") -> np.memmap:
     width = np.dtype(dtype).itemsize
     try:
         size = file.stat().st_size if file.is_file() else None
         if size is None:
             raise ConfigError(f"{file} is missing (or not a regular file)")
         if size != n * width:
-            raise ConfigError(f"{file} has {size} bytes, but {META} says {n} tokens of {dtype} ({n * width} bytes)")
+            raise ConfigError(f"{file} has {size} bytes, but {META} says {n} {what} of {dtype} ({n * width} bytes)")
         return np.memmap(file, dtype=np.dtype(dtype), mode="r")
     except OSError as err:
         raise ConfigError(f"{file} cannot be read: {err.strerror or err}") from None

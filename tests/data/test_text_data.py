@@ -116,7 +116,7 @@ def test_a_begin_of_sequence_token_starts_every_document(tmp_path, tok):
     assert t.encode_records([Document("a dog")]) == [t.encode_record(Document("a dog"))]
     write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat"}, {"text": "a dog"}])
     meta = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>", bos_token="<|system|>")
-    assert meta["bos_id"] == bos and meta["document_offsets"] == [0, 4, 8]
+    assert meta["bos_id"] == bos and open_token_folder(tmp_path / "out").offsets.tolist() == [0, 4, 8]
     transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok), eos_token="<eos>", bos_token="<|user|>")
     fast.save_pretrained(tmp_path / "saved")
@@ -150,8 +150,9 @@ def test_batched_encoding_keeps_the_order_and_equals_one_at_a_time(tmp_path, tok
                        progress=lambda d, t: calls.append((d, t)))
     assert [d for d, _ in calls] == [3, 6, 7] and calls[-1][1] == a["n_tokens"]
     b = prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "b", eos_token="<eos>", batch_records=1)
-    assert a["document_offsets"] == b["document_offsets"]
-    assert (tmp_path / "a" / "tokens.bin").read_bytes() == (tmp_path / "b" / "tokens.bin").read_bytes()
+    assert a == {**b, "corpus": a["corpus"]} and a["n_documents"] == 7
+    for name in ("tokens.bin", "documents.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
 def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
@@ -162,9 +163,10 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     on_disk = json.loads((tmp_path / "out" / "tokens.json").read_text())
     assert on_disk == meta
     assert {k: meta[k] for k in ("dtype", "vocab_size", "eos_id", "n_tokens", "n_documents", "loss_mask",
-                                 "document_offsets")} == {
+                                 "documents")} == {
         "dtype": "uint16", "vocab_size": 40, "eos_id": 1, "n_tokens": 7, "n_documents": 2, "loss_mask": None,
-        "document_offsets": [0, 4, 7]}
+        "documents": "documents.bin"}
+    assert np.fromfile(tmp_path / "out" / "documents.bin", dtype=np.int64).tolist() == [0, 4, 7]
     import hashlib
     assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
     assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1}
@@ -175,9 +177,10 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(format="other"), "not a spartron-tokens version 1 file"),
     (lambda m: m.update(dtype="int8"), "dtype must be 'uint16' or 'uint32', got 'int8'"),
-    (lambda m: m.update(n_tokens=8), r"document_offsets must rise strictly from 0 to n_tokens = 8"),
-    (lambda m: m.update(document_offsets=[0, 4, 4, 7]), "document_offsets must rise strictly"),
-    (lambda m: m.update(document_offsets=[0, "4", 7]), "document_offsets must be integers"),
+    (lambda m: m.update(n_tokens=8), r"document offsets must rise strictly from 0 to n_tokens = 8"),
+    (lambda m: m.update(n_documents=3), r"documents.bin has 24 bytes, but tokens.json says 4 document offsets"),
+    (lambda m: m.update(n_documents=0), r"n_documents 0 must be in 1..n_tokens \(7\)"),
+    (lambda m: m.update(documents="../x.bin"), "documents must be 'documents.bin', got '../x.bin'"),
     (lambda m: m.update(eos_id=99), "do not fit dtype uint16"),
     (lambda m: m.pop("vocab_size"), "key 'vocab_size' is missing or not int"),
     (lambda m: m.update(loss_mask="../x"), "loss_mask must be null or 'loss_mask.bin'"),
@@ -208,6 +211,14 @@ def test_a_failed_run_of_spartron_data_leaves_nothing_behind(tmp_path, tok):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="output folder '.*file' exists and is not empty"):
         prepare_corpus(tmp_path / "e.jsonl", tok, tmp_path / "file", eos_token="<eos>")
+
+
+def test_document_offsets_that_do_not_rise_are_refused(tmp_path, tok):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "the cat sat"}, {"text": "a dog"}])
+    prepare_corpus(tmp_path / "c.jsonl", tok, tmp_path / "out", eos_token="<eos>")
+    np.asarray([0, 7, 7], dtype=np.int64).tofile(tmp_path / "out" / "documents.bin")
+    with pytest.raises(ConfigError, match="documents.bin: the document offsets must rise strictly from 0"):
+        open_token_folder(tmp_path / "out")
 
 
 def test_truncated_tokens_and_missing_metadata(tmp_path, tok):
