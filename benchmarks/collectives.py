@@ -1,7 +1,12 @@
 """The `spartron_collectives::all_to_all` boundary vs the raw `torch.distributed.all_to_all_single`.
 
     python benchmarks/collectives.py --out benchmarks/results/collectives.json   # 2 CUDA GPUs, NCCL
+    python benchmarks/collectives.py --world 1 --sizes-mb 1 16 --commit SHA ...  # host cost on one GPU
     python benchmarks/collectives.py --smoke                                     # 2 CPU ranks, gloo, tiny
+
+Host-cost target (issue 22): the op's host µs per call at most HOST_TOLERANCE x torch's C++ functional
+all-to-all, without autograd (`torch_functional`) and with it (`torch_functional_requires_grad`, its
+autograd op); a 1-rank NCCL group measures it when one GPU is lent (`host_within_tolerance` per size).
 
 The custom op is a thin boundary (wrapper validation + dispatcher + the same NCCL call), so it must
 stay within 5% of the raw call. Each rank sends half of its buffer to each rank (even splits, bf16
