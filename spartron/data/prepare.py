@@ -12,15 +12,16 @@ from spartron.data.tokenizer import load_tokenizer
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
                    text_key: str = "text", batch_records: int = 1024, bos_token: str | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> dict:
+                   progress: Callable[[int, int], None] | None = None, chat_format: str = "spartron") -> dict:
     """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`, in
     order, `batch_records` at a time; returns the metadata written to out/tokens.json. Empty documents
-    are skipped (and counted). `progress(documents, tokens)` is called after every batch."""
-    tok = load_tokenizer(tokenizer, eos_token, bos_token)
+    are skipped (and counted). `progress(documents, tokens)` is called after every batch; chats are rendered
+    in `chat_format` (spartron.data.tokenizer.CHAT_FORMATS)."""
+    tok = load_tokenizer(tokenizer, eos_token, bos_token, chat_format)
     root = Path(corpus)
     files = corpus_files(root)
     info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
-            "skipped_empty": 0}
+            "skipped_empty": 0, "chat_format": chat_format}
 
     done = [0, 0]  # documents, tokens
 

@@ -6,10 +6,13 @@ EOS token is given explicitly, else read from the folder's tokenizer_config.json
 begin-of-sequence token (`--bos`, or `bos_token` where tokenizer_config.json sets `add_bos_token`)
 starts every document when given, as models trained with one (DeepSeek-V3, Llama) expect.
 
-Chats use Spartron's own plain format, one turn after another: the role header "<|role|>\\n", the
-content, then EOS after an assistant turn and "\\n" after any other. Only assistant content and its
-EOS are training targets (loss mask 1); headers, system, user and tool turns are context (mask 0).
-Chat templates of transformers are Jinja programs and are never run (nothing read from disk runs).
+Chats are rendered turn by turn in one of CHAT_FORMATS (a role's header, its content, its turn end;
+EOS in a turn end is the tokenizer's EOS id): "spartron" (default: "<|role|>\\n" headers, EOS after an
+assistant turn, "\\n" after any other), "chatml" ("<|im_start|>role\\n" ... "<|im_end|>\\n") and
+"deepseek" (DeepSeek-V3's: system content bare, "<｜User｜>", "<｜Assistant｜>" ... EOS). Only
+assistant content and its turn end are training targets (loss mask 1); headers, system, user and tool
+turns are context (mask 0). Chat templates of transformers are Jinja programs and are never run
+(nothing read from disk runs); these formats are data, in this file.
 """
 
 from __future__ import annotations
@@ -19,11 +22,27 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from spartron.data.corpus import Chat, Document
+from spartron.data.corpus import ROLES, Chat, Document
 from spartron.optional import require
 from spartron.runtime.config import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
+EOS = object()  # in a turn end: the tokenizer's EOS id
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    headers: dict[str, str]  # role -> text before its content
+    ends: dict[str, tuple]  # role -> what follows its content: strings and EOS
+
+
+CHAT_FORMATS = {
+    "spartron": ChatFormat({r: f"<|{r}|>\n" for r in ROLES}, {**{r: ("\n",) for r in ROLES}, "assistant": (EOS,)}),
+    "chatml": ChatFormat({r: f"<|im_start|>{r}\n" for r in ROLES}, {r: ("<|im_end|>", "\n") for r in ROLES}),
+    "deepseek": ChatFormat({"system": "", "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
+                            "tool": "<｜tool▁outputs▁begin｜>"},
+                           {"system": (), "user": (), "assistant": (EOS,), "tool": ("<｜tool▁outputs▁end｜>",)}),
+}
 
 
 @dataclass
@@ -36,6 +55,7 @@ class Tokenizer:
     vocab_size: int  # with added tokens
     eos_id: int
     bos_id: int | None = None  # starts every document when set
+    chat_format: str = "spartron"  # a key of CHAT_FORMATS
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -56,12 +76,13 @@ class Tokenizer:
         """(ids, loss mask) of one record, EOS-terminated."""
         if isinstance(record, Document):
             return self._document(self.encode(record.text))
+        fmt = CHAT_FORMATS[self.chat_format]
         ids, mask = ([], []) if self.bos_id is None else ([self.bos_id], [0])
         for role, content in record.messages:
-            header = self.encode(f"<|{role}|>\n")
+            header = self.encode(fmt.headers[role]) if fmt.headers[role] else []
             body = self.encode(content)
             target = int(role == "assistant")
-            end = [self.eos_id] if target else self.encode("\n")
+            end = [i for part in fmt.ends[role] for i in ([self.eos_id] if part is EOS else self.encode(part))]
             ids += header + body + end
             mask += [0] * len(header) + [target] * (len(body) + len(end))
         if ids[-1] != self.eos_id or not mask[-1]:  # the conversation ends with EOS either way
@@ -94,8 +115,11 @@ def _special_tokens(folder: Path) -> tuple[str | None, str | None]:
     return token("eos_token"), token("bos_token") if data.get("add_bos_token") is True else None
 
 
-def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: str | None = None) -> Tokenizer:
+def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: str | None = None,
+                   chat_format: str = "spartron") -> Tokenizer:
     """The tokenizer at `path` (tokenizer.json, or a folder holding it); ConfigError naming the path."""
+    if chat_format not in CHAT_FORMATS:
+        raise ConfigError(f"chat format {chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
     tokenizers = require("tokenizers", "tokenizing text (spartron data)", "pip install tokenizers")
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
@@ -121,4 +145,4 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: st
             if ids[what] is None:
                 raise ConfigError(f"tokenizer {str(file)!r}: the {what} token {tok!r} is not in its vocabulary")
     return Tokenizer(backend, file, hashlib.sha256(raw).hexdigest(), backend.get_vocab_size(with_added_tokens=True),
-                     ids["EOS"], ids.get("BOS"))
+                     ids["EOS"], ids.get("BOS"), chat_format)

@@ -382,7 +382,7 @@ def cmd_data(args: argparse.Namespace) -> int:
             print(f"spartron data: {documents} documents, {tokens} tokens", file=sys.stderr, flush=True)
 
     meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
-                          bos_token=args.bos, progress=progress)
+                          bos_token=args.bos, progress=progress, chat_format=args.chat_format)
     print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
           f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
           f"(model.vocab_size >= {meta['vocab_size']})")
@@ -490,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bos", help="a token starting every document (default: bos_token of tokenizer_config.json "
                                  "when it sets add_bos_token; else none)")
     p.add_argument("--text-key", default="text", help="the text field of pretraining records (default text)")
+    p.add_argument("--chat-format", default="spartron", choices=("spartron", "chatml", "deepseek"),
+                   help="how chats are rendered (default spartron; spartron/data/tokenizer.py shows each)")
     p.set_defaults(func=cmd_data)
     return parser
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from text_corpus import make_tokenizer, text_folder, write_jsonl  # next to this file
+from text_corpus import WORDS, make_tokenizer, text_folder, write_jsonl  # next to this file
 
 from spartron.data import open_token_folder, prepare_corpus, read_corpus
 from spartron.data.corpus import Chat, Document
@@ -107,6 +107,25 @@ def test_transformers_folder_gives_the_eos_token(tmp_path, tok):
     assert t.eos_id == 1 and t.encode("the cat") == ids(tok, "the cat")
 
 
+def test_chat_formats_chatml_and_deepseek(tmp_path):
+    specials = ("<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+    path = make_tokenizer(tmp_path / "t.json", words=[*WORDS, "system", "user", "assistant"], specials=specials)
+    chat = Chat((("system", "we"), ("user", "why"), ("assistant", "yes")))
+    t = load_tokenizer(path, "<eos>", chat_format="chatml")
+    v = t.backend.token_to_id
+    got, mask = t.encode_record(chat)
+    s, e = v("<|im_start|>"), v("<|im_end|>")
+    assert got == [s, v("system"), v("we"), e, s, v("user"), v("why"), e, s, v("assistant"), v("yes"), e, 1]
+    assert mask == [0] * 10 + [1, 1, 0]  # the answer and its <|im_end|>; the closing EOS is no answer
+    t = load_tokenizer(path, "<｜end▁of▁sentence｜>", chat_format="deepseek")
+    got, mask = t.encode_record(chat)
+    eos = v("<｜end▁of▁sentence｜>")
+    assert got == [v("we"), v("<｜User｜>"), v("why"), v("<｜Assistant｜>"), v("yes"), eos]
+    assert mask == [0, 0, 0, 0, 1, 1]
+    with pytest.raises(ConfigError, match="chat format 'llama' is not one of spartron, chatml, deepseek"):
+        load_tokenizer(path, "<eos>", chat_format="llama")
+
+
 def test_a_begin_of_sequence_token_starts_every_document(tmp_path, tok):
     t = load_tokenizer(tok, "<eos>", "<|system|>")  # any vocabulary token can serve as BOS here
     bos = t.backend.token_to_id("<|system|>")
@@ -169,7 +188,7 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     assert np.fromfile(tmp_path / "out" / "documents.bin", dtype=np.int64).tolist() == [0, 4, 7]
     import hashlib
     assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
-    assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1}
+    assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1, "chat_format": "spartron"}
     with pytest.raises(ConfigError, match="exists and is not empty"):
         prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
 

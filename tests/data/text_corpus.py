@@ -10,13 +10,14 @@ WORDS = ("the cat sat on a mat and dog ran to big red house we saw it in park wh
          "two plus three four five six seven eight nine ten").split()
 
 
-def make_tokenizer(path: Path, words: list[str] | None = None) -> Path:
+def make_tokenizer(path: Path, words: list[str] | None = None, specials: tuple[str, ...] = ()) -> Path:
     """tokenizer.json of a WordLevel tokenizer over `words` (whitespace split, the chat headers as specials)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(words or WORDS)], trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    trainer = trainers.WordLevelTrainer(special_tokens=[*SPECIALS, *specials])
+    tok.train_from_iterator([" ".join(words or WORDS)], trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
