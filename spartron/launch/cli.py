@@ -490,8 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bos", help="a token starting every document (default: bos_token of tokenizer_config.json "
                                  "when it sets add_bos_token; else none)")
     p.add_argument("--text-key", default="text", help="the text field of pretraining records (default text)")
-    p.add_argument("--chat-format", default="spartron", choices=("spartron", "chatml", "deepseek"),
-                   help="how chats are rendered (default spartron; spartron/data/tokenizer.py shows each)")
+    p.add_argument("--chat-format", default="spartron",
+                   help="how chats are rendered: spartron (default), chatml or deepseek (spartron/data/tokenizer.py)")
     p.set_defaults(func=cmd_data)
     return parser
 
