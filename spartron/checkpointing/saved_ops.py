@@ -288,7 +288,7 @@ class PolicyMode(TorchDispatchMode):
             self._decisions[func] = _PASS
             return _PASS
         reason = self.saved.policy.decide(func, args, kwargs)
-        if reason is None and func.is_view:  # computes nothing; hooks of outer tools issue views too
+        if reason is None and getattr(func, "is_view", False):  # computes nothing; outer tools' hooks issue views
             reason = _PASS
         if op_packet_name(func) not in self.saved.policy.device_to_host:  # arg-dependent: not cached
             self._decisions[func] = reason
