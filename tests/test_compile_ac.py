@@ -284,7 +284,8 @@ def test_cuda_bf16_compiled_blocks_match_eager(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="inductor on CPU needs a C++ compiler")
 def test_inductor_on_cpu_with_selective_ac_matches_eager():
     # one MoE block with a DSA source (one graph): inductor's C++ build dominates the time
     cfg = small("ac.mode=selective", "ac.reentrant=false", "train.compile=true", "model.n_layers=1",

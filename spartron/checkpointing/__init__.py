@@ -29,7 +29,8 @@ from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
 
 __all__ = [
     "ACConfig", "OffloadConfig", "apply_activation_checkpointing", "apply_ac_to_blocks",
-    "checkpoint_region_of", "checkpointed_positions", "compile_block", "region_options", "CheckpointOptions", "CheckpointRegion",
+    "checkpoint_region_of", "checkpointed_positions", "compile_block", "region_options", "CheckpointOptions",
+    "CheckpointRegion",
     "checkpoint",
     "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
     "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",

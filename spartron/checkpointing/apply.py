@@ -31,7 +31,8 @@ def region_options(config: ACConfig, name: str | None = None) -> CheckpointOptio
                              debug_summary=config.debug_summary, name=name)
 
 
-def _derived_class(cls: type[nn.Module], kind: str, make: Callable[[type[nn.Module]], type[nn.Module]]) -> type[nn.Module]:
+def _derived_class(cls: type[nn.Module], kind: str,
+                   make: Callable[[type[nn.Module]], type[nn.Module]]) -> type[nn.Module]:
     """One ``kind`` subclass per class, kept on the class (as FSDP2 keeps its own): every block of a
     model then has the same type, so a compiled block's graph (whose guards check the type) serves
     all its layers instead of recompiling per layer."""

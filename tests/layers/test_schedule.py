@@ -272,7 +272,8 @@ def test_comm_steps_run_on_their_own_micro_batch_stream_and_results_match_drive(
             c["out"] = c.pop("h").cos().sum(0)
 
         return [Step(attn), Step(dispatch, Phase("dispatch", comm=True, reads=("h",))),
-                Step(experts, Phase("experts", reads=("h",))), Step(combine, Phase("combine", comm=True, reads=("h",)))], {}
+                Step(experts, Phase("experts", reads=("h",))),
+                Step(combine, Phase("combine", comm=True, reads=("h",)))], {}
 
     xs = [torch.randn(256, 256, device=device) for _ in range(2)]
     expected = [drive(*layer(i, x))["out"] for i, x in enumerate(xs)]
