@@ -4,7 +4,8 @@ Order matters and is fixed here, in one place:
 1. activation checkpointing wraps every `freq`-th block's forward (a checkpoint region);
 2. optional torch.compile per block, fullgraph (`compile_block`): a checkpointed block compiles its
    region, with the operator policy as torch's selective-checkpoint policy (non-reentrant regions
-   only: the config rejects compile with reentrant ones), any other block its forward;
+   only: the config rejects compile with reentrant ones), any other block its forward; under FSDP2
+   the experts' forward hooks then move to their block (`_hoist_experts_hooks`), outside the graph;
 3. FSDP2 with the precision policy (compute and reduction dtypes): the routed experts of each
    block on the expert mesh (with the gradient divided by the full data x context world, since
    every rank's tokens reach an expert through all-to-all), then the block on the dense mesh — its
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spartron.checkpointing import apply_ac_to_blocks, checkpoint_region_of, compile_block
+from spartron.checkpointing import apply_ac_to_blocks, compile_block
 from spartron.checkpointing.config import ACConfig
 from spartron.parallel.groups import ParallelGroups
 
@@ -112,25 +113,18 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
         later.module.set_modules_to_backward_prefetch([earlier.module])
 
 
-def _compiles_whole(block: Block, sharded: bool) -> bool:
-    """Whether a block compiles as one graph. FSDP2 shards a MoE block's routed experts on their own
-    (expert mesh), so their FSDP hooks run inside the block's forward, and dynamo cannot trace them:
-    with FSDP on, a MoE block compiles with that one deliberate boundary (graph breaks at the experts'
-    hooks, counted in tests/test_compile_ac.py), and a checkpointed one, whose compiled region must be
-    one graph, is refused rather than silently run eager."""
-    if not sharded or block.experts is None:
-        return True
-    if checkpoint_region_of(block.module) is not None:
-        raise ValueError(compiled_region_refusal(block.name))
-    return False
-
-
-def compiled_region_refusal(block: str) -> str:
-    """Why a checkpointed MoE block cannot compile under FSDP2 (also said before spawning, preflight)."""
-    return (f"train.compile = true with ac.mode != 'none' under FSDP2 (several ranks or model.master_dtype): "
-            f"block {block}'s routed experts are sharded on their own and their FSDP2 hooks run inside its "
-            "checkpoint region, which a compiled region cannot contain; use ac.mode = 'none' or "
-            "train.compile = false")
+def _hoist_experts_hooks(block: Block) -> None:
+    """A compiled MoE block: FSDP2's forward hooks of its separately sharded experts move from the
+    experts to the block, outside the compiled graph (dynamo cannot trace them, and a compiled
+    checkpoint region cannot hold a graph break). The experts are then unsharded before the block
+    runs and resharded after it, their pre-backward unshard fires on the block's output gradients
+    and their post-backward reduce-scatter after the block's backward: the block's compiled backward
+    is one autograd node, so the experts' own hooks could not run inside it anyway."""
+    state = block.experts._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    block.module.register_forward_pre_hook(state._pre_forward, with_kwargs=True)
+    block.module.register_forward_hook(state._post_forward)
 
 
 def _range_fsdp_pre_forward(module: nn.Module) -> None:
@@ -168,13 +162,16 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     apply_ac(model, ac)
     blocks = model.blocks()
     if compile_backend is not None:
-        sharded = groups is not None and (groups.size("world") > 1 or param_dtype is not None)
         shared: dict = {}  # the blocks share compiled callables: one dynamo cache, not one per layer
         for block in blocks:  # in place: parameter names and state_dict keys stay the same
-            compile_block(block.module, compile_backend, fullgraph=_compiles_whole(block, sharded), shared=shared)
+            compile_block(block.module, compile_backend, fullgraph=True, shared=shared)
     if param_dtype is not None and groups is None:
         raise ValueError("parallelize: a compute dtype (param_dtype) needs FSDP2, so it needs the groups "
                          "(ParallelGroups of the world, one rank included)")
     if groups is not None and (groups.size("world") > 1 or param_dtype is not None):
         apply_fsdp(model, blocks, groups, param_dtype, reduce_dtype)
+        if compile_backend is not None:
+            for block in blocks:
+                if block.experts is not None:
+                    _hoist_experts_hooks(block)
     return model

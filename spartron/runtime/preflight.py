@@ -27,7 +27,6 @@ def check_before_launch(cfg: RunConfig, world_size: int, workdir: Path | None = 
     cfg.train.micro_steps(dims.dp)
     check_device_options(cfg)
     check_compiler(cfg)
-    check_compile_with_regions(cfg, world_size)
     check_offload_window(cfg)
     check_run_dir(cfg, workdir or Path.cwd())
     if cfg.train.data.kind != "synthetic":
@@ -105,19 +104,6 @@ def check_compiler(cfg: RunConfig, which=shutil.which) -> None:
     if not any(which(name) for name in names):
         raise ConfigError(f"train.compile = true with compile_backend 'inductor' on CPU needs a C++ compiler "
                           f"({' or '.join(names)} on PATH); install one or set train.compile_backend = 'aot_eager'")
-
-
-def check_compile_with_regions(cfg: RunConfig, world_size: int) -> None:
-    """Compile + AC under FSDP2 (several ranks, or model.master_dtype) refused before spawning when a
-    checkpointed block is a MoE block (the rule and its reason: spartron.layers.parallelize)."""
-    if not cfg.train.compile or cfg.ac.mode == "none" or (world_size == 1 and cfg.model.master_dtype is None):
-        return
-    from spartron.checkpointing.apply import checkpointed_positions
-    from spartron.layers.parallelize import compiled_region_refusal
-
-    moe = [p for p in checkpointed_positions(cfg.model.n_layers, cfg.ac) if p >= cfg.model.first_k_dense]
-    if moe:
-        raise ConfigError(compiled_region_refusal(str(moe[0])))
 
 
 def n_checkpoint_regions(cfg: RunConfig) -> int:
