@@ -145,7 +145,7 @@ def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():
         compile_block(block, "aot_eager")
 
 
-def _everything_worker(rank, world, ac_mode, backend):
+def _everything_worker(rank, world, ac_mode, backend, *extra):
     """Offload + AC + 2 intra-layer micro-batches + FSDP2 + EP=2 over gloo all-to-all + DSA reuse,
     compiled vs the same eager, bitwise, on each of two ranks."""
     from spartron.checkpointing.offload import ActivationOffloader
@@ -154,7 +154,7 @@ def _everything_worker(rank, world, ac_mode, backend):
 
     ac = [f"ac.mode={ac_mode}", "ac.reentrant=false", "offload.enabled=true", "offload.what=inputs_and_dsa_ids"]
     cfg = small("train.micro_batch_size=2", "parallel.ep=2", *(ac if ac_mode != "none" else ["ac.mode=none"]),
-                "train.intra_layer_micro_batches=2", "train.compile=true", f"train.compile_backend={backend}")
+                "train.intra_layer_micro_batches=2", "train.compile=true", f"train.compile_backend={backend}", *extra)
     groups = ParallelGroups.build(ParallelDims(world, fsdp=2, ep=2), "cpu")
     models = []
     for compile_backend in (None, backend):
@@ -191,6 +191,14 @@ def test_compiled_ep2_fsdp2_micro_batches_on_two_gloo_ranks_match_eager(ac_mode)
     # 3 graphs (dense layer, MoE layer with 2 micro-batches, MTP block), none added in step 2
     want = ([(0, 0), (0, 3), (0, 3)], set())
     assert run_distributed(_everything_worker, 2, ac_mode, "aot_eager", timeout=600) == [want] * 2
+
+
+@pytest.mark.slow
+def test_compiled_weight_shared_mtp_block_run_twice_under_fsdp2_matches_eager():
+    # the MTP block runs for 2 depths per step (its experts' hooks, now on the block, run twice); its
+    # second depth (a non-reentrant region called again in one step) is one more graph
+    want = ([(0, 0), (0, 4), (0, 4)], set())
+    assert run_distributed(_everything_worker, 2, "full", "aot_eager", "model.mtp.depth=2", timeout=600) == [want] * 2
 
 
 @pytest.mark.slow
