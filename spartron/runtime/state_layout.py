@@ -54,6 +54,9 @@ def globalize(model_sd: dict, optim_sd: dict, ep_sharded: Collection[str], mesh:
     """In place: EP-sharded entries become global DTensors over `mesh`; returns what `restore` puts back."""
     originals: dict = {}
     if mesh is None:
+        if ep_sharded:  # each EP rank would write its own experts under one global name: a corrupt state
+            raise ValueError("EP-sharded parameters need their expert mesh to be saved "
+                             "(ep_mesh = spartron.runtime.state_layout.expert_mesh(groups))")
         return originals
     for fqn in ep_sharded:
         if fqn not in model_sd:

@@ -359,6 +359,7 @@ def _ep_rank(rank, world, hf_dir: str, run_dir: str):
     from spartron.runtime.config import config_from_dict
     from spartron.runtime.optim import build_optimizer
     from spartron.runtime.state import save_state, state_config
+    from spartron.runtime.state_layout import expert_mesh
     from spartron.runtime.trainer import default_model_factory
 
     model_cfg, load = import_hf(hf_dir)
@@ -372,7 +373,8 @@ def _ep_rank(rank, world, hf_dir: str, run_dir: str):
     local = w1.to_local() if hasattr(w1, "to_local") else w1
     experts = [n for n, _ in model.named_parameters() if "experts" in n.split(".")]
     save_state(run_dir, 3, model, build_optimizer(model, cfg.train), {"tokens": 0}, {}, torch.device("cpu"),
-               ep_sharded=experts, ep_rank=groups.rank_in("ep"), layout=dims.describe(), config=state_config(cfg))
+               ep_sharded=experts, ep_rank=groups.rank_in("ep"), ep_mesh=expert_mesh(groups), layout=dims.describe(),
+               config=state_config(cfg))
     try:
         export_hf(model, Path(run_dir).parent / f"in-memory-{rank}")
         refused = None

@@ -10,10 +10,11 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from spartron.runtime.config import load_config
 from spartron.runtime.state import COMPLETE, SafeFileSystemReader, StateLoadError, step_dir
-from spartron.runtime.state_layout import resplit_data_position
+from spartron.runtime.state_layout import globalize, resplit_data_position
 from spartron.runtime.trainer import train
 from spartron.testing import run_distributed
 
@@ -128,3 +129,12 @@ def test_a_format_2_state_loads_on_its_layout_and_is_one_line_on_another(tmp_pat
                       f"[{layout}]); this run has world size 2, parallel layout [{now}]"] * 2
     resumed_from, records = run_distributed(_train, 1, str(run), 3, (), timeout=120)[0]
     assert resumed_from == 1 and records == uninterrupted[1:]  # its own layout: bitwise
+
+
+def test_ep_sharded_names_without_their_mesh_are_refused():
+    """Without the expert mesh every EP rank would write its own experts under one global name."""
+    weight = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"EP-sharded parameters need their expert mesh to be saved "
+                                         r"\(ep_mesh = spartron.runtime.state_layout.expert_mesh\(groups\)\)"):
+        globalize({"layers.1.ffn.experts.w1": weight}, {"state": {}}, ["layers.1.ffn.experts.w1"], None)
+    assert globalize({"embed.weight": weight}, {"state": {}}, [], None) == {}  # nothing EP-sharded: nothing to do
