@@ -144,3 +144,24 @@ def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port:
     from spartron.launch.process import exit_process
 
     exit_process(0)
+
+
+def start_trainer_benchmark(args: Any) -> bool:
+    """The start every Trainer benchmark shares (e2e, precision, memory_plan). `--smoke`: the tiny preset on
+    CPU, 3 steps after 1 warm-up where the script steps; on a GPU an unset `--peak-tflops` means 750 (the
+    H200's measured bf16 matmul ceiling); the process group comes from the launcher's environment, a
+    1-rank one when the script is started directly. Returns whether this call created the group (the
+    caller then destroys it)."""
+    from spartron.parallel.env import discover, init_distributed
+
+    if args.smoke:
+        args.config, args.set = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["device=cpu", *args.set]
+        if hasattr(args, "steps"):
+            args.steps, args.warmup = 3, 1
+    elif hasattr(args, "peak_tflops") and args.peak_tflops is None and torch.cuda.is_available():
+        args.peak_tflops = 750.0
+    own = not dist.is_initialized()
+    if own:
+        init_distributed(discover(), "auto")
+    return own
+

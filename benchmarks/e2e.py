@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 
-from common import device_name, write_report  # noqa: E402
+from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
 
 from spartron.layers.costs import training_flops_per_token  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -143,21 +143,11 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's; a device copy's may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU for 3 steps")
     args = parser.parse_args()
-    if args.smoke:
-        args.config, args.steps, args.warmup = REPO / "configs" / "tiny.toml", 3, 1
-        args.set = ["device=cpu", *args.set]
-    elif args.peak_tflops is None and torch.cuda.is_available():
-        args.peak_tflops = 750.0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-
-    from spartron.parallel.env import discover, init_distributed
-
-    own = not dist.is_initialized()
-    if own:
-        init_distributed(discover(), "auto")
+    own = start_trainer_benchmark(args)
     compiles = [c.strip() for c in args.compile.split(",") if c.strip()]
     if not compiles or any(c not in ("off", "on") for c in compiles):
         parser.error(f"--compile must be a comma-separated subset of off,on, got {args.compile!r}")

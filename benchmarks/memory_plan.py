@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, write_report  # noqa: E402
+from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
 
 from spartron.launch.plan import plan_memory  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -75,17 +75,11 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU: predictions only")
     args = parser.parse_args()
-    if args.smoke:
-        args.config, args.set = REPO / "configs" / "tiny.toml", ["device=cpu", *args.set]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    from spartron.parallel.env import discover, init_distributed
-
-    own = not dist.is_initialized()
-    if own:
-        init_distributed(discover(), "auto")
+    own = start_trainer_benchmark(args)  # (its smoke mode predicts only: --steps does not matter there)
     rows: list[dict] = []
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"benchmark": "memory_plan", "device": device_name(torch.cuda.is_available() and not args.smoke),

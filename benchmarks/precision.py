@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, write_report  # noqa: E402
+from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
 
 from spartron.layers.costs import count_parameters  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -86,16 +86,7 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU for 3 steps")
     args = parser.parse_args()
-    if args.smoke:
-        args.config, args.steps, args.warmup = REPO / "configs" / "tiny.toml", 3, 1
-        args.set = ["device=cpu", *args.set]
-    elif args.peak_tflops is None and torch.cuda.is_available():
-        args.peak_tflops = 750.0
-    from spartron.parallel.env import discover, init_distributed
-
-    own = not dist.is_initialized()
-    if own:
-        init_distributed(discover(), "auto")
+    own = start_trainer_benchmark(args)
     rows, notes, layers = [], [], None
     with tempfile.TemporaryDirectory(prefix="spartron-precision-") as tmp:
         for mode in MODES:
