@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, write_report  # noqa: E402
+from common import call_times_ms, device_name, write_report  # noqa: E402
 
 from spartron.layers.attention.mla import MLA  # noqa: E402
 from spartron.layers.moe.dispatch import gate_weighted_sum  # noqa: E402
@@ -36,15 +36,7 @@ from spartron.runtime.config import load_config  # noqa: E402
 
 
 def _events_ms(fn, iters: int) -> list[float]:
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
+    return call_times_ms(fn, iters, torch.device("cuda"))
 
 
 def _kernels(fn, pattern: tuple[str, ...]) -> dict[str, float]:

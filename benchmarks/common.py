@@ -69,6 +69,12 @@ def elapsed_ms(fn: Callable[[], object], calls: int, device: torch.device) -> fl
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
+def call_times_ms(fn: Callable[[], object], iters: int, device: torch.device) -> list[float]:
+    """The ms of each of `iters` single calls of `fn` (elapsed_ms of one call: CUDA events around it on
+    the GPU, the wall time on CPU)."""
+    return [elapsed_ms(fn, 1, device) for _ in range(iters)]
+
+
 def median_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.device,
               setup: Callable[[], object] | None = None) -> float:
     """Median ms of single `fn()` calls after `warmup` untimed ones; `setup()` runs untimed before each.

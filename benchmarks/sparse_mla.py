@@ -29,7 +29,7 @@ from spartron.layers.attention import sparse_mla_triton
 from spartron.layers.attention.sparse_mla import default_chunk_size, reference_backward, reference_forward, sparse_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
-from common import device_name, write_report  # noqa: E402
+from common import call_times_ms, device_name, write_report  # noqa: E402
 
 
 def causal_random_ids(seq: int, topk: int, device, chunk: int = 1024) -> torch.Tensor:
@@ -63,20 +63,7 @@ def timed(fn, device, iters: int, warmup: int) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = call_times_ms(fn, iters, device)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     return dict(ms=sorted(times)[len(times) // 2], steps_ms=times, peak_gib=peak)
 
