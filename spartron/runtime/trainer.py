@@ -88,8 +88,8 @@ class ExpertBiasModel(Protocol):
 class ExpertParallelModel(Protocol):
     def ep_sharded_parameters(self) -> Iterable[nn.Parameter]:
         """Parameters whose tensors hold only this EP rank's experts without saying so in a DTensor
-        placement (their squared norms are summed over the EP group for clipping; they are saved per
-        EP rank). Required with parallel.ep > 1."""
+        placement (their squared norms are summed over the EP group for clipping; they are saved as
+        global tensors over the expert mesh, spartron.runtime.state_layout). Required with parallel.ep > 1."""
 
 
 @runtime_checkable
