@@ -46,8 +46,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 keep = valid.to(hidden.dtype)
                 if needs_h:
                     grad_hidden[start:start + chunk_size] = (grad_logits @ weight) * keep
-                if needs_w:
-                    grad_weight += (grad_logits.t() @ (h * keep)).float()
+                if needs_w:  # fp32 += bf16 promotes in the add: no fp32 copy of the [V, D] product
+                    grad_weight += grad_logits.t() @ (h * keep)
         ctx.save_for_backward(grad_hidden if needs_h else None,
                               grad_weight if needs_w else None)
         ctx.weight_dtype = weight.dtype
