@@ -21,12 +21,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
                                     "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
-                                    "doc_mask", "precision", "memory_plan"])
+                                    "doc_mask", "precision", "memory_plan", "ac_validation_cost"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
     out = tmp_path / f"{script}.json"
-    args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan") else []
+    args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
+                                             "ac_validation_cost") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
@@ -35,6 +36,14 @@ def test_smoke_mode_runs(script, tmp_path):
     if args:
         report = json.loads(out.read_text())
         assert report, script
+    if script == "ac_validation_cost":  # tiny: 4 micro-batches x (4 layers + the shared MTP block twice) a step
+        assert [(r["region_calls"], r["replays"]) for r in report["steps"]] == [(24, 24)] * 3
+        step = report["steps"][-1]
+        assert step["ops_original"] > 0 and report["timing"]["ns_per_op"] > 0
+        assert step["validation_host_us"] == pytest.approx(step["ops_original"] * report["timing"]["ns_per_op"] / 1e3
+                                                           + 24 * report["timing"]["us_finish_replay"])
+        assert report["fraction"] == pytest.approx(report["median_validation_host_us"]
+                                                   / (report["median_step_time_ms"] * 1e3))
     if script == "matrix":  # every cell trained, and each one compared with the baseline passes
         assert [c["rc"] for c in report["cells"]] == [0, 0, 0, 0]
         assert [c.get("regression", {}).get("passed") for c in report["cells"][2:]] == [True, True]

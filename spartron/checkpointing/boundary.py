@@ -272,6 +272,9 @@ class CheckpointRegion:
     def __init__(self, options: CheckpointOptions | None = None) -> None:
         self.options = options or CheckpointOptions()
         self.last_stats: RegionStats | None = None  # eager calls only: a compiled call keeps none
+        # Called with each eager call's RegionStats when the call starts (filled in as it runs and
+        # replays): how a benchmark sees every call of a block that runs several times per step.
+        self.on_call: Callable[[RegionStats], None] | None = None
         self._compiled: Callable[..., Any] | None = None
         # Set only while an offload session (checkpointing/offload.py) of the current step is open:
         # a factory of the saved_tensors_hooks context each call runs under, so the tensors the
@@ -289,6 +292,8 @@ class CheckpointRegion:
             return fn(*args, **kwargs)
         call = _RegionCall(self.options, fn, args, kwargs)
         self.last_stats = call.stats
+        if self.on_call is not None:
+            self.on_call(call.stats)
         with scope:
             return _run_reentrant(call) if self.options.reentrant else _run_non_reentrant(call)
 
