@@ -1,8 +1,9 @@
 """`ScopedValue`: a value made current for one block of code, the one way Spartron uses a ContextVar.
 
-Why a context variable at all: custom ops take tensors and scalars, not Python objects, so the
-DeepEP and copy-engine buffers reach their ops this way; and a checkpoint replay finds its region's
-frame without threading it through every layer call. Each scope restores what was current before,
+Why a context variable at all: the copy-engine buffer reaches its op this way (DeepEP's ops take
+their buffer as an opaque reference instead, which torch.compile can trace: dynamo cannot trace a
+ContextVar); and a checkpoint replay finds its region's frame without threading it through every
+layer call. Each scope restores what was current before,
 so scopes nest, and a thread or task that did not enter one sees None.
 """
 

@@ -17,41 +17,27 @@ replayed graph uses the very handle the original exchange produced.
                                                handle, also reducing the top-k weight gradients)
     combine   = combine with the handle        backward: cached_dispatch (a dispatch with the handle)
 
-The buffer. Ops cannot take a `deep_ep.Buffer`; the wrappers below make the caller's DeepEPBuffer
-current (`buffer_scope`, a ContextVar) around the op call, the op reads it, and `setup_context`
-keeps it on the autograd node for backward (which may run on another thread). Nothing here imports
-`deep_ep`: the buffer object does, when a layer selects the backend.
+The buffer. Each op takes the caller's DeepEPBuffer as its first argument, as the opaque reference
+`DeepEPBuffer.ref` (spartron.comm.deepep_buffer), and `setup_context` keeps that ref on the autograd
+node for backward (which may run on another thread). Under torch.compile the ref is an input of the
+graph, forward and backward, so the compiled block calls the same ops on the same buffer with no
+graph break (a ContextVar scope around the call, the earlier design, is a break dynamo cannot
+trace). Nothing here imports `deep_ep`: the buffer object does, when a layer selects the backend.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from spartron.scoped import ScopedValue
+from spartron.comm.deepep_buffer import DeepEPBuffer, DeepEPBufferRef
 
 NAMESPACE = "spartron_deepep"
 OPS: tuple[str, ...] = tuple(f"{NAMESPACE}::{n}" for n in
                              ("dispatch", "combine", "dispatch_backward", "cached_dispatch"))
-
-_BUFFER: ScopedValue[Any] = ScopedValue("spartron_deepep_buffer")
-
-
-def buffer_scope(buffer: Any) -> contextlib.AbstractContextManager[Any]:
-    """Make `buffer` (a DeepEPBuffer) the one the `spartron_deepep` ops use inside the block."""
-    return _BUFFER.scope(buffer)
-
-
-def current_buffer() -> Any:
-    buffer = _BUFFER.get()
-    if buffer is None:
-        raise RuntimeError("spartron_deepep ops need a DeepEPBuffer: call them through the wrappers in "
-                           "spartron.comm.deepep (or inside `with buffer_scope(buffer):`)")
-    return buffer
 
 
 @dataclass(frozen=True)
@@ -77,8 +63,10 @@ class DeepEPHandle:
         return self.send_head.shape[0]
 
 
-def _runtime(num_sms: int) -> tuple[Any, Any]:
-    buffer = current_buffer()
+def _runtime(ref: DeepEPBufferRef, num_sms: int) -> tuple[DeepEPBuffer, Any]:
+    if not isinstance(ref, DeepEPBufferRef):
+        raise TypeError(f"spartron_deepep ops take a DeepEPBuffer's `ref` (DeepEPBufferRef), got {type(ref).__name__}")
+    buffer = ref.buffer
     if buffer.num_sms != num_sms:
         raise RuntimeError(f"spartron_deepep: op called for {num_sms} SMs but the current buffer uses "
                            f"{buffer.num_sms}")
@@ -96,9 +84,10 @@ def _deep_ep_handle(handle: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 # ---------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{NAMESPACE}::dispatch", mutates_args=())
-def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, num_ranks: int,
-              num_sms: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    buffer, rt = _runtime(num_sms)
+def _dispatch(buffer: DeepEPBufferRef, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+              num_ranks: int, num_sms: int
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buffer, rt = _runtime(buffer, num_sms)
     if (buffer.ep, buffer.n_experts) != (num_ranks, num_experts):
         raise RuntimeError(f"spartron_deepep::dispatch for {num_ranks} ranks / {num_experts} experts, but the "
                            f"buffer serves {buffer.ep} / {buffer.n_experts}")
@@ -111,7 +100,7 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: in
 
 
 @_dispatch.register_fake
-def _(x, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
+def _(buffer, x, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
     received = torch.library.get_ctx().new_dynamic_size()
     tokens, top_k = topk_idx.shape
     channels = num_sms // 2
@@ -126,10 +115,10 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
 
 
 @torch.library.custom_op(f"{NAMESPACE}::combine", mutates_args=())
-def _combine(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+def _combine(buffer: DeepEPBufferRef, x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
              recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor,
              send_head: Tensor, num_sms: int) -> Tensor:
-    buffer, rt = _runtime(num_sms)
+    buffer, rt = _runtime(buffer, num_sms)
     handle = _deep_ep_handle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                               recv_src_idx, is_token_in_rank, send_head))
     out, _, _ = rt.combine(x, handle, config=buffer.combine_config)
@@ -137,17 +126,17 @@ def _combine(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tenso
 
 
 @_combine.register_fake
-def _(x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+def _(buffer, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
       is_token_in_rank, send_head, num_sms):
     return x.new_empty(send_head.shape[0], x.shape[1])
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dispatch_backward", mutates_args=())
-def _dispatch_backward(grad_recv_x: Tensor, grad_recv_topk_weights: Tensor, rank_prefix_matrix: Tensor,
-                       channel_prefix_matrix: Tensor, recv_channel_prefix_matrix: Tensor,
-                       recv_src_idx: Tensor, is_token_in_rank: Tensor, send_head: Tensor,
-                       num_sms: int) -> tuple[Tensor, Tensor]:
-    buffer, rt = _runtime(num_sms)
+def _dispatch_backward(buffer: DeepEPBufferRef, grad_recv_x: Tensor, grad_recv_topk_weights: Tensor,
+                       rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+                       recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor,
+                       send_head: Tensor, num_sms: int) -> tuple[Tensor, Tensor]:
+    buffer, rt = _runtime(buffer, num_sms)
     handle = _deep_ep_handle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                               recv_src_idx, is_token_in_rank, send_head))
     grad_x, grad_w, _ = rt.combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights,
@@ -156,7 +145,7 @@ def _dispatch_backward(grad_recv_x: Tensor, grad_recv_topk_weights: Tensor, rank
 
 
 @_dispatch_backward.register_fake
-def _(grad_recv_x, grad_recv_topk_weights, rank_prefix_matrix, channel_prefix_matrix,
+def _(buffer, grad_recv_x, grad_recv_topk_weights, rank_prefix_matrix, channel_prefix_matrix,
       recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head, num_sms):
     tokens = send_head.shape[0]
     return (grad_recv_x.new_empty(tokens, grad_recv_x.shape[1]),
@@ -164,10 +153,10 @@ def _(grad_recv_x, grad_recv_topk_weights, rank_prefix_matrix, channel_prefix_ma
 
 
 @torch.library.custom_op(f"{NAMESPACE}::cached_dispatch", mutates_args=())
-def _cached_dispatch(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+def _cached_dispatch(buffer: DeepEPBufferRef, x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
                      recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor,
                      send_head: Tensor, num_sms: int) -> Tensor:
-    buffer, rt = _runtime(num_sms)
+    buffer, rt = _runtime(buffer, num_sms)
     handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
               is_token_in_rank, send_head)
     recv_x, *_ = rt.dispatch(x, handle=handle, config=buffer.dispatch_config)
@@ -175,7 +164,7 @@ def _cached_dispatch(x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matri
 
 
 @_cached_dispatch.register_fake
-def _(x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+def _(buffer, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
       is_token_in_rank, send_head, num_sms):
     return x.new_empty(recv_src_idx.shape[0], x.shape[1])
 
@@ -185,8 +174,7 @@ def _(x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, 
 # ---------------------------------------------------------------------------------------------
 
 def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, _, _, _, ctx.num_sms = inputs
-    ctx.buffer = current_buffer()
+    ctx.buffer, x, topk_idx, _, _, _, ctx.num_sms = inputs
     ctx.hidden, ctx.top_k, ctx.x_dtype = x.shape[1], topk_idx.shape[1], x.dtype
     ctx.save_for_backward(output[1], *output[4:])
 
@@ -200,35 +188,32 @@ def _dispatch_grad(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, *_gra
         grad_recv_w = torch.zeros(received, ctx.top_k, dtype=torch.float32, device=recv_idx.device)
     else:  # a received weight whose expert lives elsewhere is the constant 0, not w: no gradient
         grad_recv_w = grad_recv_w.float().masked_fill(recv_idx < 0, 0.0)
-    with buffer_scope(ctx.buffer):
-        grad_x, grad_w = _dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.float().contiguous(),
-                                            *handle, ctx.num_sms)
-    return grad_x, None, grad_w, None, None, None
+    grad_x, grad_w = _dispatch_backward(ctx.buffer, grad_recv_x.contiguous(), grad_recv_w.float().contiguous(),
+                                        *handle, ctx.num_sms)
+    return None, grad_x, None, grad_w, None, None, None
 
 
 _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 
 
 def _combine_setup(ctx, inputs, output):
-    ctx.num_sms = inputs[7]
-    ctx.buffer = current_buffer()
-    ctx.save_for_backward(*inputs[1:7])
+    ctx.buffer, ctx.num_sms = inputs[0], inputs[8]
+    ctx.save_for_backward(*inputs[2:8])
 
 
 def _combine_grad(ctx, grad):
-    with buffer_scope(ctx.buffer):
-        grad_x = _cached_dispatch(grad.contiguous(), *ctx.saved_tensors, ctx.num_sms)
-    return (grad_x,) + (None,) * 7
+    grad_x = _cached_dispatch(ctx.buffer, grad.contiguous(), *ctx.saved_tensors, ctx.num_sms)
+    return (None, grad_x) + (None,) * 7
 
 
 _combine.register_autograd(_combine_grad, setup_context=_combine_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# Wrappers (the buffer is a spartron.comm.deepep_buffer.DeepEPBuffer)
+# Wrappers (the buffer is a spartron.comm.deepep_buffer.DeepEPBuffer; its ops get `buffer.ref`)
 # ---------------------------------------------------------------------------------------------
 
-def deepep_dispatch(buffer: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
+def deepep_dispatch(buffer: DeepEPBuffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, DeepEPHandle]:
     """Send each token once to every EP rank holding one of its experts.
 
@@ -237,22 +222,19 @@ def deepep_dispatch(buffer: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     Differentiable in x and topk_weights.
     """
     buffer.check_input(x, topk_idx)
-    with buffer_scope(buffer):
-        out = _dispatch(x.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
-                        buffer.n_experts, buffer.ep, buffer.num_sms)
+    out = _dispatch(buffer.ref, x.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
+                    buffer.n_experts, buffer.ep, buffer.num_sms)
     return out[0], out[1], out[2], out[3], DeepEPHandle(*out[4:])
 
 
-def deepep_combine(buffer: Any, x: Tensor, handle: DeepEPHandle) -> Tensor:
+def deepep_combine(buffer: DeepEPBuffer, x: Tensor, handle: DeepEPHandle) -> Tensor:
     """Sum each received token's rows [R, dim] back on its source rank -> [tokens, dim]."""
     if x.dim() != 2 or x.shape[0] != handle.num_recv_tokens:
         raise ValueError(f"deepep_combine: x must be [{handle.num_recv_tokens}, dim] (one row per received "
                          f"token), got {tuple(x.shape)}")
-    with buffer_scope(buffer):
-        return _combine(x.contiguous(), *handle.tensors(), buffer.num_sms)
+    return _combine(buffer.ref, x.contiguous(), *handle.tensors(), buffer.num_sms)
 
 
-def deepep_cached_dispatch(buffer: Any, x: Tensor, handle: DeepEPHandle) -> Tensor:
+def deepep_cached_dispatch(buffer: DeepEPBuffer, x: Tensor, handle: DeepEPHandle) -> Tensor:
     """Dispatch `x` along an existing handle (no layout, no notify). Not differentiable."""
-    with buffer_scope(buffer):
-        return _cached_dispatch(x.contiguous(), *handle.tensors(), buffer.num_sms)
+    return _cached_dispatch(buffer.ref, x.contiguous(), *handle.tensors(), buffer.num_sms)

@@ -17,7 +17,11 @@ channel count (= SMs / 2), not on the number of tokens. `nvl_buffer_bytes` mirro
 `Config.get_nvl_buffer_size_hint` (NVSHMEM disabled) for the dispatch and combine configs and takes
 the larger; `runtime()` additionally takes DeepEP's own hint, so a library change cannot undersize it.
 
-The ops find it through `spartron.comm.deepep.buffer_scope` (their wrappers take the buffer).
+The ops take it as an argument, through `DeepEPBuffer.ref` (a `DeepEPBufferRef`): a custom op
+cannot take a plain Python object, but it can take a registered opaque reference type, which
+torch.compile passes into the graph as a black box (no ContextVar scope, which dynamo cannot trace,
+and nothing keyed by ids). The ref holds the buffer and nothing else, so the traced Python code
+reads the buffer's plain attributes (its checks) and only the ref crosses the op boundary.
 """
 
 from __future__ import annotations
@@ -27,8 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import register_opaque_type
 
 from spartron.optional import MissingDependencyError, require
+
+try:  # torch 2.13: a reference opaque type derives from it (compile's fake stand-in passes isinstance)
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # older torch: registration alone
+    OpaqueBase = object
 
 FEATURE = "model.moe.dispatcher = 'deepep'"
 INSTALL_HINT = ("build DeepEP v1.2.1 from source, intranode only: clone https://github.com/deepseek-ai/DeepEP "
@@ -84,6 +94,18 @@ def nvl_buffer_bytes(hidden: int, ep: int, num_sms: int) -> int:
     return max(hint(DISPATCH_CHUNKS[ep][1]), hint(COMBINE_CHUNKS[ep][1]))
 
 
+class DeepEPBufferRef(OpaqueBase):
+    """What the `spartron_deepep` ops take: the buffer, as an opaque reference (module docstring)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: DeepEPBuffer):
+        self.buffer = buffer
+
+
+register_opaque_type(DeepEPBufferRef, typ="reference")
+
+
 class DeepEPBuffer:
     """One EP group's DeepEP buffer and configs, created on first use (collectively, every rank)."""
 
@@ -98,6 +120,7 @@ class DeepEPBuffer:
         self.hidden, self.top_k, self.n_experts, self.num_sms = hidden, top_k, n_experts, num_sms
         self.needs_cuda = library is None
         self.library = load_deep_ep() if library is None else library
+        self.ref = DeepEPBufferRef(self)  # what the ops take (one per buffer: compiled graphs guard on it)
         self.num_nvl_bytes: int | None = None  # set when the runtime buffer is created
         self._runtime: Any | None = None
         self.dispatch_config: Any | None = None

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, build_policy, checkpoint
 from spartron.comm import deepep as deepep_ops
-from spartron.comm.deepep_buffer import DeepEPBuffer, check_deepep_shape, nvl_buffer_bytes
+from spartron.comm.deepep_buffer import DeepEPBuffer, DeepEPBufferRef, check_deepep_shape, nvl_buffer_bytes
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer, build_dispatcher
@@ -87,11 +87,12 @@ def test_nvl_buffer_sizing_matches_deepep_hint():
 
 
 def test_fake_impls_give_deepep_shapes():
+    ref = DeepEPBufferRef(None)  # the fake impls never read the buffer
     with FakeTensorMode(shape_env=ShapeEnv()):
         x = torch.empty(10, 64, dtype=torch.bfloat16)
         idx = torch.empty(10, 4, dtype=torch.int64)
         w = torch.empty(10, 4, dtype=torch.float32)
-        out = torch.ops.spartron_deepep.dispatch(x, idx, w, 16, 2, 24)
+        out = torch.ops.spartron_deepep.dispatch(ref, x, idx, w, 16, 2, 24)
         recv = out[0].shape[0]
         assert isinstance(recv, torch.SymInt)  # data-dependent: decided by the exchange
         got = [(tuple(o.shape), o.dtype) for o in out]
@@ -101,11 +102,11 @@ def test_fake_impls_give_deepep_shapes():
                        ((10, 2), torch.int32)]
         assert out[3].device.type == "cpu"  # rows per local expert: host metadata
         handle = out[4:]
-        y = torch.ops.spartron_deepep.combine(torch.empty(recv, 64, dtype=torch.bfloat16), *handle, 24)
+        y = torch.ops.spartron_deepep.combine(ref, torch.empty(recv, 64, dtype=torch.bfloat16), *handle, 24)
         assert tuple(y.shape) == (10, 64) and y.dtype == torch.bfloat16
-        gx, gw = torch.ops.spartron_deepep.dispatch_backward(out[0], out[2], *handle, 24)
+        gx, gw = torch.ops.spartron_deepep.dispatch_backward(ref, out[0], out[2], *handle, 24)
         assert (tuple(gx.shape), tuple(gw.shape)) == ((10, 64), (10, 4)) and gw.dtype == torch.float32
-        back = torch.ops.spartron_deepep.cached_dispatch(x, *handle, 24)
+        back = torch.ops.spartron_deepep.cached_dispatch(ref, x, *handle, 24)
         assert tuple(back.shape) == (recv, 64)
 
 
@@ -117,9 +118,10 @@ def test_deepep_ops_are_mandatory_saves(mode):
         assert policy.decide(op, (), {}) == "mandatory", name
 
 
-def test_ops_need_a_buffer_in_scope():
-    with pytest.raises(RuntimeError, match="spartron_deepep ops need a DeepEPBuffer"):
-        torch.ops.spartron_deepep.combine(torch.zeros(1, 8, dtype=torch.bfloat16),
+def test_ops_take_the_buffers_ref():
+    with pytest.raises(TypeError, match=r"^spartron_deepep ops take a DeepEPBuffer's `ref` \(DeepEPBufferRef\), "
+                                        r"got object$"):
+        torch.ops.spartron_deepep.combine(object(), torch.zeros(1, 8, dtype=torch.bfloat16),
                                           *[torch.zeros(1, dtype=torch.int32)] * 6, 8)
 
 
