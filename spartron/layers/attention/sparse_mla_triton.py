@@ -30,12 +30,17 @@ DKV_FIXED_POINT_BITS = 40
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch."""
+    """Head block (MMA rows), key block, warps and software-pipeline depth of one launch. Backward
+    only: `walks` (1: one fused walk; 2: dq in a second walk; 3: P / dS, then dkv, then dq, each its
+    own walk over the ids, through a per-program scratch tile) and `stages2`, the pipeline depth of
+    the later walks."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
+    walks: int = 1
+    stages2: int = 2
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -76,6 +81,12 @@ def _grid(tokens: int, n_heads: int, cfg: KernelConfig) -> tuple[int]:
     return (tokens * math.ceil(n_heads / cfg.block_h),)
 
 
+def _persistent_programs(device: torch.device, n_work: int) -> int:
+    """One program per SM (the kernels' shared memory allows no second), at most one per work item."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(sms, n_work))
+
+
 def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: int,
             cfg: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
     """out [B, S_q, H, 512] (q's dtype), lse [B, S_q, H] float32; inputs contiguous."""
@@ -109,12 +120,17 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         return grad_q, grad_kv.to(kv.dtype)
     delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
     k = _kernels()
-    k.sparse_mla_bwd_kernel[_grid(b * s_q, h, cfg)](
-        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, s_q, s_kv, h,
-        topk_ids.shape[-1], softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+    n_work = _grid(b * s_q, h, cfg)[0]
+    grid = (_persistent_programs(q.device, n_work),) if cfg.walks > 1 else (n_work,)
+    # scratch for walks > 1: per program, dS and P tiles [block_h, topk rounded up to block_k] (bf16)
+    row = math.ceil(topk_ids.shape[-1] / cfg.block_k) * cfg.block_k if cfg.walks > 1 else 1
+    scratch = q.new_empty(grid[0] if cfg.walks > 1 else 1, 2, cfg.block_h, row)
+    k.sparse_mla_bwd_kernel[grid](
+        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, scratch, s_q, s_kv, h,
+        topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
-        FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if deterministic:
         return grad_q, (grad_kv.double() * 2.0**-DKV_FIXED_POINT_BITS).to(kv.dtype)
     return grad_q, grad_kv.to(kv.dtype)

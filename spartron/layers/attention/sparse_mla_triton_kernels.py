@@ -43,34 +43,44 @@ def _used_slots(id_row, topk, s_kv, KP: tl.constexpr):
     return tl.max(tl.where((ids >= 0) & (ids < s_kv), offs + 1, 0), 0)
 
 
+@triton.jit
+def _work_item(w, ids_ptr, s_q, s_kv, n_heads, topk, BH: tl.constexpr, KP: tl.constexpr):
+    """Work item w = one query token (flat b * s_q + t) x one block of BH heads: its q/out rows
+    (token * n_heads + head), head mask, id row, used slot count and batch index."""
+    n_hb = tl.cdiv(n_heads, BH)
+    tok = (w // n_hb).to(tl.int64)
+    heads = (w % n_hb) * BH + tl.arange(0, BH)
+    id_row = ids_ptr + tok * topk
+    return tok * n_heads + heads, heads < n_heads, id_row, _used_slots(id_row, topk, s_kv, KP), tok // s_q
+
+
+@triton.jit
+def _id_block(id_row, k0, topk, s_kv, BK: tl.constexpr):
+    """Slots k0 .. k0+BK of an id row: (row index, 0 where invalid, as int64; validity)."""
+    kk = k0 + tl.arange(0, BK)
+    ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
+    valid = (ids >= 0) & (ids < s_kv)
+    return tl.where(valid, ids, 0).to(tl.int64), valid
+
+
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
                           scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
                           DR: tl.constexpr, KP: tl.constexpr):
-    pid = tl.program_id(0)
-    n_hb = tl.cdiv(n_heads, BH)
-    tok = (pid // n_hb).to(tl.int64)  # flat b * s_q + t
-    hb = pid % n_hb
-    b = tok // s_q
-    heads = hb * BH + tl.arange(0, BH)
-    hmask = heads < n_heads
+    hrow, hmask, id_row, n_used, b = _work_item(tl.program_id(0), ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
-    q_rows = q_ptr + (tok * n_heads + heads)[:, None] * (DV + DR)
+    q_rows = q_ptr + hrow[:, None] * (DV + DR)
     q_lat = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0)
     q_pe = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
 
     m = tl.full([BH], -1.0e30, tl.float32)  # finite start: an all-invalid block gives p = 0, no NaN
     denom = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DV], tl.float32)
-    id_row = ids_ptr + tok * topk
-    n_used = _used_slots(id_row, topk, s_kv, KP)
     kv_base = kv_ptr + b * s_kv * (DV + DR)
     for k0 in tl.range(0, n_used, BK):
-        kk = k0 + tl.arange(0, BK)
-        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-        valid = (ids >= 0) & (ids < s_kv)
-        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64)[:, None] * (DV + DR)
+        safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
+        rows = kv_base + safe[:, None] * (DV + DR)
         kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
         kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q_lat, tl.trans(kv_lat))
@@ -86,10 +96,10 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
 
     has = denom > 0.0
     acc = acc / tl.where(has, denom, 1.0)[:, None]
-    out_rows = out_ptr + (tok * n_heads + heads)[:, None] * DV
+    out_rows = out_ptr + hrow[:, None] * DV
     tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * n_heads + heads, lse, mask=hmask)
+    tl.store(lse_ptr + hrow, lse, mask=hmask)
 
 
 @triton.jit
@@ -125,57 +135,62 @@ def _load_kv(rows, valid, dc, dr, DC: tl.constexpr):
 
 @triton.jit
 def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid, lse2, delta, scale,
-               scale_log2):
-    """(P, dS * scale) of one key block, both in the inputs' dtype."""
-    s = tl.dot(q0, tl.trans(k0))
-    s = tl.dot(q1, tl.trans(k1), s)
-    s = tl.dot(q2, tl.trans(k2), s)
-    s = tl.dot(q3, tl.trans(k3), s)
-    s = tl.dot(qr, tl.trans(kr), s)
+               scale_log2, SUMS: tl.constexpr):
+    """(P, dS * scale) of one key block, both in the inputs' dtype. SUMS: add separate chunk products
+    instead of chaining them through the accumulator; Triton gives a dot whose result reaches another
+    dot a rows-only warp layout (at 64 rows on 8 warps both warpgroups then compute the whole tile),
+    so this keeps S and dP split across the warpgroups when nothing downstream is a dot."""
+    if SUMS:  # fma, not +: Triton folds dot + x back into the accumulator chain
+        s = tl.fma(tl.dot(q0, tl.trans(k0)), 1.0, tl.dot(q1, tl.trans(k1)))
+        s = tl.fma(tl.dot(q2, tl.trans(k2)), 1.0, s)
+        s = tl.fma(tl.dot(q3, tl.trans(k3)), 1.0, s)
+        s = tl.fma(tl.dot(qr, tl.trans(kr)), 1.0, s)
+        dp = tl.fma(tl.dot(do0, tl.trans(k0)), 1.0, tl.dot(do1, tl.trans(k1)))
+        dp = tl.fma(tl.dot(do2, tl.trans(k2)), 1.0, dp)
+        dp = tl.fma(tl.dot(do3, tl.trans(k3)), 1.0, dp)
+    else:
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.dot(qr, tl.trans(kr), s)
+        dp = tl.dot(do0, tl.trans(k0))
+        dp = tl.dot(do1, tl.trans(k1), dp)
+        dp = tl.dot(do2, tl.trans(k2), dp)
+        dp = tl.dot(do3, tl.trans(k3), dp)
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do0, tl.trans(k0))
-    dp = tl.dot(do1, tl.trans(k1), dp)
-    dp = tl.dot(do2, tl.trans(k2), dp)
-    dp = tl.dot(do3, tl.trans(k3), dp)
     ds = (p * (dp - delta[:, None]) * scale).to(k0.dtype)
     return p.to(k0.dtype), ds
 
 
 @triton.jit
-def _bwd_apply(pb, ds, k0, k1, k2, k3, kr, dq0, dq1, dq2, dq3, dqr, drows, valid, q0, q1, q2, q3, qr, do0,
-               do1, do2, do3, dc, dr, DC: tl.constexpr, FIXED: tl.constexpr):
-    """dq += dS K; dkv[rows] += P^T dO + dS^T q (atomics). Returns the dq accumulators."""
-    dq0 = tl.dot(ds, k0, dq0)
-    dq1 = tl.dot(ds, k1, dq1)
-    dq2 = tl.dot(ds, k2, dq2)
-    dq3 = tl.dot(ds, k3, dq3)
-    dqr = tl.dot(ds, kr, dqr)
+def _bwd_dkv(pb, ds, drows, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr, DC: tl.constexpr,
+             FIXED: tl.constexpr):
+    """dkv[rows] += P^T dO + dS^T q (atomics), one 128-column chunk at a time."""
     _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED)
     _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED)
     _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED)
     _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED)
     part = tl.dot(tl.trans(qr), ds)
     _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED)
-    return dq0, dq1, dq2, dq3, dqr
 
 
-@triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
-def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, s_q, s_kv,
-                          n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
-                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr):
+@triton.jit
+def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
+              n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+              DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr, WALKS: tl.constexpr,
+              STAGES2: tl.constexpr):
+    """One work item's dq and dkv contribution. WALKS = 1: one walk, dq accumulated in registers.
+    WALKS = 2: the walk writes dS (bf16) to this program's scratch tile [BH, topk] and a second walk
+    regathers K and sums dq = dS K, so the first walk holds no dq accumulator. WALKS = 3: the first
+    walk only computes P and dS (both to scratch), a second adds dkv from them (no gathers), a third
+    sums dq as above: each walk holds only its own operands."""
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
-    pid = tl.program_id(0)
-    n_hb = tl.cdiv(n_heads, BH)
-    tok = (pid // n_hb).to(tl.int64)
-    hb = pid % n_hb
-    b = tok // s_q
-    heads = hb * BH + tl.arange(0, BH)
-    hmask = heads < n_heads
+    hrow, hmask, id_row, n_used, b = _work_item(w, ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
     dc = tl.arange(0, DC)
     dr = tl.arange(0, DR)
-    hrow = tok * n_heads + heads
     q0, q1, q2, q3, qr = _load_kv(q_ptr + hrow[:, None] * D, hmask, dc, dr, DC)
     do_rows = do_ptr + hrow[:, None] * DV
     do0 = tl.load(do_rows + dc[None, :], mask=hmask[:, None], other=0.0)
@@ -186,27 +201,55 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     # +inf for an empty query or a padding head: every p becomes exp2(-inf) = 0
     lse2 = tl.where(lse > float("-inf"), lse * 1.4426950408889634, float("inf"))
     delta = tl.load(delta_ptr + hrow, mask=hmask, other=0.0)
+    kv_base = kv_ptr + b * s_kv * D
+    dkv_base = dkv_ptr + b * s_kv * D
+    ks = tl.cdiv(topk, BK) * BK  # scratch row length
+    ds_rows = ds_ptr + tl.program_id(0).to(tl.int64) * 2 * BH * ks + tl.arange(0, BH)[:, None] * ks
+    p_rows = ds_rows + BH * ks
 
     dq0 = tl.zeros([BH, DC], tl.float32)
     dq1 = tl.zeros([BH, DC], tl.float32)
     dq2 = tl.zeros([BH, DC], tl.float32)
     dq3 = tl.zeros([BH, DC], tl.float32)
     dqr = tl.zeros([BH, DR], tl.float32)
-    id_row = ids_ptr + tok * topk
-    n_used = _used_slots(id_row, topk, s_kv, KP)
-    kv_base = kv_ptr + b * s_kv * D
-    dkv_base = dkv_ptr + b * s_kv * D
     for k0 in tl.range(0, n_used, BK):
-        kk = k0 + tl.arange(0, BK)
-        ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-        valid = (ids >= 0) & (ids < s_kv)
-        safe = tl.where(valid, ids, 0).to(tl.int64) * D
-        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None], valid, dc, dr, DC)
+        safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
+        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
         pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
-                            scale, scale_log2)
-        dq0, dq1, dq2, dq3, dqr = _bwd_apply(pb, ds, c0, c1, c2, c3, cr, dq0, dq1, dq2, dq3, dqr,
-                                             dkv_base + safe[:, None], valid, q0, q1, q2, q3, qr, do0, do1,
-                                             do2, do3, dc, dr, DC, FIXED)
+                            scale, scale_log2, WALKS == 3)
+        if WALKS > 1:
+            tl.store(ds_rows + k0 + tl.arange(0, BK)[None, :], ds)
+        else:
+            dq0 = tl.dot(ds, c0, dq0)
+            dq1 = tl.dot(ds, c1, dq1)
+            dq2 = tl.dot(ds, c2, dq2)
+            dq3 = tl.dot(ds, c3, dq3)
+            dqr = tl.dot(ds, cr, dqr)
+        if WALKS == 3:
+            tl.store(p_rows + k0 + tl.arange(0, BK)[None, :], pb)
+        else:
+            _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
+                     DC, FIXED)
+    if WALKS > 1:
+        tl.debug_barrier()  # this program's scratch rows are written before they are read back
+    if WALKS == 3:
+        for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
+            safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
+            ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
+            pb = tl.load(p_rows + k0 + tl.arange(0, BK)[None, :])
+            _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
+                     DC, FIXED)
+    if WALKS > 1:
+        for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
+            safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
+            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
+            ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
+            dq0 = tl.dot(ds, c0, dq0)
+            dq1 = tl.dot(ds, c1, dq1)
+            dq2 = tl.dot(ds, c2, dq2)
+            dq3 = tl.dot(ds, c3, dq3)
+            dqr = tl.dot(ds, cr, dqr)
+        tl.debug_barrier()  # ... and read before the next work item overwrites them
 
     dq_rows = dq_ptr + hrow[:, None] * D
     ty = dq_ptr.dtype.element_ty
@@ -215,3 +258,19 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
     tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
     tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
     tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
+
+
+@triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk", "n_work"])
+def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
+                          n_heads, topk, n_work, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
+                          DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr,
+                          WALKS: tl.constexpr, STAGES2: tl.constexpr):
+    """With WALKS > 1 the grid is persistent (one program per SM, striding over the n_work items, so
+    the scratch is two [BH, topk] tiles per program); with one walk, one program per work item."""
+    if WALKS > 1:
+        for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+            _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
+                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2)
+    else:
+        _bwd_item(tl.program_id(0), q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr,
+                  s_q, s_kv, n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2)
