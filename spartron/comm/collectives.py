@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions, _resolve_process_group
 
 NAMESPACE = "spartron_collectives"
 
@@ -37,11 +37,6 @@ OPS: tuple[str, ...] = (
 
 Splits = Sequence[int] | Tensor | None
 
-# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 only has the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The ProcessGroup registered under `group_name`; ValueError naming it when there is none."""
     try:
@@ -49,11 +44,6 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     except (ValueError, RuntimeError, KeyError) as err:
         raise ValueError(f"spartron_collectives: no process group named {group_name!r} "
                          f"(is torch.distributed initialised and the group created on this rank?)") from err
-
-
-def _front(x: Tensor, dim: int) -> Tensor:
-    """`x` with `dim` moved to the front, contiguous: the layout the flat collectives work on."""
-    return x.movedim(dim, 0).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,16 +73,21 @@ def _all_to_all_impl(x: Tensor, output_split_sizes: list[int], input_split_sizes
     return _all_to_all_on(resolve_group(group_name), x, output_split_sizes, input_split_sizes)
 
 
+# The transports below call the ProcessGroup's own entry points, as torch.distributed's wrappers end up
+# doing, without those wrappers' Python checks (the public wrappers here validate first). asyncOp=False:
+# each call is waited at once, so NCCL runs it on the current stream (no event record, stream wait or
+# tensor stash per call), exactly as dist.all_to_all_single(async_op=False) does. A group without a
+# backend for x's device fails at the entry, locally, before any exchange: only then is the backend checked.
+
 def _all_to_all_on(pg: dist.ProcessGroup, x: Tensor, output_split_sizes: list[int],
                    input_split_sizes: list[int]) -> Tensor:
-    # The ProcessGroup's own entry point, as dist.all_to_all_single ends up calling: the same NCCL /
-    # gloo transport without that wrapper's Python checks, which the public wrapper below already did.
     out = x.new_empty(sum(output_split_sizes), *x.shape[1:])  # varargs: parsed faster than a tuple
+    opts = dist.AllToAllOptions()
+    opts.asyncOp = False
     try:
-        work = pg.alltoall_base(out, x.contiguous(), output_split_sizes, input_split_sizes,
-                                dist.AllToAllOptions())
-    except RuntimeError:  # a group without a backend for x's device fails here, locally, before any exchange
-        _check_backend(x, pg, "all_to_all", compiling=False)
+        work = pg.alltoall_base(out, x.contiguous(), output_split_sizes, input_split_sizes, opts)
+    except RuntimeError:
+        _check_backend(x, pg, "all_to_all")
         raise
     work.wait()
     return out
@@ -102,17 +97,27 @@ def _all_to_all_fake(x, output_split_sizes, input_split_sizes, group_name):
     return x.new_empty((sum(output_split_sizes), *x.shape[1:]))
 
 
-def _all_to_all_grad(grad: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
+def _all_to_all_backward(grad: Tensor, pg: dist.ProcessGroup, output_split_sizes, input_split_sizes) -> Tensor:
     """The backward rule: the reverse all-to-all (output and input splits swapped)."""
-    return _run(ALL_TO_ALL, grad, list(input_split_sizes), list(output_split_sizes), group_name)
+    return _eager(ALL_TO_ALL, grad, pg, list(input_split_sizes), list(output_split_sizes))
 
 
 def _all_gather_impl(x: Tensor, dim: int, group_name: str) -> Tensor:
-    pg = resolve_group(group_name)
-    front = _front(x, dim)
-    out = front.new_empty((pg.size() * front.shape[0], *front.shape[1:]))
-    _all_gather_flat(out, front, group=pg)
-    return out.movedim(0, dim).contiguous()
+    return _all_gather_on(resolve_group(group_name), x, dim)
+
+
+def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
+    front = (x.movedim(dim, 0) if dim else x).contiguous()  # the flat collectives work on dim 0
+    out = front.new_empty(pg.size() * front.shape[0], *front.shape[1:])
+    opts = AllgatherOptions()
+    opts.asyncOp = False
+    try:
+        work = pg._allgather_base(out, front, opts)
+    except RuntimeError:
+        _check_backend(x, pg, "all_gather")
+        raise
+    work.wait()
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def _all_gather_fake(x, dim, group_name):
@@ -122,11 +127,22 @@ def _all_gather_fake(x, dim, group_name):
 
 
 def _reduce_scatter_impl(x: Tensor, dim: int, group_name: str) -> Tensor:
-    pg = resolve_group(group_name)
-    front = _front(x, dim)
-    out = front.new_empty((front.shape[0] // pg.size(), *front.shape[1:]))
-    _reduce_scatter_flat(out, front, op=dist.ReduceOp.SUM, group=pg)
-    return out.movedim(0, dim).contiguous()
+    return _reduce_scatter_on(resolve_group(group_name), x, dim)
+
+
+def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
+    front = (x.movedim(dim, 0) if dim else x).contiguous()
+    out = front.new_empty(front.shape[0] // pg.size(), *front.shape[1:])
+    opts = ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = False
+    try:
+        work = pg._reduce_scatter_base(out, front, opts)
+    except RuntimeError:
+        _check_backend(x, pg, "reduce_scatter")
+        raise
+    work.wait()
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def _reduce_scatter_fake(x, dim, group_name):
@@ -145,26 +161,29 @@ def _splits_to_host_fake(splits):
 
 @dataclass(frozen=True)
 class _Collective:
-    """One differentiable op: the registered op, its real impl and its backward rule (grad, *args) -> grad_x."""
+    """One differentiable op: the registered op (x, *args, group_name), its transport on a resolved
+    group (pg, x, *args) and its backward rule (grad, pg, *args) -> grad_x."""
 
     op: object
-    impl: Callable[..., Tensor]
-    grad: Callable[..., Tensor]
+    on: Callable[..., Tensor]
+    backward: Callable[..., Tensor]
 
 
-ALL_TO_ALL = _Collective(_all_to_all, _all_to_all_impl, _all_to_all_grad)
-ALL_GATHER = _Collective(_all_gather, _all_gather_impl,
-                         lambda grad, dim, group_name: _run(REDUCE_SCATTER, grad, dim, group_name))
-REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_impl,
-                             lambda grad, dim, group_name: _run(ALL_GATHER, grad, dim, group_name))
+ALL_TO_ALL = _Collective(_all_to_all, _all_to_all_on, _all_to_all_backward)
+ALL_GATHER = _Collective(_all_gather, _all_gather_on,
+                         lambda grad, pg, dim: _eager(REDUCE_SCATTER, grad, pg, dim))
+REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_on,
+                             lambda grad, pg, dim: _eager(ALL_GATHER, grad, pg, dim))
 
 
 def _register(name: str, impl, fake, collective: _Collective | None = None) -> None:
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    if collective is not None:
+    if collective is not None:  # ctx.args = (*args, group_name): the group is resolved by name here
         torch.library.register_autograd(
-            f"{NAMESPACE}::{name}", lambda ctx, grad: (collective.grad(grad, *ctx.args), *[None] * len(ctx.args)),
+            f"{NAMESPACE}::{name}",
+            lambda ctx, grad: (collective.backward(grad, resolve_group(ctx.args[-1]), *ctx.args[:-1]),
+                               *[None] * len(ctx.args)),
             setup_context=_save_args, lib=_LIB)
 
 
@@ -180,26 +199,31 @@ _register("splits_to_host", _splits_to_host_impl, _splits_to_host_fake)
 
 # ---------------------------------------------------------------------------------------------
 # How a wrapper enters an op. The op is the boundary for three observers: autograd, dispatch modes
-# (the checkpoint policy, FakeTensorMode) and the compiler. Eager calls take the cheapest entry
-# that keeps every observer present on this call seeing the op; each skipped layer costs several
-# µs of host time a call (benchmarks/results/collectives.json), which MoE dispatch pays per layer.
+# (the checkpoint policy, FakeTensorMode) and the compiler. Traced code calls the op itself; eager
+# calls take the cheapest entry that keeps every observer present on this call seeing the op: the
+# transport when nothing watches, the op below its autograd layer when a dispatch mode or subclass
+# does, one autograd.Function when the result needs a gradient. Each skipped layer saves several µs
+# of host time a call (benchmarks/results/collectives_1rank_*.json), which MoE dispatch pays per layer.
 # ---------------------------------------------------------------------------------------------
 
 class _Differentiable(torch.autograd.Function):
     """Eager autograd for the wrappers: the op's own backward rule through one autograd.Function.
 
     Same graph as the op's registered autograd (which torch.ops callers and compiled graphs use),
-    at about half its per-call host cost (register_autograd's Python kernel runs on every call).
+    at a fraction of its per-call host cost (register_autograd's Python kernel runs on every call).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, collective: _Collective, *args):
-        ctx.collective, ctx.args = collective, args
-        return _below_autograd(collective, x, *args)
+    def forward(ctx, x: Tensor, collective: _Collective, pg: dist.ProcessGroup, *args):
+        ctx.collective, ctx.pg, ctx.args = collective, pg, args
+        if _observed(x):
+            with torch._C._AutoDispatchBelowAutograd():
+                return collective.op(x, *args, pg.group_name)
+        return collective.on(pg, x, *args)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return (ctx.collective.grad(grad, *ctx.args), None, *[None] * len(ctx.args))
+        return (ctx.collective.backward(grad, ctx.pg, *ctx.args), None, None, *[None] * len(ctx.args))
 
 
 # autograd.Function.apply without its Python prologue (default-argument binding for setup_context, functorch
@@ -213,40 +237,48 @@ def _observed(x: Tensor) -> bool:
             or torch._C._is_torch_function_mode_enabled())
 
 
-def _below_autograd(collective: _Collective, x: Tensor, *args) -> Tensor:
-    """The op without its autograd layer; straight to its impl when nothing below autograd is watching."""
-    if not _observed(x):
-        return collective.impl(x, *args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return collective.op(x, *args)
+def _apply(x: Tensor, collective: _Collective, pg: dist.ProcessGroup, *args) -> Tensor:
+    """`collective` on `x` with its backward recorded."""
+    if torch._C._are_functorch_transforms_active():
+        return _Differentiable.apply(x, collective, pg, *args)
+    return _differentiable_apply(x, collective, pg, *args)
 
 
-def _run(collective: _Collective, x: Tensor, *args, compiling: bool | None = None) -> Tensor:
-    """`collective`'s op applied to `x`: traced code calls the op itself; eager code the cheapest entry."""
-    if compiling is None:  # the backward rules call without knowing
-        compiling = torch.compiler.is_compiling()
-    if compiling:
-        return collective.op(x, *args)
+def _eager(collective: _Collective, x: Tensor, pg: dist.ProcessGroup, *args) -> Tensor:
+    """`collective` applied to `x` (already validated) through the cheapest entry its observers allow."""
+    if torch.compiler.is_compiling():  # a backward rule traced by the compiler
+        return collective.op(x, *args, pg.group_name)
     if x.requires_grad and torch.is_grad_enabled():
-        if torch._C._are_functorch_transforms_active():
-            return _Differentiable.apply(x, collective, *args)
-        return _differentiable_apply(x, collective, *args)
-    return _below_autograd(collective, x, *args)
+        return _apply(x, collective, pg, *args)
+    if _observed(x):
+        with torch._C._AutoDispatchBelowAutograd():
+            return collective.op(x, *args, pg.group_name)
+    return collective.on(pg, x, *args)
 
 
-def _group(group: dist.ProcessGroup | None, compiling: bool) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise ValueError("spartron_collectives: torch.distributed is not initialised "
-                         "(call init_process_group, or pass no group for single-rank code paths)")
-    group = dist.group.WORLD if group is None else group
-    if not compiling and group is dist.GroupMember.NON_GROUP_MEMBER:
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The eager wrappers' group: `group`, or the world when None."""
+    if group is None:
+        group = dist.group.WORLD  # None before init_process_group
+        if group is None:
+            raise ValueError(_NOT_INITIALISED)
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("spartron_collectives: this rank is not a member of the given process group")
     return group
 
 
-def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str, compiling: bool) -> None:
-    if compiling:  # opaque to dynamo; the traced graph runs the same check eagerly
-        return
+_NOT_INITIALISED = ("spartron_collectives: torch.distributed is not initialised "
+                    "(call init_process_group, or pass no group for single-rank code paths)")
+
+
+def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group under torch.compile (constant to dynamo; membership is the eager path's check)."""
+    if not dist.is_initialized():
+        raise ValueError(_NOT_INITIALISED)
+    return dist.group.WORLD if group is None else group
+
+
+def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
     try:
         group._get_backend(x.device)
     except RuntimeError as err:
@@ -255,18 +287,27 @@ def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str, compiling: bo
 
 
 def splits_to_host(splits: Tensor) -> list[int]:
-    """Split sizes held in a tensor as a Python list, copied through the mandatory-save op."""
-    return _splits_to_host(splits).tolist()
+    """Split sizes held in a tensor as a Python list, copied through the mandatory-save op.
+
+    The op is what a checkpoint policy (a dispatch mode) and the compiler see; with neither watching,
+    the same copy without the op's dispatch."""
+    if torch.compiler.is_compiling() or _observed(splits):
+        return _splits_to_host(splits).tolist()
+    return splits.tolist()
+
+
+def _int_list(splits: Splits, world: int) -> bool:
+    """Whether `splits` is a list of `world` non-negative ints: the MoE dispatch's case, one pass."""
+    if type(splits) is not list or len(splits) != world:
+        return False
+    for size in splits:
+        if type(size) is not int or size < 0:
+            return False
+    return True
 
 
 def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: bool) -> list[int]:
     """`splits` as a validated list of `world` non-negative ints (None = even split of dim 0)."""
-    if type(splits) is list and not compiling:  # the MoE dispatch's case, twice per all-to-all: fewest checks
-        for size in splits:
-            if type(size) is not int:
-                raise ValueError(f"all_to_all: {name} must be ints, got {splits}")
-        if len(splits) == world and min(splits) >= 0:
-            return splits.copy()
     if splits is None:
         if x.shape[0] % world:
             raise ValueError(f"all_to_all: {name}=None needs x.size(0)={x.shape[0]} divisible by the "
@@ -283,7 +324,7 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: boo
         splits = splits_to_host(splits)  # a fresh list of ints: no further type checks needed
     else:
         splits = list(splits)
-        if not compiling:  # a plain loop, no generator: this runs twice per MoE all-to-all
+        if not compiling:
             for size in splits:
                 if type(size) is not int:
                     raise ValueError(f"all_to_all: {name} must be ints, got {splits}")
@@ -297,6 +338,11 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: boo
     return splits
 
 
+def _input_rows_error(in_splits: list[int], x: Tensor) -> ValueError:
+    return ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
+                      f"but x.size(0) is {x.shape[0]}")
+
+
 def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: Splits = None,
                group: dist.ProcessGroup | None = None) -> Tensor:
     """Differentiable all-to-all along dim 0 with (possibly uneven, possibly zero) split sizes.
@@ -304,23 +350,40 @@ def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: 
     Rank r sends rows `input_split_sizes[j]` to rank j and receives `output_split_sizes[j]` rows
     from rank j, concatenated in rank order. Splits: list of ints, 1-D int tensor, or None (even).
     """
-    compiling = torch.compiler.is_compiling()
-    group = _group(group, compiling)
+    if torch.compiler.is_compiling():
+        return _traced_all_to_all(x, output_split_sizes, input_split_sizes, group)
+    group = _group(group)
     world = group.size()
     if x.dim() == 0:
         raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)")
-    in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes", compiling)
-    if compiling:
-        torch._check(sum(in_splits) == x.shape[0],
-                     lambda: "all_to_all: input_split_sizes do not sum to x.size(0)")
-    elif sum(in_splits) != x.shape[0]:
-        raise ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
-                         f"but x.size(0) is {x.shape[0]}")
-    out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes", compiling)
-    if not (compiling or (x.requires_grad and torch.is_grad_enabled()) or _observed(x)):
-        # nothing watches this call: straight to the transport (the backend check runs only if it fails)
-        return _all_to_all_on(group, x, out_splits, in_splits)
-    return _run(ALL_TO_ALL, x, out_splits, in_splits, group.group_name, compiling=compiling)
+    if _int_list(input_split_sizes, world) and _int_list(output_split_sizes, world):
+        in_splits, out_splits = input_split_sizes, output_split_sizes
+        if sum(in_splits) != x.shape[0]:
+            raise _input_rows_error(in_splits, x)
+    else:
+        in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes", False)
+        if sum(in_splits) != x.shape[0]:
+            raise _input_rows_error(in_splits, x)
+        out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes", False)
+    if x.requires_grad and torch.is_grad_enabled():  # the backward keeps its own copies of the splits
+        return _apply(x, ALL_TO_ALL, group, out_splits.copy(), in_splits.copy())
+    if _observed(x):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _all_to_all(x, out_splits, in_splits, group.group_name)
+    return _all_to_all_on(group, x, out_splits, in_splits)
+
+
+def _traced_all_to_all(x: Tensor, output_split_sizes: Splits, input_split_sizes: Splits,
+                       group: dist.ProcessGroup | None) -> Tensor:
+    """all_to_all under torch.compile: the op, with the checks on SymInt sizes as runtime asserts."""
+    group = _traced_group(group)
+    world = group.size()
+    if x.dim() == 0:
+        raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)")
+    in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes", True)
+    torch._check(sum(in_splits) == x.shape[0], lambda: "all_to_all: input_split_sizes do not sum to x.size(0)")
+    out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes", True)
+    return _all_to_all(x, out_splits, in_splits, group.group_name)
 
 
 def exchange_split_sizes(input_split_sizes: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
@@ -330,14 +393,16 @@ def exchange_split_sizes(input_split_sizes: Tensor, group: dist.ProcessGroup | N
     sends here. Same device as the input (NCCL needs CUDA counts); int64.
     """
     compiling = torch.compiler.is_compiling()
-    group = _group(group, compiling)
+    group = _traced_group(group) if compiling else _group(group)
     world = group.size()
     if input_split_sizes.dtype != torch.int64 or input_split_sizes.shape != (world,):
         raise ValueError(f"exchange_split_sizes: expected an int64 tensor of shape ({world},), got "
                          f"{input_split_sizes.dtype} of shape {tuple(input_split_sizes.shape)}")
-    _check_backend(input_split_sizes, group, "exchange_split_sizes", compiling)
     ones = [1] * world
-    return _run(ALL_TO_ALL, input_split_sizes, ones, ones, group.group_name, compiling=compiling)
+    if compiling:  # opaque to dynamo; the traced graph runs the backend check eagerly
+        return _all_to_all(input_split_sizes, ones, ones, group.group_name)
+    _check_backend(input_split_sizes, group, "exchange_split_sizes")
+    return _eager(ALL_TO_ALL, input_split_sizes, group, ones, ones)
 
 
 def _check_dim(x: Tensor, dim: int, what: str) -> int:
@@ -351,11 +416,9 @@ def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) 
 
     Every rank must pass the same shape. Backward is a reduce-scatter (sum) of the gradient.
     """
-    compiling = torch.compiler.is_compiling()
-    group = _group(group, compiling)
-    dim = _check_dim(x, dim, "all_gather")
-    _check_backend(x, group, "all_gather", compiling)
-    return _run(ALL_GATHER, x, dim, group.group_name, compiling=compiling)
+    if torch.compiler.is_compiling():
+        return _all_gather(x, _check_dim(x, dim, "all_gather"), _traced_group(group).group_name)
+    return _eager(ALL_GATHER, x, _group(group), _check_dim(x, dim, "all_gather"))
 
 
 def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
@@ -364,11 +427,12 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int =
     `x.size(dim)` must be divisible by the group size. Backward is an all-gather of the gradient.
     """
     compiling = torch.compiler.is_compiling()
-    group = _group(group, compiling)
+    group = _traced_group(group) if compiling else _group(group)
     world = group.size()
     dim = _check_dim(x, dim, "reduce_scatter")
     if x.shape[dim] % world:
         raise ValueError(f"reduce_scatter: x.size({dim})={x.shape[dim]} is not divisible by the "
                          f"group size {world}")
-    _check_backend(x, group, "reduce_scatter", compiling)
-    return _run(REDUCE_SCATTER, x, dim, group.group_name, compiling=compiling)
+    if compiling:
+        return _reduce_scatter(x, dim, group.group_name)
+    return _eager(REDUCE_SCATTER, x, group, dim)
