@@ -1,20 +1,23 @@
-"""The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + torch.topk) timed and checked.
+"""The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + Triton radix top-k) timed and checked.
 
     python benchmarks/indexer.py --out benchmarks/results/indexer.json --commit SHA   # CUDA
     python benchmarks/indexer.py --smoke                                              # tiny, CPU (reference)
 
 Per case SEQ (default 16k and 64k; 32 index heads x 128, top-k 2048, batch 1, causal): the score
-kernel alone (whole chunks, as the op runs them), torch.topk alone on one chunk of scores, and the
-whole op in bf16 and fp8, every timed step recorded. FLOPs: 2 x visible (query, key) pairs x heads x
-head dim (the MMA work; ReLU, weights and top-k are not counted), against the bf16 matmul ceiling
-measured in the same run. Agreement on sampled queries: the bf16 op's ids against a float64 oracle
-(set equal except keys within 1e-3 relative of the k-th score), and fp8's ids against bf16's
-(fraction of shared ids).
+kernel alone (every chunk, as the op runs them) in bf16 and fp8 (operands quantised beforehand), the
+fp8 quantisation alone (the Triton pass and the PyTorch formula), the radix top-k alone on the last
+chunk's scores (the fullest rows; at 16k the only chunk), and the whole op in bf16 and fp8, every timed
+step recorded. FLOPs: 2 x visible (query, key) pairs x heads x head dim (the MMA work; ReLU, weights
+and top-k are not counted), against the bf16 matmul ceiling measured in the same run. Agreement on
+sampled queries: the op's ids against a float64 oracle (set equal except keys within 1e-3 relative of
+the k-th score; fp8 against the oracle of its quantised operands) and fp8's ids against bf16's
+(fraction of shared ids). `--sweep` also times the score kernel's tile configs at the first case.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py / sparse_m
 from common import device_name, write_report  # noqa: E402
 from sparse_mla import git_commit, matmul_ceiling, timed  # noqa: E402
 
+from spartron.layers.attention.indexer_fp8 import fp8_operands  # noqa: E402
 from spartron.layers.attention.indexer_topk import index_scores, indexer_topk  # noqa: E402
 
 
@@ -34,18 +38,21 @@ def sampled_rows(s: int, n: int, device) -> torch.Tensor:
     return torch.cat([rows, torch.tensor([s - 1])]).unique().to(device)
 
 
-def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3) -> dict:
+def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3, k_scale=None) -> dict:
     """Float64 scores of the sampled rows; the op's ids may differ from the exact top-k only in keys whose
-    exact score lies within rel_tol (relative) of the k-th score."""
+    exact score lies within rel_tol (relative) of the k-th score. k_scale: per-key factor (fp8 operands)."""
     pos = torch.arange(k.shape[1], device=k.device)
     bad, checked = 0, 0
     for r in rows.tolist():
         vis = (pos <= r)[None]
         exact = index_scores(q[:, r:r + 1].double(), w[:, r:r + 1].double(), k.double(), vis)[0, 0]
+        if k_scale is not None:
+            exact = exact * k_scale[0].double()
         kk = min(topk, r + 1)
-        kth = exact.topk(kk).values[-1]
+        top = exact.topk(kk)
+        kth = top.values[-1]
         got = ids[0, r][ids[0, r] >= 0].long()
-        want = exact.topk(kk).indices
+        want = top.indices
         diff = torch.cat([got[~torch.isin(got, want)], want[~torch.isin(want, got)]])
         near = (exact[diff] - kth).abs() <= rel_tol * kth.abs()
         bad += int((~near).sum()) + abs(got.numel() - kk)
@@ -53,7 +60,13 @@ def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3) -> dic
     return dict(rows=rows.numel(), ids_checked=checked, ids_outside_tolerance=bad)
 
 
-def case(args, device, s: int) -> dict:
+SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_pairs)
+    (128, 128, 8, 3, False), (128, 128, 8, 2, False), (64, 256, 8, 3, False), (64, 256, 8, 2, False),
+    (64, 128, 4, 2, False), (64, 256, 8, 2, True), (64, 128, 4, 2, True), (128, 128, 8, 2, True),
+]
+
+
+def case(args, device, s: int, sweep: bool) -> dict:
     h, d, topk = args.heads, args.dim, args.topk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -71,21 +84,56 @@ def case(args, device, s: int) -> dict:
     steps = [("indexer_topk_bf16", lambda: full(False), flops)]
     if device.type == "cuda":
         from spartron.layers.attention import indexer_triton as it
-        chunk = it.chunk_rows(1, s, s, it.IndexerKernelConfig().block_m)
-        buf = torch.empty(1, chunk, s, device=device)
+        cfg = it.IndexerKernelConfig()
+        chunk = it.chunk_rows(1, s, s, cfg.block_m)
+        buf = torch.empty(chunk * it.padded(s), device=device)
         w32, qpos = w.float(), pos.to(torch.int32)
+        q8, w8, k8, ks = it.quantize_fp8(q, w, k)
+        ids_buf = torch.empty(1, s, min(topk, s), dtype=torch.int32, device=device)
 
-        def scores_only():
+        def chunk_view(c0, c):
+            n = min(s, c0 + c)  # the chunk's visible prefix
+            return buf[: c * it.padded(n)].view(1, c, it.padded(n))[..., :n]
+
+        def scores_only(fp8=False, tile=cfg):
             for c0 in range(0, s, chunk):
                 c = min(chunk, s - c0)
-                it.scores(q, w32, k, None, qpos, qpos, c0, c, buf[:, :c])
+                if fp8:
+                    it.scores(q8, w8, k8, ks, qpos, qpos, c0, c, chunk_view(c0, c), None, True, tile)
+                else:
+                    it.scores(q, w32, k, None, qpos, qpos, c0, c, chunk_view(c0, c), None, True, tile)
 
-        def topk_only():  # the last chunk's scores (the fullest rows)
-            buf.topk(min(topk, s), dim=-1)
+        last = (s - 1) // chunk * chunk
+        plan = it.row_plan(qpos, None, s, True, min(cfg.topk_rows, chunk))
 
-        steps = [("scores_kernel", scores_only, flops), ("torch_topk_one_chunk", topk_only, 0)] + steps
+        def topk_only():  # the last chunk (its scores are in buf after scores_only)
+            c = s - last
+            group = min(cfg.topk_rows, chunk)
+            for i in range(-(-c // group)):
+                it.select(chunk_view(last, c), ids_buf, qpos, last, i * group, min(group, c - i * group),
+                          plan[last // group + i][1], None, True, cfg)
+
+        steps = [("scores_kernel_bf16", scores_only, flops), ("radix_topk_last_chunk", topk_only, 0),
+                 ("scores_kernel_fp8", lambda: scores_only(True), flops),
+                 ("quantize_fp8_triton", lambda: it.quantize_fp8(q, w, k), 0),
+                 ("quantize_fp8_torch", lambda: fp8_operands(q, w, k), 0)] + steps
         steps.append(("indexer_topk_fp8", lambda: full(True), flops))
         rows["chunk_rows"] = chunk
+        rows["config"] = dataclasses.asdict(cfg)
+        if sweep:
+            table = []
+            for bm, bn, nw, ns, pairs in SWEEP:
+                tile = it.IndexerKernelConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
+                entry = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
+                for name, fp8 in (("bf16", False), ("fp8", True)):
+                    try:
+                        r = timed(lambda: scores_only(fp8, tile), device, args.iters, args.warmup)
+                        entry[name] = dict(ms=r["ms"], steps_ms=r["steps_ms"], tflops=flops / r["ms"] / 1e9)
+                    except Exception as e:  # noqa: BLE001 - a config the compiler refuses is recorded
+                        entry[name] = dict(error=repr(e)[:300])
+                print("sweep", entry, flush=True)
+                table.append(entry)
+            rows["score_tile_sweep"] = table
     for name, fn, fl in steps:
         r = timed(fn, device, args.iters, args.warmup)
         rows[name] = dict(r, flops=fl, tflops=fl / r["ms"] / 1e9 if fl else None)
@@ -98,7 +146,9 @@ def case(args, device, s: int) -> dict:
         shared = [torch.isin(ids8[0, r][ids8[0, r] >= 0], ids[0, r][ids[0, r] >= 0]).float().mean().item()
                   for r in sample.tolist()]
         rows["fp8_vs_bf16_shared_fraction"] = dict(mean=sum(shared) / len(shared), min=min(shared))
-        rows["fp8_vs_float64_oracle"] = oracle_mismatch(q, w, k, sample, ids8, topk)
+        rows["fp8_vs_its_float64_oracle"] = oracle_mismatch(q8.float(), w8, k8.float(), sample, ids8, topk,
+                                                            k_scale=ks)
+        rows["fp8_vs_bf16_float64_oracle"] = oracle_mismatch(q, w, k, sample, ids8, topk)
     return dict(seq=s, heads=h, head_dim=d, topk=topk, visible_pairs=pairs, results=rows)
 
 
@@ -113,15 +163,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--check-rows", dest="check_rows", type=int, default=256)
+    p.add_argument("--sweep", action="store_true", help="also time the score kernel's tile configs (first case)")
     p.add_argument("--commit", default=None, help="git commit to record (the GPU copy's git metadata lies)")
     args = p.parse_args()
     if args.smoke:
         args.seqs, args.heads, args.dim, args.topk, args.iters, args.warmup, args.check_rows = [96], 4, 16, 8, 2, 1, 8
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     cases = []
-    for s in args.seqs:
+    for i, s in enumerate(args.seqs):
         print(f"case seq {s}", flush=True)
-        cases.append(case(args, device, s))
+        cases.append(case(args, device, s, args.sweep and i == 0))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     cuda = device.type == "cuda"
@@ -141,6 +192,8 @@ def main() -> None:
                   ceiling_bf16_matmul_tflops=ceiling, cases=cases)
     for c in cases:
         for name, r in c["results"].items():
+            if name in ("score_tile_sweep", "config"):
+                continue
             if isinstance(r, dict) and "ms" in r:
                 frac = r.get("fraction_of_bf16_ceiling")
                 print(f"{c['seq']:6d} {name:24s} {r['ms']:9.3f} ms" + (f" {frac:6.1%} of ceiling" if frac else ""))

@@ -3,14 +3,19 @@
   q [B, S_q, H, d] index queries, weights [B, S_q, H] head weights, k [B, S_kv, d] (one key head);
   q_positions [S_q] / k_positions [S_kv] int64 global positions (key s is visible to query t iff
   k_positions[s] <= q_positions[t]; under CP the queries are local and the keys all-gathered);
-  returns int32 ids [B, S_q, min(topk, S_kv)] of the highest I[t,s] = sum_h w[t,h] ReLU(q[t,h] . k[s])
-  over visible keys, in descending score order, -1 where a query sees fewer keys than the slots.
+  q_starts [B, S_q] (packed documents, attention.doc_mask): also k_positions[s] >= q_starts[b, t];
+  returns int32 ids [B, S_q, min(topk, S_kv)]: the SET of the keys with the highest
+  I[t,s] = sum_h w[t,h] ReLU(q[t,h] . k[s]) over visible keys (equal scores: the lower key id first), in
+  ascending key order, -1 padding last where a query sees fewer keys than the slots (`topk_ids`).
+  No consumer needs score order: sparse attention and the KL loss sum over the slots, and ascending ids
+  make the sparse kernel's gathers walk the keys forward.
 `fp8`: q and k are quantised to float8 e4m3 (one scale per (query, head) row and per key row,
 amax / 448) before the dot, as Hopper's fp8 MMA would take them; both paths quantise the same way.
 
 The PyTorch reference (`reference_indexer_topk`, chunked over queries so [chunk, H, S_kv] stays
-bounded) is the CPU path and the test oracle; on CUDA the Triton kernel of indexer_triton.py scores
-tiles without the per-head logits and torch.topk selects per query chunk. The trained-indexer (KL)
+bounded) is the CPU path and the test oracle; on CUDA (indexer_triton.py) a Triton kernel scores tiles
+without the per-head logits, skipping tiles no query of them sees, and a Triton radix select takes
+each row's top-k from its visible keys only, with the same rule as `topk_ids`. The trained-indexer (KL)
 path needs differentiable scores and keeps `index_scores`.
 """
 
@@ -39,10 +44,21 @@ def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tens
 
 
 def topk_ids(scores: Tensor, topk: int) -> Tensor:
-    """int32 ids [B, S_q, min(topk, S_kv)] of the highest scores; -1 where the pick is a masked key."""
-    k = min(topk, scores.shape[-1])
-    values, ids = scores.topk(k, dim=-1)
-    return torch.where(torch.isfinite(values), ids, -1).to(torch.int32)
+    """int32 ids [..., min(topk, S_kv)]: the keys of the highest finite scores (-inf: not visible), ties
+    to the lower key id, in ascending key order, -1 padding last. The one rule of the top-k's order: the
+    CUDA radix select follows it too, so on the same scores both give the same ids."""
+    kk = min(topk, scores.shape[-1])
+    finite = scores > float("-inf")
+    kth = scores.topk(kk, dim=-1).values[..., -1:]
+    above = finite & (scores > kth)
+    tied = finite & (scores == kth)
+    need = kk - above.sum(-1, keepdim=True)
+    take = above | (tied & (tied.cumsum(-1) <= need))
+    slot = torch.where(take, take.cumsum(-1) - 1, kk)  # the untaken go to a spare last column
+    cols = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    out = torch.full((*scores.shape[:-1], kk + 1), -1, dtype=torch.int64, device=scores.device)
+    out.scatter_(-1, slot, cols)
+    return out[..., :kk].to(torch.int32)
 
 
 def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor,
@@ -70,19 +86,19 @@ def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: T
 
 @torch.library.custom_op("spartron::indexer_topk", mutates_args=())
 def _indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
-                  fp8: bool) -> Tensor:
-    return reference_indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8)
+                  fp8: bool, q_starts: Tensor | None) -> Tensor:
+    return reference_indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8, q_starts)
 
 
 @_indexer_topk.register_kernel("cuda")
-def _(q, weights, k, q_positions, k_positions, topk, fp8):
+def _(q, weights, k, q_positions, k_positions, topk, fp8, q_starts):
     from spartron.layers.attention import indexer_triton  # the kernel imports triton only when used
 
-    return indexer_triton.indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8)
+    return indexer_triton.indexer_topk(q, weights, k, q_positions, k_positions, topk, fp8, q_starts)
 
 
 @_indexer_topk.register_fake
-def _(q, weights, k, q_positions, k_positions, topk, fp8):
+def _(q, weights, k, q_positions, k_positions, topk, fp8, q_starts):
     return q.new_empty(q.shape[0], q.shape[1], min(topk, k.shape[1]), dtype=torch.int32)
 
 
@@ -98,11 +114,9 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
                          f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}")
     if topk < 1:
         raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
-    if q_starts is not None:  # packed documents (attention.doc_mask): the reference path, the kernel masks causally
-        if q_starts.shape != q.shape[:2]:
-            raise ValueError(f"indexer_topk: q_starts must be [B, S_q] = {tuple(q.shape[:2])}, "
-                             f"got {tuple(q_starts.shape)}")
-        with torch.no_grad():
-            return reference_indexer_topk(q, weights, k, q_positions, k_positions, int(topk), bool(fp8), q_starts)
+    if q_starts is not None and q_starts.shape != q.shape[:2]:  # packed documents (attention.doc_mask)
+        raise ValueError(f"indexer_topk: q_starts must be [B, S_q] = {tuple(q.shape[:2])}, "
+                         f"got {tuple(q_starts.shape)}")
     return _indexer_topk(q.detach().contiguous(), weights.detach().contiguous(), k.detach().contiguous(),
-                         q_positions.contiguous(), k_positions.contiguous(), int(topk), bool(fp8))
+                         q_positions.contiguous(), k_positions.contiguous(), int(topk), bool(fp8),
+                         None if q_starts is None else q_starts.contiguous())

@@ -1,12 +1,12 @@
-"""Launcher for the Triton lightning-indexer kernel: shape limits, tile config, chunked top-k.
+"""Launcher for the Triton lightning-indexer kernels: shape limits, tile configs, query chunks, the top-k.
 
 `spartron::indexer_topk` registers `indexer_topk` below as its CUDA kernel (indexer_topk.py); a CUDA
-input the kernel cannot take is an error naming the limit, never a silent fallback. Triton is
-imported only when the kernel runs. Queries go in chunks so the fp32 [B, chunk, S_kv] score buffer
-stays near `SCORE_BUFFER_BYTES` (and the sequence is cut in at least `MIN_CHUNKS`); each chunk is
-scored by the kernel and reduced by torch.topk. When key positions are 0..S_kv-1 (no CP, or CP's
-gathered keys) a chunk's visible keys are a prefix, up to its last query position: only that prefix is
-scored and searched, which roughly halves the top-k work of a causal sequence.
+input the kernels cannot take is an error naming the limit, never a silent fallback. Triton is
+imported only when a kernel runs. Queries go in chunks so the fp32 [B, chunk, n_cols] score buffer
+stays under `SCORE_BUFFER_BYTES`; each chunk is scored (indexer_triton_kernels) and then selected by
+the radix top-k (topk_triton_kernels). When key positions are 0..S_kv-1 (no CP, or CP's gathered
+keys) a row's visible keys are the contiguous columns [document start or 0, query position]: the score
+kernel skips the tiles outside every row's range and the top-k reads each row's range only.
 """
 
 from __future__ import annotations
@@ -17,22 +17,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from spartron.layers.attention.indexer_fp8 import fp8_operands
 from spartron.optional import require
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 SCORE_BUFFER_BYTES = 1 << 30
-MIN_CHUNKS = 4
+FP8_ROWS = 64  # rows per program of the fp8 quantisation
 
 
 @dataclass(frozen=True)
 class IndexerKernelConfig:
-    """Query rows and key columns of one tile, warps, and pipeline depth of the head loop."""
+    """Score tile (query rows, key columns, warps, head-loop pipeline depth, two heads a step when the head
+    count is even) and top-k blocks: a row range up to `single_block` columns is held in registers;
+    longer ones stream `multi_block` columns."""
 
-    block_m: int = 128
-    block_n: int = 128
+    block_m: int = 64
+    block_n: int = 256
     num_warps: int = 8
     num_stages: int = 3
+    head_pairs: bool = False
+    single_block: int = 16384
+    multi_block: int = 4096
+    topk_rows: int = 2048  # rows per top-k launch (each launch sizes its block to its longest row)
 
 
 def check_supported(q: Tensor, k: Tensor) -> None:
@@ -44,66 +49,123 @@ def check_supported(q: Tensor, k: Tensor) -> None:
         raise ValueError(f"indexer_topk CUDA kernel: needs bfloat16 or float16 q and k; got {q.dtype}, {k.dtype}")
 
 
-def _kernels():
+def _kernels(name: str = "indexer_triton_kernels"):
     require("triton", "the indexer_topk CUDA kernel", "pip install triton (it ships with CUDA builds of torch)")
-    return importlib.import_module("spartron.layers.attention.indexer_triton_kernels")
+    return importlib.import_module(f"spartron.layers.attention.{name}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded(n: int) -> int:
+    """Row stride of the score buffer: n rounded up to 16 columns (aligned rows for vector loads)."""
+    return -(-n // 16) * 16
 
 
 def chunk_rows(b: int, s_q: int, s_kv: int, block_m: int) -> int:
-    """Queries per chunk: the score buffer near SCORE_BUFFER_BYTES and at least MIN_CHUNKS chunks, a
-    multiple of the tile rows."""
-    rows = min(max(1, SCORE_BUFFER_BYTES // (4 * b * max(s_kv, 1))), -(-s_q // MIN_CHUNKS))
-    return min(s_q, max(block_m, -(-rows // block_m) * block_m))
+    """Queries per chunk: the score buffer under SCORE_BUFFER_BYTES, a multiple of the tile rows."""
+    rows = max(1, SCORE_BUFFER_BYTES // (4 * b * padded(max(s_kv, 1))))
+    return min(s_q, max(block_m, rows // block_m * block_m))
+
+
+def quantize_fp8(q: Tensor, weights: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """indexer_fp8.fp8_operands in two Triton passes (one read of q and k each): (q8, weights * q scale,
+    k8, k scale), bitwise the same values."""
+    kern = _kernels()
+    out = []
+    for x, w in ((q, weights), (k, None)):
+        rows = x.numel() // x.shape[-1]
+        x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        w_out = torch.empty_like(scale) if w is not None else scale
+        kern.fp8_rows_kernel[(-(-rows // FP8_ROWS),)](
+            x.contiguous(), w.contiguous() if w is not None else scale, x8, scale, w_out, rows, D=x.shape[-1],
+            BR=FP8_ROWS, HAS_W=w is not None, num_warps=4)
+        out.append((x8, w_out if w is not None else scale))
+    (q8, w8), (k8, k_scale) = out
+    return q8, w8, k8, k_scale
 
 
 def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
-           k_positions: Tensor, q_start: int, c_len: int, out: Tensor,
-           cfg: IndexerKernelConfig | None = None) -> Tensor:
-    """Fill out [B, c_len, n_cols] fp32 with the scores of queries q_start .. q_start + c_len against the
-    first n_cols keys (-inf where not visible). q [B, S_q, H, d] and k [B, S_kv, d] contiguous
-    (bf16/fp16, or fp8 with k_scale)."""
+           k_positions: Tensor, q_start: int, c_len: int, out: Tensor, q_starts: Tensor | None = None,
+           ranged: bool = False, cfg: IndexerKernelConfig | None = None) -> Tensor:
+    """Fill out [B, c_len, n_cols] fp32 (a view whose row stride may exceed n_cols) with the scores of queries
+    q_start .. q_start + c_len against the first n_cols keys, -inf where not visible; `ranged`: tiles
+    without a visible key are left unwritten. q [B, S_q, H, d], k [B, S_kv, d] contiguous (bf16/fp16, or
+    fp8 with k_scale); positions and q_starts int32."""
     cfg = cfg or IndexerKernelConfig()
     b, s_q, h, d = q.shape
     s_kv, n_cols = k.shape[1], out.shape[-1]
+    if out.stride(-1) != 1 or out.stride(0) != c_len * out.stride(1):
+        raise ValueError("indexer scores: out must be [B, c_len, n_cols] rows of one stride")
     grid = (-(-n_cols // cfg.block_n), -(-c_len // cfg.block_m), b)
     _kernels().indexer_scores_kernel[grid](
-        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions, out, s_q, s_kv,
-        q_start, c_len, n_cols, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions,
+        q_starts if q_starts is not None else q_positions, out, s_q, s_kv, q_start, c_len, n_cols, out.stride(1),
+        H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None, HAS_STARTS=q_starts is not None,
+        RANGED=ranged, PAIRS=cfg.head_pairs and h % 2 == 0, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return out
 
 
+def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int, longest: int,
+           q_starts: Tensor | None = None, ranged: bool = False, cfg: IndexerKernelConfig | None = None) -> None:
+    """Write ids[:, q_start + row0 : q_start + row0 + n_rows] (the radix top-k of rows row0.. of the chunk's
+    scores `out`, see `scores`); `longest`: the most columns any of those rows reads."""
+    cfg = cfg or IndexerKernelConfig()
+    b, c_len, n_cols = out.shape
+    single = longest <= cfg.single_block
+    block = max(16, _pow2(longest)) if single else cfg.multi_block
+    _kernels("topk_triton_kernels").radix_topk_kernel[(n_rows, b)](
+        out, q_positions, q_starts if q_starts is not None else q_positions, ids, c_len, row0, n_cols,
+        out.stride(1), q_start, ids.shape[1], ids.shape[2], RANGED=ranged, HAS_STARTS=q_starts is not None,
+        BLOCK=block, SINGLE=single, KP=_pow2(ids.shape[2]), num_warps=min(16, max(4, block // 1024)))
+
+
+def row_plan(q_positions: Tensor, q_starts: Tensor | None, s_kv: int, ranged: bool, group: int) -> list[tuple]:
+    """(columns needed, longest range) of each group of `group` query rows (one host sync)."""
+    s_q = q_positions.shape[0]
+    if not ranged:
+        return [(s_kv, s_kv)] * -(-s_q // group)
+    hi = (q_positions.long() + 1).clamp(0, s_kv)
+    lo = q_starts.long().clamp(0).amin(0) if q_starts is not None else torch.zeros_like(hi)
+    n_groups = -(-s_q // group)
+    stats = torch.zeros(2, n_groups * group, dtype=torch.int64, device=hi.device)
+    stats[0, :s_q] = hi
+    stats[1, :s_q] = (hi - lo).clamp_min(0)
+    return [tuple(r) for r in stats.view(2, n_groups, group).amax(-1).T.tolist()]
+
+
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
-                 fp8: bool, cfg: IndexerKernelConfig | None = None) -> Tensor:
-    """int32 ids [B, S_q, min(topk, S_kv)] (descending score, -1 past a query's visible keys)."""
+                 fp8: bool, q_starts: Tensor | None = None, cfg: IndexerKernelConfig | None = None) -> Tensor:
+    """int32 ids [B, S_q, min(topk, S_kv)] (ascending key order, -1 padding last; see indexer_topk.topk_ids)."""
     check_supported(q, k)
     cfg = cfg or IndexerKernelConfig()
     b, s_q, _, _ = q.shape
     s_kv = k.shape[1]
-    kk = min(topk, s_kv)
-    ids = torch.empty(b, s_q, kk, dtype=torch.int32, device=q.device)
+    ids = torch.empty(b, s_q, min(topk, s_kv), dtype=torch.int32, device=q.device)
     if ids.numel() == 0:
         return ids
     k_scale = None
     if fp8:
-        q, w, k, k_scale = fp8_operands(q, weights, k)
+        q, w, k, k_scale = quantize_fp8(q, weights, k)
     else:
         w = weights.float()
     q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
     qpos, kpos = q_positions.to(torch.int32), k_positions.to(torch.int32)
+    starts = q_starts.to(torch.int32).contiguous() if q_starts is not None else None
+    ranged = torch.equal(kpos, torch.arange(s_kv, dtype=torch.int32, device=q.device))  # key s at column s
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
-    buf = torch.empty(b * chunk * s_kv, dtype=torch.float32, device=q.device)
-    n_chunks = -(-s_q // chunk)
-    n_cols = [s_kv] * n_chunks
-    if torch.equal(kpos, torch.arange(s_kv, dtype=torch.int32, device=q.device)):  # visible keys: a prefix
-        last = qpos.new_full((n_chunks * chunk,), 0)
-        last[:s_q] = qpos
-        n_cols = [min(s_kv, p + 1) for p in last.view(n_chunks, chunk).amax(-1).clamp_min(0).tolist()]
-    for i, c0 in enumerate(range(0, s_q, chunk)):
-        c, n = min(chunk, s_q - c0), n_cols[i]
-        out = scores(q, w, k, k_scale, qpos, kpos, c0, c, buf[: b * c * n].view(b, c, n), cfg)
-        values, picked = out.topk(min(kk, n), dim=-1)
-        if n < kk:
-            ids[:, c0:c0 + c, n:] = -1
-        ids[:, c0:c0 + c, : values.shape[-1]] = torch.where(torch.isfinite(values), picked, -1)
+    group = min(cfg.topk_rows, chunk)
+    chunk = chunk // group * group
+    plan = row_plan(qpos, starts, s_kv, ranged, group)
+    buf = torch.empty(b * chunk * padded(s_kv), dtype=torch.float32, device=q.device)
+    for c0 in range(0, s_q, chunk):
+        c = min(chunk, s_q - c0)
+        groups = plan[c0 // group: -(-(c0 + c) // group)]
+        n_cols = max(n for n, _ in groups)
+        out = buf[: b * c * padded(n_cols)].view(b, c, padded(n_cols))[..., :n_cols]
+        scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, ranged, cfg)
+        for i, (_, longest) in enumerate(groups):
+            select(out, ids, qpos, c0, i * group, min(group, c - i * group), longest, starts, ranged, cfg)
     return ids

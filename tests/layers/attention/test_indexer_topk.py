@@ -1,9 +1,12 @@
 """`spartron::indexer_topk`: the lightning indexer's scores + causal top-k op, its fp8 option and its kernel.
 
-CPU: the reference equals the unchunked formula (causal and CP positions), fp8 quantisation, the
-dispatch, the kernel's limits, the config rule, the benchmark's smoke mode. GPU (`pytest -m gpu`):
-the Triton kernel's scores and ids against a float64 oracle (the top-k set equal except keys within
-1e-3 relative of the k-th score), CP positions, and fp8 against bf16.
+CPU: the reference equals the unchunked formula (causal and CP positions), the ids' order contract
+(ascending key ids, ties to the lower id, -1 last), packed documents, fp8 quantisation, the dispatch,
+the launcher's chunk and row plans, the kernel's limits, the config rule, the benchmark's smoke mode.
+GPU (`pytest -m gpu`): the radix top-k equals `topk_ids` on the same scores (ties, -inf, one block
+and several), the Triton fp8 quantisation equals the PyTorch one bitwise, the score kernel against the
+reference, the op's ids against a float64 oracle (the top-k set equal except keys within 1e-3
+relative of the k-th score) causal, under CP positions and with packed documents, and fp8 against bf16.
 """
 
 from __future__ import annotations
@@ -60,6 +63,30 @@ def test_reference_equals_the_unchunked_formula(cp_rank, monkeypatch):
         assert q_pos.min() == 6 and bool((got >= 0).all())
 
 
+def test_ids_are_the_set_in_ascending_key_order_ties_to_the_lower_id_and_padding_last():
+    inf = float("inf")
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, -inf, 3.0],
+                           [0.0, -inf, -inf, 1.0, -inf, -inf],
+                           [-0.0, 0.0, -1.0, 0.0, -2.0, 5.0]])
+    assert topk_ids(scores, 2).tolist() == [[1, 2], [0, 3], [0, 5]]
+    assert topk_ids(scores, 4).tolist() == [[1, 2, 3, 5], [0, 3, -1, -1], [0, 1, 3, 5]]
+    assert topk_ids(scores, 9).tolist() == [[0, 1, 2, 3, 5, -1], [0, 3, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5]]
+
+
+def test_packed_documents_select_within_each_document():
+    q, w, k = _inputs(2, 12, 12, 2, 8)
+    pos = torch.arange(12)
+    starts = torch.tensor([[0] * 5 + [5] * 7, [0] * 12])
+    visible = causal_visible(pos, pos) & (pos[None, None, :] >= starts[:, :, None])
+    want = topk_ids(index_scores(q, w, k, visible), 3)
+    got = indexer_topk(q, w, k, pos, pos, 3, q_starts=starts)
+    assert torch.equal(got, want)
+    assert got[0, 5].tolist() == [5, -1, -1] and got[0, 6].tolist() == [5, 6, -1]  # a new document
+    assert torch.equal(got[1], indexer_topk(q[1:], w[1:], k[1:], pos, pos, 3)[0])
+    with pytest.raises(ValueError, match=r"q_starts must be \[B, S_q\] = \(2, 12\), got \(2, 11\)"):
+        indexer_topk(q, w, k, pos, pos, 3, q_starts=starts[:, :11])
+
+
 def test_topk_is_capped_at_the_key_count():
     q, w, k = _inputs(1, 4, 4, 2, 8)
     assert indexer_topk(q, w, k, torch.arange(4), torch.arange(4), 10).shape == (1, 4, 4)
@@ -93,8 +120,9 @@ def test_cuda_has_its_own_kernel():
 def test_fake_and_dispatch_registration():
     q, w, k = _inputs(1, 6, 6, 2, 8)
     pos = torch.arange(6)
-    torch.library.opcheck(torch.ops.spartron.indexer_topk.default, (q, w, k, pos, pos, 3, False),
-                          test_utils=("test_schema", "test_faketensor"))
+    for starts in (None, torch.zeros(1, 6, dtype=torch.int64)):
+        torch.library.opcheck(torch.ops.spartron.indexer_topk.default, (q, w, k, pos, pos, 3, False, starts),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("d, dtype, message", [
@@ -117,12 +145,26 @@ def test_bad_shapes_are_rejected():
         indexer_topk(q, w, k, torch.arange(6), torch.arange(6), 0)
 
 
-def test_score_chunks_stay_near_the_buffer_budget():
-    assert indexer_triton.chunk_rows(1, 16384, 16384, 128) == 4096  # 1 GiB holds it all: MIN_CHUNKS = 4
-    assert indexer_triton.chunk_rows(1, 1000, 1000, 128) == 256  # 250 rounded up to whole tiles
-    assert indexer_triton.chunk_rows(1, 65536, 65536, 128) == 4096
-    assert indexer_triton.chunk_rows(2, 65536, 65536, 128) == 2048
-    assert indexer_triton.chunk_rows(1, 100, 1 << 30, 128) == 100  # never below one tile, never above S_q
+def test_score_chunks_stay_under_the_buffer_budget():
+    assert indexer_triton.chunk_rows(1, 16384, 16384, 64) == 16384  # 1 GiB holds 16k x 16k fp32: one chunk
+    assert indexer_triton.chunk_rows(1, 65536, 65536, 64) == 4096
+    assert indexer_triton.chunk_rows(2, 65536, 65536, 64) == 2048
+    assert indexer_triton.chunk_rows(1, 1 << 20, 1 << 20, 64) == 256  # 256 rows of a 4 MiB row stride
+    assert indexer_triton.chunk_rows(1, 3000, 100000, 64) == 2624  # whole tiles: 2684 rounded down
+    assert indexer_triton.chunk_rows(1, 100, 1 << 30, 64) == 64  # never below one tile
+    assert indexer_triton.chunk_rows(1, 10, 10, 64) == 10  # never above S_q
+    assert [indexer_triton.padded(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
+
+
+def test_row_plan_holds_each_groups_columns_and_longest_range():
+    pos = torch.arange(10, dtype=torch.int32)
+    plan = indexer_triton.row_plan
+    assert plan(pos, None, 10, True, 4) == [(4, 4), (8, 8), (10, 10)]
+    starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3, 8, 8], [0] * 3 + [3] * 7], dtype=torch.int32)
+    assert plan(pos, starts, 10, True, 4) == [(4, 3), (8, 5), (10, 7)]  # row 2 of batch 0, rows 7 and 9 of 1
+    cp = torch.tensor([0, 1, 8, 9], dtype=torch.int32)  # a CP shard: the head and the tail of the sequence
+    assert plan(cp, None, 10, True, 2) == [(2, 2), (10, 10)]
+    assert plan(pos, None, 10, False, 4) == [(10, 10)] * 3  # keys not at their columns: whole rows
 
 
 def test_fp8_is_for_the_frozen_selection_only():
@@ -146,15 +188,17 @@ def test_benchmark_smoke_mode(tmp_path):
 
 # --- GPU -----------------------------------------------------------------------------------------
 
-def _outside_tolerance(q, w, k, q_pos, k_pos, ids, rows, rel_tol=1e-3) -> int:
+def _outside_tolerance(q, w, k, q_pos, k_pos, ids, rows, rel_tol=1e-3, starts=None) -> int:
     """Ids of sampled rows that differ from the float64 top-k by more than rel_tol of the k-th score."""
     bad = 0
     for r in rows:
-        vis = causal_visible(q_pos[r:r + 1], k_pos)
+        vis = causal_visible(q_pos[r:r + 1], k_pos)[None].expand(q.shape[0], -1, -1)
+        if starts is not None:
+            vis = vis & (k_pos[None, None, :] >= starts[:, r:r + 1, None])
         exact = index_scores(q[:, r:r + 1].double(), w[:, r:r + 1].double(), k.double(), vis)
         for bi in range(q.shape[0]):
             row = exact[bi, 0]
-            kk = min(ids.shape[-1], int(vis.sum()))
+            kk = min(ids.shape[-1], int(vis[bi].sum()))
             top = row.topk(kk)
             got = ids[bi, r][ids[bi, r] >= 0].long()
             diff = torch.cat([got[~torch.isin(got, top.indices)], top.indices[~torch.isin(top.indices, got)]])
@@ -181,6 +225,94 @@ def test_kernel_ids_match_float64_oracle(b, s, h, d, topk):
     assert torch.equal((ids >= 0).sum(-1), torch.clamp(pos + 1, max=topk).expand(b, -1).int())
     rows = sorted(set(torch.randint(0, s, (64,), generator=torch.Generator().manual_seed(1)).tolist()) | {0, s - 1})
     assert _outside_tolerance(q, w, k, pos, pos, ids, rows) == 0
+
+
+def _scores_with_ties(b, rows, cols, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(7)
+    x = torch.randn(b, rows, cols, device=device, generator=g)
+    x[:, ::3] = torch.round(x[:, ::3] * 4) / 4  # many equal scores
+    x[:, 1::5, : cols // 2] = 0.0
+    x[:, 1::5, 1] = -0.0
+    x[0, 2::7, cols // 3:] = float("-inf")
+    x[-1, 4] = float("-inf")
+    return x
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("layout", ["whole rows", "causal", "documents"])
+def test_radix_topk_equals_topk_ids_on_the_same_scores(single, layout):
+    b, rows, cols, kk = 2, 700, 1500, 100
+    x = _scores_with_ties(b, rows, cols)
+    q_start = 800  # the rows are queries 800..1499 of 1500
+    qpos = torch.arange(cols, device="cuda", dtype=torch.int32)
+    starts = None
+    visible = torch.ones(b, rows, cols, dtype=torch.bool, device="cuda")
+    if layout != "whole rows":
+        visible = causal_visible(qpos[q_start:], qpos)[None].expand(b, -1, -1)
+    if layout == "documents":
+        starts = torch.tensor([[0] * 1000 + [1000] * 200 + [1200] * 300, [0] * 900 + [900] * 600],
+                              dtype=torch.int32, device="cuda")
+        visible = visible & (qpos[None, None, :] >= starts[:, q_start:, None])
+    buf = torch.full((b, rows, indexer_triton.padded(cols)), float("nan"), device="cuda")
+    # outside a row's range: a score that would win if the kernel read it
+    buf[..., :cols] = torch.where(visible, x, float("-inf") if layout == "whole rows" else 1e30)
+    ids = torch.full((b, cols, kk), 12345, dtype=torch.int32, device="cuda")
+    cfg = indexer_triton.IndexerKernelConfig(single_block=2048 if single else 256, multi_block=256)
+    ranged = layout != "whole rows"
+    plan = indexer_triton.row_plan(qpos[q_start:], None if starts is None else starts[:, q_start:], cols, ranged,
+                                   300)
+    for i, (_, longest) in enumerate(plan):
+        indexer_triton.select(buf[..., :cols], ids, qpos, q_start, i * 300, min(300, rows - i * 300), longest,
+                              starts, ranged, cfg)
+    want = topk_ids(x.masked_fill(~visible, float("-inf")), kk)
+    assert torch.equal(ids[:, q_start:], want)
+    assert bool((ids[:, :q_start] == 12345).all())  # rows of other chunks untouched
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_fp8_quantisation_equals_the_pytorch_formula_bitwise():
+    q, w, k = _inputs(2, 300, 300, 8, 128, "cuda", torch.bfloat16, seed=9)
+    q[0, 3] = 0.0  # an all-zero row: the tiny scale
+    got = indexer_triton.quantize_fp8(q, w, k)
+    want = fp8_operands(q, w, k)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn \
+            else torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("documents", [False, True])
+def test_op_equals_topk_ids_of_its_own_scores_across_chunks_and_blocks(documents, monkeypatch):
+    """Chunks of 1024 rows, top-k launches of 256 rows, rows longer than one block: the op's ids equal
+    topk_ids over the kernel's whole score matrix, and its scores equal the reference's."""
+    b, s, h, d, kk = 2, 3000, 8, 64, 300
+    q, w, k = _inputs(b, s, s, h, d, "cuda", torch.bfloat16, seed=11)
+    pos = torch.arange(s, device="cuda")
+    starts = None
+    visible = causal_visible(pos, pos)[None].expand(b, -1, -1)
+    if documents:
+        starts = torch.tensor([[0] * 700 + [700] * 1800 + [2500] * 500, [0] * 3000], device="cuda")
+        visible = visible & (pos[None, None, :] >= starts[:, :, None])
+    cfg = indexer_triton.IndexerKernelConfig(topk_rows=256, single_block=1024, multi_block=512)
+    monkeypatch.setattr(indexer_triton, "SCORE_BUFFER_BYTES", 4 * b * 1024 * indexer_triton.padded(s))
+    ids = indexer_triton.indexer_topk(q, w, k, pos, pos, kk, False, starts, cfg)
+    whole = torch.empty(b, s, s, device="cuda")
+    indexer_triton.scores(q, w.float(), k, None, pos.int(), pos.int(), 0, s, whole,
+                          None if starts is None else starts.int(), False, cfg)
+    assert torch.equal(torch.isneginf(whole), ~visible)
+    assert torch.equal(ids, topk_ids(whole, kk))
+    ref = index_scores(q[:, 2000:2100], w[:, 2000:2100], k, visible[:, 2000:2100])
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(whole[:, 2000:2100][fin], ref[fin], rtol=1e-4, atol=1e-4)
+    rows = [0, 699, 700, 701, 1500, 2499, 2500, 2999]
+    assert _outside_tolerance(q, w, k, pos, pos, ids, rows, starts=starts) == 0
+    default = indexer_topk(q, w, k, pos, pos, kk, q_starts=starts)  # the op on CUDA: the kernel, its own tiles
+    assert _outside_tolerance(q, w, k, pos, pos, default, rows, starts=starts) == 0
 
 
 @pytest.mark.gpu
