@@ -111,8 +111,8 @@ def _check_compiled_blocks(cfg, mode):
     counters.clear()
     _compiled_and_eager(cfg, rec.backend)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # one graph per kind of block, traced once for both steps: dense layer 0 (a DSA source), and one
-    # MoE DSA consumer graph that layer 1 and the MTP block share
+    # one graph per kind of block, traced once for both steps: dense layer 0 (no DSA: model.dsa.layers is
+    # "moe"), and one MoE DSA-source graph that layer 1 and the MTP block (depth 1 of 1) share
     assert counters["stats"]["unique_graphs"] == 2
     assert len(rec.graphs["forward"]) == len(rec.graphs["backward"]) == 2
     # mandatory ops run in forward only: the MoE graph routes once, the source hands over a reused top-k
@@ -196,7 +196,8 @@ def test_compiled_ep2_fsdp2_micro_batches_on_two_gloo_ranks_match_eager(ac_mode)
 @pytest.mark.slow
 def test_compiled_weight_shared_mtp_block_run_twice_under_fsdp2_matches_eager():
     # the MTP block runs for 2 depths per step (its experts' hooks, now on the block, run twice); its
-    # second depth (a non-reentrant region called again in one step) is one more graph
+    # second depth is a DSA consumer of the first depth's ids (model.dsa.share_indexer_across_mtp), a
+    # different program: one more graph (spartron.layers.mtp.MTP; the test at the end of this file)
     want = ([(0, 0), (0, 4), (0, 4)], set())
     assert run_distributed(_everything_worker, 2, "full", "aot_eager", "model.mtp.depth=2", timeout=600) == [want] * 2
 
@@ -288,3 +289,18 @@ def test_inductor_on_cpu_with_selective_ac_matches_eager():
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
+
+@pytest.mark.parametrize("share_indexer", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_weight_shared_mtp_block_compiles_one_graph_per_dsa_role(share_indexer):
+    # 2 layers (dense, MoE DSA source) + one shared MTP block for 2 depths: depth 1 is a DSA source like
+    # layer 1 (their graph is shared); depth 2 consumes depth 1's ids when the indexer is shared across
+    # MTP depths (no indexer run: a third graph), else it is a source too (no new graph)
+    cfg = small("ac.mode=full", "ac.reentrant=false", "model.mtp.depth=2",
+                f"model.dsa.share_indexer_across_mtp={str(share_indexer).lower()}",
+                "train.compile=true", "train.compile_backend=aot_eager")
+    counters.clear()
+    model = build_model(cfg.model)
+    parallelize(model, None, cfg.ac, compile_backend="aot_eager")
+    model(*batch(cfg, 2, seed=0))["loss"].backward()
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == (3 if share_indexer else 2)

@@ -46,7 +46,16 @@ def shift_left(x: Tensor, k: int, fill: int) -> Tensor:
 
 
 class MTP(nn.Module):
-    """`depth` prediction blocks (or one shared block); returns hidden states and losses per depth."""
+    """`depth` prediction blocks (or one shared block); returns hidden states and losses per depth.
+
+    Under torch.compile, a weight-shared block with `model.dsa.share_indexer_across_mtp` compiles two
+    graphs: depth 0 is a DSA source (no ids in, its indexer runs) and every later depth a consumer
+    (the ids in, the indexer skipped), two programs of one module. Dynamo tells them apart by the
+    guard `dsa_topk_ids is None`; the main stack's consumer graph cannot serve the later depths
+    either, since those layers own no indexer and have `dsa_role == "consumer"`. It costs one more
+    trace at the first step, nothing per step (both graphs stay cached). Without the shared indexer
+    every depth is a source and the block runs one graph.
+    """
 
     def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, transport: EPTransport | None = None):
         super().__init__()
