@@ -7,8 +7,9 @@ Conventions (DeepSeek-V3.2 reference):
 - ONE key head shared by all index heads, LayerNorm'ed; RoPE (half-split pairs) on the FIRST
   qk_rope_head_dim dims of index queries and keys;
 - head weights w = weights_proj(x) * H^-1/2 * d^-1/2; I[t,s] = sum_h w[t,h] * ReLU(q[t,h] . k[s]);
-- top-k of min(index_topk, S_kv) over causally visible keys; slots beyond a query's visible keys
-  are -1. Ids index the key axis, which is the global position when positions start at 0.
+- top-k of min(index_topk, S_kv) over causally visible keys, as a set in ascending key order
+  (`indexer_topk.topk_ids`); slots beyond a query's visible keys are -1, last. Ids index the key
+  axis, which is the global position when positions start at 0.
 Training (`model.dsa.indexer_mode`): `frozen` computes ids under no_grad through
 `reuse_during_recompute` (a checkpoint replay never reruns it); `kl_dense` / `kl_sparse` train the
 indexer with KL(main-attention distribution || softmax(I)) over all visible keys / the top-k only.
