@@ -132,10 +132,23 @@ def case(args, device, s: int, sweep: bool) -> dict:
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses is recorded
                         entry[name] = dict(error=repr(e)[:300])
                 print("sweep", entry, flush=True)
-                table.append(entry)
-            rows["score_tile_sweep"] = table
+                table.append((entry, tile))
+            rows["score_tile_sweep"] = [e for e, _ in table]
+            for name, fp8 in (("bf16", False), ("fp8", True)):  # the whole op with the fastest score tile
+                ok = [(e[name]["ms"], e, tile) for e, tile in table if "ms" in e[name]]
+                if ok:
+                    _, e, tile = min(ok, key=lambda x: x[0])
+                    rows[f"best_tile_{name}"] = {key: e[key] for key in ("block_m", "block_n", "num_warps",
+                                                                         "num_stages", "head_pairs")}
+                    steps.append((f"indexer_topk_{name}_best_tile", lambda fp8=fp8, tile=tile: it.indexer_topk(
+                        q, w, k, pos, pos, topk, fp8, None, tile), flops))
     for name, fn, fl in steps:
-        r = timed(fn, device, args.iters, args.warmup)
+        try:
+            r = timed(fn, device, args.iters, args.warmup)
+        except Exception as e:  # noqa: BLE001 - one failing step is recorded, the others still run
+            rows[name] = dict(error=repr(e)[:500])
+            print(name, "failed:", repr(e)[:500], flush=True)
+            continue
         rows[name] = dict(r, flops=fl, tflops=fl / r["ms"] / 1e9 if fl else None)
         print(name, f"{r['ms']:.3f} ms", flush=True)
     ids = full(False)
