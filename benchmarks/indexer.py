@@ -66,6 +66,9 @@ SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_p
 ]
 
 
+RADIX_SWEEP = [(16384, 4096), (8192, 4096), (8192, 8192), (4096, 4096), (2048, 2048)]  # (single, multi block)
+
+
 def case(args, device, s: int, sweep: bool) -> dict:
     h, d, topk = args.heads, args.dim, args.topk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -106,12 +109,12 @@ def case(args, device, s: int, sweep: bool) -> dict:
         last = (s - 1) // chunk * chunk
         plan = it.row_plan(qpos, None, s, True, min(cfg.topk_rows, chunk))
 
-        def topk_only():  # the last chunk (its scores are in buf after scores_only)
+        def topk_only(sel=cfg):  # the last chunk (its scores are in buf after scores_only)
             c = s - last
             group = min(cfg.topk_rows, chunk)
             for i in range(-(-c // group)):
                 it.select(chunk_view(last, c), ids_buf, qpos, last, i * group, min(group, c - i * group),
-                          plan[last // group + i][1], None, True, cfg)
+                          plan[last // group + i][1], None, True, sel)
 
         steps = [("scores_kernel_bf16", scores_only, flops), ("radix_topk_last_chunk", topk_only, 0),
                  ("scores_kernel_fp8", lambda: scores_only(True), flops),
@@ -121,13 +124,29 @@ def case(args, device, s: int, sweep: bool) -> dict:
         rows["chunk_rows"] = chunk
         rows["config"] = dataclasses.asdict(cfg)
         if sweep:
+            scores_only()
+            radix = []
+            for single, multi in RADIX_SWEEP:
+                sel = dataclasses.replace(cfg, single_block=single, multi_block=multi)
+                entry = dict(single_block=single, multi_block=multi)
+                try:
+                    r = timed(lambda sel=sel: topk_only(sel), device, args.iters, args.warmup)
+                    entry.update(ms=r["ms"], steps_ms=r["steps_ms"])
+                except Exception as e:  # noqa: BLE001 - a config the compiler refuses is recorded
+                    entry["error"] = repr(e)[:300]
+                print("radix sweep", entry, flush=True)
+                radix.append((entry, sel))
+            rows["radix_block_sweep"] = [e for e, _ in radix]
+            ok = [(e["ms"], sel) for e, sel in radix if "ms" in e]
+            best_sel = min(ok, key=lambda x: x[0])[1] if ok else cfg
             table = []
             for bm, bn, nw, ns, pairs in SWEEP:
-                tile = it.IndexerKernelConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
+                tile = dataclasses.replace(best_sel, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
+                                           head_pairs=pairs)
                 entry = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
                 for name, fp8 in (("bf16", False), ("fp8", True)):
                     try:
-                        r = timed(lambda: scores_only(fp8, tile), device, args.iters, args.warmup)
+                        r = timed(lambda fp8=fp8, tile=tile: scores_only(fp8, tile), device, args.iters, args.warmup)
                         entry[name] = dict(ms=r["ms"], steps_ms=r["steps_ms"], tflops=flops / r["ms"] / 1e9)
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses is recorded
                         entry[name] = dict(error=repr(e)[:300])
@@ -138,8 +157,7 @@ def case(args, device, s: int, sweep: bool) -> dict:
                 ok = [(e[name]["ms"], e, tile) for e, tile in table if "ms" in e[name]]
                 if ok:
                     _, e, tile = min(ok, key=lambda x: x[0])
-                    rows[f"best_tile_{name}"] = {key: e[key] for key in ("block_m", "block_n", "num_warps",
-                                                                         "num_stages", "head_pairs")}
+                    rows[f"best_tile_{name}"] = dataclasses.asdict(tile)
                     steps.append((f"indexer_topk_{name}_best_tile", lambda fp8=fp8, tile=tile: it.indexer_topk(
                         q, w, k, pos, pos, topk, fp8, None, tile), flops))
     for name, fn, fl in steps:
