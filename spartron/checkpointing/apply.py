@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion
+from spartron.checkpointing.boundary import CheckpointOptions, CheckpointRegion, compile_own
 from spartron.checkpointing.config import ACConfig
 from spartron.checkpointing.policy import build_policy
 
@@ -119,7 +119,7 @@ def compile_block(module: nn.Module, backend: str | Callable[..., Any] = "induct
         raise ValueError(f"{type(module).__name__} is already compiled")
     key = ("forward", backend, fullgraph)
     if key not in shared:
-        shared[key] = torch.compile(_call, backend=backend, fullgraph=fullgraph)
+        shared[key] = compile_own(_call, backend, fullgraph)
     object.__setattr__(module, _COMPILED_ATTR, shared[key])
     module.__class__ = _derived_class(type(module), "compiled", _compiled_class)
     return module

@@ -27,6 +27,7 @@ keyword argument, whatever its name, goes to ``fn``.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,6 +250,18 @@ def _run_non_reentrant(call: _RegionCall) -> Any:
         context_fn=lambda: (call.original_pass(), call.replay_pass()), early_stop=False)
 
 
+def compile_own(fn: Callable[..., Any], backend: str | Callable[..., Any], fullgraph: bool) -> Callable[..., Any]:
+    """torch.compile over a copy of `fn` with its own code object.
+
+    Dynamo keeps compiled graphs per code object and guards only what the traced code reads: every
+    function made by one `def` would share one cache, so a second model in the process (another AC
+    policy, whose selective-checkpoint contexts dynamo does not guard) would silently run the first
+    model's graphs, and a few models would exceed the recompile limit. A copy's cache is its own."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(own, backend=backend, fullgraph=fullgraph)
+
+
 def _compiled_body(options: CheckpointOptions) -> Callable[..., Any]:
     """The function a compiled region traces: torch's checkpoint with the policy's SAC contexts."""
     policy_fn = options.policy.sac_policy_fn()
@@ -320,7 +333,7 @@ class CheckpointRegion:
         shared = {} if shared is None else shared
         key = ("region", self.options.policy, self.options.preserve_rng_state, backend, fullgraph)
         if key not in shared:
-            shared[key] = torch.compile(_compiled_body(self.options), backend=backend, fullgraph=fullgraph)
+            shared[key] = compile_own(_compiled_body(self.options), backend, fullgraph)
         self._compiled = shared[key]
 
 
