@@ -238,14 +238,18 @@ def test_compiled_full_ac_with_offload_and_two_micro_batches_matches_eager(scope
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: inductor on the GPU in bf16")
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_cuda_bf16_compiled_blocks_match_eager(mode):
-    """The same parity on the GPU (inductor, bf16, dense MLA + MoE, grouped GEMM): bf16 tolerance."""
-    cfg = load_config("configs/dsv3-12l.toml", [
-        "model.n_layers=3", "model.dim=512", "model.n_heads=4", "model.vocab_size=4096", "model.dense_inter_dim=1024",
-        "model.moe.n_routed_experts=16", "model.moe.top_k=4", "model.moe.moe_inter_dim=256", "model.max_seq_len=1024",
-        "train.seq_len=1024", f"ac.mode={mode}", *(["ac.reentrant=false"] if mode != "none" else []),
-        "train.compile=true"])
+    """The same parity on the GPU (inductor, bf16, dense MLA + MoE, grouped GEMM). Inductor's fusions
+    round differently from eager, so both bf16 runs are held to an fp32 eager run of the same seed:
+    compiled may be off from it by at most twice eager's error (on the H200 the router's gradient, a
+    sum with heavy cancellation, differed by 7% between the two bf16 runs)."""
+    base = ["model.n_layers=3", "model.dim=512", "model.n_heads=4", "model.vocab_size=4096",
+            "model.dense_inter_dim=1024", "model.moe.n_routed_experts=16", "model.moe.top_k=4",
+            "model.moe.moe_inter_dim=256", "model.max_seq_len=1024",
+            "train.seq_len=1024", f"ac.mode={mode}", *(["ac.reentrant=false"] if mode != "none" else []),
+            "train.compile=true"]
     results = []
-    for backend in (None, "inductor"):
+    for dtype, backend in (("float32", None), ("bfloat16", None), ("bfloat16", "inductor")):
+        cfg = load_config("configs/dsv3-12l.toml", [*base, f"model.dtype={dtype}"])
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = build_model(cfg.model)
@@ -261,13 +265,18 @@ def test_cuda_bf16_compiled_blocks_match_eager(mode):
         results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
         if backend is not None:
             assert sum(counters["graph_break"].values()) == 0
-    (ref_loss, ref), (loss, got) = results
-    assert abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
-    assert set(got) == set(ref)
+    (ref_loss, ref), (eager_loss, eager), (loss, got) = results
+    assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-2 * abs(ref_loss)
+    assert set(got) == set(eager) == set(ref)
+
+    def error(g, name):
+        return ((g - ref[name]).norm() / ref[name].norm().clamp(min=1e-12)).item()
+
     for name, g in got.items():
         assert torch.isfinite(g).all(), name
-        err = (g - ref[name]).norm() / ref[name].norm().clamp(min=1e-12)
-        assert err < 5e-2, f"{name}: relative error {err:.3g} compiled vs eager"
+        compiled_err, eager_err = error(g, name), error(eager[name], name)
+        assert compiled_err <= 2 * eager_err + 1e-2, \
+            f"{name}: compiled bf16 is {compiled_err:.3g} from fp32, eager bf16 {eager_err:.3g}"
 
 
 @pytest.mark.slow
