@@ -176,27 +176,6 @@ REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_on,
                              lambda grad, pg, dim: _eager(ALL_GATHER, grad, pg, dim))
 
 
-def _register(name: str, impl, fake, collective: _Collective | None = None) -> None:
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    if collective is not None:  # ctx.args = (*args, group_name): the group is resolved by name here
-        torch.library.register_autograd(
-            f"{NAMESPACE}::{name}",
-            lambda ctx, grad: (collective.backward(grad, resolve_group(ctx.args[-1]), *ctx.args[:-1]),
-                               *[None] * len(ctx.args)),
-            setup_context=_save_args, lib=_LIB)
-
-
-def _save_args(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-_register("all_to_all", _all_to_all_impl, _all_to_all_fake, ALL_TO_ALL)
-_register("all_gather", _all_gather_impl, _all_gather_fake, ALL_GATHER)
-_register("reduce_scatter", _reduce_scatter_impl, _reduce_scatter_fake, REDUCE_SCATTER)
-_register("splits_to_host", _splits_to_host_impl, _splits_to_host_fake)
-
-
 # ---------------------------------------------------------------------------------------------
 # How a wrapper enters an op. The op is the boundary for three observers: autograd, dispatch modes
 # (the checkpoint policy, FakeTensorMode) and the compiler. Traced code calls the op itself; eager
@@ -207,11 +186,8 @@ _register("splits_to_host", _splits_to_host_impl, _splits_to_host_fake)
 # ---------------------------------------------------------------------------------------------
 
 class _Differentiable(torch.autograd.Function):
-    """Eager autograd for the wrappers: the op's own backward rule through one autograd.Function.
-
-    Same graph as the op's registered autograd (which torch.ops callers and compiled graphs use),
-    at a fraction of its per-call host cost (register_autograd's Python kernel runs on every call).
-    """
+    """The ops' autograd: each op's backward rule through one autograd.Function, entered by the eager
+    wrappers directly and by the ops' Autograd kernel (torch.ops callers, AOTAutograd's traces)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, collective: _Collective, pg: dist.ProcessGroup, *args):
@@ -284,6 +260,36 @@ def _check_backend(x: Tensor, group: dist.ProcessGroup, what: str) -> None:
     except RuntimeError as err:
         raise ValueError(f"{what}: the process group has no backend for {x.device.type} tensors "
                          f"(use NCCL for CUDA tensors, gloo for CPU tensors)") from err
+
+
+# The ops' Autograd kernel, registered directly rather than through register_autograd, whose Python
+# wrapper (and the redispatch to the Python impl behind it) costs several µs on every call, grad or
+# not: a compiled graph's forward calls the op through this kernel with autograd off, and unwatched
+# it goes straight to the transport. Recording, dispatch modes and subclasses get the paths above.
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _autograd_kernel(collective: _Collective) -> Callable[..., Tensor]:
+    def kernel(keyset, x: Tensor, *args) -> Tensor:  # args: the op's (*args, group_name)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _apply(x, collective, resolve_group(args[-1]), *args[:-1])
+        if _observed(x):
+            return collective.op.redispatch(keyset & _AFTER_AUTOGRAD, x, *args)
+        return collective.on(resolve_group(args[-1]), x, *args[:-1])
+    return kernel
+
+
+def _register(name: str, impl, fake, collective: _Collective | None = None) -> None:
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+    if collective is not None:
+        _LIB.impl(name, _autograd_kernel(collective), "Autograd", with_keyset=True)
+
+
+_register("all_to_all", _all_to_all_impl, _all_to_all_fake, ALL_TO_ALL)
+_register("all_gather", _all_gather_impl, _all_gather_fake, ALL_GATHER)
+_register("reduce_scatter", _reduce_scatter_impl, _reduce_scatter_fake, REDUCE_SCATTER)
+_register("splits_to_host", _splits_to_host_impl, _splits_to_host_fake)
 
 
 def splits_to_host(splits: Tensor) -> list[int]:
