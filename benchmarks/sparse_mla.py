@@ -12,7 +12,9 @@ forward+backward; 64k x 64 forward only) with dense SDPA at the same length and 
 adds the PyTorch reference op (the CPU path; slow) at the first case. The bf16 matmul ceiling is
 measured in the same run. FLOPs count valid (query, key) pairs: forward 2 x pairs x H x (d_qk + d_v),
 backward 2.5x that. Every timed step is recorded (CUDA events, after warm-up) with the median.
-`--sweep` also times the kernels' block configs at the first case (registers and spills recorded).
+`--sweep` (CUDA) adds, at every forward+backward case: each kernel config of --sweep-configs (default
+DEFAULT_SWEEP) with its float64 errors at a small shape and its time; the default configs on ids sorted
+ascending; and the gather alone (the L2 bandwidth bound of the kernels at this head count).
 """
 
 from __future__ import annotations
@@ -150,75 +152,145 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
         rows["sparse_fwd"]["speedup_vs_dense_fwd"] = rows["dense_sdpa_causal_fwd"]["ms"] / rows["sparse_fwd"]["ms"]
     if args.sweep and not fwd_only and device.type == "cuda":
         rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
-    if args.fwd_configs and device.type == "cuda":
-        rows["fwd_configs"] = fwd_variants(q.detach(), kv.detach(), ids, scale, fwd_flops, device, args)
+        ids_sorted = sorted_ids(ids)
+        for name, fn, flops in (("sparse_fwd_sorted_ids", lambda: sparse_mla_triton.forward(
+                q.detach(), kv.detach(), ids_sorted, scale, lat), fwd_flops),
+                ("sparse_bwd_sorted_ids", lambda: sparse_mla_triton.backward(
+                    grad_out, zero_lse, q.detach(), kv.detach(), ids_sorted, out, lse, scale, lat), 2.5 * fwd_flops)):
+            r = timed(fn, device, args.sweep_iters, 1)
+            rows[name] = dict(r, flops=flops, tflops=flops / r["ms"] / 1e9)
+        rows["gather_only"] = gather_ceiling(kv.detach(), ids, device, args)
     return dict(seq=s, heads=h, topk=k, selected_pairs=n_sel, sparse_q=[1, s, h, d], sparse_kv=[1, s, d],
                 dense_qk_head_dim=nope + rope, dense_v_dim=v, chunk_size=chunk, results=rows)
 
 
+DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon])
+    64: ["fwd:64x64x8x1:gluon", "fwd:64x32x8x1:gluon", "bwd:64x32x8x2x3x2", "bwd:64x64x8x1x3x2",
+         "bwd:64x32x8x2x3x1"],
+    16: ["bwd:16x32x4x2x3x2", "bwd:16x64x4x2x3x2"],
+}
+
+
+def parse_spec(spec: str) -> tuple[str, sparse_mla_triton.KernelConfig]:
+    """'fwd:64x64x8x2[:gluon]' or 'bwd:64x32x8x2x3x2' -> (kind, config)."""
+    kind, dims, *flags = spec.split(":")
+    cfg = sparse_mla_triton.KernelConfig(*(int(x) for x in dims.split("x")), gluon="gluon" in flags)
+    return kind, cfg
+
+
+def small_case_errors(kind: str, cfg, h: int, device) -> dict:
+    """Norm-wise errors against float64 at a small shape with holes, out-of-range ids and an empty query."""
+    g = torch.Generator(device=device).manual_seed(5)
+    b, s_q, s_kv, k = 2, 257, 300, 200
+    q = torch.randn(b, s_q, h, 576, device=device, generator=g).bfloat16()
+    kv = torch.randn(b, s_kv, 576, device=device, generator=g).bfloat16()
+    ids = torch.cat([causal_random_ids(s_kv, k, device)[:, -s_q:] for _ in range(b)])
+    ids = torch.where(torch.rand(ids.shape, device=device, generator=g) < 0.05, -1, ids)
+    ids[0, 3, 0] = s_kv
+    ids[1, 7] = -1
+    scale = 192 ** -0.5
+    ref_out, ref_lse = reference_forward(q.double(), kv.double(), ids, scale, 512, 64)
+    fin = torch.isfinite(ref_lse)
+
+    def rel(x, ref):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+    if kind == "fwd":
+        out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
+        return dict(out=rel(out, ref_out), lse=rel(lse[fin], ref_lse[fin]),
+                    empty_ok=bool(torch.isneginf(lse[1, 7]).all() and (out[1, 7] == 0).all()))
+    out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
+    go = torch.randn(b, s_q, h, 512, device=device, generator=g).bfloat16()
+    gl = torch.zeros(b, s_q, h, device=device)
+    dq, dkv = sparse_mla_triton.backward(go, gl, q, kv, ids, out, lse, scale, 512, cfg)
+    ref_dq, ref_dkv = reference_backward(go.double(), gl.double(), q.double(), kv.double(), ids, ref_lse, scale,
+                                         512, 64)
+    return dict(dq=rel(dq, ref_dq), dkv=rel(dkv, ref_dkv),
+                finite=bool(torch.isfinite(dq).all() and torch.isfinite(dkv).all()))
+
+
 def sweep(q, kv, ids, grad_out, out, scale, device, args) -> list[dict]:
-    """Time each block config of the forward and backward kernels directly; record regs / spills."""
-    kern = sparse_mla_triton._kernels()
+    """Each config of --sweep-configs (or DEFAULT_SWEEP for this head count): its float64 errors at a
+    small shape, then its time at this case; registers / spills of the Triton kernels where found."""
     h = q.shape[2]
     n_sel = int((ids >= 0).sum())
     fwd_flops = 2 * n_sel * h * 1088
-    small = h <= 32
-    fwd_cfgs = ([(16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 4, 3)] if small else
-                [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1)])
-    bwd_cfgs = ([(16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1)] if small else
-                [(64, 64, 8, 1), (64, 32, 8, 1), (64, 16, 8, 2)])
+    specs = args.sweep_configs or DEFAULT_SWEEP[64 if h > 32 else 16]
     rows = []
     o, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
     gl = torch.zeros_like(lse)
-    for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
-        for spec in cfgs:
-            cfg = sparse_mla_triton.KernelConfig(*spec)
-            bh, bk, warps, stages = spec[:4]
-            row = dict(kind=kind, **vars(cfg))
-            try:
-                if kind == "fwd":
-                    def fn(cfg=cfg):
-                        sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
-                    flops, kernel = fwd_flops, kern.sparse_mla_fwd_kernel
-                else:
-                    def fn(cfg=cfg):
-                        sparse_mla_triton.backward(grad_out, gl, q, kv, ids, o, lse, scale, 512, cfg)
-                    flops, kernel = 2.5 * fwd_flops, kern.sparse_mla_bwd_kernel
-                r = timed(fn, device, 5, 1)
-                row.update(ms=r["ms"], tflops=flops / r["ms"] / 1e9)
-                row["compiled"] = compiled_stats(kernel, bh, bk, warps, stages)
-            except Exception as err:  # out of shared memory / registers: recorded, not fatal
-                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-            print("sweep", row, flush=True)
-            rows.append(row)
+    for spec in specs:
+        kind, cfg = parse_spec(spec)
+        row = dict(spec=spec, kind=kind, **vars(cfg))
+        try:
+            row["errors_vs_float64"] = small_case_errors(kind, cfg, h, device)
+            if kind == "fwd":
+                def fn(cfg=cfg):
+                    sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
+                flops = fwd_flops
+            else:
+                def fn(cfg=cfg):
+                    sparse_mla_triton.backward(grad_out, gl, q, kv, ids, o, lse, scale, 512, cfg)
+                flops = 2.5 * fwd_flops
+            r = timed(fn, device, args.sweep_iters, 1)
+            row.update(ms=r["ms"], steps_ms=r["steps_ms"], tflops=flops / r["ms"] / 1e9)
+            if not cfg.gluon:
+                kern = sparse_mla_triton._kernels()
+                kernel = kern.sparse_mla_fwd_kernel if kind == "fwd" else kern.sparse_mla_bwd_kernel
+                row["compiled"] = compiled_stats(kernel, cfg.block_h, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        except Exception as err:  # out of shared memory / registers, or a wrong result: recorded, not fatal
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print("sweep", {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
+        rows.append(row)
     return rows
 
 
-def parse_config(spec: str) -> sparse_mla_triton.KernelConfig:
-    """'BHxBKxWARPSxSTAGES' -> a forward kernel config."""
-    bh, bk, warps, stages = (int(x) for x in spec.split("x"))
-    return sparse_mla_triton.KernelConfig(bh, bk, warps, stages)
+def sorted_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Each row's ids ascending, the -1 padding last (same sets, so the same results up to rounding)."""
+    big = torch.iinfo(torch.int32).max
+    srt = torch.where(ids < 0, big, ids).sort(-1).values
+    return torch.where(srt == big, -1, srt)
 
 
-def fwd_variants(q, kv, ids, scale, fwd_flops, device, args) -> list[dict]:
-    """Time each --fwd-configs forward and its norm-wise error against float64 on 256 sampled queries."""
-    g = torch.Generator(device="cpu").manual_seed(2)
-    rows_q = torch.randperm(q.shape[1], generator=g)[:256].sort().values.to(device)
-    ref, _ = reference_forward(q[:, rows_q].double(), kv.double(), ids[:, rows_q], scale, 512, 64)
-    found = []
-    for spec in args.fwd_configs:
-        cfg = parse_config(spec)
-        row = dict(spec=spec, **vars(cfg))
-        try:
-            out, _ = sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
-            row["rel_err_vs_float64"] = ((out[:, rows_q].double() - ref).norm() / ref.norm()).item()
-            r = timed(lambda cfg=cfg: sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg), device, args.iters, 1)
-            row.update(ms=r["ms"], steps_ms=r["steps_ms"], tflops=fwd_flops / r["ms"] / 1e9)
-        except Exception as err:  # out of shared memory / registers: recorded, not fatal
-            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        print("fwd config", {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
-        found.append(row)
+def gather_ceiling(kv, ids, device, args) -> dict:
+    """The kernels' gather alone (every selected kv row read once per query, summed in registers): its
+    bandwidth bounds the attention kernels at FLOP/byte = 2 x heads x 1088 / 1152."""
+    kern = gather_kernel()
+    s, k = ids.shape[1], ids.shape[2]
+    out = torch.empty(s, 576, device=device, dtype=torch.float32)
+    n_sel = int((ids >= 0).sum())
+    found = {}
+    for name, idv in (("random_order", ids), ("sorted", sorted_ids(ids))):
+        idc = idv[0].contiguous()
+        r = timed(lambda idc=idc: kern[(s,)](kv, idc, out, k, BK=64, num_warps=8), device, args.sweep_iters, 1)
+        gbs = n_sel * 1152 / r["ms"] / 1e6
+        found[name] = dict(ms=r["ms"], steps_ms=r["steps_ms"], gb_per_s=gbs,
+                           tflops_bound_16_heads=gbs * 2 * 16 * 1088 / 1152 / 1e3,
+                           tflops_bound_64_heads=gbs * 2 * 64 * 1088 / 1152 / 1e3)
+        print("gather", name, {k_: v for k_, v in found[name].items() if k_ != "steps_ms"}, flush=True)
     return found
+
+
+def gather_kernel():
+    """A Triton kernel that reads each query's selected kv rows (BK at a time, as the attention kernels
+    do) and sums them: built on first use, so CPU runs never import triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_sum(kv_ptr, ids_ptr, out_ptr, topk, BK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, 512)
+        acc = tl.zeros([BK, 512], tl.float32)
+        accr = tl.zeros([BK, 64], tl.float32)
+        for k0 in tl.range(0, topk, BK):
+            ids = tl.load(ids_ptr + tok * topk + k0 + tl.arange(0, BK))
+            valid = ids >= 0
+            rows = kv_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * 576
+            acc += tl.load(rows + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            accr += tl.load(rows + 512 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok * 576 + cols, tl.sum(acc, 0))
+        tl.store(out_ptr + tok * 576 + 512 + tl.arange(0, 64), tl.sum(accr, 0))
+    return gather_sum
 
 
 def compiled_stats(kernel, bh: int, bk: int, warps: int, stages: int) -> list[dict]:
@@ -285,9 +357,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference at the first case")
-    p.add_argument("--sweep", action="store_true", help="time the kernels' block configs at the first case")
-    p.add_argument("--fwd-configs", dest="fwd_configs", nargs="*", default=[],
-                   help="forward configs BHxBKxWARPSxSTAGES timed at every case, with their float64 error")
+    p.add_argument("--sweep", action="store_true",
+                   help="at every fwd+bwd case: time kernel configs (with their float64 errors at a small shape), "
+                        "sorted ids, and the gather alone")
+    p.add_argument("--sweep-configs", dest="sweep_configs", nargs="*", default=[],
+                   help="kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon] (default: DEFAULT_SWEEP)")
+    p.add_argument("--sweep-iters", dest="sweep_iters", type=int, default=10)
     p.add_argument("--commit", default=None, help="git commit to record (the GPU machine's copy has no .git)")
     args = p.parse_args()
     if args.smoke:
@@ -299,7 +374,7 @@ def main() -> None:
     print(f"{'seq':>6s} {'H':>4s} {'case':28s} {'ms':>10s} {'TFLOP/s':>9s} {'peak GiB':>9s}")
     for c in result["cases"]:
         for name, r in c["results"].items():
-            if name in ("sweep", "fwd_configs"):
+            if name in ("sweep", "gather_only"):
                 continue
             peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
             print(f"{c['seq']:6d} {c['heads']:4d} {name:28s} {r['ms']:10.2f} {r['tflops']:9.3f} {peak:>9s}")

@@ -26,6 +26,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # Deterministic dkv: int64 fixed point with this many fraction bits. Resolution 2^-40 (9.1e-13) per
 # added term; every partial sum of a dkv entry must stay below 2^23 (8.4e6) in magnitude, or it wraps.
 DKV_FIXED_POINT_BITS = 40
+LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class KernelConfig:
     num_stages: int
     walks: int = 1
     stages2: int = 2
+    gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -67,9 +69,9 @@ def backward_config(n_heads: int) -> KernelConfig:
     return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=1)
 
 
-def _kernels():
+def _kernels(module: str = "sparse_mla_triton_kernels"):
     require("triton", "the sparse_mla CUDA kernels", "pip install triton (it ships with CUDA builds of torch)")
-    return importlib.import_module("spartron.layers.attention.sparse_mla_triton_kernels")
+    return importlib.import_module(f"spartron.layers.attention.{module}")
 
 
 def _pow2(n: int) -> int:
@@ -97,11 +99,18 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    k = _kernels()
-    k.sparse_mla_fwd_kernel[_grid(b * s_q, h, cfg)](
-        q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * k.LOG2E,
+    if cfg.gluon:
+        if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64):
+            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64; got {cfg}")
+        kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
+        extra = {}
+    else:
+        kern = _kernels().sparse_mla_fwd_kernel
+        extra = dict(num_stages=cfg.num_stages)
+    kern[_grid(b * s_q, h, cfg)](
+        q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * LOG2E,
         BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, **extra)
     return out, lse
 
 
@@ -127,7 +136,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     scratch = q.new_empty(grid[0] if cfg.walks > 1 else 1, 2, cfg.block_h, row)
     k.sparse_mla_bwd_kernel[grid](
         q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, scratch, s_q, s_kv, h,
-        topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * k.LOG2E, BH=cfg.block_h, BK=cfg.block_k,
+        topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

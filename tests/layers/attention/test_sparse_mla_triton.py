@@ -49,6 +49,16 @@ def test_supported_shapes_pass_the_check():
                                           torch.zeros(1, 1, 576, dtype=dtype), 512)
 
 
+def test_gluon_forward_takes_only_its_block_shape():
+    q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 2, 2, dtype=torch.int32)
+    cfg = sparse_mla_triton.KernelConfig(16, 64, 4, 1, gluon=True)
+    with pytest.raises(ValueError, match="Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64; got "
+                                         "KernelConfig.block_h=16"):
+        sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
+
+
 def test_head_block_follows_the_head_count():
     assert [sparse_mla_triton.forward_config(h).block_h for h in (1, 4, 16, 32, 33, 64, 128)] == \
         [16, 16, 16, 16, 64, 64, 64]
@@ -136,9 +146,16 @@ def test_kernels_match_float64_reference(b, s_q, s_kv, h, k, shuffle, dtype):
 
 VARIANTS = [  # block configs other than the defaults, so a change of default stays tested
     ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 2)),
     ("fwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1, gluon=True)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1, gluon=True)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2, walks=3, stages2=2)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1, walks=2, stages2=2)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
 ]
 
 
