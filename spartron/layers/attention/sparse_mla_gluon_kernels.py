@@ -55,8 +55,10 @@ def _gather(lat_s, pe_s, kv_base, safe_g, valid_g, safe_r, valid_r, D: gl.conste
 @gluon.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk, scale_log2,
                                 BH: gl.constexpr, BK: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
-                                KP: gl.constexpr):
-    """Launch with num_warps=8 (two warpgroups) and BH = 64."""
+                                KP: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):
+    """Launch with num_warps=8 (two warpgroups) and BH = 64. STAGES shared-memory stages (2 or 3):
+    block j+STAGES-1's gather is issued in block j's step, before its score product (EARLY) or right
+    after it (the score wait then also covers block j-1's PV product, which can overlap it)."""
     D: gl.constexpr = DV + DR
     # register layouts: gathers (16-byte vectors along a row), the two MMA accumulators, P as operand
     GL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
@@ -93,44 +95,49 @@ def sparse_mla_fwd_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s
     q_pe = gl.load(q_ptr + (tok * n_heads + hr)[:, None] * D + DV + cols_r[None, :], mask=(hr < n_heads)[:, None],
                    other=0.0)
     q_pe_s = gl.allocate_shared_memory(dtype, [BH, DR], QR_S, q_pe)
-    lat_s = gl.allocate_shared_memory(dtype, [2, BK, DV], LAT_S)
-    pe_s = gl.allocate_shared_memory(dtype, [2, BK, DR], PE_S)
+    lat_s = gl.allocate_shared_memory(dtype, [STAGES, BK, DV], LAT_S)
+    pe_s = gl.allocate_shared_memory(dtype, [STAGES, BK, DR], PE_S)
 
     kv_base = kv_ptr + b * s_kv * D
-    # block 0's gather; block 1's ids (in every layout that uses them)
-    sg, vg = _ids(id_row, 0, topk, s_kv, gl.SliceLayout(1, GL), BK)
-    sr, vr = _ids(id_row, 0, topk, s_kv, gl.SliceLayout(1, RL), BK)
-    _gather(lat_s.index(0), pe_s.index(0), kv_base, sg, vg & (n_blocks > 0), sr, vr & (n_blocks > 0), D, DV, DR,
-            GL, RL)
-    _, v_cur = _ids(id_row, 0, topk, s_kv, gl.SliceLayout(0, S_L), BK)
-    sg, vg = _ids(id_row, BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
-    sr, vr = _ids(id_row, BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
-    _, v_nxt = _ids(id_row, BK, topk, s_kv, gl.SliceLayout(0, S_L), BK)
+    # the first STAGES-1 blocks' gathers, one commit group each; the next block's ids
+    for i in gl.static_range(STAGES - 1):
+        sg, vg = _ids(id_row, i * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+        sr, vr = _ids(id_row, i * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
+        _gather(lat_s.index(i), pe_s.index(i), kv_base, sg, vg & (i < n_blocks), sr, vr & (i < n_blocks), D, DV,
+                DR, GL, RL)
+    sg, vg = _ids(id_row, (STAGES - 1) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+    sr, vr = _ids(id_row, (STAGES - 1) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
 
     m = gl.full([BH], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_L))  # finite: an all-invalid block gives p = 0
     l2d = gl.zeros([BH, BK], gl.float32, layout=S_L)
     acc = warpgroup_mma_init(gl.zeros([BH, DV], gl.float32, layout=O_L))
     s0 = gl.zeros([BH, BK], gl.float32, layout=S_L)
     for j in range(0, n_blocks):
-        st = j % 2
-        async_copy.wait_group(0)  # block j is in shared memory ...
-        acc = warpgroup_mma_wait(0, deps=[acc])  # ... and block j-1's PV product is done, in both warpgroups
+        st = j % STAGES
+        nxt = (j + STAGES - 1) % STAGES  # the stage block j-1 used, refilled with block j+STAGES-1
+        more = j + STAGES - 1 < n_blocks
+        async_copy.wait_group(STAGES - 2)  # block j is in shared memory
+        if EARLY:  # refill before block j's products: block j-1's PV product must be done in both warpgroups
+            acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
         fence_async_shared()
-        # block j+1 into the other stage, now free; then the ids of block j+2
-        more = j + 1 < n_blocks
-        _gather(lat_s.index(1 - st), pe_s.index(1 - st), kv_base, sg, vg & more, sr, vr & more, D, DV, DR, GL, RL)
-        v_this = v_cur
-        v_cur = v_nxt
-        sg, vg = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
-        sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
-        _, v_nxt = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(0, S_L), BK)
-
+        if EARLY:
+            _gather(lat_s.index(nxt), pe_s.index(nxt), kv_base, sg, vg & more, sr, vr & more, D, DV, DR, GL, RL)
+            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+            sr, vr = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
         lat = lat_s.index(st)
         pe = pe_s.index(st)
         s = warpgroup_mma(q_lat_s, lat.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe_s, pe.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
+        _, v_this = _ids(id_row, j * BK, topk, s_kv, gl.SliceLayout(0, S_L), BK)  # under the score product
+        if EARLY:
+            s = warpgroup_mma_wait(0, deps=[s])
+        else:  # the score product waits out block j-1's PV product too (in order): refill after it
+            s, acc = warpgroup_mma_wait(0, deps=[s, acc])
+            gl.thread_barrier()
+            _gather(lat_s.index(nxt), pe_s.index(nxt), kv_base, sg, vg & more, sr, vr & more, D, DV, DR, GL, RL)
+            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+            sr, vr = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
         s = gl.where(v_this[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, 1))
         alpha = gl.exp2(m - m_new)

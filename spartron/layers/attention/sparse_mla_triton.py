@@ -43,6 +43,7 @@ class KernelConfig:
     walks: int = 1
     stages2: int = 2
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
+    gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -100,10 +101,11 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     if out.numel() == 0:
         return out, lse
     if cfg.gluon:
-        if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64):
-            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64; got {cfg}")
+        if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64) or cfg.num_stages not in (2, 3):
+            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
+                             f"stages; got {cfg}")
         kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
-        extra = {}
+        extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel
         extra = dict(num_stages=cfg.num_stages)

@@ -54,8 +54,8 @@ def test_gluon_forward_takes_only_its_block_shape():
     kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
     ids = torch.zeros(1, 2, 2, dtype=torch.int32)
     cfg = sparse_mla_triton.KernelConfig(16, 64, 4, 1, gluon=True)
-    with pytest.raises(ValueError, match="Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64; got "
-                                         "KernelConfig.block_h=16"):
+    with pytest.raises(ValueError, match="Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
+                                         "stages; got KernelConfig.block_h=16"):
         sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
 
 
@@ -148,8 +148,9 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2)),
     ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 2)),
     ("fwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
-    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1, gluon=True)),
-    ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1, gluon=True)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 2, gluon=True)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 64, 8, 2, gluon=True, gather_early=False)),
+    ("fwd", sparse_mla_triton.KernelConfig(64, 32, 8, 3, gluon=True)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 1)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
