@@ -66,7 +66,9 @@ SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_p
 ]
 
 
-RADIX_SWEEP = [(16384, 4096), (8192, 4096), (8192, 8192), (4096, 4096), (2048, 2048)]  # (single, multi block)
+RADIX_SWEEP = [  # top-k blocks (single_block, multi_block, topk_candidates)
+    (16384, 4096, 0), (16384, 4096, 256), (8192, 4096, 256), (8192, 8192, 256), (4096, 4096, 256),
+]
 
 
 def case(args, device, s: int, sweep: bool) -> dict:
@@ -126,9 +128,9 @@ def case(args, device, s: int, sweep: bool) -> dict:
         if sweep:
             scores_only()
             radix = []
-            for single, multi in RADIX_SWEEP:
-                sel = dataclasses.replace(cfg, single_block=single, multi_block=multi)
-                entry = dict(single_block=single, multi_block=multi)
+            for single, multi, cand in RADIX_SWEEP:
+                sel = dataclasses.replace(cfg, single_block=single, multi_block=multi, topk_candidates=cand)
+                entry = dict(single_block=single, multi_block=multi, topk_candidates=cand)
                 try:
                     r = timed(lambda sel=sel: topk_only(sel), device, args.iters, args.warmup)
                     entry.update(ms=r["ms"], steps_ms=r["steps_ms"])
@@ -200,37 +202,37 @@ def main() -> None:
     if args.smoke:
         args.seqs, args.heads, args.dim, args.topk, args.iters, args.warmup, args.check_rows = [96], 4, 16, 8, 2, 1, 8
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    cases = []
-    for i, s in enumerate(args.seqs):
-        print(f"case seq {s}", flush=True)
-        cases.append(case(args, device, s, args.sweep and i == 0))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     ceiling = matmul_ceiling(device, dtype, 8192 if cuda else 256, 20 if cuda else 2)
-    for c in cases:
-        for r in c["results"].values():
-            if isinstance(r, dict) and r.get("tflops"):
-                r["fraction_of_bf16_ceiling"] = r["tflops"] / ceiling
     triton_version = None
     if cuda:
         import triton
         triton_version = triton.__version__
+    cases = []
     report = dict(benchmark="indexer", device=device_name(cuda), torch=torch.__version__, triton=triton_version,
                   cuda=torch.version.cuda, commit=args.commit or git_commit(), smoke=args.smoke, iters=args.iters,
                   warmup=args.warmup, flop_model="2 * visible causal pairs * heads * head_dim",
                   ceiling_bf16_matmul_tflops=ceiling, cases=cases)
-    for c in cases:
+    for i, s in enumerate(args.seqs):
+        print(f"case seq {s}", flush=True)
+        c = case(args, device, s, args.sweep and i == 0)
+        for r in [*c["results"].values(), *(e.get(n, {}) for e in c["results"].get("score_tile_sweep", [])
+                                            for n in ("bf16", "fp8"))]:
+            if isinstance(r, dict) and r.get("tflops"):
+                r["fraction_of_bf16_ceiling"] = r["tflops"] / ceiling
+        cases.append(c)
         for name, r in c["results"].items():
-            if name in ("score_tile_sweep", "config"):
+            if name in ("score_tile_sweep", "radix_block_sweep", "config"):
                 continue
             if isinstance(r, dict) and "ms" in r:
                 frac = r.get("fraction_of_bf16_ceiling")
-                print(f"{c['seq']:6d} {name:24s} {r['ms']:9.3f} ms" + (f" {frac:6.1%} of ceiling" if frac else ""))
+                print(f"{c['seq']:6d} {name:30s} {r['ms']:9.3f} ms" + (f" {frac:6.1%} of ceiling" if frac else ""))
             elif isinstance(r, dict):
-                print(f"{c['seq']:6d} {name:24s} {r}")
-    write_report(args.out, report)
+                print(f"{c['seq']:6d} {name:30s} {r}")
+        write_report(args.out, report)  # after every case: a run cut short keeps what it measured
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

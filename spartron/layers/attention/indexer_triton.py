@@ -38,6 +38,7 @@ class IndexerKernelConfig:
     single_block: int = 16384
     multi_block: int = 4096
     topk_rows: int = 2048  # rows per top-k launch (each launch sizes its block to its longest row)
+    topk_candidates: int = 0  # > 0: a held row's low 16 key bits are searched among <= this many (topk_triton_kernels)
 
 
 def check_supported(q: Tensor, k: Tensor) -> None:
@@ -116,10 +117,12 @@ def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: in
     b, c_len, n_cols = out.shape
     single = longest <= cfg.single_block
     block = max(16, _pow2(longest)) if single else cfg.multi_block
+    cand = _pow2(cfg.topk_candidates) if single and cfg.topk_candidates > 0 else 0
+    scratch = torch.empty(b * n_rows * cand if cand else 1, dtype=torch.int32, device=out.device)
     _kernels("topk_triton_kernels").radix_topk_kernel[(n_rows, b)](
-        out, q_positions, q_starts if q_starts is not None else q_positions, ids, c_len, row0, n_cols,
+        out, q_positions, q_starts if q_starts is not None else q_positions, ids, scratch, c_len, row0, n_cols,
         out.stride(1), q_start, ids.shape[1], ids.shape[2], RANGED=ranged, HAS_STARTS=q_starts is not None,
-        BLOCK=block, SINGLE=single, KP=_pow2(ids.shape[2]), num_warps=min(16, max(4, block // 1024)))
+        BLOCK=block, SINGLE=single, KP=_pow2(ids.shape[2]), CAND=cand, num_warps=min(16, max(4, block // 1024)))
 
 
 def row_plan(q_positions: Tensor, q_starts: Tensor | None, s_kv: int, ranged: bool, group: int) -> list[tuple]:

@@ -240,9 +240,9 @@ def _scores_with_ties(b, rows, cols, device="cuda"):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("rows_held", ["in registers", "with candidates", "streamed"])
 @pytest.mark.parametrize("layout", ["whole rows", "causal", "documents"])
-def test_radix_topk_equals_topk_ids_on_the_same_scores(single, layout):
+def test_radix_topk_equals_topk_ids_on_the_same_scores(rows_held, layout):
     b, rows, cols, kk = 2, 700, 1500, 100
     x = _scores_with_ties(b, rows, cols)
     q_start = 800  # the rows are queries 800..1499 of 1500
@@ -259,7 +259,8 @@ def test_radix_topk_equals_topk_ids_on_the_same_scores(single, layout):
     # outside a row's range: a score that would win if the kernel read it
     buf[..., :cols] = torch.where(visible, x, float("-inf") if layout == "whole rows" else 1e30)
     ids = torch.full((b, cols, kk), 12345, dtype=torch.int32, device="cuda")
-    cfg = indexer_triton.IndexerKernelConfig(single_block=2048 if single else 256, multi_block=256)
+    cfg = indexer_triton.IndexerKernelConfig(single_block=256 if rows_held == "streamed" else 2048, multi_block=256,
+                                             topk_candidates=64 if rows_held == "with candidates" else 0)
     ranged = layout != "whole rows"
     plan = indexer_triton.row_plan(qpos[q_start:], None if starts is None else starts[:, q_start:], cols, ranged,
                                    300)
