@@ -7,6 +7,8 @@
 Host-cost target (issue 22): the op's host µs per call at most HOST_TOLERANCE x torch's C++ functional
 all-to-all, without autograd (`torch_functional`) and with it (`torch_functional_requires_grad`, its
 autograd op); a 1-rank NCCL group measures it when one GPU is lent (`host_within_tolerance` per size).
+Also timed: `custom_op` (the op as a compiled graph's forward calls it: autograd off), all_gather and
+reduce_scatter against torch's functional ones, and with --compiled whole torch.compile'd functions.
 
 The custom op is a thin boundary (wrapper validation + dispatcher + the same NCCL call), so it must
 stay within 5% of the raw call. Each rank sends half of its buffer to each rank (even splits, bf16
@@ -49,7 +51,12 @@ HOST_TOLERANCE = 1.1
 TIMINGS = ("median_ms", "host_us_per_call", "latency_median_ms")
 
 
-def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int) -> dict:
+def _no_grad(op, *args):
+    with torch.no_grad():
+        return op(*args)
+
+
+def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int, compiled: bool) -> dict:
     world = dist.get_world_size()
     elem = torch.empty((), dtype=dtype).element_size()
     cols = 1024 if nbytes >= 1024 * elem * world else 1
@@ -60,14 +67,19 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
     group = dist.group.WORLD
 
     xg = x.clone().requires_grad_()
-    opts, group_name = dist.AllToAllOptions(), group.group_name
+    opts, sync_opts, group_name = dist.AllToAllOptions(), dist.AllToAllOptions(), group.group_name
+    sync_opts.asyncOp = False
     functional, functional_autograd = torch.ops._c10d_functional, torch.ops._c10d_functional_autograd
+    custom_op = torch.ops.spartron_collectives.all_to_all.default
     variants = {
         "raw": lambda: dist.all_to_all_single(out, x, splits, splits, group=group),
         "raw_new_output": lambda: dist.all_to_all_single(torch.empty_like(x), x, splits, splits, group=group),
         # floors: the ProcessGroup entry both paths end in, without any Python wrapper or checks
         "c10d_entry": lambda: group.alltoall_base(out, x, splits, splits, opts).wait(),
         "c10d_entry_new_output": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits, opts).wait(),
+        # the same entry waited synchronously (asyncOp=False: NCCL on the current stream), as the custom op calls it
+        "c10d_entry_new_output_sync": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits,
+                                                                  sync_opts).wait(),
         # torch's own functional (C++) all-to-all, the one torch.compile's collectives use
         "torch_functional": lambda: functional.wait_tensor(functional.all_to_all_single(x, splits, splits, group_name)),
         # the same with autograd recording (its C++ autograd node): the floor for the training path
@@ -75,7 +87,23 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
             functional_autograd.all_to_all_single(xg, splits, splits, group_name)),
         "custom": lambda: C.all_to_all(x, splits, splits, group),
         "custom_requires_grad": lambda: C.all_to_all(xg, splits, splits, group),
+        # the op as a compiled graph's forward calls it (autograd off, inputs that require grad)
+        "custom_op": lambda: _no_grad(custom_op, xg, splits, splits, group_name),
+        # all_gather / reduce_scatter (dim 0, sum) against torch's functional ones
+        "custom_all_gather": lambda: C.all_gather(x, group),
+        "torch_functional_all_gather": lambda: functional.wait_tensor(
+            functional.all_gather_into_tensor(x, world, group_name)),
+        "custom_reduce_scatter": lambda: C.reduce_scatter(x, group),
+        "torch_functional_reduce_scatter": lambda: functional.wait_tensor(
+            functional.reduce_scatter_tensor(x, "sum", world, group_name)),
     }
+    if compiled:  # whole compiled functions (aot_eager: the op call is the same under inductor)
+        for name, fn in (("compiled_custom", lambda t: C.all_to_all(t, splits, splits, group)),
+                         ("compiled_torch_functional", lambda t: functional.wait_tensor(
+                             functional.all_to_all_single(t, splits, splits, group_name)))):
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            variants[name] = lambda fn=fn: fn(x)
+            variants[name + "_requires_grad"] = lambda fn=fn: fn(xg)
     ref = x.clone()
     dist.all_to_all_single(ref, x, splits, splits, group=group)
     torch.testing.assert_close(C.all_to_all(x, splits, splits, group), ref, rtol=0, atol=0)
@@ -106,7 +134,7 @@ def _rank_rows(rank: int, world: int, args) -> list[dict]:
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for mb in args.sizes_mb:
-        r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks)
+        r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks, args.compiled)
         gathered: list[dict] = [None] * world  # type: ignore[list-item]
         dist.all_gather_object(gathered, r)
         worst = {key: {k: max(g[key][k] for g in gathered) for k in r[key]}
@@ -139,6 +167,14 @@ def run(args) -> dict:
         row["host_custom_grad_over_torch_functional"] = host["custom_requires_grad"] / host["torch_functional"]
         row["host_within_tolerance"] = max(row["host_custom_over_torch_functional"],
                                            row["host_custom_grad_over_torch_functional_grad"]) <= HOST_TOLERANCE
+        row["host_custom_op_over_torch_functional"] = host["custom_op"] / host["torch_functional"]
+        for op in ("all_gather", "reduce_scatter"):
+            row[f"host_custom_{op}_over_torch_functional"] = host[f"custom_{op}"] / host[f"torch_functional_{op}"]
+        if args.compiled:
+            row["host_compiled_custom_over_torch_functional"] = (host["compiled_custom"]
+                                                                 / host["compiled_torch_functional"])
+            row["host_compiled_custom_grad_over_torch_functional_grad"] = (
+                host["compiled_custom_requires_grad"] / host["compiled_torch_functional_requires_grad"])
     return {
         "benchmark": "all_to_all: spartron_collectives op vs dist.all_to_all_single",
         "device": "cpu (gloo, smoke)" if args.smoke else device_name(cuda=True),
@@ -163,6 +199,8 @@ def main() -> None:
     p.add_argument("--tmpdir", default="/tmp")
     p.add_argument("--world", type=int, default=2, help="ranks (1: host cost on a 1-rank group, one GPU)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git's; the device copy's lies)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time torch.compile'd functions calling each all-to-all (aot_eager)")
     args = p.parse_args()
     if args.sizes_mb is None:
         args.sizes_mb = [0.01, 0.1] if args.smoke else [1, 16, 256]
@@ -189,6 +227,10 @@ def main() -> None:
               f"{host['torch_functional_requires_grad']:.1f}; custom/fn {r['host_custom_over_torch_functional']:.3f}, "
               f"custom+grad/fn+grad {r['host_custom_grad_over_torch_functional_grad']:.3f} "
               f"(<= {HOST_TOLERANCE}: {r['host_within_tolerance']})")
+        extra = {k[5:].replace("_over_torch_functional", "/fn"): v for k, v in r.items()
+                 if k.startswith("host_") and k.endswith(("torch_functional", "torch_functional_grad"))
+                 and ("_op_" in k or "compiled" in k or "gather" in k or "scatter" in k)}
+        print("    host ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in extra.items()))
     write_report(args.out, report)
 
 
