@@ -115,16 +115,38 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
 
 def _hoist_experts_hooks(block: Block) -> None:
     """A compiled MoE block: FSDP2's forward hooks of its separately sharded experts move from the
-    experts to the block, outside the compiled graph (dynamo cannot trace them, and a compiled
-    checkpoint region cannot hold a graph break). The experts are then unsharded before the block
-    runs and resharded after it, their pre-backward unshard fires on the block's output gradients
-    and their post-backward reduce-scatter after the block's backward: the block's compiled backward
-    is one autograd node, so the experts' own hooks could not run inside it anyway."""
-    state = block.experts._get_fsdp_state()
-    state._pre_forward_hook_handle.remove()
-    state._post_forward_hook_handle.remove()
-    block.module.register_forward_pre_hook(state._pre_forward, with_kwargs=True)
-    block.module.register_forward_hook(state._post_forward)
+    experts to the block, outside the compiled graph (dynamo cannot trace them: FSDP2 marks them
+    dynamo-disabled, a graph break, and a compiled checkpoint region cannot hold one). The experts are
+    then unsharded before the block runs and resharded after it, their pre-backward unshard fires on
+    the block's output gradients and their post-backward reduce-scatter after the block's backward:
+    the block's compiled backward is one autograd node, so the experts' own hooks could not run
+    inside it anyway."""
+    _move_fsdp_forward_hooks(block.experts, block.module)
+
+
+def _move_fsdp_forward_hooks(sharded: nn.Module, onto: nn.Module) -> None:
+    """Move the forward pre/post hooks that `fully_shard(sharded)` registered onto module `onto`.
+
+    FSDP2's private state, on purpose: no public FSDP2 API does this. `FSDPModule.unshard()` /
+    `reshard()` all-gather and free, but the pre-forward hook also registers the pre- and
+    post-backward hooks (the backward unshard, the gradient reduce-scatter), which have no public
+    entry; `register_fsdp_forward_method` hooks another method of the same module, not another
+    module; and the hook handles exist only on the state. The names used here are the same in
+    torch 2.11 and 2.13; a torch that lays them out otherwise fails here, naming the setting."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(sharded)
+    try:
+        handles = state._pre_forward_hook_handle, state._post_forward_hook_handle
+        pre_forward, post_forward = state._pre_forward, state._post_forward
+    except AttributeError as err:
+        raise RuntimeError(f"train.compile under FSDP2 with separately sharded experts moves FSDP2's forward hooks "
+                           f"of the experts to their block, but torch {torch.__version__}'s FSDP2 state has no "
+                           f"{err.name!r}: set train.compile = false") from err
+    for handle in handles:
+        handle.remove()
+    onto.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    onto.register_forward_hook(post_forward)
 
 
 def _range_fsdp_pre_forward(module: nn.Module) -> None:
