@@ -32,13 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase  # torch >= 2.11: opaque types derive from it
 
 from spartron.optional import MissingDependencyError, require
-
-try:  # torch 2.13: a reference opaque type derives from it (compile's fake stand-in passes isinstance)
-    from torch._opaque_base import OpaqueBase
-except ImportError:  # older torch: registration alone
-    OpaqueBase = object
 
 FEATURE = "model.moe.dispatcher = 'deepep'"
 INSTALL_HINT = ("build DeepEP v1.2.1 from source, intranode only: clone https://github.com/deepseek-ai/DeepEP "
