@@ -290,3 +290,21 @@ def test_no_leak_over_100_steps(reentrant):
     gc.collect()
     after = len(gc.get_objects())
     assert after - before <= 5, f"{after - before} objects accumulated over 100 steps"
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_on_call_sees_every_call_of_a_region_run_twice(reentrant):
+    # a block that runs twice per step (the shared MTP block): last_stats keeps the second call only
+    r = region(reentrant)
+    seen = []
+    r.on_call = seen.append
+    x = torch.randn(3, requires_grad=True)
+    y = r(lambda t: (t * 2).sin(), x)
+    z = r(lambda t: t.cos() + 1, y)
+    z.sum().backward()
+    assert len(seen) == 2 and seen[1] is r.last_stats and seen[0] is not seen[1]
+    # mul + sin, then cos + add: each call's original pass recorded (and its replay compared) 2 ops
+    assert [(s.ops_original, s.replay_count) for s in seen] == [(2, 1), (2, 1)]
+    with torch.no_grad():  # a call that runs plainly keeps no stats: not observed
+        r(lambda t: t + 1, x)
+    assert len(seen) == 2
