@@ -302,11 +302,11 @@ def splits_to_host(splits: Tensor) -> list[int]:
     return splits.tolist()
 
 
-def _int_list(splits: Splits, world: int) -> bool:
-    """Whether `splits` is a list of `world` non-negative ints: the MoE dispatch's case, one pass."""
-    if type(splits) is not list or len(splits) != world:
+def _int_lists(a: Splits, b: Splits, world: int) -> bool:
+    """Whether `a` and `b` are lists of `world` non-negative ints: the MoE dispatch's case, one pass."""
+    if type(a) is not list or type(b) is not list or len(a) != world or len(b) != world:
         return False
-    for size in splits:
+    for size in a + b:
         if type(size) is not int or size < 0:
             return False
     return True
@@ -360,15 +360,17 @@ def all_to_all(x: Tensor, output_split_sizes: Splits = None, input_split_sizes: 
         return _traced_all_to_all(x, output_split_sizes, input_split_sizes, group)
     group = _group(group)
     world = group.size()
-    if x.dim() == 0:
-        raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)")
-    if _int_list(input_split_sizes, world) and _int_list(output_split_sizes, world):
+    try:
+        rows = x.shape[0]
+    except IndexError:
+        raise ValueError("all_to_all: x must have at least one dimension (splits act on dim 0)") from None
+    if _int_lists(input_split_sizes, output_split_sizes, world):
         in_splits, out_splits = input_split_sizes, output_split_sizes
-        if sum(in_splits) != x.shape[0]:
+        if sum(in_splits) != rows:
             raise _input_rows_error(in_splits, x)
     else:
         in_splits = _split_list(input_split_sizes, x, world, "input_split_sizes", False)
-        if sum(in_splits) != x.shape[0]:
+        if sum(in_splits) != rows:
             raise _input_rows_error(in_splits, x)
         out_splits = _split_list(output_split_sizes, x, world, "output_split_sizes", False)
     if x.requires_grad and torch.is_grad_enabled():  # the backward keeps its own copies of the splits
