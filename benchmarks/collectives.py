@@ -97,11 +97,17 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
         "torch_functional_reduce_scatter": lambda: functional.wait_tensor(
             functional.reduce_scatter_tensor(x, "sum", world, group_name)),
     }
+    compile_errors = {}
     if compiled:  # whole compiled functions (aot_eager: the op call is the same under inductor)
         for name, fn in (("compiled_custom", lambda t: C.all_to_all(t, splits, splits, group)),
                          ("compiled_torch_functional", lambda t: functional.wait_tensor(
                              functional.all_to_all_single(t, splits, splits, group_name)))):
             fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            try:
+                fn(x), fn(xg)
+            except Exception as err:  # noqa: BLE001 - recorded; the eager variants still run
+                compile_errors[name] = f"{type(err).__name__}: {err}"[:500]
+                continue
             variants[name] = lambda fn=fn: fn(x)
             variants[name + "_requires_grad"] = lambda fn=fn: fn(xg)
     ref = x.clone()
@@ -121,7 +127,7 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
             host[name].append((time.perf_counter() - t0) * 1e6 / iters)
             dist.barrier()
             latency[name] += [elapsed_ms(fn, 1, device) for _ in range(iters)]
-    return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols],
+    return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols], "compile_errors": compile_errors,
             "median_ms": {k: statistics.median(v) for k, v in pipelined.items()},
             "host_us_per_call": {k: statistics.median(v) for k, v in host.items()},
             "latency_median_ms": {k: statistics.median(v) for k, v in latency.items()}}
@@ -170,7 +176,7 @@ def run(args) -> dict:
         row["host_custom_op_over_torch_functional"] = host["custom_op"] / host["torch_functional"]
         for op in ("all_gather", "reduce_scatter"):
             row[f"host_custom_{op}_over_torch_functional"] = host[f"custom_{op}"] / host[f"torch_functional_{op}"]
-        if args.compiled:
+        if "compiled_custom" in host and "compiled_torch_functional" in host:
             row["host_compiled_custom_over_torch_functional"] = (host["compiled_custom"]
                                                                  / host["compiled_torch_functional"])
             row["host_compiled_custom_grad_over_torch_functional_grad"] = (
