@@ -1,10 +1,10 @@
 """`ScopedValue`: a value made current for one block of code, the one way Spartron uses a ContextVar.
 
-Why a context variable at all: the copy-engine buffer reaches its op this way (DeepEP's ops take
-their buffer as an opaque reference instead, which torch.compile can trace: dynamo cannot trace a
-ContextVar); and a checkpoint replay finds its region's frame without threading it through every
-layer call. Each scope restores what was current before,
-so scopes nest, and a thread or task that did not enter one sees None.
+Why a context variable at all: a checkpoint replay finds its region's frame without threading it
+through every layer call. (Communication buffers do not go this way: the DeepEP and copy-engine ops
+take theirs as an opaque reference, which torch.compile passes into the graph; dynamo cannot trace a
+ContextVar.) Each scope restores what was current before, so scopes nest, and a thread or task that
+did not enter one sees None.
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ rows in rank r's buffer is the sum of what ranks before s send to r: every rank 
 count matrix (`counts`, row-major [ep, ep], counts[s * ep + r] = rows s sends to r), which the MoE
 dispatcher all-gathers anyway. Backward is the same exchange with the matrix transposed.
 
-The buffer (`ExchangeBuffer`) belongs to the EP group's transport (spartron.comm.transport); ops
-cannot take it, so the wrapper makes it current (`buffer_scope`) and autograd keeps it on the node,
-as `spartron_deepep` does. It grows collectively: every rank derives the same size from `counts`.
+The buffer (`ExchangeBuffer`) belongs to the EP group's transport (spartron.comm.transport); the op
+takes it as the opaque reference `ExchangeBuffer.ref` and autograd keeps that on the node, as
+`spartron_deepep` does, so torch.compile passes it into the graph (a ContextVar scope around the
+call, the earlier design, is a graph break dynamo cannot trace). It grows collectively: every rank
+derives the same size from `counts`.
 An event after each exchange orders the next one after it whatever stream it runs on. The checkpoint
 policy saves the op (mandatory): a replay would run barriers and peer copies a second time.
 
@@ -37,7 +39,6 @@ tested without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,17 +47,16 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase  # torch >= 2.11: opaque types derive from it
 
 from spartron.comm.collectives import resolve_group
-from spartron.scoped import ScopedValue
 
 NAMESPACE = "spartron_symm"
 OPS: tuple[str, ...] = (f"{NAMESPACE}::exchange",)
 SYNCS = ("barrier", "stream_wait")  # model.moe.copy_engine_sync: see CudaSymmetricMemory
 SIGNAL_BYTES = 256  # "stream_wait": the epoch signals ahead of the receive slots (one uint32 per rank)
 GROWTH_QUANTUM = 64 * 2**20  # receive buffers grow in steps of this many bytes (with 25% headroom)
-
-_BUFFER: ScopedValue[ExchangeBuffer] = ScopedValue("spartron_symm_buffer")
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,18 @@ class HostSharedMemory:
         dist.barrier(group=self.group)
 
 
+class ExchangeBufferRef(OpaqueBase):
+    """What `spartron_symm::exchange` takes: the buffer, as an opaque reference (module docstring)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: ExchangeBuffer):
+        self.buffer = buffer
+
+
+register_opaque_type(ExchangeBufferRef, typ="reference")
+
+
 class ExchangeBuffer:
     """The receive buffers of one EP group and the exchange protocol over them (module docstring)."""
 
@@ -233,6 +245,7 @@ class ExchangeBuffer:
         self.grows = memory is None
         self.exchanges = 0
         self._last: torch.cuda.Event | None = None
+        self.ref = ExchangeBufferRef(self)  # what the op takes (one per buffer: compiled graphs guard on it)
 
     @property
     def allocated(self) -> bool:
@@ -305,16 +318,11 @@ class ExchangeBuffer:
         return out
 
 
-def buffer_scope(buffer: ExchangeBuffer) -> contextlib.AbstractContextManager[ExchangeBuffer]:
-    """Make `buffer` the one `spartron_symm::exchange` uses inside the block."""
-    return _BUFFER.scope(buffer)
-
-
-def _current(group_name: str) -> ExchangeBuffer:
-    buffer = _BUFFER.get()
-    if buffer is None:
-        raise RuntimeError("spartron_symm::exchange needs an ExchangeBuffer: call it through "
-                           "spartron.comm.copy_engine.exchange (or inside `with buffer_scope(buffer):`)")
+def _buffer_of(ref: ExchangeBufferRef, group_name: str) -> ExchangeBuffer:
+    if not isinstance(ref, ExchangeBufferRef):
+        raise TypeError(f"spartron_symm::exchange takes an ExchangeBuffer's `ref` (ExchangeBufferRef), "
+                        f"got {type(ref).__name__}")
+    buffer = ref.buffer
     if buffer.group.group_name != group_name:
         raise RuntimeError(f"spartron_symm::exchange for group {group_name!r}, but the current buffer serves "
                            f"{buffer.group.group_name!r}")
@@ -322,26 +330,29 @@ def _current(group_name: str) -> ExchangeBuffer:
 
 
 @torch.library.custom_op(f"{NAMESPACE}::exchange", mutates_args=())
-def _exchange(x: Tensor, counts: list[int], group_name: str) -> Tensor:
-    return _current(group_name).exchange(x, counts)
+def _exchange(buffer: ExchangeBufferRef, x: Tensor, counts: list[int], group_name: str) -> Tensor:
+    return _buffer_of(buffer, group_name).exchange(x, counts)
 
 
 @_exchange.register_fake
-def _(x, counts, group_name):
+def _(buffer, x, counts, group_name):
     group = resolve_group(group_name)
-    plan = exchange_plan(counts, group.size(), group.rank())
+    ep, rank = group.size(), group.rank()
+    if any(isinstance(c, torch.SymInt) for c in counts):  # compiled: sizes from the host copy of the counts
+        if len(counts) != ep * ep:
+            raise ValueError(f"exchange: counts has {len(counts)} entries, expected {ep} x {ep}")
+        return x.new_empty(sum(counts[s * ep + rank] for s in range(ep)), *x.shape[1:])
+    plan = exchange_plan(counts, ep, rank)
     return x.new_empty(sum(plan.recv_sizes), *x.shape[1:])
 
 
 def _setup(ctx, inputs, output):
-    _, ctx.counts, ctx.group_name = inputs
-    ctx.buffer = _BUFFER.get()
+    ctx.buffer, _, ctx.counts, ctx.group_name = inputs
 
 
 def _grad(ctx, grad):
-    ep = ctx.buffer.ep
-    with buffer_scope(ctx.buffer):
-        return _exchange(grad.contiguous(), transpose_counts(ctx.counts, ep), ctx.group_name), None, None
+    ep = resolve_group(ctx.group_name).size()
+    return None, _exchange(ctx.buffer, grad.contiguous(), transpose_counts(ctx.counts, ep), ctx.group_name), None, None
 
 
 _exchange.register_autograd(_grad, setup_context=_setup)
@@ -349,5 +360,6 @@ _exchange.register_autograd(_grad, setup_context=_setup)
 
 def exchange(buffer: ExchangeBuffer, x: Tensor, counts: Sequence[int]) -> Tensor:
     """Differentiable exchange of `x`'s rows over `buffer`'s group (see the module docstring)."""
-    with buffer_scope(buffer):  # bad counts: the op's plan raises before any copy or synchronisation
-        return _exchange(x, [int(c) for c in counts], buffer.group.group_name)
+    # bad counts: the op's plan raises before any copy or synchronisation; compiled, they are SymInts
+    counts = list(counts) if torch.compiler.is_compiling() else [int(c) for c in counts]
+    return _exchange(buffer.ref, x, counts, buffer.group.group_name)
