@@ -105,26 +105,29 @@ def _compiled_worker(rank, world, mode, kind, shared=None):
     return breaks, unique, fwd, bwd, calls
 
 
-def test_compiled_deepep_moe_block_matches_eager_fullgraph_on_two_emulated_ranks():
+AC_MODES = [pytest.param("none", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow), "selective"]
+
+
+@pytest.mark.parametrize("mode", AC_MODES)
+def test_compiled_deepep_moe_block_matches_eager_fullgraph_on_two_emulated_ranks(mode):
     one_step = {"layout": 1, "dispatch": 1, "combine": 2, "cached_dispatch": 1}  # eager, per step
-    for mode in ("none", "full", "selective"):
-        for breaks, unique, fwd, bwd, calls in run_distributed(_compiled_worker, 2, mode, "deepep", timeout=300):
-            assert (breaks, unique) == (0, 1), mode
-            # dispatch + combine in forward; backward: dispatch's backward (a combine) and combine's (a cached
-            # dispatch), and neither forward op again (mandatory: saved, never recomputed)
-            assert (fwd, bwd) == ([1, 1, 0, 0], [0, 0, 1, 1]), mode
-            assert calls == [one_step] * 4, mode
+    for breaks, unique, fwd, bwd, calls in run_distributed(_compiled_worker, 2, mode, "deepep", timeout=300):
+        assert (breaks, unique) == (0, 1)
+        # dispatch + combine in forward; backward: dispatch's backward (a combine) and combine's (a cached
+        # dispatch), and neither forward op again (mandatory: saved, never recomputed)
+        assert (fwd, bwd) == ([1, 1, 0, 0], [0, 0, 1, 1])
+        assert calls == [one_step] * 4  # 2 steps x (eager, compiled)
 
 
-def test_compiled_copy_engine_moe_block_matches_eager_fullgraph_on_two_ranks():
+@pytest.mark.parametrize("mode", AC_MODES)
+def test_compiled_copy_engine_moe_block_matches_eager_fullgraph_on_two_ranks(mode):
     shared = [torch.zeros(1 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    for mode in ("none", "full", "selective"):
-        for breaks, unique, fwd, bwd, calls in run_distributed(_compiled_worker, 2, mode, "copy_engine", shared,
-                                                               timeout=300):
-            assert (breaks, unique) == (0, 1), mode
-            # dispatch + combine exchanges in forward, their two reverse exchanges in backward, none replayed
-            assert (fwd, bwd) == ([2], [2]), mode
-            assert calls == [{"exchange": 4}] * 4, mode
+    for breaks, unique, fwd, bwd, calls in run_distributed(_compiled_worker, 2, mode, "copy_engine", shared,
+                                                           timeout=300):
+        assert (breaks, unique) == (0, 1)
+        # dispatch + combine exchanges in forward, their two reverse exchanges in backward, none replayed
+        assert (fwd, bwd) == ([2], [2])
+        assert calls == [{"exchange": 4}] * 4
 
 
 def _model_worker(rank, world, kind, shared):
