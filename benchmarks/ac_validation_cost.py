@@ -166,8 +166,8 @@ def report_rows(steps: list[tuple[dict, list[RegionStats]]], warmup: int, timing
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "dsv3-12l.toml")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7, help="timeit repeats (the best is kept)")
     parser.add_argument("--number", type=int, default=200, help="region calls per timeit repeat")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -212,6 +212,9 @@ def main() -> int:
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": overrides,
         "ac_reentrant": cfg.ac.reentrant,
+        "shapes": {"n_layers": cfg.model.n_layers, "dim": cfg.model.dim, "mtp_depth": cfg.model.mtp.depth,
+                   "seq_len": cfg.train.seq_len, "global_batch_size": cfg.train.global_batch_size,
+                   "micro_batch_size": cfg.train.micro_batch_size},
         "timing": timing,
         **result,
     }
