@@ -165,10 +165,13 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
 
 
 DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]])
-    64: ["bwd:64x32x8x2x3x2", "fwd:64x64x8x2:gluon", "fwd:64x32x8x3:gluon", "bwd:64x64x8x1x3x2",
-         "fwd:64x64x8x2:gluon:late", "fwd:64x32x8x3:gluon:late", "bwd:64x32x8x2x3x1"],
-    16: ["bwd:16x32x4x2x3x2", "bwd:16x64x4x2x3x2"],
+    64: ["fwd:64x64x8x2", "bwd:64x64x8x1"],  # the Triton forward and the one-walk backward: the defaults before
+    16: [],
 }
+# The exploration of these kernels' configs: benchmarks/results/sparse_mla_sweep_c944a37.json ran
+# ["bwd:64x32x8x2x3x2", "fwd:64x64x8x2:gluon", "fwd:64x32x8x3:gluon", "bwd:64x64x8x1x3x2",
+#  "fwd:64x64x8x2:gluon:late", "fwd:64x32x8x3:gluon:late", "bwd:64x32x8x2x3x1"] at 64 heads and
+# ["bwd:16x32x4x2x3x2", "bwd:16x64x4x2x3x2"] at 16.
 
 
 def parse_spec(spec: str) -> tuple[str, sparse_mla_triton.KernelConfig]:
@@ -254,8 +257,9 @@ def sorted_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def gather_ceiling(kv, ids, device, args) -> dict:
-    """The kernels' gather alone (every selected kv row read once per query, summed in registers): its
-    bandwidth bounds the attention kernels at FLOP/byte = 2 x heads x 1088 / 1152."""
+    """The kernels' gather alone: every selected kv row read once per query (8 rows at a time, small
+    programs so many are resident per SM) and summed. Its bandwidth bounds the attention kernels at
+    2 x heads x 1088 FLOP per 1152-byte row."""
     kern = gather_kernel()
     s, k = ids.shape[1], ids.shape[2]
     out = torch.empty(s, 576, device=device, dtype=torch.float32)
@@ -263,7 +267,7 @@ def gather_ceiling(kv, ids, device, args) -> dict:
     found = {}
     for name, idv in (("random_order", ids), ("sorted", sorted_ids(ids))):
         idc = idv[0].contiguous()
-        r = timed(lambda idc=idc: kern[(s,)](kv, idc, out, k, BK=64, num_warps=8), device, args.sweep_iters, 1)
+        r = timed(lambda idc=idc: kern[(s,)](kv, idc, out, k, BK=8, num_warps=4), device, args.sweep_iters, 1)
         gbs = n_sel * 1152 / r["ms"] / 1e6
         found[name] = dict(ms=r["ms"], steps_ms=r["steps_ms"], gb_per_s=gbs,
                            tflops_bound_16_heads=gbs * 2 * 16 * 1088 / 1152 / 1e3,
@@ -273,8 +277,8 @@ def gather_ceiling(kv, ids, device, args) -> dict:
 
 
 def gather_kernel():
-    """A Triton kernel that reads each query's selected kv rows (BK at a time, as the attention kernels
-    do) and sums them: built on first use, so CPU runs never import triton."""
+    """A Triton kernel that reads each query's selected kv rows, BK at a time, and sums them: built on
+    first use, so CPU runs never import triton."""
     import triton
     import triton.language as tl
 
@@ -282,16 +286,17 @@ def gather_kernel():
     def gather_sum(kv_ptr, ids_ptr, out_ptr, topk, BK: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, 512)
+        colr = tl.arange(0, 64)
         acc = tl.zeros([BK, 512], tl.float32)
         accr = tl.zeros([BK, 64], tl.float32)
-        for k0 in tl.range(0, topk, BK):
+        for k0 in range(0, topk, BK):
             ids = tl.load(ids_ptr + tok * topk + k0 + tl.arange(0, BK))
             valid = ids >= 0
             rows = kv_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * 576
             acc += tl.load(rows + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            accr += tl.load(rows + 512 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            accr += tl.load(rows + 512 + colr[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         tl.store(out_ptr + tok * 576 + cols, tl.sum(acc, 0))
-        tl.store(out_ptr + tok * 576 + 512 + tl.arange(0, 64), tl.sum(accr, 0))
+        tl.store(out_ptr + tok * 576 + 512 + colr, tl.sum(accr, 0))
     return gather_sum
 
 

@@ -1,5 +1,8 @@
 """Launchers for the Triton sparse-MLA kernels: shape limits, block configs, and the forward / backward.
 
+The kernels are Triton (sparse_mla_triton_kernels.py) and, for the 64-row forward, Gluon, Triton's
+explicit-layout dialect (sparse_mla_gluon_kernels.py, shipped with triton >= 3.5).
+
 `spartron::sparse_mla` registers these as its CUDA kernels (sparse_mla.py), so CUDA tensors always
 take them and CPU tensors the PyTorch reference; a CUDA input the kernels cannot take is an error
 naming the limit, never a silent fallback. Triton is imported only when a kernel runs
@@ -32,9 +35,8 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class KernelConfig:
     """Head block (MMA rows), key block, warps and software-pipeline depth of one launch. Backward
-    only: `walks` (1: one fused walk; 2: dq in a second walk; 3: P / dS, then dkv, then dq, each its
-    own walk over the ids, through a per-program scratch tile) and `stages2`, the pipeline depth of
-    the later walks."""
+    only: `walks` (1: one fused walk; 3: P / dS, then dkv, then dq, each its own walk over the ids,
+    through a per-program scratch tile) and `stages2`, the pipeline depth of the later two walks."""
 
     block_h: int
     block_k: int
@@ -57,16 +59,21 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
 
 
 def forward_config(n_heads: int) -> KernelConfig:
-    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up, 16 below (mma rows); block
-    sizes and depths: the fastest of the sweep in benchmarks/results/sparse_mla_triton.json."""
+    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up: the Gluon kernel, 2 stages
+    of 64 keys, refill before each score product (323.9 TFLOP/s at 16k x 64 heads against 259 for the
+    Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json). Below, head block 16 (mma rows)
+    with the Triton kernel (sparse_mla_triton.json)."""
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=True)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
 
 
 def backward_config(n_heads: int) -> KernelConfig:
+    """From 33 heads up: three walks, 64 keys, later walks 2 stages (57.1 ms, 191.7 TFLOP/s at 16k x 64
+    heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json). At 16 heads the one walk
+    stays (33.6 ms against 41.3 for three walks of 64 keys there: no spills to remove at 16 rows)."""
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
     return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=1)
 
 
@@ -125,6 +132,8 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     b, s_q, h, d = q.shape
     s_kv = kv.shape[1]
     cfg = cfg or backward_config(h)
+    if cfg.walks not in (1, 3):
+        raise ValueError(f"sparse_mla backward kernel: walks must be 1 or 3; got {cfg.walks}")
     grad_q = torch.empty_like(q)
     grad_kv = torch.zeros(b, s_kv, d, dtype=torch.int64 if deterministic else torch.float32, device=kv.device)
     if q.numel() == 0:
@@ -133,7 +142,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     k = _kernels()
     n_work = _grid(b * s_q, h, cfg)[0]
     grid = (_persistent_programs(q.device, n_work),) if cfg.walks > 1 else (n_work,)
-    # scratch for walks > 1: per program, dS and P tiles [block_h, topk rounded up to block_k] (bf16)
+    # scratch for 3 walks: per program, dS and P tiles [block_h, topk rounded up to block_k] (q's dtype)
     row = math.ceil(topk_ids.shape[-1] / cfg.block_k) * cfg.block_k if cfg.walks > 1 else 1
     scratch = q.new_empty(grid[0] if cfg.walks > 1 else 1, 2, cfg.block_h, row)
     k.sparse_mla_bwd_kernel[grid](

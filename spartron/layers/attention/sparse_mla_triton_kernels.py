@@ -5,25 +5,31 @@ is installed first. One program handles one query token and a block of BH heads,
 token's K selected ids in blocks of BK, gathering the kv rows by id (an invalid id loads zeros and
 scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returned in natural log.
 
-Backward recomputes P from the saved lse, takes Delta = rowsum(dO * O) - dlse from the caller, keeps
-dq in registers for the whole walk, and adds each block's dkv rows into a float32 buffer with relaxed
-atomics (order-dependent rounding: not bitwise deterministic), or, with FIXED > 0 (the deterministic
-mode, FIXED = 2^fraction bits), into an int64 fixed-point buffer. The latent is handled as four column
-chunks of 128 so that each dkv chunk is a small register tile that is added and dropped at once; the
-dkv chunks are computed transposed (q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and
-sit in shared memory once (the untransposed form made Triton keep a second copy: 312 KiB at 64 heads).
+Backward recomputes P from the saved lse and takes Delta = rowsum(dO * O) - dlse from the caller.
+It adds dkv rows into a float32 buffer with relaxed atomics (order-dependent rounding: not bitwise
+deterministic), or, with FIXED > 0 (the deterministic mode, FIXED = 2^fraction bits), into an int64
+fixed-point buffer. The latent is handled as four column chunks of 128 so that each dkv chunk is a
+small register tile that is added and dropped at once; the dkv chunks are computed transposed
+(q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and sit in shared memory once.
+Two schedules (WALKS): one walk keeps dq in registers and adds dkv per block (the 16-row head
+block); three walks (the 64-row block) first write P and dS to a per-program scratch, then add dkv
+from it, then regather K for dq. Why three: Triton gives any dot whose result reaches another dot
+(an accumulator chain counts) a rows-only warp layout, so on 8 warps both warpgroups computed the
+whole 64-row S and dP tiles, and the single walk spilled (ncu: issue slots 20 % busy;
+sparse_mla_triton_bwd_ncu_843dff6.log). In the first of three walks S and dP are sums of separate
+chunk products (fma, so Triton does not fold them into one chain) with no dot downstream, so they
+keep the warpgroup-split layout. Measured at 16k x 64 heads (sparse_mla_sweep_c944a37.json):
+57.1 ms (191.7 TFLOP/s) against 103.1 ms for one walk; at 16 heads one walk stays faster (33.6 vs
+41.3 ms). The 64-row forward is the Gluon kernel (sparse_mla_gluon_kernels.py: 13.5 vs 16.9 ms);
+the Triton forward here serves 16-row blocks.
 
-Known cost, measured on the H200 (benchmarks/results/sparse_mla_triton_lag_9bd8cf4.json): with a 64-row head
-block on 8 warps Triton gives the score dot a warps-along-M layout (it feeds another dot), so both
-warpgroups compute the whole score tile. Delaying each block's P by one iteration (rows gathered
-twice) removed that but ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120) and was dropped;
-so did sending the backward's P and dS through a global scratch tile (83 vs 116 TFLOP/s, more spills:
-sparse_mla_triton_scratch_9d6ce6b.json). The backward at 64 heads is spill- and latency-bound (ncu:
-issue slots 20 % busy, one 8-warp program per SM; sparse_mla_triton_bwd_ncu_843dff6.log). A forward
-with keys along the MMA rows (S^T = K Q^T, O^T += V^T P^T, so 16 heads are the MMA's N) was slower:
-107 vs 153 TFLOP/s at 16 heads, best 182 vs 261 at 64 (sparse_mla_fwd_keys_as_rows_3abf734.log).
-The deterministic dkv mode (int64 atomics, twice the atomic traffic) costs 2.1x the backward:
-188.8 vs 89.8 ms at 16k x 64 heads (sparse_mla_deterministic_e5e9a84.json).
+Earlier results kept for the record: delaying each block's P by one iteration (rows gathered twice)
+ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120; sparse_mla_triton_lag_9bd8cf4.json), so
+did P and dS through a global scratch inside one walk (83 vs 116 TFLOP/s, more spills:
+sparse_mla_triton_scratch_9d6ce6b.json); a forward with keys along the MMA rows was slower at 16
+heads (107 vs 153 TFLOP/s; sparse_mla_fwd_keys_as_rows_3abf734.log). The deterministic dkv mode
+(int64 atomics, twice the atomic traffic) cost 2.1x the one-walk backward (188.8 vs 89.8 ms at 16k x
+64 heads, sparse_mla_deterministic_e5e9a84.json).
 """
 
 from __future__ import annotations
@@ -181,11 +187,11 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
               n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
               DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr, WALKS: tl.constexpr,
               STAGES2: tl.constexpr):
-    """One work item's dq and dkv contribution. WALKS = 1: one walk, dq accumulated in registers.
-    WALKS = 2: the walk writes dS (bf16) to this program's scratch tile [BH, topk] and a second walk
-    regathers K and sums dq = dS K, so the first walk holds no dq accumulator. WALKS = 3: the first
-    walk only computes P and dS (both to scratch), a second adds dkv from them (no gathers), a third
-    sums dq as above: each walk holds only its own operands."""
+    """One work item's dq and dkv contribution. WALKS = 1: one walk; dq accumulates in registers and
+    dkv is added per key block. WALKS = 3: the first walk computes P and dS (no dot downstream, so S
+    and dP keep the warpgroup-split layout) into this program's scratch tiles [BH, topk]; the second
+    adds dkv from them (no gathers); the third regathers K and sums dq = dS K. Each walk holds only
+    its own operands, so the register pressure (and the spills) of the single walk are gone."""
     D: tl.constexpr = 4 * DC + DR
     DV: tl.constexpr = 4 * DC
     hrow, hmask, id_row, n_used, b = _work_item(w, ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
@@ -217,29 +223,25 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
         c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
         pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
                             scale, scale_log2, WALKS == 3)
-        if WALKS > 1:
+        if WALKS == 3:
             tl.store(ds_rows + k0 + tl.arange(0, BK)[None, :], ds)
+            tl.store(p_rows + k0 + tl.arange(0, BK)[None, :], pb)
         else:
             dq0 = tl.dot(ds, c0, dq0)
             dq1 = tl.dot(ds, c1, dq1)
             dq2 = tl.dot(ds, c2, dq2)
             dq3 = tl.dot(ds, c3, dq3)
             dqr = tl.dot(ds, cr, dqr)
-        if WALKS == 3:
-            tl.store(p_rows + k0 + tl.arange(0, BK)[None, :], pb)
-        else:
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
                      DC, FIXED)
-    if WALKS > 1:
-        tl.debug_barrier()  # this program's scratch rows are written before they are read back
     if WALKS == 3:
+        tl.debug_barrier()  # this program's scratch tiles are written before they are read back
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
             safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
             ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
             pb = tl.load(p_rows + k0 + tl.arange(0, BK)[None, :])
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
                      DC, FIXED)
-    if WALKS > 1:
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
             safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
             c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
@@ -265,9 +267,9 @@ def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq
                           n_heads, topk, n_work, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
                           DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr,
                           WALKS: tl.constexpr, STAGES2: tl.constexpr):
-    """With WALKS > 1 the grid is persistent (one program per SM, striding over the n_work items, so
+    """With WALKS = 3 the grid is persistent (one program per SM, striding over the n_work items, so
     the scratch is two [BH, topk] tiles per program); with one walk, one program per work item."""
-    if WALKS > 1:
+    if WALKS == 3:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
                       n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2)

@@ -63,6 +63,19 @@ def test_head_block_follows_the_head_count():
     assert [sparse_mla_triton.forward_config(h).block_h for h in (1, 4, 16, 32, 33, 64, 128)] == \
         [16, 16, 16, 16, 64, 64, 64]
     assert [sparse_mla_triton.backward_config(h).block_h for h in (16, 64, 128)] == [16, 64, 64]
+    # 64-row blocks: the Gluon forward and the three-walk backward; 16 rows: the Triton kernels, one walk
+    assert [sparse_mla_triton.forward_config(h).gluon for h in (16, 32, 33, 128)] == [False, False, True, True]
+    assert [sparse_mla_triton.backward_config(h).walks for h in (16, 32, 33, 128)] == [1, 1, 3, 3]
+
+
+def test_backward_walks_other_than_1_or_3_are_an_error():
+    q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 2, 2, dtype=torch.int32)
+    lse = torch.zeros(1, 2, 16)
+    cfg = sparse_mla_triton.KernelConfig(16, 32, 4, 1, walks=2)
+    with pytest.raises(ValueError, match="sparse_mla backward kernel: walks must be 1 or 3; got 2"):
+        sparse_mla_triton.backward(q[..., :512], lse, q, kv, ids, q[..., :512], lse, 0.1, 512, cfg)
 
 
 # --- GPU -----------------------------------------------------------------------------------------
@@ -155,7 +168,6 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2, walks=3, stages2=2)),
-    ("bwd", sparse_mla_triton.KernelConfig(64, 64, 8, 1, walks=2, stages2=2)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
 ]
 
