@@ -7,8 +7,8 @@ ops through their fake impls.
 
 The handle. DeepEP's intranode handle is six tensors (rank and channel prefix matrices, the
 received tokens' source indices, the token -> rank mask, the send heads). The dispatch op returns
-them as ordinary outputs and the combine op takes them as inputs, so no opaque object crosses the
-op boundary and no store is keyed by ids. Autograd saves them on the op's node (`setup_context`):
+them as ordinary outputs and the combine op takes them as inputs, so the handle crosses the op
+boundary as tensors (no opaque object for it) and no store is keyed by ids. Autograd saves them on the op's node (`setup_context`):
 their lifetime is the autograd graph's, freed by backward. On a checkpoint replay the dispatch
 op's outputs, handle included, are the original pass's saved outputs, so the backward of the
 replayed graph uses the very handle the original exchange produced.
@@ -68,7 +68,7 @@ def _runtime(ref: DeepEPBufferRef, num_sms: int) -> tuple[DeepEPBuffer, Any]:
         raise TypeError(f"spartron_deepep ops take a DeepEPBuffer's `ref` (DeepEPBufferRef), got {type(ref).__name__}")
     buffer = ref.buffer
     if buffer.num_sms != num_sms:
-        raise RuntimeError(f"spartron_deepep: op called for {num_sms} SMs but the current buffer uses "
+        raise RuntimeError(f"spartron_deepep: op called for {num_sms} SMs but its buffer uses "
                            f"{buffer.num_sms}")
     return buffer, buffer.runtime()
 
