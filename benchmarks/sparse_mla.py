@@ -12,9 +12,10 @@ forward+backward; 64k x 64 forward only) with dense SDPA at the same length and 
 adds the PyTorch reference op (the CPU path; slow) at the first case. The bf16 matmul ceiling is
 measured in the same run. FLOPs count valid (query, key) pairs: forward 2 x pairs x H x (d_qk + d_v),
 backward 2.5x that. Every timed step is recorded (CUDA events, after warm-up) with the median.
-`--sweep` (CUDA) adds, at every forward+backward case: each kernel config of --sweep-configs (default
-DEFAULT_SWEEP) with its float64 errors at a small shape and its time; the default configs on ids sorted
-ascending; and the gather alone (the L2 bandwidth bound of the kernels at this head count).
+`--sweep` (CUDA) adds, at every case: the default configs on ids sorted ascending, and the gather
+alone (the bandwidth bound of the kernels at this head count); at forward+backward cases also each
+kernel config of --sweep-configs (default DEFAULT_SWEEP) with its float64 errors at a small shape and
+its time.
 """
 
 from __future__ import annotations
@@ -150,13 +151,15 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
         rows[name] = dict(r, flops=flops, tflops=flops / r["ms"] / 1e9)
     if "dense_sdpa_causal_fwd" in rows:
         rows["sparse_fwd"]["speedup_vs_dense_fwd"] = rows["dense_sdpa_causal_fwd"]["ms"] / rows["sparse_fwd"]["ms"]
-    if args.sweep and not fwd_only and device.type == "cuda":
-        rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
+    if args.sweep and device.type == "cuda":
         ids_sorted = sorted_ids(ids)
-        for name, fn, flops in (("sparse_fwd_sorted_ids", lambda: sparse_mla_triton.forward(
-                q.detach(), kv.detach(), ids_sorted, scale, lat), fwd_flops),
-                ("sparse_bwd_sorted_ids", lambda: sparse_mla_triton.backward(
-                    grad_out, zero_lse, q.detach(), kv.detach(), ids_sorted, out, lse, scale, lat), 2.5 * fwd_flops)):
+        timings = [("sparse_fwd_sorted_ids", lambda: sparse_mla_triton.forward(
+            q.detach(), kv.detach(), ids_sorted, scale, lat), fwd_flops)]
+        if not fwd_only:
+            rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
+            timings.append(("sparse_bwd_sorted_ids", lambda: sparse_mla_triton.backward(
+                grad_out, zero_lse, q.detach(), kv.detach(), ids_sorted, out, lse, scale, lat), 2.5 * fwd_flops))
+        for name, fn, flops in timings:
             r = timed(fn, device, args.sweep_iters, 1)
             rows[name] = dict(r, flops=flops, tflops=flops / r["ms"] / 1e9)
         rows["gather_only"] = gather_ceiling(kv.detach(), ids, device, args)
