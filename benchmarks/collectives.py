@@ -3,6 +3,7 @@
     python benchmarks/collectives.py --out benchmarks/results/collectives.json   # 2 CUDA GPUs, NCCL
     python benchmarks/collectives.py --world 1 --sizes-mb 1 16 --commit SHA ...  # host cost on one GPU
     python benchmarks/collectives.py --smoke                                     # 2 CPU ranks, gloo, tiny
+    python benchmarks/collectives.py --fake-group                                # host cost alone, on the CPU
 
 Host-cost target (issue 22): the op's host µs per call at most HOST_TOLERANCE x torch's C++ functional
 all-to-all, without autograd (`torch_functional`) and with it (`torch_functional_requires_grad`, its
@@ -97,22 +98,32 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
         "torch_functional_reduce_scatter": lambda: functional.wait_tensor(
             functional.reduce_scatter_tensor(x, "sum", world, group_name)),
     }
-    compile_errors = {}
-    if compiled:  # whole compiled functions (aot_eager: the op call is the same under inductor)
+    if compiled:  # only whole compiled functions, timed after every eager variant (see _rank_rows)
+        variants, compile_errors = {}, {}
         for name, fn in (("compiled_custom", lambda t: C.all_to_all(t, splits, splits, group)),
                          ("compiled_torch_functional", lambda t: functional.wait_tensor(
                              functional.all_to_all_single(t, splits, splits, group_name)))):
-            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")  # the op call is the same under inductor
             try:
                 fn(x), fn(xg)
-            except Exception as err:  # noqa: BLE001 - recorded; the eager variants still run
+            except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
                 compile_errors[name] = f"{type(err).__name__}: {err}"[:500]
                 continue
             variants[name] = lambda fn=fn: fn(x)
             variants[name + "_requires_grad"] = lambda fn=fn: fn(xg)
-    ref = x.clone()
-    dist.all_to_all_single(ref, x, splits, splits, group=group)
-    torch.testing.assert_close(C.all_to_all(x, splits, splits, group), ref, rtol=0, atol=0)
+        return {"compile_errors": compile_errors, **_time(variants, device, iters, warmup, blocks)}
+    if dist.get_backend() != "fake":  # the fake group moves no data
+        ref = x.clone()
+        dist.all_to_all_single(ref, x, splits, splits, group=group)
+        torch.testing.assert_close(C.all_to_all(x, splits, splits, group), ref, rtol=0, atol=0)
+    timings = _time(variants, device, iters, warmup, blocks)
+    # once imported, torch's functional collectives module gives its ops a Python autograd kernel (torch 2.13)
+    return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols],
+            "functional_collectives_imported": "torch.distributed._functional_collectives" in sys.modules, **timings}
+
+
+def _time(variants: dict, device, iters: int, warmup: int, blocks: int) -> dict:
+    """Each variant's timings (TIMINGS), in alternating blocks so drift hits all alike."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
@@ -127,33 +138,59 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
             host[name].append((time.perf_counter() - t0) * 1e6 / iters)
             dist.barrier()
             latency[name] += [elapsed_ms(fn, 1, device) for _ in range(iters)]
-    return {"bytes_per_rank": rows * cols * elem, "shape": [rows, cols], "compile_errors": compile_errors,
-            "median_ms": {k: statistics.median(v) for k, v in pipelined.items()},
+    return {"median_ms": {k: statistics.median(v) for k, v in pipelined.items()},
             "host_us_per_call": {k: statistics.median(v) for k, v in host.items()},
             "latency_median_ms": {k: statistics.median(v) for k, v in latency.items()}}
 
 
 def _rank_rows(rank: int, world: int, args) -> list[dict]:
     """Every size's row (worst rank and each rank's times); the default process group is initialised."""
-    smoke = args.smoke
-    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    rows = []
-    for mb in args.sizes_mb:
-        r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks, args.compiled)
+    on_cpu = args.smoke or args.fake_group
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", rank)
+    dtype = torch.float32 if on_cpu else torch.bfloat16
+    sizes = [(mb, False) for mb in args.sizes_mb]
+    # compiled functions last: compiling imports torch's functional collectives module, which (torch 2.13)
+    # gives torch's own functional ops a Python autograd kernel: the eager torch_functional times come first
+    sizes += [(mb, True) for mb in args.sizes_mb] if args.compiled else []
+    rows, by_size = [], {}
+    for mb, compiled in sizes:
+        r = _bench_size(int(mb * 2**20), device, dtype, args.iters, args.warmup, args.blocks, compiled)
         gathered: list[dict] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, r)
+        if world == 1:
+            gathered = [r]
+        else:
+            dist.all_gather_object(gathered, r)
         worst = {key: {k: max(g[key][k] for g in gathered) for k in r[key]}
                  for key in TIMINGS}
-        rows.append({"size_mb": mb, **r, **worst, "per_rank": [{key: g[key] for key in TIMINGS} for g in gathered]})
+        per_rank = [{key: g[key] for key in TIMINGS} for g in gathered]
+        if not compiled:
+            by_size[mb] = {"size_mb": mb, **r, **worst, "per_rank": per_rank}
+            rows.append(by_size[mb])
+            continue
+        row = by_size[mb]  # the compiled functions' times join the eager ones of the same size
+        row["compile_errors"] = r["compile_errors"]
+        for key in TIMINGS:
+            row[key].update(worst[key])
+        for mine, theirs in zip(row["per_rank"], per_rank, strict=True):
+            for key in TIMINGS:
+                mine[key].update(theirs[key])
     return rows
 
 
 def run(args) -> dict:
-    if not args.smoke and torch.cuda.device_count() < args.world:
-        raise SystemExit(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); "
-                         "use --world 1 (host cost on one GPU) or --smoke for the CPU/gloo version")
-    rows = run_ranks(_rank_rows, args.world, args, cuda=not args.smoke, tmp_dir=args.tmpdir)[0]  # same on every rank
+    if args.fake_group:  # in this process: one rank of torch's fake process group (no transport)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+        try:
+            rows = _rank_rows(0, 1, args)
+        finally:
+            dist.destroy_process_group()
+    else:
+        if not args.smoke and torch.cuda.device_count() < args.world:
+            raise SystemExit(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); "
+                             "use --world 1 (host cost on one GPU) or --smoke for the CPU/gloo version")
+        rows = run_ranks(_rank_rows, args.world, args, cuda=not args.smoke, tmp_dir=args.tmpdir)[0]  # same on all
     for row in rows:
         ms = row["median_ms"]
         row["gbps"] = {k: row["bytes_per_rank"] / (v * 1e-3) / 1e9 for k, v in ms.items()}
@@ -183,9 +220,10 @@ def run(args) -> dict:
                 host["compiled_custom_requires_grad"] / host["compiled_torch_functional_requires_grad"])
     return {
         "benchmark": "all_to_all: spartron_collectives op vs dist.all_to_all_single",
-        "device": "cpu (gloo, smoke)" if args.smoke else device_name(cuda=True),
-        "backend": "gloo" if args.smoke else "nccl",
-        "world_size": args.world, "dtype": "float32" if args.smoke else "bfloat16",
+        "device": ("cpu (fake group)" if args.fake_group else "cpu (gloo, smoke)" if args.smoke
+                   else device_name(cuda=True)),
+        "backend": "fake" if args.fake_group else "gloo" if args.smoke else "nccl",
+        "world_size": args.world, "dtype": "float32" if args.smoke or args.fake_group else "bfloat16",
         "torch": torch.__version__, "commit": args.commit or git_commit(), "smoke": args.smoke,
         "iters_per_block": args.iters, "blocks": args.blocks, "warmup": args.warmup,
         "tolerance": TOLERANCE, "host_tolerance": HOST_TOLERANCE,
@@ -205,12 +243,17 @@ def main() -> None:
     p.add_argument("--tmpdir", default="/tmp")
     p.add_argument("--world", type=int, default=2, help="ranks (1: host cost on a 1-rank group, one GPU)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git's; the device copy's lies)")
+    p.add_argument("--fake-group", action="store_true",
+                   help="host cost on the CPU: one rank of torch's fake process group, which moves no data, "
+                        "so each entry's own host cost shows (tiny tensors, many calls)")
     p.add_argument("--compiled", action="store_true",
                    help="also time torch.compile'd functions calling each all-to-all (aot_eager)")
     args = p.parse_args()
+    if args.fake_group:
+        args.world = 1
     if args.sizes_mb is None:
-        args.sizes_mb = [0.01, 0.1] if args.smoke else [1, 16, 256]
-    args.iters = args.iters or (5 if args.smoke else 20)
+        args.sizes_mb = [0.001] if args.fake_group else [0.01, 0.1] if args.smoke else [1, 16, 256]
+    args.iters = args.iters or (5 if args.smoke else 2000 if args.fake_group else 20)
     args.blocks = args.blocks or (2 if args.smoke else 5)
     if args.smoke:
         args.warmup = min(args.warmup, 2)
