@@ -61,8 +61,9 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
 def forward_config(n_heads: int) -> KernelConfig:
     """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up: the Gluon kernel, 2 stages
     of 64 keys, refill before each score product (323.9 TFLOP/s at 16k x 64 heads against 259 for the
-    Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json). Below, head block 16 (mma rows)
-    with the Triton kernel (sparse_mla_triton.json)."""
+    Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms, 317.7
+    TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA, sparse_mla_triton_4d49dff.json).
+    Below, head block 16 (mma rows) with the Triton kernel (sparse_mla_triton.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=True)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
@@ -70,8 +71,9 @@ def forward_config(n_heads: int) -> KernelConfig:
 
 def backward_config(n_heads: int) -> KernelConfig:
     """From 33 heads up: three walks, 64 keys, later walks 2 stages (57.1 ms, 191.7 TFLOP/s at 16k x 64
-    heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json). At 16 heads the one walk
-    stays (33.6 ms against 41.3 for three walks of 64 keys there: no spills to remove at 16 rows)."""
+    heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json; as the default 57.5 ms, 190.7
+    TFLOP/s, sparse_mla_triton_4d49dff.json). At 16 heads the one walk stays (33.6 ms against 41.3
+    for three walks of 64 keys there: no spills to remove at 16 rows)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
     return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=1)
