@@ -182,6 +182,9 @@ class TrainConfig(ConfigSection):
     intra_layer_micro_batch_scope: Literal["layer", "experts"] = "layer"
     seed: int = Field(0, ge=0, lt=2**63)
     optimizer: Literal["adamw", "muon"] = "adamw"
+    # The AdamW update: torch's fused kernel, or one Triton pass that also applies the clip coefficient
+    # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way).
+    adamw_kernel: Literal["torch", "triton"] = "torch"
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(2, ge=0)
@@ -260,6 +263,13 @@ class TrainConfig(ConfigSection):
     def _async_save(self) -> TrainConfig:
         if self.async_save and not self.save_every:  # nothing would be saved asynchronously
             raise ValueError("train.async_save = true needs train.save_every > 0 (it would be ignored)")
+        return self
+
+    @model_validator(mode="after")
+    def _adamw_kernel(self) -> TrainConfig:
+        if self.adamw_kernel != "torch" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
+            raise ValueError(f"train.adamw_kernel = {self.adamw_kernel!r} needs train.optimizer = 'adamw' "
+                             f"(got {self.optimizer!r}, which would ignore it)")
         return self
 
     @model_validator(mode="after")

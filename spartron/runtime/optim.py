@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.runtime.adamw_triton import TritonAdamW
 from spartron.runtime.config import TrainConfig
 
 
@@ -52,7 +53,8 @@ def _decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA), or Muon for hidden matrices with AdamW for the rest."""
+    """AdamW (torch's fused kernel on CUDA, or TritonAdamW with train.adamw_kernel = 'triton'), or Muon for hidden
+    matrices with AdamW for the rest."""
     decay, no_decay = _decay_split(model)
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters")
@@ -61,6 +63,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer == "adamw":
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
+        if cfg.adamw_kernel == "triton":
+            if not on_cuda:
+                devices = sorted({str(p.device) for p in decay + no_decay})
+                raise ValueError(f"train.adamw_kernel = 'triton' needs CUDA parameters and the triton package; the "
+                                 f"parameters are on {', '.join(devices)} (use 'torch')")
+            adam_kwargs.pop("fused")
+            return TritonAdamW([g for g in groups if g["params"]], **adam_kwargs)
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)
     # Muon orthogonalises whole 2-D updates; embeddings and the LM head stay on AdamW (as in the
     # Muon paper), recognised by their vocabulary-sized dimension.
@@ -201,6 +210,27 @@ def global_grad_norm(params: Iterable[nn.Parameter],
     return total.sqrt()
 
 
+def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
+    """min(1, max_norm / (total_norm + 1e-6)): what every gradient is multiplied by (a tensor: no sync)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def clip_and_step_(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], max_norm: float,
+                   total_norm: Tensor, norm: float) -> None:
+    """Clip the gradients to max_norm (0: never) and take the optimizer step; `norm` is float(total_norm).
+
+    Below max_norm the coefficient is exactly 1 and no pass over the gradients is made. A TritonAdamW takes the
+    coefficient into its update (one read of every gradient); other optimizers get clip_grads_ first.
+    """
+    if not (norm + 1e-6 > max_norm > 0):
+        optimizer.step()
+    elif isinstance(optimizer, TritonAdamW):
+        optimizer.step(grad_scale=clip_coefficient(max_norm, total_norm))
+    else:
+        clip_grads_(params, max_norm, total_norm)
+        optimizer.step()
+
+
 @torch.no_grad()
 def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor) -> None:
     """Scale every local gradient shard by min(1, max_norm / total_norm) (no-op when max_norm is 0)."""
@@ -208,7 +238,7 @@ def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: Ten
 
     if max_norm <= 0:
         return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = clip_coefficient(max_norm, total_norm)
     # One foreach multiply per (device, dtype): a per-tensor `mul_` by a 0-dim device tensor runs the
     # broadcasting (non-vectorised) kernel, ~3x the HBM time (17.7 ms per dsv3-12l step on the H200).
     by_kind: dict[tuple, list[Tensor]] = {}

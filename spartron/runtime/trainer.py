@@ -45,7 +45,7 @@ from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.init_from import init_from_factory
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
-from spartron.runtime.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
+from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.state import (
     COMPLETE,
@@ -428,9 +428,7 @@ class Trainer:
                                      f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
         # before the optimizer step: the state stays the last good one
         _check_loss_limits(t, step, loss, self.counters.get("first_loss"))
-        if norm + 1e-6 > t.grad_clip > 0:  # else the clip coefficient is exactly 1: skip a pass over every grad
-            clip_grads_(self.params, t.grad_clip, grad_norm)
-        optimizer.step()
+        clip_and_step_(optimizer, self.params, t.grad_clip, grad_norm, norm)  # TritonAdamW clips inside its pass
         optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
         if isinstance(model, ExpertBiasModel):
             model.update_expert_bias(self.groups.dp_cp)

@@ -1,0 +1,184 @@
+"""AdamW whose update is one Triton pass over each group of tensors, with the gradient-clip coefficient applied in
+that same pass (`train.adamw_kernel = "triton"`).
+
+`TritonAdamW` is a torch.optim.AdamW built with fused=True of which only `step` is replaced: its parameter groups
+and per-parameter state (``step`` a float32 0-dim tensor on the parameter's device, ``exp_avg`` / ``exp_avg_sq``
+like the parameter) are torch's fused AdamW's, so state_dict, load_state_dict and saved states are the same
+whichever kernel wrote them. The update is torch's AdamW formula in fp32 registers (adamw_triton_kernels.py);
+`step(grad_scale=c)` multiplies each gradient by the 0-dim tensor c as it is read (the clip coefficient: one
+read of the gradients instead of a clip pass plus the update's). The gradients themselves are left unscaled.
+
+Tensors of a parameter group are launched together per (device, param / grad / exp_avg / exp_avg_sq dtypes,
+16-byte alignment): one launch for all of them (a pointer table and a block -> tensor map), or, from
+`AdamWKernelConfig.per_tensor_min_numel` elements up, one launch per tensor. The bias corrections are computed
+on the device from each tensor's own step in float64, as torch computes them on the host, so nothing syncs.
+Triton is imported only when a TritonAdamW is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spartron.optional import require
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ALIGN_BYTES = 16  # and sizes a multiple of 16 elements: what the table kernel's ALIGNED hints promise
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+@dataclass(frozen=True)
+class AdamWKernelConfig:
+    """Elements per block and blocks per program, warps per program, and the size from which a tensor gets a
+    launch of its own (None: every tensor of a bucket in one table launch)."""
+
+    block: int = 1024
+    iters: int = 8
+    num_warps: int = 4
+    per_tensor_min_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"AdamWKernelConfig.block must be a power of two >= 16, got {self.block}")
+        if self.iters < 1 or self.num_warps < 1:
+            raise ValueError(f"AdamWKernelConfig.iters and num_warps must be >= 1, got {self.iters}, {self.num_warps}")
+
+
+def _kernels() -> ModuleType:
+    require("triton", "train.adamw_kernel = 'triton'", "pip install triton (it ships with CUDA builds of torch)")
+    return importlib.import_module("spartron.runtime.adamw_triton_kernels")
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _aligned(tensors: tuple[Tensor, ...]) -> bool:
+    return tensors[0].numel() % 16 == 0 and all(t.data_ptr() % _ALIGN_BYTES == 0 for t in tensors)
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (fused=True state and groups) updated by Triton kernels; see the module docstring."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, kernel: AdamWKernelConfig | None = None) -> None:
+        self._triton = _kernels()
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self.kernel = kernel or AdamWKernelConfig()
+        self._block_maps: dict[tuple, Tensor] = {}  # (device, sizes, elements per program) -> block -> tensor
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: Tensor | None = None):  # noqa: ANN001, ANN201 - torch.optim signature
+        """One AdamW step; `grad_scale` (a one-element tensor, e.g. the clip coefficient) multiplies every gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is not None and grad_scale.numel() != 1:
+            raise ValueError(f"TritonAdamW.step: grad_scale must have one element, got shape {tuple(grad_scale.shape)}")
+        for group in self.param_groups:
+            self._step_group(group, grad_scale)
+        return loss
+
+    def _step_group(self, group: dict, grad_scale: Tensor | None) -> None:
+        for key in _UNSUPPORTED:
+            if group.get(key):
+                raise ValueError(f"TritonAdamW does not implement {key}=True")
+        if any(isinstance(group[k], Tensor) for k in ("lr", "weight_decay", "eps")) or \
+                any(isinstance(b, Tensor) for b in group["betas"]):
+            raise ValueError("TritonAdamW takes float lr, betas, eps and weight_decay (no tensors)")
+        buckets: dict[tuple, list[tuple[tuple[Tensor, ...], Tensor]]] = {}
+        steps = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("TritonAdamW does not take sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(p.device, torch.float32)  # a state loaded from a non-fused AdamW
+            tensors = tuple(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            _check(tensors)
+            steps.append(state["step"])
+            if tensors[0].numel():
+                key = (tensors[0].device, *(t.dtype for t in tensors), _aligned(tensors))
+                buckets.setdefault(key, []).append((tensors, state["step"]))
+        if not steps:
+            return
+        torch._foreach_add_(steps, 1.0)
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        w1 = float(torch.tensor(1 - beta1, dtype=torch.float32))
+        scalars = dict(decay=1 - lr * wd, w1=1 - beta1, beta2=beta2, w2=1 - beta2, eps=group["eps"],
+                       HAS_DECAY=wd != 0, LERP_SMALL=abs(w1) < 0.5)
+        big = self.kernel.per_tensor_min_numel
+        for (device, *_, aligned), members in buckets.items():
+            scale = None if grad_scale is None else grad_scale.detach().to(device, torch.float32)
+            shared = [m for m in members if big is None or m[0][0].numel() < big]
+            own = [m for m in members if big is not None and m[0][0].numel() >= big]
+            coefs = _coefficients([step for _, step in shared + own], lr, beta1, beta2)
+            if shared:
+                self._launch_table(device, [t for t, _ in shared], coefs[:len(shared)], scale, aligned, scalars)
+            for i, (tensors, _) in enumerate(own, start=len(shared)):
+                self._launch_tensor(tensors, coefs[i], scale, scalars)
+
+    def _launch_tensor(self, tensors: tuple[Tensor, ...], coefs: Tensor, scale: Tensor | None, scalars: dict) -> None:
+        k, (p, g, m, v) = self.kernel, tensors
+        grid = (_cdiv(p.numel(), k.block * k.iters),)
+        self._triton.adamw_tensor_kernel[grid](
+            p, g, m, v, p.numel(), coefs, coefs if scale is None else scale, HAS_SCALE=scale is not None,
+            BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, **scalars)
+
+    def _launch_table(self, device: torch.device, members: list[tuple[Tensor, ...]], coefs: Tensor,
+                      scale: Tensor | None, aligned: bool, scalars: dict) -> None:
+        k, kern = self.kernel, self._triton
+        per_program = k.block * k.iters
+        rows, counts, first = [], [], 0
+        for p, g, m, v in members:
+            counts.append(_cdiv(p.numel(), per_program))
+            rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), first]
+            first += counts[-1]
+        table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        map_key = (device, tuple(t[0].numel() for t in members), per_program)
+        if map_key not in self._block_maps:
+            self._block_maps[map_key] = torch.repeat_interleave(
+                torch.arange(len(members), dtype=torch.int32), torch.tensor(counts)).to(device)
+        p, g, m, v = (kern.TL_DTYPES[t.dtype] for t in members[0])
+        kern.adamw_table_kernel[(first,)](
+            table, self._block_maps[map_key], coefs, coefs if scale is None else scale, P_DTYPE=p, G_DTYPE=g,
+            M_DTYPE=m, V_DTYPE=v, HAS_SCALE=scale is not None, ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters,
+            num_warps=k.num_warps, **scalars)
+
+
+def _coefficients(steps: list[Tensor], lr: float, beta1: float, beta2: float) -> Tensor:
+    """[n, 2] float32: (-lr / bias_correction1, sqrt(bias_correction2)) of each tensor's step, in float64 first as
+    torch's AdamW computes them on the host."""
+    s = torch.stack(steps).double()
+    return torch.stack([-lr / (1 - beta1**s), (1 - beta2**s).sqrt()], dim=1).float()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(tensors: tuple[Tensor, ...]) -> None:
+    """The kernels read flat contiguous memory of supported float dtypes, all of one size on one device."""
+    p = tensors[0]
+    for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors, strict=True):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"TritonAdamW: {name} dtype {t.dtype} is not one of float32, bfloat16, float16")
+        if t.shape != p.shape or t.device != p.device or not t.is_contiguous():
+            raise ValueError(f"TritonAdamW: {name} must be contiguous with the parameter's shape and device; got "
+                             f"shape {tuple(t.shape)} on {t.device} (contiguous {t.is_contiguous()}), parameter "
+                             f"{tuple(p.shape)} on {p.device}")

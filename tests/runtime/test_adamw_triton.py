@@ -1,0 +1,243 @@
+"""train.adamw_kernel: config errors, the clip-and-step rule, and TritonAdamW equal to torch's AdamW.
+
+The kernel tests run on CUDA, or on the CPU through Triton's interpreter
+(`PYTHONPATH=/work/triton_site TRITON_INTERPRET=1 python -m pytest -q tests/runtime/test_adamw_triton.py`); CI
+has no triton and skips them. The interpreter rounds float32 -> bfloat16 by truncation, so on the CPU the
+bfloat16 case is held to one bfloat16 ulp; fp32 and fp16 (numpy's correct rounding) are held to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from spartron.optional import MissingDependencyError
+from spartron.runtime.config import ConfigError, TrainConfig, config_from_dict
+from spartron.runtime.optim import build_optimizer, clip_and_step_, clip_coefficient
+from spartron.testing import run_distributed
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and HAS_TRITON and not INTERPRET else "cpu"
+needs_kernel = pytest.mark.skipif(
+    not (INTERPRET or DEVICE == "cuda"),
+    reason="needs CUDA + triton, or Triton's interpreter (PYTHONPATH=/work/triton_site TRITON_INTERPRET=1)")
+
+SHAPES = [(3, 5), (17,), (64, 33), (1,), (0, 4), (300,)]  # sizes off every block, one empty tensor
+
+
+def test_unknown_adamw_kernel_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"train.adamw_kernel: Input should be 'torch' or 'triton' \(got 'cuda'\)"):
+        config_from_dict({"train": {"adamw_kernel": "cuda"}})
+
+
+def test_triton_adamw_with_muon_is_an_error():
+    with pytest.raises(ConfigError, match=r"train.adamw_kernel = 'triton' needs train.optimizer = 'adamw' "
+                                          r"\(got 'muon', which would ignore it\)"):
+        config_from_dict({"train": {"adamw_kernel": "triton", "optimizer": "muon"}})
+
+
+def test_triton_adamw_on_cpu_parameters_is_an_error():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"train.adamw_kernel = 'triton' needs CUDA parameters and the triton "
+                                         r"package; the parameters are on cpu \(use 'torch'\)"):
+        build_optimizer(model, TrainConfig(adamw_kernel="triton"))
+
+
+@pytest.mark.skipif(HAS_TRITON, reason="checks the message a CPU install without triton gives")
+def test_triton_adamw_without_triton_names_the_option_and_the_install():
+    from spartron.runtime.adamw_triton import TritonAdamW
+
+    with pytest.raises(MissingDependencyError, match=r"train.adamw_kernel = 'triton' needs the Python package "
+                                                     r"'triton'.*pip install triton"):
+        TritonAdamW([nn.Parameter(torch.zeros(2))])
+
+
+def test_clip_and_step_clips_only_above_max_norm():
+    """Below max_norm the gradients are untouched; above, scaled by max_norm / (norm + 1e-6); 0 never clips."""
+    for max_norm, norm, expect in [(1.0, 0.5, 1.0), (1.0, 4.0, 1.0 / (4.0 + 1e-6)), (0.0, 4.0, 1.0)]:
+        p = nn.Parameter(torch.zeros(3))
+        p.grad = torch.tensor([1.0, -2.0, 3.0])
+        opt = torch.optim.SGD([p], lr=1.0)
+        clip_and_step_(opt, [p], max_norm, torch.tensor(norm), norm)
+        clipped = torch.tensor([1.0, -2.0, 3.0]) * torch.tensor(expect, dtype=torch.float32)
+        assert torch.equal(p.grad, clipped) and torch.equal(p.detach(), -clipped)  # clipped, then stepped
+    assert clip_coefficient(1.0, torch.tensor(3.0)).item() == pytest.approx(1 / 3.000001, rel=1e-7)
+
+
+def _params(dtype: torch.dtype, seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(DEVICE, dtype)) for s in SHAPES]
+
+
+def _groups(params: list[nn.Parameter]) -> list[dict]:
+    return [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]
+
+
+def _run(ref_opt, mine_opt, ref, mine, dtype, steps=4, coef=0.37, clip_ref=True):  # noqa: ANN001
+    g = torch.Generator().manual_seed(1)
+    scale = torch.tensor(coef, device=DEVICE)
+    for _ in range(steps):
+        for p, q in zip(ref, mine, strict=True):
+            grad = torch.randn(p.shape, generator=g).to(DEVICE, dtype)
+            p.grad = grad * scale.to(dtype) if clip_ref else grad.clone()
+            q.grad = grad
+        ref_opt.step()
+        mine_opt.step(grad_scale=scale)
+
+
+def _assert_states_close(ref_opt, mine_opt, ref, mine, **tol):  # noqa: ANN001
+    for p, q in zip(ref, mine, strict=True):
+        torch.testing.assert_close(q, p, **tol)
+        a, b = ref_opt.state[p], mine_opt.state[q]
+        assert b["step"].dtype == torch.float32 and b["step"].device == q.device
+        assert b["step"].item() == a["step"].item()
+        torch.testing.assert_close(b["exp_avg"], a["exp_avg"], **tol)
+        torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"], **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", [dict(block=16, iters=2), dict(block=32, iters=1, per_tensor_min_numel=100)])
+def test_fp32_equals_torch_adamw_with_clipped_grads(kernel):
+    """Several steps, two groups (decay / none), mixed shapes: torch.optim.AdamW (foreach=False) on gradients
+    clipped first, to fp32 rounding; one launch for all tensors, or the large ones on their own."""
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    ref, mine = _params(torch.float32), _params(torch.float32)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    mine_opt = TritonAdamW(_groups(mine), lr=1e-2, betas=(0.9, 0.95), kernel=AdamWKernelConfig(**kernel))
+    _run(ref_opt, mine_opt, ref, mine, torch.float32)
+    _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ref[0].detach(), _params(torch.float32)[0].detach())  # it did train
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_state_equals_torch_fused_adamw(dtype):
+    """fp16 / bf16 params, grads and moments, fp32 math rounded once per store: torch's fused AdamW
+    (no clipping: torch's clip would round the scaled gradient to the low dtype first)."""
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    ref, mine = _params(dtype), _params(dtype)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    mine_opt = TritonAdamW(_groups(mine), lr=1e-2, betas=(0.9, 0.95), kernel=AdamWKernelConfig(block=16))
+    truncating = dtype == torch.bfloat16 and INTERPRET  # one step: truncation vs rounding is <= 1 ulp apart
+    _run(ref_opt, mine_opt, ref, mine, dtype, steps=1 if truncating else 4, coef=1.0, clip_ref=False)
+    _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=2.0 ** (-10 if dtype == torch.float16 else -7), atol=1e-5)
+
+
+@needs_kernel
+def test_unaligned_views_take_the_unhinted_kernel_and_agree():
+    """A parameter at a 4-byte offset into its storage cannot take the 16-byte hints; it is bucketed apart."""
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    flat = torch.randn(41, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ref = [nn.Parameter(flat[1:33].clone()), nn.Parameter(flat[:16].clone())]
+    mine = [nn.Parameter(flat.clone()[1:33]), nn.Parameter(flat[:16].clone())]
+    assert mine[0].data_ptr() % 16 == 4
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    mine_opt = TritonAdamW(mine, lr=1e-2, kernel=AdamWKernelConfig(block=16))
+    _run(ref_opt, mine_opt, ref, mine, torch.float32, steps=2)
+    _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+def test_state_dict_is_torch_fused_adamw_s_and_resumes_either_way():
+    """Same state_dict keys / step tensors as torch.optim.AdamW(fused=True); a state saved by either loads
+    into the other and the next step agrees."""
+    from spartron.runtime.adamw_triton import TritonAdamW
+
+    ref, mine = _params(torch.float32), _params(torch.float32)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, fused=True)
+    mine_opt = TritonAdamW(_groups(mine), lr=1e-2)
+    _run(ref_opt, mine_opt, ref, mine, torch.float32, steps=2, coef=1.0, clip_ref=False)
+    a, b = ref_opt.state_dict(), mine_opt.state_dict()
+    assert [sorted(g) for g in a["param_groups"]] == [sorted(g) for g in b["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == \
+           [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+    assert {i: sorted(s) for i, s in a["state"].items()} == {i: sorted(s) for i, s in b["state"].items()}
+    assert all(s["step"].device == b["state"][i]["step"].device for i, s in a["state"].items())
+    swapped_ref = [nn.Parameter(q.detach().clone()) for q in mine]  # torch continues TritonAdamW's state
+    swapped_mine = [nn.Parameter(p.detach().clone()) for p in ref]  # TritonAdamW continues torch's
+    torch_from_mine = torch.optim.AdamW(_groups(swapped_ref), lr=1e-2, fused=True)
+    torch_from_mine.load_state_dict(b)
+    mine_from_torch = TritonAdamW(_groups(swapped_mine), lr=1e-2)
+    mine_from_torch.load_state_dict(a)
+    _run(torch_from_mine, mine_from_torch, swapped_ref, swapped_mine, torch.float32, steps=1, coef=1.0,
+         clip_ref=False)
+    _assert_states_close(torch_from_mine, mine_from_torch, swapped_ref, swapped_mine, rtol=1e-5, atol=1e-6)
+    assert mine_from_torch.state[swapped_mine[0]]["step"].item() == 3
+
+
+@needs_kernel
+def test_unsupported_inputs_are_errors():
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    p = nn.Parameter(torch.zeros(4, 4, dtype=torch.float64, device=DEVICE))
+    p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"TritonAdamW: param dtype torch.float64 is not one of float32"):
+        TritonAdamW([p]).step()
+    q = nn.Parameter(torch.zeros(4, 4, device=DEVICE))
+    q.grad = torch.zeros(4, 4, device=DEVICE).t()
+    with pytest.raises(ValueError, match=r"TritonAdamW: grad must be contiguous"):
+        TritonAdamW([q]).step()
+    with pytest.raises(ValueError, match=r"TritonAdamW does not implement amsgrad=True"):
+        opt = TritonAdamW([q])
+        opt.param_groups[0]["amsgrad"] = True
+        opt.step()
+    with pytest.raises(ValueError, match=r"grad_scale must have one element, got shape \(2,\)"):
+        TritonAdamW([q]).step(grad_scale=torch.ones(2))
+    with pytest.raises(ValueError, match=r"AdamWKernelConfig.block must be a power of two >= 16, got 48"):
+        AdamWKernelConfig(block=48)
+
+
+def _dtensor_rank(rank: int, world: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    grads = [torch.randn(8, 6, generator=torch.Generator().manual_seed(4 + i)) for i in range(2)]
+    ref = nn.Parameter(full.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    mine = nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    opt = TritonAdamW([mine], lr=1e-2, kernel=AdamWKernelConfig(block=16))
+    coef = torch.tensor(0.5)
+    for grad in grads:
+        ref.grad = grad * coef
+        ref_opt.step()
+        mine.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        opt.step(grad_scale=coef)
+    rows = slice(rank * 4, rank * 4 + 4)
+    assert isinstance(opt.state[mine]["exp_avg"], DTensor)  # the state stays sharded like the parameter
+    return [float((mine.to_local() - ref.detach()[rows]).abs().max()),
+            float((opt.state[mine]["exp_avg_sq"].to_local() - ref_opt.state[ref]["exp_avg_sq"][rows]).abs().max())]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs Triton's interpreter (gloo ranks hold CPU shards)")
+def test_dtensor_shards_update_their_local_slice():
+    for diffs in run_distributed(_dtensor_rank, 2, timeout=120):
+        assert diffs[0] <= 2.5e-7 and diffs[1] <= 1e-9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA and triton (the compiled kernels, not the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_equal_torch_fused_adamw(dtype):
+    """The compiled kernels (16-byte aligned table launch and per-tensor launch) against torch's fused CUDA
+    AdamW; the reference's gradients are pre-scaled in fp32 and rounded, as clip_grads_ does."""
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    for kernel in (AdamWKernelConfig(), AdamWKernelConfig(per_tensor_min_numel=1000)):
+        ref, mine = _params(dtype), _params(dtype)
+        ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=(0.9, 0.95), fused=True)
+        mine_opt = TritonAdamW(_groups(mine), lr=1e-2, betas=(0.9, 0.95), kernel=kernel)
+        _run(ref_opt, mine_opt, ref, mine, dtype, coef=1.0, clip_ref=False)
+        tol = dict(rtol=2.0**-7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+        _assert_states_close(ref_opt, mine_opt, ref, mine, **tol)
