@@ -261,8 +261,10 @@ def sorted_ids(ids: torch.Tensor) -> torch.Tensor:
 
 def gather_ceiling(kv, ids, device, args) -> dict:
     """The kernels' gather alone: every selected kv row read once per query (8 rows at a time, small
-    programs so many are resident per SM) and summed. Its bandwidth bounds the attention kernels at
-    2 x heads x 1088 FLOP per 1152-byte row."""
+    programs so many are resident per SM) and summed; its bandwidth times 2 x heads x 1088 FLOP per
+    1152-byte row estimates the attention kernels' bandwidth bound. (A first form, one 8-warp program
+    per query summing 64 rows at a time, reached 2.39 TB/s in sparse_mla_sweep_c944a37.json, below the
+    5.1 TB/s the 16-head forward itself moves: latency-bound, no bound. This form is unmeasured.)"""
     kern = gather_kernel()
     s, k = ids.shape[1], ids.shape[2]
     out = torch.empty(s, 576, device=device, dtype=torch.float32)

@@ -58,15 +58,21 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
         raise ValueError(f"sparse_mla CUDA kernel: needs bfloat16 or float16 inputs; got {q.dtype}")
 
 
-def forward_config(n_heads: int) -> KernelConfig:
-    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up: the Gluon kernel, 2 stages
-    of 64 keys, refill before each score product (323.9 TFLOP/s at 16k x 64 heads against 259 for the
-    Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms, 317.7
-    TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA, sparse_mla_triton_4d49dff.json).
-    Below, head block 16 (mma rows) with the Triton kernel (sparse_mla_triton.json)."""
+def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
+    """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up: on Hopper the Gluon kernel,
+    2 stages of 64 keys, refill before each score product (323.9 TFLOP/s at 16k x 64 heads against 259
+    for the Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms,
+    317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
+    sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
+    kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel (sparse_mla_triton.json)."""
     if n_heads > 32:
-        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=True)
+        return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
+
+
+def is_hopper(device: torch.device) -> bool:
+    """An sm90 GPU: the Gluon forward's warpgroup MMA exists there only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def backward_config(n_heads: int) -> KernelConfig:
@@ -104,7 +110,7 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     """out [B, S_q, H, 512] (q's dtype), lse [B, S_q, H] float32; inputs contiguous."""
     check_supported(q, kv, d_v)
     b, s_q, h, _ = q.shape
-    cfg = cfg or forward_config(h)
+    cfg = cfg or forward_config(h, is_hopper(q.device))
     out = q.new_empty(b, s_q, h, d_v)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -113,6 +119,9 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
         if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64) or cfg.num_stages not in (2, 3):
             raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
                              f"stages; got {cfg}")
+        if not is_hopper(q.device):
+            raise ValueError(f"sparse_mla Gluon forward: needs an sm90 (Hopper) GPU for its warpgroup MMA; got "
+                             f"{q.device}")
         kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
         extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:

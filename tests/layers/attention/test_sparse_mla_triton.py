@@ -57,6 +57,8 @@ def test_gluon_forward_takes_only_its_block_shape():
     with pytest.raises(ValueError, match="Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
                                          "stages; got KernelConfig.block_h=16"):
         sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
+    with pytest.raises(ValueError, match="Gluon forward: needs an sm90 .Hopper. GPU for its warpgroup MMA; got cpu"):
+        sparse_mla_triton.forward(q, kv, ids, 0.1, 512, sparse_mla_triton.forward_config(64))
 
 
 def test_head_block_follows_the_head_count():
@@ -65,6 +67,8 @@ def test_head_block_follows_the_head_count():
     assert [sparse_mla_triton.backward_config(h).block_h for h in (16, 64, 128)] == [16, 64, 64]
     # 64-row blocks: the Gluon forward and the three-walk backward; 16 rows: the Triton kernels, one walk
     assert [sparse_mla_triton.forward_config(h).gluon for h in (16, 32, 33, 128)] == [False, False, True, True]
+    assert not sparse_mla_triton.forward_config(64, hopper=False).gluon  # its wgmma is sm90 only
+    assert not sparse_mla_triton.is_hopper(torch.device("cpu"))
     assert [sparse_mla_triton.backward_config(h).walks for h in (16, 32, 33, 128)] == [1, 1, 3, 3]
 
 
