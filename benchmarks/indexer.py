@@ -61,13 +61,14 @@ def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3, k_scal
 
 
 SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_pairs)
-    (128, 128, 8, 3, False), (128, 128, 8, 2, False), (64, 256, 8, 3, False), (64, 256, 8, 2, False),
-    (64, 128, 4, 2, False), (64, 256, 8, 2, True), (64, 128, 4, 2, True), (128, 128, 8, 2, True),
+    (64, 128, 4, 2, True), (64, 128, 4, 3, True), (64, 128, 4, 2, False), (64, 256, 8, 3, True),
+    (64, 256, 8, 3, False), (128, 128, 8, 3, False),
 ]
 
 
-RADIX_SWEEP = [  # top-k blocks (single_block, multi_block, topk_candidates)
-    (16384, 4096, 0), (16384, 4096, 256), (8192, 4096, 256), (8192, 8192, 256), (4096, 4096, 256),
+RADIX_SWEEP = [  # top-k selection (topk_block, topk_sample, topk_candidates); 16 slots: always the histogram
+    (2048, 1024, 2048), (1024, 1024, 2048), (4096, 1024, 2048), (2048, 2048, 4096), (2048, 512, 4096),
+    (2048, 1024, 16),
 ]
 
 
@@ -109,14 +110,12 @@ def case(args, device, s: int, sweep: bool) -> dict:
                     it.scores(q, w32, k, None, qpos, qpos, c0, c, chunk_view(c0, c), None, True, tile)
 
         last = (s - 1) // chunk * chunk
-        plan = it.row_plan(qpos, None, s, True, min(cfg.topk_rows, chunk))
 
         def topk_only(sel=cfg):  # the last chunk (its scores are in buf after scores_only)
             c = s - last
-            group = min(cfg.topk_rows, chunk)
-            for i in range(-(-c // group)):
-                it.select(chunk_view(last, c), ids_buf, qpos, last, i * group, min(group, c - i * group),
-                          plan[last // group + i][1], None, True, sel)
+            group = min(sel.topk_rows, chunk)
+            for r0 in range(0, c, group):
+                it.select(chunk_view(last, c), ids_buf, qpos, last, r0, min(group, c - r0), None, True, sel)
 
         steps = [("scores_kernel_bf16", scores_only, flops), ("radix_topk_last_chunk", topk_only, 0),
                  ("scores_kernel_fp8", lambda: scores_only(True), flops),
@@ -128,9 +127,9 @@ def case(args, device, s: int, sweep: bool) -> dict:
         if sweep:
             scores_only()
             radix = []
-            for single, multi, cand in RADIX_SWEEP:
-                sel = dataclasses.replace(cfg, single_block=single, multi_block=multi, topk_candidates=cand)
-                entry = dict(single_block=single, multi_block=multi, topk_candidates=cand)
+            for block, sample, cand in RADIX_SWEEP:
+                sel = dataclasses.replace(cfg, topk_block=block, topk_sample=sample, topk_candidates=cand)
+                entry = dict(topk_block=block, topk_sample=sample, topk_candidates=cand)
                 try:
                     r = timed(lambda sel=sel: topk_only(sel), device, args.iters, args.warmup)
                     entry.update(ms=r["ms"], steps_ms=r["steps_ms"])

@@ -15,7 +15,9 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     """(float8 e4m3 x / scale, float32 scale [...]) with one scale per last-dim row (amax / 448)."""
-    scale = (x.float().abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    # times the fp32 reciprocal, not / 448: CUDA divides by a scalar that way and CPU does not (the Triton
+    # quantisation of indexer_triton does the same multiply, so all three agree bitwise)
+    scale = (x.float().abs().amax(-1) * (1.0 / FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
     return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 

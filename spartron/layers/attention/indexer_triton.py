@@ -27,18 +27,18 @@ FP8_ROWS = 64  # rows per program of the fp8 quantisation
 @dataclass(frozen=True)
 class IndexerKernelConfig:
     """Score tile (query rows, key columns, warps, head-loop pipeline depth, two heads a step when the head
-    count is even) and top-k blocks: a row range up to `single_block` columns is held in registers;
-    longer ones stream `multi_block` columns."""
+    count is even) and top-k selection (columns per streamed block, sampled keys, candidate slots, rows
+    per launch: see topk_triton_kernels)."""
 
     block_m: int = 64
-    block_n: int = 256
-    num_warps: int = 8
-    num_stages: int = 3
-    head_pairs: bool = False
-    single_block: int = 16384
-    multi_block: int = 4096
-    topk_rows: int = 2048  # rows per top-k launch (each launch sizes its block to its longest row)
-    topk_candidates: int = 0  # > 0: a held row's low 16 key bits are searched among <= this many (topk_triton_kernels)
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    head_pairs: bool = True
+    topk_block: int = 2048
+    topk_sample: int = 1024
+    topk_candidates: int = 2048
+    topk_rows: int = 2048
 
 
 def check_supported(q: Tensor, k: Tensor) -> None:
@@ -109,34 +109,33 @@ def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_posi
     return out
 
 
-def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int, longest: int,
-           q_starts: Tensor | None = None, ranged: bool = False, cfg: IndexerKernelConfig | None = None) -> None:
-    """Write ids[:, q_start + row0 : q_start + row0 + n_rows] (the radix top-k of rows row0.. of the chunk's
-    scores `out`, see `scores`); `longest`: the most columns any of those rows reads."""
+def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int,
+           q_starts: Tensor | None = None, ranged: bool = False, cfg: IndexerKernelConfig | None = None,
+           scratch: Tensor | None = None) -> None:
+    """Write ids[:, q_start + row0 : q_start + row0 + n_rows], the top-k of rows row0.. of the chunk's
+    scores `out` (see `scores`); scratch: int32, at least B * n_rows * topk_candidates (made if None)."""
     cfg = cfg or IndexerKernelConfig()
     b, c_len, n_cols = out.shape
-    single = longest <= cfg.single_block
-    block = max(16, _pow2(longest)) if single else cfg.multi_block
-    cand = _pow2(cfg.topk_candidates) if single and cfg.topk_candidates > 0 else 0
-    scratch = torch.empty(b * n_rows * cand if cand else 1, dtype=torch.int32, device=out.device)
+    cand = _pow2(cfg.topk_candidates)
+    if scratch is None:
+        scratch = torch.empty(b * n_rows * cand, dtype=torch.int32, device=out.device)
     _kernels("topk_triton_kernels").radix_topk_kernel[(n_rows, b)](
         out, q_positions, q_starts if q_starts is not None else q_positions, ids, scratch, c_len, row0, n_cols,
         out.stride(1), q_start, ids.shape[1], ids.shape[2], RANGED=ranged, HAS_STARTS=q_starts is not None,
-        BLOCK=block, SINGLE=single, KP=_pow2(ids.shape[2]), CAND=cand, num_warps=min(16, max(4, block // 1024)))
+        BLOCK=_pow2(cfg.topk_block), SAMPLE=_pow2(cfg.topk_sample), CAND=cand, KP=_pow2(ids.shape[2]),
+        num_warps=4)
 
 
-def row_plan(q_positions: Tensor, q_starts: Tensor | None, s_kv: int, ranged: bool, group: int) -> list[tuple]:
-    """(columns needed, longest range) of each group of `group` query rows (one host sync)."""
+def chunk_columns(q_positions: Tensor, s_kv: int, ranged: bool, chunk: int) -> list[int]:
+    """Columns each chunk of `chunk` query rows needs: its last visible key + 1 when ranged (one host
+    sync), else every key."""
     s_q = q_positions.shape[0]
+    n_chunks = -(-s_q // chunk)
     if not ranged:
-        return [(s_kv, s_kv)] * -(-s_q // group)
-    hi = (q_positions.long() + 1).clamp(0, s_kv)
-    lo = q_starts.long().clamp(0).amin(0) if q_starts is not None else torch.zeros_like(hi)
-    n_groups = -(-s_q // group)
-    stats = torch.zeros(2, n_groups * group, dtype=torch.int64, device=hi.device)
-    stats[0, :s_q] = hi
-    stats[1, :s_q] = (hi - lo).clamp_min(0)
-    return [tuple(r) for r in stats.view(2, n_groups, group).amax(-1).T.tolist()]
+        return [s_kv] * n_chunks
+    hi = torch.zeros(n_chunks * chunk, dtype=torch.int64, device=q_positions.device)
+    hi[:s_q] = (q_positions.long() + 1).clamp(0, s_kv)
+    return [max(1, n) for n in hi.view(n_chunks, chunk).amax(-1).tolist()]
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
@@ -160,15 +159,12 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     ranged = torch.equal(kpos, torch.arange(s_kv, dtype=torch.int32, device=q.device))  # key s at column s
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     group = min(cfg.topk_rows, chunk)
-    chunk = chunk // group * group
-    plan = row_plan(qpos, starts, s_kv, ranged, group)
     buf = torch.empty(b * chunk * padded(s_kv), dtype=torch.float32, device=q.device)
-    for c0 in range(0, s_q, chunk):
+    scratch = torch.empty(b * group * _pow2(cfg.topk_candidates), dtype=torch.int32, device=q.device)
+    for c0, n_cols in zip(range(0, s_q, chunk), chunk_columns(qpos, s_kv, ranged, chunk), strict=True):
         c = min(chunk, s_q - c0)
-        groups = plan[c0 // group: -(-(c0 + c) // group)]
-        n_cols = max(n for n, _ in groups)
         out = buf[: b * c * padded(n_cols)].view(b, c, padded(n_cols))[..., :n_cols]
         scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, ranged, cfg)
-        for i, (_, longest) in enumerate(groups):
-            select(out, ids, qpos, c0, i * group, min(group, c - i * group), longest, starts, ranged, cfg)
+        for r0 in range(0, c, group):
+            select(out, ids, qpos, c0, r0, min(group, c - r0), starts, ranged, cfg, scratch)
     return ids

@@ -76,8 +76,8 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstar
 @triton.jit
 def fp8_rows_kernel(x_ptr, w_ptr, x8_ptr, scale_ptr, w_out_ptr, n_rows, D: tl.constexpr, BR: tl.constexpr,
                     HAS_W: tl.constexpr):
-    """Rows of x [n_rows, D] -> e4m3 x / scale and scale = max(amax / 448, tiny) (fp32, IEEE division, as
-    indexer_fp8.quantize_fp8 does); HAS_W: also w_out = w * scale (the query scales folded into the
+    """Rows of x [n_rows, D] -> e4m3 x / scale and scale = max(amax * fp32(1 / 448), tiny) (IEEE division of
+    x, as indexer_fp8.quantize_fp8 does); HAS_W: also w_out = w * scale (the query scales folded into the
     head weights)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < n_rows
@@ -85,7 +85,7 @@ def fp8_rows_kernel(x_ptr, w_ptr, x8_ptr, scale_ptr, w_out_ptr, n_rows, D: tl.co
     ptrs = rows.to(tl.int64)[:, None] * D + d[None, :]
     x = tl.load(x_ptr + ptrs, mask=rmask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full([BR], 448.0, tl.float32)), 1.1754943508222875e-38)
+    scale = tl.maximum(amax * (1.0 / 448.0), 1.1754943508222875e-38)
     x8 = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [BR, D])).to(tl.float8e4nv)
     tl.store(x8_ptr + ptrs, x8, mask=rmask[:, None])
     tl.store(scale_ptr + rows, scale, mask=rmask)

@@ -1,14 +1,20 @@
-"""Triton radix select behind the indexer's top-k on CUDA: the exact top-k of each score row's visible keys.
+"""Triton top-k selection behind the indexer on CUDA: the exact top-k of each score row's visible keys.
 
 Imports triton at module level: import it only through `indexer_triton`, which checks that triton is
-installed first. One program takes one query row and reads only its visible columns [lo, hi) (a
-causal prefix, or a packed document's range). fp32 scores become order-preserving int32 keys
-(-0.0 read as +0.0, -inf = not visible) and the k-th largest key is found exactly: a row that fits
-one block (SINGLE) is loaded once, kept in registers and searched bit by bit (32 counting passes); a
-longer row is streamed through four 8-bit digit passes (tl.histogram over the keys that match the
-digits found so far). A compaction pass then writes the ids of keys above it, plus the lowest-id keys
-equal to it until k are written, in ascending key order, and pads the row with -1. That is
-`indexer_topk.topk_ids`'s rule, so both give the same ids on the same scores.
+installed first. One program (4 warps) takes one query row and reads only its visible columns
+[lo, hi) (a causal prefix, or a packed document's range); fp32 scores become order-preserving int32
+keys (-0.0 read as +0.0; -inf, i.e. not visible, becomes INT_MIN and is never counted).
+1. A strided sample of SAMPLE keys gives two thresholds that bracket the k-th key with high
+   probability: the sample's ranks k*SAMPLE/n -+ (4 sqrt + 8).
+2. One streamed pass counts the keys above the upper threshold and compacts those between the two
+   (at most CAND) into a scratch row.
+3. The k-th key is searched bit by bit among those few (32 counting passes on registers). Should the
+   bracket miss (ties, odd distributions), four 8-bit tl.histogram passes over the row find it.
+4. A compaction pass writes the ids of keys above it, plus the lowest-id keys equal to it until k are
+   written, in ascending key order, and pads the row with -1: `indexer_topk.topk_ids`'s rule, so
+   both give the same ids on the same scores.
+Every reduction spans one 4-warp program, so many rows are in flight per SM (a row held across 16
+warps and searched in 32 passes was latency-bound: 3.5 ms at 16k).
 """
 
 from __future__ import annotations
@@ -18,14 +24,52 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_keys(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
-    """Columns start..start+BLOCK: (cols, order-preserving int32 keys, visible and finite)."""
-    cols = start + tl.arange(0, BLOCK)
-    inside = (cols >= lo) & (cols < hi)
-    x = tl.load(row_ptr + cols, mask=inside, other=float("-inf"))
+def _int_min():
+    return tl.full((), -2147483647, tl.int32) - 1
+
+
+@triton.jit
+def _keys(x, inside):
+    """(order-preserving int32 keys, INT_MIN where not inside or -inf, valid)."""
     valid = inside & (x > float("-inf"))
     bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
-    return cols, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), valid
+    return tl.where(valid, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _int_min()), valid
+
+
+@triton.jit
+def _load_keys(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
+    """Columns start..start+BLOCK: (cols, keys, valid)."""
+    cols = start + tl.arange(0, BLOCK)
+    inside = (cols >= lo) & (cols < hi)
+    key, valid = _keys(tl.load(row_ptr + cols, mask=inside, other=float("-inf")), inside)
+    return cols, key, valid
+
+
+@triton.jit
+def _kth_pair(keys, r1, r2):
+    """The r1-th and r2-th largest keys (INT_MIN never counted; r <= 0 gives INT_MAX, r above the count
+    INT_MIN): for each, the largest T with at least r keys >= T, decided bit by bit from the top."""
+    zero = tl.full((), 0, tl.int32)
+    n_pos = tl.sum((keys >= 0).to(tl.int32), 0)
+    t1 = tl.where(n_pos >= r1, zero, _int_min())
+    t2 = tl.where(n_pos >= r2, zero, _int_min())
+    for bit in tl.static_range(30, -1, -1):
+        c1 = t1 + (1 << bit)
+        c2 = t2 + (1 << bit)
+        t1 = tl.where(tl.sum((keys >= c1).to(tl.int32), 0) >= r1, c1, t1)
+        t2 = tl.where(tl.sum((keys >= c2).to(tl.int32), 0) >= r2, c2, t2)
+    return t1, t2
+
+
+@triton.jit
+def _kth(keys, r):
+    """The r-th largest key, as _kth_pair."""
+    zero = tl.full((), 0, tl.int32)
+    t = tl.where(tl.sum((keys >= 0).to(tl.int32), 0) >= r, zero, _int_min())
+    for bit in tl.static_range(30, -1, -1):
+        c = t + (1 << bit)
+        t = tl.where(tl.sum((keys >= c).to(tl.int32), 0) >= r, c, t)
+    return t
 
 
 @triton.jit
@@ -51,38 +95,20 @@ def _pick_digit(hist, k_rem, thr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _search_bits(key, k, thr, HI: tl.constexpr, LO: tl.constexpr):
-    """Bits HI..LO of the largest T (its higher bits as in thr) with at least k keys >= T: one counting
-    pass per bit (two operations per key)."""
-    for bit in tl.static_range(HI, LO - 1, -1):
-        cand = thr + (1 << bit)
-        thr = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, thr)
-    return thr
-
-
-@triton.jit
-def _kth_key(key, k, scratch_row, CAND: tl.constexpr):
-    """The k-th largest key (keys at INT_MIN are never counted; k = 0 gives INT_MAX), bit by bit from the
-    top: cheaper than tl.histogram's ballots for a row held on chip. CAND > 0: after the top 16 bits
-    the keys sharing them (a few dozen on real scores) are compacted into scratch_row and the low 16
-    bits are searched there when at most CAND of them, else over the whole row."""
-    zero = tl.full((), 0, tl.int32)
-    thr = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= k, zero, zero - 2147483647 - 1)
-    if CAND == 0:
-        return _search_bits(key, k, thr, 30, 0)
-    thr = _search_bits(key, k, thr, 30, 16)
-    same = (key >> 16) == (thr >> 16)
-    n_same = tl.sum(same.to(tl.int32), 0)
-    if n_same <= CAND:
-        k_in = k - tl.sum(((key >> 16) > (thr >> 16)).to(tl.int32), 0)
-        tl.store(scratch_row + tl.cumsum(same.to(tl.int32), 0) - 1, key, mask=same)
-        tl.debug_barrier()
-        slots = tl.arange(0, CAND)
-        few = tl.load(scratch_row + slots, mask=slots < n_same, other=zero - 2147483647 - 1)
-        thr = _search_bits(few, k_in, thr, 15, 0)
-    else:
-        thr = _search_bits(key, k, thr, 15, 0)
-    return thr
+def _histogram_kth(row_ptr, lo, hi, k, BLOCK: tl.constexpr):
+    """(the k-th largest key of the row, how many keys equal to it are within the top k): four streamed
+    8-bit digit passes (the fallback)."""
+    thr = tl.full((), 0, tl.int32)
+    k_rem = k
+    for i in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        start = lo
+        while start < hi:
+            cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
+            hist += _digit_hist(key, valid, thr, 24 - 8 * i)
+            start += BLOCK
+        k_rem, thr = _pick_digit(hist, k_rem, thr, 24 - 8 * i)
+    return thr, k_rem
 
 
 @triton.jit
@@ -96,59 +122,70 @@ def _take(key, valid, thr, k_rem, eq_seen):
 @triton.jit(do_not_specialize=["n_rows", "row0", "n_cols", "q_start", "s_q", "kk"])
 def radix_topk_kernel(scores_ptr, qpos_ptr, qstart_ptr, ids_ptr, scratch_ptr, n_rows, row0, n_cols, stride, q_start,
                       s_q, kk, RANGED: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
-                      SINGLE: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
+                      SAMPLE: tl.constexpr, CAND: tl.constexpr, KP: tl.constexpr):
     """Rows row0.. of scores [B, n_rows, stride] (the first n_cols columns; row r is query q_start + r) ->
     ids [B, s_q, kk] int32. RANGED: key s is column s, visible columns [q_starts[b, t] (HAS_STARTS) or 0,
-    q_positions[t] + 1), and a SINGLE block must hold that range; otherwise every column is read and -inf
-    marks the invisible ones. scratch [B * programs, CAND] int32 (CAND > 0): see _kth_key."""
+    q_positions[t] + 1); otherwise every column is read and -inf marks the invisible ones. scratch:
+    [B * programs, CAND] int32."""
     r = row0 + tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = q_start + r
     row_ptr = scores_ptr + (b * n_rows + r) * stride
     ids_row = ids_ptr + (b * s_q + t) * kk
+    scratch_row = scratch_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * CAND
     lo = tl.full((), 0, tl.int32)
     hi = tl.full((), 0, tl.int32) + n_cols
     if RANGED:
         hi = tl.minimum(tl.load(qpos_ptr + t) + 1, hi)
         if HAS_STARTS:
             lo = tl.maximum(tl.load(qstart_ptr + b * s_q + t), lo)
-    thr = tl.full((), 0, tl.int32)
-    if SINGLE:  # the row fits one block: load once, keep in registers, search the k-th key bit by bit
-        cols, key, valid = _load_keys(row_ptr, lo, lo, hi, BLOCK)
-        key = tl.where(valid, key, tl.full((), -2147483647, tl.int32) - 1)  # INT_MIN: never counted
-        k_t = tl.minimum(tl.sum(valid.to(tl.int32), 0), kk)
-        thr = _kth_key(key, k_t, scratch_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * CAND,
-                       CAND)
-        take, _ = _take(key, valid, thr, k_t - tl.sum((key > thr).to(tl.int32), 0), 0)
-        tl.store(ids_row + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-        n_taken = tl.sum(take.to(tl.int32), 0)
-    else:  # several blocks: every pass reads the row again (from L2 while it stays there)
-        n_valid = tl.full((), 0, tl.int32)
-        hist = tl.zeros([256], tl.int32)
-        start = lo
-        while start < hi:
-            cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-            n_valid += tl.sum(valid.to(tl.int32), 0)
-            hist += _digit_hist(key, valid, thr, 24)
-            start += BLOCK
-        k_rem, thr = _pick_digit(hist, tl.minimum(n_valid, kk), thr, 24)
-        for i in tl.static_range(1, 4):
-            hist = tl.zeros([256], tl.int32)
-            start = lo
-            while start < hi:
-                cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-                hist += _digit_hist(key, valid, thr, 24 - 8 * i)
-                start += BLOCK
-            k_rem, thr = _pick_digit(hist, k_rem, thr, 24 - 8 * i)
-        n_taken = tl.full((), 0, tl.int32)
-        eq_seen = tl.full((), 0, tl.int32)
-        start = lo
-        while start < hi:
-            cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-            take, n_eq = _take(key, valid, thr, k_rem, eq_seen)
-            tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-            n_taken += tl.sum(take.to(tl.int32), 0)
-            eq_seen += n_eq
-            start += BLOCK
+    n_est = hi - lo
+    # 1. the bracket [lower, upper) from a strided sample (every key is a candidate in a short row)
+    upper = tl.full((), 2147483647, tl.int32)
+    lower = _int_min() + 1
+    if n_est > CAND:
+        i = tl.arange(0, SAMPLE)
+        spos = lo + ((i.to(tl.int64) * n_est) // SAMPLE).to(tl.int32)
+        skeys, _ = _keys(tl.load(row_ptr + spos), spos < hi)
+        rank = tl.minimum(n_est, kk).to(tl.float32) * SAMPLE / n_est.to(tl.float32)
+        margin = 4.0 * tl.sqrt(rank) + 8.0
+        upper, lower = _kth_pair(skeys, tl.floor(rank - margin).to(tl.int32), tl.ceil(rank + margin).to(tl.int32))
+        lower = tl.maximum(lower, _int_min() + 1)
+    # 2. count the keys above the bracket, compact those inside it
+    n_valid = tl.full((), 0, tl.int32)
+    n_above = tl.full((), 0, tl.int32)
+    n_cand = tl.full((), 0, tl.int32)
+    start = lo
+    while start < hi:
+        cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
+        inside = (key >= lower) & (key < upper)
+        slot = n_cand + tl.cumsum(inside.to(tl.int32), 0) - 1
+        tl.store(scratch_row + slot, key, mask=inside & (slot < CAND))
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+        n_above += tl.sum((key >= upper).to(tl.int32), 0)
+        n_cand += tl.sum(inside.to(tl.int32), 0)
+        start += BLOCK
+    k_t = tl.minimum(n_valid, kk)
+    need = k_t - n_above
+    # 3. the k-th key: among the candidates when the bracket holds it, else by histogram passes
+    if (need >= 1) & (need <= n_cand) & (n_cand <= CAND):
+        tl.debug_barrier()  # the scratch row's stores before its loads
+        slots = tl.arange(0, CAND)
+        few = tl.load(scratch_row + slots, mask=slots < n_cand, other=_int_min())
+        thr = _kth(few, need)
+        k_rem = need - tl.sum((few > thr).to(tl.int32), 0)
+    else:
+        thr, k_rem = _histogram_kth(row_ptr, lo, hi, k_t, BLOCK)
+    # 4. the ids, ascending
+    n_taken = tl.full((), 0, tl.int32)
+    eq_seen = tl.full((), 0, tl.int32)
+    start = lo
+    while start < hi:
+        cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
+        take, n_eq = _take(key, valid, thr, k_rem, eq_seen)
+        tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
+        n_taken += tl.sum(take.to(tl.int32), 0)
+        eq_seen += n_eq
+        start += BLOCK
     slots = tl.arange(0, KP)
     tl.store(ids_row + slots, tl.full([KP], -1, tl.int32), mask=(slots >= n_taken) & (slots < kk))

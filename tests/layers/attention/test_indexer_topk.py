@@ -156,15 +156,13 @@ def test_score_chunks_stay_under_the_buffer_budget():
     assert [indexer_triton.padded(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
 
 
-def test_row_plan_holds_each_groups_columns_and_longest_range():
-    pos = torch.arange(10, dtype=torch.int32)
-    plan = indexer_triton.row_plan
-    assert plan(pos, None, 10, True, 4) == [(4, 4), (8, 8), (10, 10)]
-    starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3, 8, 8], [0] * 3 + [3] * 7], dtype=torch.int32)
-    assert plan(pos, starts, 10, True, 4) == [(4, 3), (8, 5), (10, 7)]  # row 2 of batch 0, rows 7 and 9 of 1
+def test_chunk_columns_reach_each_chunks_last_visible_key():
+    cols = indexer_triton.chunk_columns
+    assert cols(torch.arange(10, dtype=torch.int32), 10, True, 4) == [4, 8, 10]
     cp = torch.tensor([0, 1, 8, 9], dtype=torch.int32)  # a CP shard: the head and the tail of the sequence
-    assert plan(cp, None, 10, True, 2) == [(2, 2), (10, 10)]
-    assert plan(pos, None, 10, False, 4) == [(10, 10)] * 3  # keys not at their columns: whole rows
+    assert cols(cp, 10, True, 2) == [2, 10]
+    assert cols(cp, 10, True, 3) == [9, 10]
+    assert cols(torch.arange(10, dtype=torch.int32), 10, False, 4) == [10] * 3  # keys not at their columns
 
 
 def test_fp8_is_for_the_frozen_selection_only():
@@ -240,9 +238,9 @@ def _scores_with_ties(b, rows, cols, device="cuda"):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("rows_held", ["in registers", "with candidates", "streamed"])
+@pytest.mark.parametrize("path", ["sampled bracket", "short rows", "bracket missed"])
 @pytest.mark.parametrize("layout", ["whole rows", "causal", "documents"])
-def test_radix_topk_equals_topk_ids_on_the_same_scores(rows_held, layout):
+def test_radix_topk_equals_topk_ids_on_the_same_scores(path, layout):
     b, rows, cols, kk = 2, 700, 1500, 100
     x = _scores_with_ties(b, rows, cols)
     q_start = 800  # the rows are queries 800..1499 of 1500
@@ -259,14 +257,11 @@ def test_radix_topk_equals_topk_ids_on_the_same_scores(rows_held, layout):
     # outside a row's range: a score that would win if the kernel read it
     buf[..., :cols] = torch.where(visible, x, float("-inf") if layout == "whole rows" else 1e30)
     ids = torch.full((b, cols, kk), 12345, dtype=torch.int32, device="cuda")
-    cfg = indexer_triton.IndexerKernelConfig(single_block=256 if rows_held == "streamed" else 2048, multi_block=256,
-                                             topk_candidates=64 if rows_held == "with candidates" else 0)
-    ranged = layout != "whole rows"
-    plan = indexer_triton.row_plan(qpos[q_start:], None if starts is None else starts[:, q_start:], cols, ranged,
-                                   300)
-    for i, (_, longest) in enumerate(plan):
-        indexer_triton.select(buf[..., :cols], ids, qpos, q_start, i * 300, min(300, rows - i * 300), longest,
-                              starts, ranged, cfg)
+    cand = {"sampled bracket": 512, "short rows": 2048, "bracket missed": 16}[path]
+    cfg = indexer_triton.IndexerKernelConfig(topk_block=256, topk_sample=1024, topk_candidates=cand)
+    for r0 in range(0, rows, 300):
+        indexer_triton.select(buf[..., :cols], ids, qpos, q_start, r0, min(300, rows - r0), starts,
+                              layout != "whole rows", cfg)
     want = topk_ids(x.masked_fill(~visible, float("-inf")), kk)
     assert torch.equal(ids[:, q_start:], want)
     assert bool((ids[:, :q_start] == 12345).all())  # rows of other chunks untouched
@@ -289,8 +284,8 @@ def test_triton_fp8_quantisation_equals_the_pytorch_formula_bitwise():
 @needs_cuda
 @pytest.mark.parametrize("documents", [False, True])
 def test_op_equals_topk_ids_of_its_own_scores_across_chunks_and_blocks(documents, monkeypatch):
-    """Chunks of 1024 rows, top-k launches of 256 rows, rows longer than one block: the op's ids equal
-    topk_ids over the kernel's whole score matrix, and its scores equal the reference's."""
+    """Chunks of 1024 rows, top-k launches of 256 rows, rows longer than the candidate slots: the op's ids
+    equal topk_ids over the kernel's whole score matrix, and its scores equal the reference's."""
     b, s, h, d, kk = 2, 3000, 8, 64, 300
     q, w, k = _inputs(b, s, s, h, d, "cuda", torch.bfloat16, seed=11)
     pos = torch.arange(s, device="cuda")
@@ -299,7 +294,7 @@ def test_op_equals_topk_ids_of_its_own_scores_across_chunks_and_blocks(documents
     if documents:
         starts = torch.tensor([[0] * 700 + [700] * 1800 + [2500] * 500, [0] * 3000], device="cuda")
         visible = visible & (pos[None, None, :] >= starts[:, :, None])
-    cfg = indexer_triton.IndexerKernelConfig(topk_rows=256, single_block=1024, multi_block=512)
+    cfg = indexer_triton.IndexerKernelConfig(topk_rows=256, topk_block=512, topk_sample=256, topk_candidates=1024)
     monkeypatch.setattr(indexer_triton, "SCORE_BUFFER_BYTES", 4 * b * 1024 * indexer_triton.padded(s))
     ids = indexer_triton.indexer_topk(q, w, k, pos, pos, kk, False, starts, cfg)
     whole = torch.empty(b, s, s, device="cuda")
