@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
+from test_moe_deepep import _gpu_skip_reason  # next to this file
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -46,8 +47,18 @@ def _graph_op_counts(graphs: list[torch.fx.GraphModule], kind: str) -> list[int]
     return [sum(t.startswith(op) for t in targets) for op in OPS[kind]]
 
 
-def _compiled_worker(rank, world, mode, kind, shared=None):
+def _same(a, b, gpu: bool, what) -> None:
+    """Bitwise on CPU; on the GPU (DeepEP's kernels, real NVLink) bf16 tolerance."""
+    if not gpu:
+        assert torch.equal(a, b), (what, (a.float() - b.float()).abs().max().item())
+        return
+    scale = max(a.float().abs().max().item(), 1e-6)
+    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _compiled_worker(rank, world, mode, kind, shared=None, device_kind="cpu"):
     graphs: dict[str, list] = {"forward": [], "backward": []}
+    gpu = device_kind == "cuda"
 
     def keep(kind):
         def compiler(gm, example_inputs):
@@ -57,21 +68,27 @@ def _compiled_worker(rank, world, mode, kind, shared=None):
 
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
     torch._dynamo.reset()
-    group = dist.group.WORLD
+    group, device = dist.group.WORLD, torch.device("cpu")
+    if gpu:  # the real deep_ep on 2 CUDA ranks over NCCL
+        torch.cuda.set_device(rank)
+        group, device = dist.new_group(list(range(world)), backend="nccl"), torch.device("cuda", rank)
     # one buffer for both layers
-    transport = EPTransport(group, deepep_library=deepep_emulator) if kind == "deepep" else \
+    transport = EPTransport(group, deepep_library=None if gpu else deepep_emulator) if kind == "deepep" else \
         EPTransport(group, memory=HostSharedMemory(shared, group))
     dtype = torch.bfloat16 if kind == "deepep" else torch.float32
     layers = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        layer = MoELayer(_cfg(kind), ep_group=group, transport=transport)
+        layer = MoELayer(_cfg(kind), ep_group=group, transport=transport, device=device)
         if mode != "none":
             apply_activation_checkpointing(layer, ACConfig(mode=mode, reentrant=False), name="moe")
         if compiled:
             compile_block(layer, backend)
         layers.append(layer)
-    if kind == "deepep":
+    if gpu:  # DeepEP keeps no call counts
+        def seen():
+            return {}
+    elif kind == "deepep":
         runtime = transport.deepep_buffer(2, 4, 8, DIM).runtime()
 
         def seen():
@@ -83,8 +100,8 @@ def _compiled_worker(rank, world, mode, kind, shared=None):
     calls = []
     for step in range(2):  # the second input routes differently: other receive sizes, the same graph
         torch.manual_seed(10 * step + rank)
-        x = torch.randn(2, TOKENS // 2, DIM, dtype=dtype)
-        g = torch.randn(2, TOKENS // 2, DIM)
+        x = torch.randn(2, TOKENS // 2, DIM, dtype=dtype).to(device)
+        g = torch.randn(2, TOKENS // 2, DIM).to(device)
         outs = []
         for layer in layers:
             before = seen()
@@ -93,10 +110,10 @@ def _compiled_worker(rank, world, mode, kind, shared=None):
             (out["hidden_states"].float() * g).sum().backward()
             calls.append({k: v - before.get(k, 0) for k, v in seen().items()})
             outs.append((out["hidden_states"].detach(), x_in.grad, out["tokens_per_expert"]))
-        for a, b in zip(*outs, strict=True):
-            assert torch.equal(a, b), (step, mode, (a.float() - b.float()).abs().max().item())
+        for what, a, b in zip(("output", "input grad", "tokens per expert"), *outs, strict=True):
+            _same(a, b, gpu, (step, mode, what))
     for (name, a), b in zip(layers[0].named_parameters(), layers[1].parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad), (mode, name)
+        _same(a.grad, b.grad, gpu, (mode, name))
     assert torch.equal(layers[0].step_tokens_per_expert, layers[1].step_tokens_per_expert)
     breaks = sum(counters["graph_break"].values())
     unique = counters["stats"]["unique_graphs"]
@@ -180,3 +197,14 @@ def test_compiled_model_with_deepep_or_copy_engine_ep2_fsdp2_matches_eager(kind)
     # 3 graphs, as with all_to_all (tests/test_compile_ac.py): dense layer, MoE layer with 2 micro-batches, MTP block
     shared = [torch.zeros(4 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
     assert run_distributed(_model_worker, 2, kind, shared, timeout=600) == [(0, 3)] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_compiled_deepep_moe_block_matches_eager_on_two_gpus(mode):
+    # the same check with the real deep_ep kernels on 2 CUDA ranks (bf16 tolerance): not yet run (needs 2 GPUs)
+    for breaks, unique, fwd, bwd, _ in run_distributed(_compiled_worker, 2, mode, "deepep", None, "cuda",
+                                                       timeout=600, start_method="spawn"):
+        assert (breaks, unique) == (0, 1)
+        assert (fwd, bwd) == ([1, 1, 0, 0], [0, 0, 1, 1])
