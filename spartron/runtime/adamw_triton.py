@@ -54,12 +54,6 @@ def _kernels() -> ModuleType:
     return importlib.import_module("spartron.runtime.adamw_triton_kernels")
 
 
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _aligned(tensors: tuple[Tensor, ...]) -> bool:
     return tensors[0].numel() % 16 == 0 and all(t.data_ptr() % _ALIGN_BYTES == 0 for t in tensors)
 
@@ -88,6 +82,8 @@ class TritonAdamW(torch.optim.AdamW):
         return loss
 
     def _step_group(self, group: dict, grad_scale: Tensor | None) -> None:
+        from torch.distributed.tensor import DTensor
+
         for key in _UNSUPPORTED:
             if group.get(key):
                 raise ValueError(f"TritonAdamW does not implement {key}=True")
@@ -108,7 +104,8 @@ class TritonAdamW(torch.optim.AdamW):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(p.device, torch.float32)  # a state loaded from a non-fused AdamW
-            tensors = tuple(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            tensors = tuple(t.to_local() if isinstance(t, DTensor) else t
+                            for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
             _check(tensors)
             steps.append(state["step"])
             if tensors[0].numel():
