@@ -324,7 +324,7 @@ def _buffer_of(ref: ExchangeBufferRef, group_name: str) -> ExchangeBuffer:
                         f"got {type(ref).__name__}")
     buffer = ref.buffer
     if buffer.group.group_name != group_name:
-        raise RuntimeError(f"spartron_symm::exchange for group {group_name!r}, but the current buffer serves "
+        raise RuntimeError(f"spartron_symm::exchange for group {group_name!r}, but its buffer serves "
                            f"{buffer.group.group_name!r}")
     return buffer
 
