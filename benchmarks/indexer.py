@@ -1,17 +1,18 @@
-"""The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + Triton radix top-k) timed and checked.
+"""The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + Triton top-k) timed and checked.
 
     python benchmarks/indexer.py --out benchmarks/results/indexer.json --commit SHA   # CUDA
     python benchmarks/indexer.py --smoke                                              # tiny, CPU (reference)
 
 Per case SEQ (default 16k and 64k; 32 index heads x 128, top-k 2048, batch 1, causal): the score
 kernel alone (every chunk, as the op runs them) in bf16 and fp8 (operands quantised beforehand), the
-fp8 quantisation alone (the Triton pass and the PyTorch formula), the radix top-k alone on the last
+fp8 quantisation alone (the Triton pass and the PyTorch formula), the top-k kernel alone on the last
 chunk's scores (the fullest rows; at 16k the only chunk), and the whole op in bf16 and fp8, every timed
 step recorded. FLOPs: 2 x visible (query, key) pairs x heads x head dim (the MMA work; ReLU, weights
 and top-k are not counted), against the bf16 matmul ceiling measured in the same run. Agreement on
 sampled queries: the op's ids against a float64 oracle (set equal except keys within 1e-3 relative of
 the k-th score; fp8 against the oracle of its quantised operands) and fp8's ids against bf16's
-(fraction of shared ids). `--sweep` also times the score kernel's tile configs at the first case.
+(fraction of shared ids). `--sweep` also times top-k settings and score tiles at the first case and
+the whole op with the fastest of each.
 """
 
 from __future__ import annotations

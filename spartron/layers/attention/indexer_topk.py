@@ -14,9 +14,9 @@ amax / 448) before the dot, as Hopper's fp8 MMA would take them; both paths quan
 
 The PyTorch reference (`reference_indexer_topk`, chunked over queries so [chunk, H, S_kv] stays
 bounded) is the CPU path and the test oracle; on CUDA (indexer_triton.py) a Triton kernel scores tiles
-without the per-head logits, skipping tiles no query of them sees, and a Triton radix select takes
-each row's top-k from its visible keys only, with the same rule as `topk_ids`. The trained-indexer (KL)
-path needs differentiable scores and keeps `index_scores`.
+without the per-head logits, skipping tiles no query of them sees, and a Triton selection kernel
+(topk_triton_kernels) takes each row's exact top-k from its visible keys only, with `topk_ids`'s rule.
+The trained-indexer (KL) path needs differentiable scores and keeps `index_scores`.
 """
 
 from __future__ import annotations

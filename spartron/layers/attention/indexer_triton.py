@@ -35,7 +35,7 @@ class IndexerKernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    topk_block: int = 2048
+    topk_block: int = 1024  # fastest of 1024 / 2048 at 16k (benchmarks/results/indexer_565d049.json)
     topk_sample: int = 1024
     topk_candidates: int = 2048
     topk_rows: int = 2048
