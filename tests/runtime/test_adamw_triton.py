@@ -282,3 +282,37 @@ def test_trainer_with_triton_adamw_trains_like_torch_and_resumes_with_either_ker
     assert [s for s, _, _ in resumed] == [3, 4]
     for (_, a, _), (_, b, _) in zip(mine[2:], resumed, strict=True):
         assert b == pytest.approx(a, rel=1e-4)
+
+
+def _trainer_rank(rank: int, world: int, cfg, swap: bool) -> list[tuple[float, float]]:  # noqa: ANN001
+    from torch.distributed.tensor import DTensor
+
+    from spartron.runtime.adamw_triton import TritonAdamW
+    from spartron.runtime.trainer import Trainer
+
+    trainer = Trainer(cfg).setup()
+    if swap:  # build_optimizer refuses CPU parameters: the same groups, as TritonAdamW, under the interpreter
+        t = cfg.train
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in trainer.optimizer.param_groups]
+        trainer.optimizer = TritonAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        assert any(isinstance(p, DTensor) for g in groups for p in g["params"])  # FSDP2 shards on 2 ranks
+    out = []
+    while not trainer.done:
+        record = trainer.step()
+        out.append((record["loss"], record["grad_norm"]))
+    trainer.close()
+    return out
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs Triton's interpreter (the Trainer's CPU parameters)")
+def test_trainer_step_through_triton_adamw_on_fsdp_shards(tmp_path):
+    """The Trainer's clipped step (clip_and_step_) with a TritonAdamW over FSDP2 DTensor shards on 2 gloo ranks
+    follows the same run with torch's AdamW."""
+    ref = run_distributed(_trainer_rank, 2, _train_cfg(tmp_path / "a", "torch", "cpu", steps=3, save_every=0), False,
+                          timeout=240)
+    mine = run_distributed(_trainer_rank, 2, _train_cfg(tmp_path / "b", "torch", "cpu", steps=3, save_every=0), True,
+                           timeout=240)
+    assert mine[0] == mine[1] and all(n > 0.05 for _, n in mine[0])  # every step clipped
+    for (a, na), (b, nb) in zip(ref[0], mine[0], strict=True):
+        assert b == pytest.approx(a, rel=1e-5) and nb == pytest.approx(na, rel=1e-4)
+    assert mine[0][2] != ref[0][0]  # it trained
