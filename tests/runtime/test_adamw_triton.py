@@ -243,11 +243,12 @@ def test_cuda_kernels_equal_torch_fused_adamw(dtype):
         _assert_states_close(ref_opt, mine_opt, ref, mine, **tol)
 
 
-def _train_cfg(run_dir, kernel: str, device: str, **train):  # noqa: ANN001, ANN003
+def _train_cfg(run_dir, kernel: str, device: str, precision: dict | None = None, **train):  # noqa: ANN001, ANN003
     """A 2-layer MoE model without DSA / MTP (their GPU kernels are not what this checks), clipped every step."""
-    model = {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "first_k_dense": 1, "dense_inter_dim": 128,
-             "max_seq_len": 64, "mla": {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                                        "qk_rope_head_dim": 8, "v_head_dim": 16},
+    model = {**(precision or {}), "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "first_k_dense": 1,
+             "dense_inter_dim": 128, "max_seq_len": 64,
+             "mla": {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                     "v_head_dim": 16},
              "moe": {"n_routed_experts": 4, "n_shared_experts": 1, "top_k": 2, "moe_inter_dim": 32,
                      "dispatcher": "local"}}
     return config_from_dict({"name": "adamw", "device": device, "model": model, "train": {
@@ -265,23 +266,25 @@ def _losses_and_norms(cfg) -> list[tuple[int, float, float]]:  # noqa: ANN001
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA and triton (the Trainer with train.adamw_kernel = 'triton')")
 def test_trainer_with_triton_adamw_trains_like_torch_and_resumes_with_either_kernel(tmp_path):
-    """The Trainer's clipped step through TritonAdamW (FSDP2 DTensor parameters on one rank) follows torch's
-    fused AdamW; its saved step 2 resumes under adamw_kernel = 'torch' and steps 3-4 follow the Triton run."""
+    """The Trainer's clipped step through TritonAdamW (bf16 compute over fp32 masters: FSDP2 DTensor parameters
+    on one rank) follows torch's fused AdamW; its saved step 2 resumes under adamw_kernel = 'torch' and steps
+    3-4 follow the Triton run. (bf16 compute: an fp32-rounding difference in a master may flip a bf16 weight.)"""
     import shutil
 
     from spartron.runtime.state import step_dir
 
-    ref = _losses_and_norms(_train_cfg(tmp_path / "torch", "torch", "cuda"))
-    mine = _losses_and_norms(_train_cfg(tmp_path / "triton", "triton", "cuda"))
+    masters = {"dtype": "bfloat16", "master_dtype": "float32"}
+    ref = _losses_and_norms(_train_cfg(tmp_path / "torch", "torch", "cuda", masters))
+    mine = _losses_and_norms(_train_cfg(tmp_path / "triton", "triton", "cuda", masters))
     assert [s for s, _, _ in mine] == [1, 2, 3, 4] and all(n > 0.05 for _, _, n in mine)  # every step clipped
     assert mine[0] == pytest.approx(ref[0], rel=1e-6)  # before any update (CUDA atomics may reorder sums)
     for (_, a, na), (_, b, nb) in zip(ref, mine, strict=True):
-        assert b == pytest.approx(a, rel=1e-4) and nb == pytest.approx(na, rel=1e-3)
+        assert b == pytest.approx(a, rel=1e-3) and nb == pytest.approx(na, rel=1e-2)
     shutil.rmtree(step_dir(tmp_path / "triton", 4))
-    resumed = _losses_and_norms(_train_cfg(tmp_path / "triton", "torch", "cuda", resume=True))
+    resumed = _losses_and_norms(_train_cfg(tmp_path / "triton", "torch", "cuda", masters, resume=True))
     assert [s for s, _, _ in resumed] == [3, 4]
     for (_, a, _), (_, b, _) in zip(mine[2:], resumed, strict=True):
-        assert b == pytest.approx(a, rel=1e-4)
+        assert b == pytest.approx(a, rel=1e-3)
 
 
 def _trainer_rank(rank: int, world: int, cfg, swap: bool) -> list[tuple[float, float]]:  # noqa: ANN001
