@@ -114,10 +114,11 @@ class TritonAdamW(torch.optim.AdamW):
         if not steps:
             return
         torch._foreach_add_(steps, 1.0)
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        w1 = float(torch.tensor(1 - beta1, dtype=torch.float32))
-        scalars = dict(decay=1 - lr * wd, w1=1 - beta1, beta2=beta2, w2=1 - beta2, eps=group["eps"],
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        w1 = float(torch.tensor(1 - beta1, dtype=torch.float32))  # torch.lerp picks its form on the fp32 weight
+        # floats: Triton would specialise an int 1 as a constant
+        scalars = dict(decay=1 - lr * wd, w1=1 - beta1, beta2=beta2, w2=1 - beta2, eps=float(group["eps"]),
                        HAS_DECAY=wd != 0, LERP_SMALL=abs(w1) < 0.5)
         big = self.kernel.per_tensor_min_numel
         for (device, *_, aligned), members in buckets.items():
