@@ -13,6 +13,8 @@ TritonAdamW against torch's fused AdamW, with and without clipping; then every t
 parameter set --steps times after --warmup untimed steps, each step timed alone by CUDA events (the host's
 bookkeeping included, as the trainer's step has it: its norm is read before the optimizer runs), plus the
 host time to enqueue it. Bytes per step: param, grad, exp_avg, exp_avg_sq read, param and both moments written.
+The bf16 rows (the preset's bf16-only run) include a sweep of kernel configs; "fp32 masters" rows time fp32
+parameters, gradients and state (model.master_dtype = "float32") on the embedding, head and layers 0-5.
 """
 
 from __future__ import annotations
@@ -192,9 +194,59 @@ def row(name: str, times: list[float], host: list[float], bytes_per_step: int, c
         **extra) -> dict:  # noqa: ANN003
     med = statistics.median(times)
     tbs = bytes_per_step / med / 1e9
-    return {"name": name, **extra, "times_ms": times, "host_ms": host, "median_ms": med, "min_ms": min(times),
-            "median_host_ms": statistics.median(host), "tb_per_s": tbs,
+    return {"name": name, **extra, "bytes_per_step": bytes_per_step, "times_ms": times, "host_ms": host,
+            "median_ms": med, "min_ms": min(times), "median_host_ms": statistics.median(host), "tb_per_s": tbs,
             "fraction_of_copy_ceiling": tbs / ceiling if ceiling else None}
+
+
+def time_rows(report: dict, prefix: str, shapes, dtype: torch.dtype, device: torch.device,  # noqa: ANN001
+              ceiling: float | None, sweep: bool, triton_ok: bool, args: argparse.Namespace, save) -> None:  # noqa: ANN001
+    """Rows for one parameter set: torch fused AdamW with and without the clip pass, TritonAdamW (+ the sweep)."""
+    params = make(shapes, dtype, device, 1)
+    n = sum(p.numel() for p in params)
+    bytes_per_step = n * params[0].element_size() * 7  # param, grad, exp_avg, exp_avg_sq read; 3 written
+    norm = torch.tensor(2.0, device=device)  # above MAX_NORM: the clip coefficient is 0.5
+    plist = list(params)
+
+    def timed_row(name: str, fn, **extra) -> None:  # noqa: ANN001, ANN003
+        name = prefix + name
+        try:
+            host: list[float] = []
+            times = timed(fn, args.warmup, args.steps, device, host)
+            report["rows"].append(row(name, times, host, bytes_per_step, ceiling, dtype=str(dtype).removeprefix(
+                "torch."), params=n, **extra))
+            r = report["rows"][-1]
+            print(f"{name:92s} {r['median_ms']:8.2f} ms  host {r['median_host_ms']:6.2f} ms  {r['tb_per_s']:6.3f} TB/s"
+                  + (f"  {r['fraction_of_copy_ceiling']:.1%} of copy" if ceiling else ""))
+        except Exception as err:  # noqa: BLE001 - record and go on with the other rows
+            report["errors"].append(f"{name}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+        save()
+
+    torch_opt = [optimizer(params, "torch", 8e-4)]
+    timed_row("torch fused AdamW (no clip)", torch_opt[0].step)
+    # this row scales the grads in place by 0.5 a step (0.5**14 * 1e-3 is still a normal bf16)
+    timed_row("clip (foreach mul) + torch fused AdamW",
+              lambda: clip_and_step_(torch_opt[0], plist, MAX_NORM, norm, 2.0))
+    torch_opt.clear()  # its state, before TritonAdamW allocates its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not triton_ok:
+        return
+    from spartron.runtime.adamw_triton import AdamWKernelConfig
+
+    opt = optimizer(params, "triton", 8e-4)
+    default = opt.kernel
+    timed_row("TritonAdamW clip + AdamW (default config)", lambda: clip_and_step_(opt, plist, MAX_NORM, norm, 2.0),
+              kernel=vars(default).copy())
+    timed_row("TritonAdamW no clip (default config)", opt.step, kernel=vars(default).copy())
+    for kw in SWEEP if sweep else []:
+        opt.kernel = AdamWKernelConfig(**kw)
+        own = kw.get("per_tensor_min_numel")
+        label = f"block {kw['block']} x{kw['iters']} warps {kw['num_warps']}" + (
+            "" if own is None else f", own launch from {own} elements")
+        timed_row(f"TritonAdamW clip + AdamW ({label})", lambda: clip_and_step_(opt, plist, MAX_NORM, norm, 2.0),
+                  kernel=vars(opt.kernel).copy())
 
 
 def main() -> None:
@@ -248,51 +300,16 @@ def main() -> None:
         ceiling = report["copy"]["tb_per_s_median"]
         print(f"copy ceiling {ceiling:.3f} TB/s")
         save()
-    params = make(shapes, torch.bfloat16, device, 1)
-    grads = [p.grad for p in params]
-    n = report["params"]
-    bytes_per_step = n * 2 * 7  # bf16 param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
-    report["bytes_per_step"] = bytes_per_step
-    norm = torch.tensor(2.0, device=device)  # above MAX_NORM: the clip coefficient is 0.5
-    plist = list(params)
-
-    def timed_row(name: str, fn, **extra) -> None:  # noqa: ANN001, ANN003
-        try:
-            host: list[float] = []
-            times = timed(fn, args.warmup, args.steps, device, host)
-            report["rows"].append(row(name, times, host, bytes_per_step, ceiling, **extra))
-            r = report["rows"][-1]
-            print(f"{name:44s} {r['median_ms']:8.2f} ms  host {r['median_host_ms']:6.2f} ms  {r['tb_per_s']:6.3f} TB/s"
-                  + (f"  {r['fraction_of_copy_ceiling']:.1%} of copy" if ceiling else ""))
-        except Exception as err:  # noqa: BLE001
-            report["errors"].append(f"{name}: {type(err).__name__}: {err}")
-            traceback.print_exc()
-        save()
-
-    torch_opt = [optimizer(params, "torch", 8e-4)]
-    timed_row("torch fused AdamW (no clip)", torch_opt[0].step)
-    # this row scales the grads in place by 0.5 a step (0.5**14 * 1e-3 is still a normal bf16)
-    timed_row("clip (foreach mul) + torch fused AdamW",
-              lambda: clip_and_step_(torch_opt[0], plist, MAX_NORM, norm, 2.0))
-    torch_opt.clear()  # its state: 2 x 13.9 GB
-    if cuda:
-        torch.cuda.empty_cache()
-    if triton_ok:
-        from spartron.runtime.adamw_triton import AdamWKernelConfig
-
-        opt = optimizer(params, "triton", 8e-4)
-        default = opt.kernel
-        timed_row("TritonAdamW clip + AdamW (default config)", lambda: clip_and_step_(opt, plist, MAX_NORM, norm, 2.0),
-                  kernel=vars(default).copy())
-        timed_row("TritonAdamW no clip (default config)", opt.step, kernel=vars(default).copy())
-        for kw in ([] if args.no_sweep or args.smoke else SWEEP):
-            opt.kernel = AdamWKernelConfig(**kw)
-            timed_row(f"TritonAdamW clip + AdamW {kw}", lambda: clip_and_step_(opt, plist, MAX_NORM, norm, 2.0),
-                      kernel=vars(opt.kernel).copy())
-        opt.kernel = default
-    del grads
+    sets = [("", shapes, torch.bfloat16, not (args.no_sweep or args.smoke))]
+    if not args.smoke:  # fp32 masters (28 B / param): embedding, head and layers 0-5, about half the model
+        sets.append(("fp32 masters: ", [(n, s) for n, s in shapes if not n.startswith("layers.")
+                                        or int(n.split(".")[1]) < 6], torch.float32, False))
+    for prefix, part, dtype, sweep in sets:
+        time_rows(report, prefix, part, dtype, device, ceiling, sweep and triton_ok, triton_ok, args, save)
+        if cuda:
+            torch.cuda.empty_cache()
     rows = {r["name"]: r for r in report["rows"]}
-    base = rows.get("clip (foreach mul) + torch fused AdamW")
+    base = rows.get("clip (foreach mul) + torch fused AdamW")  # the bf16 set: the dsv3-12l run's
     tri = [r for r in report["rows"] if r["name"].startswith("TritonAdamW clip")]
     if base and tri:
         best = min(tri, key=lambda r: r["median_ms"])
@@ -301,11 +318,16 @@ def main() -> None:
                              "saved_ms": base["median_ms"] - best["median_ms"],
                              "best_triton_fraction_of_copy_ceiling": best["fraction_of_copy_ceiling"],
                              "checks_ok": all(c["ok"] for c in report["checks"]) and bool(report["checks"])}
+        fp32 = [rows.get(f"fp32 masters: {k}") for k in ("clip (foreach mul) + torch fused AdamW",
+                                                          "TritonAdamW clip + AdamW (default config)")]
+        if all(fp32):
+            report["summary"]["fp32_masters"] = {"params": fp32[0]["params"], "clip_plus_torch_fused_ms":
+                                                 fp32[0]["median_ms"], "triton_ms": fp32[1]["median_ms"]}
         print("summary", report["summary"])
-    print(f"\n{'row':60s} {'median ms':>10s} {'host ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
+    print(f"\n{'row':92s} {'median ms':>10s} {'host ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
     for r in report["rows"]:
         frac = f"{r['fraction_of_copy_ceiling']:.1%}" if r["fraction_of_copy_ceiling"] else "-"
-        print(f"{r['name'][:60]:60s} {r['median_ms']:10.2f} {r['median_host_ms']:8.2f} {r['tb_per_s']:7.3f} {frac:>8s}")
+        print(f"{r['name']:92s} {r['median_ms']:10.2f} {r['median_host_ms']:8.2f} {r['tb_per_s']:7.3f} {frac:>8s}")
     for c in report["checks"]:
         print(f"check {c['dtype']} clip={c['clip']}: ok={c['ok']} (steps {c['steps_ok']})")
         for key in ("param", "exp_avg", "exp_avg_sq"):
