@@ -265,10 +265,11 @@ def _losses_and_norms(cfg) -> list[tuple[int, float, float]]:  # noqa: ANN001
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA and triton (the Trainer with train.adamw_kernel = 'triton')")
-def test_trainer_with_triton_adamw_trains_like_torch_and_resumes_with_either_kernel(tmp_path):
+def test_trainer_with_triton_adamw_trains_like_torch_and_resumes_across_kernels(tmp_path):
     """The Trainer's clipped step through TritonAdamW (bf16 compute over fp32 masters: FSDP2 DTensor parameters
-    on one rank) follows torch's fused AdamW; its saved step 2 resumes under adamw_kernel = 'torch' and steps
-    3-4 follow the Triton run. (bf16 compute: an fp32-rounding difference in a master may flip a bf16 weight.)"""
+    on one rank) follows torch's fused AdamW; each run's saved step 2 resumes under the other kernel and its steps
+    3-4 follow the run that saved it. (bf16 compute: an fp32-rounding difference in a master may flip a bf16
+    weight.)"""
     import shutil
 
     from spartron.runtime.state import step_dir
@@ -280,11 +281,12 @@ def test_trainer_with_triton_adamw_trains_like_torch_and_resumes_with_either_ker
     assert mine[0] == pytest.approx(ref[0], rel=1e-6)  # before any update (CUDA atomics may reorder sums)
     for (_, a, na), (_, b, nb) in zip(ref, mine, strict=True):
         assert b == pytest.approx(a, rel=1e-3) and nb == pytest.approx(na, rel=1e-2)
-    shutil.rmtree(step_dir(tmp_path / "triton", 4))
-    resumed = _losses_and_norms(_train_cfg(tmp_path / "triton", "torch", "cuda", masters, resume=True))
-    assert [s for s, _, _ in resumed] == [3, 4]
-    for (_, a, _), (_, b, _) in zip(mine[2:], resumed, strict=True):
-        assert b == pytest.approx(a, rel=1e-3)
+    for run, (other, done) in {"triton": ("torch", mine), "torch": ("triton", ref)}.items():
+        shutil.rmtree(step_dir(tmp_path / run, 4))
+        resumed = _losses_and_norms(_train_cfg(tmp_path / run, other, "cuda", masters, resume=True))
+        assert [s for s, _, _ in resumed] == [3, 4]
+        for (_, a, _), (_, b, _) in zip(done[2:], resumed, strict=True):
+            assert b == pytest.approx(a, rel=1e-3)
 
 
 def _trainer_rank(rank: int, world: int, cfg, swap: bool) -> list[tuple[float, float]]:  # noqa: ANN001
