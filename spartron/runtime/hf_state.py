@@ -140,7 +140,8 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
     dims = ParallelDims(1, fsdp=p.resolve_fsdp(1), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate, order=p.order)
     model = build_model(run_cfg.model, seed=t.seed)
     load(model)
-    optimizer = build_optimizer(model, t)
+    # the CPU model takes torch's AdamW: the state (same keys) resumes under either adamw_kernel
+    optimizer = build_optimizer(model, t.model_copy(update={"adamw_kernel": "torch"}))
     loader = build_loader(t.data, run_cfg.model.vocab_size, t.seq_len, t.seed, 0, 1)
     path = save_state(run_dir, 0, model, optimizer, {"tokens": 0}, {"data": loader.state_dict()},
                       torch.device("cpu"), layout=dims.describe(), config=state_config(run_cfg))

@@ -490,6 +490,17 @@ def test_import_to_saved_state_resumes_in_the_trainer_and_exports_back(hf_dirs, 
     assert (resumed, steps) == (0, [1])
 
 
+def test_import_to_saved_state_with_the_triton_adamw_kernel_configured(hf_dirs, tmp_path):
+    """The import builds a CPU model: it takes torch's AdamW (same state keys) even when the run will
+    train with train.adamw_kernel = 'triton', which needs CUDA."""
+    from spartron.runtime.config import config_from_dict
+
+    base = config_from_dict({"device": "cpu", "train": {"steps": 1, "seq_len": 16, "global_batch_size": 2,
+                                                        "adamw_kernel": "triton", "progress": False}})
+    step, cfg = import_hf_to_state(hf_dirs["moe"][0], tmp_path / "run", base)
+    assert step.name == "step-00000000" and cfg.train.adamw_kernel == "triton"
+
+
 # ---- config ----------------------------------------------------------------------------------------
 DEEPSEEK_V3 = {  # the published DeepSeek-V3 config.json, without its fp8 quantization_config
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
