@@ -21,7 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
                                     "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
-                                    "doc_mask", "precision", "memory_plan", "ac_validation_cost"])
+                                    "doc_mask", "precision", "memory_plan", "ac_validation_cost", "adamw", "indexer"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
