@@ -89,7 +89,8 @@ def _all_to_all_on(pg: dist.ProcessGroup, x: Tensor, output_split_sizes: list[in
     except RuntimeError:
         _check_backend(x, pg, "all_to_all")
         raise
-    work.wait()
+    if work is not None:  # NCCL returns none for a synchronous call: it ran on the current stream
+        work.wait()
     return out
 
 
@@ -116,7 +117,8 @@ def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
     except RuntimeError:
         _check_backend(x, pg, "all_gather")
         raise
-    work.wait()
+    if work is not None:  # NCCL returns none for a synchronous call: it ran on the current stream
+        work.wait()
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -141,7 +143,8 @@ def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
     except RuntimeError:
         _check_backend(x, pg, "reduce_scatter")
         raise
-    work.wait()
+    if work is not None:  # NCCL returns none for a synchronous call: it ran on the current stream
+        work.wait()
     return out.movedim(0, dim).contiguous() if dim else out
 
 
