@@ -52,6 +52,11 @@ HOST_TOLERANCE = 1.1
 TIMINGS = ("median_ms", "host_us_per_call", "latency_median_ms")
 
 
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
 def _no_grad(op, *args):
     with torch.no_grad():
         return op(*args)
@@ -78,9 +83,10 @@ def _bench_size(nbytes: int, device, dtype, iters: int, warmup: int, blocks: int
         # floors: the ProcessGroup entry both paths end in, without any Python wrapper or checks
         "c10d_entry": lambda: group.alltoall_base(out, x, splits, splits, opts).wait(),
         "c10d_entry_new_output": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits, opts).wait(),
-        # the same entry waited synchronously (asyncOp=False: NCCL on the current stream), as the custom op calls it
-        "c10d_entry_new_output_sync": lambda: group.alltoall_base(torch.empty_like(x), x, splits, splits,
-                                                                  sync_opts).wait(),
+        # the same entry called synchronously (asyncOp=False: NCCL runs it on the current stream and returns
+        # no Work), as the custom op calls it
+        "c10d_entry_new_output_sync": lambda: _wait(group.alltoall_base(torch.empty_like(x), x, splits, splits,
+                                                                        sync_opts)),
         # torch's own functional (C++) all-to-all, the one torch.compile's collectives use
         "torch_functional": lambda: functional.wait_tensor(functional.all_to_all_single(x, splits, splits, group_name)),
         # the same with autograd recording (its C++ autograd node): the floor for the training path
