@@ -182,3 +182,31 @@ def test_one_rank_nccl_entries_on_a_side_stream_match_torch_distributed_gpu():
     """NCCL runs the waited (asyncOp=False) collectives on the current stream: a side stream here."""
     for seen in run_distributed(_side_stream_worker, 1, timeout=300, start_method="spawn"):
         _check_seen(seen)
+
+
+class _SynchronousGroup:
+    """Stands in for a ProcessGroup whose synchronous calls return no Work, as NCCL's do (asyncOp=False:
+    the collective ran on the current stream): one rank, each call copies its input."""
+
+    def size(self):
+        return 1
+
+    def alltoall_base(self, out, x, output_split_sizes, input_split_sizes, opts):
+        assert opts.asyncOp is False
+        out.copy_(x)
+
+    def _allgather_base(self, out, x, opts):
+        assert opts.asyncOp is False
+        out.copy_(x)
+
+    def _reduce_scatter_base(self, out, x, opts):
+        assert opts.asyncOp is False
+        out.copy_(x)
+
+
+def test_synchronous_transports_accept_a_call_that_returns_no_work():
+    x = torch.arange(6.0).view(3, 2)
+    group = _SynchronousGroup()
+    assert torch.equal(C.ALL_TO_ALL.on(group, x, [3], [3]), x)
+    assert torch.equal(C.ALL_GATHER.on(group, x, 1), x)
+    assert torch.equal(C.REDUCE_SCATTER.on(group, x, 0), x)
