@@ -341,7 +341,8 @@ def _split_list(splits: Splits, x: Tensor, world: int, name: str, compiling: boo
         raise ValueError(f"all_to_all: {name} has {len(splits)} entries, the group has {world} ranks")
     if compiling:  # sizes may be unbacked SymInts (from a tensor): assert at run time
         for size in splits:
-            torch._check(size >= 0, lambda: f"all_to_all: {name} has negative sizes")
+            # a message lambda without free variables: dynamo 2.11 cannot extract one that has them
+            torch._check(size >= 0, lambda: "all_to_all: split sizes must be non-negative")
     elif min(splits, default=0) < 0:
         raise ValueError(f"all_to_all: {name} has negative sizes: {splits}")
     return splits
