@@ -50,7 +50,8 @@ class AdamWKernelConfig:
 
 
 def _kernels() -> ModuleType:
-    require("triton", "train.adamw_kernel = 'triton'", "pip install triton (it ships with CUDA builds of torch)")
+    require("triton", "train.adamw_kernel = 'triton' (or 'auto' with CUDA parameters)",
+            "pip install triton (it ships with CUDA builds of torch)")
     return importlib.import_module("spartron.runtime.adamw_triton_kernels")
 
 

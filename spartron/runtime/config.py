@@ -183,8 +183,9 @@ class TrainConfig(ConfigSection):
     seed: int = Field(0, ge=0, lt=2**63)
     optimizer: Literal["adamw", "muon"] = "adamw"
     # The AdamW update: torch's fused kernel, or one Triton pass that also applies the clip coefficient
-    # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way).
-    adamw_kernel: Literal["torch", "triton"] = "torch"
+    # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way). "auto": the
+    # Triton pass for CUDA parameters (an error naming this key if triton is missing), torch's on the CPU.
+    adamw_kernel: Literal["auto", "torch", "triton"] = "auto"
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(2, ge=0)
@@ -267,7 +268,7 @@ class TrainConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _adamw_kernel(self) -> TrainConfig:
-        if self.adamw_kernel != "torch" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
+        if self.adamw_kernel == "triton" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
             raise ValueError(f"train.adamw_kernel = {self.adamw_kernel!r} needs train.optimizer = 'adamw' "
                              f"(got {self.optimizer!r}, which would ignore it)")
         return self

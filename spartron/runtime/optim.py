@@ -53,8 +53,8 @@ def _decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (torch's fused kernel on CUDA, or TritonAdamW with train.adamw_kernel = 'triton'), or Muon for hidden
-    matrices with AdamW for the rest."""
+    """AdamW (TritonAdamW for CUDA parameters unless train.adamw_kernel = 'torch', torch's fused kernel then;
+    torch's AdamW on the CPU), or Muon for hidden matrices with AdamW for the rest."""
     decay, no_decay = _decay_split(model)
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters")
@@ -63,7 +63,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer == "adamw":
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        if cfg.adamw_kernel == "triton":
+        if cfg.adamw_kernel == "triton" or (cfg.adamw_kernel == "auto" and on_cuda):
             if not on_cuda:
                 devices = sorted({str(p.device) for p in decay + no_decay})
                 raise ValueError(f"train.adamw_kernel = 'triton' needs CUDA parameters and the triton package; the "

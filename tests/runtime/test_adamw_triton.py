@@ -33,7 +33,8 @@ SHAPES = [(3, 5), (17,), (64, 33), (1,), (0, 4), (300,)]  # sizes off every bloc
 
 
 def test_unknown_adamw_kernel_is_an_error_naming_the_key():
-    with pytest.raises(ConfigError, match=r"train.adamw_kernel: Input should be 'torch' or 'triton' \(got 'cuda'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"train.adamw_kernel: Input should be 'auto', 'torch' or 'triton' \(got 'cuda'\)"):
         config_from_dict({"train": {"adamw_kernel": "cuda"}})
 
 
@@ -41,6 +42,24 @@ def test_triton_adamw_with_muon_is_an_error():
     with pytest.raises(ConfigError, match=r"train.adamw_kernel = 'triton' needs train.optimizer = 'adamw' "
                                           r"\(got 'muon', which would ignore it\)"):
         config_from_dict({"train": {"adamw_kernel": "triton", "optimizer": "muon"}})
+
+
+def test_auto_is_the_default_and_takes_torchs_adamw_for_cpu_parameters():
+    from spartron.runtime.adamw_triton import TritonAdamW
+
+    cfg = TrainConfig()
+    assert cfg.adamw_kernel == "auto"
+    optimizer = build_optimizer(nn.Linear(4, 4), cfg)
+    assert type(optimizer) is torch.optim.AdamW and not isinstance(optimizer, TritonAdamW)
+    assert config_from_dict({"train": {"optimizer": "muon"}}).train.adamw_kernel == "auto"  # no error with Muon
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or not HAS_TRITON, reason="needs CUDA and triton: 'auto' picks TritonAdamW there")
+def test_auto_takes_triton_adamw_for_cuda_parameters():
+    from spartron.runtime.adamw_triton import TritonAdamW
+
+    assert type(build_optimizer(nn.Linear(4, 4, device="cuda"), TrainConfig())) is TritonAdamW
 
 
 def test_triton_adamw_on_cpu_parameters_is_an_error():
@@ -54,8 +73,9 @@ def test_triton_adamw_on_cpu_parameters_is_an_error():
 def test_triton_adamw_without_triton_names_the_option_and_the_install():
     from spartron.runtime.adamw_triton import TritonAdamW
 
-    with pytest.raises(MissingDependencyError, match=r"train.adamw_kernel = 'triton' needs the Python package "
-                                                     r"'triton'.*pip install triton"):
+    with pytest.raises(MissingDependencyError,
+                       match=r"train.adamw_kernel = 'triton' \(or 'auto' with CUDA parameters\) needs the "
+                             r"Python package 'triton'.*pip install triton"):
         TritonAdamW([nn.Parameter(torch.zeros(2))])
 
 
