@@ -8,10 +8,10 @@ ops through their fake impls.
 The handle. DeepEP's intranode handle is six tensors (rank and channel prefix matrices, the
 received tokens' source indices, the token -> rank mask, the send heads). The dispatch op returns
 them as ordinary outputs and the combine op takes them as inputs, so the handle crosses the op
-boundary as tensors (no opaque object for it) and no store is keyed by ids. Autograd saves them on the op's node (`setup_context`):
-their lifetime is the autograd graph's, freed by backward. On a checkpoint replay the dispatch
-op's outputs, handle included, are the original pass's saved outputs, so the backward of the
-replayed graph uses the very handle the original exchange produced.
+boundary as tensors (no opaque object for it) and no store is keyed by ids. Autograd saves them on
+the op's node (`setup_context`): their lifetime is the autograd graph's, freed by backward. On a
+checkpoint replay the dispatch op's outputs, handle included, are the original pass's saved
+outputs, so the backward of the replayed graph uses the very handle the original exchange produced.
 
     dispatch  = layout + notify + dispatch     backward: dispatch_backward (a combine with the
                                                handle, also reducing the top-k weight gradients)
