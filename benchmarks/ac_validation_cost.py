@@ -22,8 +22,6 @@ Compiled regions run no such check (their replay is the traced backward graph).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -37,12 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 
-from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
+from common import start_trainer_benchmark, trainer_report_header, write_report  # noqa: E402
 
 from spartron.checkpointing import RegionStats, build_policy, checkpoint_region_of  # noqa: E402
 from spartron.checkpointing.saved_ops import SavedOps  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
-from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import Trainer  # noqa: E402
 
 BUDGET = 0.01  # issue 22: validation <= 1% of the step's wall time
@@ -203,13 +200,7 @@ def main() -> int:
           f"{result['median_validation_host_us']:.0f} µs of a {result['median_step_time_ms']:.1f} ms step = "
           f"{result['fraction']:.4%} (budget {BUDGET:.0%})")
     report = {
-        "benchmark": "ac_validation_cost",
-        "device": device_name(torch.cuda.is_available() and not args.smoke),
-        "world_size": world,
-        "torch": torch.__version__,
-        "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
-        "git_commit": args.commit or git_commit(),
-        "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
+        **trainer_report_header("ac_validation_cost", args, world),
         "overrides": overrides,
         "ac_reentrant": cfg.ac.reentrant,
         "shapes": {"n_layers": cfg.model.n_layers, "dim": cfg.model.dim, "mtp_depth": cfg.model.mtp.depth,

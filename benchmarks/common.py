@@ -171,3 +171,18 @@ def start_trainer_benchmark(args: Any) -> bool:
         init_distributed(discover(), "auto")
     return own
 
+
+def trainer_report_header(benchmark: str, args: Any, world: int) -> dict:
+    """The fields every Trainer benchmark's JSON starts with: what ran, where, on which versions and commit
+    (`--commit` when given: a device copy's git may lie), and the config it ran."""
+    import importlib.util
+
+    from spartron.runtime.metrics import git_commit
+
+    repo = Path(__file__).resolve().parents[1]
+    config = args.config.relative_to(repo) if args.config.is_relative_to(repo) else args.config
+    return {"benchmark": benchmark, "device": device_name(torch.cuda.is_available() and not args.smoke),
+            "world_size": world, "torch": torch.__version__,
+            "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
+            "git_commit": args.commit or git_commit(), "config": str(config)}
+

@@ -31,11 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
 
-from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
+from common import start_trainer_benchmark, trainer_report_header, write_report  # noqa: E402
 
 from spartron.layers.costs import training_flops_per_token  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
-from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import train  # noqa: E402
 
 TARGETS_MS = {"none": 215.0, "full": 270.0}  # issue 22, one H200, dsv3-12l
@@ -176,13 +175,7 @@ def main() -> int:
         return 0
     print_table(rows)
     result = {
-        "benchmark": "e2e",
-        "device": device_name(torch.cuda.is_available() and not args.smoke),
-        "world_size": world,
-        "torch": torch.__version__,
-        "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
-        "git_commit": args.commit or git_commit(),
-        "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
+        **trainer_report_header("e2e", args, world),
         "overrides": args.set,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -26,11 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
+from common import start_trainer_benchmark, trainer_report_header, write_report  # noqa: E402
 
 from spartron.launch.plan import plan_memory  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
-from spartron.runtime.metrics import git_commit  # noqa: E402
 from spartron.runtime.trainer import train  # noqa: E402
 
 MODES = {"none": ["ac.mode=none"], "full": ["ac.mode=full"], "selective": ["ac.mode=selective"],
@@ -82,11 +80,8 @@ def main() -> int:
     own = start_trainer_benchmark(args)  # (its smoke mode predicts only: --steps does not matter there)
     rows: list[dict] = []
     rank, world = dist.get_rank(), dist.get_world_size()
-    report = {"benchmark": "memory_plan", "device": device_name(torch.cuda.is_available() and not args.smoke),
-              "world_size": world, "torch": torch.__version__,
-              "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
-              "git_commit": args.commit or git_commit(), "config": str(args.config.relative_to(REPO)),
-              "overrides": args.set, "steps": args.steps, "warmup_steps_excluded": args.warmup,
+    report = {**trainer_report_header("memory_plan", args, world), "overrides": args.set, "steps": args.steps,
+              "warmup_steps_excluded": args.warmup,
               "plan_assumes": "eager steps (train.compile = false)", "results": rows}
     with tempfile.TemporaryDirectory(prefix="spartron-memplan-") as tmp:
         for mode in modes:
