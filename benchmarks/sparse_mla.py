@@ -167,9 +167,10 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
                 dense_qk_head_dim=nope + rope, dense_v_dim=v, chunk_size=chunk, results=rows)
 
 
-DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]])
+DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:flags])
     64: ["fwd:64x64x8x2", "bwd:64x64x8x1"],  # the Triton forward and the one-walk backward: the defaults before
-    16: [],
+    16: ["bwd:16x32x4x1", "bwd:16x32x4x2:keyrows", "bwd:16x32x4x4:keyrows", "fwd:16x64x4x3", "fwd:16x32x4x3",
+         "fwd:16x64x4x4"],  # the backward before [keys, columns] dkv tiles; pipeline depths around the defaults
 }
 # The exploration of these kernels' configs: benchmarks/results/sparse_mla_sweep_c944a37.json ran
 # ["bwd:64x32x8x2x3x2", "fwd:64x64x8x2:gluon", "fwd:64x32x8x3:gluon", "bwd:64x64x8x1x3x2",
@@ -178,10 +179,13 @@ DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSx
 
 
 def parse_spec(spec: str) -> tuple[str, sparse_mla_triton.KernelConfig]:
-    """'fwd:64x64x8x2[:gluon[:late]]' or 'bwd:64x32x8x2x3x2' -> (kind, config)."""
+    """'fwd:64x64x8x2[:gluon[:late]]' or 'bwd:64x32x8x2x3x2[:keyrows]' -> (kind, config)."""
     kind, dims, *flags = spec.split(":")
+    unknown = set(flags) - {"gluon", "late", "keyrows"}
+    if unknown:
+        raise ValueError(f"--sweep-configs {spec!r}: unknown flag(s) {sorted(unknown)}; known: gluon, late, keyrows")
     cfg = sparse_mla_triton.KernelConfig(*(int(x) for x in dims.split("x")), gluon="gluon" in flags,
-                                         gather_early="late" not in flags)
+                                         gather_early="late" not in flags, dkv_key_rows="keyrows" in flags)
     return kind, cfg
 
 
@@ -373,7 +377,7 @@ def main() -> None:
                    help="at every fwd+bwd case: time kernel configs (with their float64 errors at a small shape), "
                         "sorted ids, and the gather alone")
     p.add_argument("--sweep-configs", dest="sweep_configs", nargs="*", default=[],
-                   help="kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]] (default: DEFAULT_SWEEP)")
+                   help="kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]][:keyrows] (default: DEFAULT_SWEEP)")
     p.add_argument("--sweep-iters", dest="sweep_iters", type=int, default=10)
     p.add_argument("--commit", default=None, help="git commit to record (the GPU machine's copy has no .git)")
     args = p.parse_args()

@@ -46,6 +46,7 @@ class KernelConfig:
     stages2: int = 2
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
     gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
+    dkv_key_rows: bool = False  # backward: dkv tiles as [keys, columns] (else transposed; see the kernels)
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -78,11 +79,14 @@ def is_hopper(device: torch.device) -> bool:
 def backward_config(n_heads: int) -> KernelConfig:
     """From 33 heads up: three walks, 64 keys, later walks 2 stages (57.1 ms, 191.7 TFLOP/s at 16k x 64
     heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json; as the default 57.5 ms, 190.7
-    TFLOP/s, sparse_mla_triton_4d49dff.json). At 16 heads the one walk stays (33.6 ms against 41.3
-    for three walks of 64 keys there: no spills to remove at 16 rows)."""
+    TFLOP/s, sparse_mla_triton_4d49dff.json). At 16 heads one walk of 32 keys with [keys, columns]
+    dkv tiles and 3 stages: that tile needs no layout change through shared memory before its atomics,
+    which leaves room to pipeline the gathers (24.7 ms at 16k x 16 heads against 32.0 for transposed
+    tiles and 1 stage; 30.4 with the atomics replaced by plain stores, so the atomics were not the
+    limit: sparse_mla_bwd16_sweep_*.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
-    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=1)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3, dkv_key_rows=True)
 
 
 def _kernels(module: str = "sparse_mla_triton_kernels"):
@@ -161,7 +165,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        KEY_ROWS=cfg.dkv_key_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if deterministic:
         return grad_q, (grad_kv.double() * 2.0**-DKV_FIXED_POINT_BITS).to(kv.dtype)
     return grad_q, grad_kv.to(kv.dtype)

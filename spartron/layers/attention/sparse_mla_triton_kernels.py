@@ -9,8 +9,11 @@ Backward recomputes P from the saved lse and takes Delta = rowsum(dO * O) - dlse
 It adds dkv rows into a float32 buffer with relaxed atomics (order-dependent rounding: not bitwise
 deterministic), or, with FIXED > 0 (the deterministic mode, FIXED = 2^fraction bits), into an int64
 fixed-point buffer. The latent is handled as four column chunks of 128 so that each dkv chunk is a
-small register tile that is added and dropped at once; the dkv chunks are computed transposed
-(q_c^T dS, dO_c^T P), so q and dO are only ever the A operand and sit in shared memory once.
+small register tile that is added and dropped at once. With KEY_ROWS (the 16-row head block) a dkv
+chunk is the [keys, columns] tile dS^T q_c + P^T dO_c, whose atomics need no layout change through
+shared memory, so the gathers can be pipelined; otherwise (the 64-row three walks) it is computed
+transposed (q_c^T dS, dO_c^T P), so that q and dO are only ever the A operand and sit in shared
+memory once.
 Two schedules (WALKS): one walk keeps dq in registers and adds dkv per block (the 16-row head
 block); three walks (the 64-row block) first write P and dS to a per-program scratch, then add dkv
 from it, then regather K for dq. Why three: Triton gives any dot whose result reaches another dot
@@ -121,11 +124,18 @@ def _atomic_add_dkv(ptrs, part, mask, FIXED: tl.constexpr):
 
 
 @triton.jit
-def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr):
-    """dkv[rows, cols] += (q_c^T dS + dO_c^T P)^T (dS already carries the softmax scale)."""
-    part = tl.dot(tl.trans(q_c), ds)
-    part = tl.dot(tl.trans(do_c), p, part)
-    _atomic_add_dkv(tl.trans(dkv_rows) + cols[:, None], part, valid[None, :], FIXED)
+def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """dkv[rows, cols] += dS^T q_c + P^T dO_c (dS already carries the softmax scale). KEY_ROWS: the tile
+    is [keys, cols] as written; otherwise it is computed transposed (q_c^T dS + dO_c^T P), so that q and
+    dO are only ever the A operand."""
+    if KEY_ROWS:
+        part = tl.dot(tl.trans(ds), q_c)
+        part = tl.dot(tl.trans(p), do_c, part)
+        _atomic_add_dkv(dkv_rows + cols[None, :], part, valid[:, None] & (cols[None, :] >= 0), FIXED)
+    else:
+        part = tl.dot(tl.trans(q_c), ds)
+        part = tl.dot(tl.trans(do_c), p, part)
+        _atomic_add_dkv(tl.trans(dkv_rows) + cols[:, None], part, valid[None, :], FIXED)
 
 
 @triton.jit
@@ -172,21 +182,25 @@ def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid
 
 @triton.jit
 def _bwd_dkv(pb, ds, drows, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr, DC: tl.constexpr,
-             FIXED: tl.constexpr):
+             FIXED: tl.constexpr, KEY_ROWS: tl.constexpr):
     """dkv[rows] += P^T dO + dS^T q (atomics), one 128-column chunk at a time."""
-    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED)
-    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED)
-    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED)
-    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED)
-    part = tl.dot(tl.trans(qr), ds)
-    _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED)
+    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED, KEY_ROWS)
+    if KEY_ROWS:
+        part = tl.dot(tl.trans(ds), qr)
+        _atomic_add_dkv(drows + 4 * DC + dr[None, :], part, valid[:, None] & (dr[None, :] >= 0), FIXED)
+    else:
+        part = tl.dot(tl.trans(qr), ds)
+        _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED)
 
 
 @triton.jit
 def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
               n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
               DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr, WALKS: tl.constexpr,
-              STAGES2: tl.constexpr):
+              STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """One work item's dq and dkv contribution. WALKS = 1: one walk; dq accumulates in registers and
     dkv is added per key block. WALKS = 3: the first walk computes P and dS (no dot downstream, so S
     and dP keep the warpgroup-split layout) into this program's scratch tiles [BH, topk]; the second
@@ -233,7 +247,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
             dq3 = tl.dot(ds, c3, dq3)
             dqr = tl.dot(ds, cr, dqr)
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
-                     DC, FIXED)
+                     DC, FIXED, KEY_ROWS)
     if WALKS == 3:
         tl.debug_barrier()  # this program's scratch tiles are written before they are read back
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
@@ -241,7 +255,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
             ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
             pb = tl.load(p_rows + k0 + tl.arange(0, BK)[None, :])
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
-                     DC, FIXED)
+                     DC, FIXED, KEY_ROWS)
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
             safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
             c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
@@ -266,13 +280,14 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
                           n_heads, topk, n_work, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
                           DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr,
-                          WALKS: tl.constexpr, STAGES2: tl.constexpr):
+                          WALKS: tl.constexpr, STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """With WALKS = 3 the grid is persistent (one program per SM, striding over the n_work items, so
     the scratch is two [BH, topk] tiles per program); with one walk, one program per work item."""
     if WALKS == 3:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
-                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2)
+                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2, KEY_ROWS)
     else:
         _bwd_item(tl.program_id(0), q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr,
-                  s_q, s_kv, n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2)
+                  s_q, s_kv, n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2,
+                  KEY_ROWS)

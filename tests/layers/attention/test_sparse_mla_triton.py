@@ -70,6 +70,9 @@ def test_head_block_follows_the_head_count():
     assert not sparse_mla_triton.forward_config(64, hopper=False).gluon  # its wgmma is sm90 only
     assert not sparse_mla_triton.is_hopper(torch.device("cpu"))
     assert [sparse_mla_triton.backward_config(h).walks for h in (16, 32, 33, 128)] == [1, 1, 3, 3]
+    # 16 rows: [keys, columns] dkv tiles (no shared-memory layout change before the atomics)
+    assert [sparse_mla_triton.backward_config(h).dkv_key_rows for h in (16, 32, 33, 128)] == \
+        [True, True, False, False]
 
 
 def test_backward_walks_other_than_1_or_3_are_an_error():
@@ -173,6 +176,9 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2)),
     ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2, walks=3, stages2=2)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 2, dkv_key_rows=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(64, 32, 8, 2, walks=3, stages2=2, dkv_key_rows=True)),
 ]
 
 
