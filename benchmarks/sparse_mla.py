@@ -4,7 +4,8 @@
     python benchmarks/sparse_mla.py --smoke                                           # tiny, CPU, seconds
 
 Sparse: absorbed MLA form, q [1, S, H, kv_lora + rope], kv [1, S, kv_lora + rope], random causal
-top-k ids (unique per query, -1 padding for early queries), value dim kv_lora. The backward is also
+top-k ids (unique per query, ascending as the indexer returns them, -1 padding last for early
+queries), value dim kv_lora. The backward is also
 timed with the deterministic dkv (model.dsa.deterministic_dkv). Dense: the per-head
 form the dense MLA layer runs, SDPA causal with q/k head dim nope + rope and v head dim v.
 Cases: each `--cases` entry SEQxHEADS (default 16k x 16 and 16k x 64 forward, backward and
@@ -12,7 +13,7 @@ forward+backward; 64k x 64 forward only) with dense SDPA at the same length and 
 adds the PyTorch reference op (the CPU path; slow) at the first case. The bf16 matmul ceiling is
 measured in the same run. FLOPs count valid (query, key) pairs: forward 2 x pairs x H x (d_qk + d_v),
 backward 2.5x that. Every timed step is recorded (CUDA events, after warm-up) with the median.
-`--sweep` (CUDA) adds, at every case: the default configs on ids sorted ascending, and the gather
+`--sweep` (CUDA) adds, at every case: the default configs on ids in score order, and the gather
 alone (the bandwidth bound of the kernels at this head count); at forward+backward cases also each
 kernel config of --sweep-configs (default DEFAULT_SWEEP) with its float64 errors at a small shape and
 its time.
@@ -89,7 +90,8 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, s, h, d, device=device, dtype=dtype, generator=g).requires_grad_()
     kv = torch.randn(1, s, d, device=device, dtype=dtype, generator=g).requires_grad_()
-    ids = causal_random_ids(s, k, device)
+    score_order = causal_random_ids(s, k, device)
+    ids = sorted_ids(score_order)  # ascending, as the indexer returns them (indexer_topk.topk_ids)
     grad_out = torch.randn(1, s, h, lat, device=device, dtype=dtype, generator=g)
     chunk = default_chunk_size(q, kv, ids)
     n_sel = int((ids >= 0).sum())  # selected (query, key) pairs
@@ -152,17 +154,16 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
     if "dense_sdpa_causal_fwd" in rows:
         rows["sparse_fwd"]["speedup_vs_dense_fwd"] = rows["dense_sdpa_causal_fwd"]["ms"] / rows["sparse_fwd"]["ms"]
     if args.sweep and device.type == "cuda":
-        ids_sorted = sorted_ids(ids)
-        timings = [("sparse_fwd_sorted_ids", lambda: sparse_mla_triton.forward(
-            q.detach(), kv.detach(), ids_sorted, scale, lat), fwd_flops)]
+        timings = [("sparse_fwd_score_order_ids", lambda: sparse_mla_triton.forward(
+            q.detach(), kv.detach(), score_order, scale, lat), fwd_flops)]
         if not fwd_only:
             rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
-            timings.append(("sparse_bwd_sorted_ids", lambda: sparse_mla_triton.backward(
-                grad_out, zero_lse, q.detach(), kv.detach(), ids_sorted, out, lse, scale, lat), 2.5 * fwd_flops))
+            timings.append(("sparse_bwd_score_order_ids", lambda: sparse_mla_triton.backward(
+                grad_out, zero_lse, q.detach(), kv.detach(), score_order, out, lse, scale, lat), 2.5 * fwd_flops))
         for name, fn, flops in timings:
             r = timed(fn, device, args.sweep_iters, 1)
             rows[name] = dict(r, flops=flops, tflops=flops / r["ms"] / 1e9)
-        rows["gather_only"] = gather_ceiling(kv.detach(), ids, device, args)
+        rows["gather_only"] = gather_ceiling(kv.detach(), score_order, device, args)
     return dict(seq=s, heads=h, topk=k, selected_pairs=n_sel, sparse_q=[1, s, h, d], sparse_kv=[1, s, d],
                 dense_qk_head_dim=nope + rope, dense_v_dim=v, chunk_size=chunk, results=rows)
 
@@ -268,7 +269,8 @@ def gather_ceiling(kv, ids, device, args) -> dict:
     programs so many are resident per SM) and summed; its bandwidth times 2 x heads x 1088 FLOP per
     1152-byte row estimates the attention kernels' bandwidth bound. (A first form, one 8-warp program
     per query summing 64 rows at a time, reached 2.39 TB/s in sparse_mla_sweep_c944a37.json, below the
-    5.1 TB/s the 16-head forward itself moves: latency-bound, no bound. This form is unmeasured.)"""
+    5.1 TB/s the 16-head forward itself moves: latency-bound, no bound. This form reached 8.8 TB/s at
+    16k, sparse_mla_triton_9d26062.json.) `ids` in score order; they are also timed sorted."""
     kern = gather_kernel()
     s, k = ids.shape[1], ids.shape[2]
     out = torch.empty(s, 576, device=device, dtype=torch.float32)
@@ -375,7 +377,7 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference at the first case")
     p.add_argument("--sweep", action="store_true",
                    help="at every fwd+bwd case: time kernel configs (with their float64 errors at a small shape), "
-                        "sorted ids, and the gather alone")
+                        "ids in score order (random) instead of ascending, and the gather alone")
     p.add_argument("--sweep-configs", dest="sweep_configs", nargs="*", default=[],
                    help="kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]][:keyrows] (default: DEFAULT_SWEEP)")
     p.add_argument("--sweep-iters", dest="sweep_iters", type=int, default=10)
