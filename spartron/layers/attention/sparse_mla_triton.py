@@ -76,17 +76,26 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def backward_config(n_heads: int) -> KernelConfig:
+def backward_config(n_heads: int, dkv_in_l2: bool = True) -> KernelConfig:
     """From 33 heads up: three walks, 64 keys, later walks 2 stages (57.1 ms, 191.7 TFLOP/s at 16k x 64
     heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json; as the default 57.5 ms, 190.7
     TFLOP/s, sparse_mla_triton_4d49dff.json). At 16 heads one walk of 32 keys with [keys, columns]
-    dkv tiles and 3 stages: that tile needs no layout change through shared memory before its atomics,
-    which leaves room to pipeline the gathers (24.7 ms at 16k x 16 heads against 32.0 for transposed
-    tiles and 1 stage; 30.4 with the atomics replaced by plain stores, so the atomics were not the
-    limit: sparse_mla_bwd16_sweep_*.json)."""
+    dkv tiles: that tile needs no layout change through shared memory before its atomics, which
+    leaves room to pipeline the gathers. Three stages pay while the float32 dkv accumulator stays in
+    L2 (`dkv_in_l2`; 16k: 24.7 ms against 32.0 for transposed tiles and 1 stage; with the atomics
+    replaced by plain stores 30.4, so they were not the limit); past it the atomics reach HBM and one
+    stage is fastest (64k: 151.2 ms against 162.0 for 3 stages and 155.4 before;
+    sparse_mla_bwd16_sweep_1e57698.json, sparse_mla_bwd16_stages_9c34ddc.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
-    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3, dkv_key_rows=True)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True)
+
+
+def dkv_in_l2(kv: Tensor) -> bool:
+    """Whether the backward's float32 dkv accumulator (kv's shape) fits in three quarters of the GPU's L2."""
+    if kv.device.type != "cuda":
+        return True
+    return kv.numel() * 4 <= 0.75 * torch.cuda.get_device_properties(kv.device).L2_cache_size
 
 
 def _kernels(module: str = "sparse_mla_triton_kernels"):
@@ -146,7 +155,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     check_supported(q, kv, d_v)
     b, s_q, h, d = q.shape
     s_kv = kv.shape[1]
-    cfg = cfg or backward_config(h)
+    cfg = cfg or backward_config(h, dkv_in_l2(kv))
     if cfg.walks not in (1, 3):
         raise ValueError(f"sparse_mla backward kernel: walks must be 1 or 3; got {cfg.walks}")
     grad_q = torch.empty_like(q)
