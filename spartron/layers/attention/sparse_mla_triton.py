@@ -30,6 +30,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # added term; every partial sum of a dkv entry must stay below 2^23 (8.4e6) in magnitude, or it wraps.
 DKV_FIXED_POINT_BITS = 40
 LOG2E = 1.4426950408889634
+DELTA_ROWS = 16  # rows per program of the backward's Delta pass
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,19 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     grad_kv = torch.zeros(b, s_kv, d, dtype=torch.int64 if deterministic else torch.float32, device=kv.device)
     if q.numel() == 0:
         return grad_q, grad_kv.to(kv.dtype)
-    delta = ((grad_out.float() * out.float()).sum(-1) - grad_lse.float()).contiguous()
     k = _kernels()
+    grad_out = grad_out.contiguous()
+    delta = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)  # rowsum(dO * out) - dlse
+    k.delta_kernel[(math.ceil(b * s_q * h / DELTA_ROWS),)](
+        grad_out, out.contiguous(), grad_lse.float().contiguous(), delta, b * s_q * h, DV=d_v, BR=DELTA_ROWS,
+        num_warps=4)
     n_work = _grid(b * s_q, h, cfg)[0]
     grid = (_persistent_programs(q.device, n_work),) if cfg.walks > 1 else (n_work,)
     # scratch for 3 walks: per program, dS and P tiles [block_h, topk rounded up to block_k] (q's dtype)
     row = math.ceil(topk_ids.shape[-1] / cfg.block_k) * cfg.block_k if cfg.walks > 1 else 1
     scratch = q.new_empty(grid[0] if cfg.walks > 1 else 1, 2, cfg.block_h, row)
     k.sparse_mla_bwd_kernel[grid](
-        q, kv, topk_ids, grad_out.contiguous(), lse.contiguous(), delta, grad_q, grad_kv, scratch, s_q, s_kv, h,
+        q, kv, topk_ids, grad_out, lse.contiguous(), delta, grad_q, grad_kv, scratch, s_q, s_kv, h,
         topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,

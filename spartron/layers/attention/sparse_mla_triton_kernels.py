@@ -5,7 +5,8 @@ is installed first. One program handles one query token and a block of BH heads,
 token's K selected ids in blocks of BK, gathering the kv rows by id (an invalid id loads zeros and
 scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returned in natural log.
 
-Backward recomputes P from the saved lse and takes Delta = rowsum(dO * O) - dlse from the caller.
+Backward recomputes P from the saved lse and takes Delta = rowsum(dO * O) - dlse from `delta_kernel`
+(one read of the bf16 rows: no float32 copies of dO and O).
 It adds dkv rows into a float32 buffer with relaxed atomics (order-dependent rounding: not bitwise
 deterministic), or, with FIXED > 0 (the deterministic mode, FIXED = 2^fraction bits), into an int64
 fixed-point buffer. The latent is handled as four column chunks of 128 so that each dkv chunk is a
@@ -109,6 +110,18 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + hrow, lse, mask=hmask)
+
+
+@triton.jit
+def delta_kernel(do_ptr, out_ptr, dlse_ptr, delta_ptr, n_rows, DV: tl.constexpr, BR: tl.constexpr):
+    """Delta [rows] = rowsum(dO * out) - dlse in float32, reading the bf16 rows once (BR rows a program)."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    live = rows < n_rows
+    cols = tl.arange(0, DV)
+    do = tl.load(do_ptr + rows[:, None] * DV + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    o = tl.load(out_ptr + rows[:, None] * DV + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    dlse = tl.load(dlse_ptr + rows, mask=live, other=0.0)
+    tl.store(delta_ptr + rows, tl.sum(do * o, 1) - dlse, mask=live)
 
 
 @triton.jit
