@@ -7,12 +7,13 @@ Per case SEQ (default 16k and 64k; 32 index heads x 128, top-k 2048, batch 1, ca
 kernel alone (every chunk, as the op runs them) in bf16 and fp8 (operands quantised beforehand), the
 fp8 quantisation alone (the Triton pass and the PyTorch formula), the top-k kernel alone on the last
 chunk's scores (the fullest rows; at 16k the only chunk), and the whole op in bf16 and fp8, every timed
-step recorded. FLOPs: 2 x visible (query, key) pairs x heads x head dim (the MMA work; ReLU, weights
-and top-k are not counted), against the bf16 matmul ceiling measured in the same run. Agreement on
-sampled queries: the op's ids against a float64 oracle (set equal except keys within 1e-3 relative of
-the k-th score; fp8 against the oracle of its quantised operands) and fp8's ids against bf16's
-(fraction of shared ids). `--sweep` also times top-k settings and score tiles at the first case and
-the whole op with the fastest of each.
+step recorded, and (`_x10`) ten back-to-back calls of the op per timed step. FLOPs: 2 x visible
+(query, key) pairs x heads x head dim (the MMA work; ReLU, weights and top-k are not counted), against
+the bf16 matmul ceiling measured in the same run. Agreement on sampled queries: the op's ids against a
+float64 oracle (set equal except keys within 1e-3 relative of the k-th score; fp8 against the oracle
+of its quantised operands) and fp8's ids against bf16's (fraction of shared ids). `--sweep` also
+times top-k settings at each case (`--tile-sweep`: score tiles too, first case) and the whole op with
+the fastest.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_p
 ]
 
 
-RADIX_SWEEP = [  # top-k selection (topk_block, topk_sample, topk_candidates); 16 slots: always the histogram
-    (2048, 1024, 2048), (1024, 1024, 2048), (2048, 2048, 4096), (2048, 1024, 16),
+TOPK_SWEEP = [  # top-k selection (topk_block, topk_sample, topk_candidates, topk_warps, topk_programs_per_sm)
+    (1024, 1024, 2048, 1, 16), (512, 1024, 2048, 1, 16), (1024, 1024, 2048, 1, 8), (1024, 1024, 2048, 1, 32),
+    (1024, 1024, 2048, 2, 8), (1024, 1024, 2048, 4, 4), (1024, 512, 1024, 1, 16), (1024, 2048, 2048, 2, 8),
+    (1024, 4096, 2048, 4, 4),
 ]
 
 
-def case(args, device, s: int, sweep: bool) -> dict:
+def case(args, device, s: int, sweep: bool, first: bool) -> dict:
     h, d, topk = args.heads, args.dim, args.topk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -96,9 +99,8 @@ def case(args, device, s: int, sweep: bool) -> dict:
         q8, w8, k8, ks = it.quantize_fp8(q, w, k)
         ids_buf = torch.empty(1, s, min(topk, s), dtype=torch.int32, device=device)
 
-        def chunk_view(c0, c):
-            n = min(s, c0 + c)  # the chunk's visible prefix
-            return buf[: c * it.padded(n)].view(1, c, it.padded(n))[..., :n]
+        def chunk_view(c0, c):  # as the op lays a chunk out: rows of padded(S_kv)
+            return buf[: c * it.padded(s)].view(1, c, it.padded(s))[..., :s]
 
         def scores_only(fp8=False, tile=cfg):
             for c0 in range(0, s, chunk):
@@ -111,36 +113,42 @@ def case(args, device, s: int, sweep: bool) -> dict:
         last = (s - 1) // chunk * chunk
 
         def topk_only(sel=cfg):  # the last chunk (its scores are in buf after scores_only)
-            c = s - last
-            group = min(sel.topk_rows, chunk)
-            for r0 in range(0, c, group):
-                it.select(chunk_view(last, c), ids_buf, qpos, last, r0, min(group, c - r0), None, True, sel)
+            return it.select(chunk_view(last, s - last), ids_buf, qpos, last, 0, s - last, None, True, sel)
 
-        steps = [("scores_kernel_bf16", scores_only, flops), ("radix_topk_last_chunk", topk_only, 0),
+        steps = [("scores_kernel_bf16", scores_only, flops), ("select_topk_last_chunk", topk_only, 0),
                  ("scores_kernel_fp8", lambda: scores_only(True), flops),
                  ("quantize_fp8_triton", lambda: it.quantize_fp8(q, w, k), 0),
                  ("quantize_fp8_torch", lambda: fp8_operands(q, w, k), 0)] + steps
         steps.append(("indexer_topk_fp8", lambda: full(True), flops))
+        steps.append(("indexer_topk_bf16_x10", lambda: [it.indexer_topk(q, w, k, pos, pos, topk, False, None, cfg)
+                                                         for _ in range(10)], 10 * flops))
+        steps.append(("indexer_topk_fp8_x10", lambda: [it.indexer_topk(q, w, k, pos, pos, topk, True, None, cfg)
+                                                        for _ in range(10)], 10 * flops))
         rows["chunk_rows"] = chunk
         rows["config"] = dataclasses.asdict(cfg)
         if sweep:
             scores_only()
             radix = []
-            for block, sample, cand in RADIX_SWEEP:
-                sel = dataclasses.replace(cfg, topk_block=block, topk_sample=sample, topk_candidates=cand)
-                entry = dict(topk_block=block, topk_sample=sample, topk_candidates=cand)
+            for block, sample, cand, warps, per_sm in TOPK_SWEEP:
+                sel = dataclasses.replace(cfg, topk_block=block, topk_sample=sample, topk_candidates=cand,
+                                          topk_warps=warps, topk_programs_per_sm=per_sm)
+                entry = dict(topk_block=block, topk_sample=sample, topk_candidates=cand, topk_warps=warps,
+                             topk_programs_per_sm=per_sm)
                 try:
                     r = timed(lambda sel=sel: topk_only(sel), device, args.iters, args.warmup)
                     entry.update(ms=r["ms"], steps_ms=r["steps_ms"])
+                    handle = topk_only(sel)
+                    entry.update(n_regs=getattr(handle, "n_regs", None), n_spills=getattr(handle, "n_spills", None))
                 except Exception as e:  # noqa: BLE001 - a config the compiler refuses is recorded
                     entry["error"] = repr(e)[:300]
-                print("radix sweep", entry, flush=True)
+                print("topk sweep", entry, flush=True)
                 radix.append((entry, sel))
-            rows["radix_block_sweep"] = [e for e, _ in radix]
+            rows["topk_sweep"] = [e for e, _ in radix]
             ok = [(e["ms"], sel) for e, sel in radix if "ms" in e]
             best_sel = min(ok, key=lambda x: x[0])[1] if ok else cfg
+            rows["best_topk"] = dataclasses.asdict(best_sel)
             table = []
-            for bm, bn, nw, ns, pairs in SWEEP:
+            for bm, bn, nw, ns, pairs in (SWEEP if args.tile_sweep and first else SWEEP[:1]):
                 tile = dataclasses.replace(best_sel, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
                                            head_pairs=pairs)
                 entry = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
@@ -194,7 +202,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--check-rows", dest="check_rows", type=int, default=256)
-    p.add_argument("--sweep", action="store_true", help="also time the score kernel's tile configs (first case)")
+    p.add_argument("--sweep", action="store_true", help="also time top-k configs")
+    p.add_argument("--tile-sweep", dest="tile_sweep", action="store_true", help="with --sweep: score tiles too")
     p.add_argument("--commit", default=None, help="git commit to record (the GPU copy's git metadata lies)")
     args = p.parse_args()
     if args.smoke:
@@ -214,14 +223,14 @@ def main() -> None:
                   ceiling_bf16_matmul_tflops=ceiling, cases=cases)
     for i, s in enumerate(args.seqs):
         print(f"case seq {s}", flush=True)
-        c = case(args, device, s, args.sweep and i == 0)
+        c = case(args, device, s, args.sweep, i == 0)
         for r in [*c["results"].values(), *(e.get(n, {}) for e in c["results"].get("score_tile_sweep", [])
                                             for n in ("bf16", "fp8"))]:
             if isinstance(r, dict) and r.get("tflops"):
                 r["fraction_of_bf16_ceiling"] = r["tflops"] / ceiling
         cases.append(c)
         for name, r in c["results"].items():
-            if name in ("score_tile_sweep", "radix_block_sweep", "config"):
+            if name in ("score_tile_sweep", "topk_sweep", "config"):
                 continue
             if isinstance(r, dict) and "ms" in r:
                 frac = r.get("fraction_of_bf16_ceiling")

@@ -2,11 +2,13 @@
 
 `spartron::indexer_topk` registers `indexer_topk` below as its CUDA kernel (indexer_topk.py); a CUDA
 input the kernels cannot take is an error naming the limit, never a silent fallback. Triton is
-imported only when a kernel runs. Queries go in chunks so the fp32 [B, chunk, n_cols] score buffer
+imported only when a kernel runs. Queries go in chunks so the fp32 [B, chunk, S_kv] score buffer
 stays under `SCORE_BUFFER_BYTES`; each chunk is scored (indexer_triton_kernels) and then selected by
-the radix top-k (topk_triton_kernels). When key positions are 0..S_kv-1 (no CP, or CP's gathered
+the persistent top-k (topk_triton_kernels). When key positions are 0..S_kv-1 (no CP, or CP's gathered
 keys) a row's visible keys are the contiguous columns [document start or 0, query position]: the score
-kernel skips the tiles outside every row's range and the top-k reads each row's range only.
+kernel skips the tiles outside every row's range and the top-k reads each row's range only. Whether
+that holds is a device flag (`keys_at_columns`) the kernels read, and every size comes from shapes: the
+launcher never waits on the device (no host sync per call).
 """
 
 from __future__ import annotations
@@ -27,18 +29,22 @@ FP8_ROWS = 64  # rows per program of the fp8 quantisation
 @dataclass(frozen=True)
 class IndexerKernelConfig:
     """Score tile (query rows, key columns, warps, head-loop pipeline depth, two heads a step when the head
-    count is even) and top-k selection (columns per streamed block, sampled keys, candidate slots, rows
-    per launch: see topk_triton_kernels)."""
+    count is even) and top-k selection (columns per streamed block, sampled keys, candidate slots, warps
+    per program, persistent programs per SM, the bracket's margin in standard deviations, passes before
+    the histogram fallback: see topk_triton_kernels)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    topk_block: int = 1024  # fastest of 1024 / 2048 at 16k (benchmarks/results/indexer_565d049.json)
+    topk_block: int = 1024
     topk_sample: int = 1024
     topk_candidates: int = 2048
-    topk_rows: int = 2048
+    topk_warps: int = 1
+    topk_programs_per_sm: int = 16
+    topk_margin: float = 4.0
+    topk_tries: int = 3
 
 
 def check_supported(q: Tensor, k: Tensor) -> None:
@@ -88,13 +94,24 @@ def quantize_fp8(q: Tensor, weights: Tensor, k: Tensor) -> tuple[Tensor, Tensor,
     return q8, w8, k8, k_scale
 
 
+def keys_at_columns(k_positions: Tensor) -> Tensor:
+    """int32 [1] on the positions' device: 1 when key s sits at position s for every s (computed there,
+    no host sync)."""
+    at = k_positions == torch.arange(k_positions.shape[0], device=k_positions.device, dtype=k_positions.dtype)
+    return at.all().to(torch.int32).reshape(1)
+
+
+def _flag(ranged: Tensor | bool, device: torch.device) -> Tensor:
+    return ranged if isinstance(ranged, Tensor) else torch.full((1,), int(ranged), dtype=torch.int32, device=device)
+
+
 def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
            k_positions: Tensor, q_start: int, c_len: int, out: Tensor, q_starts: Tensor | None = None,
-           ranged: bool = False, cfg: IndexerKernelConfig | None = None) -> Tensor:
+           ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None) -> Tensor:
     """Fill out [B, c_len, n_cols] fp32 (a view whose row stride may exceed n_cols) with the scores of queries
-    q_start .. q_start + c_len against the first n_cols keys, -inf where not visible; `ranged`: tiles
-    without a visible key are left unwritten. q [B, S_q, H, d], k [B, S_kv, d] contiguous (bf16/fp16, or
-    fp8 with k_scale); positions and q_starts int32."""
+    q_start .. q_start + c_len against the first n_cols keys, -inf where not visible; `ranged` (bool or
+    `keys_at_columns`' flag): tiles without a visible key are left unwritten. q [B, S_q, H, d], k [B, S_kv, d]
+    contiguous (bf16/fp16, or fp8 with k_scale); positions and q_starts int32."""
     cfg = cfg or IndexerKernelConfig()
     b, s_q, h, d = q.shape
     s_kv, n_cols = k.shape[1], out.shape[-1]
@@ -103,39 +120,40 @@ def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_posi
     grid = (-(-n_cols // cfg.block_n), -(-c_len // cfg.block_m), b)
     _kernels().indexer_scores_kernel[grid](
         q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions,
-        q_starts if q_starts is not None else q_positions, out, s_q, s_kv, q_start, c_len, n_cols, out.stride(1),
-        H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None, HAS_STARTS=q_starts is not None,
-        RANGED=ranged, PAIRS=cfg.head_pairs and h % 2 == 0, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        q_starts if q_starts is not None else q_positions, _flag(ranged, q.device), out, s_q, s_kv, q_start, c_len,
+        n_cols, out.stride(1), H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
+        HAS_STARTS=q_starts is not None, PAIRS=cfg.head_pairs and h % 2 == 0, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps)
     return out
 
 
+def topk_programs(device: torch.device, rows: int, cfg: IndexerKernelConfig) -> int:
+    """Programs of the persistent top-k grid: topk_programs_per_sm per SM (4 SMs off CUDA), at most rows."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(rows, cfg.topk_programs_per_sm * sms))
+
+
 def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int,
-           q_starts: Tensor | None = None, ranged: bool = False, cfg: IndexerKernelConfig | None = None,
-           scratch: Tensor | None = None) -> None:
+           q_starts: Tensor | None = None, ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None,
+           scratch: Tensor | None = None):
     """Write ids[:, q_start + row0 : q_start + row0 + n_rows], the top-k of rows row0.. of the chunk's
-    scores `out` (see `scores`); scratch: int32, at least B * n_rows * topk_candidates (made if None)."""
+    scores `out` (see `scores`); scratch: int32, at least topk_programs * topk_candidates (made if None).
+    Returns Triton's launch handle (its n_regs / n_spills for the benchmark; None under the interpreter)."""
     cfg = cfg or IndexerKernelConfig()
+    if cfg.topk_tries < 1:
+        raise ValueError(f"indexer select: topk_tries must be >= 1 (the bracket's first pass), got {cfg.topk_tries}")
     b, c_len, n_cols = out.shape
     cand = _pow2(cfg.topk_candidates)
+    programs = topk_programs(out.device, b * n_rows, cfg)
     if scratch is None:
-        scratch = torch.empty(b * n_rows * cand, dtype=torch.int32, device=out.device)
-    _kernels("topk_triton_kernels").radix_topk_kernel[(n_rows, b)](
-        out, q_positions, q_starts if q_starts is not None else q_positions, ids, scratch, c_len, row0, n_cols,
-        out.stride(1), q_start, ids.shape[1], ids.shape[2], RANGED=ranged, HAS_STARTS=q_starts is not None,
-        BLOCK=_pow2(cfg.topk_block), SAMPLE=_pow2(cfg.topk_sample), CAND=cand, KP=_pow2(ids.shape[2]),
-        num_warps=4)
-
-
-def chunk_columns(q_positions: Tensor, s_kv: int, ranged: bool, chunk: int) -> list[int]:
-    """Columns each chunk of `chunk` query rows needs: its last visible key + 1 when ranged (one host
-    sync), else every key."""
-    s_q = q_positions.shape[0]
-    n_chunks = -(-s_q // chunk)
-    if not ranged:
-        return [s_kv] * n_chunks
-    hi = torch.zeros(n_chunks * chunk, dtype=torch.int64, device=q_positions.device)
-    hi[:s_q] = (q_positions.long() + 1).clamp(0, s_kv)
-    return [max(1, n) for n in hi.view(n_chunks, chunk).amax(-1).tolist()]
+        scratch = torch.empty(programs * cand, dtype=torch.int32, device=out.device)
+    if scratch.numel() < programs * cand:
+        raise ValueError(f"indexer select: scratch needs {programs * cand} int32, got {scratch.numel()}")
+    return _kernels("topk_triton_kernels").select_topk_kernel[(programs,)](
+        out, q_positions, q_starts if q_starts is not None else q_positions, _flag(ranged, out.device), ids, scratch,
+        c_len, row0, n_rows, n_cols, out.stride(1), q_start, ids.shape[1], ids.shape[2], b, programs,
+        HAS_STARTS=q_starts is not None, BLOCK=_pow2(cfg.topk_block), SAMPLE=max(16, _pow2(cfg.topk_sample)),
+        CAND=cand, MARGIN=float(cfg.topk_margin), TRIES=cfg.topk_tries, num_warps=cfg.topk_warps)
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
@@ -156,15 +174,15 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
     qpos, kpos = q_positions.to(torch.int32), k_positions.to(torch.int32)
     starts = q_starts.to(torch.int32).contiguous() if q_starts is not None else None
-    ranged = torch.equal(kpos, torch.arange(s_kv, dtype=torch.int32, device=q.device))  # key s at column s
+    ranged = keys_at_columns(kpos)
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
-    group = min(cfg.topk_rows, chunk)
-    buf = torch.empty(b * chunk * padded(s_kv), dtype=torch.float32, device=q.device)
-    scratch = torch.empty(b * group * _pow2(cfg.topk_candidates), dtype=torch.int32, device=q.device)
-    for c0, n_cols in zip(range(0, s_q, chunk), chunk_columns(qpos, s_kv, ranged, chunk), strict=True):
+    stride = padded(s_kv)
+    buf = torch.empty(b * chunk * stride, dtype=torch.float32, device=q.device)
+    scratch = torch.empty(topk_programs(q.device, b * chunk, cfg) * _pow2(cfg.topk_candidates), dtype=torch.int32,
+                          device=q.device)
+    for c0 in range(0, s_q, chunk):
         c = min(chunk, s_q - c0)
-        out = buf[: b * c * padded(n_cols)].view(b, c, padded(n_cols))[..., :n_cols]
+        out = buf[: b * c * stride].view(b, c, stride)[..., :s_kv]
         scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, ranged, cfg)
-        for r0 in range(0, c, group):
-            select(out, ids, qpos, c0, r0, min(group, c - r0), starts, ranged, cfg, scratch)
+        select(out, ids, qpos, c0, 0, c, starts, ranged, cfg, scratch)
     return ids

@@ -5,8 +5,9 @@ Imports triton at module level: import it only through `indexer_triton`, which c
 installed first. One program scores a [BM queries, BN keys] tile: it keeps the BN key rows on chip and
 walks the heads, one [BM, d] x [d, BN] MMA per head, folding ReLU and the head weight into an fp32
 [BM, BN] accumulator, so the [S, H, S_kv] per-head logits never exist. A tile with no key visible to
-any of its queries (by position, and document start with q_starts) loads nothing: RANGED (the top-k
-reads each row's visible range only) skips it, otherwise it stores -inf. FP8: q and k arrive as e4m3
+any of its queries (by position, and document start with q_starts) loads nothing: with the device flag
+`ranged` set (key s is column s: the top-k reads each row's visible range only) it stores nothing and
+exits, otherwise it stores -inf. FP8: q and k arrive as e4m3
 with their scales folded in by the caller (per (query, head) into the weights, per key in `k_scale`,
 applied once per tile: ReLU commutes with a positive scale). Each head's q tile is re-read from L2 by
 every key tile of its query block, so BN sets the q operand's reuse (BN flops per byte loaded).
@@ -19,10 +20,10 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len", "n_cols"])
-def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstart_ptr, out_ptr, s_q, s_kv, q_start,
-                          c_len, n_cols, stride, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstart_ptr, ranged_ptr, out_ptr, s_q,
+                          s_kv, q_start, c_len, n_cols, stride, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_STARTS: tl.constexpr,
-                          RANGED: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr):
+                          PAIRS: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -39,7 +40,7 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstar
     out_ptrs = out_ptr + (b * c_len + rm)[:, None].to(tl.int64) * stride + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
     if dead:
-        if not RANGED:
+        if tl.load(ranged_ptr) == 0:
             tl.store(out_ptrs, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)
     else:
         d = tl.arange(0, D)

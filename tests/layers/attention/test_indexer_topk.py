@@ -3,15 +3,18 @@
 CPU: the reference equals the unchunked formula (causal and CP positions), the ids' order contract
 (ascending key ids, ties to the lower id, -1 last), packed documents, fp8 quantisation, the dispatch,
 the launcher's chunk and row plans, the kernel's limits, the config rule, the benchmark's smoke mode.
-GPU (`pytest -m gpu`): the radix top-k equals `topk_ids` on the same scores (ties, -inf, one block
-and several), the Triton fp8 quantisation equals the PyTorch one bitwise, the score kernel against the
-reference, the op's ids against a float64 oracle (the top-k set equal except keys within 1e-3
-relative of the k-th score) causal, under CP positions and with packed documents, and fp8 against bf16.
+GPU (`pytest -m gpu`): the top-k kernel equals `topk_ids` on the same scores (ties, -inf, each of its
+paths; a few cases also under Triton's interpreter with TRITON_INTERPRET=1), the Triton fp8
+quantisation equals the PyTorch one bitwise, the score kernel against the reference, the op's ids
+against a float64 oracle (the top-k set equal except keys within 1e-3 relative of the k-th score)
+causal, under CP positions and with packed documents, fp8 against bf16, and no host sync in the op.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +37,7 @@ from spartron.layers.attention.indexer_topk import (
 from spartron.layers.config import DSAConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[3]
+INTERPRET = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton indexer kernel")
 
 
@@ -156,13 +160,25 @@ def test_score_chunks_stay_under_the_buffer_budget():
     assert [indexer_triton.padded(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
 
 
-def test_chunk_columns_reach_each_chunks_last_visible_key():
-    cols = indexer_triton.chunk_columns
-    assert cols(torch.arange(10, dtype=torch.int32), 10, True, 4) == [4, 8, 10]
-    cp = torch.tensor([0, 1, 8, 9], dtype=torch.int32)  # a CP shard: the head and the tail of the sequence
-    assert cols(cp, 10, True, 2) == [2, 10]
-    assert cols(cp, 10, True, 3) == [9, 10]
-    assert cols(torch.arange(10, dtype=torch.int32), 10, False, 4) == [10] * 3  # keys not at their columns
+def test_keys_at_columns_is_a_device_flag():
+    """Key s at position s for every s (no CP, or CP's gathered keys): 1; any other layout: 0."""
+    flag = indexer_triton.keys_at_columns
+    assert flag(torch.arange(6)).tolist() == [1] and flag(torch.arange(6)).dtype == torch.int32
+    assert flag(torch.tensor([0, 1, 3, 2])).tolist() == [0]
+    assert flag(torch.arange(1, 7)).tolist() == [0]
+
+
+def test_top_k_grid_and_its_limits():
+    cfg = indexer_triton.IndexerKernelConfig(topk_programs_per_sm=16)
+    assert indexer_triton.topk_programs(torch.device("cpu"), 1000, cfg) == 64  # 16 per SM, 4 SMs off CUDA
+    assert indexer_triton.topk_programs(torch.device("cpu"), 10, cfg) == 10  # never above the rows
+    ids = torch.empty(1, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_tries must be >= 1 .*, got 0"):
+        indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
+                              cfg=indexer_triton.IndexerKernelConfig(topk_tries=0))
+    with pytest.raises(ValueError, match="scratch needs 8192 int32, got 10"):
+        indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
+                              scratch=torch.empty(10, dtype=torch.int32))
 
 
 def test_fp8_is_for_the_frozen_selection_only():
@@ -236,35 +252,53 @@ def _scores_with_ties(b, rows, cols, device="cuda"):
     return x
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("path", ["sampled bracket", "short rows", "bracket missed"])
-@pytest.mark.parametrize("layout", ["whole rows", "causal", "documents"])
-def test_radix_topk_equals_topk_ids_on_the_same_scores(path, layout):
-    b, rows, cols, kk = 2, 700, 1500, 100
-    x = _scores_with_ties(b, rows, cols)
-    q_start = 800  # the rows are queries 800..1499 of 1500
-    qpos = torch.arange(cols, device="cuda", dtype=torch.int32)
+SELECT_PATHS = {  # (candidate slots, passes before the histogram) as a fraction of the row length
+    "sampled bracket": (1 / 3, 3), "short rows": (1.2, 3), "narrowed": (0.0, 3), "histogram fallback": (0.0, 1)}
+
+
+def _check_select(device, path, layout, b, rows, cols, kk, launch_rows):
+    """The persistent top-k of rows cols - rows .. cols - 1 (launched launch_rows at a time) equals
+    topk_ids on the same scores; other rows' ids untouched."""
+    x = _scores_with_ties(b, rows, cols, device)
+    q_start = cols - rows
+    qpos = torch.arange(cols, device=device, dtype=torch.int32)
     starts = None
-    visible = torch.ones(b, rows, cols, dtype=torch.bool, device="cuda")
+    visible = torch.ones(b, rows, cols, dtype=torch.bool, device=device)
     if layout != "whole rows":
         visible = causal_visible(qpos[q_start:], qpos)[None].expand(b, -1, -1)
     if layout == "documents":
-        starts = torch.tensor([[0] * 1000 + [1000] * 200 + [1200] * 300, [0] * 900 + [900] * 600],
-                              dtype=torch.int32, device="cuda")
+        a, c, e = cols * 2 // 3, cols * 4 // 5, cols * 3 // 5
+        starts = torch.tensor([[0] * a + [a] * (c - a) + [c] * (cols - c), [0] * e + [e] * (cols - e)],
+                              dtype=torch.int32, device=device)
         visible = visible & (qpos[None, None, :] >= starts[:, q_start:, None])
-    buf = torch.full((b, rows, indexer_triton.padded(cols)), float("nan"), device="cuda")
+    buf = torch.full((b, rows, indexer_triton.padded(cols)), float("nan"), device=device)
     # outside a row's range: a score that would win if the kernel read it
     buf[..., :cols] = torch.where(visible, x, float("-inf") if layout == "whole rows" else 1e30)
-    ids = torch.full((b, cols, kk), 12345, dtype=torch.int32, device="cuda")
-    cand = {"sampled bracket": 512, "short rows": 2048, "bracket missed": 16}[path]
-    cfg = indexer_triton.IndexerKernelConfig(topk_block=256, topk_sample=1024, topk_candidates=cand)
-    for r0 in range(0, rows, 300):
-        indexer_triton.select(buf[..., :cols], ids, qpos, q_start, r0, min(300, rows - r0), starts,
+    ids = torch.full((b, cols, kk), 12345, dtype=torch.int32, device=device)
+    frac, tries = SELECT_PATHS[path]
+    cfg = indexer_triton.IndexerKernelConfig(topk_block=256, topk_sample=1024, topk_tries=tries,
+                                             topk_candidates=max(16, int(frac * cols)), topk_programs_per_sm=1)
+    for r0 in range(0, rows, launch_rows):
+        indexer_triton.select(buf[..., :cols], ids, qpos, q_start, r0, min(launch_rows, rows - r0), starts,
                               layout != "whole rows", cfg)
     want = topk_ids(x.masked_fill(~visible, float("-inf")), kk)
     assert torch.equal(ids[:, q_start:], want)
     assert bool((ids[:, :q_start] == 12345).all())  # rows of other chunks untouched
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("path", list(SELECT_PATHS))
+@pytest.mark.parametrize("layout", ["whole rows", "causal", "documents"])
+def test_radix_topk_equals_topk_ids_on_the_same_scores(path, layout):
+    _check_select("cuda", path, layout, 2, 700, 1500, 100, 300)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs Triton's interpreter (triton installed, TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("path, layout", [("sampled bracket", "documents"), ("narrowed", "causal"),
+                                          ("histogram fallback", "whole rows")])
+def test_topk_kernel_under_the_interpreter(path, layout):
+    _check_select("cpu", path, layout, 2, 24, 300, 20, 16)
 
 
 @pytest.mark.gpu
@@ -284,8 +318,9 @@ def test_triton_fp8_quantisation_equals_the_pytorch_formula_bitwise():
 @needs_cuda
 @pytest.mark.parametrize("documents", [False, True])
 def test_op_equals_topk_ids_of_its_own_scores_across_chunks_and_blocks(documents, monkeypatch):
-    """Chunks of 1024 rows, top-k launches of 256 rows, rows longer than the candidate slots: the op's ids
-    equal topk_ids over the kernel's whole score matrix, and its scores equal the reference's."""
+    """Chunks of 1024 rows, a persistent top-k grid (2 programs per SM), rows longer than the candidate
+    slots: the op's ids equal topk_ids over the kernel's whole score matrix, and its scores equal the
+    reference's."""
     b, s, h, d, kk = 2, 3000, 8, 64, 300
     q, w, k = _inputs(b, s, s, h, d, "cuda", torch.bfloat16, seed=11)
     pos = torch.arange(s, device="cuda")
@@ -294,7 +329,8 @@ def test_op_equals_topk_ids_of_its_own_scores_across_chunks_and_blocks(documents
     if documents:
         starts = torch.tensor([[0] * 700 + [700] * 1800 + [2500] * 500, [0] * 3000], device="cuda")
         visible = visible & (pos[None, None, :] >= starts[:, :, None])
-    cfg = indexer_triton.IndexerKernelConfig(topk_rows=256, topk_block=512, topk_sample=256, topk_candidates=1024)
+    cfg = indexer_triton.IndexerKernelConfig(topk_programs_per_sm=2, topk_block=512, topk_sample=256,
+                                             topk_candidates=1024)
     monkeypatch.setattr(indexer_triton, "SCORE_BUFFER_BYTES", 4 * b * 1024 * indexer_triton.padded(s))
     ids = indexer_triton.indexer_topk(q, w, k, pos, pos, kk, False, starts, cfg)
     whole = torch.empty(b, s, s, device="cuda")
@@ -337,6 +373,33 @@ def test_kernel_under_cp_equals_cp1():
         local = local_positions(s, 2, rank, "cuda")
         ids = indexer_topk(q[:, local], w[:, local], k, local, pos, 512)
         assert torch.equal(ids, full[:, local])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_cuda_op_never_syncs_the_host(fp8):
+    """Causal, packed documents, CP's local queries and keys not at their columns: no call waits on the
+    device (torch.cuda.set_sync_debug_mode('error') raises on any synchronising call)."""
+    s = 2000
+    q, w, k = _inputs(1, s, s, 8, 64, "cuda", torch.bfloat16, seed=5)
+    pos = torch.arange(s, device="cuda")
+    starts = torch.tensor([[0] * 900 + [900] * 1100], device="cuda")
+    local = local_positions(s, 2, 1, "cuda")
+    calls = [(q, w, pos, pos, None), (q, w, pos, pos, starts), (q[:, local], w[:, local], local, pos, None),
+             (q, w, pos, pos.flip(0), None)]
+    want = [indexer_topk(qq, ww, k, qp, kp, 300, fp8, st) for qq, ww, qp, kp, st in calls]  # compiles first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [indexer_topk(qq, ww, k, qp, kp, 300, fp8, st) for qq, ww, qp, kp, st in calls]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    if not fp8:  # keys reversed (the unranged path) and documents, against the float64 oracle
+        assert _outside_tolerance(q, w, k, pos, pos.flip(0), got[3], [0, 299, 300, 1000, 1999]) == 0
+        assert _outside_tolerance(q, w, k, pos, pos, got[1], [0, 899, 900, 1400, 1999], starts=starts) == 0
 
 
 @pytest.mark.gpu
