@@ -21,13 +21,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
                                     "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
-                                    "doc_mask", "precision", "memory_plan", "ac_validation_cost", "adamw", "indexer"])
+                                    "doc_mask", "precision", "memory_plan", "ac_validation_cost", "adamw", "indexer",
+                                    "dsa_e2e"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
     out = tmp_path / f"{script}.json"
     args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
-                                             "ac_validation_cost") else []
+                                             "ac_validation_cost", "dsa_e2e") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
@@ -36,6 +37,10 @@ def test_smoke_mode_runs(script, tmp_path):
     if args:
         report = json.loads(out.read_text())
         assert report, script
+    if script == "dsa_e2e":  # both configs trained; the ratio is of their medians
+        rows = {name: run["results"][0] for name, run in report["runs"].items()}
+        assert sorted(rows) == ["dense", "dsa"] and not any("error" in r for r in rows.values())
+        assert report["dsa_over_dense_step_time"] == rows["dsa"]["step_time_s"] / rows["dense"]["step_time_s"]
     if script == "ac_validation_cost":  # tiny: 4 micro-batches x (4 layers + the shared MTP block twice) a step
         assert [(r["region_calls"], r["replays"]) for r in report["steps"]] == [(24, 24)] * 3
         step = report["steps"][-1]
