@@ -12,7 +12,8 @@ Conventions (DeepSeek-V3.2 reference):
   axis, which is the global position when positions start at 0.
 Training (`model.dsa.indexer_mode`): `frozen` computes ids under no_grad through
 `reuse_during_recompute` (a checkpoint replay never reruns it); `kl_dense` / `kl_sparse` train the
-indexer with KL(main-attention distribution || softmax(I)) over all visible keys / the top-k only.
+indexer with KL(main-attention distribution || softmax(I)) over all visible keys (S x S: a short warm-up) /
+the top-k only (ids from `indexer_topk`, the loss in O(S x K): indexer_kl).
 The indexer input is detached in both KL modes (like Megatron-core: the KL loss trains the indexer
 only) and the main attention target is detached. Attention itself is always top-k sparse.
 """
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import gather_sequence
+from spartron.layers.attention.indexer_kl import kl_rows, sparse_indexer_kl
 from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
 from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
@@ -113,63 +115,50 @@ class LightningIndexer(nn.Module):
             return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8, q_starts)
 
 
-def _kl(target: Tensor, log_pred: Tensor) -> Tensor:
-    """sum_s p * (log p - log q) per row, with 0 * log 0 = 0 (and masked log q never multiplied)."""
-    positive = target > 0
-    log_target = torch.where(positive, target, torch.ones_like(target)).log()
-    safe_pred = torch.where(positive, log_pred, torch.zeros_like(log_pred))
-    return (target * (log_target - safe_pred)).sum(-1)
+def _visible_keys(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None) -> Tensor:
+    """`indexer_topk`'s visibility ([S_q, S_kv], or [B, S_q, S_kv] with document starts) as a mask: kl_dense only."""
+    visible = causal_visible(q_positions, k_positions)
+    if q_starts is None:
+        return visible
+    return visible & (k_positions[None, None, :] >= q_starts[:, :, None])
 
 
-def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor,
-                          ids: Tensor | None) -> Tensor:
-    """Detached head-summed, L1-normalised main attention distribution.
-
-    Absorbed form (q [B,S,H,D], kv [B,S_kv,D]). Dense: [B,S,S_kv] over visible keys; sparse
-    (`ids` given): [B,S,K] over the selected keys, 0 at empty slots.
-    """
+def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
+    """Detached [B,S,S_kv]: head-summed, L1-normalised main attention distribution over the visible keys
+    (kl_dense; absorbed form, q [B,S,H,D], kv [B,S_kv,D]). The sparse target: indexer_kl."""
     acc = torch.promote_types(q.dtype, torch.float32)
     with torch.no_grad():
-        if ids is None:
-            scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
-            scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
-        else:
-            valid = ids >= 0
-            picked = _gather_keys(kv, ids).to(acc)  # [B,S,K,D]
-            scores = torch.einsum("bthd,btkd->bhtk", q.to(acc), picked) * scale
-            scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
+        scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
         return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
 
 
-def _gather_keys(keys: Tensor, ids: Tensor) -> Tensor:
-    """keys [B,S_kv,D] at ids [B,S,K] (-1 -> key 0, caller masks) -> [B,S,K,D]."""
-    b, s, k = ids.shape
-    safe = ids.clamp_min(0).long().reshape(b, s * k, 1).expand(-1, -1, keys.shape[-1])
-    return torch.gather(keys, 1, safe).reshape(b, s, k, -1)
-
-
-def indexer_kl_loss(scores: Tensor, target: Tensor, ids: Tensor | None) -> Tensor:
-    """Mean over local queries of KL(target || softmax(I)); sparse when `ids` is given.
+def indexer_kl_loss(scores: Tensor, target: Tensor) -> Tensor:
+    """Mean over local queries of KL(target || softmax(I)) over all visible keys (kl_dense).
 
     scores [B,S,S_kv] (-inf where not visible); target from `main_attention_target`.
     """
-    if ids is not None:
-        picked = torch.gather(scores, -1, ids.clamp_min(0).long())
-        scores = picked.masked_fill(ids < 0, float("-inf"))
-    return _kl(target, F.log_softmax(scores, dim=-1)).mean()
+    return kl_rows(target, F.log_softmax(scores, dim=-1)).mean()
 
 
 def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor,
-                                 visible: Tensor, q_abs: Tensor, kv: Tensor, scale: float, sparse: bool,
-                                 coeff: float) -> tuple[Tensor, Tensor]:
-    """KL-trained indexer: ids (selection reused on replay) and coeff * KL loss.
+                                 q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, q_abs: Tensor,
+                                 kv: Tensor, scale: float, sparse: bool, coeff: float) -> tuple[Tensor, Tensor]:
+    """KL-trained indexer: ids (the selection reused on replay) and coeff * KL loss.
 
-    Inputs are detached so the loss trains only the indexer. Materialises [B,S,H_idx,S_kv]: meant
-    for warm-up lengths; a fused kernel is future work.
+    Inputs are detached so the loss trains only the indexer; positions and `q_starts` (packed documents) as
+    for `indexer_topk`. kl_sparse (V3.2's sparse stage): ids from `spartron::indexer_topk` (the Triton kernel
+    on CUDA), then the loss over those ids in O(S x K) memory (indexer_kl). kl_dense (the dense warm-up)
+    is a distribution over ALL visible keys, so it materialises [B,S,H_idx,S_kv] logits and [B,S,S_kv]
+    scores by definition: meant for short warm-up sequences.
     """
     q, weights, k = indexer(x.detach(), q_in.detach(), cos, sin)
+    if sparse:
+        ids = reuse_during_recompute(indexer_topk, q.detach(), weights.detach(), k.detach(), q_positions,
+                                     k_positions, indexer.topk, indexer.fp8, q_starts)
+        return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale)
+    visible = _visible_keys(q_positions, k_positions, q_starts)
     scores = index_scores(q, weights, k, visible)
     ids = reuse_during_recompute(topk_ids, scores.detach(), indexer.topk)
-    target = main_attention_target(q_abs, kv, scale, visible, ids if sparse else None)
-    return ids, coeff * indexer_kl_loss(scores, target, ids if sparse else None)
+    return ids, coeff * indexer_kl_loss(scores, main_attention_target(q_abs, kv, scale, visible))

@@ -1,0 +1,119 @@
+"""The trained indexer's sparse KL loss (`model.dsa.indexer_mode = "kl_sparse"`) in O(S x K) memory.
+
+V3.2's sparse training stage trains the indexer on the main attention's distribution over the indexer's own
+top-k. Every quantity is per query row over its K selected keys, so all of it runs in query chunks and no
+[S, S_kv] tensor exists (materialised, the per-head logits alone are 34 GB at 16k with 32 index heads):
+- `selected_index_scores`: I_sel[b,t,j] = sum_h w[b,t,h] ReLU(q[b,t,h] . k[b, ids[b,t,j]]), -inf at -1 slots;
+  an autograd.Function that saves only its inputs and recomputes each chunk in backward (saved, the
+  [S, H, K] logits would be O(S x H x K));
+- `sparse_attention_target`: the detached, head-summed, L1-normalised main attention distribution over the
+  same slots (absorbed MLA form, q [B,S,H,D] against the latent rows kv [B,S_kv,D]);
+- `kl_rows`: KL(target || softmax(I_sel)) per row.
+Accumulation is float32 or wider (the inputs' dtype promoted), as in `indexer_topk.index_scores`. The ids
+come from `spartron::indexer_topk` (dsa.trained_indexer_ids_and_loss). Chunks hold about `_CHUNK_BYTES` of
+temporaries; `chunk` (query rows) overrides that, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Bytes of per-chunk temporaries (gathered key rows and [chunk, H, K] logits).
+_CHUNK_BYTES = 1 << 29
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rows(chunk: int | None, batch: int, slots: int, row_bytes: int) -> int:
+    """Query rows per chunk: `chunk`, else as many as keep batch x rows x slots x row_bytes under the budget."""
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"indexer_kl: chunk must be >= 1 query row, got {chunk}")
+        return chunk
+    return max(1, _CHUNK_BYTES // max(1, batch * slots * row_bytes))
+
+
+def gather_keys(keys: Tensor, ids: Tensor) -> Tensor:
+    """keys [B,S_kv,D] at ids [B,S,K] (-1 -> key 0, the caller masks) -> [B,S,K,D]."""
+    b, s, k = ids.shape
+    safe = ids.clamp_min(0).long().reshape(b, s * k, 1).expand(-1, -1, keys.shape[-1])
+    return torch.gather(keys, 1, safe).reshape(b, s, k, -1)
+
+
+class _SelectedScores(torch.autograd.Function):
+    """I_sel and its gradients chunk by chunk; saves q, w, k, ids only (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(q, weights, k, ids)
+        ctx.chunk = chunk
+        acc = _acc(q.dtype)
+        out = torch.empty(ids.shape, dtype=acc, device=q.device)
+        for c0 in range(0, ids.shape[1], chunk):
+            rows = slice(c0, c0 + chunk)
+            logits = torch.einsum("bthd,btkd->bthk", q[:, rows].to(acc), gather_keys(k, ids[:, rows]).to(acc))
+            out[:, rows] = torch.einsum("bthk,bth->btk", logits.relu(), weights[:, rows].to(acc))
+        return out.masked_fill_(ids < 0, float("-inf"))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        q, weights, k, ids = ctx.saved_tensors
+        acc, (b, s_kv, d) = _acc(q.dtype), k.shape
+        grad = grad.to(acc).masked_fill(ids < 0, 0.0)  # -1 slots: no gradient (their score is -inf)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dw = torch.empty(weights.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(b * s_kv, d, dtype=acc, device=q.device)
+        flat = ids.clamp_min(0).long() + torch.arange(b, device=ids.device)[:, None, None] * s_kv
+        for c0 in range(0, ids.shape[1], ctx.chunk):
+            rows = slice(c0, c0 + ctx.chunk)
+            qc, keys, g = q[:, rows].to(acc), gather_keys(k, ids[:, rows]).to(acc), grad[:, rows]
+            logits = torch.einsum("bthd,btkd->bthk", qc, keys)
+            dw[:, rows] = torch.einsum("bthk,btk->bth", logits.relu(), g)
+            dlogits = (g[:, :, None, :] * weights[:, rows, :, None].to(acc)).masked_fill_(logits <= 0, 0.0)
+            dq[:, rows] = torch.einsum("bthk,btkd->bthd", dlogits, keys)
+            dk.index_add_(0, flat[:, rows].reshape(-1), torch.einsum("bthk,bthd->btkd", dlogits, qc).reshape(-1, d))
+        return dq.to(q.dtype), dw.to(weights.dtype), dk.view(k.shape).to(k.dtype), None, None
+
+
+def selected_index_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int | None = None) -> Tensor:
+    """I_sel [B,S,K] (>= float32, -inf at -1 slots), differentiable in q [B,S,H,d], weights [B,S,H], k [B,S_kv,d]."""
+    b, _, h, d = q.shape
+    rows = _rows(chunk, b, ids.shape[-1], 4 * (2 * d + 3 * h))  # backward: keys, dk rows, logits, relu, dlogits
+    return _SelectedScores.apply(q, weights, k, ids, rows)
+
+
+def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, chunk: int | None = None) -> Tensor:
+    """Detached [B,S,K]: sum over heads of softmax(scale * q . kv[ids]) over the valid slots, L1-normalised;
+    0 at -1 slots. q [B,S,H,D] (absorbed queries), kv [B,S_kv,D] (latent rows)."""
+    acc = _acc(q.dtype)
+    b, _, h, d = q.shape
+    rows = _rows(chunk, b, ids.shape[-1], 4 * (d + 3 * h))  # gathered rows, scores, probabilities
+    out = torch.empty(ids.shape, dtype=acc, device=q.device)
+    with torch.no_grad():
+        for c0 in range(0, ids.shape[1], rows):
+            sl = slice(c0, c0 + rows)
+            scores = torch.einsum("bthd,btkd->bhtk", q[:, sl].to(acc), gather_keys(kv, ids[:, sl]).to(acc)) * scale
+            scores = scores.masked_fill(ids[:, None, sl] < 0, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
+            out[:, sl] = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    return out
+
+
+def kl_rows(target: Tensor, log_pred: Tensor) -> Tensor:
+    """sum_s p * (log p - log q) per row, with 0 * log 0 = 0 (and masked log q never multiplied)."""
+    positive = target > 0
+    log_target = torch.where(positive, target, torch.ones_like(target)).log()
+    safe_pred = torch.where(positive, log_pred, torch.zeros_like(log_pred))
+    return (target * (log_target - safe_pred)).sum(-1)
+
+
+def sparse_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, q_abs: Tensor, kv: Tensor, scale: float,
+                      chunk: int | None = None) -> Tensor:
+    """Mean over the B x S query rows of KL(main attention over the ids || softmax(I_sel)); gradient into the
+    indexer's q, weights and k only."""
+    target = sparse_attention_target(q_abs, kv, scale, ids, chunk)
+    return kl_rows(target, F.log_softmax(selected_index_scores(q, weights, k, ids, chunk), dim=-1)).mean()

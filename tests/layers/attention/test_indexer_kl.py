@@ -1,0 +1,292 @@
+"""kl_sparse in O(S x K): against the materialising implementation it replaces, memory, MLA with AC, 16k on CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from spartron.checkpointing.apply import apply_activation_checkpointing
+from spartron.checkpointing.config import ACConfig
+from spartron.layers.attention.dsa import LightningIndexer, trained_indexer_ids_and_loss
+from spartron.layers.attention.indexer_kl import (
+    kl_rows,
+    selected_index_scores,
+    sparse_attention_target,
+    sparse_indexer_kl,
+)
+from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
+from spartron.layers.attention.mla import MLA
+from spartron.layers.attention.rope import rope_cos_sin
+from spartron.layers.config import ModelConfig
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton indexer kernel at 16k")
+
+
+def make_cfg(**dsa):
+    return ModelConfig.model_validate(dict(
+        dim=16, n_heads=2, n_layers=3, first_k_dense=1,
+        mla=dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+        dsa={**dict(n_index_heads=3, index_head_dim=8, index_topk=5, topk_freq=2, indexer_mode="kl_sparse",
+                    indexer_loss_coeff=0.5), **dsa}))
+
+
+def inputs(b, s, h_idx, d, heads, width, dtype, seed=0, device="cpu"):
+    """Indexer q, w, k and absorbed-MLA q_abs, kv with the scales the layers give them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    return (randn(b, s, h_idx, d), randn(b, s, h_idx, scale=(h_idx * d) ** -0.5), randn(b, s, d),
+            randn(b, s, heads, width), randn(b, s, width))
+
+
+def starts_of(lengths_per_row):
+    """[B, S] document start of every query of rows packed with documents of these lengths."""
+    return torch.tensor([[sum(ls[:i]) for i, n in enumerate(ls) for _ in range(n)] for ls in lengths_per_row])
+
+
+def visible_keys(pos, starts):
+    vis = causal_visible(pos, pos)[None].expand(starts.shape[0], -1, -1)
+    return vis & (pos[None, None, :] >= starts[:, :, None])
+
+
+def materialised_kl_sparse(q, w, k, visible, q_abs, kv, scale, topk):
+    """The implementation kl_sparse replaced (dsa.py before indexer_kl): full [B,S,S_kv] index scores, ids by
+    topk_ids over them, the target over [B,S,K,D] gathered rows, the KL over the gathered scores."""
+    scores = index_scores(q, w, k, visible)
+    ids = topk_ids(scores.detach(), topk)
+    acc = torch.promote_types(q_abs.dtype, torch.float32)
+    with torch.no_grad():
+        b, s, kk = ids.shape
+        picked = torch.gather(kv, 1, ids.clamp_min(0).long().reshape(b, s * kk, 1).expand(-1, -1, kv.shape[-1]))
+        logits = torch.einsum("bthd,btkd->bhtk", q_abs.to(acc), picked.reshape(b, s, kk, -1).to(acc)) * scale
+        probs = torch.softmax(logits.masked_fill((ids < 0)[:, None], float("-inf")), -1).nan_to_num(0.0).sum(1)
+        target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    picked_scores = torch.gather(scores, -1, ids.clamp_min(0).long()).masked_fill(ids < 0, float("-inf"))
+    log_q = F.log_softmax(picked_scores, -1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-300).log() - torch.where(target > 0, log_q, 0)), 0)
+    return ids, picked_scores, target, kl.sum(-1).mean()
+
+
+# float64: only the order of the float reductions changed (a [H, K] product per query against slices of one
+# [S_q*H, S_kv] product; dk by index_add_ instead of a matmul), so the results agree to rounding;
+# float32: the same at its rounding.
+TOL = {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=1e-6, atol=1e-6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("documents", [False, True])
+def test_new_path_equals_the_materialising_implementation(dtype, chunk, documents):
+    """Same ids (bitwise: the op's reference is the same scores and rule), scores, target, loss and
+    gradients into q, w and k; packed documents, -1 slots (early rows, short documents), chunks < S."""
+    b, s, topk = 2, 13, 5
+    q, w, k, q_abs, kv = inputs(b, s, 3, 8, 4, 12, dtype)
+    pos = torch.arange(s)
+    starts = starts_of([[4, 6, 3], [13]]) if documents else torch.zeros(b, s, dtype=torch.int64)
+    leaves = [t.requires_grad_() for t in (q, w, k)]
+    ids_old, scores_old, target_old, loss_old = materialised_kl_sparse(q, w, k, visible_keys(pos, starts), q_abs, kv,
+                                                                       0.3, topk)
+    old_grads = torch.autograd.grad(loss_old, leaves)
+
+    ids = indexer_topk(q, w, k, pos, pos, topk, q_starts=starts if documents else None)
+    assert torch.equal(ids, ids_old) and bool((ids < 0).any())
+    scores = selected_index_scores(q, w, k, ids, chunk)
+    target = sparse_attention_target(q_abs, kv, 0.3, ids, chunk)
+    assert torch.equal(target, target_old)  # the per-query products, the same ops in the same order
+    assert torch.equal(torch.isneginf(scores), ids < 0)
+    torch.testing.assert_close(scores, scores_old, **TOL[dtype])
+    loss = sparse_indexer_kl(q, w, k, ids, q_abs, kv, 0.3, chunk)
+    torch.testing.assert_close(loss, loss_old, **TOL[dtype])
+    torch.testing.assert_close(loss, kl_rows(target, F.log_softmax(scores, -1)).mean(), rtol=0, atol=0)
+    for new, old in zip(torch.autograd.grad(loss, leaves), old_grads, strict=True):
+        assert bool(old.abs().sum() > 0)
+        torch.testing.assert_close(new, old, **TOL[dtype])
+
+
+def test_selected_scores_gradient_matches_autograd_of_the_formula():
+    """The hand-written backward against autograd of the formula on the gathered rows (float64 gradcheck)."""
+    q, w, k, _, _ = inputs(1, 7, 2, 4, 1, 4, torch.float64, seed=2)
+    ids = indexer_topk(q, w, k, torch.arange(7), torch.arange(7), 3)
+    q, w, k = (t.requires_grad_() for t in (q, w, k))
+    finite = ids >= 0
+
+    def f(q, w, k):
+        return torch.where(finite, selected_index_scores(q, w, k, ids, 2), 0.0)
+
+    assert torch.autograd.gradcheck(f, (q, w, k))
+
+
+def test_chunk_must_be_positive():
+    q, w, k, _, _ = inputs(1, 4, 2, 4, 1, 4, torch.float32)
+    with pytest.raises(ValueError, match="indexer_kl: chunk must be >= 1 query row, got 0"):
+        selected_index_scores(q, w, k, torch.zeros(1, 4, 2, dtype=torch.int32), 0)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest numel any op returns (forward and backward), and how often each op ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.calls = 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+def indexer_setup(s, topk, seed=0):
+    cfg = make_cfg(index_topk=topk)
+    indexer = LightningIndexer(cfg)
+    g = torch.Generator().manual_seed(seed)
+    x, q_in = torch.randn(1, s, 16, generator=g), torch.randn(1, s, 12, generator=g)
+    q_abs, kv = torch.randn(1, s, 2, 14, generator=g), torch.randn(1, s, 14, generator=g)
+    pos = torch.arange(s)
+    return indexer, x, q_in, *rope_cos_sin(pos, cfg.mla), pos, q_abs, kv
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_kl_sparse_allocates_nothing_of_size_s_by_s_kv(sparse):
+    """Forward + backward of trained_indexer_ids_and_loss at S = 1024: every tensor any op makes (the selection
+    op counts as one) stays under S x S_kv / 8; kl_dense, materialising by definition, does not (the check can
+    fail)."""
+    s, topk = 1024, 8
+    indexer, x, q_in, cos, sin, pos, q_abs, kv = indexer_setup(s, topk)
+    with LargestTensor() as seen:
+        ids, loss = trained_indexer_ids_and_loss(indexer, x, q_in, cos, sin, pos, pos, None, q_abs, kv, 0.3,
+                                                 sparse=sparse, coeff=0.5)
+        loss.backward()
+    assert ids.shape == (1, s, topk) and all(p.grad is not None for p in indexer.parameters())
+    if sparse:
+        assert seen.calls["spartron.indexer_topk.default"] == 1
+        assert seen.largest < s * s / 8, seen.largest
+    else:
+        assert seen.largest >= s * s * 3  # [B, S, H_idx, S_kv] logits
+
+
+@pytest.mark.parametrize("ac", [dict(mode="full"), dict(mode="selective", reentrant=False)])
+def test_kl_sparse_trains_through_mla_under_activation_checkpointing(ac):
+    """One step under AC equals eager (ids, losses, gradients), the selection runs once (its replay reuses the
+    ids), the indexer gets nonzero gradients, and SGD on the indexer lowers the KL loss."""
+    cfg = make_cfg(index_topk=4, indexer_loss_coeff=1.0)
+    torch.manual_seed(0)
+    eager = MLA(cfg, 1)
+    checkpointed = apply_activation_checkpointing(copy.deepcopy(eager), ACConfig(**ac))
+    x, pos = torch.randn(2, 12, 16), torch.arange(12)
+
+    def step(module):
+        out = module(x, pos)
+        (out["hidden_states"].square().mean() + out["indexer_loss"]).backward()
+        return out
+
+    want = step(eager)
+    with LargestTensor() as seen:
+        got = step(checkpointed)
+    assert seen.calls["spartron.indexer_topk.default"] == 1
+    assert torch.equal(got["dsa_topk_ids"], want["dsa_topk_ids"]) and bool((want["dsa_topk_ids"] < 0).any())
+    torch.testing.assert_close(got["indexer_loss"], want["indexer_loss"], rtol=0, atol=0)
+    for (name, a), b in zip(checkpointed.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name  # the replay recomputes the same ops on the same ids
+    assert all(bool(p.grad.abs().sum() > 0) for p in checkpointed.indexer.parameters())
+
+    opt = torch.optim.SGD(checkpointed.indexer.parameters(), lr=0.5)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = checkpointed(x, pos)["indexer_loss"]
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+# --- sampled rows against float64 math (CPU here; CUDA at 16k below) -------------------------------------------
+
+def reference_rows(q, w, k, q_abs, kv, scale, ids, rows):
+    """float64 I_sel, target, per-row KL and its gradients into q and w at `rows` (batch 0), from the formula."""
+    sel = ids[0, rows].long()
+    valid = sel >= 0
+    keys, latent = k[0].double()[sel.clamp_min(0)], kv[0].double()[sel.clamp_min(0)]  # [R, K, d], [R, K, D]
+    qr = q[0, rows].detach().double().requires_grad_()
+    wr = w[0, rows].detach().double().requires_grad_()
+    scores = torch.einsum("rhk,rh->rk", torch.einsum("rhd,rkd->rhk", qr, keys).relu(), wr)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    logits = torch.einsum("rhd,rkd->rhk", q_abs[0, rows].double(), latent) * scale
+    probs = torch.softmax(logits.masked_fill(~valid[:, None], float("-inf")), -1).sum(1)
+    target = probs / probs.sum(-1, keepdim=True)
+    log_q = F.log_softmax(scores, -1)
+    kl = torch.where(valid, target * (target.clamp_min(1e-300).log() - torch.where(valid, log_q, 0)), 0).sum(-1)
+    dq, dw = torch.autograd.grad(kl.sum() / (q.shape[0] * q.shape[1]), (qr, wr))
+    return scores.detach(), target, kl.detach(), dq, dw
+
+
+def rel(a, b):
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-300))
+
+
+def check_sampled_rows(device, s, h_idx, d, heads, width, topk, rows, tol, memory_bound=None):
+    """kl_sparse at (s, topk) on `device`; rows compared with `reference_rows` on the CPU in float64.
+    Returns the peak bytes allocated by the path on CUDA (None elsewhere)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, w, k, q_abs, kv = inputs(1, s, h_idx, d, heads, width, dtype, seed=5, device=device)
+    q, w, k = (t.requires_grad_() for t in (q, w, k))
+    pos = torch.arange(s, device=device)
+    scale = width**-0.5
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    ids = indexer_topk(q, w, k, pos, pos, topk)
+    scores = selected_index_scores(q, w, k, ids)
+    target = sparse_attention_target(q_abs, kv, scale, ids)
+    per_row = kl_rows(target, F.log_softmax(scores, -1))
+    per_row.mean().backward()
+    peak = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < memory_bound, f"kl_sparse peak {peak / 2**30:.2f} GiB >= {memory_bound / 2**30:.2f} GiB"
+    cpu = [t.detach().cpu() for t in (q, w, k, q_abs, kv)]
+    want_scores, want_target, want_kl, want_dq, want_dw = reference_rows(*cpu, scale, ids.cpu(), rows)
+    fin = ids[0, rows].cpu() >= 0
+    assert torch.equal(torch.isneginf(scores[0, rows].cpu()), ~fin)
+    assert rel(scores[0, rows].cpu()[fin], want_scores[fin]) < tol
+    assert rel(target[0, rows], want_target) < tol
+    assert rel(per_row[0, rows].detach(), want_kl) < tol
+    assert rel(q.grad[0, rows], want_dq) < tol and rel(w.grad[0, rows], want_dw) < tol
+    # the ids: the float64 top-k of every sampled row, except keys within 1e-3 of the k-th score
+    for r in rows:
+        exact = index_scores(cpu[0][:, r:r + 1].double(), cpu[1][:, r:r + 1].double(), cpu[2].double(),
+                             causal_visible(pos[r:r + 1].cpu(), pos.cpu()))[0, 0]
+        top = exact.topk(min(topk, r + 1))
+        got = ids[0, r].cpu()
+        got = got[got >= 0].long()
+        assert got.numel() == top.indices.numel()
+        differ = torch.cat([got[~torch.isin(got, top.indices)], top.indices[~torch.isin(top.indices, got)]])
+        assert bool(((exact[differ] - top.values[-1]).abs() <= 1e-3 * top.values[-1].abs()).all()), r
+    return peak
+
+
+def test_sampled_rows_match_float64_math_on_cpu():
+    """The CUDA check's own logic at a CPU size (float32 inputs)."""
+    check_sampled_rows("cpu", 300, 4, 16, 3, 24, 32, [0, 1, 31, 32, 150, 299], tol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kl_sparse_at_16k_on_cuda_under_a_memory_bound():
+    """16k tokens, 32 index heads x 128, top-k 2048, 16 heads x 576 (the preset's attention): the indexer kernel's
+    ids, the chunked loss and its gradients in bf16 on the H200, sampled rows against float64 CPU math. The
+    materialising path needed 32 GiB for the per-head logits alone; the bound is 8 GiB."""
+    peak = check_sampled_rows("cuda", 16384, 32, 128, 16, 576, 2048, [0, 1, 2047, 2048, 5000, 12345, 16383],
+                              tol=1e-2, memory_bound=8 << 30)
+    print(f"kl_sparse 16k peak {peak / 2**30:.2f} GiB")
