@@ -1,16 +1,19 @@
 """The two per-head products of absorbed MLA (DSA layers), laid out for `spartron::sparse_mla`.
 
 absorbed_query: q_abs = (q_nope @ W_uk[h]) ++ q_pe, [B, S, H, kv_lora + rope], contiguous.
-latent_values:  out = out_latent @ W_uv[h]^T, [B, S, H, v] (a view of [H, B*S, v]).
+latent_values:  out = out_latent @ W_uv[h]^T, [B, S, H, v], contiguous (wo reads it as [B, S, H*v]).
 
 Both are one bmm batched over heads, on [H, B*S, n] views that cost no copy. Written with einsum and
 cat (the plain form, kept for compiled graphs), autograd moves more bytes than the math needs: the
-product lands in [H, B*S, kv_lora] and a cat copies it into q_abs, and the latent gradient lands in
-[H, B*S, kv_lora] too, which the sparse op's backward then copies into the [B, S, H, kv_lora] layout
-it reads (1 GiB per DSA layer at 64k tokens x 16 heads in bf16). Here the bmm writes straight into a
-[B, S, H, *] buffer instead (`out=` a strided view), forward and backward; every other product is the
-same bmm on the same operands, so values and gradients equal the einsum form's bitwise (CPU float32).
-Dynamo takes no strided `out=`, so under torch.compile both functions are the einsum form.
+query product lands in [H, B*S, kv_lora] and a cat copies it into q_abs; the latent gradient lands
+there too and the sparse op's backward copies it into the [B, S, H, kv_lora] layout it reads (1 GiB
+per DSA layer at 64k tokens x 16 heads in bf16); the values land in [H, B*S, v] and the reshape for
+wo copies them. Here each bmm writes straight into a [B, S, H, *] buffer (`out=` a strided view),
+forward and backward; every other product is the same bmm on the same operands, so values and
+gradients equal the einsum form's bitwise (CPU float32). Under selective AC, which saves aten::bmm,
+a saved `out=` bmm costs one copy of what it wrote (the region keeps it, the replay copies it back),
+so there only the backward copy is saved. Dynamo takes no strided `out=`: under torch.compile both
+functions are the einsum form.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class _LatentValues(torch.autograd.Function):
     def forward(ctx, latent: Tensor, w_uv: Tensor) -> Tensor:
         b, s, h, _ = latent.shape
         ctx.save_for_backward(latent, w_uv)
-        return torch.bmm(_heads_first(latent), w_uv.transpose(1, 2)).view(h, b, s, -1).permute(1, 2, 0, 3)
+        out = latent.new_empty(b, s, h, w_uv.shape[1])
+        torch.bmm(_heads_first(latent), w_uv.transpose(1, 2), out=_heads_first_view(out))
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -184,6 +184,6 @@ class MLA(nn.Module):
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
-        out = latent_values(out_latent, w_uv)  # its backward writes the latent grad in sparse_mla's layout
+        out = latent_values(out_latent, w_uv)  # wo's layout; its backward, the latent grad in sparse_mla's
         return AttentionOutput(hidden_states=self.wo(out.reshape(b, s, h * self.v_dim)), dsa_topk_ids=ids,
                                indexer_loss=loss)
