@@ -19,14 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
-from spartron.layers.attention.absorbed import absorbed_query, latent_values
 from spartron.layers.attention.context_parallel import (
     check_local_positions,
     cp_positions,
     cp_size_of,
     gather_sequence,
 )
-from spartron.layers.attention.doc_mask import check_document_positions, document_attention, document_visible
+from spartron.layers.attention.doc_mask import check_document_positions, document_attention
 from spartron.layers.attention.dsa import (
     LightningIndexer,
     causal_visible,
@@ -163,7 +162,7 @@ class MLA(nn.Module):
     def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
         b, s, h, _ = q_nope.shape
         w_uk, w_uv = self._absorbed_weights()
-        q_abs = absorbed_query(q_nope, q_pe, w_uk)  # written in place: no cat (attention.absorbed)
+        q_abs = torch.cat((torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_pe), dim=-1)
         loss = None
         if ids is None:  # a source computing its ids
             dsa = self.cfg.dsa
@@ -184,6 +183,6 @@ class MLA(nn.Module):
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
-        out = latent_values(out_latent, w_uv)  # wo's layout; its backward, the latent grad in sparse_mla's
+        out = torch.einsum("bshc,hvc->bshv", out_latent, w_uv)
         return AttentionOutput(hidden_states=self.wo(out.reshape(b, s, h * self.v_dim)), dsa_topk_ids=ids,
                                indexer_loss=loss)
