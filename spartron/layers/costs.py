@@ -14,8 +14,10 @@ FLOPs count what the layers compute, per trained token, forward + backward = 3 x
 - the lightning indexer runs only in DSA SOURCE layers (`dsa_schedule`; consumers reuse the ids):
   projections, and 2 x index heads x (index dim + 1) per visible key for the weighted scores. A
   frozen indexer runs forward only (no grad); a KL-trained one has detached inputs (its
-  projections get weight gradients only: 2 x forward), trains its scores (3 x) and computes the
-  main-attention target without grad over the visible keys (kl_dense) or the top-k (kl_sparse).
+  projections get weight gradients only: 2 x forward) and computes the main-attention target without
+  grad; kl_dense trains its scores over the visible keys (3 x) with the target over them, kl_sparse
+  selects over the visible keys without grad (1 x, `indexer_topk`) and trains its scores (3 x) with the
+  target over the top-k only (attention.indexer_kl; its backward's recompute of the logits not counted).
 """
 
 from __future__ import annotations
@@ -141,13 +143,16 @@ def training_flop_parts(m: ModelConfig, seq_len: int) -> FlopParts:
         if role != "source":
             continue
         scores = 2 * d.n_index_heads * (d.index_head_dim + 1) * all_keys
+        target = 2 * h * (a.kv_lora_rank + a.qk_rope_head_dim)
         if d.indexer_mode == "frozen":
             idx_proj += 2 * indexer_matmul_params(m)
             idx_scores += scores
-        else:
-            target_keys = all_keys if d.indexer_mode == "kl_dense" else topk_keys
+        elif d.indexer_mode == "kl_sparse":  # no-grad selection over all keys, trained scores at the top-k only
             idx_proj += 4 * indexer_matmul_params(m)
-            idx_scores += 3 * scores + 2 * h * (a.kv_lora_rank + a.qk_rope_head_dim) * target_keys
+            idx_scores += scores + (3 * 2 * d.n_index_heads * (d.index_head_dim + 1) + target) * topk_keys
+        else:
+            idx_proj += 4 * indexer_matmul_params(m)
+            idx_scores += 3 * scores + target * all_keys
     head = 6 * m.dim * m.vocab_size
     proj += head + m.mtp.depth * (6 * 2 * m.dim * m.dim + head)
     return FlopParts(projections=proj, attention=attn, indexer_projections=idx_proj, indexer_scores=idx_scores)
