@@ -129,6 +129,24 @@ def test_chunk_must_be_positive():
         selected_index_scores(q, w, k, torch.zeros(1, 4, 2, dtype=torch.int32), 0)
 
 
+def test_kl_sparse_compiles_as_one_graph():
+    """train.compile: the selection op, the chunked Function (forward and backward) and the KL trace with
+    fullgraph=True (aot_eager: the graph, not inductor's codegen), equal to eager."""
+    q, w, k, q_abs, kv = inputs(2, 13, 3, 8, 4, 12, torch.float32, seed=4)
+    pos = torch.arange(13)
+
+    def loss(q, w, k):
+        return sparse_indexer_kl(q, w, k, indexer_topk(q, w, k, pos, pos, 5), q_abs, kv, 0.3, chunk=4)
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, w, k)]
+        value = fn(*leaves)
+        results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 class LargestTensor(TorchDispatchMode):
     """The largest numel any op returns (forward and backward), and how often each op ran."""
 
