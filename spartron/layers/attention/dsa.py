@@ -86,6 +86,7 @@ class LightningIndexer(nn.Module):
         self.rope_dim = cfg.mla.qk_rope_head_dim
         self.topk = dsa.index_topk
         self.fp8 = dsa.indexer_fp8  # the frozen selection's dot in float8 e4m3 (model.dsa.indexer_fp8)
+        self.deterministic = dsa.deterministic_dkv  # kl_sparse's key gradient in fixed point too (indexer_kl)
         self.cp_group = cp_group
         q_in = cfg.mla.q_lora_rank or cfg.dim
         self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
@@ -157,7 +158,8 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
     if sparse:
         ids = reuse_during_recompute(indexer_topk, q.detach(), weights.detach(), k.detach(), q_positions,
                                      k_positions, indexer.topk, indexer.fp8, q_starts)
-        return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale)
+        return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale,
+                                              deterministic=indexer.deterministic)
     visible = _visible_keys(q_positions, k_positions, q_starts)
     scores = index_scores(q, weights, k, visible)
     ids = reuse_during_recompute(topk_ids, scores.detach(), indexer.topk)

@@ -11,7 +11,9 @@ top-k. Every quantity is per query row over its K selected keys, so all of it ru
 - `kl_rows`: KL(target || softmax(I_sel)) per row.
 Accumulation is float32 or wider (the inputs' dtype promoted), as in `indexer_topk.index_scores`. The ids
 come from `spartron::indexer_topk` (dsa.trained_indexer_ids_and_loss). Chunks hold about `_CHUNK_BYTES` of
-temporaries; `chunk` (query rows) overrides that, for tests.
+temporaries; `chunk` (query rows) overrides that, for tests. The key gradient is a scatter-add over the
+selected keys (atomics on CUDA, so its last bits vary run to run); `deterministic` (model.dsa.deterministic_dkv)
+adds each chunk's rows in int64 fixed point instead (`_add_rows_fixed_point`): bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -44,13 +46,27 @@ def gather_keys(keys: Tensor, ids: Tensor) -> Tensor:
     return torch.gather(keys, 1, safe).reshape(b, s, k, -1)
 
 
+def _add_rows_fixed_point(dst: Tensor, index: Tensor, rows: Tensor) -> None:
+    """dst (float64) += rows index-added at `index`, the same bits whatever order the adds run in: the rows are
+    rounded to integers at one power-of-two scale, summed as int64 (associative), then scaled back. No partial
+    sum of n rows exceeds n x max|rows| < 2^e, so the scale 2^(62 - e) never overflows, and each add is exact
+    to 2^(e - 63) (a chunk of at most 16k x 2048 = 2^25 rows: 2^-37 of max|rows|, far below float32's
+    rounding of the sum). The scale is computed on the device: no host sync."""
+    bound = rows.abs().amax().double() * rows.shape[0]
+    two = torch.full((), 2.0, dtype=torch.float64, device=rows.device)
+    scale = two.pow((62 - torch.frexp(bound).exponent).clamp_max(1000).double())  # finite in float64
+    ints = torch.round(rows.double() * scale).long()
+    dst += torch.zeros(dst.shape, dtype=torch.int64, device=dst.device).index_add_(0, index, ints).double() / scale
+
+
 class _SelectedScores(torch.autograd.Function):
     """I_sel and its gradients chunk by chunk; saves q, w, k, ids only (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int) -> Tensor:  # noqa: ANN001
+    def forward(ctx, q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int,  # noqa: ANN001
+                deterministic: bool) -> Tensor:
         ctx.save_for_backward(q, weights, k, ids)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.deterministic = chunk, deterministic
         acc = _acc(q.dtype)
         out = torch.empty(ids.shape, dtype=acc, device=q.device)
         for c0 in range(0, ids.shape[1], chunk):
@@ -66,7 +82,7 @@ class _SelectedScores(torch.autograd.Function):
         grad = grad.to(acc).masked_fill(ids < 0, 0.0)  # -1 slots: no gradient (their score is -inf)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dw = torch.empty(weights.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(b * s_kv, d, dtype=acc, device=q.device)
+        dk = torch.zeros(b * s_kv, d, dtype=torch.float64 if ctx.deterministic else acc, device=q.device)
         flat = ids.clamp_min(0).long() + torch.arange(b, device=ids.device)[:, None, None] * s_kv
         for c0 in range(0, ids.shape[1], ctx.chunk):
             rows = slice(c0, c0 + ctx.chunk)
@@ -75,15 +91,21 @@ class _SelectedScores(torch.autograd.Function):
             dw[:, rows] = torch.einsum("bthk,btk->bth", logits.relu(), g)
             dlogits = (g[:, :, None, :] * weights[:, rows, :, None].to(acc)).masked_fill_(logits <= 0, 0.0)
             dq[:, rows] = torch.einsum("bthk,btkd->bthd", dlogits, keys)
-            dk.index_add_(0, flat[:, rows].reshape(-1), torch.einsum("bthk,bthd->btkd", dlogits, qc).reshape(-1, d))
-        return dq.to(q.dtype), dw.to(weights.dtype), dk.view(k.shape).to(k.dtype), None, None
+            index, dk_rows = flat[:, rows].reshape(-1), torch.einsum("bthk,bthd->btkd", dlogits, qc).reshape(-1, d)
+            if ctx.deterministic:
+                _add_rows_fixed_point(dk, index, dk_rows)
+            else:
+                dk.index_add_(0, index, dk_rows)
+        return dq.to(q.dtype), dw.to(weights.dtype), dk.view(k.shape).to(k.dtype), None, None, None
 
 
-def selected_index_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int | None = None) -> Tensor:
-    """I_sel [B,S,K] (>= float32, -inf at -1 slots), differentiable in q [B,S,H,d], weights [B,S,H], k [B,S_kv,d]."""
+def selected_index_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, chunk: int | None = None,
+                          deterministic: bool = False) -> Tensor:
+    """I_sel [B,S,K] (>= float32, -inf at -1 slots), differentiable in q [B,S,H,d], weights [B,S,H], k [B,S_kv,d];
+    `deterministic`: the key gradient in fixed point (module docstring)."""
     b, _, h, d = q.shape
     rows = _rows(chunk, b, ids.shape[-1], 4 * (2 * d + 3 * h))  # backward: keys, dk rows, logits, relu, dlogits
-    return _SelectedScores.apply(q, weights, k, ids, rows)
+    return _SelectedScores.apply(q, weights, k, ids, rows, deterministic)
 
 
 def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, chunk: int | None = None) -> Tensor:
@@ -112,8 +134,9 @@ def kl_rows(target: Tensor, log_pred: Tensor) -> Tensor:
 
 
 def sparse_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, q_abs: Tensor, kv: Tensor, scale: float,
-                      chunk: int | None = None) -> Tensor:
+                      chunk: int | None = None, deterministic: bool = False) -> Tensor:
     """Mean over the B x S query rows of KL(main attention over the ids || softmax(I_sel)); gradient into the
     indexer's q, weights and k only."""
     target = sparse_attention_target(q_abs, kv, scale, ids, chunk)
-    return kl_rows(target, F.log_softmax(selected_index_scores(q, weights, k, ids, chunk), dim=-1)).mean()
+    scores = selected_index_scores(q, weights, k, ids, chunk, deterministic)
+    return kl_rows(target, F.log_softmax(scores, dim=-1)).mean()

@@ -123,6 +123,43 @@ def test_selected_scores_gradient_matches_autograd_of_the_formula():
     assert torch.autograd.gradcheck(f, (q, w, k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_deterministic_key_gradient_is_order_free_and_equals_the_scatter_add(dtype):
+    """model.dsa.deterministic_dkv: the key gradient added in fixed point equals the index_add_ one to rounding
+    and keeps its bits when the adds of a chunk (one chunk here) come in another order; the float index_add_
+    does not (the check can fail): on CUDA its atomics reorder the adds run to run."""
+    s = 64
+    q, w, k, _, _ = inputs(1, s, 4, 8, 1, 4, dtype, seed=6)
+    pos = torch.arange(s)
+    ids = indexer_topk(q, w, k, pos, pos, 16)
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+    def dk(order, deterministic):
+        keys = k.clone().requires_grad_()
+        scores = selected_index_scores(q[:, order], w[:, order], keys, ids[:, order], s, deterministic)
+        picked = torch.where(ids[:, order] >= 0, scores, 0.0)
+        return torch.autograd.grad((picked * upstream[:, order]).sum(), keys)[0]
+
+    ident, perm = torch.arange(s), torch.randperm(s, generator=torch.Generator().manual_seed(0))
+    fixed = dk(ident, True)
+    assert torch.equal(fixed, dk(perm, True))
+    assert not torch.equal(dk(ident, False), dk(perm, False))
+    torch.testing.assert_close(fixed, dk(ident, False), **TOL[dtype])
+
+
+def test_mla_passes_deterministic_dkv_to_the_kl_loss():
+    results = []
+    for deterministic in (False, True):
+        torch.manual_seed(0)
+        m = MLA(make_cfg(deterministic_dkv=deterministic), 1).double()
+        assert m.indexer.deterministic is deterministic
+        m(torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
+          torch.arange(9))["indexer_loss"].backward()
+        results.append([p.grad for p in m.indexer.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
 def test_chunk_must_be_positive():
     q, w, k, _, _ = inputs(1, 4, 2, 4, 1, 4, torch.float32)
     with pytest.raises(ValueError, match="indexer_kl: chunk must be >= 1 query row, got 0"):
@@ -324,14 +361,20 @@ def test_kl_sparse_at_16k_on_cuda_under_a_memory_bound():
     q, w, k, q_abs, kv = inputs(1, 16384, 32, 128, 16, 576, torch.bfloat16, device="cuda")
     q, w, k = (t.requires_grad_() for t in (q, w, k))
     pos = torch.arange(16384, device="cuda")
-    times = []
-    for _ in range(4):  # informational (no assertion): selection, loss and backward, after the warm-up above
+    times, dks = {False: [], True: []}, {False: [], True: []}
+    for deterministic in (False,) * 4 + (True,) * 3:  # the times are informational (no assertion)
+        k.grad = None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         ids = indexer_topk(q, w, k, pos, pos, 2048)
-        sparse_indexer_kl(q, w, k, ids, q_abs, kv, 576**-0.5).backward()
+        sparse_indexer_kl(q, w, k, ids, q_abs, kv, 576**-0.5, deterministic=deterministic).backward()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    print(f"kl_sparse 16k x 32 index heads, top-k 2048, 16 heads x 576: peak {peak / 2**30:.2f} GiB, "
-          f"selection + loss + backward {sorted(times)[1]:.1f} ms (times {[round(t, 1) for t in times]})")
+        times[deterministic].append(start.elapsed_time(end))
+        dks[deterministic].append(k.grad.clone())
+    assert all(torch.equal(dks[True][0], dk) for dk in dks[True][1:])  # model.dsa.deterministic_dkv: same bits
+    assert rel(dks[True][0], dks[False][0]) < 1e-2
+    print(f"kl_sparse 16k x 32 index heads, top-k 2048, 16 heads x 576: peak {peak / 2**30:.2f} GiB; selection + "
+          f"loss + backward {sorted(times[False])[1]:.1f} ms (runs {[round(t, 1) for t in times[False]]}), "
+          f"deterministic dk {sorted(times[True])[1]:.1f} ms; float dk the same bits over its runs: "
+          f"{all(torch.equal(dks[False][0], dk) for dk in dks[False][1:])}")
