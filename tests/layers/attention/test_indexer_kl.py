@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from spartron.layers.attention.mla import MLA
 from spartron.layers.attention.rope import rope_cos_sin
 from spartron.layers.config import ModelConfig
 
+TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton indexer kernel at 16k")
 
 
@@ -262,6 +264,39 @@ def test_kl_sparse_trains_through_mla_under_activation_checkpointing(ac):
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _packed_documents_cp_worker(rank, world):  # noqa: ANN001, ARG001
+    from spartron.layers.model import build_model
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+    from spartron.runtime.config import load_config
+
+    g = torch.Generator().manual_seed(1)
+    lengths = ([5, 11, 16], [20, 12])
+    tokens = torch.randint(2, 512, (2, 32), generator=g)
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    cfg = load_config(str(TINY), ["model.mtp.depth=1", "model.dsa.indexer_mode=kl_sparse", "model.dsa.index_topk=4",
+                                  "model.dsa.indexer_loss_coeff=0.5"]).model
+    ref = build_model(cfg, seed=0)(tokens, tokens.roll(-1, 1), positions=positions)
+    groups = ParallelGroups.build(ParallelDims(world, fsdp=1, cp=2), "cpu")
+    out = build_model(cfg, groups, seed=0)(tokens, tokens.roll(-1, 1), positions=positions)
+    got = {}
+    for key in ("lm_loss", "indexer_loss"):
+        value = out[key].detach().clone()
+        torch.distributed.all_reduce(value)  # each rank's loss is scaled so the mean over ranks is global
+        got[key] = (float(value / world), float(ref[key]))
+    return got
+
+
+def test_kl_sparse_with_packed_documents_under_context_parallelism_equals_one_rank():
+    """The V3.2 preset's case (kl_sparse, CP, packed rows): local queries with their document starts and global
+    indices select from the all-gathered keys; the LM and indexer losses equal one rank's."""
+    from spartron.testing import run_distributed
+
+    for rank_result in run_distributed(_packed_documents_cp_worker, 2, timeout=120):
+        for key, (cp2, one) in rank_result.items():
+            assert one > 0 and cp2 == pytest.approx(one, rel=1e-5, abs=1e-6), key
 
 
 # --- sampled rows against float64 math (CPU here; CUDA at 16k below) -------------------------------------------
