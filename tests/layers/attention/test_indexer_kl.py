@@ -255,9 +255,9 @@ def test_kl_sparse_trains_through_mla_under_activation_checkpointing(ac):
         assert torch.equal(a.grad, b.grad), name  # the replay recomputes the same ops on the same ids
     assert all(bool(p.grad.abs().sum() > 0) for p in checkpointed.indexer.parameters())
 
-    opt = torch.optim.SGD(checkpointed.indexer.parameters(), lr=0.5)
+    opt = torch.optim.SGD(checkpointed.indexer.parameters(), lr=1.0)
     losses = []
-    for _ in range(20):
+    for _ in range(8):
         opt.zero_grad()
         loss = checkpointed(x, pos)["indexer_loss"]
         loss.backward()
