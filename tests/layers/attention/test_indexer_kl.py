@@ -230,6 +230,34 @@ def test_kl_sparse_allocates_nothing_of_size_s_by_s_kv(sparse):
         assert seen.largest >= s * s * 3  # [B, S, H_idx, S_kv] logits
 
 
+def test_kl_sparse_peak_memory_at_16k_on_fake_tensors():
+    """The 16k case's shapes (32 index heads x 128, top-k 2048, 16 heads x 576, bf16) on fake tensors (no data,
+    no compute) under torch's MemTracker: forward + backward peaks near 2 GiB (the chunks' temporaries and a few
+    [S, K] float32 tensors; one [S, S_kv] float32 tensor alone is 1 GiB, the per-head logits 32 GiB); the
+    materialising implementation's peak is 144 GiB, more than an H200 holds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    s, h_idx, d, topk, heads, width = 16384, 32, 128, 2048, 16, 576
+    peaks = []
+    for materialised in (False, True):
+        with FakeTensorMode():
+            q, w, k = (torch.empty(shape, dtype=torch.bfloat16, requires_grad=True)
+                       for shape in ((1, s, h_idx, d), (1, s, h_idx), (1, s, d)))
+            q_abs, kv = torch.empty(1, s, heads, width, dtype=torch.bfloat16), torch.empty(1, s, width,
+                                                                                            dtype=torch.bfloat16)
+            pos = torch.arange(s)
+            tracker = MemTracker()
+            with tracker:
+                if materialised:
+                    loss = materialised_kl_sparse(q, w, k, causal_visible(pos, pos)[None], q_abs, kv, 0.04, topk)[3]
+                else:
+                    loss = sparse_indexer_kl(q, w, k, indexer_topk(q, w, k, pos, pos, topk), q_abs, kv, 0.04)
+                loss.backward()
+            peaks.append(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    assert peaks[0] < 3 * 2**30 < 100 * 2**30 < peaks[1], [p / 2**30 for p in peaks]
+
+
 @pytest.mark.parametrize("ac", [dict(mode="full"), dict(mode="selective", reentrant=False)])
 def test_kl_sparse_trains_through_mla_under_activation_checkpointing(ac):
     """One step under AC equals eager (ids, losses, gradients), the selection runs once (its replay reuses the
