@@ -69,9 +69,10 @@ class _SelectedScores(torch.autograd.Function):
         ctx.chunk, ctx.deterministic = chunk, deterministic
         acc = _acc(q.dtype)
         out = torch.empty(ids.shape, dtype=acc, device=q.device)
+        k_acc = k.to(acc)  # once: the chunks gather float rows directly (exact either way)
         for c0 in range(0, ids.shape[1], chunk):
             rows = slice(c0, c0 + chunk)
-            logits = torch.einsum("bthd,btkd->bthk", q[:, rows].to(acc), gather_keys(k, ids[:, rows]).to(acc))
+            logits = torch.einsum("bthd,btkd->bthk", q[:, rows].to(acc), gather_keys(k_acc, ids[:, rows]))
             out[:, rows] = torch.einsum("bthk,bth->btk", logits.relu(), weights[:, rows].to(acc))
         return out.masked_fill_(ids < 0, float("-inf"))
 
@@ -84,9 +85,10 @@ class _SelectedScores(torch.autograd.Function):
         dw = torch.empty(weights.shape, dtype=acc, device=q.device)
         dk = torch.zeros(b * s_kv, d, dtype=torch.float64 if ctx.deterministic else acc, device=q.device)
         flat = ids.clamp_min(0).long() + torch.arange(b, device=ids.device)[:, None, None] * s_kv
+        k_acc = k.to(acc)
         for c0 in range(0, ids.shape[1], ctx.chunk):
             rows = slice(c0, c0 + ctx.chunk)
-            qc, keys, g = q[:, rows].to(acc), gather_keys(k, ids[:, rows]).to(acc), grad[:, rows]
+            qc, keys, g = q[:, rows].to(acc), gather_keys(k_acc, ids[:, rows]), grad[:, rows]
             logits = torch.einsum("bthd,btkd->bthk", qc, keys)
             dw[:, rows] = torch.einsum("bthk,btk->bth", logits.relu(), g)
             dlogits = (g[:, :, None, :] * weights[:, rows, :, None].to(acc)).masked_fill_(logits <= 0, 0.0)
@@ -116,9 +118,10 @@ def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, ch
     rows = _rows(chunk, b, ids.shape[-1], 4 * (d + 3 * h))  # gathered rows, scores, probabilities
     out = torch.empty(ids.shape, dtype=acc, device=q.device)
     with torch.no_grad():
+        kv_acc = kv.to(acc)  # once: the chunks gather float rows directly (exact either way)
         for c0 in range(0, ids.shape[1], rows):
             sl = slice(c0, c0 + rows)
-            scores = torch.einsum("bthd,btkd->bhtk", q[:, sl].to(acc), gather_keys(kv, ids[:, sl]).to(acc)) * scale
+            scores = torch.einsum("bthd,btkd->bhtk", q[:, sl].to(acc), gather_keys(kv_acc, ids[:, sl])) * scale
             scores = scores.masked_fill(ids[:, None, sl] < 0, float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
             out[:, sl] = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
