@@ -30,19 +30,21 @@ FP8_ROWS = 64  # rows per program of the fp8 quantisation
 class IndexerKernelConfig:
     """Score tile (query rows, key columns, warps, head-loop pipeline depth, two heads a step when the head
     count is even) and top-k selection (columns per streamed block, sampled keys, candidate slots, warps
-    per program, persistent programs per SM, the bracket's margin in standard deviations, passes before
-    the histogram fallback: see topk_triton_kernels)."""
+    per streaming program and per search program, persistent programs per SM of the fallback, the
+    bracket's margin in standard deviations, passes before the histogram fallback: see
+    topk_triton_kernels)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    topk_block: int = 1024
+    topk_block: int = 512
     topk_sample: int = 1024
     topk_candidates: int = 2048
     topk_warps: int = 1
-    topk_programs_per_sm: int = 16
+    topk_search_warps: int = 4
+    topk_programs_per_sm: int = 8
     topk_margin: float = 4.0
     topk_tries: int = 3
 
@@ -128,32 +130,57 @@ def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_posi
 
 
 def topk_programs(device: torch.device, rows: int, cfg: IndexerKernelConfig) -> int:
-    """Programs of the persistent top-k grid: topk_programs_per_sm per SM (4 SMs off CUDA), at most rows."""
+    """Programs of the persistent fallback grid: topk_programs_per_sm per SM (4 SMs off CUDA), at most rows."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(rows, cfg.topk_programs_per_sm * sms))
 
 
+def select_scratch(rows: int, cfg: IndexerKernelConfig) -> int:
+    """int32 scratch the selection of `rows` rows needs: 4 per row (its bracket, then its threshold) and
+    topk_candidates per row (the keys inside its bracket)."""
+    return rows * (4 + _pow2(cfg.topk_candidates))
+
+
 def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int,
            q_starts: Tensor | None = None, ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None,
-           scratch: Tensor | None = None):
+           scratch: Tensor | None = None) -> tuple:
     """Write ids[:, q_start + row0 : q_start + row0 + n_rows], the top-k of rows row0.. of the chunk's
-    scores `out` (see `scores`); scratch: int32, at least topk_programs * topk_candidates (made if None).
-    Returns Triton's launch handle (its n_regs / n_spills for the benchmark; None under the interpreter)."""
+    scores `out` (see `scores`); scratch: int32, at least `select_scratch(B * n_rows)` (made if None).
+    Four launches (topk_triton_kernels): bracket + compaction, search, write, and the whole selection
+    for the rows whose bracket missed. Returns Triton's launch handles (n_regs / n_spills for the
+    benchmark; None under the interpreter)."""
     cfg = cfg or IndexerKernelConfig()
     if cfg.topk_tries < 1:
         raise ValueError(f"indexer select: topk_tries must be >= 1 (the bracket's first pass), got {cfg.topk_tries}")
     b, c_len, n_cols = out.shape
     cand = _pow2(cfg.topk_candidates)
-    programs = topk_programs(out.device, b * n_rows, cfg)
+    jobs = b * n_rows
     if scratch is None:
-        scratch = torch.empty(programs * cand, dtype=torch.int32, device=out.device)
-    if scratch.numel() < programs * cand:
-        raise ValueError(f"indexer select: scratch needs {programs * cand} int32, got {scratch.numel()}")
-    return _kernels("topk_triton_kernels").select_topk_kernel[(programs,)](
-        out, q_positions, q_starts if q_starts is not None else q_positions, _flag(ranged, out.device), ids, scratch,
-        c_len, row0, n_rows, n_cols, out.stride(1), q_start, ids.shape[1], ids.shape[2], b, programs,
-        HAS_STARTS=q_starts is not None, BLOCK=_pow2(cfg.topk_block), SAMPLE=max(16, _pow2(cfg.topk_sample)),
-        CAND=cand, MARGIN=float(cfg.topk_margin), TRIES=cfg.topk_tries, num_warps=cfg.topk_warps)
+        scratch = torch.empty(select_scratch(jobs, cfg), dtype=torch.int32, device=out.device)
+    if scratch.numel() < select_scratch(jobs, cfg):
+        raise ValueError(f"indexer select: scratch needs {select_scratch(jobs, cfg)} int32, got {scratch.numel()}")
+    meta, cand_buf = scratch[: 4 * jobs], scratch[4 * jobs:]
+    kern = _kernels("topk_triton_kernels")
+    flag = _flag(ranged, out.device)
+    starts = q_starts if q_starts is not None else q_positions
+    s_q, kk, stride = ids.shape[1], ids.shape[2], out.stride(1)
+    block, sample = _pow2(cfg.topk_block), max(16, _pow2(cfg.topk_sample))
+    has = q_starts is not None
+    bracket = kern.topk_bracket_kernel[(jobs,)](
+        out, q_positions, starts, flag, meta, cand_buf, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        HAS_STARTS=has, BLOCK=block, SAMPLE=sample, CAND=cand, MARGIN=float(cfg.topk_margin), num_warps=cfg.topk_warps)
+    search = kern.topk_search_kernel[(jobs,)](
+        q_positions, starts, flag, meta, cand_buf, n_rows, row0, n_cols, q_start, s_q, kk, HAS_STARTS=has, CAND=cand,
+        num_warps=cfg.topk_search_warps)
+    write = kern.topk_write_kernel[(jobs,)](
+        out, q_positions, starts, flag, meta, ids, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        HAS_STARTS=has, BLOCK=block, num_warps=cfg.topk_warps)
+    programs = topk_programs(out.device, jobs, cfg)
+    whole = kern.select_topk_kernel[(programs,)](
+        out, q_positions, starts, flag, meta, ids, cand_buf, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        jobs, programs, HAS_STARTS=has, BLOCK=block, SAMPLE=sample, CAND=cand, MARGIN=float(cfg.topk_margin),
+        TRIES=cfg.topk_tries, num_warps=cfg.topk_warps)
+    return bracket, search, write, whole
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
@@ -178,8 +205,7 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     stride = padded(s_kv)
     buf = torch.empty(b * chunk * stride, dtype=torch.float32, device=q.device)
-    scratch = torch.empty(topk_programs(q.device, b * chunk, cfg) * _pow2(cfg.topk_candidates), dtype=torch.int32,
-                          device=q.device)
+    scratch = torch.empty(select_scratch(b * chunk, cfg), dtype=torch.int32, device=q.device)
     for c0 in range(0, s_q, chunk):
         c = min(chunk, s_q - c0)
         out = buf[: b * c * stride].view(b, c, stride)[..., :s_kv]

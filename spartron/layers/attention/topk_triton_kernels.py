@@ -1,23 +1,25 @@
 """Triton top-k selection behind the indexer on CUDA: the exact top-k of each score row's visible keys.
 
 Imports triton at module level: import it only through `indexer_triton`, which checks that triton is
-installed first. The grid is persistent: each program (one warp by default, so every reduction is
-warp shuffles with no shared-memory barrier, and many rows stream per SM at once) takes rows
-pid, pid + programs, ... and reads only a row's visible columns [lo, hi): with the device flag
-`ranged` (key s is column s) a causal prefix or a packed document's range, else the whole row with
--inf marking the invisible keys. fp32 scores become order-preserving int32 keys (-0.0 read as +0.0;
--inf, i.e. not visible, becomes INT_MIN and is never counted).
-1. A row with at most k keys takes every valid one (one pass).
+installed first. A row is read only over its visible columns [lo, hi): with the device flag `ranged`
+(key s is column s) a causal prefix or a packed document's range, else the whole row with -inf marking
+the invisible keys. Blocks wholly inside [lo, hi) load without masks; the streaming passes compare the
+fp32 scores themselves, and order-preserving int32 keys (-0.0 read as +0.0; -inf, i.e. not visible,
+INT_MIN, never counted) appear only in the sample and the candidate searches. Steps per row:
+1. A row with at most k keys takes every valid one.
 2. Otherwise SAMPLE keys, in runs of 8 contiguous columns (one 32-byte sector) spread over the row,
-   give a bracket [lower, upper) around the k-th key: the sample's ranks k*SAMPLE/n -+ (MARGIN sqrt + 8).
-3. One streamed pass counts the keys above `upper` and compacts those inside the bracket into a
-   scratch row of CAND slots. When the k-th key is among them, it is searched bit by bit over the
-   bits of (key - lower) only. When more than CAND keys fell inside, the stored ones (the first CAND
-   by column) sample the bracket and narrow it for another pass; a bracket that missed widens to
-   the side holding the k-th key. After TRIES passes, four 8-bit tl.histogram passes find it exactly.
+   give a bracket [lower, upper) around the k-th key: the sample's ranks k*SAMPLE/n -+ (MARGIN sqrt + 8),
+   searched on the top 16 key bits and rounded outwards.
+3. One streamed pass counts the scores above the bracket and compacts those inside it (at most CAND);
+   the k-th key is then searched bit by bit over the bits of (key - lower) only.
 4. A compaction pass writes the ids of keys above the k-th key, plus the lowest-id keys equal to it
    until k are written, in ascending key order, then pads the row with -1: `indexer_topk.topk_ids`'s
    rule, so both give the same ids on the same scores.
+Launches (one program of topk_warps warps per row, few registers, so many rows stream per SM):
+`topk_bracket_kernel` (steps 2-3's pass), `topk_search_kernel` (step 3's search), `topk_write_kernel`
+(step 4), then the persistent `select_topk_kernel` does all steps for the rows whose bracket missed:
+more than CAND keys inside narrow the bracket from the stored ones for another pass, a miss widens it
+towards the k-th key, and after TRIES passes four 8-bit tl.histogram passes find it exactly.
 """
 
 from __future__ import annotations
@@ -40,12 +42,25 @@ def _keys(x, inside):
 
 
 @triton.jit
-def _load_keys(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
-    """Columns start..start+BLOCK (start a multiple of 16): (cols, keys, valid)."""
+def _load_block(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
+    """(cols, scores) of columns start..start+BLOCK (start a multiple of 16), -inf outside [lo, hi): a block
+    wholly inside loads without a mask (vector loads, no per-column predicates)."""
     cols = tl.multiple_of(start, 16) + tl.arange(0, BLOCK)
-    inside = (cols >= lo) & (cols < hi)
-    key, valid = _keys(tl.load(row_ptr + cols, mask=inside, other=float("-inf")), inside)
-    return cols, key, valid
+    if (start >= lo) & (start + BLOCK <= hi):
+        x = tl.load(row_ptr + cols)
+    else:
+        x = tl.load(row_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
+    return cols, x
+
+
+@triton.jit
+def _key_float(key):
+    """The float of an order-preserving key; the bracket's open ends: INT_MAX -> +inf, INT_MIN + 1 (or
+    below) -> -FLT_MAX, so a float compare partitions the valid scores as the key compare would."""
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    f = bits.to(tl.float32, bitcast=True)
+    f = tl.where(key <= _int_min() + 1, -3.4028234663852886e38, f)
+    return tl.where(key == 2147483647, float("inf"), f)
 
 
 @triton.jit
@@ -66,8 +81,9 @@ def _kth_pair(keys, r1, r2):
 
 @triton.jit
 def _kth_in(few, n_few, r, lower, upper):
-    """The r-th largest of the first n_few keys of `few`, all in [lower, upper): a bit search over the
-    bits of key - lower (a bracket spanning 2^31 or more keys searches all 32 bits)."""
+    """(thr, k_rem, n_eq): the r-th largest of the first n_few keys of `few`, all in [lower, upper); how
+    many of those equal to it are within the top r, and how many equal it. A bit search over the bits
+    of key - lower only (a bracket spanning 2^31 or more keys searches all 32 bits)."""
     slots = tl.arange(0, few.shape[0])
     span = upper.to(tl.int64) - 1 - lower.to(tl.int64)
     if span < 2147483648:
@@ -80,6 +96,8 @@ def _kth_in(few, n_few, r, lower, upper):
             n_bits -= 1
             c = t + (1 << n_bits)
             t = tl.where(tl.sum((off >= c).to(tl.int32), 0) >= r, c, t)
+        k_rem = r - tl.sum((off > t).to(tl.int32), 0)
+        n_eq = tl.sum((off == t).to(tl.int32), 0)
         thr = lower + t
     else:
         zero = tl.full((), 0, tl.int32)
@@ -88,7 +106,9 @@ def _kth_in(few, n_few, r, lower, upper):
         for bit in tl.static_range(30, -1, -1):
             c = thr + (1 << bit)
             thr = tl.where(tl.sum((keys >= c).to(tl.int32), 0) >= r, c, thr)
-    return thr
+        k_rem = r - tl.sum((keys > thr).to(tl.int32), 0)
+        n_eq = tl.sum((keys == thr).to(tl.int32), 0)
+    return thr, k_rem, n_eq
 
 
 @triton.jit
@@ -115,17 +135,20 @@ def _pick_digit(hist, k_rem, thr, SHIFT: tl.constexpr):
 
 @triton.jit
 def _histogram_kth(row_ptr, lo, hi, k, BLOCK: tl.constexpr):
-    """(the k-th largest key of the row, how many keys equal to it are within the top k): four streamed
-    8-bit digit passes (the fallback)."""
+    """(the k-th largest key of the row, k capped at its valid keys; how many keys equal to it are within
+    the top k): four streamed 8-bit digit passes (the fallback)."""
     thr = tl.full((), 0, tl.int32)
     k_rem = k
     for i in tl.static_range(4):
         hist = tl.zeros([256], tl.int32)
         start = lo // 16 * 16
         while start < hi:
-            cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
+            cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+            key, valid = _keys(x, cols >= 0)
             hist += _digit_hist(key, valid, thr, 24 - 8 * i)
             start += BLOCK
+        if i == 0:
+            k_rem = tl.minimum(k_rem, tl.sum(hist, 0))
         k_rem, thr = _pick_digit(hist, k_rem, thr, 24 - 8 * i)
     return thr, k_rem
 
@@ -133,41 +156,55 @@ def _histogram_kth(row_ptr, lo, hi, k, BLOCK: tl.constexpr):
 @triton.jit
 def _bracket(row_ptr, lo, n, kk, SAMPLE: tl.constexpr, MARGIN: tl.constexpr):
     """[lower, upper) around the kk-th largest key of a row of n > 8 columns from lo: from SAMPLE keys in
-    runs of 8 contiguous columns spread evenly over the row."""
+    runs of 8 contiguous columns spread evenly over the row, the sample's ranks searched on the top 16
+    key bits only (a grid of 2^16 keys, under 1% of a score) and each end rounded outwards."""
     i = tl.arange(0, SAMPLE)
     pos = lo + ((i // 8).to(tl.int64) * (n - 8) // (SAMPLE // 8 - 1)).to(tl.int32) + i % 8
     skeys, _ = _keys(tl.load(row_ptr + pos), pos < lo + n)
     rank = tl.minimum(n, kk).to(tl.float32) * SAMPLE / n.to(tl.float32)
     margin = MARGIN * tl.sqrt(rank) + 8.0
-    upper, lower = _kth_pair(skeys, tl.floor(rank - margin).to(tl.int32), tl.ceil(rank + margin).to(tl.int32))
-    return tl.maximum(lower, _int_min() + 1), upper
+    r1 = tl.floor(rank - margin).to(tl.int32)
+    r2 = tl.ceil(rank + margin).to(tl.int32)
+    zero = tl.full((), 0, tl.int32)
+    n_pos = tl.sum((skeys >= 0).to(tl.int32), 0)
+    t1 = tl.where(n_pos >= r1, zero, _int_min())
+    t2 = tl.where(n_pos >= r2, zero, _int_min())
+    for bit in tl.static_range(30, 15, -1):
+        c1 = t1 + (1 << bit)
+        c2 = t2 + (1 << bit)
+        t1 = tl.where(tl.sum((skeys >= c1).to(tl.int32), 0) >= r1, c1, t1)
+        t2 = tl.where(tl.sum((skeys >= c2).to(tl.int32), 0) >= r2, c2, t2)
+    # t1: the largest grid key with >= r1 sample keys at or above it; the next grid key has fewer
+    upper = tl.where((r1 <= 0) | (t1 >= 2147483647 - 65535), 2147483647, t1 + 65536)
+    return tl.maximum(t2, _int_min() + 1), upper
 
 
 @triton.jit
-def _compact(row_ptr, lo, hi, lower, upper, scratch_row, BLOCK: tl.constexpr, CAND: tl.constexpr):
-    """One streamed pass: (valid keys, keys >= upper, keys in [lower, upper)); the first CAND of the
-    latter go to scratch_row in column order."""
-    n_valid = tl.full((), 0, tl.int32)
+def _compact(row_ptr, lo, hi, lower_f, upper_f, scratch_row, BLOCK: tl.constexpr, CAND: tl.constexpr):
+    """One streamed pass: (scores >= upper_f, scores in [lower_f, upper_f)); the first CAND of the latter
+    go to scratch_row (their float bits) in column order. Float compares: -inf (not visible) is never
+    inside, since lower_f >= -FLT_MAX."""
     n_above = tl.full((), 0, tl.int32)
     n_cand = tl.full((), 0, tl.int32)
     start = lo // 16 * 16
     while start < hi:
-        cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-        inside = (key >= lower) & (key < upper)
+        cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+        inside = (x >= lower_f) & (x < upper_f)
         slot = n_cand + tl.cumsum(inside.to(tl.int32), 0) - 1
-        tl.store(scratch_row + slot, key, mask=inside & (slot < CAND))
-        n_valid += tl.sum(valid.to(tl.int32), 0)
-        n_above += tl.sum((key >= upper).to(tl.int32), 0)
+        tl.store(scratch_row + slot, x.to(tl.int32, bitcast=True), mask=inside & (slot < CAND))
+        n_above += tl.sum((x >= upper_f).to(tl.int32), 0)
         n_cand += tl.sum(inside.to(tl.int32), 0)
         start += BLOCK
-    return n_valid, n_above, n_cand
+    return n_above, n_cand
 
 
 @triton.jit
 def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr,
                MARGIN: tl.constexpr, TRIES: tl.constexpr):
     """(thr, k_rem, n_eq) of a row with more than kk columns: the top min(kk, valid keys) are the keys
-    above thr and the first k_rem keys equal to it; n_eq keys equal thr (-1: not counted)."""
+    above thr and the first k_rem keys equal to it; n_eq keys equal thr (-1: not counted). A bracket
+    with an open lower end counts every valid key; otherwise k is kk, unless the pass finds fewer keys
+    at or above the bracket than kk (then the bracket opens downwards and the next pass counts)."""
     lower = _int_min() + 1
     upper = tl.full((), 2147483647, tl.int32)
     if hi - lo > CAND:
@@ -176,21 +213,21 @@ def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl
     thr = upper
     k_rem = tl.full((), 0, tl.int32)
     n_eq = tl.full((), 0, tl.int32)
-    k_t = tl.full((), 0, tl.int32)
+    k_t = tl.full((), 0, tl.int32) + kk
     found = tl.full((), 0, tl.int32)
     tries = tl.full((), 0, tl.int32)
     while (found == 0) & (tries < TRIES):
-        n_valid, n_above, n_cand = _compact(row_ptr, lo, hi, lower, upper, scratch_row, BLOCK, CAND)
-        k_t = tl.minimum(n_valid, kk)
+        n_above, n_cand = _compact(row_ptr, lo, hi, _key_float(lower), _key_float(upper), scratch_row, BLOCK, CAND)
+        k_t = tl.where(lower == _int_min() + 1, tl.minimum(n_above + n_cand, kk), kk)
         need = k_t - n_above
         tl.debug_barrier()  # the scratch row's stores before its loads
-        few = tl.load(scratch_row + slots, mask=slots < n_cand, other=_int_min())
+        bits = tl.load(scratch_row + slots, mask=slots < n_cand, other=0)
+        few, _ = _keys(bits.to(tl.float32, bitcast=True), slots < n_cand)
         if k_t == 0:  # no valid key
+            thr = tl.full((), 2147483647, tl.int32)
             found = 1
         elif (need >= 1) & (need <= n_cand) & (n_cand <= CAND):
-            thr = _kth_in(few, n_cand, need, lower, upper)
-            k_rem = need - tl.sum((few > thr).to(tl.int32), 0)
-            n_eq = tl.sum((few == thr).to(tl.int32), 0)
+            thr, k_rem, n_eq = _kth_in(few, n_cand, need, lower, upper)
             found = 1
         elif (need >= 1) & (need <= n_cand):  # too many inside: the stored ones sample the bracket
             rank = need.to(tl.float32) * CAND / n_cand.to(tl.float32)
@@ -201,7 +238,7 @@ def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl
         elif need < 1:  # the k-th key is above the bracket
             lower = upper
             upper = tl.full((), 2147483647, tl.int32)
-        else:  # below it
+        else:  # below it (or fewer than kk valid keys): open the lower end
             upper = lower
             lower = _int_min() + 1
         tl.debug_barrier()  # the loads before the next pass overwrites the scratch row
@@ -212,58 +249,153 @@ def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl
     return thr, k_rem, n_eq
 
 
-@triton.jit(do_not_specialize=["n_rows", "row0", "n_sel", "n_cols", "q_start", "s_q", "kk", "n_batch",
-                               "n_programs"])
-def select_topk_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, ids_ptr, scratch_ptr, n_rows, row0, n_sel,
-                       n_cols, stride, q_start, s_q, kk, n_batch, n_programs, HAS_STARTS: tl.constexpr,
+@triton.jit
+def _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr, qpos_ptr, qstart_ptr, ids_ptr,
+         ranged, HAS_STARTS: tl.constexpr):
+    """Job j (row row0 + j % n_sel of batch j // n_sel): (its scores row, its ids row, lo, hi)."""
+    b = (job // n_sel).to(tl.int64)
+    r = row0 + job % n_sel
+    t = q_start + r
+    lo = tl.full((), 0, tl.int32)
+    hi = tl.full((), 0, tl.int32) + n_cols
+    if ranged:
+        hi = tl.minimum(tl.load(qpos_ptr + t) + 1, hi)
+        if HAS_STARTS:
+            lo = tl.maximum(tl.load(qstart_ptr + b * s_q + t), lo)
+    return scores_ptr + (b * n_rows + r) * stride, ids_ptr + (b * s_q + t) * kk, lo, hi
+
+
+@triton.jit
+def _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK: tl.constexpr):
+    """Step 4: the ids of the keys above thr and of the first k_rem keys equal to it (all of them when
+    n_eq == k_rem), ascending, then -1 up to kk."""
+    t_f = _key_float(thr)  # score >= t_f: the key compare (-0.0 == +0.0 as keys; -inf and NaN never)
+    n_taken = tl.full((), 0, tl.int32)
+    start = lo // 16 * 16
+    if n_eq == k_rem:  # every key equal to thr is taken
+        while start < hi:
+            cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+            take = x >= t_f
+            tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
+            n_taken += tl.sum(take.to(tl.int32), 0)
+            start += BLOCK
+    else:  # the first k_rem keys equal to thr, by column
+        eq_seen = tl.full((), 0, tl.int32)
+        while start < hi:
+            cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+            eq = x == t_f
+            take = (x > t_f) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem))
+            tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
+            n_taken += tl.sum(take.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
+            start += BLOCK
+    while n_taken < kk:
+        slots = n_taken + tl.arange(0, BLOCK)
+        tl.store(ids_row + slots, tl.full([BLOCK], -1, tl.int32), mask=slots < kk)
+        n_taken += BLOCK
+
+
+@triton.jit
+def _put4(ptr, a, b, c, d):
+    i = tl.arange(0, 4)
+    tl.store(ptr + i, tl.where(i == 0, a, tl.where(i == 1, b, tl.where(i == 2, c, d))))
+
+
+@triton.jit
+def _get4(ptr):
+    i = tl.arange(0, 4)
+    v = tl.load(ptr + i)
+    return (tl.sum(tl.where(i == 0, v, 0), 0), tl.sum(tl.where(i == 1, v, 0), 0), tl.sum(tl.where(i == 2, v, 0), 0),
+            tl.sum(tl.where(i == 3, v, 0), 0))
+
+
+_ROW_ARGS = ["n_rows", "row0", "n_sel", "n_cols", "q_start", "s_q", "kk"]  # not specialised on their values
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS)
+def topk_bracket_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, cand_ptr, n_rows, row0, n_sel,
+                        n_cols, stride, q_start, s_q, kk, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+                        SAMPLE: tl.constexpr, CAND: tl.constexpr, MARGIN: tl.constexpr):
+    """Steps 2-3's pass for job program_id(0) (rows as in select_topk_kernel): meta[job] = (lower, upper,
+    keys above, keys inside), the first CAND inside keys' bits in cand[job]. Rows of at most kk keys
+    leave (INT_MIN + 1, INT_MAX, 0, 0)."""
+    job = tl.program_id(0)
+    row_ptr, _, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr, qpos_ptr,
+                              qstart_ptr, qpos_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
+    lower = _int_min() + 1
+    upper = tl.full((), 2147483647, tl.int32)
+    n_above = tl.full((), 0, tl.int32)
+    n_cand = tl.full((), 0, tl.int32)
+    if hi - lo > kk:
+        if hi - lo > CAND:
+            lower, upper = _bracket(row_ptr, lo, hi - lo, kk, SAMPLE, MARGIN)
+        n_above, n_cand = _compact(row_ptr, lo, hi, _key_float(lower), _key_float(upper),
+                                   cand_ptr + job.to(tl.int64) * CAND, BLOCK, CAND)
+    _put4(meta_ptr + job * 4, lower, upper, n_above, n_cand)
+
+
+@triton.jit(do_not_specialize=[a for a in _ROW_ARGS if a != "n_rows"])
+def topk_search_kernel(qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, cand_ptr, n_sel, row0, n_cols, q_start, s_q, kk,
+                       HAS_STARTS: tl.constexpr, CAND: tl.constexpr):
+    """Step 3's search for job program_id(0): meta[job] becomes (thr, k_rem, n_eq, 1), or (.., 0) when the
+    bracket missed the k-th key or held more than CAND keys (select_topk_kernel takes those rows)."""
+    job = tl.program_id(0)
+    _, _, lo, hi = _row(job, n_sel, row0, q_start, 0, 0, s_q, kk, n_cols, qpos_ptr, qpos_ptr, qstart_ptr, qpos_ptr,
+                        tl.load(ranged_ptr) != 0, HAS_STARTS)
+    lower, upper, n_above, n_cand = _get4(meta_ptr + job * 4)
+    thr = _int_min() + 1  # a row of at most kk keys: every valid one
+    k_rem = tl.full((), 0, tl.int32)
+    n_eq = tl.full((), 0, tl.int32)
+    ok = tl.full((), 1, tl.int32)
+    if hi - lo > kk:
+        k_t = tl.where(lower == _int_min() + 1, tl.minimum(n_above + n_cand, kk), kk)
+        need = k_t - n_above
+        if k_t == 0:  # no valid key
+            thr = tl.full((), 2147483647, tl.int32)
+        elif (need >= 1) & (need <= n_cand) & (n_cand <= CAND):
+            slots = tl.arange(0, CAND)
+            bits = tl.load(cand_ptr + job.to(tl.int64) * CAND + slots, mask=slots < n_cand, other=0)
+            few, _valid = _keys(bits.to(tl.float32, bitcast=True), slots < n_cand)
+            thr, k_rem, n_eq = _kth_in(few, n_cand, need, lower, upper)
+        else:
+            ok = 0
+    _put4(meta_ptr + job * 4, thr, k_rem, n_eq, ok)
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS)
+def topk_write_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, ids_ptr, n_rows, row0, n_sel, n_cols,
+                      stride, q_start, s_q, kk, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 4 for job program_id(0) when its search held (meta[job][3] == 1)."""
+    job = tl.program_id(0)
+    thr, k_rem, n_eq, ok = _get4(meta_ptr + job * 4)
+    if ok == 1:
+        row_ptr, ids_row, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr,
+                                        qpos_ptr, qstart_ptr, ids_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
+        _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK)
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS + ["n_jobs", "n_programs"])
+def select_topk_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, ids_ptr, cand_ptr, n_rows, row0,
+                       n_sel, n_cols, stride, q_start, s_q, kk, n_jobs, n_programs, HAS_STARTS: tl.constexpr,
                        BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr, MARGIN: tl.constexpr,
                        TRIES: tl.constexpr):
-    """Rows row0 .. row0 + n_sel of scores [n_batch, n_rows, stride] (the first n_cols columns; row r is
-    query q_start + r) -> ids [n_batch, s_q, kk] int32. ranged_ptr: int32 flag, key s is column s (the
-    visible columns of query t are [q_starts[b, t] (HAS_STARTS) or 0, q_positions[t] + 1)); otherwise
-    every column is read and -inf marks the invisible ones. scratch: [n_programs (the grid), CAND] int32."""
-    pid = tl.program_id(0)
-    scratch_row = scratch_ptr + pid.to(tl.int64) * CAND
+    """The whole selection of each job whose meta[job][3] is 0 (persistent: jobs pid, pid + n_programs, ..
+    below n_jobs). Jobs: rows row0 .. row0 + n_sel of scores [n_batch, n_rows, stride] (the first n_cols
+    columns; row r is query q_start + r), job j row j % n_sel of batch j // n_sel -> ids [n_batch, s_q,
+    kk] int32. ranged_ptr: int32 flag, key s is column s (the visible columns of query t are
+    [q_starts[b, t] (HAS_STARTS) or 0, q_positions[t] + 1)); otherwise every column is read and -inf
+    marks the invisible ones. cand: [n_jobs, CAND] int32 scratch."""
+    job = tl.program_id(0)
     ranged = tl.load(ranged_ptr) != 0
-    job = pid
-    while job < n_batch * n_sel:
-        b = (job // n_sel).to(tl.int64)
-        r = row0 + job % n_sel
-        t = q_start + r
-        row_ptr = scores_ptr + (b * n_rows + r) * stride
-        ids_row = ids_ptr + (b * s_q + t) * kk
-        lo = tl.full((), 0, tl.int32)
-        hi = tl.full((), 0, tl.int32) + n_cols
-        if ranged:
-            hi = tl.minimum(tl.load(qpos_ptr + t) + 1, hi)
-            if HAS_STARTS:
-                lo = tl.maximum(tl.load(qstart_ptr + b * s_q + t), lo)
-        thr = _int_min() + 1  # a row of at most kk keys: every valid one
-        k_rem = tl.full((), 0, tl.int32)
-        n_eq = tl.full((), 0, tl.int32)
-        if hi - lo > kk:
-            thr, k_rem, n_eq = _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK, SAMPLE, CAND, MARGIN, TRIES)
-        n_taken = tl.full((), 0, tl.int32)
-        start = lo // 16 * 16
-        if n_eq == k_rem:  # every key equal to thr is taken
-            while start < hi:
-                cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-                take = valid & (key >= thr)
-                tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-                n_taken += tl.sum(take.to(tl.int32), 0)
-                start += BLOCK
-        else:  # the first k_rem keys equal to thr, by column
-            eq_seen = tl.full((), 0, tl.int32)
-            while start < hi:
-                cols, key, valid = _load_keys(row_ptr, start, lo, hi, BLOCK)
-                eq = valid & (key == thr)
-                take = (valid & (key > thr)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem))
-                tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-                n_taken += tl.sum(take.to(tl.int32), 0)
-                eq_seen += tl.sum(eq.to(tl.int32), 0)
-                start += BLOCK
-        while n_taken < kk:
-            slots = n_taken + tl.arange(0, BLOCK)
-            tl.store(ids_row + slots, tl.full([BLOCK], -1, tl.int32), mask=slots < kk)
-            n_taken += BLOCK
+    while job < n_jobs:  # while, not range(tensor): Triton's interpreter runs it too
+        if tl.load(meta_ptr + job * 4 + 3) == 0:
+            row_ptr, ids_row, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr,
+                                            qpos_ptr, qstart_ptr, ids_ptr, ranged, HAS_STARTS)
+            thr = _int_min() + 1  # a row of at most kk keys: every valid one
+            k_rem = tl.full((), 0, tl.int32)
+            n_eq = tl.full((), 0, tl.int32)
+            if hi - lo > kk:
+                thr, k_rem, n_eq = _threshold(row_ptr, lo, hi, kk, cand_ptr + job.to(tl.int64) * CAND, BLOCK, SAMPLE,
+                                              CAND, MARGIN, TRIES)
+            _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK)
         job += n_programs
