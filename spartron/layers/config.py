@@ -55,9 +55,11 @@ class DSAConfig(ConfigSection):
     `topk_freq`: ids are computed by one source layer and reused by the next topk_freq-1 DSA layers.
     `indexer_mode`: frozen (no grad, computed once per step, reused on replay), or trained with the
     KL loss against the main attention distribution, dense or over the top-k only.
-    `indexer_fp8`: the frozen selection scores float8 e4m3 operands (per-row scales; Hopper's fp8 MMA).
-    `deterministic_dkv`: the sparse-attention backward adds key gradients in 64-bit fixed point, so
-    dkv is bitwise reproducible (spartron/layers/attention/sparse_mla_triton.py: its range and cost).
+    `indexer_fp8`: the `indexer_topk` selection (frozen, kl_sparse) scores float8 e4m3 operands (per-row
+    scales; Hopper's fp8 MMA); kl_dense selects from its differentiable scores instead.
+    `deterministic_dkv`: the sparse-attention backward (and kl_sparse's indexer key gradient) adds key
+    gradients in 64-bit fixed point, so they are bitwise reproducible
+    (spartron/layers/attention/sparse_mla_triton.py: its range and cost).
     """
 
     n_index_heads: int = Field(32, ge=1)
@@ -73,9 +75,9 @@ class DSAConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _loss_needs_training(self) -> DSAConfig:
-        if self.indexer_fp8 and self.indexer_mode != "frozen":
-            raise ValueError(f"model.dsa.indexer_fp8 applies to the frozen selection only; indexer_mode "
-                             f"{self.indexer_mode!r} selects from its differentiable scores")
+        if self.indexer_fp8 and self.indexer_mode == "kl_dense":
+            raise ValueError("model.dsa.indexer_fp8 applies to the indexer_topk selection (frozen, kl_sparse); "
+                             "indexer_mode 'kl_dense' selects from its differentiable scores")
         if self.indexer_mode == "frozen" and self.indexer_loss_coeff > 0:
             raise ValueError("model.dsa.indexer_loss_coeff > 0 needs indexer_mode kl_dense or kl_sparse, "
                              "a frozen indexer has no loss")

@@ -182,9 +182,11 @@ def test_top_k_grid_and_its_limits():
                               scratch=torch.empty(10, dtype=torch.int32))
 
 
-def test_fp8_is_for_the_frozen_selection_only():
-    with pytest.raises(ValidationError, match="model.dsa.indexer_fp8 applies to the frozen selection only"):
+def test_fp8_is_for_the_indexer_topk_selection_only():
+    with pytest.raises(ValidationError, match=r"model.dsa.indexer_fp8 applies to the indexer_topk selection "
+                                              r"\(frozen, kl_sparse\); indexer_mode 'kl_dense' selects"):
         DSAConfig(indexer_fp8=True, indexer_mode="kl_dense", indexer_loss_coeff=0.1)
+    assert DSAConfig(indexer_fp8=True, indexer_mode="kl_sparse", indexer_loss_coeff=0.1).indexer_fp8
     cfg = ModelConfig.model_validate(dict(
         dim=16, n_heads=2, n_layers=2, first_k_dense=1,
         mla=dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
