@@ -4,7 +4,7 @@
 input the kernels cannot take is an error naming the limit, never a silent fallback. Triton is
 imported only when a kernel runs. Queries go in chunks so the fp32 [B, chunk, S_kv] score buffer
 stays under `SCORE_BUFFER_BYTES`; each chunk is scored (indexer_triton_kernels) and then selected by
-the persistent top-k (topk_triton_kernels). When key positions are 0..S_kv-1 (no CP, or CP's gathered
+the top-k launches (topk_triton_kernels). When key positions are 0..S_kv-1 (no CP, or CP's gathered
 keys) a row's visible keys are the contiguous columns [document start or 0, query position]: the score
 kernel skips the tiles outside every row's range and the top-k reads each row's range only. Whether
 that holds is a device flag (`keys_at_columns`) the kernels read, and every size comes from shapes: the
@@ -39,10 +39,10 @@ class IndexerKernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    topk_block: int = 512
-    topk_sample: int = 1024
+    topk_block: int = 1024  # the fastest top-k of the sweep at 16k: benchmarks/results/indexer_5742fa3.json
+    topk_sample: int = 2048
     topk_candidates: int = 2048
-    topk_warps: int = 1
+    topk_warps: int = 2
     topk_search_warps: int = 4
     topk_programs_per_sm: int = 8
     topk_margin: float = 4.0
