@@ -74,7 +74,7 @@ TOPK_SWEEP = [  # top-k selection settings over the default config (IndexerKerne
 ]
 
 
-def case(args, device, s: int, sweep: bool, first: bool) -> dict:
+def case(args, device, s: int, sweep: bool, first: bool, save=lambda partial: None) -> dict:
     h, d, topk = args.heads, args.dim, args.topk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -177,6 +177,7 @@ def case(args, device, s: int, sweep: bool, first: bool) -> dict:
             continue
         rows[name] = dict(r, flops=fl, tflops=fl / r["ms"] / 1e9 if fl else None)
         print(name, f"{r['ms']:.3f} ms", flush=True)
+    save(dict(seq=s, heads=h, head_dim=d, topk=topk, visible_pairs=pairs, results=rows, partial=True))
     ids = full(False)
     sample = sampled_rows(s, args.check_rows, device)
     rows["bf16_vs_float64_oracle"] = oracle_mismatch(q, w, k, sample, ids, topk)
@@ -212,6 +213,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     ceiling = matmul_ceiling(device, dtype, 8192 if cuda else 256, 20 if cuda else 2)
+    print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
     triton_version = None
     if cuda:
         import triton
@@ -221,9 +223,12 @@ def main() -> None:
                   cuda=torch.version.cuda, commit=args.commit or git_commit(), smoke=args.smoke, iters=args.iters,
                   warmup=args.warmup, flop_model="2 * visible causal pairs * heads * head_dim",
                   ceiling_bf16_matmul_tflops=ceiling, cases=cases)
+    def save(partial):  # a case's timed steps before its agreement checks: a run cut short keeps them
+        write_report(args.out, dict(report, cases=[*cases, partial]))
+
     for i, s in enumerate(args.seqs):
         print(f"case seq {s}", flush=True)
-        c = case(args, device, s, args.sweep, i == 0)
+        c = case(args, device, s, args.sweep, i == 0, save)
         for r in [*c["results"].values(), *(e.get(n, {}) for e in c["results"].get("score_tile_sweep", [])
                                             for n in ("bf16", "fp8"))]:
             if isinstance(r, dict) and r.get("tflops"):

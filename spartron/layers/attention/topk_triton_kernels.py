@@ -116,9 +116,11 @@ def _digit_hist(key, valid, thr, SHIFT: tl.constexpr):
     """Histogram of the 8-bit digit at SHIFT (unsigned order: the top digit's sign bit flipped) over the
     valid keys whose higher digits equal thr's."""
     d = (key >> SHIFT) & 0xFF
-    if SHIFT == 24:
-        return tl.histogram(d ^ 0x80, 256, mask=valid)
-    return tl.histogram(d, 256, mask=valid & (((key ^ thr) >> (SHIFT + 8)) == 0))
+    if SHIFT == 24:  # if / else: the other branch is not traced (a shift by 32 would be)
+        hist = tl.histogram(d ^ 0x80, 256, mask=valid)
+    else:
+        hist = tl.histogram(d, 256, mask=valid & (((key ^ thr) >> (SHIFT + 8)) == 0))
+    return hist
 
 
 @triton.jit
