@@ -135,17 +135,24 @@ def topk_programs(device: torch.device, rows: int, cfg: IndexerKernelConfig) -> 
     return max(1, min(rows, cfg.topk_programs_per_sm * sms))
 
 
-def select_scratch(rows: int, cfg: IndexerKernelConfig) -> int:
-    """int32 scratch the selection of `rows` rows needs: 4 per row (its bracket, then its threshold) and
-    topk_candidates per row (the keys inside its bracket)."""
-    return rows * (4 + _pow2(cfg.topk_candidates))
+def candidate_slots(cfg: IndexerKernelConfig, n_cols: int) -> int:
+    """Candidate slots a row: topk_candidates, or fewer when every row is shorter (a row of at most that
+    many keys holds all of them: the scratch stays within about twice the score rows)."""
+    return max(16, min(_pow2(cfg.topk_candidates), _pow2(n_cols)))
+
+
+def select_scratch(rows: int, cfg: IndexerKernelConfig, n_cols: int) -> int:
+    """int32 scratch the selection of `rows` rows of n_cols columns needs: 4 per row (its bracket, then its
+    threshold) and `candidate_slots` per row (the keys inside its bracket)."""
+    return rows * (4 + candidate_slots(cfg, n_cols))
 
 
 def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int,
            q_starts: Tensor | None = None, ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None,
            scratch: Tensor | None = None) -> tuple:
     """Write ids[:, q_start + row0 : q_start + row0 + n_rows], the top-k of rows row0.. of the chunk's
-    scores `out` (see `scores`); scratch: int32, at least `select_scratch(B * n_rows)` (made if None).
+    scores `out` (see `scores`); scratch: int32, at least `select_scratch(B * n_rows, cfg, n_cols)` (made if
+    None).
     Four launches (topk_triton_kernels): bracket + compaction, search, write, and the whole selection
     for the rows whose bracket missed. Returns Triton's launch handles (n_regs / n_spills for the
     benchmark; None under the interpreter)."""
@@ -153,12 +160,13 @@ def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: in
     if cfg.topk_tries < 1:
         raise ValueError(f"indexer select: topk_tries must be >= 1 (the bracket's first pass), got {cfg.topk_tries}")
     b, c_len, n_cols = out.shape
-    cand = _pow2(cfg.topk_candidates)
+    cand = candidate_slots(cfg, n_cols)
     jobs = b * n_rows
+    need = select_scratch(jobs, cfg, n_cols)
     if scratch is None:
-        scratch = torch.empty(select_scratch(jobs, cfg), dtype=torch.int32, device=out.device)
-    if scratch.numel() < select_scratch(jobs, cfg):
-        raise ValueError(f"indexer select: scratch needs {select_scratch(jobs, cfg)} int32, got {scratch.numel()}")
+        scratch = torch.empty(need, dtype=torch.int32, device=out.device)
+    if scratch.numel() < need:
+        raise ValueError(f"indexer select: scratch needs {need} int32, got {scratch.numel()}")
     meta, cand_buf = scratch[: 4 * jobs], scratch[4 * jobs:]
     kern = _kernels("topk_triton_kernels")
     flag = _flag(ranged, out.device)
@@ -205,7 +213,7 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     stride = padded(s_kv)
     buf = torch.empty(b * chunk * stride, dtype=torch.float32, device=q.device)
-    scratch = torch.empty(select_scratch(b * chunk, cfg), dtype=torch.int32, device=q.device)
+    scratch = torch.empty(select_scratch(b * chunk, cfg, s_kv), dtype=torch.int32, device=q.device)
     for c0 in range(0, s_q, chunk):
         c = min(chunk, s_q - c0)
         out = buf[: b * c * stride].view(b, c, stride)[..., :s_kv]

@@ -171,13 +171,15 @@ def test_keys_at_columns_is_a_device_flag():
 def test_top_k_grid_and_its_limits():
     cfg = indexer_triton.IndexerKernelConfig(topk_programs_per_sm=16)
     assert indexer_triton.topk_programs(torch.device("cpu"), 1000, cfg) == 64  # 16 per SM, 4 SMs off CUDA
-    assert indexer_triton.select_scratch(10, cfg) == 10 * (4 + 2048)  # a bracket and 2048 candidate slots a row
+    assert indexer_triton.select_scratch(10, cfg, 16384) == 10 * (4 + 2048)  # a bracket, 2048 candidate slots
+    assert indexer_triton.select_scratch(10, cfg, 300) == 10 * (4 + 512)  # short rows: slots for all their keys
+    assert indexer_triton.candidate_slots(cfg, 3) == 16
     assert indexer_triton.topk_programs(torch.device("cpu"), 10, cfg) == 10  # never above the rows
     ids = torch.empty(1, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="topk_tries must be >= 1 .*, got 0"):
         indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
                               cfg=indexer_triton.IndexerKernelConfig(topk_tries=0))
-    with pytest.raises(ValueError, match="scratch needs 8208 int32, got 10"):
+    with pytest.raises(ValueError, match="scratch needs 80 int32, got 10"):  # 4 rows of 4 keys: 16 slots
         indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
                               scratch=torch.empty(10, dtype=torch.int32))
 
