@@ -6,34 +6,23 @@ token's K selected ids in blocks of BK, gathering the kv rows by id (an invalid 
 scores -inf). Scores use exp2 with log2(e) folded into the scale; lse is returned in natural log.
 
 Backward recomputes P from the saved lse and takes Delta = rowsum(dO * O) - dlse from `delta_kernel`
-(one read of the bf16 rows: no float32 copies of dO and O).
-It adds dkv rows into a float32 buffer with relaxed atomics (order-dependent rounding: not bitwise
-deterministic), or, with FIXED > 0 (the deterministic mode, FIXED = 2^fraction bits), into an int64
-fixed-point buffer. The latent is handled as four column chunks of 128 so that each dkv chunk is a
-small register tile that is added and dropped at once. With KEY_ROWS (the 16-row head block) a dkv
-chunk is the [keys, columns] tile dS^T q_c + P^T dO_c, whose atomics need no layout change through
-shared memory, so the gathers can be pipelined; otherwise (the 64-row three walks) it is computed
-transposed (q_c^T dS, dO_c^T P), so that q and dO are only ever the A operand and sit in shared
-memory once.
+(one read of the bf16 rows, no float32 copies). It adds dkv rows into a float32 buffer with relaxed
+atomics (order-dependent rounding: not bitwise deterministic), or, with FIXED > 0 (the deterministic
+mode, FIXED = 2^fraction bits), into an int64 fixed-point buffer. The latent is handled as four
+column chunks of 128 so that each dkv chunk is a small register tile, added and dropped at once.
+With KEY_ROWS (the 16-row head block) a dkv chunk is the [keys, columns] tile dS^T q_c + P^T dO_c,
+whose atomics need no layout change through shared memory, which leaves room to pipeline the
+gathers; otherwise (the 64-row three walks) it is computed transposed (q_c^T dS, dO_c^T P), so that
+q and dO are only ever the A operand and sit in shared memory once.
 Two schedules (WALKS): one walk keeps dq in registers and adds dkv per block (the 16-row head
 block); three walks (the 64-row block) first write P and dS to a per-program scratch, then add dkv
 from it, then regather K for dq. Why three: Triton gives any dot whose result reaches another dot
-(an accumulator chain counts) a rows-only warp layout, so on 8 warps both warpgroups computed the
-whole 64-row S and dP tiles, and the single walk spilled (ncu: issue slots 20 % busy;
-sparse_mla_triton_bwd_ncu_843dff6.log). In the first of three walks S and dP are sums of separate
-chunk products (fma, so Triton does not fold them into one chain) with no dot downstream, so they
-keep the warpgroup-split layout. Measured at 16k x 64 heads (sparse_mla_sweep_c944a37.json):
-57.1 ms (191.7 TFLOP/s) against 103.1 ms for one walk; at 16 heads one walk stays faster (33.6 vs
-41.3 ms). The 64-row forward is the Gluon kernel (sparse_mla_gluon_kernels.py: 13.5 vs 16.9 ms);
-the Triton forward here serves 16-row blocks.
-
-Earlier results kept for the record: delaying each block's P by one iteration (rows gathered twice)
-ran slower (forward 172 vs 264 TFLOP/s, backward 61 vs 120; sparse_mla_triton_lag_9bd8cf4.json), so
-did P and dS through a global scratch inside one walk (83 vs 116 TFLOP/s, more spills:
-sparse_mla_triton_scratch_9d6ce6b.json); a forward with keys along the MMA rows was slower at 16
-heads (107 vs 153 TFLOP/s; sparse_mla_fwd_keys_as_rows_3abf734.log). The deterministic dkv mode
-(int64 atomics, twice the atomic traffic) cost 2.1x the one-walk backward (188.8 vs 89.8 ms at 16k x
-64 heads, sparse_mla_deterministic_e5e9a84.json).
+(an accumulator chain counts) a rows-only warp layout, so on 8 warps both warpgroups would compute
+the whole 64-row S and dP tiles and a single walk spills. In the first of three walks S and dP are
+sums of separate chunk products (fma, so Triton does not fold them into one chain) with no dot
+downstream, so they keep the warpgroup-split layout. The 64-row forward is the Gluon kernel
+(sparse_mla_gluon_kernels.py); the Triton forward here serves 16-row blocks. The measurements
+behind these choices, and the designs that lost, are in docs/GPU_NOTES.md.
 """
 
 from __future__ import annotations
