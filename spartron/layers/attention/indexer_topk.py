@@ -16,7 +16,8 @@ The PyTorch reference (`reference_indexer_topk`, chunked over queries so [chunk,
 bounded) is the CPU path and the test oracle; on CUDA (indexer_triton.py) a Triton kernel scores tiles
 without the per-head logits, skipping tiles no query of them sees, and a Triton selection kernel
 (topk_triton_kernels) takes each row's exact top-k from its visible keys only, with `topk_ids`'s rule.
-The trained-indexer (KL) path needs differentiable scores and keeps `index_scores`.
+kl_dense (the dense warm-up) needs differentiable scores over every visible key and keeps
+`index_scores`; kl_sparse selects through this op and scores its top-k only (attention.indexer_kl).
 """
 
 from __future__ import annotations
