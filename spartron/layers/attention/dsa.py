@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import gather_sequence
 from spartron.layers.attention.indexer_kl import kl_rows, sparse_indexer_kl
-from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
+from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids, visible_keys
 from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
 
@@ -116,14 +116,6 @@ class LightningIndexer(nn.Module):
             return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8, q_starts)
 
 
-def _visible_keys(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None) -> Tensor:
-    """`indexer_topk`'s visibility ([S_q, S_kv], or [B, S_q, S_kv] with document starts) as a mask: kl_dense only."""
-    visible = causal_visible(q_positions, k_positions)
-    if q_starts is None:
-        return visible
-    return visible & (k_positions[None, None, :] >= q_starts[:, :, None])
-
-
 def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
     """Detached [B,S,S_kv]: head-summed, L1-normalised main attention distribution over the visible keys
     (kl_dense; absorbed form, q [B,S,H,D], kv [B,S_kv,D]). The sparse target: indexer_kl."""
@@ -160,7 +152,7 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
                                      k_positions, indexer.topk, indexer.fp8, q_starts)
         return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale,
                                               deterministic=indexer.deterministic)
-    visible = _visible_keys(q_positions, k_positions, q_starts)
+    visible = visible_keys(q_positions, k_positions, q_starts)
     scores = index_scores(q, weights, k, visible)
     ids = reuse_during_recompute(topk_ids, scores.detach(), indexer.topk)
     return ids, coeff * indexer_kl_loss(scores, main_attention_target(q_abs, kv, scale, visible))

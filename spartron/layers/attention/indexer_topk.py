@@ -36,6 +36,15 @@ def causal_visible(q_positions: Tensor, k_positions: Tensor) -> Tensor:
     return k_positions[None, :] <= q_positions[:, None]
 
 
+def visible_keys(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None = None) -> Tensor:
+    """The op's visibility as a mask: [S_q, S_kv], or [B, S_q, S_kv] with packed documents' `q_starts` [B, S_q]
+    (key s also needs k_positions[s] >= q_starts[b, t])."""
+    visible = causal_visible(q_positions, k_positions)
+    if q_starts is None:
+        return visible
+    return visible & (k_positions[None, None, :] >= q_starts[:, :, None])
+
+
 def index_scores(q: Tensor, weights: Tensor, k: Tensor, visible: Tensor) -> Tensor:
     """I [B,S_q,S_kv] (>= float32, -inf where not visible); q [B,S_q,H,d], weights [B,S_q,H], k [B,S_kv,d]."""
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -75,9 +84,7 @@ def reference_indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: T
     parts = []
     for c0 in range(0, s_q, chunk):
         c1 = min(c0 + chunk, s_q)
-        visible = causal_visible(q_positions[c0:c1], k_positions)
-        if q_starts is not None:  # packed documents: keys of the query's own document only
-            visible = visible & (k_positions[None, None, :] >= q_starts[:, c0:c1, None])
+        visible = visible_keys(q_positions[c0:c1], k_positions, None if q_starts is None else q_starts[:, c0:c1])
         scores = index_scores(q[:, c0:c1], weights[:, c0:c1], k, visible)
         if k_scale is not None:
             scores = scores * k_scale[:, None, :]

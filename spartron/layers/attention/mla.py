@@ -166,18 +166,15 @@ class MLA(nn.Module):
         loss = None
         if ids is None:  # a source computing its ids
             dsa = self.cfg.dsa
-            documents = positions.dim() == 2  # packed documents: each query's own document (attention.doc_mask)
-            if documents:  # the queries' global indices, and where each one's document starts
+            q_pos, q_starts = positions, None
+            if positions.dim() == 2:  # packed documents: the queries' global indices and their documents' starts
                 q_index = self._query_index(positions)
-                index = k_positions[:positions.shape[-1]] if q_index is None else q_index
-            if dsa.indexer_mode == "frozen" and documents:
-                ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, index, k_positions,
-                                             index[None] - positions)
-            elif dsa.indexer_mode == "frozen":
-                ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, positions,
-                                             k_positions)
+                q_pos = k_positions[:positions.shape[-1]] if q_index is None else q_index
+                q_starts = q_pos[None] - positions
+            if dsa.indexer_mode == "frozen":
+                ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, q_pos, k_positions,
+                                             q_starts)
             else:
-                q_pos, q_starts = (index, index[None] - positions) if documents else (positions, None)
                 ids, loss = trained_indexer_ids_and_loss(
                     self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs, kv,
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
