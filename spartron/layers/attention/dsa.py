@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import gather_sequence
-from spartron.layers.attention.indexer_kl import kl_rows, sparse_indexer_kl
+from spartron.layers.attention.indexer_kl import head_summed_distribution, kl_rows, sparse_indexer_kl
 from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids, visible_keys
 from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
@@ -123,8 +123,7 @@ def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor) 
     with torch.no_grad():
         scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
         scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
-        return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+        return head_summed_distribution(scores)
 
 
 def indexer_kl_loss(scores: Tensor, target: Tensor) -> Tensor:

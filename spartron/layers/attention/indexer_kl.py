@@ -110,6 +110,13 @@ def selected_index_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, ch
     return _SelectedScores.apply(q, weights, k, ids, rows, deterministic)
 
 
+def head_summed_distribution(scores: Tensor) -> Tensor:
+    """scores [B, H, S, N] (-inf: not a key of the row) -> [B, S, N]: softmax per head, summed over heads,
+    L1-normalised; 0 where a row has no key. The KL target's one form, dense (dsa) and sparse (here)."""
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
+    return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
 def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, chunk: int | None = None) -> Tensor:
     """Detached [B,S,K]: sum over heads of softmax(scale * q . kv[ids]) over the valid slots, L1-normalised;
     0 at -1 slots. q [B,S,H,D] (absorbed queries), kv [B,S_kv,D] (latent rows)."""
@@ -123,8 +130,7 @@ def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, ch
             sl = slice(c0, c0 + rows)
             scores = torch.einsum("bthd,btkd->bhtk", q[:, sl].to(acc), gather_keys(kv_acc, ids[:, sl])) * scale
             scores = scores.masked_fill(ids[:, None, sl] < 0, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
-            out[:, sl] = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+            out[:, sl] = head_summed_distribution(scores)
     return out
 
 
