@@ -22,13 +22,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
                                     "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
                                     "doc_mask", "precision", "memory_plan", "ac_validation_cost", "adamw", "indexer",
-                                    "dsa_e2e"])
+                                    "dsa_e2e", "kl_sparse"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
     out = tmp_path / f"{script}.json"
     args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
-                                             "ac_validation_cost", "dsa_e2e") else []
+                                             "ac_validation_cost", "dsa_e2e", "kl_sparse") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
