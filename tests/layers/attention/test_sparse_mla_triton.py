@@ -182,6 +182,7 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 2, dkv_key_rows=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 3, dkv_key_rows=True, max_registers=168)),  # 3 programs/SM
 ]
 
 
