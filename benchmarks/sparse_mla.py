@@ -13,10 +13,10 @@ forward+backward; 64k x 64 forward only) with dense SDPA at the same length and 
 adds the PyTorch reference op (the CPU path; slow) at the first case. The bf16 matmul ceiling is
 measured in the same run. FLOPs count valid (query, key) pairs: forward 2 x pairs x H x (d_qk + d_v),
 backward 2.5x that. Every timed step is recorded (CUDA events, after warm-up) with the median.
-`--sweep` (CUDA) adds, at every case: the default configs on ids in score order, and the gather
-alone (the bandwidth bound of the kernels at this head count); at forward+backward cases also each
-kernel config of --sweep-configs (default DEFAULT_SWEEP) with its float64 errors at a small shape and
-its time.
+`--sweep` (CUDA) adds, at every case: the default configs on ids in score order, the gather alone
+(the bandwidth bound of the kernels at this head count), and each kernel config of --sweep-configs
+(default DEFAULT_SWEEP; forward ones only at forward-only cases) with its float64 errors at a small
+shape and its time.
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def sparse_case(args, device, dtype, s: int, h: int, fwd_only: bool, first: bool
     if args.sweep and device.type == "cuda":
         timings = [("sparse_fwd_score_order_ids", lambda: sparse_mla_triton.forward(
             q.detach(), kv.detach(), score_order, scale, lat), fwd_flops)]
+        rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args, fwd_only)
         if not fwd_only:
-            rows["sweep"] = sweep(q.detach(), kv.detach(), ids, grad_out, out, scale, device, args)
             timings.append(("sparse_bwd_score_order_ids", lambda: sparse_mla_triton.backward(
                 grad_out, zero_lse, q.detach(), kv.detach(), score_order, out, lse, scale, lat), 2.5 * fwd_flops))
         for name, fn, flops in timings:
@@ -221,13 +221,15 @@ def small_case_errors(kind: str, cfg, h: int, device) -> dict:
                 finite=bool(torch.isfinite(dq).all() and torch.isfinite(dkv).all()))
 
 
-def sweep(q, kv, ids, grad_out, out, scale, device, args) -> list[dict]:
-    """Each config of --sweep-configs (or DEFAULT_SWEEP for this head count): its float64 errors at a
-    small shape, then its time at this case; registers / spills of the Triton kernels where found."""
+def sweep(q, kv, ids, grad_out, out, scale, device, args, fwd_only: bool = False) -> list[dict]:
+    """Each config of --sweep-configs (or DEFAULT_SWEEP for this head count; at a forward-only case
+    its forward configs only): its float64 errors at a small shape, then its time at this case;
+    registers / spills of the Triton kernels where found."""
     h = q.shape[2]
     n_sel = int((ids >= 0).sum())
     fwd_flops = 2 * n_sel * h * 1088
     specs = args.sweep_configs or DEFAULT_SWEEP[64 if h > 32 else 16]
+    specs = [spec for spec in specs if spec.startswith("fwd:") or not fwd_only]
     rows = []
     o, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512)
     gl = torch.zeros_like(lse)
@@ -376,7 +378,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference at the first case")
     p.add_argument("--sweep", action="store_true",
-                   help="at every fwd+bwd case: time kernel configs (with their float64 errors at a small shape), "
+                   help="at every case: time kernel configs (with their float64 errors at a small shape), "
                         "ids in score order (random) instead of ascending, and the gather alone")
     p.add_argument("--sweep-configs", dest="sweep_configs", nargs="*", default=[],
                    help="kind:BHxBKxWARPSxSTAGES[xWALKSxSTAGES2][:gluon[:late]][:keyrows] (default: DEFAULT_SWEEP)")

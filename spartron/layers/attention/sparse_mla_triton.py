@@ -67,9 +67,13 @@ def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
     for the Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms,
     317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
     sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
-    kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel (sparse_mla_triton.json)."""
+    kernel. Up to 16 heads on Hopper: the 16-head Gluon kernel (keys as wgmma rows, 3 latent stages;
+    sparse_mla_gluon16_kernels.py). Otherwise below 33 heads, head block 16 (mma rows) with the Triton
+    kernel (sparse_mla_triton.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
+    if n_heads <= 16 and hopper:
+        return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=3, gluon=True)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
 
 
@@ -131,13 +135,17 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     if out.numel() == 0:
         return out, lse
     if cfg.gluon:
-        if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64) or cfg.num_stages not in (2, 3):
-            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
-                             f"stages; got {cfg}")
+        if (cfg.block_h, cfg.num_warps, cfg.block_k) == (16, 4, 64) and cfg.num_stages in (2, 3):
+            module, name = "sparse_mla_gluon16_kernels", "sparse_mla_fwd16_gluon_kernel"  # keys as MMA rows
+        elif (cfg.block_h, cfg.num_warps) == (64, 8) and cfg.block_k in (32, 64) and cfg.num_stages in (2, 3):
+            module, name = "sparse_mla_gluon_kernels", "sparse_mla_fwd_gluon_kernel"
+        else:
+            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, or block_h "
+                             f"16, 4 warps, block_k 64; 2 or 3 stages; got {cfg}")
         if not is_hopper(q.device):
             raise ValueError(f"sparse_mla Gluon forward: needs an sm90 (Hopper) GPU for its warpgroup MMA; got "
                              f"{q.device}")
-        kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
+        kern = getattr(_kernels(module), name)
         extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel

@@ -1,0 +1,166 @@
+"""Gluon sparse-MLA forward for Hopper at up to 16 heads: keys along the warpgroup MMA's rows.
+
+Imports triton at module level: import it only through `sparse_mla_triton`, which checks that triton
+is installed first. Same contract as the other forwards (one program = one query token x a block of
+16 heads; invalid ids load zeros and score -inf; lse in natural log, -inf for a query with no valid
+id). Why: wgmma's rows come in 64s, so 16 heads as rows would waste three quarters of every product,
+and the 16-row mma_v2 kernel keeps q in shared memory that every warp re-reads each block. With the
+64 gathered keys as rows instead, the products are transposed (one warpgroup, N = 16 heads):
+- S^T [64, 16] = K_lat q_lat^T + K_pe q_pe^T, the gathered stage as A, q (once in shared memory) as B;
+- the online softmax runs down the key axis, one max per head column; the row sum is kept per
+  element and reduced once at the end;
+- P^T goes to shared memory (2 KB, in the block's rope slot, free once S^T is done) and
+  O^T [512, 16] += V^T P^T takes the stage's latent transposed as A, so each gathered row is read by
+  the tensor cores twice and never copied to registers.
+At 16 heads the kernel is bound by the gather (30 FLOP per gathered byte), so the schedule aims at
+bytes in flight: the latent lives in STAGES shared-memory slots (3: two blocks in flight while one
+computes; 3 x 64 KB plus q's 18 KB just fit the 227 KB limit because the rope rows keep only two
+slots), each block's ids are loaded one step before its gather, and a refill is issued before
+(EARLY) or after the score product. Hopper only (wgmma); written against triton 3.6's Gluon.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _ids(id_row, k0, topk, s_kv, layout: gl.constexpr, BK: gl.constexpr):
+    """Slots k0 .. k0+BK of an id row in `layout`: (row index, 0 where invalid, int64; validity)."""
+    kk = k0 + gl.arange(0, BK, layout=layout)
+    ids = gl.load(id_row + kk, mask=kk < topk, other=-1)
+    valid = (ids >= 0) & (ids < s_kv)
+    return gl.where(valid, ids, 0).to(gl.int64), valid
+
+
+@gluon.jit
+def _gather(dst, kv_base, safe, valid, col0: gl.constexpr, D: gl.constexpr, W: gl.constexpr, L: gl.constexpr):
+    """Issue the cp.async gather of W columns from col0 of the rows `safe` into dst (zeros where not
+    valid), as one commit group."""
+    cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    async_copy.async_copy_global_to_shared(dst, kv_base + safe[:, None] * D + cols[None, :], mask=valid[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
+def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk, scale_log2,
+                                  BH: gl.constexpr, BK: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
+                                  KP: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):
+    """Launch with num_warps=4 (one warpgroup), BH = 16 (the MMA's N), BK = 64, one program per token
+    and 16-head block. Per step j: the latent of block j+STAGES-1 and the rope rows of block j+1 are gathered into the
+    slots block j-1 used, once block j-1's PV product is done: before block j's score product (EARLY)
+    or after it (the score wait then covers that PV product too, in issue order)."""
+    D: gl.constexpr = DV + DR
+    GL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # latent rows, 16-byte vectors
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # rope rows
+    OL: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # O^T columns = out rows, for the store
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DV], gl.bfloat16)
+    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DR], gl.bfloat16)
+    PT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BH], gl.bfloat16)
+    QL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DV], gl.bfloat16)
+    QR_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DR], gl.bfloat16)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    pid = gl.program_id(0)
+    n_hb = gl.cdiv(n_heads, BH)
+    tok = (pid // n_hb).to(gl.int64)
+    h0 = (pid % n_hb) * BH
+    b = tok // s_q
+    id_row = ids_ptr + tok * topk
+    # used slots: 1 + the last valid one, so the -1 padding at the end of short rows costs nothing
+    kk = gl.arange(0, KP, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    ids = gl.load(id_row + kk, mask=kk < topk, other=-1)
+    n_used = gl.max(gl.where((ids >= 0) & (ids < s_kv), kk + 1, 0), 0)
+    n_blocks = gl.cdiv(n_used, BK)
+
+    # q rows to shared memory once (heads past n_heads: zeros, their columns are never stored)
+    hg = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, GL))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, GL))
+    q_lat = gl.load(q_ptr + (tok * n_heads + hg)[:, None] * D + cols[None, :], mask=(hg < n_heads)[:, None], other=0.0)
+    q_lat_s = gl.allocate_shared_memory(dtype, [BH, DV], QL_S, q_lat)
+    hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, RL))
+    cols_r = DV + gl.arange(0, DR, layout=gl.SliceLayout(0, RL))
+    q_pe = gl.load(q_ptr + (tok * n_heads + hr)[:, None] * D + cols_r[None, :], mask=(hr < n_heads)[:, None], other=0.0)
+    q_pe_s = gl.allocate_shared_memory(dtype, [BH, DR], QR_S, q_pe)
+    lat_s = gl.allocate_shared_memory(dtype, [STAGES, BK, DV], LAT_S)
+    pe_s = gl.allocate_shared_memory(dtype, [2, BK, DR], PE_S)
+
+    kv_base = kv_ptr + b * s_kv * D
+    # prologue commit groups: rope 0, latent 0 .. STAGES-2; then the ids of the next gathers
+    sr, vr = _ids(id_row, 0, topk, s_kv, gl.SliceLayout(1, RL), BK)
+    _gather(pe_s.index(0), kv_base, sr, vr, DV, D, DR, RL)
+    for i in gl.static_range(STAGES - 1):
+        sg, vg = _ids(id_row, i * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+        _gather(lat_s.index(i), kv_base, sg, vg & (i < n_blocks), 0, D, DV, GL)
+    sg, vg = _ids(id_row, (STAGES - 1) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+    sr, vr = _ids(id_row, BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
+    _, v_this = _ids(id_row, 0, topk, s_kv, gl.SliceLayout(1, S_L), BK)  # block j's score mask, a step early
+
+    m = gl.full([BH], -1.0e30, gl.float32, layout=gl.SliceLayout(0, S_L))  # finite: an all-invalid block gives p = 0
+    l2d = gl.zeros([BK, BH], gl.float32, layout=S_L)
+    acc = warpgroup_mma_init(gl.zeros([DV, BH], gl.float32, layout=S_L))
+    s0 = gl.zeros([BK, BH], gl.float32, layout=S_L)
+    for j in range(0, n_blocks):
+        st = j % STAGES
+        nxt = (j + STAGES - 1) % STAGES  # the latent slot block j-1 used, refilled with block j+STAGES-1
+        more = j + STAGES - 1 < n_blocks
+        # block j's rope and latent are in (pending at most: the later latent gathers)
+        async_copy.wait_group(STAGES - 2)
+        if EARLY:  # block j-1's PV product read its latent slot and P^T (in the rope slot): done first
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()
+        fence_async_shared()
+        if EARLY:
+            _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
+            _gather(lat_s.index(nxt), kv_base, sg, vg & more, 0, D, DV, GL)
+            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+            sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
+        lat = lat_s.index(st)
+        pe = pe_s.index(j % 2)
+        s = warpgroup_mma(lat, q_lat_s.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(pe, q_pe_s.permute((1, 0)), s, is_async=True)
+        if EARLY:
+            s = warpgroup_mma_wait(0, deps=[s])
+        else:  # the score product waits out block j-1's PV product too (in order): refill after it
+            s, acc = warpgroup_mma_wait(0, deps=[s, acc])
+            gl.thread_barrier()
+            _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
+            _gather(lat_s.index(nxt), kv_base, sg, vg & more, 0, D, DV, GL)
+            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+            sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
+        s = gl.where(v_this[:, None], s * scale_log2, float("-inf"))
+        _, v_this = _ids(id_row, (j + 1) * BK, topk, s_kv, gl.SliceLayout(1, S_L), BK)
+        m_new = gl.maximum(m, gl.max(s, 0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l2d = l2d * alpha[None, :] + p
+        acc = acc * alpha[None, :]
+        pt = pe._reinterpret(dtype, [BK, BH], PT_S)  # block j's rope rows are dead once S^T is done
+        gl.thread_barrier()  # every warp's score product has read them
+        pt.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(lat.permute((1, 0)), pt, acc, is_async=True)
+        m = m_new
+
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+    denom = gl.sum(l2d, 0)
+    has = denom > 0.0
+    lse = gl.where(has, (m + gl.log2(gl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+    acc = acc / gl.where(has, denom, 1.0)[None, :]
+    out = gl.convert_layout(acc.to(dtype), OL)
+    ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(0, OL))
+    out_cols = out_ptr + (tok * n_heads + ho)[None, :] * DV
+    gl.store(out_cols + gl.arange(0, DV, layout=gl.SliceLayout(1, OL))[:, None], out, mask=(ho < n_heads)[None, :])
+    hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(0, S_L))
+    gl.store(lse_ptr + tok * n_heads + hs, lse, mask=hs < n_heads)
