@@ -9,7 +9,8 @@ rows at a time, as float32 relaxed atomics and, for comparison, as plain stores 
 bytes). Its time is a floor for any per-query backward that adds dkv rows one pair at a time.
 `tl.atomic_add` already emits the vector form here (PTX atom...add.v4.f32, whose unused result ptxas
 turns into SASS REDG.E.ADD.F32x4), so an inline-asm red.v4 is the same instruction; the variants that
-differ are: the backward's bf16 kv row gather (1152 bytes a pair, from L2 too) with and without the
+differ are: red.v2 by inline asm (what the backward's MMA-layout tiles can issue without a layout
+change), the backward's bf16 kv row gather (1152 bytes a pair, from L2 too) with and without the
 adds, since the kernel pays both, and Hopper's bulk reduction (cp.reduce.async.bulk ... add.f32, one
 2304-byte row per instruction from shared memory through the TMA unit instead of the SM's load/store
 path), written in Gluon with the instruction by inline asm.
@@ -29,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import call_times_ms, device_name, write_report  # noqa: E402
 from sparse_mla import causal_random_ids, sorted_ids  # noqa: E402
 
-ADD_KINDS = ("atomic_add_f32", "store", "none")  # what each pair's 576 float32 become: atomics, stores, nothing
+# what each pair's 576 float32 become: tl.atomic_add (v4), stores, nothing, red.v2 by inline asm
+ADD_KINDS = ("atomic_add_f32", "store", "none", "red_v2_f32_asm")
 
 
 def kernel():
@@ -37,10 +39,18 @@ def kernel():
     import triton.language as tl
 
     @triton.jit
+    def red_v2(ptrs, part, mask):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.add.v2.f32 [$2], {$4, $5}; mov.u32 $0, 0; "
+            "mov.u32 $1, 0; }", "=r,=r,l,l,r,r,r,r", [ptrs.to(tl.int64, bitcast=True), part, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=2)
+
+    @triton.jit
     def add_rows(dkv_ptr, kv_ptr, sink_ptr, ids_ptr, topk, BK: tl.constexpr, ADD: tl.constexpr,
                  GATHER: tl.constexpr):
-        """ADD 0: atomics, 1: stores, 2: none; GATHER: also load the pair's bf16 kv row (its values feed
-        the added tile, or with no adds a per-program sum stored to `sink`, so the loads stay)."""
+        """ADD 0: atomics, 1: stores, 2: none, 3: red.global.add.v2.f32 (two adjacent columns each, as the
+        backward's MMA-layout tiles can add without a layout change); GATHER: also load the pair's bf16 kv
+        row (its values feed the added tile, or with no adds a per-program sum stored to `sink`)."""
         tok = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, 512)
         colr = tl.arange(0, 64)
@@ -67,6 +77,9 @@ def kernel():
             elif ADD == 0:
                 tl.atomic_add(rows + cols[None, :], lat, mask=valid[:, None], sem="relaxed")
                 tl.atomic_add(rows + 512 + colr[None, :], pe, mask=valid[:, None], sem="relaxed")
+            elif ADD == 3:
+                red_v2(rows + cols[None, :], lat, valid[:, None] & (cols[None, :] >= 0))
+                red_v2(rows + 512 + colr[None, :], pe, valid[:, None] & (colr[None, :] >= 0))
         if ADD == 2:
             tl.store(sink_ptr + tok * 512 + cols, acc)
     return add_rows
@@ -140,7 +153,7 @@ def main() -> None:
         rows.append(row)
 
     for gather in (False, True):
-        for add in range(3):
+        for add in range(4):
             if add == 2 and not gather:
                 continue
             for bk, warps in ((16, 4), (32, 4), (32, 8)) if not gather else ((16, 4), (32, 4)):
@@ -148,6 +161,13 @@ def main() -> None:
                     kern[(args.seq,)](dkv, kv, sink, ids, ids.shape[1], BK=bk, ADD=add, GATHER=gather,
                                       num_warps=warps)
                 record(dict(kind=ADD_KINDS[add], gather_kv_bf16=gather, block_rows=bk, num_warps=warps), fn)
+                if add == 3 and not gather and (bk, warps) == (16, 4):  # its sums against the atomics'
+                    dkv.zero_()
+                    fn()
+                    v2_sums = dkv.clone()
+                    dkv.zero_()
+                    kern[(args.seq,)](dkv, kv, sink, ids, ids.shape[1], BK=16, ADD=0, GATHER=False, num_warps=4)
+                    checks["red_v2_rel_err_vs_atomics"] = ((v2_sums - dkv).norm() / dkv.norm()).item()
     # one atomic pass as the reference sums for the bulk reduction's check
     dkv.zero_()
     kern[(args.seq,)](dkv, kv, sink, ids, ids.shape[1], BK=16, ADD=0, GATHER=False, num_warps=4)

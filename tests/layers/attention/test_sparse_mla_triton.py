@@ -96,6 +96,17 @@ def test_backward_walks_other_than_1_or_3_are_an_error():
         sparse_mla_triton.backward(q[..., :512], lse, q, kv, ids, q[..., :512], lse, 0.1, 512, cfg)
 
 
+def test_red_v2_dkv_adds_without_key_rows_tiles_are_an_error():
+    q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 2, 2, dtype=torch.int32)
+    lse = torch.zeros(1, 2, 16)
+    cfg = sparse_mla_triton.KernelConfig(16, 32, 4, 1, dkv_red_v2=True)
+    with pytest.raises(ValueError, match=r"sparse_mla backward kernel: dkv_red_v2 needs dkv_key_rows \(its column "
+                                         r"pairs are a \[keys, columns\] tile's\); got dkv_key_rows=False"):
+        sparse_mla_triton.backward(q[..., :512], lse, q, kv, ids, q[..., :512], lse, 0.1, 512, cfg)
+
+
 # --- GPU -----------------------------------------------------------------------------------------
 
 def _ids(b: int, s_q: int, s_kv: int, k: int, g: torch.Generator, shuffle: bool) -> torch.Tensor:
@@ -190,7 +201,8 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 2, dkv_key_rows=True)),
-    ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 3, dkv_key_rows=True, max_registers=168)),  # 3 programs/SM
+    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True, dkv_red_v2=True)),
+    ("bwd", sparse_mla_triton.KernelConfig(16, 64, 4, 2, dkv_key_rows=True, dkv_red_v2=True)),
 ]
 
 
