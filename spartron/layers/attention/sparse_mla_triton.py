@@ -94,7 +94,8 @@ def backward_config(n_heads: int, dkv_in_l2: bool = True) -> KernelConfig:
     sparse_mla_bwd16_sweep_1e57698.json, sparse_mla_bwd16_stages_9c34ddc.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
-    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True,
+                        dkv_red_v2=True)
 
 
 def dkv_in_l2(kv: Tensor) -> bool:

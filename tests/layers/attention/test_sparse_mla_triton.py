@@ -80,6 +80,8 @@ def test_head_block_follows_the_head_count():
     # 16 rows: [keys, columns] dkv tiles (no shared-memory layout change before the atomics)
     assert [sparse_mla_triton.backward_config(h).dkv_key_rows for h in (16, 32, 33, 128)] == \
         [True, True, False, False]
+    # 16 rows: the dkv adds as red.v2 in the MMA layout
+    assert [sparse_mla_triton.backward_config(h).dkv_red_v2 for h in (16, 32, 33, 128)] == [True, True, False, False]
     # 16 rows: the gathers pipelined (3 stages) while the float32 dkv stays in L2, else one stage
     assert [sparse_mla_triton.backward_config(16, fits).num_stages for fits in (True, False)] == [3, 1]
     assert sparse_mla_triton.backward_config(64, False) == sparse_mla_triton.backward_config(64, True)
