@@ -65,7 +65,7 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DV], gl.bfloat16)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DR], gl.bfloat16)
-    PT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BH], gl.bfloat16)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BK], gl.bfloat16)
     QL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DV], gl.bfloat16)
     QR_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DR], gl.bfloat16)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -144,12 +144,12 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
         p = gl.exp2(s - m_new[None, :])
         l2d = l2d * alpha[None, :] + p
         acc = acc * alpha[None, :]
-        pt = pe._reinterpret(dtype, [BK, BH], PT_S)  # block j's rope rows are dead once S^T is done
+        p_s = pe._reinterpret(dtype, [BH, BK], P_S)  # block j's rope rows are dead once S^T is done
         gl.thread_barrier()  # every warp's score product has read them
-        pt.store(p.to(dtype))
+        p_s.store(gl.permute(p.to(dtype), (1, 0)))  # P [heads, keys]: K-major B, as q is for S^T
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(lat.permute((1, 0)), pt, acc, is_async=True)
+        acc = warpgroup_mma(lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
         m = m_new
 
     acc = warpgroup_mma_wait(0, deps=[acc])
