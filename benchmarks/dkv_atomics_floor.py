@@ -39,11 +39,14 @@ def kernel():
     import triton.language as tl
 
     @triton.jit
-    def red_v2(ptrs, part, mask):
+    def red_v2(ptrs, part, mask):  # as the backward's _red_v2: column pairs by a split, one red.v2 each
+        shape: tl.constexpr = [part.shape[0], part.shape[1] // 2, 2]
+        lo, hi = tl.split(tl.reshape(part, shape))
+        p_lo, _ = tl.split(tl.reshape(ptrs.to(tl.int64, bitcast=True), shape))
+        m_lo, _ = tl.split(tl.reshape(mask.to(tl.int32), shape))
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.add.v2.f32 [$2], {$4, $5}; mov.u32 $0, 0; "
-            "mov.u32 $1, 0; }", "=r,=r,l,l,r,r,r,r", [ptrs.to(tl.int64, bitcast=True), part, mask.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=2)
+            "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.global.add.v2.f32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+            "=r,l,r,r,r", [p_lo, lo, hi, m_lo], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def add_rows(dkv_ptr, kv_ptr, sink_ptr, ids_ptr, topk, BK: tl.constexpr, ADD: tl.constexpr,

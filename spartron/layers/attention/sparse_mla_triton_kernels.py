@@ -115,14 +115,17 @@ def delta_kernel(do_ptr, out_ptr, dlse_ptr, delta_ptr, n_rows, DV: tl.constexpr,
 
 @triton.jit
 def _red_v2(ptrs, part, mask):
-    """dkv += part by red.global.add.v2.f32 (two adjacent columns an instruction) in the tile's own MMA
-    layout. tl.atomic_add vectorises to v4 only after moving each tile through shared memory into a
-    4-column layout (stores, barriers, loads per chunk). Needs every thread's consecutive element pairs
-    to be adjacent columns of one row, as a [keys, columns] MMA accumulator holds them."""
+    """dkv += part by red.global.add.v2.f32, two adjacent columns an instruction, in the tile's own MMA
+    layout (which holds column pairs in one thread): tl.atomic_add vectorises to v4 only after moving
+    each tile through shared memory into a 4-column layout (stores, barriers, loads per chunk). The
+    pairs come from splitting the column axis, so they are adjacent columns whatever the layout."""
+    shape: tl.constexpr = [part.shape[0], part.shape[1] // 2, 2]
+    lo, hi = tl.split(tl.reshape(part, shape))
+    p_lo, _ = tl.split(tl.reshape(ptrs.to(tl.int64, bitcast=True), shape))
+    m_lo, _ = tl.split(tl.reshape(mask.to(tl.int32), shape))
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.add.v2.f32 [$2], {$4, $5}; mov.u32 $0, 0; "
-        "mov.u32 $1, 0; }", "=r,=r,l,l,r,r,r,r", [ptrs.to(tl.int64, bitcast=True), part, mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=2)
+        "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.global.add.v2.f32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+        "=r,l,r,r,r", [p_lo, lo, hi, m_lo], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
