@@ -15,8 +15,8 @@ and the 16-row mma_v2 kernel keeps q in shared memory that every warp re-reads e
 At 16 heads the kernel is bound by the gather (30 FLOP per gathered byte), so the schedule aims at
 bytes in flight: the latent lives in STAGES shared-memory slots (3: two blocks in flight while one
 computes; 3 x 64 KB plus q's 18 KB just fit the 227 KB limit because the rope rows keep only two
-slots), each block's ids are loaded one step before its gather, and a refill is issued before
-(EARLY) or after the score product. Hopper only (wgmma); written against triton 3.6's Gluon.
+slots), each block's ids are loaded one step before its gather, and a refill is issued while the
+score product runs (EARLY) or after it. Hopper only (wgmma); written against triton 3.6's Gluon.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
                                   BH: gl.constexpr, BK: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
                                   KP: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):
     """Launch with num_warps=4 (one warpgroup), BH = 16 (the MMA's N), BK = 64, one program per token
-    and 16-head block. Per step j: the latent of block j+STAGES-1 and the rope rows of block j+1 are gathered into the
-    slots block j-1 used, once block j-1's PV product is done: before block j's score product (EARLY)
-    or after it (the score wait then covers that PV product too, in issue order)."""
+    and 16-head block. Per step j: the latent of block j+STAGES-1 and the rope rows of block j+1 are
+    gathered into the slots block j-1 used, once block j-1's PV product is done: while block j's score
+    product runs (EARLY) or after it (the score wait then covers that PV product too, in issue order)."""
     D: gl.constexpr = DV + DR
     GL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # latent rows, 16-byte vectors
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # rope rows
@@ -119,16 +119,15 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
             acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
         fence_async_shared()
-        if EARLY:
-            _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
-            _gather(lat_s.index(nxt), kv_base, sg, vg & more, 0, D, DV, GL)
-            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
-            sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
         lat = lat_s.index(st)
         pe = pe_s.index(j % 2)
         s = warpgroup_mma(lat, q_lat_s.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(pe, q_pe_s.permute((1, 0)), s, is_async=True)
-        if EARLY:
+        if EARLY:  # the refill's cp.async issue runs while the tensor cores do the score product
+            _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
+            _gather(lat_s.index(nxt), kv_base, sg, vg & more, 0, D, DV, GL)
+            sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
+            sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
             s = warpgroup_mma_wait(0, deps=[s])
         else:  # the score product waits out block j-1's PV product too (in order): refill after it
             s, acc = warpgroup_mma_wait(0, deps=[s, acc])
