@@ -59,10 +59,10 @@ def test_gluon_forward_takes_only_its_block_shape():
         cfg = sparse_mla_triton.KernelConfig(*bad, gluon=True)
         with pytest.raises(ValueError, match=message.format(*bad)):
             sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
-    for h in (16, 64):  # both Gluon block shapes pass the shape check and stop at the device check
+    for cfg in (sparse_mla_triton.KernelConfig(16, 64, 4, 3, gluon=True), sparse_mla_triton.forward_config(64)):
         with pytest.raises(ValueError, match="Gluon forward: needs an sm90 .Hopper. GPU for its warpgroup MMA; "
-                                             "got cpu"):
-            sparse_mla_triton.forward(q, kv, ids, 0.1, 512, sparse_mla_triton.forward_config(h))
+                                             "got cpu"):  # both Gluon block shapes pass the shape check
+            sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
 
 
 def test_head_block_follows_the_head_count():
@@ -70,11 +70,9 @@ def test_head_block_follows_the_head_count():
         [16, 16, 16, 16, 64, 64, 64]
     assert [sparse_mla_triton.backward_config(h).block_h for h in (16, 64, 128)] == [16, 64, 64]
     # 64-row blocks: the Gluon forward and the three-walk backward; 16 rows: the Triton kernels, one walk
-    assert [sparse_mla_triton.forward_config(h).gluon for h in (1, 16, 17, 32, 33, 128)] == \
-        [True, True, False, False, True, True]
-    assert [sparse_mla_triton.forward_config(h).num_stages for h in (1, 16, 17, 32, 33)] == [3, 3, 2, 2, 2]
-    for h in (16, 64):  # the Gluon kernels' wgmma is sm90 only
-        assert not sparse_mla_triton.forward_config(h, hopper=False).gluon
+    assert [sparse_mla_triton.forward_config(h).gluon for h in (1, 16, 32, 33, 128)] == \
+        [False, False, False, True, True]
+    assert not sparse_mla_triton.forward_config(64, hopper=False).gluon  # its wgmma is sm90 only
     assert not sparse_mla_triton.is_hopper(torch.device("cpu"))
     assert [sparse_mla_triton.backward_config(h).walks for h in (16, 32, 33, 128)] == [1, 1, 3, 3]
     # 16 rows: [keys, columns] dkv tiles (no shared-memory layout change before the atomics)
