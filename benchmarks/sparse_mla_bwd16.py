@@ -2,16 +2,14 @@
 
     python benchmarks/sparse_mla_bwd16.py --out benchmarks/results/sparse_mla_bwd16.json --commit SHA
 
-Each `--configs` entry BKxWARPSxSTAGES[v2] is a one-walk, [keys, columns] dkv-tile backward config
-(block_h 16; v2: the dkv adds as red.global.add.v2.f32 in the MMA layout, KernelConfig.dkv_red_v2,
-instead of tl.atomic_add's v4 after a layout change through shared memory). Per config: norm-wise
-errors of dq and dkv against the float64 reference at small shapes (odd lengths, 16 and 12 heads,
--1 padding and holes, an out-of-range id, an empty query), the deterministic int64 dkv mode's errors
-and run-to-run bitwise equality, then at SEQ x HEADS (top-k 2048, ascending random causal ids as in
-benchmarks/sparse_mla.py) the error against the first config and every timed call (CUDA events,
-after warm-up). The forward is the Triton kernel at a fixed config (FWD), so only the backward varies.
-FLOPs as sparse_mla.py counts them: backward 2.5 x 2 x pairs x heads x (576 + 512). The compiled
-kernels' registers and spills are listed.
+Each `--configs` entry BKxWARPSxSTAGES is a one-walk, [keys, columns] dkv-tile backward config
+(block_h 16). Per config: norm-wise errors of dq and dkv against the float64 reference at small
+shapes (odd lengths, 16 and 12 heads, -1 padding and holes, an out-of-range id, an empty query), the
+deterministic int64 dkv mode's errors and run-to-run bitwise equality, then at SEQ x HEADS (top-k
+2048, ascending random causal ids as in benchmarks/sparse_mla.py) the error against the first config
+and every timed call (CUDA events, after warm-up). The forward is the Triton kernel at a fixed config
+(FWD), so only the backward varies. FLOPs as sparse_mla.py counts them: backward 2.5 x 2 x pairs x
+heads x (576 + 512). The compiled kernels' registers and spills are listed.
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ SMALL = [(1, 333, 333, 16, 100), (2, 257, 300, 12, 200), (1, 190, 2100, 16, 2048
 
 
 def parse(spec: str) -> sparse_mla_triton.KernelConfig:
-    """'32x4x3' or '32x4x3v2' -> KernelConfig(16, BK, WARPS, STAGES, dkv_key_rows=True, dkv_red_v2)."""
-    v2 = spec.endswith("v2")
-    bk, warps, stages = (int(x) for x in spec.removesuffix("v2").split("x"))
-    return sparse_mla_triton.KernelConfig(16, bk, warps, stages, dkv_key_rows=True, dkv_red_v2=v2)
+    """'32x4x3' -> KernelConfig(16, BK=32, WARPS=4, STAGES=3, dkv_key_rows=True)."""
+    bk, warps, stages = (int(x) for x in spec.split("x"))
+    return sparse_mla_triton.KernelConfig(16, bk, warps, stages, dkv_key_rows=True)
 
 
 def small_ids(b, s_q, s_kv, k, g):
@@ -102,7 +99,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--configs", nargs="+", default=["32x4x3", "32x4x3v2", "32x4x2v2", "16x4x3v2"])
+    p.add_argument("--configs", nargs="+", default=["32x4x3", "32x4x2", "16x4x3"])
     p.add_argument("--commit", default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

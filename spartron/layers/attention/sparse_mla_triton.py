@@ -48,7 +48,6 @@ class KernelConfig:
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
     gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
     dkv_key_rows: bool = False  # backward: dkv tiles as [keys, columns] (else transposed; see the kernels)
-    dkv_red_v2: bool = False  # backward, [keys, columns] tiles: add dkv by red.v2 in the MMA layout (see kernels)
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -93,8 +92,7 @@ def backward_config(n_heads: int, dkv_in_l2: bool = True) -> KernelConfig:
     sparse_mla_bwd16_sweep_1e57698.json, sparse_mla_bwd16_stages_9c34ddc.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
-    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True,
-                        dkv_red_v2=True)
+    return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True)
 
 
 def dkv_in_l2(kv: Tensor) -> bool:
@@ -168,9 +166,6 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
     cfg = cfg or backward_config(h, dkv_in_l2(kv))
     if cfg.walks not in (1, 3):
         raise ValueError(f"sparse_mla backward kernel: walks must be 1 or 3; got {cfg.walks}")
-    if cfg.dkv_red_v2 and not cfg.dkv_key_rows:
-        raise ValueError("sparse_mla backward kernel: dkv_red_v2 needs dkv_key_rows (its column pairs are a "
-                         "[keys, columns] tile's); got dkv_key_rows=False")
     grad_q = torch.empty_like(q)
     grad_kv = torch.zeros(b, s_kv, d, dtype=torch.int64 if deterministic else torch.float32, device=kv.device)
     if q.numel() == 0:
@@ -191,7 +186,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,
-        KEY_ROWS=cfg.dkv_key_rows, RED2=cfg.dkv_red_v2, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        KEY_ROWS=cfg.dkv_key_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if deterministic:
         return grad_q, (grad_kv.double() * 2.0**-DKV_FIXED_POINT_BITS).to(kv.dtype)
     return grad_q, grad_kv.to(kv.dtype)

@@ -11,8 +11,9 @@ atomics (order-dependent rounding: not bitwise deterministic), or, with FIXED > 
 mode, FIXED = 2^fraction bits), into an int64 fixed-point buffer. The latent is handled as four
 column chunks of 128 so that each dkv chunk is a small register tile, added and dropped at once.
 With KEY_ROWS (the 16-row head block) a dkv chunk is the [keys, columns] tile dS^T q_c + P^T dO_c,
-whose atomics need no layout change through shared memory, which leaves room to pipeline the
-gathers; otherwise (the 64-row three walks) it is computed transposed (q_c^T dS, dO_c^T P), so that
+which leaves room to pipeline the gathers; Triton moves it through shared memory into a 4-column
+layout for v4 adds (red.v2 straight from the MMA layout, one cache-line segment per row, was slower
+on the H200); otherwise (the 64-row three walks) it is computed transposed (q_c^T dS, dO_c^T P), so that
 q and dO are only ever the A operand and sit in shared memory once.
 Two schedules (WALKS): one walk keeps dq in registers and adds dkv per block (the 16-row head
 block); three walks (the 64-row block) first write P and dS to a per-program scratch, then add dkv
@@ -114,49 +115,30 @@ def delta_kernel(do_ptr, out_ptr, dlse_ptr, delta_ptr, n_rows, DV: tl.constexpr,
 
 
 @triton.jit
-def _red_v2(ptrs, part, mask):
-    """dkv += part by red.global.add.v2.f32, two adjacent columns an instruction, in the tile's own MMA
-    layout (which holds column pairs in one thread): tl.atomic_add vectorises to v4 only after moving
-    each tile through shared memory into a 4-column layout (stores, barriers, loads per chunk). The
-    pairs come from splitting the column axis, so they are adjacent columns whatever the layout."""
-    shape: tl.constexpr = [part.shape[0], part.shape[1] // 2, 2]
-    lo, hi = tl.split(tl.reshape(part, shape))
-    p_lo, _ = tl.split(tl.reshape(ptrs.to(tl.int64, bitcast=True), shape))
-    m_lo, _ = tl.split(tl.reshape(mask.to(tl.int32), shape))
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.global.add.v2.f32 [$1], {$2, $3}; mov.u32 $0, 0; }",
-        "=r,l,r,r,r", [p_lo, lo, hi, m_lo], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _atomic_add_dkv(ptrs, part, mask, FIXED: tl.constexpr, RED2: tl.constexpr):
-    """Add an fp32 tile into dkv: float atomics (RED2: `_red_v2`), or (FIXED > 0) int64 fixed point in
-    units of 1 / FIXED, rounded to nearest; integer addition is associative, so that sum is bitwise
-    reproducible."""
+def _atomic_add_dkv(ptrs, part, mask, FIXED: tl.constexpr):
+    """Add an fp32 tile into dkv: float atomics, or (FIXED > 0) int64 fixed point in units of 1 / FIXED,
+    rounded to nearest; integer addition is associative, so that sum is bitwise reproducible."""
     if FIXED > 0:
         scaled = part * FIXED
         fixed = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int64)
         tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
-    elif RED2:
-        _red_v2(ptrs, part, mask)
     else:
         tl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
 
 
 @triton.jit
-def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr, KEY_ROWS: tl.constexpr,
-                   RED2: tl.constexpr):
+def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr, KEY_ROWS: tl.constexpr):
     """dkv[rows, cols] += dS^T q_c + P^T dO_c (dS already carries the softmax scale). KEY_ROWS: the tile
     is [keys, cols] as written; otherwise it is computed transposed (q_c^T dS + dO_c^T P), so that q and
     dO are only ever the A operand."""
     if KEY_ROWS:
         part = tl.dot(tl.trans(ds), q_c)
         part = tl.dot(tl.trans(p), do_c, part)
-        _atomic_add_dkv(dkv_rows + cols[None, :], part, valid[:, None] & (cols[None, :] >= 0), FIXED, RED2)
+        _atomic_add_dkv(dkv_rows + cols[None, :], part, valid[:, None] & (cols[None, :] >= 0), FIXED)
     else:
         part = tl.dot(tl.trans(q_c), ds)
         part = tl.dot(tl.trans(do_c), p, part)
-        _atomic_add_dkv(tl.trans(dkv_rows) + cols[:, None], part, valid[None, :], FIXED, False)
+        _atomic_add_dkv(tl.trans(dkv_rows) + cols[:, None], part, valid[None, :], FIXED)
 
 
 @triton.jit
@@ -203,25 +185,25 @@ def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid
 
 @triton.jit
 def _bwd_dkv(pb, ds, drows, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr, DC: tl.constexpr,
-             FIXED: tl.constexpr, KEY_ROWS: tl.constexpr, RED2: tl.constexpr):
+             FIXED: tl.constexpr, KEY_ROWS: tl.constexpr):
     """dkv[rows] += P^T dO + dS^T q (atomics), one 128-column chunk at a time."""
-    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED, KEY_ROWS, RED2)
-    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED, KEY_ROWS, RED2)
-    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED, KEY_ROWS, RED2)
-    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED, KEY_ROWS, RED2)
+    _add_dkv_chunk(drows, dc, valid, pb, ds, do0, q0, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, DC + dc, valid, pb, ds, do1, q1, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, 2 * DC + dc, valid, pb, ds, do2, q2, FIXED, KEY_ROWS)
+    _add_dkv_chunk(drows, 3 * DC + dc, valid, pb, ds, do3, q3, FIXED, KEY_ROWS)
     if KEY_ROWS:
         part = tl.dot(tl.trans(ds), qr)
-        _atomic_add_dkv(drows + 4 * DC + dr[None, :], part, valid[:, None] & (dr[None, :] >= 0), FIXED, RED2)
+        _atomic_add_dkv(drows + 4 * DC + dr[None, :], part, valid[:, None] & (dr[None, :] >= 0), FIXED)
     else:
         part = tl.dot(tl.trans(qr), ds)
-        _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED, False)
+        _atomic_add_dkv(tl.trans(drows) + 4 * DC + dr[:, None], part, valid[None, :], FIXED)
 
 
 @triton.jit
 def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
               n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
               DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr, WALKS: tl.constexpr,
-              STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr, RED2: tl.constexpr):
+              STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """One work item's dq and dkv contribution. WALKS = 1: one walk; dq accumulates in registers and
     dkv is added per key block. WALKS = 3: the first walk computes P and dS (no dot downstream, so S
     and dP keep the warpgroup-split layout) into this program's scratch tiles [BH, topk]; the second
@@ -268,7 +250,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
             dq3 = tl.dot(ds, c3, dq3)
             dqr = tl.dot(ds, cr, dqr)
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
-                     DC, FIXED, KEY_ROWS, RED2)
+                     DC, FIXED, KEY_ROWS)
     if WALKS == 3:
         tl.debug_barrier()  # this program's scratch tiles are written before they are read back
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
@@ -276,7 +258,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
             ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
             pb = tl.load(p_rows + k0 + tl.arange(0, BK)[None, :])
             _bwd_dkv(pb, ds, dkv_base + safe[:, None] * D, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, dr,
-                     DC, FIXED, KEY_ROWS, RED2)
+                     DC, FIXED, KEY_ROWS)
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
             safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
             c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
@@ -301,16 +283,14 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
                           n_heads, topk, n_work, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
                           DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr,
-                          WALKS: tl.constexpr, STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr,
-                          RED2: tl.constexpr):
+                          WALKS: tl.constexpr, STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """With WALKS = 3 the grid is persistent (one program per SM, striding over the n_work items, so
     the scratch is two [BH, topk] tiles per program); with one walk, one program per work item."""
     if WALKS == 3:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
-                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2, KEY_ROWS,
-                      RED2)
+                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2, KEY_ROWS)
     else:
         _bwd_item(tl.program_id(0), q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr,
                   s_q, s_kv, n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2,
-                  KEY_ROWS, RED2)
+                  KEY_ROWS)

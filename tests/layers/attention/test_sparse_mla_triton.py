@@ -78,8 +78,6 @@ def test_head_block_follows_the_head_count():
     # 16 rows: [keys, columns] dkv tiles (no shared-memory layout change before the atomics)
     assert [sparse_mla_triton.backward_config(h).dkv_key_rows for h in (16, 32, 33, 128)] == \
         [True, True, False, False]
-    # 16 rows: the dkv adds as red.v2 in the MMA layout
-    assert [sparse_mla_triton.backward_config(h).dkv_red_v2 for h in (16, 32, 33, 128)] == [True, True, False, False]
     # 16 rows: the gathers pipelined (3 stages) while the float32 dkv stays in L2, else one stage
     assert [sparse_mla_triton.backward_config(16, fits).num_stages for fits in (True, False)] == [3, 1]
     assert sparse_mla_triton.backward_config(64, False) == sparse_mla_triton.backward_config(64, True)
@@ -93,17 +91,6 @@ def test_backward_walks_other_than_1_or_3_are_an_error():
     lse = torch.zeros(1, 2, 16)
     cfg = sparse_mla_triton.KernelConfig(16, 32, 4, 1, walks=2)
     with pytest.raises(ValueError, match="sparse_mla backward kernel: walks must be 1 or 3; got 2"):
-        sparse_mla_triton.backward(q[..., :512], lse, q, kv, ids, q[..., :512], lse, 0.1, 512, cfg)
-
-
-def test_red_v2_dkv_adds_without_key_rows_tiles_are_an_error():
-    q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
-    ids = torch.zeros(1, 2, 2, dtype=torch.int32)
-    lse = torch.zeros(1, 2, 16)
-    cfg = sparse_mla_triton.KernelConfig(16, 32, 4, 1, dkv_red_v2=True)
-    with pytest.raises(ValueError, match=r"sparse_mla backward kernel: dkv_red_v2 needs dkv_key_rows \(its column "
-                                         r"pairs are a \[keys, columns\] tile's\); got dkv_key_rows=False"):
         sparse_mla_triton.backward(q[..., :512], lse, q, kv, ids, q[..., :512], lse, 0.1, 512, cfg)
 
 
@@ -201,8 +188,6 @@ VARIANTS = [  # block configs other than the defaults, so a change of default st
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 2, walks=3, stages2=2)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True)),
     ("bwd", sparse_mla_triton.KernelConfig(16, 16, 4, 2, dkv_key_rows=True)),
-    ("bwd", sparse_mla_triton.KernelConfig(16, 32, 4, 3, dkv_key_rows=True, dkv_red_v2=True)),
-    ("bwd", sparse_mla_triton.KernelConfig(16, 64, 4, 2, dkv_key_rows=True, dkv_red_v2=True)),
 ]
 
 
