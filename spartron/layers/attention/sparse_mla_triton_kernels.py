@@ -12,9 +12,10 @@ mode, FIXED = 2^fraction bits), into an int64 fixed-point buffer. The latent is 
 column chunks of 128 so that each dkv chunk is a small register tile, added and dropped at once.
 With KEY_ROWS (the 16-row head block) a dkv chunk is the [keys, columns] tile dS^T q_c + P^T dO_c,
 which leaves room to pipeline the gathers; Triton moves it through shared memory into a 4-column
-layout for v4 adds (red.v2 straight from the MMA layout, one cache-line segment per row, was slower
-on the H200); otherwise (the 64-row three walks) it is computed transposed (q_c^T dS, dO_c^T P), so that
-q and dO are only ever the A operand and sit in shared memory once.
+layout for its v4 adds, and that pays: a warp's adds then cover whole 128-byte lines, where red.v2
+straight from the MMA layout covers 32-byte pieces of 8 rows, which the L2 takes far slower.
+Otherwise (the 64-row three walks) it is computed transposed (q_c^T dS, dO_c^T P), so that q and dO
+are only ever the A operand and sit in shared memory once.
 Two schedules (WALKS): one walk keeps dq in registers and adds dkv per block (the 16-row head
 block); three walks (the 64-row block) first write P and dS to a per-program scratch, then add dkv
 from it, then regather K for dq. Why three: Triton gives any dot whose result reaches another dot
