@@ -11,7 +11,10 @@ step recorded, and (`_x10`, first case) ten back-to-back calls of the op per tim
 (query, key) pairs x heads x head dim (the MMA work; ReLU, weights and top-k are not counted), against
 the bf16 matmul ceiling measured in the same run. Agreement on sampled queries: the op's ids against a
 float64 oracle (set equal except keys within 1e-3 relative of the k-th score; fp8 against the oracle
-of its quantised operands) and fp8's ids against bf16's (fraction of shared ids). `--sweep` also
+of its quantised operands) and fp8's ids against bf16's (fraction of shared ids). First case on CUDA:
+the host's enqueue time of a call and of its parts (a single call's device time waits on it), and a
+torch.profiler trace of three single calls (each kernel's ms, the idle time before it, the host-start to
+first-kernel time). `--sweep` also
 times top-k settings at each case (`--tile-sweep`: score tiles too, first case) and the whole op with
 the fastest.
 """
@@ -20,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -63,15 +69,58 @@ def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3, k_scal
 
 
 SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_pairs)
-    (64, 128, 4, 2, True), (64, 256, 8, 3, False), (128, 128, 8, 3, False),
+    (64, 128, 4, 2, True), (64, 128, 4, 3, False), (64, 128, 4, 4, False), (64, 128, 8, 2, True),
 ]
 
 
 TOPK_SWEEP = [  # top-k selection settings over the default config (IndexerKernelConfig field: value)
-    {}, dict(topk_block=1024), dict(topk_block=1024, topk_warps=2), dict(topk_block=2048, topk_warps=4),
-    dict(topk_sample=512), dict(topk_search_warps=1), dict(topk_sample=2048, topk_block=1024, topk_warps=2),
-    dict(topk_candidates=4096, topk_search_warps=8),
+    {}, dict(topk_block=1024), dict(topk_block=4096, topk_warps=8), dict(topk_block=2048, topk_warps=8),
+    dict(topk_search_warps=8), dict(topk_sample=1024), dict(topk_block=1024, topk_search_warps=8),
 ]
+
+
+def host_enqueue(fn, n: int = 20) -> dict:
+    """Host ms of single calls of `fn` with the device idle (synchronised before each, not after): the
+    host's time to enqueue the call's work, which a single call's device time waits on before its
+    first kernel."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return dict(ms=sorted(times)[n // 2], steps_ms=times)
+
+
+def kernel_profile(fn, path: Path, calls: int = 3) -> dict:
+    """torch.profiler over `calls` single calls: per call, the ms from the call's start on the host to
+    its first kernel's start on the device, and its kernels in order (name, ms, ms idle before it)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            with record_function(f"indexer_call_{i}"):
+                fn()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())["traceEvents"]
+    marks = sorted((e["ts"], e["name"]) for e in trace if str(e.get("name", "")).startswith("indexer_call_")
+                   and e.get("ph") == "X")
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in trace if e.get("cat") == "kernel")
+    out = []
+    for i, (t0, _) in enumerate(marks):
+        t1 = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
+        ks = [k for k in kernels if t0 <= k[0] < t1]
+        if not ks:
+            continue
+        rows, end = [], ks[0][0]
+        for ts, dur, name in ks:
+            rows.append(dict(name=name[:60], ms=dur / 1e3, idle_before_ms=max(0.0, ts - end) / 1e3))
+            end = max(end, ts + dur)
+        out.append(dict(host_start_to_first_kernel_ms=(ks[0][0] - t0) / 1e3, device_span_ms=(end - ks[0][0]) / 1e3,
+                        kernels=rows))
+    return dict(calls=out)
 
 
 def case(args, device, s: int, sweep: bool, first: bool, save=lambda partial: None) -> dict:
@@ -177,6 +226,23 @@ def case(args, device, s: int, sweep: bool, first: bool, save=lambda partial: No
             continue
         rows[name] = dict(r, flops=fl, tflops=fl / r["ms"] / 1e9 if fl else None)
         print(name, f"{r['ms']:.3f} ms", flush=True)
+    if device.type == "cuda" and first:  # where a single call's time goes: host enqueue, kernels, idle gaps
+        c_out = chunk_view(0, chunk)
+        rows["host_enqueue"] = {
+            "op_bf16": host_enqueue(lambda: full(False)), "op_fp8": host_enqueue(lambda: full(True)),
+            "launcher_bf16": host_enqueue(lambda: it.indexer_topk(q, w, k, pos, pos, topk, False, None, cfg)),
+            "keys_at_columns": host_enqueue(lambda: it.keys_at_columns(pos)),
+            "scores_launch": host_enqueue(lambda: it.scores(q, w32, k, None, pos, pos, 0, chunk, c_out, None, True,
+                                                            cfg)),
+            "select_launches": host_enqueue(lambda: it.select(c_out, ids_buf, qpos, 0, 0, chunk, None, True, cfg))}
+        for name, fp8 in (("bf16", False), ("fp8", True)):
+            try:
+                rows[f"profile_{name}"] = kernel_profile(lambda fp8=fp8: full(fp8),
+                                                         Path(tempfile.gettempdir()) / f"indexer_trace_{name}.json")
+            except Exception as e:  # noqa: BLE001 - the profile is diagnostic; the timed steps stand without it
+                rows[f"profile_{name}"] = dict(error=repr(e)[:300])
+        for name in ("host_enqueue", "profile_bf16", "profile_fp8"):
+            print(name, json.dumps(rows[name])[:3000], flush=True)
     save(dict(seq=s, heads=h, head_dim=d, topk=topk, visible_pairs=pairs, results=rows, partial=True))
     ids = full(False)
     sample = sampled_rows(s, args.check_rows, device)
