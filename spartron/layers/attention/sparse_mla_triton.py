@@ -48,6 +48,7 @@ class KernelConfig:
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
     gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
     dkv_key_rows: bool = False  # backward: dkv tiles as [keys, columns] (else transposed; see the kernels)
+    overlap: bool = False  # 16-row Gluon forward: next block's softmax under this block's PV (3 stages)
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -135,6 +136,10 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     if cfg.gluon:
         if (cfg.block_h, cfg.num_warps, cfg.block_k) == (16, 4, 64) and cfg.num_stages in (2, 3):
             module, name = "sparse_mla_gluon16_kernels", "sparse_mla_fwd16_gluon_kernel"  # keys as MMA rows
+            if cfg.overlap and cfg.num_stages != 3:
+                raise ValueError(f"sparse_mla Gluon forward: overlap needs 3 stages; got {cfg}")
+            if cfg.overlap:
+                name = "sparse_mla_fwd16_overlap_kernel"
         elif (cfg.block_h, cfg.num_warps) == (64, 8) and cfg.block_k in (32, 64) and cfg.num_stages in (2, 3):
             module, name = "sparse_mla_gluon_kernels", "sparse_mla_fwd_gluon_kernel"
         else:
@@ -144,7 +149,7 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
             raise ValueError(f"sparse_mla Gluon forward: needs an sm90 (Hopper) GPU for its warpgroup MMA; got "
                              f"{q.device}")
         kern = getattr(_kernels(module), name)
-        extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
+        extra = {} if cfg.overlap else dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel
         extra = dict(num_stages=cfg.num_stages)

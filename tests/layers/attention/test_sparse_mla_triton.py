@@ -59,6 +59,10 @@ def test_gluon_forward_takes_only_its_block_shape():
         cfg = sparse_mla_triton.KernelConfig(*bad, gluon=True)
         with pytest.raises(ValueError, match=message.format(*bad)):
             sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
+    with pytest.raises(ValueError, match="Gluon forward: overlap needs 3 stages; got KernelConfig.block_h=16, "
+                                         "block_k=64, num_warps=4, num_stages=2"):
+        sparse_mla_triton.forward(q, kv, ids, 0.1, 512, sparse_mla_triton.KernelConfig(16, 64, 4, 2, gluon=True,
+                                                                                     overlap=True))
     for cfg in (sparse_mla_triton.KernelConfig(16, 64, 4, 3, gluon=True), sparse_mla_triton.forward_config(64)):
         with pytest.raises(ValueError, match="Gluon forward: needs an sm90 .Hopper. GPU for its warpgroup MMA; "
                                              "got cpu"):  # both Gluon block shapes pass the shape check
@@ -221,6 +225,7 @@ def test_kernel_block_configs_match_float64_reference(kind, cfg):
 
 GLUON16 = [sparse_mla_triton.KernelConfig(16, 64, 4, stages, gluon=True, gather_early=early)
            for stages in (2, 3) for early in (True, False)]  # the 16-head Gluon forward's schedules
+GLUON16.append(sparse_mla_triton.KernelConfig(16, 64, 4, 3, gluon=True, overlap=True))
 
 
 @pytest.mark.gpu
@@ -232,7 +237,8 @@ GLUON16 = [sparse_mla_triton.KernelConfig(16, 64, 4, stages, gluon=True, gather_
     (2, 190, 250, 32, 130, False, torch.bfloat16),  # two head blocks per token
     (1, 4096, 4096, 16, 2048, False, torch.bfloat16),
 ])
-@pytest.mark.parametrize("cfg", GLUON16, ids=lambda c: f"stages{c.num_stages}-{'early' if c.gather_early else 'late'}")
+@pytest.mark.parametrize("cfg", GLUON16, ids=lambda c: "overlap" if c.overlap else
+                         f"stages{c.num_stages}-{'early' if c.gather_early else 'late'}")
 def test_gluon16_forward_matches_float64_reference(cfg, b, s_q, s_kv, h, k, shuffle, dtype):
     """Keys as wgmma rows: out / lse against float64 (empty query: out 0, lse -inf); where the config is
     the default for these heads, `spartron::sparse_mla` returns the same tensors bitwise."""
