@@ -31,24 +31,27 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstar
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < c_len
     nmask = rn < n_cols  # the first n_cols keys (every visible one)
-    qpos = tl.load(qpos_ptr + q_start + rm, mask=mmask, other=-1)
-    kpos = tl.load(kpos_ptr + rn, mask=nmask, other=2147483647)
+    qpos = tl.load(qpos_ptr + q_start + rm, mask=mmask, other=-1).to(tl.int32)
+    kpos = tl.load(kpos_ptr + rn, mask=nmask, other=2147483647).to(tl.int32)
     dead = tl.min(kpos, 0) > tl.max(qpos, 0)  # no key of the tile at or before any query of it
     if HAS_STARTS:  # packed documents: key positions >= the query's document start
-        qstart = tl.load(qstart_ptr + b * s_q + q_start + rm, mask=mmask, other=2147483647)
+        qstart = tl.load(qstart_ptr + b * s_q + q_start + rm, mask=mmask, other=2147483647).to(tl.int32)
         dead = dead | (tl.max(tl.where(nmask, kpos, -1), 0) < tl.min(qstart, 0))
-    out_ptrs = out_ptr + (b * c_len + rm)[:, None].to(tl.int64) * stride + rn[None, :]
+    # the output tile's base as a scalar, its [BM, BN] offsets in int32 and made only where stored: a
+    # pointer tensor live across the head loop would hold 2 registers per element (the loop spilled)
+    out_tile = out_ptr + (b * c_len + pid_m * BM) * stride + pid_n * BN
     omask = mmask[:, None] & nmask[None, :]
     if dead:
         if tl.load(ranged_ptr) == 0:
-            tl.store(out_ptrs, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)
+            o_off = tl.arange(0, BM)[:, None] * stride + tl.arange(0, BN)[None, :]
+            tl.store(out_tile + o_off, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)
     else:
         d = tl.arange(0, D)
         k_tile = tl.load(k_ptr + (b * s_kv + rn)[:, None] * D + d[None, :], mask=nmask[:, None], other=0.0)
         k_t = tl.trans(k_tile)
-        tok = b * s_q + q_start + rm  # flat query row
-        q_rows = q_ptr + (tok * H)[:, None] * D + d[None, :]
-        w_rows = w_ptr + tok * H
+        tok0 = b * s_q + q_start + pid_m * BM  # the tile's first flat query row
+        q_rows = q_ptr + tok0 * H * D + (tl.arange(0, BM) * (H * D))[:, None] + d[None, :]  # int32 offsets
+        w_rows = w_ptr + tok0 * H + tl.arange(0, BM) * H
         acc = tl.zeros([BM, BN], tl.float32)
         if PAIRS:  # two heads a step: the second MMA can run while the first one's ReLU and weight apply
             for h in tl.range(0, H, 2, num_stages=STAGES):
@@ -71,7 +74,8 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstar
         visible = kpos[None, :] <= qpos[:, None]
         if HAS_STARTS:
             visible = visible & (kpos[None, :] >= qstart[:, None])
-        tl.store(out_ptrs, tl.where(visible, acc, float("-inf")), mask=omask)
+        o_off = tl.arange(0, BM)[:, None] * stride + tl.arange(0, BN)[None, :]
+        tl.store(out_tile + o_off, tl.where(visible, acc, float("-inf")), mask=omask)
 
 
 @triton.jit
