@@ -69,12 +69,12 @@ def oracle_mismatch(q, w, k, rows, ids, topk: int, rel_tol: float = 1e-3, k_scal
 
 
 SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_pairs)
-    (64, 128, 4, 2, True), (64, 128, 4, 3, False), (64, 128, 8, 2, True),
+    (64, 128, 4, 2, True), (64, 128, 4, 3, False),
 ]
 
 
 TOPK_SWEEP = [  # top-k selection settings over the default config (IndexerKernelConfig field: value)
-    {}, dict(topk_block=1024), dict(topk_block=4096, topk_warps=8), dict(topk_search_warps=8),
+    {}, dict(topk_block=1024), dict(topk_block=4096, topk_warps=8),
 ]
 
 
