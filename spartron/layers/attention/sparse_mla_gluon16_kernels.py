@@ -3,20 +3,21 @@
 Imports triton at module level: import it only through `sparse_mla_triton`, which checks that triton
 is installed first. Same contract as the other forwards (one program = one query token x a block of
 16 heads; invalid ids load zeros and score -inf; lse in natural log, -inf for a query with no valid
-id). Why: wgmma's rows come in 64s, so 16 heads as rows would waste three quarters of every product,
-and the 16-row mma_v2 kernel keeps q in shared memory that every warp re-reads each block. With the
-64 gathered keys as rows instead, the products are transposed (one warpgroup, N = 16 heads):
+id). Why keys as rows: wgmma's rows come in 64s, so 16 heads as rows would waste three quarters of
+every product. With the 64 gathered keys as rows the products are transposed (one warpgroup, N = 16):
 - S^T [64, 16] = K_lat q_lat^T + K_pe q_pe^T, the gathered stage as A, q (once in shared memory) as B;
 - the online softmax runs down the key axis, one max per head column; the row sum is kept per
   element and reduced once at the end;
-- P^T goes to shared memory (2 KB, in the block's rope slot, free once S^T is done) and
-  O^T [512, 16] += V^T P^T takes the stage's latent transposed as A, so each gathered row is read by
-  the tensor cores twice and never copied to registers.
-At 16 heads the kernel is bound by the gather (30 FLOP per gathered byte), so the schedule aims at
-bytes in flight: the latent lives in STAGES shared-memory slots (3: two blocks in flight while one
-computes; 3 x 64 KB plus q's 18 KB just fit the 227 KB limit because the rope rows keep only two
-slots), each block's ids are loaded one step before its gather, and a refill is issued while the
-score product runs (EARLY) or after it. Hopper only (wgmma); written against triton 3.6's Gluon.
+- P [16, 64] goes to shared memory (K-major, as q is; P^T as an MN-major 32-byte-swizzled B faulted)
+  and O^T [512, 16] += V^T P^T takes the stage's latent transposed (MN-major A), so each gathered
+  row is read by the tensor cores twice and never copied to registers.
+Not the default: on the H200 at 16k x 16 heads, top-k 2048 every schedule here runs 8.1-8.3 ms
+against 7.06-7.09 for the Triton 16-row kernel, and the gather alone takes 4.0 ms
+(benchmarks/results/sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json). Neither two
+blocks in flight (3 stages) nor the refill under the score product nor the softmax under the PV
+product (the overlap kernel) moved it, so the step is limited by something all of them share (the
+N = 16 products reading A from shared memory, or one warp per scheduler), not by their order.
+Kept, tested, as the base for that profile. Hopper only (wgmma); written against triton 3.6's Gluon.
 """
 
 from __future__ import annotations

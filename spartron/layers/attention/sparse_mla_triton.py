@@ -68,9 +68,8 @@ def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
     317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
     sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
     kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel: at 16k x 16 heads 7.06 ms
-    against 8.1-8.3 for the 16-head Gluon kernel (keys as wgmma rows, block_h 16 with `gluon`;
-    sparse_mla_fwd16_4225a68.json), whose products at N = 16 and every step's serial chain of gather
-    issue, score product, softmax and PV product in one warpgroup cost more than Triton's mma_v2."""
+    against 8.1-8.3 for every schedule of the 16-head Gluon kernel (keys as wgmma rows, block_h 16
+    with `gluon`, `overlap`; sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
