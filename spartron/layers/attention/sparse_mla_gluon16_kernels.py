@@ -15,9 +15,10 @@ Not the default: on the H200 at 16k x 16 heads, top-k 2048 every schedule here r
 against 7.06-7.09 for the Triton 16-row kernel, and the gather alone takes 4.0 ms
 (benchmarks/results/sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json). Neither two
 blocks in flight (3 stages) nor the refill under the score product nor the softmax under the PV
-product (the overlap kernel) moved it, so the step is limited by something all of them share (the
-N = 16 products reading A from shared memory, or one warp per scheduler), not by their order.
-Kept, tested, as the base for that profile. Hopper only (wgmma); written against triton 3.6's Gluon.
+product (the overlap kernel) moved it, and A from registers (ldmatrix chunks under the products)
+was slower still (9.4-9.6 ms, sparse_mla_fwd16_rs_a48283a.json): the step is limited by something
+all of them share (one warp per scheduler, or the gather path at one program per SM), not by the
+order of its parts. Kept, tested, as the base for that profile. Hopper only (wgmma); written against triton 3.6's Gluon.
 """
 
 from __future__ import annotations
@@ -69,43 +70,6 @@ def _gather(dst, kv_base, safe, valid, col0: gl.constexpr, D: gl.constexpr, W: g
     async_copy.commit_group()
 
 
-@gluon.jit
-def _scores_rs(lat, pe, q_lat_s, q_pe_s, S_L: gl.constexpr, BK: gl.constexpr, BH: gl.constexpr, DV: gl.constexpr,
-               KC: gl.constexpr):
-    """S^T [BK, BH] = K_lat q_lat^T + K_pe q_pe^T with K from registers (ldmatrix, KC latent columns at
-    a time; the next chunk loads while the tensor cores take this one), q from shared memory."""
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-    a = lat.slice(0, KC, dim=1).load(A_L)
-    s = warpgroup_mma(a, q_lat_s.slice(0, KC, dim=1).permute((1, 0)), gl.zeros([BK, BH], gl.float32, layout=S_L),
-                      use_acc=False, is_async=True)
-    for c in gl.static_range(1, DV // KC):
-        a_next = lat.slice(c * KC, KC, dim=1).load(A_L)
-        s, a = warpgroup_mma_wait(0, deps=[s, a])
-        s = warpgroup_mma(a_next, q_lat_s.slice(c * KC, KC, dim=1).permute((1, 0)), s, is_async=True)
-        a = a_next
-    a_next = pe.load(A_L)
-    s, a = warpgroup_mma_wait(0, deps=[s, a])
-    s = warpgroup_mma(a_next, q_pe_s.permute((1, 0)), s, is_async=True)
-    s, a_next = warpgroup_mma_wait(0, deps=[s, a_next])
-    return s
-
-
-@gluon.jit
-def _pv_rs(acc, lat, p_s, S_L: gl.constexpr, BK: gl.constexpr, KC: gl.constexpr):
-    """O^T [DV, BH] += V^T P^T with V^T from registers (ldmatrix.trans of the stage's latent, KC keys
-    at a time), P [BH, BK] from shared memory (32-byte swizzle, so KC = 16 keys is one atom)."""
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-    a = lat.slice(0, KC, dim=0).permute((1, 0)).load(A_L)
-    acc = warpgroup_mma(a, p_s.slice(0, KC, dim=1).permute((1, 0)), acc, is_async=True)
-    for c in gl.static_range(1, BK // KC):
-        a_next = lat.slice(c * KC, KC, dim=0).permute((1, 0)).load(A_L)
-        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-        acc = warpgroup_mma(a_next, p_s.slice(c * KC, KC, dim=1).permute((1, 0)), acc, is_async=True)
-        a = a_next
-    acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-    return acc
-
-
 @gluon.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk, scale_log2,
                                   BH: gl.constexpr, BK: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
@@ -121,8 +85,7 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DV], gl.bfloat16)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DR], gl.bfloat16)
-    P_S: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2) if EARLY else \
-        gl.NVMMASharedLayout.get_default_for([BH, BK], gl.bfloat16)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BK], gl.bfloat16)
     QL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DV], gl.bfloat16)
     QR_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DR], gl.bfloat16)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -164,10 +127,7 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
 
     m = gl.full([BH], -1.0e30, gl.float32, layout=gl.SliceLayout(0, S_L))  # finite: an all-invalid block gives p = 0
     l2d = gl.zeros([BK, BH], gl.float32, layout=S_L)
-    if EARLY:  # the register-A products wait inside themselves
-        acc = gl.zeros([DV, BH], gl.float32, layout=S_L)
-    else:
-        acc = warpgroup_mma_init(gl.zeros([DV, BH], gl.float32, layout=S_L))
+    acc = warpgroup_mma_init(gl.zeros([DV, BH], gl.float32, layout=S_L))
     s0 = gl.zeros([BK, BH], gl.float32, layout=S_L)
     for j in range(0, n_blocks):
         st = j % STAGES
@@ -181,15 +141,15 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
         fence_async_shared()
         lat = lat_s.index(st)
         pe = pe_s.index(j % 2)
-        if EARLY:  # the refill's cp.async issue, then the score product
+        s = warpgroup_mma(lat, q_lat_s.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(pe, q_pe_s.permute((1, 0)), s, is_async=True)
+        if EARLY:  # the refill's cp.async issue runs while the tensor cores do the score product
             _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
             _gather(lat_s.index(nxt), kv_base, sg, vg & more, 0, D, DV, GL)
             sg, vg = _ids(id_row, (j + STAGES) * BK, topk, s_kv, gl.SliceLayout(1, GL), BK)
             sr, vr = _ids(id_row, (j + 2) * BK, topk, s_kv, gl.SliceLayout(1, RL), BK)
-            s = _scores_rs(lat, pe, q_lat_s, q_pe_s, S_L, BK, BH, DV, 128)
+            s = warpgroup_mma_wait(0, deps=[s])
         else:  # the score product waits out block j-1's PV product too (in order): refill after it
-            s = warpgroup_mma(lat, q_lat_s.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(pe, q_pe_s.permute((1, 0)), s, is_async=True)
             s, acc = warpgroup_mma_wait(0, deps=[s, acc])
             gl.thread_barrier()
             _gather(pe_s.index((j + 1) % 2), kv_base, sr, vr & (j + 1 < n_blocks), DV, D, DR, RL)
@@ -208,10 +168,7 @@ def sparse_mla_fwd16_gluon_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q,
         p_s.store(gl.permute(p.to(dtype), (1, 0)))  # P [heads, keys]: K-major B, as q is for S^T
         fence_async_shared()
         gl.thread_barrier()
-        if EARLY:
-            acc = _pv_rs(acc, lat, p_s, S_L, BK, 16)
-        else:
-            acc = warpgroup_mma(lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
         m = m_new
 
     acc = warpgroup_mma_wait(0, deps=[acc])
