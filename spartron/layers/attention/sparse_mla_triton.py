@@ -48,7 +48,6 @@ class KernelConfig:
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
     gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
     dkv_key_rows: bool = False  # backward: dkv tiles as [keys, columns] (else transposed; see the kernels)
-    overlap: bool = False  # 16-row Gluon forward: next block's softmax under this block's PV (3 stages)
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -68,8 +67,8 @@ def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
     317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
     sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
     kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel: at 16k x 16 heads 7.06 ms
-    against 8.1-8.3 for every schedule of the 16-head Gluon kernel (keys as wgmma rows, block_h 16
-    with `gluon`, `overlap`; sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json)."""
+    against 8.1-8.3 for every schedule of a 16-head Gluon kernel with keys as wgmma rows (dropped;
+    sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json; the kernel is in git at 2ff61f4)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
@@ -133,22 +132,14 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
     if out.numel() == 0:
         return out, lse
     if cfg.gluon:
-        if (cfg.block_h, cfg.num_warps, cfg.block_k) == (16, 4, 64) and cfg.num_stages in (2, 3):
-            module, name = "sparse_mla_gluon16_kernels", "sparse_mla_fwd16_gluon_kernel"  # keys as MMA rows
-            if cfg.overlap and cfg.num_stages != 3:
-                raise ValueError(f"sparse_mla Gluon forward: overlap needs 3 stages; got {cfg}")
-            if cfg.overlap:
-                name = "sparse_mla_fwd16_overlap_kernel"
-        elif (cfg.block_h, cfg.num_warps) == (64, 8) and cfg.block_k in (32, 64) and cfg.num_stages in (2, 3):
-            module, name = "sparse_mla_gluon_kernels", "sparse_mla_fwd_gluon_kernel"
-        else:
-            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, or block_h "
-                             f"16, 4 warps, block_k 64; 2 or 3 stages; got {cfg}")
+        if (cfg.block_h, cfg.num_warps) != (64, 8) or cfg.block_k not in (32, 64) or cfg.num_stages not in (2, 3):
+            raise ValueError(f"sparse_mla Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
+                             f"stages; got {cfg}")
         if not is_hopper(q.device):
             raise ValueError(f"sparse_mla Gluon forward: needs an sm90 (Hopper) GPU for its warpgroup MMA; got "
                              f"{q.device}")
-        kern = getattr(_kernels(module), name)
-        extra = {} if cfg.overlap else dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
+        kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
+        extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel
         extra = dict(num_stages=cfg.num_stages)

@@ -53,20 +53,14 @@ def test_gluon_forward_takes_only_its_block_shape():
     q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
     ids = torch.zeros(1, 2, 2, dtype=torch.int32)
-    message = ("Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, or block_h 16, 4 warps, block_k 64; "
-               "2 or 3 stages; got KernelConfig.block_h={}, block_k={}, num_warps={}, num_stages={}")
-    for bad in [(16, 64, 4, 1), (16, 32, 4, 2), (16, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)]:
+    for bad in [(16, 64, 4, 1), (16, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 4)]:
         cfg = sparse_mla_triton.KernelConfig(*bad, gluon=True)
-        with pytest.raises(ValueError, match=message.format(*bad)):
+        with pytest.raises(ValueError, match="Gluon forward: needs block_h 64, 8 warps, block_k 32 or 64, 2 or 3 "
+                                             "stages; got KernelConfig.block_h={}, block_k={}, num_warps={}, "
+                                             "num_stages={}".format(*bad)):
             sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
-    with pytest.raises(ValueError, match="Gluon forward: overlap needs 3 stages; got KernelConfig.block_h=16, "
-                                         "block_k=64, num_warps=4, num_stages=2"):
-        sparse_mla_triton.forward(q, kv, ids, 0.1, 512, sparse_mla_triton.KernelConfig(16, 64, 4, 2, gluon=True,
-                                                                                     overlap=True))
-    for cfg in (sparse_mla_triton.KernelConfig(16, 64, 4, 3, gluon=True), sparse_mla_triton.forward_config(64)):
-        with pytest.raises(ValueError, match="Gluon forward: needs an sm90 .Hopper. GPU for its warpgroup MMA; "
-                                             "got cpu"):  # both Gluon block shapes pass the shape check
-            sparse_mla_triton.forward(q, kv, ids, 0.1, 512, cfg)
+    with pytest.raises(ValueError, match="Gluon forward: needs an sm90 .Hopper. GPU for its warpgroup MMA; got cpu"):
+        sparse_mla_triton.forward(q, kv, ids, 0.1, 512, sparse_mla_triton.forward_config(64))
 
 
 def test_head_block_follows_the_head_count():
@@ -221,46 +215,6 @@ def test_kernel_block_configs_match_float64_reference(kind, cfg):
         assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
     print(f"rel errors {kind} {cfg}:", " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     assert all(e <= 1e-2 for e in errors.values()), errors
-
-
-GLUON16 = [sparse_mla_triton.KernelConfig(16, 64, 4, stages, gluon=True, gather_early=early)
-           for stages in (2, 3) for early in (True, False)]  # the 16-head Gluon forward's schedules
-GLUON16.append(sparse_mla_triton.KernelConfig(16, 64, 4, 3, gluon=True, overlap=True))
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("b, s_q, s_kv, h, k, shuffle, dtype", [
-    (2, 257, 300, 16, 200, False, torch.bfloat16),
-    (1, 333, 333, 12, 100, True, torch.bfloat16),  # heads masked inside the block; lengths off the block
-    (1, 120, 120, 4, 40, True, torch.float16),
-    (2, 190, 250, 32, 130, False, torch.bfloat16),  # two head blocks per token
-    (1, 4096, 4096, 16, 2048, False, torch.bfloat16),
-])
-@pytest.mark.parametrize("cfg", GLUON16, ids=lambda c: "overlap" if c.overlap else
-                         f"stages{c.num_stages}-{'early' if c.gather_early else 'late'}")
-def test_gluon16_forward_matches_float64_reference(cfg, b, s_q, s_kv, h, k, shuffle, dtype):
-    """Keys as wgmma rows: out / lse against float64 (empty query: out 0, lse -inf); where the config is
-    the default for these heads, `spartron::sparse_mla` returns the same tensors bitwise."""
-    g = torch.Generator(device="cuda").manual_seed(s_q * 7 + h)
-    q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).to(dtype)
-    kv = torch.randn(b, s_kv, 576, device="cuda", generator=g).to(dtype)
-    ids = _ids(b, s_q, s_kv, k, g, shuffle)
-    scale = 192 ** -0.5
-    out, lse = sparse_mla_triton.forward(q, kv, ids, scale, 512, cfg)
-    ref_out, ref_lse = reference_forward(q.double(), kv.double(), ids, scale, 512, 256)
-    empty = ~((ids >= 0) & (ids < s_kv)).any(-1)
-    assert empty[0, s_q // 2]
-    assert torch.equal(torch.isneginf(lse), empty[..., None].expand_as(lse))
-    assert torch.all(out[empty] == 0) and torch.isfinite(out).all()
-    fin = torch.isfinite(ref_lse)
-    errors = dict(out=_rel(out, ref_out), lse=_rel(lse[fin], ref_lse[fin]))
-    print(f"rel errors gluon16 {cfg.num_stages} early={cfg.gather_early} b={b} s_q={s_q} h={h} k={k}:",
-          " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
-    assert all(e <= 1e-2 for e in errors.values()), errors
-    if cfg == sparse_mla_triton.forward_config(h, hopper=True) and sparse_mla_triton.is_hopper(q.device):
-        op_out, op_lse = sparse_mla(q, kv, ids, scale, 512)
-        assert torch.equal(op_out, out) and torch.equal(op_lse, lse)
 
 
 @pytest.mark.gpu
