@@ -24,26 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import call_times_ms, device_name, write_report  # noqa: E402
-from sparse_mla import causal_random_ids, git_commit, sorted_ids  # noqa: E402
+from common import device_name, write_report  # noqa: E402
+from sparse_mla import causal_random_ids, git_commit, sorted_ids, timed  # noqa: E402
 
 from spartron.layers.attention import indexer_kl  # noqa: E402
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def timed(fn, device, iters: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    times = call_times_ms(fn, iters, device)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
-    return dict(ms=sorted(times)[len(times) // 2], steps_ms=times, peak_gib=peak)
 
 
 def main() -> None:

@@ -20,14 +20,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from spartron.layers.attention.sparse_mla_triton_kernels import _id_block
+
 
 @triton.jit
-def _slots(id_row, k0, topk, s_kv, BK: tl.constexpr):
-    """Slots k0 .. k0+BK of an id row: (row index, 0 where invalid, int64; validity)."""
-    kk = k0 + tl.arange(0, BK)
-    ids = tl.load(id_row + kk, mask=kk < topk, other=-1)
-    valid = (ids >= 0) & (ids < s_kv)
-    return tl.where(valid, ids, 0).to(tl.int64), valid
+def _target_scores(q_lat, q_pe, kv_base, id_row, k0, topk, s_kv, scale_log2, BK: tl.constexpr, DV: tl.constexpr,
+                   DR: tl.constexpr):
+    """Log2-scaled scores [BH, BK] of slots k0 .. k0+BK (-inf where invalid): the target's two walks."""
+    safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
+    rows = kv_base + safe[:, None] * (DV + DR)
+    s = tl.dot(q_lat, tl.trans(tl.load(rows + tl.arange(0, DV)[None, :], mask=valid[:, None], other=0.0)))
+    s = tl.dot(q_pe, tl.trans(tl.load(rows + DV + tl.arange(0, DR)[None, :], mask=valid[:, None], other=0.0)), s)
+    return tl.where(valid[None, :], s * scale_log2, float("-inf"))
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv"])
@@ -50,22 +54,14 @@ def kl_target_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, s_q, s_kv, scale_log2, n_h
         m = tl.full([BH], -1.0e30, tl.float32)  # finite start: an all-invalid block adds 0, no NaN
         denom = tl.zeros([BH], tl.float32)
         for k0 in range(0, topk, BK):
-            safe, valid = _slots(id_row, k0, topk, s_kv, BK)
-            rows = kv_base + safe[:, None] * (DV + DR)
-            s = tl.dot(q_lat, tl.trans(tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)))
-            s = tl.dot(q_pe, tl.trans(tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)), s)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            s = _target_scores(q_lat, q_pe, kv_base, id_row, k0, topk, s_kv, scale_log2, BK, DV, DR)
             m_new = tl.maximum(m, tl.max(s, 1))
             denom = denom * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
             m = m_new
         # +inf for a padding head or a query with no valid slot: every term is exp2(-inf) = 0
         lse2 = tl.where(hmask & (denom > 0.0), m + tl.log2(tl.where(denom > 0.0, denom, 1.0)), float("inf"))
         for k0 in range(0, topk, BK):
-            safe, valid = _slots(id_row, k0, topk, s_kv, BK)
-            rows = kv_base + safe[:, None] * (DV + DR)
-            s = tl.dot(q_lat, tl.trans(tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)))
-            s = tl.dot(q_pe, tl.trans(tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)), s)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            s = _target_scores(q_lat, q_pe, kv_base, id_row, k0, topk, s_kv, scale_log2, BK, DV, DR)
             part = tl.sum(tl.exp2(s - lse2[:, None]), 0) * inv_heads
             kk = k0 + tl.arange(0, BK)
             tl.store(out_row + kk, tl.load(out_row + kk, mask=kk < topk, other=0.0) + part, mask=kk < topk)
@@ -84,7 +80,7 @@ def selected_scores_fwd_kernel(q_ptr, w_ptr, k_ptr, ids_ptr, out_ptr, s_q, s_kv,
     id_row = ids_ptr + tok * topk
     k_base = k_ptr + b * s_kv * D
     for k0 in range(0, topk, BK):
-        safe, valid = _slots(id_row, k0, topk, s_kv, BK)
+        safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
         keys = tl.load(k_base + safe[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
         logits = tl.dot(q, tl.trans(keys))
         score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
@@ -110,7 +106,7 @@ def selected_scores_bwd_kernel(grad_ptr, q_ptr, w_ptr, k_ptr, ids_ptr, dq_ptr, d
     dq = tl.zeros([HP, D], tl.float32)
     dw = tl.zeros([HP], tl.float32)
     for k0 in range(0, topk, BK):
-        safe, valid = _slots(id_row, k0, topk, s_kv, BK)
+        safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
         kk = k0 + tl.arange(0, BK)
         g = tl.load(grad_ptr + tok * topk + kk, mask=valid & (kk < topk), other=0.0).to(tl.float32)
         keys = tl.load(k_base + safe[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
