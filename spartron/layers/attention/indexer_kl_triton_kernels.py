@@ -67,16 +67,22 @@ def kl_target_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, s_q, s_kv, scale_log2, n_h
             tl.store(out_row + kk, tl.load(out_row + kk, mask=kk < topk, other=0.0) + part, mask=kk < topk)
 
 
-@triton.jit(do_not_specialize=["s_q", "s_kv"])
-def selected_scores_fwd_kernel(q_ptr, w_ptr, k_ptr, ids_ptr, out_ptr, s_q, s_kv, n_heads: tl.constexpr,
-                               topk: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):
+@triton.jit
+def _index_query(q_ptr, w_ptr, s_q, n_heads: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+    """This program's token (flat), batch index, padded head range and mask, columns, q [HP, D], w [HP] float32."""
     tok = tl.program_id(0).to(tl.int64)
-    b = tok // s_q
     heads = tl.arange(0, HP)
     hmask = heads < n_heads
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + (tok * n_heads + heads)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
     w = tl.load(w_ptr + tok * n_heads + heads, mask=hmask, other=0.0).to(tl.float32)
+    return tok, tok // s_q, heads, hmask, cols, q, w
+
+
+@triton.jit(do_not_specialize=["s_q", "s_kv"])
+def selected_scores_fwd_kernel(q_ptr, w_ptr, k_ptr, ids_ptr, out_ptr, s_q, s_kv, n_heads: tl.constexpr,
+                               topk: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):
+    tok, b, heads, hmask, cols, q, w = _index_query(q_ptr, w_ptr, s_q, n_heads, HP, D)
     id_row = ids_ptr + tok * topk
     k_base = k_ptr + b * s_kv * D
     for k0 in range(0, topk, BK):
@@ -92,14 +98,8 @@ def selected_scores_fwd_kernel(q_ptr, w_ptr, k_ptr, ids_ptr, out_ptr, s_q, s_kv,
 def selected_scores_bwd_kernel(grad_ptr, q_ptr, w_ptr, k_ptr, ids_ptr, dq_ptr, dw_ptr, dk_ptr, s_q, s_kv,
                                n_heads: tl.constexpr, topk: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                                BK: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    b = tok // s_q
-    heads = tl.arange(0, HP)
-    hmask = heads < n_heads
-    cols = tl.arange(0, D)
-    q = tl.load(q_ptr + (tok * n_heads + heads)[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    tok, b, heads, hmask, cols, q, w = _index_query(q_ptr, w_ptr, s_q, n_heads, HP, D)
     q32 = q.to(tl.float32)
-    w = tl.load(w_ptr + tok * n_heads + heads, mask=hmask, other=0.0).to(tl.float32)
     id_row = ids_ptr + tok * topk
     k_base = k_ptr + b * s_kv * D
     dk_base = dk_ptr + b * s_kv * D
