@@ -74,7 +74,7 @@ SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_p
 
 
 TOPK_SWEEP = [  # top-k selection settings over the default config (IndexerKernelConfig field: value)
-    {}, dict(topk_block=1024), dict(topk_block=4096, topk_warps=8),
+    {}, dict(topk_prefetch=False), dict(topk_warps=4),
 ]
 
 
@@ -198,7 +198,7 @@ def case(args, device, s: int, sweep: bool, first: bool, save=lambda partial: No
             table = []
             for bm, bn, nw, ns, pairs in (SWEEP if args.tile_sweep and first else SWEEP[:1]):
                 tile = dataclasses.replace(best_sel, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                           head_pairs=pairs)
+                                           head_pairs=pairs, fp8_num_stages=ns, fp8_head_pairs=pairs)
                 entry = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, head_pairs=pairs)
                 for name, fp8 in (("bf16", False), ("fp8", True)):
                     try:

@@ -8,7 +8,9 @@ the top-k launches (topk_triton_kernels). When key positions are 0..S_kv-1 (no C
 keys) a row's visible keys are the contiguous columns [document start or 0, query position]: the score
 kernel skips the tiles outside every row's range and the top-k reads each row's range only. Whether
 that holds is a device flag (`keys_at_columns`) the kernels read, and every size comes from shapes: the
-launcher never waits on the device (no host sync per call).
+launcher never waits on the device (no host sync per call). The score kernel is the first launch (a
+single call's device time starts with the host's way to it): it leaves the dead tiles unwritten, and a
+second launch of it after the flag fills them with -inf where the flag is 0.
 """
 
 from __future__ import annotations
@@ -29,24 +31,27 @@ FP8_ROWS = 64  # rows per program of the fp8 quantisation
 @dataclass(frozen=True)
 class IndexerKernelConfig:
     """Score tile (query rows, key columns, warps, head-loop pipeline depth, two heads a step when the head
-    count is even) and top-k selection (columns per program of the count and write passes, sampled keys,
-    candidate slots (None: sized from the row length), warps of the block passes and the fallback, warps
-    of the bracket and search programs, persistent programs per SM of the fallback, the bracket's margin
-    in standard deviations, passes before the fallback's histogram: see topk_triton_kernels)."""
+    count is even; the fp8 scores' own depth and pairing) and top-k selection (columns per streamed
+    block, sampled keys, candidate slots, warps per streaming program and per search program, persistent
+    programs per SM of the fallback, the bracket's margin in standard deviations, passes before the
+    histogram fallback, the next block's load issued before a block's work: see topk_triton_kernels)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    topk_block: int = 2048
+    fp8_num_stages: int = 3  # fp8 at 16k: 1.38 ms against 1.51 with bf16's 2 stages and pairs (indexer_6c7bfcf.json)
+    fp8_head_pairs: bool = False
+    topk_block: int = 1024  # the fastest top-k of the sweep at 16k: benchmarks/results/indexer_5742fa3.json
     topk_sample: int = 2048
-    topk_candidates: int | None = None
-    topk_warps: int = 4
+    topk_candidates: int = 2048
+    topk_warps: int = 2
     topk_search_warps: int = 4
     topk_programs_per_sm: int = 8
     topk_margin: float = 4.0
     topk_tries: int = 3
+    topk_prefetch: bool = True
 
 
 def check_supported(q: Tensor, k: Tensor) -> None:
@@ -109,23 +114,27 @@ def _flag(ranged: Tensor | bool, device: torch.device) -> Tensor:
 
 def scores(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor | None, q_positions: Tensor,
            k_positions: Tensor, q_start: int, c_len: int, out: Tensor, q_starts: Tensor | None = None,
-           ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None) -> Tensor:
+           ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None, dead_only: bool = False) -> Tensor:
     """Fill out [B, c_len, n_cols] fp32 (a view whose row stride may exceed n_cols) with the scores of queries
-    q_start .. q_start + c_len against the first n_cols keys, -inf where not visible; `ranged` (bool or
-    `keys_at_columns`' flag): tiles without a visible key are left unwritten. q [B, S_q, H, d], k [B, S_kv, d]
-    contiguous (bf16/fp16, or fp8 with k_scale); weights fp32; positions and q_starts int32 or int64."""
+    q_start .. q_start + c_len against the first n_cols keys, -inf where not visible; `ranged` True (or a
+    `keys_at_columns` flag that is 1): tiles without a visible key are left unwritten. dead_only: only
+    those tiles (-inf where the flag is 0), the rest untouched. q [B, S_q, H, d], k [B, S_kv, d]
+    contiguous (bf16/fp16, or fp8 with k_scale: fp8_num_stages / fp8_head_pairs); weights fp32; positions
+    and q_starts int32 or int64."""
     cfg = cfg or IndexerKernelConfig()
     b, s_q, h, d = q.shape
     s_kv, n_cols = k.shape[1], out.shape[-1]
     if out.stride(-1) != 1 or out.stride(0) != c_len * out.stride(1):
         raise ValueError("indexer scores: out must be [B, c_len, n_cols] rows of one stride")
+    fp8 = k_scale is not None
+    dead = 2 if isinstance(ranged, Tensor) else int(not ranged)
     grid = (-(-n_cols // cfg.block_n), -(-c_len // cfg.block_m), b)
     _kernels().indexer_scores_kernel[grid](
-        q, weights, k, k_scale if k_scale is not None else weights, q_positions, k_positions,
-        q_starts if q_starts is not None else q_positions, _flag(ranged, q.device), out, s_q, s_kv, q_start, c_len,
-        n_cols, out.stride(1), H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=k_scale is not None,
-        HAS_STARTS=q_starts is not None, PAIRS=cfg.head_pairs and h % 2 == 0, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps)
+        q, weights, k, k_scale if fp8 else weights, q_positions, k_positions,
+        q_starts if q_starts is not None else q_positions, ranged if dead == 2 else q_positions, out, s_q, s_kv,
+        q_start, c_len, n_cols, out.stride(1), dead, H=h, D=d, BM=cfg.block_m, BN=cfg.block_n, HAS_KSCALE=fp8,
+        HAS_STARTS=q_starts is not None, PAIRS=(cfg.fp8_head_pairs if fp8 else cfg.head_pairs) and h % 2 == 0,
+        STAGES=cfg.fp8_num_stages if fp8 else cfg.num_stages, LIVE=not dead_only, num_warps=cfg.num_warps)
     return out
 
 
@@ -135,84 +144,61 @@ def topk_programs(device: torch.device, rows: int, cfg: IndexerKernelConfig) -> 
     return max(1, min(rows, cfg.topk_programs_per_sm * sms))
 
 
-def candidate_slots(cfg: IndexerKernelConfig, n_cols: int, kk: int) -> int:
-    """Candidate slots a row: topk_candidates, or when that is None (the default) 1.5x the keys the sampled
-    bracket is expected to hold in a row of n_cols keys, at least 2048: 2 (MARGIN sqrt(r) + 8) sample ranks
-    of n_cols / SAMPLE keys each, r the k-th key's sample rank (so 64k rows keep their bracket instead of
-    falling back); fewer when every row is shorter (a row of at most that many keys holds all of them)."""
-    slots = cfg.topk_candidates
-    if slots is None:
-        sample = max(16, _pow2(cfg.topk_sample))
-        rank = min(n_cols, kk) * sample / max(n_cols, 1)
-        slots = max(2048, int(1.5 * 2 * (cfg.topk_margin * rank ** 0.5 + 8) * n_cols / sample) + 1)
-    return max(16, min(_pow2(slots), _pow2(n_cols)))
+def candidate_slots(cfg: IndexerKernelConfig, n_cols: int) -> int:
+    """Candidate slots a row: topk_candidates, or fewer when every row is shorter (a row of at most that
+    many keys holds all of them: the scratch stays within about twice the score rows)."""
+    return max(16, min(_pow2(cfg.topk_candidates), _pow2(n_cols)))
 
 
-def topk_blocks(cfg: IndexerKernelConfig, n_cols: int) -> int:
-    """Column blocks of a row in the count and write passes (one program each)."""
-    return max(1, -(-n_cols // _pow2(cfg.topk_block)))
-
-
-def select_scratch(rows: int, cfg: IndexerKernelConfig, n_cols: int, kk: int) -> int:
+def select_scratch(rows: int, cfg: IndexerKernelConfig, n_cols: int) -> int:
     """int32 scratch the selection of `rows` rows of n_cols columns needs: 4 per row (its bracket, then its
-    threshold), 2 x `candidate_slots` per row (the bits and columns of the keys inside its bracket) and 2
-    per column block (its count above the bracket, then where its ids start and its keys equal to the
-    threshold before it)."""
-    return rows * (4 + 2 * candidate_slots(cfg, n_cols, kk) + 2 * topk_blocks(cfg, n_cols))
+    threshold) and `candidate_slots` per row (the keys inside its bracket)."""
+    return rows * (4 + candidate_slots(cfg, n_cols))
 
 
 def select(out: Tensor, ids: Tensor, q_positions: Tensor, q_start: int, row0: int, n_rows: int,
            q_starts: Tensor | None = None, ranged: Tensor | bool = False, cfg: IndexerKernelConfig | None = None,
            scratch: Tensor | None = None) -> tuple:
     """Write ids[:, q_start + row0 : q_start + row0 + n_rows], the top-k of rows row0.. of the chunk's
-    scores `out` (see `scores`); scratch: int32, at least `select_scratch(B * n_rows, cfg, n_cols, k)` (made
-    if None).
-    Five launches (topk_triton_kernels): the sampled bracket (a program a row), the count pass (a program
-    per row block), the search and plan (a program a row), the write pass (a program per row block), and
-    the whole selection for the rows whose bracket missed. Returns Triton's launch handles (n_regs /
-    n_spills for the benchmark; None under the interpreter)."""
+    scores `out` (see `scores`); scratch: int32, at least `select_scratch(B * n_rows, cfg, n_cols)` (made if
+    None).
+    Four launches (topk_triton_kernels): bracket + compaction, search, write, and the whole selection
+    for the rows whose bracket missed. Returns Triton's launch handles (n_regs / n_spills for the
+    benchmark; None under the interpreter)."""
     cfg = cfg or IndexerKernelConfig()
     if cfg.topk_tries < 1:
         raise ValueError(f"indexer select: topk_tries must be >= 1 (the bracket's first pass), got {cfg.topk_tries}")
     b, c_len, n_cols = out.shape
-    kk = ids.shape[2]
-    cand = candidate_slots(cfg, n_cols, kk)
-    n_blocks = topk_blocks(cfg, n_cols)
+    cand = candidate_slots(cfg, n_cols)
     jobs = b * n_rows
-    need = select_scratch(jobs, cfg, n_cols, kk)
+    need = select_scratch(jobs, cfg, n_cols)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=out.device)
     if scratch.numel() < need:
         raise ValueError(f"indexer select: scratch needs {need} int32, got {scratch.numel()}")
-    meta = scratch[: 4 * jobs]
-    bits = scratch[4 * jobs: (4 + cand) * jobs]
-    cols = scratch[(4 + cand) * jobs: (4 + 2 * cand) * jobs]
-    plan = scratch[(4 + 2 * cand) * jobs: need]
+    meta, cand_buf = scratch[: 4 * jobs], scratch[4 * jobs:]
     kern = _kernels("topk_triton_kernels")
     flag = _flag(ranged, out.device)
     starts = q_starts if q_starts is not None else q_positions
-    s_q, stride = ids.shape[1], out.stride(1)
+    s_q, kk, stride = ids.shape[1], ids.shape[2], out.stride(1)
     block, sample = _pow2(cfg.topk_block), max(16, _pow2(cfg.topk_sample))
-    row_warps = min(16, max(cfg.topk_search_warps, cand // 512))
     has = q_starts is not None
     bracket = kern.topk_bracket_kernel[(jobs,)](
-        out, q_positions, starts, flag, meta, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk, HAS_STARTS=has,
-        SAMPLE=sample, CAND=cand, MARGIN=float(cfg.topk_margin), num_warps=cfg.topk_search_warps)
-    count = kern.topk_count_kernel[(jobs * n_blocks,)](
-        out, q_positions, starts, flag, meta, bits, cols, plan, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
-        n_blocks, HAS_STARTS=has, BLOCK=block, CAND=cand, num_warps=cfg.topk_warps)
+        out, q_positions, starts, flag, meta, cand_buf, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        HAS_STARTS=has, BLOCK=block, SAMPLE=sample, CAND=cand, MARGIN=float(cfg.topk_margin),
+        PREFETCH=cfg.topk_prefetch, num_warps=cfg.topk_warps)
     search = kern.topk_search_kernel[(jobs,)](
-        q_positions, starts, flag, meta, bits, cols, plan, ids, n_rows, row0, n_cols, q_start, s_q, kk, n_blocks,
-        HAS_STARTS=has, BLOCK=block, CAND=cand, NB=_pow2(n_blocks), num_warps=row_warps)
-    write = kern.topk_write_kernel[(jobs * n_blocks,)](
-        out, q_positions, starts, flag, meta, plan, ids, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
-        n_blocks, HAS_STARTS=has, BLOCK=block, num_warps=cfg.topk_warps)
+        q_positions, starts, flag, meta, cand_buf, n_rows, row0, n_cols, q_start, s_q, kk, HAS_STARTS=has, CAND=cand,
+        num_warps=cfg.topk_search_warps)
+    write = kern.topk_write_kernel[(jobs,)](
+        out, q_positions, starts, flag, meta, ids, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        HAS_STARTS=has, BLOCK=block, PREFETCH=cfg.topk_prefetch, num_warps=cfg.topk_warps)
     programs = topk_programs(out.device, jobs, cfg)
     whole = kern.select_topk_kernel[(programs,)](
-        out, q_positions, starts, flag, meta, ids, bits, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
+        out, q_positions, starts, flag, meta, ids, cand_buf, c_len, row0, n_rows, n_cols, stride, q_start, s_q, kk,
         jobs, programs, HAS_STARTS=has, BLOCK=block, SAMPLE=sample, CAND=cand, MARGIN=float(cfg.topk_margin),
-        TRIES=cfg.topk_tries, num_warps=cfg.topk_warps)
-    return bracket, count, search, write, whole
+        TRIES=cfg.topk_tries, PREFETCH=cfg.topk_prefetch, num_warps=cfg.topk_warps)
+    return bracket, search, write, whole
 
 
 def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor, topk: int,
@@ -235,17 +221,18 @@ def indexer_topk(q: Tensor, weights: Tensor, k: Tensor, q_positions: Tensor, k_p
     # host's path to the score kernel, which a single call waits for)
     qpos, kpos = q_positions.contiguous(), k_positions.contiguous()
     starts = q_starts.contiguous() if q_starts is not None else None
-    ranged = keys_at_columns(kpos)
     chunk = chunk_rows(b, s_q, s_kv, cfg.block_m)
     stride = padded(s_kv)
     buf = torch.empty(b * chunk * stride, dtype=torch.float32, device=q.device)
-    scratch = None
+    ranged = scratch = None
     for c0 in range(0, s_q, chunk):
         c = min(chunk, s_q - c0)
         out = buf[: b * c * stride].view(b, c, stride)[..., :s_kv]
-        scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, ranged, cfg)
-        if scratch is None:  # made after the first score launch: off the host's path to it
-            scratch = torch.empty(select_scratch(b * chunk, cfg, s_kv, ids.shape[2]), dtype=torch.int32,
-                                  device=q.device)
+        # the scores first, their dead tiles unwritten: the first launch waits on nothing but the host
+        scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, True, cfg)
+        if ranged is None:  # made after the first score launch: off the host's path to it
+            ranged = keys_at_columns(kpos)
+            scratch = torch.empty(select_scratch(b * chunk, cfg, s_kv), dtype=torch.int32, device=q.device)
+        scores(q, w, k, k_scale, qpos, kpos, c0, c, out, starts, ranged, cfg, dead_only=True)  # -inf unless ranged
         select(out, ids, qpos, c0, 0, c, starts, ranged, cfg, scratch)
     return ids

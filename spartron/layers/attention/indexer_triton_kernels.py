@@ -5,9 +5,9 @@ Imports triton at module level: import it only through `indexer_triton`, which c
 installed first. One program scores a [BM queries, BN keys] tile: it keeps the BN key rows on chip and
 walks the heads, one [BM, d] x [d, BN] MMA per head, folding ReLU and the head weight into an fp32
 [BM, BN] accumulator, so the [S, H, S_kv] per-head logits never exist. A tile with no key visible to
-any of its queries (by position, and document start with q_starts) loads nothing: with the device flag
-`ranged` set (key s is column s: the top-k reads each row's visible range only) it stores nothing and
-exits, otherwise it stores -inf. FP8: q and k arrive as e4m3
+any of its queries (by position, and document start with q_starts) loads nothing and stores nothing,
+-inf, or -inf unless the device flag `ranged` is set (key s is column s: the top-k reads each row's
+visible range only): the kernel's DEAD modes. FP8: q and k arrive as e4m3
 with their scales folded in by the caller (per (query, head) into the weights, per key in `k_scale`,
 applied once per tile: ReLU commutes with a positive scale). Each head's q tile is re-read from L2 by
 every key tile of its query block, so BN sets the q operand's reuse (BN flops per byte loaded).
@@ -19,11 +19,16 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len", "n_cols"])
+@triton.jit(do_not_specialize=["s_q", "s_kv", "q_start", "c_len", "n_cols", "dead_mode"])
 def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstart_ptr, ranged_ptr, out_ptr, s_q,
-                          s_kv, q_start, c_len, n_cols, stride, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_STARTS: tl.constexpr,
-                          PAIRS: tl.constexpr, STAGES: tl.constexpr):
+                          s_kv, q_start, c_len, n_cols, stride, dead_mode, H: tl.constexpr, D: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_STARTS: tl.constexpr,
+                          PAIRS: tl.constexpr, STAGES: tl.constexpr, LIVE: tl.constexpr):
+    """LIVE: score the tiles some query of them sees. dead_mode, for the tiles no query of them sees: 0
+    leaves them unwritten, 1 stores -inf, 2 stores -inf when the device flag at ranged_ptr is 0 (keys not
+    at their columns: the top-k then reads whole rows). The op scores with (LIVE, 0) before the flag
+    exists, then fills with (not LIVE, 2): its first launch waits on no other device work. (A runtime
+    mode, not a constexpr: with the dead branch empty, ptxas spilled the head loop.)"""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -42,10 +47,14 @@ def indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, kpos_ptr, qstar
     out_tile = out_ptr + (b * c_len + pid_m * BM) * stride + pid_n * BN
     omask = mmask[:, None] & nmask[None, :]
     if dead:
-        if tl.load(ranged_ptr) == 0:
-            o_off = tl.arange(0, BM)[:, None] * stride + tl.arange(0, BN)[None, :]
+        o_off = tl.arange(0, BM)[:, None] * stride + tl.arange(0, BN)[None, :]
+        if dead_mode == 2:
+            fill = tl.load(ranged_ptr) == 0
+        else:
+            fill = dead_mode == 1
+        if fill:
             tl.store(out_tile + o_off, tl.full([BM, BN], float("-inf"), tl.float32), mask=omask)
-    else:
+    elif LIVE:
         d = tl.arange(0, D)
         k_tile = tl.load(k_ptr + (b * s_kv + rn)[:, None] * D + d[None, :], mask=nmask[:, None], other=0.0)
         k_t = tl.trans(k_tile)

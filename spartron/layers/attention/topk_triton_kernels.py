@@ -10,20 +10,17 @@ INT_MIN, never counted) appear only in the sample and the candidate searches. St
 2. Otherwise SAMPLE keys, in runs of 8 contiguous columns (one 32-byte sector) spread over the row,
    give a bracket [lower, upper) around the k-th key: the sample's ranks k*SAMPLE/n -+ (MARGIN sqrt + 8),
    searched on the top 16 key bits and rounded outwards.
-3. A pass counts the scores above the bracket and gathers those inside it (at most CAND, with their
-   columns); the k-th key is then searched bit by bit over the bits of (key - lower) only.
-4. A pass writes the ids of keys above the k-th key, plus the lowest-id keys equal to it until k are
-   written, in ascending key order, then pads the row with -1: `indexer_topk.topk_ids`'s rule, so both
-   give the same ids on the same scores.
-Launches: `topk_bracket_kernel` (step 2, a program a row), `topk_count_kernel` (step 3's pass, a program
-per BLOCK columns of a row: every block of every row streams at once, where a program a row walked its
-blocks one after another with few rows resident), `topk_search_kernel` (step 3's search, a program a row,
-which also plans step 4: per block, from the blocks' counts and the candidates' columns, where its ids
-start and how many keys equal to the k-th lie before it), `topk_write_kernel` (step 4, a program per
-block), then the persistent `select_topk_kernel` does all steps, one block after another, for the rows
-whose bracket missed: more than CAND keys inside narrow the bracket from the stored ones for another
-pass, a miss widens it towards the k-th key, and after TRIES passes four 8-bit tl.histogram passes find
-it exactly.
+3. One streamed pass counts the scores above the bracket and compacts those inside it (at most CAND);
+   the k-th key is then searched bit by bit over the bits of (key - lower) only.
+4. A compaction pass writes the ids of keys above the k-th key, plus the lowest-id keys equal to it
+   until k are written, in ascending key order, then pads the row with -1: `indexer_topk.topk_ids`'s
+   rule, so both give the same ids on the same scores.
+Launches (one program of topk_warps warps per row, few registers, so many rows stream per SM; a row's
+passes issue the next block's load before a block's work, `topk_prefetch`):
+`topk_bracket_kernel` (steps 2-3's pass), `topk_search_kernel` (step 3's search), `topk_write_kernel`
+(step 4), then the persistent `select_topk_kernel` does all steps for the rows whose bracket missed:
+more than CAND keys inside narrow the bracket from the stored ones for another pass, a miss widens it
+towards the k-th key, and after TRIES passes four 8-bit tl.histogram passes find it exactly.
 """
 
 from __future__ import annotations
@@ -189,27 +186,35 @@ def _bracket(row_ptr, lo, n, kk, SAMPLE: tl.constexpr, MARGIN: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, lo, hi, lower_f, upper_f, scratch_row, BLOCK: tl.constexpr, CAND: tl.constexpr):
+def _compact(row_ptr, lo, hi, lower_f, upper_f, scratch_row, BLOCK: tl.constexpr, CAND: tl.constexpr,
+             PREFETCH: tl.constexpr):
     """One streamed pass: (scores >= upper_f, scores in [lower_f, upper_f)); the first CAND of the latter
     go to scratch_row (their float bits) in column order. Float compares: -inf (not visible) is never
-    inside, since lower_f >= -FLT_MAX."""
+    inside, since lower_f >= -FLT_MAX. PREFETCH: the next block's load is issued before this block's
+    scan and stores (a program a row waits on each load otherwise; past hi it is masked off)."""
     n_above = tl.full((), 0, tl.int32)
     n_cand = tl.full((), 0, tl.int32)
     start = lo // 16 * 16
+    _, x = _load_block(row_ptr, start, lo, hi, BLOCK)
     while start < hi:
-        cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+        if PREFETCH:
+            _, x_next = _load_block(row_ptr, start + BLOCK, lo, hi, BLOCK)
         inside = (x >= lower_f) & (x < upper_f)
         slot = n_cand + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(scratch_row + slot, x.to(tl.int32, bitcast=True), mask=inside & (slot < CAND))
         n_above += tl.sum((x >= upper_f).to(tl.int32), 0)
         n_cand += tl.sum(inside.to(tl.int32), 0)
         start += BLOCK
+        if PREFETCH:
+            x = x_next
+        else:
+            _, x = _load_block(row_ptr, start, lo, hi, BLOCK)
     return n_above, n_cand
 
 
 @triton.jit
 def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr,
-               MARGIN: tl.constexpr, TRIES: tl.constexpr):
+               MARGIN: tl.constexpr, TRIES: tl.constexpr, PREFETCH: tl.constexpr):
     """(thr, k_rem, n_eq) of a row with more than kk columns: the top min(kk, valid keys) are the keys
     above thr and the first k_rem keys equal to it; n_eq keys equal thr (-1: not counted). A bracket
     with an open lower end counts every valid key; otherwise k is kk, unless the pass finds fewer keys
@@ -226,7 +231,8 @@ def _threshold(row_ptr, lo, hi, kk, scratch_row, BLOCK: tl.constexpr, SAMPLE: tl
     found = tl.full((), 0, tl.int32)
     tries = tl.full((), 0, tl.int32)
     while (found == 0) & (tries < TRIES):
-        n_above, n_cand = _compact(row_ptr, lo, hi, _key_float(lower), _key_float(upper), scratch_row, BLOCK, CAND)
+        n_above, n_cand = _compact(row_ptr, lo, hi, _key_float(lower), _key_float(upper), scratch_row, BLOCK, CAND,
+                                   PREFETCH)
         k_t = tl.where(lower == _int_min() + 1, tl.minimum(n_above + n_cand, kk), kk)
         need = k_t - n_above
         tl.debug_barrier()  # the scratch row's stores before its loads
@@ -275,29 +281,28 @@ def _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr,
 
 
 @triton.jit
-def _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK: tl.constexpr):
+def _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """Step 4: the ids of the keys above thr and of the first k_rem keys equal to it (all of them when
-    n_eq == k_rem), ascending, then -1 up to kk."""
+    n_eq == k_rem), ascending, then -1 up to kk (PREFETCH as in `_compact`)."""
     t_f = _key_float(thr)  # score >= t_f: the key compare (-0.0 == +0.0 as keys; -inf and NaN never)
     n_taken = tl.full((), 0, tl.int32)
+    eq_seen = tl.full((), 0, tl.int32)
+    all_eq = n_eq == k_rem  # every key equal to thr is taken
     start = lo // 16 * 16
-    if n_eq == k_rem:  # every key equal to thr is taken
-        while start < hi:
+    cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
+    while start < hi:
+        if PREFETCH:
+            cols_next, x_next = _load_block(row_ptr, start + BLOCK, lo, hi, BLOCK)
+        eq = x == t_f
+        take = (x > t_f) | (eq & (all_eq | (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem)))
+        tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
+        n_taken += tl.sum(take.to(tl.int32), 0)
+        eq_seen += tl.sum(eq.to(tl.int32), 0)
+        start += BLOCK
+        if PREFETCH:
+            cols, x = cols_next, x_next
+        else:
             cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
-            take = x >= t_f
-            tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-            n_taken += tl.sum(take.to(tl.int32), 0)
-            start += BLOCK
-    else:  # the first k_rem keys equal to thr, by column
-        eq_seen = tl.full((), 0, tl.int32)
-        while start < hi:
-            cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
-            eq = x == t_f
-            take = (x > t_f) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem))
-            tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
-            n_taken += tl.sum(take.to(tl.int32), 0)
-            eq_seen += tl.sum(eq.to(tl.int32), 0)
-            start += BLOCK
     while n_taken < kk:
         slots = n_taken + tl.arange(0, BLOCK)
         tl.store(ids_row + slots, tl.full([BLOCK], -1, tl.int32), mask=slots < kk)
@@ -321,84 +326,42 @@ def _get4(ptr):
 _ROW_ARGS = ["n_rows", "row0", "n_sel", "n_cols", "q_start", "s_q", "kk"]  # not specialised on their values
 
 
-@triton.jit
-def _block_job(n_blocks):
-    """(job, block) of a program of the two block passes: program p is block p % n_blocks of job p // n_blocks."""
-    p = tl.program_id(0)
-    return p // n_blocks, p % n_blocks
-
-
 @triton.jit(do_not_specialize=_ROW_ARGS)
-def topk_bracket_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, n_rows, row0, n_sel, n_cols, stride,
-                        q_start, s_q, kk, HAS_STARTS: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr,
-                        MARGIN: tl.constexpr):
-    """Step 2 for job program_id(0): meta[job] = (lower, upper, 0, 0), the last two the count pass's
-    candidate counter. A row of at most kk keys gets lower = upper = INT_MIN + 1 (every valid key counts
-    as above: all are taken), a row of at most CAND keys the open bracket (every valid key a candidate)."""
+def topk_bracket_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, cand_ptr, n_rows, row0, n_sel,
+                        n_cols, stride, q_start, s_q, kk, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+                        SAMPLE: tl.constexpr, CAND: tl.constexpr, MARGIN: tl.constexpr,
+                        PREFETCH: tl.constexpr):
+    """Steps 2-3's pass for job program_id(0) (rows as in select_topk_kernel): meta[job] = (lower, upper,
+    keys above, keys inside), the first CAND inside keys' bits in cand[job]. Rows of at most kk keys
+    leave (INT_MIN + 1, INT_MAX, 0, 0)."""
     job = tl.program_id(0)
     row_ptr, _, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr, qpos_ptr,
                               qstart_ptr, qpos_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
     lower = _int_min() + 1
-    upper = _int_min() + 1
+    upper = tl.full((), 2147483647, tl.int32)
+    n_above = tl.full((), 0, tl.int32)
+    n_cand = tl.full((), 0, tl.int32)
     if hi - lo > kk:
-        upper = tl.full((), 2147483647, tl.int32)
         if hi - lo > CAND:
             lower, upper = _bracket(row_ptr, lo, hi - lo, kk, SAMPLE, MARGIN)
-    _put4(meta_ptr + job * 4, lower, upper, 0, 0)
+        n_above, n_cand = _compact(row_ptr, lo, hi, _key_float(lower), _key_float(upper),
+                                   cand_ptr + job.to(tl.int64) * CAND, BLOCK, CAND, PREFETCH)
+    _put4(meta_ptr + job * 4, lower, upper, n_above, n_cand)
 
 
-@triton.jit(do_not_specialize=_ROW_ARGS + ["n_blocks"])
-def topk_count_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, bits_ptr, cols_ptr, blk_ptr, n_rows,
-                      row0, n_sel, n_cols, stride, q_start, s_q, kk, n_blocks, HAS_STARTS: tl.constexpr,
-                      BLOCK: tl.constexpr, CAND: tl.constexpr):
-    """Step 3's pass, one BLOCK of one row a program (all blocks of all rows stream at once): blk[job, block,
-    0] = its scores >= upper; those in [lower, upper) get slots from the row's counter meta[job][2] (an
-    atomic add: slot order is arbitrary, and only their multiset and columns are used) and the first CAND
-    slots hold their float bits and columns. Blocks outside the row's [lo, hi) do nothing."""
-    job, blk = _block_job(n_blocks)
-    row_ptr, _, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr, qpos_ptr,
-                              qstart_ptr, qpos_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
-    start = blk * BLOCK
-    if (start < hi) & (start + BLOCK > lo):
-        lower_f = _key_float(tl.load(meta_ptr + job * 4))
-        upper_f = _key_float(tl.load(meta_ptr + job * 4 + 1))
-        cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
-        inside = (x >= lower_f) & (x < upper_f)
-        n_in = tl.sum(inside.to(tl.int32), 0)
-        tl.store(blk_ptr + (job.to(tl.int64) * n_blocks + blk) * 2, tl.sum((x >= upper_f).to(tl.int32), 0))
-        if n_in > 0:
-            base = tl.atomic_add(meta_ptr + job * 4 + 2, n_in)
-            slot = base + tl.cumsum(inside.to(tl.int32), 0) - 1
-            keep = inside & (slot < CAND)
-            cand = job.to(tl.int64) * CAND + slot
-            tl.store(bits_ptr + cand, x.to(tl.int32, bitcast=True), mask=keep)
-            tl.store(cols_ptr + cand, cols, mask=keep)
-
-
-@triton.jit(do_not_specialize=[a for a in _ROW_ARGS if a != "n_rows"] + ["n_blocks"])
-def topk_search_kernel(qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, bits_ptr, cols_ptr, blk_ptr, ids_ptr, n_sel, row0,
-                       n_cols, q_start, s_q, kk, n_blocks, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
-                       CAND: tl.constexpr, NB: tl.constexpr):
-    """Step 3's search and step 4's plan for job program_id(0): the k-th key thr from the candidates, then
-    per block of the row where its ids start (blk[job, block, 0]: the taken keys of earlier blocks) and how
-    many keys equal to thr lie before it (blk[job, block, 1]), from the blocks' counts above the bracket and
-    the candidates' columns; the row's -1 padding. meta[job] becomes (thr, k_rem, n_eq, 1), or (.., 0) when
-    the bracket missed the k-th key or held more than CAND keys (select_topk_kernel takes those rows)."""
+@triton.jit(do_not_specialize=[a for a in _ROW_ARGS if a != "n_rows"])
+def topk_search_kernel(qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, cand_ptr, n_sel, row0, n_cols, q_start, s_q, kk,
+                       HAS_STARTS: tl.constexpr, CAND: tl.constexpr):
+    """Step 3's search for job program_id(0): meta[job] becomes (thr, k_rem, n_eq, 1), or (.., 0) when the
+    bracket missed the k-th key or held more than CAND keys (select_topk_kernel takes those rows)."""
     job = tl.program_id(0)
-    _, ids_row, lo, hi = _row(job, n_sel, row0, q_start, 0, 0, s_q, kk, n_cols, qpos_ptr, qpos_ptr, qstart_ptr,
-                              ids_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
-    lower, upper, n_cand, _unused = _get4(meta_ptr + job * 4)
-    blocks = tl.arange(0, NB)
-    live = (blocks < n_blocks) & (blocks * BLOCK < hi) & ((blocks + 1) * BLOCK > lo)
-    blk_row = blk_ptr + (job.to(tl.int64) * n_blocks + blocks) * 2
-    above = tl.load(blk_row, mask=live, other=0)
-    n_above = tl.sum(above, 0)
-    thr = _int_min() + 1  # a row of at most kk keys: every valid one (counted as above)
+    _, _, lo, hi = _row(job, n_sel, row0, q_start, 0, 0, s_q, kk, n_cols, qpos_ptr, qpos_ptr, qstart_ptr, qpos_ptr,
+                        tl.load(ranged_ptr) != 0, HAS_STARTS)
+    lower, upper, n_above, n_cand = _get4(meta_ptr + job * 4)
+    thr = _int_min() + 1  # a row of at most kk keys: every valid one
     k_rem = tl.full((), 0, tl.int32)
     n_eq = tl.full((), 0, tl.int32)
     ok = tl.full((), 1, tl.int32)
-    gt_blk = tl.zeros([NB], tl.int32)
-    eq_blk = tl.zeros([NB], tl.int32)
     if hi - lo > kk:
         k_t = tl.where(lower == _int_min() + 1, tl.minimum(n_above + n_cand, kk), kk)
         need = k_t - n_above
@@ -406,58 +369,32 @@ def topk_search_kernel(qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, bits_ptr, col
             thr = tl.full((), 2147483647, tl.int32)
         elif (need >= 1) & (need <= n_cand) & (n_cand <= CAND):
             slots = tl.arange(0, CAND)
-            cand = job.to(tl.int64) * CAND + slots
-            bits = tl.load(bits_ptr + cand, mask=slots < n_cand, other=0)
-            few, valid = _keys(bits.to(tl.float32, bitcast=True), slots < n_cand)
+            bits = tl.load(cand_ptr + job.to(tl.int64) * CAND + slots, mask=slots < n_cand, other=0)
+            few, _valid = _keys(bits.to(tl.float32, bitcast=True), slots < n_cand)
             thr, k_rem, n_eq = _kth_in(few, n_cand, need, lower, upper)
-            blk_of = tl.load(cols_ptr + cand, mask=slots < n_cand, other=0) // BLOCK  # after the search: fewer live
-            gt_blk = tl.histogram(blk_of, NB, mask=valid & (few > thr))
-            eq_blk = tl.histogram(blk_of, NB, mask=valid & (few == thr))
         else:
             ok = 0
-    if ok == 1:
-        eq_before = tl.cumsum(eq_blk, 0) - eq_blk
-        taken = above + gt_blk + tl.minimum(tl.maximum(k_rem - eq_before, 0), eq_blk)
-        tl.store(blk_row, tl.cumsum(taken, 0) - taken, mask=live)
-        tl.store(blk_row + 1, eq_before, mask=live)
-        n_taken = tl.sum(taken, 0)
-        while n_taken < kk:
-            pad = n_taken + tl.arange(0, 256)
-            tl.store(ids_row + pad, tl.full([256], -1, tl.int32), mask=pad < kk)
-            n_taken += 256
     _put4(meta_ptr + job * 4, thr, k_rem, n_eq, ok)
 
 
-@triton.jit(do_not_specialize=_ROW_ARGS + ["n_blocks"])
-def topk_write_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, blk_ptr, ids_ptr, n_rows, row0, n_sel,
-                      n_cols, stride, q_start, s_q, kk, n_blocks, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 4, one BLOCK of one row a program, when its row's search held (meta[job][3] == 1): the ids of
-    the block's keys above thr and of its keys equal to thr among the first k_rem of the row (all of them
-    when n_eq == k_rem), ascending, from the block's start slot."""
-    job, blk = _block_job(n_blocks)
+@triton.jit(do_not_specialize=_ROW_ARGS)
+def topk_write_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, ids_ptr, n_rows, row0, n_sel, n_cols,
+                      stride, q_start, s_q, kk, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+                      PREFETCH: tl.constexpr):
+    """Step 4 for job program_id(0) when its search held (meta[job][3] == 1)."""
+    job = tl.program_id(0)
     thr, k_rem, n_eq, ok = _get4(meta_ptr + job * 4)
     if ok == 1:
         row_ptr, ids_row, lo, hi = _row(job, n_sel, row0, q_start, n_rows, stride, s_q, kk, n_cols, scores_ptr,
                                         qpos_ptr, qstart_ptr, ids_ptr, tl.load(ranged_ptr) != 0, HAS_STARTS)
-        start = blk * BLOCK
-        if (start < hi) & (start + BLOCK > lo):
-            plan = blk_ptr + (job.to(tl.int64) * n_blocks + blk) * 2
-            first = tl.load(plan)
-            cols, x = _load_block(row_ptr, start, lo, hi, BLOCK)
-            t_f = _key_float(thr)  # score >= t_f: the key compare (-0.0 == +0.0 as keys; -inf and NaN never)
-            if n_eq == k_rem:  # every key equal to thr is taken
-                take = x >= t_f
-            else:
-                eq = x == t_f
-                take = (x > t_f) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + tl.load(plan + 1) <= k_rem))
-            tl.store(ids_row + first + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
+        _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK, PREFETCH)
 
 
 @triton.jit(do_not_specialize=_ROW_ARGS + ["n_jobs", "n_programs"])
 def select_topk_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, ids_ptr, cand_ptr, n_rows, row0,
                        n_sel, n_cols, stride, q_start, s_q, kk, n_jobs, n_programs, HAS_STARTS: tl.constexpr,
                        BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr, MARGIN: tl.constexpr,
-                       TRIES: tl.constexpr):
+                       TRIES: tl.constexpr, PREFETCH: tl.constexpr):
     """The whole selection of each job whose meta[job][3] is 0 (persistent: jobs pid, pid + n_programs, ..
     below n_jobs). Jobs: rows row0 .. row0 + n_sel of scores [n_batch, n_rows, stride] (the first n_cols
     columns; row r is query q_start + r), job j row j % n_sel of batch j // n_sel -> ids [n_batch, s_q,
@@ -475,6 +412,6 @@ def select_topk_kernel(scores_ptr, qpos_ptr, qstart_ptr, ranged_ptr, meta_ptr, i
             n_eq = tl.full((), 0, tl.int32)
             if hi - lo > kk:
                 thr, k_rem, n_eq = _threshold(row_ptr, lo, hi, kk, cand_ptr + job.to(tl.int64) * CAND, BLOCK, SAMPLE,
-                                              CAND, MARGIN, TRIES)
-            _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK)
+                                              CAND, MARGIN, TRIES, PREFETCH)
+            _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK, PREFETCH)
         job += n_programs

@@ -171,22 +171,15 @@ def test_keys_at_columns_is_a_device_flag():
 def test_top_k_grid_and_its_limits():
     cfg = indexer_triton.IndexerKernelConfig(topk_programs_per_sm=16)
     assert indexer_triton.topk_programs(torch.device("cpu"), 1000, cfg) == 64  # 16 per SM, 4 SMs off CUDA
+    assert indexer_triton.select_scratch(10, cfg, 16384) == 10 * (4 + 2048)  # a bracket, 2048 candidate slots
+    assert indexer_triton.select_scratch(10, cfg, 300) == 10 * (4 + 512)  # short rows: slots for all their keys
+    assert indexer_triton.candidate_slots(cfg, 3) == 16
     assert indexer_triton.topk_programs(torch.device("cpu"), 10, cfg) == 10  # never above the rows
-    # 16k rows: the bracket's expected 1152 keys x 1.5 fit 2048 slots; 8 blocks of 2048 columns
-    assert indexer_triton.candidate_slots(cfg, 16384, 2048) == 2048 and indexer_triton.topk_blocks(cfg, 16384) == 8
-    assert indexer_triton.select_scratch(10, cfg, 16384, 2048) == 10 * (4 + 2 * 2048 + 2 * 8)
-    # 64k rows: 2560 expected keys x 1.5 -> 4096 slots (2048 made most rows fall back); 32 blocks
-    assert indexer_triton.candidate_slots(cfg, 65536, 2048) == 4096
-    assert indexer_triton.select_scratch(10, cfg, 65536, 2048) == 10 * (4 + 2 * 4096 + 2 * 32)
-    assert indexer_triton.select_scratch(10, cfg, 300, 100) == 10 * (4 + 2 * 512 + 2)  # short rows: all their keys
-    assert indexer_triton.candidate_slots(cfg, 3, 3) == 16
-    fixed = indexer_triton.IndexerKernelConfig(topk_candidates=1000, topk_block=1000)  # powers of two above
-    assert indexer_triton.candidate_slots(fixed, 65536, 2048) == 1024 and indexer_triton.topk_blocks(fixed, 3000) == 3
     ids = torch.empty(1, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="topk_tries must be >= 1 .*, got 0"):
         indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
                               cfg=indexer_triton.IndexerKernelConfig(topk_tries=0))
-    with pytest.raises(ValueError, match="scratch needs 152 int32, got 10"):  # 4 rows of 4 keys: 16 slots, 1 block
+    with pytest.raises(ValueError, match="scratch needs 80 int32, got 10"):  # 4 rows of 4 keys: 16 slots
         indexer_triton.select(torch.zeros(1, 4, 4), ids, torch.arange(4, dtype=torch.int32), 0, 0, 4,
                               scratch=torch.empty(10, dtype=torch.int32))
 
