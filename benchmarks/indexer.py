@@ -74,7 +74,7 @@ SWEEP = [  # score tile configs (block_m, block_n, num_warps, num_stages, head_p
 
 
 TOPK_SWEEP = [  # top-k selection settings over the default config (IndexerKernelConfig field: value)
-    {}, dict(topk_prefetch=False), dict(topk_warps=4),
+    {}, dict(topk_prefetch=False),
 ]
 
 
