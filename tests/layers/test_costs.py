@@ -126,11 +126,10 @@ def test_flops_equal_flop_counter_mode_on_the_tiny_preset(indexer):
     - `spartron::sparse_mla` (DSA layers) and the frozen indexer's `spartron::indexer_topk` (scores and
       top-k in one op): custom ops with no flop formula, so not counted at all.
     - index scores: the indexer computes all S x S pairs and masks; the model counts visible pairs.
-      kl_sparse scores its top-k slots only (all K, padding included), forward 2 x H x (d + 1) per slot,
-      backward 2 x H x (3d + 1) (the logits recomputed, dw, dq, dk; dlogits is elementwise); its
-      selection is inside indexer_topk.
-    - KL target (trained indexer): over the S x S square (kl_dense) or all K top-k slots, padding
-      included (kl_sparse); the model counts visible keys.
+      kl_sparse's slot scores and their backward (`spartron::kl_selected_scores[_backward]`) and its KL
+      target (`spartron::kl_sparse_target`) are custom ops too, so not counted; its selection is inside
+      indexer_topk.
+    - KL target (kl_dense): over the S x S square; the model counts visible keys.
     - the MoE combine's gate-weighted sum of the top-k expert rows is a bmm ([T,1,k] x [T,k,D]) and one
       bmm in backward (the weights' gradient; the rows' gradient is an elementwise product:
       dispatch.gate_weighted_sum); the model, like MFU conventions, does not count it.
@@ -153,14 +152,11 @@ def test_flops_equal_flop_counter_mode_on_the_tiny_preset(indexer):
     score_factor = {"frozen": 1, "kl_dense": 3, "kl_sparse": 1}[indexer]  # over the visible keys
     # the frozen / kl_sparse selection scores inside the custom op spartron::indexer_topk, unseen by the counter
     counted_score_factor = 3 if indexer == "kl_dense" else 0
-    h_idx, d_idx = d.n_index_heads, d.index_head_dim
-    slot_scores = 2 * h_idx * (d_idx + 1) + 2 * h_idx * (3 * d_idx + 1) if indexer == "kl_sparse" else 0
-    target_keys = {"frozen": 0, "kl_dense": seq, "kl_sparse": d.index_topk}[indexer]
+    target_keys = {"frozen": 0, "kl_dense": seq, "kl_sparse": 0}[indexer]  # kl_sparse's: a custom op
     expected = (n_tok * (parts.projections + parts.indexer_projections)
                 + n_dense * n_tok * seq * 3 * dense_per_key
                 + n_sources * n_tok * seq * counted_score_factor * 2 * d.n_index_heads * (d.index_head_dim + 1)
                 + n_sources * n_tok * target_keys * 2 * cfg.n_heads * (a.kv_lora_rank + a.qk_rope_head_dim)
-                + n_sources * n_tok * d.index_topk * slot_scores
                 + n_moe * n_tok * 2 * 2 * cfg.moe.top_k * cfg.dim)
     assert counter.get_total_flops() == expected
 
