@@ -58,6 +58,10 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "spartron::sparse_mla",
+    # kl_sparse's per-slot KL target and index scores ([B, S, K] float32 each): attention-sized outputs
+    # whose recompute costs a walk over every selected key row
+    "spartron::kl_sparse_target",
+    "spartron::kl_selected_scores",
     # distributed communication
     "spartron_collectives",
 )

@@ -102,7 +102,7 @@ def test_mandatory_table_and_defaults_are_the_documented_ones():
                                                 "spartron_symm", "spartron_ac::reused"]
     for name in ["aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "spartron::sparse_mla",
-                 "spartron_collectives"]:
+                 "spartron::kl_sparse_target", "spartron::kl_selected_scores", "spartron_collectives"]:
         assert name in DEFAULT_TARGETS
     table = build_policy("selective", ["aten::mm"]).describe()
     assert table["targets"] == ["aten::mm"] and "spartron_deepep" in table["mandatory"]

@@ -277,6 +277,10 @@ def test_kl_sparse_trains_through_mla_under_activation_checkpointing(ac):
     with LargestTensor() as seen:
         got = step(checkpointed)
     assert seen.calls["spartron.indexer_topk.default"] == 1
+    # selective AC keeps kl_sparse's target and slot scores (policy DEFAULT_TARGETS); full AC recomputes them
+    runs = 1 if ac["mode"] == "selective" else 2
+    assert seen.calls["spartron.kl_sparse_target.default"] == runs
+    assert seen.calls["spartron.kl_selected_scores.default"] == runs
     assert torch.equal(got["dsa_topk_ids"], want["dsa_topk_ids"]) and bool((want["dsa_topk_ids"] < 0).any())
     torch.testing.assert_close(got["indexer_loss"], want["indexer_loss"], rtol=0, atol=0)
     for (name, a), b in zip(checkpointed.named_parameters(), eager.parameters(), strict=True):
