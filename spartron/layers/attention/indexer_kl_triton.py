@@ -53,7 +53,7 @@ def target(q: Tensor, kv: Tensor, ids: Tensor, scale: float) -> Tensor:
     return out
 
 
-def _check_scores(q: Tensor, weights: Tensor, k: Tensor) -> int:
+def _check_scores(q: Tensor, k: Tensor) -> int:
     """The padded index-head count (a power of two >= 16) after checking the limits."""
     h, d = q.shape[-2], q.shape[-1]
     if d < 16 or d > 256 or d & (d - 1):
@@ -68,7 +68,7 @@ def _check_scores(q: Tensor, weights: Tensor, k: Tensor) -> int:
 
 def selected_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor) -> Tensor:
     """I_sel [B,S,K] float32 (-inf at invalid slots): q [B,S,H,d], weights [B,S,H], k [B,S_kv,d], ids int32."""
-    hp = _check_scores(q, weights, k)
+    hp = _check_scores(q, k)
     b, s, h, d = q.shape
     out = torch.empty(ids.shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -82,7 +82,7 @@ def selected_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor) -> Tenso
 def selected_scores_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor,
                              ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dq like q, dw like weights, dk like k); dk is summed in float32 with atomics, then cast."""
-    hp = _check_scores(q, weights, k)
+    hp = _check_scores(q, k)
     b, s, h, d = q.shape
     dq, dw = torch.empty_like(q), torch.empty_like(weights)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
