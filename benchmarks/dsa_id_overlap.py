@@ -10,7 +10,9 @@ key once, so its traffic scales with the union, not with G x K. This trains `con
 the public Trainer (MTP off, selective AC) and, at the steps of --at, takes the ids every DSA source layer
 returned in that step's forward and reports, per group size G: the reuse factor (valid ids summed over the
 group / distinct valid ids in it: 1 = nothing shared, G = identical selections), over the queries that
-have a full top-k (t >= K), and the mean Jaccard overlap of adjacent queries' sets.
+have a full top-k (t >= K), and the mean Jaccard overlap of adjacent queries' sets, each next to what
+uniformly random causal selections of the same sizes would give (`random_baseline`): a factor at the
+baseline means the indexer's choices share no more keys than chance.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_report  # noqa: E402
+from common import device_name, write_report  # noqa: E402
 from dsa_e2e import SMOKE  # noqa: E402
 
 from spartron.layers.attention.mla import MLA  # noqa: E402
@@ -68,6 +70,28 @@ def overlap_stats(ids: torch.Tensor) -> dict:
     return out
 
 
+def random_baseline(s: int, k: int) -> dict:
+    """overlap_stats' numbers (groups and pairs of the queries t >= K - 1) expected when each query t picks
+    K of its t + 1 visible keys uniformly at random: group factor G K / E[distinct] with E[distinct] the sum
+    over keys of P(some query of the group picks it), and E[shared] / E[union] for adjacent pairs."""
+    t = torch.arange(k - 1, s, dtype=torch.float64)
+    keep = 1 - k / (t + 1)  # P(query t leaves a visible key out)
+    out: dict = {}
+    for g in GROUPS:
+        n = t.shape[0] // g * g
+        if n == 0:
+            continue
+        tt, kk = t[:n].view(-1, g), keep[:n].view(-1, g)
+        # keys 0..t_first are visible to the whole group, key t_first + j to queries j.. only
+        none_of = torch.flip(torch.cumprod(torch.flip(kk, [1]), 1), [1])
+        distinct = (tt[:, 0] + 1) * (1 - none_of[:, 0]) + (1 - none_of[:, 1:]).sum(1)
+        out[f"reuse_factor_g{g}"] = float((g * k / distinct).mean())
+    if t.shape[0] >= 2:
+        shared = (t[:-1] + 1) * (1 - keep[:-1]) * (1 - keep[1:])
+        out["adjacent_jaccard"] = float((shared / (2 * k - shared)).mean())
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=REPO / "configs" / "dsa-4l.toml")
@@ -89,10 +113,21 @@ def main() -> int:
         rows, overrides, device = measure(args, at)
     finally:
         dist.destroy_process_group()
+    topk = load_config(args.config, overrides).model.dsa.index_topk
     write_report(args.out, dict(benchmark="dsa_id_overlap", config=str(args.config.relative_to(REPO)),
                                 commit=args.commit or git_commit(), seq_len=args.seq, steps=args.steps,
-                                overrides=overrides, device=device, group_sizes=list(GROUPS), results=rows))
+                                overrides=overrides, device=device, device_name=device_name(device.startswith("cuda")),
+                                torch=torch.__version__, triton=_triton_version(), group_sizes=list(GROUPS),
+                                random_baseline=random_baseline(args.seq, topk), results=rows))
     return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def measure(args: argparse.Namespace, at: set[int]) -> tuple[list[dict], list[str], str]:

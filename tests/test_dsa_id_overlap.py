@@ -30,3 +30,22 @@ def test_identical_and_disjoint_selections_bound_the_factor():
     assert overlap_stats(same)["adjacent_jaccard"] == pytest.approx(1.0)
     assert overlap_stats(disjoint)["reuse_factor_g4"] == pytest.approx(1.0)
     assert overlap_stats(disjoint)["adjacent_jaccard"] == 0.0
+
+
+def test_random_baseline_matches_random_selections():
+    from benchmarks.dsa_id_overlap import overlap_stats, random_baseline
+
+    s, k = 512, 64
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.full((1, s, k), -1, dtype=torch.int32)
+    for t in range(k - 1, s):
+        ids[0, t] = torch.randperm(t + 1, generator=gen)[:k].sort().values.int()
+    measured, expected = overlap_stats(ids), random_baseline(s, k)
+    assert set(expected) == {"reuse_factor_g2", "reuse_factor_g4", "reuse_factor_g8", "adjacent_jaccard"}
+    for key, value in expected.items():
+        assert measured[key] == pytest.approx(value, rel=0.03), key
+    # by hand, K = 2 over 3 keys: query 1 takes {0, 1}, query 2 two of {0, 1, 2}: E[distinct] = 2 + 2/3,
+    # E[shared] = 2 * 2/3 (each of keys 0, 1 with probability 2/3), E[union] = 4 - 4/3
+    small = random_baseline(3, 2)
+    assert small["reuse_factor_g2"] == pytest.approx(4 / (8 / 3))
+    assert small["adjacent_jaccard"] == pytest.approx((4 / 3) / (8 / 3))
