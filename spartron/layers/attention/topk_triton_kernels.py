@@ -192,6 +192,7 @@ def _compact(row_ptr, lo, hi, lower_f, upper_f, scratch_row, BLOCK: tl.constexpr
     go to scratch_row (their float bits) in column order. Float compares: -inf (not visible) is never
     inside, since lower_f >= -FLT_MAX. PREFETCH: the next block's load is issued before this block's
     scan and stores (a program a row waits on each load otherwise; past hi it is masked off)."""
+    tl.static_assert(BLOCK < 65536, "the two counts share one int32 sum")
     n_above = tl.full((), 0, tl.int32)
     n_cand = tl.full((), 0, tl.int32)
     start = lo // 16 * 16
@@ -202,8 +203,9 @@ def _compact(row_ptr, lo, hi, lower_f, upper_f, scratch_row, BLOCK: tl.constexpr
         inside = (x >= lower_f) & (x < upper_f)
         slot = n_cand + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(scratch_row + slot, x.to(tl.int32, bitcast=True), mask=inside & (slot < CAND))
-        n_above += tl.sum((x >= upper_f).to(tl.int32), 0)
-        n_cand += tl.sum(inside.to(tl.int32), 0)
+        both = tl.sum((x >= upper_f).to(tl.int32) * 65536 + inside.to(tl.int32), 0)  # one reduction, two counts
+        n_above += both >> 16
+        n_cand += both & 0xFFFF
         start += BLOCK
         if PREFETCH:
             x = x_next
@@ -293,11 +295,14 @@ def _write(row_ptr, ids_row, lo, hi, kk, thr, k_rem, n_eq, BLOCK: tl.constexpr, 
     while start < hi:
         if PREFETCH:
             cols_next, x_next = _load_block(row_ptr, start + BLOCK, lo, hi, BLOCK)
-        eq = x == t_f
-        take = (x > t_f) | (eq & (all_eq | (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem)))
+        if all_eq:  # the usual row: no key equal to thr is left out, so one scan a block
+            take = x >= t_f
+        else:
+            eq = x == t_f
+            take = (x > t_f) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + eq_seen <= k_rem))
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
         tl.store(ids_row + n_taken + tl.cumsum(take.to(tl.int32), 0) - 1, cols, mask=take)
         n_taken += tl.sum(take.to(tl.int32), 0)
-        eq_seen += tl.sum(eq.to(tl.int32), 0)
         start += BLOCK
         if PREFETCH:
             cols, x = cols_next, x_next
