@@ -50,6 +50,8 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::baddbmm",
     "aten::_grouped_mm",
     "aten::_scaled_mm",
+    "spartron::absorb_query",  # DSA's absorbed per-head projections (spartron.layers.attention.absorb)
+    "spartron::absorb_output",
     # attention
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_efficient_attention",

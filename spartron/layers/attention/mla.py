@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.layers.attention.absorb import absorb_output, absorb_query
 from spartron.layers.attention.context_parallel import (
     check_local_positions,
     cp_positions,
@@ -160,9 +161,8 @@ class MLA(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
-        b, s, h, _ = q_nope.shape
         w_uk, w_uv = self._absorbed_weights()
-        q_abs = torch.cat((torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_pe), dim=-1)
+        q_abs = absorb_query(q_nope, q_pe, w_uk)
         loss = None
         if ids is None:  # a source computing its ids
             dsa = self.cfg.dsa
@@ -180,6 +180,5 @@ class MLA(nn.Module):
                     self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
-        out = torch.einsum("bshc,hvc->bshv", out_latent, w_uv)
-        return AttentionOutput(hidden_states=self.wo(out.reshape(b, s, h * self.v_dim)), dsa_topk_ids=ids,
+        return AttentionOutput(hidden_states=self.wo(absorb_output(out_latent, w_uv)), dsa_topk_ids=ids,
                                indexer_loss=loss)
