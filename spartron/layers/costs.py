@@ -334,7 +334,7 @@ class MemoryPlan:
 
 
 _MATMUL_TARGETS = {"aten", "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_addmm_activation",
-                   "aten::baddbmm"}
+                   "aten::baddbmm", "spartron::absorb_query", "spartron::absorb_output"}
 _ATTENTION_TARGETS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
                       "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
                       "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
