@@ -110,10 +110,9 @@ def main() -> int:
         p.error("dsa_id_overlap.py measures one process; run it without torchrun")
     init_distributed(discover(), "auto")
     try:
-        rows, overrides, device = measure(args, at)
+        rows, overrides, device, topk = measure(args, at)
     finally:
         dist.destroy_process_group()
-    topk = load_config(args.config, overrides).model.dsa.index_topk
     write_report(args.out, dict(benchmark="dsa_id_overlap", config=str(args.config.relative_to(REPO)),
                                 commit=args.commit or git_commit(), seq_len=args.seq, steps=args.steps,
                                 overrides=overrides, device=device, device_name=device_name(device.startswith("cuda")),
@@ -130,8 +129,9 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def measure(args: argparse.Namespace, at: set[int]) -> tuple[list[dict], list[str], str]:
-    """Train args.steps steps; the overlap of every source layer's ids at the steps in `at`."""
+def measure(args: argparse.Namespace, at: set[int]) -> tuple[list[dict], list[str], str, int]:
+    """Train args.steps steps; the overlap of every source layer's ids at the steps in `at` (rows, overrides,
+    device, the config's top-k)."""
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [*(SMOKE if args.smoke else []), "model.mtp.depth=0", f"train.seq_len={args.seq}",
                      f"model.max_seq_len={args.seq}", f"train.steps={args.steps}", "train.save_every=0",
@@ -156,7 +156,7 @@ def measure(args: argparse.Namespace, at: set[int]) -> tuple[list[dict], list[st
         for h in hooks:
             h.remove()
         trainer.close()
-    return rows, overrides, str(trainer.device)
+    return rows, overrides, str(trainer.device), cfg.model.dsa.index_topk
 
 
 if __name__ == "__main__":
