@@ -180,15 +180,13 @@ DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSx
 
 
 def parse_spec(spec: str) -> tuple[str, sparse_mla_triton.KernelConfig]:
-    """'fwd:64x64x8x2[:gluon[:late]]' or 'bwd:64x32x8x2x3x2[:keyrows][:hints]' -> (kind, config)."""
+    """'fwd:64x64x8x2[:gluon[:late]]' or 'bwd:64x32x8x2x3x2[:keyrows]' -> (kind, config)."""
     kind, dims, *flags = spec.split(":")
-    unknown = set(flags) - {"gluon", "late", "keyrows", "hints"}
+    unknown = set(flags) - {"gluon", "late", "keyrows"}
     if unknown:
-        raise ValueError(f"--sweep-configs {spec!r}: unknown flag(s) {sorted(unknown)}; known: gluon, late, keyrows, "
-                         "hints")
+        raise ValueError(f"--sweep-configs {spec!r}: unknown flag(s) {sorted(unknown)}; known: gluon, late, keyrows")
     cfg = sparse_mla_triton.KernelConfig(*(int(x) for x in dims.split("x")), gluon="gluon" in flags,
-                                         gather_early="late" not in flags, dkv_key_rows="keyrows" in flags,
-                                         l2_hints="hints" in flags)
+                                         gather_early="late" not in flags, dkv_key_rows="keyrows" in flags)
     return kind, cfg
 
 

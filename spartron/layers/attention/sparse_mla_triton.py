@@ -48,12 +48,6 @@ class KernelConfig:
     gluon: bool = False  # forward only: the Gluon kernel (sparse_mla_gluon_kernels.py; block_h 64, 8 warps)
     gather_early: bool = True  # Gluon forward: refill a stage before (True) or after each score product
     dkv_key_rows: bool = False  # backward: dkv tiles as [keys, columns] (else transposed; see the kernels)
-    # Triton kernels: q / dO loads and out / dq stores marked evict-first in L2 (a policy on the gathers
-    # themselves would stop Triton from pipelining them into cp.async copies)
-    l2_hints: bool = False
-
-    def eviction_policies(self) -> dict[str, str]:
-        return dict(STREAM="evict_first" if self.l2_hints else "")
 
 
 def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
@@ -148,7 +142,7 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
         extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel
-        extra = dict(num_stages=cfg.num_stages, **cfg.eviction_policies())
+        extra = dict(num_stages=cfg.num_stages)
     kern[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * LOG2E,
         BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
@@ -187,7 +181,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, kv: Tensor, topk_ids
         topk_ids.shape[-1], n_work, softmax_scale, softmax_scale * LOG2E, BH=cfg.block_h, BK=cfg.block_k,
         DC=LATENT_DIM // 4, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
         FIXED=float(2**DKV_FIXED_POINT_BITS) if deterministic else 0.0, WALKS=cfg.walks, STAGES2=cfg.stages2,
-        KEY_ROWS=cfg.dkv_key_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.eviction_policies())
+        KEY_ROWS=cfg.dkv_key_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if deterministic:
         return grad_q, (grad_kv.double() * 2.0**-DKV_FIXED_POINT_BITS).to(kv.dtype)
     return grad_q, grad_kv.to(kv.dtype)

@@ -67,13 +67,13 @@ def _id_block(id_row, k0, topk, s_kv, BK: tl.constexpr):
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
                           scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                          DR: tl.constexpr, KP: tl.constexpr, STREAM: tl.constexpr = ""):
+                          DR: tl.constexpr, KP: tl.constexpr):
     hrow, hmask, id_row, n_used, b = _work_item(tl.program_id(0), ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
     q_rows = q_ptr + hrow[:, None] * (DV + DR)
-    q_lat = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
-    q_pe = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
+    q_lat = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
 
     m = tl.full([BH], -1.0e30, tl.float32)  # finite start: an all-invalid block gives p = 0, no NaN
     denom = tl.zeros([BH], tl.float32)
@@ -98,7 +98,7 @@ def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n
     has = denom > 0.0
     acc = acc / tl.where(has, denom, 1.0)[:, None]
     out_rows = out_ptr + hrow[:, None] * DV
-    tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None], eviction_policy=STREAM)
+    tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + hrow, lse, mask=hmask)
 
@@ -143,13 +143,13 @@ def _add_dkv_chunk(dkv_rows, cols, valid, p, ds, do_c, q_c, FIXED: tl.constexpr,
 
 
 @triton.jit
-def _load_kv(rows, valid, dc, dr, DC: tl.constexpr, POLICY: tl.constexpr):
+def _load_kv(rows, valid, dc, dr, DC: tl.constexpr):
     """The gathered kv rows as four latent chunks and the rope part (zeros where not valid)."""
-    k0 = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0, eviction_policy=POLICY)
-    k1 = tl.load(rows + DC + dc[None, :], mask=valid[:, None], other=0.0, eviction_policy=POLICY)
-    k2 = tl.load(rows + 2 * DC + dc[None, :], mask=valid[:, None], other=0.0, eviction_policy=POLICY)
-    k3 = tl.load(rows + 3 * DC + dc[None, :], mask=valid[:, None], other=0.0, eviction_policy=POLICY)
-    kr = tl.load(rows + 4 * DC + dr[None, :], mask=valid[:, None], other=0.0, eviction_policy=POLICY)
+    k0 = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
+    k1 = tl.load(rows + DC + dc[None, :], mask=valid[:, None], other=0.0)
+    k2 = tl.load(rows + 2 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+    k3 = tl.load(rows + 3 * DC + dc[None, :], mask=valid[:, None], other=0.0)
+    kr = tl.load(rows + 4 * DC + dr[None, :], mask=valid[:, None], other=0.0)
     return k0, k1, k2, k3, kr
 
 
@@ -204,7 +204,7 @@ def _bwd_dkv(pb, ds, drows, valid, q0, q1, q2, q3, qr, do0, do1, do2, do3, dc, d
 def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
               n_heads, topk, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
               DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr, WALKS: tl.constexpr,
-              STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr, STREAM: tl.constexpr):
+              STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """One work item's dq and dkv contribution. WALKS = 1: one walk; dq accumulates in registers and
     dkv is added per key block. WALKS = 3: the first walk computes P and dS (no dot downstream, so S
     and dP keep the warpgroup-split layout) into this program's scratch tiles [BH, topk]; the second
@@ -215,12 +215,12 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
     hrow, hmask, id_row, n_used, b = _work_item(w, ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
     dc = tl.arange(0, DC)
     dr = tl.arange(0, DR)
-    q0, q1, q2, q3, qr = _load_kv(q_ptr + hrow[:, None] * D, hmask, dc, dr, DC, STREAM)
+    q0, q1, q2, q3, qr = _load_kv(q_ptr + hrow[:, None] * D, hmask, dc, dr, DC)
     do_rows = do_ptr + hrow[:, None] * DV
-    do0 = tl.load(do_rows + dc[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
-    do1 = tl.load(do_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
-    do2 = tl.load(do_rows + 2 * DC + dc[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
-    do3 = tl.load(do_rows + 3 * DC + dc[None, :], mask=hmask[:, None], other=0.0, eviction_policy=STREAM)
+    do0 = tl.load(do_rows + dc[None, :], mask=hmask[:, None], other=0.0)
+    do1 = tl.load(do_rows + DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    do2 = tl.load(do_rows + 2 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
+    do3 = tl.load(do_rows + 3 * DC + dc[None, :], mask=hmask[:, None], other=0.0)
     lse = tl.load(lse_ptr + hrow, mask=hmask, other=float("-inf"))
     # +inf for an empty query or a padding head: every p becomes exp2(-inf) = 0
     lse2 = tl.where(lse > float("-inf"), lse * 1.4426950408889634, float("inf"))
@@ -238,7 +238,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
     dqr = tl.zeros([BH, DR], tl.float32)
     for k0 in tl.range(0, n_used, BK):
         safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
-        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC, "")
+        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
         pb, ds = _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, c0, c1, c2, c3, cr, valid, lse2, delta,
                             scale, scale_log2, WALKS == 3)
         if WALKS == 3:
@@ -262,7 +262,7 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
                      DC, FIXED, KEY_ROWS)
         for k0 in tl.range(0, n_used, BK, num_stages=STAGES2):
             safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
-            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC, "")
+            c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
             ds = tl.load(ds_rows + k0 + tl.arange(0, BK)[None, :])
             dq0 = tl.dot(ds, c0, dq0)
             dq1 = tl.dot(ds, c1, dq1)
@@ -273,26 +273,25 @@ def _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv
 
     dq_rows = dq_ptr + hrow[:, None] * D
     ty = dq_ptr.dtype.element_ty
-    tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None], eviction_policy=STREAM)
-    tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None], eviction_policy=STREAM)
-    tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None], eviction_policy=STREAM)
-    tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None], eviction_policy=STREAM)
-    tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None], eviction_policy=STREAM)
+    tl.store(dq_rows + dc[None, :], dq0.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DC + dc[None, :], dq1.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 2 * DC + dc[None, :], dq2.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + 3 * DC + dc[None, :], dq3.to(ty), mask=hmask[:, None])
+    tl.store(dq_rows + DV + dr[None, :], dqr.to(ty), mask=hmask[:, None])
 
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk", "n_work"])
 def sparse_mla_bwd_kernel(q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
                           n_heads, topk, n_work, scale, scale_log2, BH: tl.constexpr, BK: tl.constexpr,
                           DC: tl.constexpr, DR: tl.constexpr, KP: tl.constexpr, FIXED: tl.constexpr,
-                          WALKS: tl.constexpr, STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr,
-                          STREAM: tl.constexpr = ""):
+                          WALKS: tl.constexpr, STAGES2: tl.constexpr, KEY_ROWS: tl.constexpr):
     """With WALKS = 3 the grid is persistent (one program per SM, striding over the n_work items, so
     the scratch is two [BH, topk] tiles per program); with one walk, one program per work item."""
     if WALKS == 3:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _bwd_item(w, q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr, s_q, s_kv,
-                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2, KEY_ROWS, STREAM)
+                      n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2, KEY_ROWS)
     else:
         _bwd_item(tl.program_id(0), q_ptr, kv_ptr, ids_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, ds_ptr,
                   s_q, s_kv, n_heads, topk, scale, scale_log2, BH, BK, DC, DR, KP, FIXED, WALKS, STAGES2,
-                  KEY_ROWS, STREAM)
+                  KEY_ROWS)
