@@ -66,9 +66,13 @@ def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
     for the Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms,
     317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
     sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
-    kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel: at 16k x 16 heads 7.06 ms
-    against 8.1-8.3 for every schedule of a 16-head Gluon kernel with keys as wgmma rows (dropped;
-    sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json; the kernel is in git at 2ff61f4)."""
+    kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel, q and the gathered rows in
+    four 128-column latent chunks and the rope part: at 16k x 16 heads 6.46-6.73 ms, 64k 27.8-28.0 ms
+    (sparse_mla_split_h16.json), against 7.07-7.18 / 30.3-30.4 when they were one 512-column tile and
+    8.1-8.3 for every schedule of a 16-head Gluon kernel with keys as wgmma rows (dropped;
+    sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json; the kernel is in git at 2ff61f4).
+    Deeper pipelines (the kv gather gets two or three buffers from num_stages 5 here; 2-4 give one)
+    are all slower (sparse_mla_stages_h16_664fff2.json)."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
@@ -139,14 +143,14 @@ def forward(q: Tensor, kv: Tensor, topk_ids: Tensor, softmax_scale: float, d_v: 
             raise ValueError(f"sparse_mla Gluon forward: needs an sm90 (Hopper) GPU for its warpgroup MMA; got "
                              f"{q.device}")
         kern = _kernels("sparse_mla_gluon_kernels").sparse_mla_fwd_gluon_kernel
-        extra = dict(STAGES=cfg.num_stages, EARLY=cfg.gather_early)
+        extra = dict(DV=LATENT_DIM, STAGES=cfg.num_stages, EARLY=cfg.gather_early)
     else:
         kern = _kernels().sparse_mla_fwd_kernel
-        extra = dict(num_stages=cfg.num_stages)
+        extra = dict(DC=LATENT_DIM // 4, num_stages=cfg.num_stages)
     kern[_grid(b * s_q, h, cfg)](
         q, kv, topk_ids, out, lse, s_q, kv.shape[1], h, topk_ids.shape[-1], softmax_scale * LOG2E,
-        BH=cfg.block_h, BK=cfg.block_k, DV=LATENT_DIM, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]),
-        num_warps=cfg.num_warps, **extra)
+        BH=cfg.block_h, BK=cfg.block_k, DR=ROPE_DIM, KP=_pow2(topk_ids.shape[-1]), num_warps=cfg.num_warps,
+        **extra)
     return out, lse
 
 

@@ -23,7 +23,8 @@ from it, then regather K for dq. Why three: Triton gives any dot whose result re
 the whole 64-row S and dP tiles and a single walk spills. In the first of three walks S and dP are
 sums of separate chunk products (fma, so Triton does not fold them into one chain) with no dot
 downstream, so they keep the warpgroup-split layout. The 64-row forward is the Gluon kernel
-(sparse_mla_gluon_kernels.py); the Triton forward here serves 16-row blocks. The measurements
+(sparse_mla_gluon_kernels.py); the Triton forward here serves 16-row blocks (and 64-row blocks off
+Hopper), with q and the gathered rows in the backward's four latent chunks and rope part. The measurements
 behind these choices, and the designs that lost, are in docs/GPU_NOTES.md.
 """
 
@@ -66,39 +67,45 @@ def _id_block(id_row, k0, topk, s_kv, BK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["s_q", "s_kv", "n_heads", "topk"])
 def sparse_mla_fwd_kernel(q_ptr, kv_ptr, ids_ptr, out_ptr, lse_ptr, s_q, s_kv, n_heads, topk,
-                          scale_log2, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
+                          scale_log2, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                           DR: tl.constexpr, KP: tl.constexpr):
+    D: tl.constexpr = 4 * DC + DR
     hrow, hmask, id_row, n_used, b = _work_item(tl.program_id(0), ids_ptr, s_q, s_kv, n_heads, topk, BH, KP)
-    dv = tl.arange(0, DV)
+    dc = tl.arange(0, DC)
     dr = tl.arange(0, DR)
-    q_rows = q_ptr + hrow[:, None] * (DV + DR)
-    q_lat = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_rows + DV + dr[None, :], mask=hmask[:, None], other=0.0)
+    q0, q1, q2, q3, qr = _load_kv(q_ptr + hrow[:, None] * D, hmask, dc, dr, DC)
 
     m = tl.full([BH], -1.0e30, tl.float32)  # finite start: an all-invalid block gives p = 0, no NaN
     denom = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, DV], tl.float32)
-    kv_base = kv_ptr + b * s_kv * (DV + DR)
+    acc0 = tl.zeros([BH, DC], tl.float32)
+    acc1 = tl.zeros([BH, DC], tl.float32)
+    acc2 = tl.zeros([BH, DC], tl.float32)
+    acc3 = tl.zeros([BH, DC], tl.float32)
+    kv_base = kv_ptr + b * s_kv * D
     for k0 in tl.range(0, n_used, BK):
         safe, valid = _id_block(id_row, k0, topk, s_kv, BK)
-        rows = kv_base + safe[:, None] * (DV + DR)
-        kv_lat = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-        kv_pe = tl.load(rows + DV + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_lat, tl.trans(kv_lat))
-        s = tl.dot(q_pe, tl.trans(kv_pe), s)
+        c0, c1, c2, c3, cr = _load_kv(kv_base + safe[:, None] * D, valid, dc, dr, DC)
+        s = _scores(q0, q1, q2, q3, qr, c0, c1, c2, c3, cr, False)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc)
+        pb = p.to(c0.dtype)
+        acc0 = tl.dot(pb, c0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, c1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, c2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, c3, acc3 * alpha[:, None])
         m = m_new
 
     has = denom > 0.0
-    acc = acc / tl.where(has, denom, 1.0)[:, None]
-    out_rows = out_ptr + hrow[:, None] * DV
-    tl.store(out_rows + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    inv = 1.0 / tl.where(has, denom, 1.0)
+    out_rows = out_ptr + hrow[:, None] * (4 * DC)
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_rows + dc[None, :], (acc0 * inv[:, None]).to(ty), mask=hmask[:, None])
+    tl.store(out_rows + DC + dc[None, :], (acc1 * inv[:, None]).to(ty), mask=hmask[:, None])
+    tl.store(out_rows + 2 * DC + dc[None, :], (acc2 * inv[:, None]).to(ty), mask=hmask[:, None])
+    tl.store(out_rows + 3 * DC + dc[None, :], (acc3 * inv[:, None]).to(ty), mask=hmask[:, None])
     lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + hrow, lse, mask=hmask)
 
@@ -154,26 +161,36 @@ def _load_kv(rows, valid, dc, dr, DC: tl.constexpr):
 
 
 @triton.jit
-def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid, lse2, delta, scale,
-               scale_log2, SUMS: tl.constexpr):
-    """(P, dS * scale) of one key block, both in the inputs' dtype. SUMS: add separate chunk products
-    instead of chaining them through the accumulator; Triton gives a dot whose result reaches another
-    dot a rows-only warp layout (at 64 rows on 8 warps both warpgroups then compute the whole tile),
-    so this keeps S and dP split across the warpgroups when nothing downstream is a dot."""
-    if SUMS:  # fma, not +: Triton folds dot + x back into the accumulator chain
+def _scores(q0, q1, q2, q3, qr, k0, k1, k2, k3, kr, SUMS: tl.constexpr):
+    """S = q K^T over the four latent chunks and the rope part: one accumulator chain, or (SUMS) a sum
+    of separate chunk products (fma, not +: Triton folds dot + x back into the accumulator chain)."""
+    if SUMS:
         s = tl.fma(tl.dot(q0, tl.trans(k0)), 1.0, tl.dot(q1, tl.trans(k1)))
         s = tl.fma(tl.dot(q2, tl.trans(k2)), 1.0, s)
         s = tl.fma(tl.dot(q3, tl.trans(k3)), 1.0, s)
         s = tl.fma(tl.dot(qr, tl.trans(kr)), 1.0, s)
-        dp = tl.fma(tl.dot(do0, tl.trans(k0)), 1.0, tl.dot(do1, tl.trans(k1)))
-        dp = tl.fma(tl.dot(do2, tl.trans(k2)), 1.0, dp)
-        dp = tl.fma(tl.dot(do3, tl.trans(k3)), 1.0, dp)
     else:
         s = tl.dot(q0, tl.trans(k0))
         s = tl.dot(q1, tl.trans(k1), s)
         s = tl.dot(q2, tl.trans(k2), s)
         s = tl.dot(q3, tl.trans(k3), s)
         s = tl.dot(qr, tl.trans(kr), s)
+    return s
+
+
+@triton.jit
+def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid, lse2, delta, scale,
+               scale_log2, SUMS: tl.constexpr):
+    """(P, dS * scale) of one key block, both in the inputs' dtype. SUMS: add separate chunk products
+    instead of chaining them through the accumulator; Triton gives a dot whose result reaches another
+    dot a rows-only warp layout (at 64 rows on 8 warps both warpgroups then compute the whole tile),
+    so this keeps S and dP split across the warpgroups when nothing downstream is a dot."""
+    s = _scores(q0, q1, q2, q3, qr, k0, k1, k2, k3, kr, SUMS)
+    if SUMS:  # fma, not +: Triton folds dot + x back into the accumulator chain
+        dp = tl.fma(tl.dot(do0, tl.trans(k0)), 1.0, tl.dot(do1, tl.trans(k1)))
+        dp = tl.fma(tl.dot(do2, tl.trans(k2)), 1.0, dp)
+        dp = tl.fma(tl.dot(do3, tl.trans(k3)), 1.0, dp)
+    else:
         dp = tl.dot(do0, tl.trans(k0))
         dp = tl.dot(do1, tl.trans(k1), dp)
         dp = tl.dot(do2, tl.trans(k2), dp)
