@@ -161,19 +161,28 @@ def _load_kv(rows, valid, dc, dr, DC: tl.constexpr):
 
 
 @triton.jit
-def _scores(q0, q1, q2, q3, qr, k0, k1, k2, k3, kr, SUMS: tl.constexpr):
-    """S = q K^T over the four latent chunks and the rope part: one accumulator chain, or (SUMS) a sum
-    of separate chunk products (fma, not +: Triton folds dot + x back into the accumulator chain)."""
+def _latent_products(a0, a1, a2, a3, k0, k1, k2, k3, SUMS: tl.constexpr):
+    """a K^T over the four latent chunks: one accumulator chain, or (SUMS) a sum of separate chunk
+    products (fma, not +: Triton folds dot + x back into the accumulator chain)."""
     if SUMS:
-        s = tl.fma(tl.dot(q0, tl.trans(k0)), 1.0, tl.dot(q1, tl.trans(k1)))
-        s = tl.fma(tl.dot(q2, tl.trans(k2)), 1.0, s)
-        s = tl.fma(tl.dot(q3, tl.trans(k3)), 1.0, s)
+        x = tl.fma(tl.dot(a0, tl.trans(k0)), 1.0, tl.dot(a1, tl.trans(k1)))
+        x = tl.fma(tl.dot(a2, tl.trans(k2)), 1.0, x)
+        x = tl.fma(tl.dot(a3, tl.trans(k3)), 1.0, x)
+    else:
+        x = tl.dot(a0, tl.trans(k0))
+        x = tl.dot(a1, tl.trans(k1), x)
+        x = tl.dot(a2, tl.trans(k2), x)
+        x = tl.dot(a3, tl.trans(k3), x)
+    return x
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, qr, k0, k1, k2, k3, kr, SUMS: tl.constexpr):
+    """S = q K^T: the latent chunks' products, then the rope part's (see _latent_products)."""
+    s = _latent_products(q0, q1, q2, q3, k0, k1, k2, k3, SUMS)
+    if SUMS:
         s = tl.fma(tl.dot(qr, tl.trans(kr)), 1.0, s)
     else:
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
         s = tl.dot(qr, tl.trans(kr), s)
     return s
 
@@ -186,15 +195,7 @@ def _bwd_probs(q0, q1, q2, q3, qr, do0, do1, do2, do3, k0, k1, k2, k3, kr, valid
     dot a rows-only warp layout (at 64 rows on 8 warps both warpgroups then compute the whole tile),
     so this keeps S and dP split across the warpgroups when nothing downstream is a dot."""
     s = _scores(q0, q1, q2, q3, qr, k0, k1, k2, k3, kr, SUMS)
-    if SUMS:  # fma, not +: Triton folds dot + x back into the accumulator chain
-        dp = tl.fma(tl.dot(do0, tl.trans(k0)), 1.0, tl.dot(do1, tl.trans(k1)))
-        dp = tl.fma(tl.dot(do2, tl.trans(k2)), 1.0, dp)
-        dp = tl.fma(tl.dot(do3, tl.trans(k3)), 1.0, dp)
-    else:
-        dp = tl.dot(do0, tl.trans(k0))
-        dp = tl.dot(do1, tl.trans(k1), dp)
-        dp = tl.dot(do2, tl.trans(k2), dp)
-        dp = tl.dot(do3, tl.trans(k3), dp)
+    dp = _latent_products(do0, do1, do2, do3, k0, k1, k2, k3, SUMS)
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     ds = (p * (dp - delta[:, None]) * scale).to(k0.dtype)
