@@ -14,19 +14,30 @@ The checks (defaults from the method of XTuner's review, see REFERENCES.md):
   few cores with everything else on the machine) the throughput check is reported but not enforced
   unless `Tolerances.enforce_throughput_on_cpu`: a loaded CI host changes tokens/s by more than any
   useful tolerance while loss, grad norm and memory stay exact.
+A NaN or Inf in any compared metric, at any step of either run, fails the comparison (a tolerance check
+would skip it: NaN compares false with everything). A metrics file that cannot be compared (not JSON, no
+step record, a compared metric missing from a step or not a number) is a MetricsFileError naming the file,
+line and key: the CLI prints it as one line, exit status 2.
 `compare_runs` returns a report with one line per check; `plot_runs` draws run vs baseline with the
 tolerance band and the verdict of each panel's check.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spartron.runtime.metrics import read_metrics
+from spartron.runtime.metrics import MetricsFileError, read_metrics
 
 GB = 1e9
+# The metrics a comparison reads. Every step record holds "loss"; the per-step ones, once a file records them
+# at any step, at every step; "val_loss" only at the steps that evaluated (train.eval_every).
+REQUIRED_METRICS = ("loss",)
+PER_STEP_METRICS = ("grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "peak_memory_allocated_bytes")
+COMPARED_METRICS = REQUIRED_METRICS + PER_STEP_METRICS + ("val_loss",)
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,50 @@ def _worst_step(run: dict[int, float], base: dict[int, float], rel: bool) -> tup
     return worst
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """read_metrics, then every kept step record checked for the compared metrics: MetricsFileError naming
+    the file, the line and the key when a file holds no step, lacks a metric or records one as a non-number.
+    Non-finite numbers are kept: the comparison fails on them (`compare`)."""
+    headers, steps = read_metrics(path)
+    if not steps:
+        raise MetricsFileError(f"{path}: holds no step record (empty, or the run stopped before its first step): "
+                               "nothing to compare")
+    lines = {}  # step -> line number of its kept (last) record
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        record = json.loads(line) if line.strip() else None
+        if isinstance(record, dict) and record.get("type") == "step":
+            lines[record["step"]] = number
+    recorded = {key for key in PER_STEP_METRICS if any(r.get(key) is not None for r in steps)}
+    for record in steps:
+        where = f"{path}:{lines[record['step']]}: step {record['step']}"
+        for key in REQUIRED_METRICS + tuple(sorted(recorded)):
+            if record.get(key) is None:
+                raise MetricsFileError(f"{where}: metric {key!r} is missing" + (
+                    "" if key in REQUIRED_METRICS else " (other steps of this file record it)"))
+        for key in COMPARED_METRICS:
+            if record.get(key) is not None and not _is_number(record[key]):
+                raise MetricsFileError(f"{where}: metric {key!r} is not a number (got {record[key]!r:.60})")
+    return headers, steps
+
+
+def nonfinite(steps: list[dict]) -> list[str]:
+    """'<metric> <value> at step <s>' for every compared metric that is NaN or Inf, in step order."""
+    return [f"{key} {record[key]} at step {record['step']}" for record in steps for key in COMPARED_METRICS
+            if _is_number(record.get(key)) and not math.isfinite(record[key])]
+
+
+def _finite_check(runs: dict[str, list[dict]]) -> Check:
+    found = {name: nonfinite(steps) for name, steps in runs.items()}
+    bad = [f"{name}: {', '.join(items[:3])}" + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
+           for name, items in found.items() if items]
+    return Check("finite metrics", not bad, "; ".join(bad) if bad else
+                 f"every compared metric is finite at every step of the {' and the '.join(runs)}")
+
+
 def throughput_key(*runs: list[dict]) -> str:
     """tokens_per_s_per_gpu when every run records it, else tokens_per_s (older metrics files)."""
     return "tokens_per_s_per_gpu" if all(_series(r, "tokens_per_s_per_gpu") for r in runs) else "tokens_per_s"
@@ -102,7 +157,7 @@ def throughput_noise_floor(baseline: list[dict], baseline2: list[dict]) -> float
     key = throughput_key(baseline, baseline2)
     a, b = _series(baseline, key), _series(baseline2, key)
     if not a or not b:
-        raise ValueError(f"the two baseline runs do not both record {key}")
+        raise MetricsFileError(f"the baseline and its noise-floor run do not both record {key}")
     return abs(statistics.median(b.values()) / statistics.median(a.values()) - 1)
 
 
@@ -111,7 +166,7 @@ def grad_norm_noise_floor(baseline: list[dict], baseline2: list[dict]) -> float:
     a, b = _series(baseline, "grad_norm"), _series(baseline2, "grad_norm")
     common = sorted(set(a) & set(b))
     if not common:
-        raise ValueError("the two baseline runs share no steps with a grad_norm")
+        raise MetricsFileError("the baseline and its noise-floor run share no step with a grad_norm")
     return max(abs(a[s] - b[s]) for s in common)
 
 
@@ -120,7 +175,7 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
             throughput_floor: float = 0.0) -> list[Check]:
     """Checks of run vs baseline step records (as returned by read_metrics)."""
     t = tolerances
-    checks: list[Check] = []
+    checks: list[Check] = [_finite_check({"run": run_steps, "baseline": base_steps})]
     run_steps_ids = [r["step"] for r in run_steps]
     base_ids = [r["step"] for r in base_steps]
     if run_steps_ids != base_ids:
@@ -130,7 +185,7 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
                                             f"missing {missing[:10]}, extra {extra[:10]}"))
         return checks
     if not base_ids:
-        return [Check("steps", False, "the baseline has no step records")]
+        return [*checks, Check("steps", False, "the baseline has no step records")]
     checks.append(Check("steps", True, f"{len(base_ids)} steps in both"))
 
     run_loss, base_loss = _series(run_steps, "loss"), _series(base_steps, "loss")
@@ -189,11 +244,14 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
 def compare_runs(run_jsonl: str | Path, baseline_jsonl: str | Path, tolerances: Tolerances = Tolerances(),
                  noise_floor_from: list[str | Path] | None = None) -> RegressionReport:
     """Compare two metrics.jsonl files; noise_floor_from: a second baseline run of the same config."""
-    run_headers, run_steps = read_metrics(run_jsonl)
-    base_headers, base_steps = read_metrics(baseline_jsonl)
+    run_headers, run_steps = load_run(run_jsonl)
+    base_headers, base_steps = load_run(baseline_jsonl)
     noise = tps_noise = 0.0
     for other in noise_floor_from or []:
-        other_steps = read_metrics(other)[1]
+        other_steps = load_run(other)[1]
+        bad = nonfinite(other_steps)
+        if bad:  # a NaN floor would widen nothing (max ignores it) and hide that the baseline config diverges
+            raise MetricsFileError(f"{other}: the noise-floor run records non-finite metrics: {', '.join(bad[:3])}")
         noise = max(noise, grad_norm_noise_floor(base_steps, other_steps))
         tps_noise = max(tps_noise, throughput_noise_floor(base_steps, other_steps))
     deterministic = bool(run_headers and base_headers and run_headers[0].get("deterministic")

@@ -25,10 +25,10 @@ def write_run(path, steps=5, loss_scale=1.0, gn_shift=0.0, mem_shift=0.0, tps_sc
 def test_identical_runs_pass(tmp_path):
     report = compare_runs(write_run(tmp_path / "a.jsonl"), write_run(tmp_path / "b.jsonl"))
     assert report.passed, report.text()
-    assert [c.name for c in report.checks] == ["steps", "first-step loss (exact)", "loss (relative)",
+    assert [c.name for c in report.checks] == ["finite metrics", "steps", "first-step loss (exact)", "loss (relative)",
                                                "grad norm (absolute)", "peak memory (absolute)",
                                                "throughput (median tokens/s)"]
-    assert report.text().endswith("result: PASS (6/6 checks passed)")
+    assert report.text().endswith("result: PASS (7/7 checks passed)")
 
 
 @pytest.mark.parametrize("perturb, failing, phrase", [
@@ -96,7 +96,7 @@ def test_throughput_is_reported_not_enforced_on_cpu_unless_asked(tmp_path):
     assert (check.passed, check.enforced) == (False, False)
     assert "  [WARN] throughput (median tokens/s): run 501.5 vs baseline 1003 (-50.00%, allowed -5% = max(5%, " \
            "noise floor 0.0%)); not enforced on CPU (deterministic runs share their cores)" in report.text()
-    assert report.text().endswith("result: PASS (5/6 checks passed; 1 warning(s) not enforced)")
+    assert report.text().endswith("result: PASS (6/7 checks passed; 1 warning(s) not enforced)")
     strict = compare_runs(run, base, Tolerances(enforce_throughput_on_cpu=True))
     assert not strict.passed and "[FAIL] throughput" in strict.text()
 

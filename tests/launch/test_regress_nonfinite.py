@@ -1,0 +1,101 @@
+"""`regress compare` fails on a NaN / Inf metric at any step of either run (naming metric and step), and a
+metrics file it cannot compare is one line `spartron: error:` naming file, line and key, exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from spartron.launch.cli import main
+from spartron.launch.regression import compare_runs
+from spartron.runtime.metrics import MetricsFileError
+
+
+def write_run(path, bad_step=None, key="loss", value=math.nan, steps=4, val_at=(2, 4)):
+    """A 4-step metrics.jsonl; at `bad_step`, `key` is set to `value` (json.dumps writes NaN / Infinity)."""
+    lines = [json.dumps({"type": "header", "deterministic": True})]
+    for s in range(1, steps + 1):
+        record = {"type": "step", "step": s, "loss": 5.0 - 0.1 * s, "grad_norm": 1.0, "tokens_per_s": 1000.0,
+                  "peak_memory_allocated_bytes": 2e9, **({"val_loss": 4.0} if s in val_at else {})}
+        if s == bad_step:
+            record[key] = value
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("key, value, step, shown", [
+    ("loss", math.nan, 3, "loss nan at step 3"),
+    ("grad_norm", math.inf, 2, "grad_norm inf at step 2"),
+    ("val_loss", math.nan, 4, "val_loss nan at step 4"),
+    ("tokens_per_s", -math.inf, 4, "tokens_per_s -inf at step 4"),
+])
+@pytest.mark.parametrize("side", ["run", "baseline"])
+def test_a_nonfinite_metric_in_either_run_fails_naming_metric_and_step(tmp_path, key, value, step, shown, side):
+    bad, good = write_run(tmp_path / "bad.jsonl", step, key, value), write_run(tmp_path / "good.jsonl")
+    report = compare_runs(bad, good) if side == "run" else compare_runs(good, bad)
+    assert not report.passed
+    check = report.check("finite metrics")
+    assert (check.passed, check.detail) == (False, f"{side}: {shown}")
+    assert f"  [FAIL] finite metrics: {side}: {shown}" in report.text()
+
+
+def test_finite_runs_say_so_and_many_nonfinite_values_are_counted(tmp_path):
+    good = write_run(tmp_path / "good.jsonl")
+    assert compare_runs(good, good).check("finite metrics").detail == (
+        "every compared metric is finite at every step of the run and the baseline")
+    lines = good.read_text().replace('"loss": 4.', '"loss": NaN, "x": 4.')
+    lines = lines.replace('"grad_norm": 1.0', '"grad_norm": NaN')
+    (tmp_path / "nan.jsonl").write_text(lines)
+    detail = compare_runs(tmp_path / "nan.jsonl", good).check("finite metrics").detail
+    assert detail == "run: loss nan at step 1, grad_norm nan at step 1, loss nan at step 2 (and 5 more)"
+
+
+def _cli(argv, capsys):
+    status = main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_cli_exit_1_on_a_nan_baseline(tmp_path, capsys):
+    status, out, err = _cli(["regress", "compare", str(write_run(tmp_path / "r.jsonl")),
+                             str(write_run(tmp_path / "b.jsonl", 3, "grad_norm"))], capsys)
+    assert status == 1 and err == ""
+    assert "  [FAIL] finite metrics: baseline: grad_norm nan at step 3\n" in out and "result: FAIL" in out
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p.write_text(""), "{p}: holds no step record (empty, or the run stopped before its first step): "
+                                 "nothing to compare"),
+    (lambda p: p.write_text(json.dumps({"type": "header"}) + "\n"),
+     "{p}: holds no step record (empty, or the run stopped before its first step): nothing to compare"),
+    (lambda p: p.write_text(p.read_text().replace('"loss": 4.8, ', '')),
+     "{p}:3: step 2: metric 'loss' is missing"),
+    (lambda p: p.write_text(p.read_text().replace('"grad_norm": 1.0, ', '', 1)),
+     "{p}:2: step 1: metric 'grad_norm' is missing (other steps of this file record it)"),
+    (lambda p: p.write_text(p.read_text().replace('"loss": 4.7', '"loss": "4.7"')),
+     "{p}:4: step 3: metric 'loss' is not a number (got '4.7')"),
+    (lambda p: p.write_text(p.read_text().replace('"val_loss": 4.0', '"val_loss": true', 1)),
+     "{p}:3: step 2: metric 'val_loss' is not a number (got True)"),
+    (lambda p: p.write_text(p.read_text() + '{"type": "step", "step": 5, "loss": \n'),
+     "{p}:6: not a JSON record (Expecting value: line 1 column 37 (char 36))"),
+])
+@pytest.mark.parametrize("side", ["run", "baseline"])
+def test_a_malformed_metrics_file_is_one_line_naming_file_line_and_key(tmp_path, capsys, edit, message, side):
+    bad, good = write_run(tmp_path / "bad.jsonl"), write_run(tmp_path / "good.jsonl")
+    edit(bad)
+    argv = [str(bad), str(good)] if side == "run" else [str(good), str(bad)]
+    status, out, err = _cli(["regress", "compare", *argv], capsys)
+    assert (status, out, err) == (2, "", f"spartron: error: {message.format(p=bad)}\n")
+    with pytest.raises(MetricsFileError):
+        compare_runs(*argv)
+
+
+def test_a_nonfinite_noise_floor_run_is_refused(tmp_path, capsys):
+    base, noisy = write_run(tmp_path / "b.jsonl"), write_run(tmp_path / "n.jsonl", 2, "grad_norm")
+    status, out, err = _cli(["regress", "compare", str(base), str(base), "--noise-floor-from", str(noisy)], capsys)
+    assert (status, out) == (2, "")
+    assert err == (f"spartron: error: {noisy}: the noise-floor run records non-finite metrics: grad_norm nan at "
+                   "step 2\n")
