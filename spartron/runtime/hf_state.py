@@ -21,6 +21,7 @@ The runtime half of spartron.interop.hf (which stays below the runtime floor and
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from spartron.interop.hf.convert import HFCheckpointError, TensorSource, import_hf, load_hf_weights
+from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
+from spartron.layers.costs import PARAM_BYTES, count_parameters
 from spartron.runtime.config import RunConfig, config_from_dict, dump_config
 from spartron.runtime.state import (
     COMPLETE,
@@ -114,6 +116,30 @@ class SavedStateSource(TensorSource):
         return out
 
 
+def available_memory() -> int | None:
+    """Bytes this machine can still allocate (Linux MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(cfg: ModelConfig, what: str, available: int | None = None) -> None:
+    """HFCheckpointError when a one-process AdamW state of `cfg` (parameters, gradients and two moments at
+    the parameters' dtype, the planner's parameter count) exceeds the memory this machine has available."""
+    needed = 4 * count_parameters(cfg).total * PARAM_BYTES[cfg.stored_dtype]
+    available = available_memory() if available is None else available
+    if available is not None and needed > available:
+        raise HFCheckpointError(f"{what}: the model's {count_parameters(cfg).total:,} parameters with AdamW need "
+                                f"{needed / 2**30:.1f} GiB, this machine has {available / 2**30:.1f} GiB available")
+
+
 def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) -> tuple[Path, Any]:
     """Write `run_dir/step-00000000` from a Hugging Face checkpoint (module docstring).
 
@@ -132,6 +158,7 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise HFCheckpointError(f"{run_dir}: exists and is not an empty directory; an imported state starts a "
                                 "new run directory")
+    check_memory(hf_model_config(hf_dir), f"converting {hf_dir}")  # config.json alone, before any tensor
     model_cfg, load = import_hf(hf_dir)
     data = (run_cfg or RunConfig()).model_dump(mode="json")
     data["model"] = model_cfg.model_dump(mode="json")

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from spartron.interop.hf.config_fields import field_problems
 from spartron.layers.config import ModelConfig
 
 V3, V32 = "deepseek_v3", "deepseek_v32"
@@ -126,6 +127,9 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     Raises HFConfigError listing every setting that cannot be honoured.
     """
     problems = _Problems("Hugging Face config.json")
+    for key, why in field_problems(hf):  # types and bounds first: nothing below sees a wrong type
+        problems.add(key, why)
+    problems.raise_if_any()
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         problems.add("model_type", f"{kind!r}: Spartron imports {' and '.join(ARCHITECTURES)}")

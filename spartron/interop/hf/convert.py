@@ -34,6 +34,7 @@ from spartron.interop.hf.config_map import (
     hf_config_from_model_config,
     model_config_from_hf,
 )
+from spartron.interop.hf.header import FLOAT_WEIGHTS, HeaderError, TensorInfo, read_header
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.layers.config import ModelConfig
 from spartron.optional import require
@@ -53,20 +54,33 @@ def _safetensors():
     return require("safetensors", "Hugging Face checkpoint conversion", "pip install 'spartron[hf]'")
 
 
+_MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
 def _read_json(path: Path) -> dict:
     try:
+        if path.is_file() and path.stat().st_size > _MAX_JSON_BYTES:
+            raise HFCheckpointError(f"{path}: larger than {_MAX_JSON_BYTES} bytes")
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise HFCheckpointError(f"{path}: missing (a Hugging Face checkpoint directory holds it)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise HFCheckpointError(f"{path}: not readable JSON ({err})") from None
     if not isinstance(data, dict):
         raise HFCheckpointError(f"{path}: must hold a JSON object")
     return data
 
 
+def _header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        return read_header(path)
+    except HeaderError as err:
+        raise HFCheckpointError(str(err)) from None
+
+
 def weight_files(hf_dir: Path) -> dict[str, str]:
-    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`)."""
+    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`). Shards are plain
+    file names inside the directory (a symbolic link there, as in a Hugging Face cache folder, is followed)."""
     index = hf_dir / INDEX
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -79,14 +93,34 @@ def weight_files(hf_dir: Path) -> dict[str, str]:
     single = hf_dir / SINGLE
     if not single.is_file():
         raise HFCheckpointError(f"{hf_dir}: holds neither {INDEX} nor {SINGLE}")
-    with _safetensors().safe_open(str(single), framework="pt") as f:
-        return {name: SINGLE for name in f.keys()}
+    return {name: SINGLE for name in _header(single)}
+
+
+def checked_headers(hf_dir: Path, files: dict[str, str]) -> dict[str, TensorInfo]:
+    """HF tensor name -> (dtype, shape) from every shard's checked header; a tensor the index maps to a shard
+    that lacks it is an HFCheckpointError naming both."""
+    out: dict[str, TensorInfo] = {}
+    for file in sorted(set(files.values())):
+        header = _header(hf_dir / file)
+        for name in (n for n, f in files.items() if f == file):
+            if name not in header:
+                raise HFCheckpointError(f"{hf_dir / file}: holds no tensor {name!r}, which {INDEX} maps to it")
+            out[name] = header[name]
+    return out
+
+
+def hf_model_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory from its config.json (checked field by field) and its tensor
+    names; no tensor is read. What a caller checks (e.g. against the machine's memory) before importing."""
+    hf_dir = Path(hf_dir)
+    return _config_of(hf_dir, weight_files(hf_dir))
 
 
 def _config_of(hf_dir: Path, names: Iterable[str]) -> ModelConfig:
     hf = _read_json(hf_dir / CONFIG)
     n_layers = hf.get("num_hidden_layers")
-    mtp = mtp_layer_indices(names, n_layers) if isinstance(n_layers, int) else []
+    ok = isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 0
+    mtp = mtp_layer_indices(names, n_layers) if ok else []
     if mtp and mtp != list(range(len(mtp))):
         raise HFCheckpointError(f"{hf_dir}: MTP layers {[n_layers + k for k in mtp]} are not consecutive from "
                                 f"model.layers.{n_layers}")
@@ -161,48 +195,77 @@ def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[
         raise HFCheckpointError(f"{hf_dir}: tensors do not match its config.json ({'; '.join(parts)})")
 
 
+def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> TensorMap:
+    """Every tensor's name, dtype and shape against the config, from the shards' headers, before any is read."""
+    first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
+    tmap = tensor_map(cfg, stacked=first_moe in files)
+    optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
+    _check_names(hf_dir, set(files), tmap, optional)
+    infos = checked_headers(hf_dir, files)
+    shapes = {**tmap.hf_shapes(), **{hf: tmap.shapes[ours] for hf, ours in optional.items()}}
+    for name in sorted(files, key=_hf_order):
+        info, where = infos[name], hf_dir / files[name]
+        if info.dtype not in FLOAT_WEIGHTS:
+            raise HFCheckpointError(f"{where}: {name} is {info.dtype}; Spartron imports float32, bfloat16 or "
+                                    "float16 weights (dequantize or convert it first)")
+        if info.shape != shapes[name]:
+            raise HFCheckpointError(f"{where}: {name} has shape {list(info.shape)}, its config.json gives "
+                                    f"{list(shapes[name])}")
+    return tmap
+
+
+def _read_error(path: Path, name: str, err: Exception) -> HFCheckpointError:
+    return HFCheckpointError(f"{path}: {name}: cannot be read ({str(err).splitlines()[0] if str(err) else err!r})")
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None = None,
                     check_config: bool = True) -> None:
     """Fill `model` (a SparseMoEModel of the checkpoint's config, any layout) from `hf_dir`, one shard
-    at a time, each rank reading only the boxes it holds. Raises HFCheckpointError on any mismatch, and
-    (`check_config`) HFConfigError when `model.cfg` computes another function than the checkpoint's
-    config (`check_config_matches`: only Spartron-only settings such as the dispatcher may differ)."""
+    at a time, each rank reading only the boxes it holds. Every tensor's name, dtype and shape is checked
+    against the config (the shards' headers) before any is read. Raises HFCheckpointError on any mismatch
+    or unreadable file (naming file and tensor), and (`check_config`) HFConfigError when `model.cfg` computes
+    another function than the checkpoint's config (`check_config_matches`: only Spartron-only settings such
+    as the dispatcher may differ)."""
     hf_dir = Path(hf_dir)
     files = weight_files(hf_dir)
     cfg = cfg or _config_of(hf_dir, files)
     if check_config and isinstance(getattr(model, "cfg", None), ModelConfig):
         check_config_matches(model.cfg, cfg)
-    first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
-    tmap = tensor_map(cfg, stacked=first_moe in files)
+    tmap = _check_tensors(hf_dir, files, cfg)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
-    _check_names(hf_dir, set(files), tmap, optional)
     targets = _targets(model, tmap)
     filled = {name: 0 for name in targets}
-    copies = {**tmap.copies, **{k: v for k, v in optional.items() if k in files}}
+    copies = {k: v for k, v in {**tmap.copies, **optional}.items() if k in files}  # present: checked
     by_file: dict[str, list[Piece]] = {}
     for p in tmap.pieces:
         by_file.setdefault(files[p.hf], []).append(p)
     safe_open = _safetensors().safe_open
     for file in sorted(by_file):
-        with safe_open(str(hf_dir / file), framework="pt") as f:
-            for p in by_file[file]:
-                target = targets[p.spartron]
-                shape = tuple(f.get_slice(p.hf).get_shape())
-                if shape != p.hf_shape:
-                    raise HFCheckpointError(f"{hf_dir / file}: {p.hf} has shape {list(shape)}, its config.json "
-                                            f"gives {list(p.hf_shape)}")
-                boxes = _intersect(p, target.box)
-                if boxes is None:
-                    continue
-                dst, src = boxes
-                region = target.tensor[_index(dst)]
-                region.copy_(f.get_slice(p.hf)[_index(src)].reshape(region.shape))
-                filled[p.spartron] += region.numel()
+        name = by_file[file][0].hf
+        try:
+            with safe_open(str(hf_dir / file), framework="pt") as f:
+                for p in by_file[file]:
+                    name = p.hf
+                    target = targets[p.spartron]
+                    boxes = _intersect(p, target.box)
+                    if boxes is None:
+                        continue
+                    dst, src = boxes
+                    region = target.tensor[_index(dst)]
+                    region.copy_(f.get_slice(p.hf)[_index(src)].reshape(region.shape))
+                    filled[p.spartron] += region.numel()
+        except HFCheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+            raise _read_error(hf_dir / file, name, err) from None
     for hf_name, ours in copies.items():  # after every piece landed: compare the copies with the originals
         target = targets[ours]
-        with safe_open(str(hf_dir / files[hf_name]), framework="pt") as f:
-            theirs = f.get_slice(hf_name)[_index(target.box)]
+        try:
+            with safe_open(str(hf_dir / files[hf_name]), framework="pt") as f:
+                theirs = f.get_slice(hf_name)[_index(target.box)]
+        except Exception as err:  # noqa: BLE001 - as above
+            raise _read_error(hf_dir / files[hf_name], hf_name, err) from None
         if not torch.equal(theirs.to(target.tensor.dtype), target.tensor):
             raise HFCheckpointError(f"{hf_dir / files[hf_name]}: {hf_name} differs from the model's {ours} "
                                     "(Spartron keeps one tensor for both: the MTP layers and a tied head share "
@@ -215,12 +278,14 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
 def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Callable[[nn.Module], None]]:
     """(ModelConfig, loader) of a Hugging Face DeepSeek-V3 / V3.2 checkpoint directory.
 
-    `loader(model)` fills a SparseMoEModel built from that config (any EP / FSDP layout, each rank
-    its own shards) by `load_hf_weights`, streaming one safetensors shard at a time.
+    Checked before it returns: config.json field by field, the index, and every tensor's name, dtype and shape
+    (the shards' headers; no tensor data is read). `loader(model)` fills a SparseMoEModel built from that
+    config (any EP / FSDP layout, each rank its own shards) by `load_hf_weights`, one shard at a time.
     """
     hf_dir = Path(hf_dir)
     files = weight_files(hf_dir)
     cfg = _config_of(hf_dir, files)
+    _check_tensors(hf_dir, files, cfg)
     return cfg, lambda model, check_config=True: load_hf_weights(model, hf_dir, cfg, check_config)
 
 
@@ -356,5 +421,5 @@ def _hf_order(name: str) -> tuple:
     return (0 if "embed" in name else 2, 0, 0, name, 0)
 
 
-__all__ = ["HFCheckpointError", "HFConfigError", "ModelSource", "TensorSource", "export_hf", "import_hf",
-           "load_hf_weights", "weight_files"]
+__all__ = ["HFCheckpointError", "HFConfigError", "ModelSource", "TensorSource", "checked_headers", "export_hf",
+           "hf_model_config", "import_hf", "load_hf_weights", "weight_files"]

@@ -1,0 +1,270 @@
+"""Hugging Face import checks before it acts: config.json field by field (types, bounds), the machine's
+memory before anything is allocated, every tensor's dtype and shape from the shards' own headers (checked
+by Spartron: header length, JSON, offsets against the file size and the shape), and a shard that lacks a
+tensor the index names. Every refusal names the file / tensor / field; through the CLI it is one line and
+exit status 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from spartron.interop.hf import HFCheckpointError, HFConfigError, import_hf
+from spartron.interop.hf.header import read_header
+from spartron.layers.costs import count_parameters
+from spartron.layers.model import build_model
+from spartron.runtime.hf_state import check_memory
+
+HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
+          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
+WQ = "model.layers.1.self_attn.q_a_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(path)
+    return path
+
+
+def _copy(hf_dir: Path, tmp_path: Path, name: str = "ckpt") -> Path:
+    out = tmp_path / name
+    shutil.copytree(hf_dir, out)
+    return out
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spartron.launch.cli", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- config.json -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("hidden_size", 2**40, "1099511627776: must be an integer in 1..65536"),
+    ("num_hidden_layers", 100000, "100000: must be an integer in 1..1024"),
+    ("hidden_size", "32", "'32': must be an integer in 1..65536"),
+    ("hidden_size", True, "True: must be an integer in 1..65536"),
+    ("hidden_size", 32.0, "32.0: must be an integer in 1..65536"),
+    ("vocab_size", -1, "-1: must be an integer in 1..4194304"),
+    ("q_lora_rank", [24], "[24]: must be an integer in 0..65536 or null"),
+    ("rope_theta", float("nan"), "nan: must be a finite number in [1, 1e+12]"),
+    ("routed_scaling_factor", "2.5", "'2.5': must be a number"),
+    ("tie_word_embeddings", 0, "0: must be true or false"),
+    ("rope_scaling", "yarn", "'yarn': must be a JSON object or null"),
+    ("hidden_act", 7, "7: must be a string"),
+])
+def test_config_fields_are_checked_for_type_and_bounds_first(hf_dir, tmp_path, key, value, why):
+    path = _copy(hf_dir, tmp_path)
+    _edit_config(path, **{key: value})
+    with pytest.raises(HFConfigError) as info:
+        import_hf(path)
+    assert str(info.value) == f"Hugging Face config.json: 1 setting(s) cannot be honoured: {key}: {why}"
+
+
+def test_nested_rope_fields_are_checked(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    _edit_config(path, rope_scaling={"type": "yarn", "factor": "4", "original_max_position_embeddings": 1.5})
+    with pytest.raises(HFConfigError) as info:
+        import_hf(path)
+    assert str(info.value) == ("Hugging Face config.json: 2 setting(s) cannot be honoured: "
+                               "rope_scaling.original_max_position_embeddings: 1.5: must be an integer in "
+                               "1..16777216; rope_scaling.factor: '4': must be a number")
+
+
+def test_hostile_config_is_one_line_through_the_cli(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    _edit_config(path, hidden_size=2**40)
+    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["spartron: error: Hugging Face config.json: 1 setting(s) cannot be "
+                                        "honoured: hidden_size: 1099511627776: must be an integer in 1..65536"]
+    assert not (tmp_path / "run").exists()
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+def test_the_size_estimate_is_checked_against_the_machine_before_allocating(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    _edit_config(path, vocab_size=4_000_000, hidden_size=65536)  # in bounds, ~0.5 T parameters
+    from spartron.interop.hf.convert import hf_model_config
+
+    cfg = hf_model_config(path)
+    n = count_parameters(cfg).total
+    with pytest.raises(HFCheckpointError) as info:
+        check_memory(cfg, "converting X", available=2**30)
+    assert str(info.value) == (f"converting X: the model's {n:,} parameters with AdamW need "
+                               f"{16 * n / 2**30:.1f} GiB, this machine has 1.0 GiB available")
+    check_memory(cfg, "converting X", available=16 * n)  # exactly enough
+    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith(f"spartron: error: converting {path}: the model's {n:,} parameters with AdamW "
+                                  f"need {16 * n / 2**30:.1f} GiB, this machine has ")
+    assert not (tmp_path / "run").exists()
+
+
+# ---- tensor dtypes and shapes ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.uint8, torch.float64])
+def test_non_float_weights_are_refused_by_name(hf_dir, tmp_path, dtype):
+    path = _copy(hf_dir, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors[WQ] = tensors[WQ].to(dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+    names = {torch.int8: "I8", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.float64: "F64"}
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == (f"{path / 'model.safetensors'}: {WQ} is {names[dtype]}; Spartron imports float32, "
+                               "bfloat16 or float16 weights (dequantize or convert it first)")
+
+
+def test_an_int8_weight_is_one_line_through_the_cli(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors[WQ] = tensors[WQ].to(torch.int8)
+    save_file(tensors, str(path / "model.safetensors"))
+    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"spartron: error: {path / 'model.safetensors'}: {WQ} is I8; Spartron "
+                                        "imports float32, bfloat16 or float16 weights (dequantize or convert it "
+                                        "first)"]
+
+
+def test_float16_and_bfloat16_weights_are_accepted(hf_dir, tmp_path):
+    reference = load_file(hf_dir / "model.safetensors")
+    for dtype in (torch.float16, torch.bfloat16):
+        path = _copy(hf_dir, tmp_path, str(dtype))
+        save_file({n: t.to(dtype) if "e_score" not in n else t for n, t in reference.items()},
+                  str(path / "model.safetensors"))
+        cfg, load = import_hf(path)
+        model = build_model(cfg)
+        load(model)
+        weight = model.layers["1"].attn.wq_a.weight
+        assert torch.equal(weight, reference[WQ].to(dtype).to(weight.dtype))
+
+
+def test_a_shape_other_than_the_configs_is_refused_before_any_tensor_is_read(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors[WQ] = tensors[WQ][:, :-1].contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == f"{path / 'model.safetensors'}: {WQ} has shape [24, 31], its config.json gives [24, 32]"
+
+
+# ---- the files themselves --------------------------------------------------------------------------
+def _raw(path: Path) -> tuple[int, dict, bytes]:
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _write_raw(path: Path, header: dict, body: bytes) -> None:
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + body)
+
+
+def _last_tensor(header: dict) -> str:
+    return max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
+
+
+def test_a_truncated_shard_names_the_file_and_the_tensor_it_cuts(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    shard = path / "model.safetensors"
+    _, header, body = _raw(shard)
+    shard.write_bytes(shard.read_bytes()[:-10])
+    last = _last_tensor(header)
+    end = header[last]["data_offsets"]
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == (f"{shard}: tensor {last!r}: data_offsets {end} run past the file's {len(body) - 10} "
+                               "data bytes (truncated?)")
+    shard.write_bytes(b"\x01\x02\x03")
+    with pytest.raises(HFCheckpointError, match=r"truncated \(3 bytes: not even the 8-byte header length\)$"):
+        import_hf(path)
+
+
+@pytest.mark.parametrize("damage", ["length", "json", "offsets", "dtype", "overlap"])
+def test_a_corrupt_header_names_the_file(hf_dir, tmp_path, damage):
+    path = _copy(hf_dir, tmp_path)
+    shard = path / "model.safetensors"
+    n, header, body = _raw(shard)
+    size = shard.stat().st_size
+    if damage == "length":
+        shard.write_bytes((2**40).to_bytes(8, "little") + shard.read_bytes()[8:])
+        expected = f"{shard}: header length {2**40} does not fit the file ({size} bytes; corrupt or truncated)"
+    elif damage == "json":
+        shard.write_bytes(n.to_bytes(8, "little") + b"{" + b" " * (n - 1) + body)
+        expected = None
+    elif damage == "offsets":
+        header[WQ]["data_offsets"][1] -= 4
+        _write_raw(shard, header, body)
+        begin, end = header[WQ]["data_offsets"]
+        expected = (f"{shard}: tensor {WQ!r}: shape [24, 32] of F32 is 3072 bytes, its data_offsets {[begin, end]} "
+                    f"hold {end - begin}")
+    elif damage == "dtype":
+        header[WQ]["dtype"] = "Q4"
+        _write_raw(shard, header, body)
+        expected = f"{shard}: tensor {WQ!r}: unknown dtype 'Q4'"
+    else:
+        other = next(x for x in header if x not in ("__metadata__", WQ) and header[x]["data_offsets"][0] > 0
+                     and header[x]["data_offsets"][1] - header[x]["data_offsets"][0] == 3072)
+        header[other]["data_offsets"] = list(header[WQ]["data_offsets"])  # two tensors on the same bytes
+        _write_raw(shard, header, body)
+        expected = None
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    message = str(info.value)
+    assert message.startswith(f"{shard}: ") and "\n" not in message
+    if expected is not None:
+        assert message == expected
+    elif damage == "json":
+        assert message.startswith(f"{shard}: the header is not valid JSON")
+    else:
+        assert "(overlapping or a gap)" in message
+
+
+def test_a_shard_that_lacks_a_tensor_the_index_names(hf_dir, tmp_path):
+    path = _copy(hf_dir, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    first = {n: t for i, (n, t) in enumerate(sorted(tensors.items())) if i % 2 == 0 and n != WQ}
+    second = {n: t for n, t in tensors.items() if n not in first}
+    (path / "model.safetensors").unlink()
+    save_file(first, str(path / "a.safetensors"))
+    save_file({n: t for n, t in second.items() if n != WQ}, str(path / "b.safetensors"))
+    weight_map = {**{n: "a.safetensors" for n in first}, **{n: "b.safetensors" for n in second}}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert WQ in second
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == (f"{path / 'b.safetensors'}: holds no tensor {WQ!r}, which "
+                               "model.safetensors.index.json maps to it")
+
+
+def test_symlinked_shards_of_a_hugging_face_cache_folder_are_accepted(hf_dir, tmp_path):
+    """HF's cache: snapshots/<rev>/model.safetensors -> ../../blobs/<sha>. The index stays confined to plain
+    names inside the folder; a link there is the cache's layout, and its file is checked like any other."""
+    blobs, snap = tmp_path / "cache" / "blobs", tmp_path / "cache" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in hf_dir.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    cfg, load = import_hf(snap)
+    load(build_model(cfg))
+    assert read_header(snap / "model.safetensors")[WQ].shape == (24, 32)
