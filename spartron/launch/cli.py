@@ -102,7 +102,8 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
             raise ConfigError(fault)
         logs = run_dir / "logs" / "eval" if entry == "eval" else run_dir / "logs"  # eval keeps training's logs
         print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {logs}", file=sys.stderr)
-        return launch_local(command, cfg.launch.nproc, environ, logs, bind_cores=cfg.launch.bind_cores,
+        return launch_local(command, cfg.launch.nproc, environ, logs, root=run_dir,
+                            bind_cores=cfg.launch.bind_cores,
                             stopped_limit_s=cfg.parallel.timeout_s,
                             terminate_grace_s=cfg.launch.terminate_grace_s)
     if entry == "smoke":
@@ -531,3 +532,4 @@ def run() -> NoReturn:
 
 if __name__ == "__main__":
     run()
+                         ("spartron.runtime.safe_open", "UnsafeEntryError"),

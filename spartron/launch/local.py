@@ -1,6 +1,8 @@
 """One machine, N ranks: spawn the same command once per rank with the torchrun rank variables set.
 
-Rank 0 keeps the terminal (progress bar, summary); ranks 1.. write to `<log_dir>/rank<k>.log`.
+Rank 0 keeps the terminal (progress bar, summary); ranks 1.. write to `<log_dir>/rank<k>.log`, opened
+before any rank starts and never through a link or into a FIFO (spartron.runtime.safe_open): a linked
+`logs` folder or rank log is one line naming it, and nothing outside the run directory is truncated.
 Failures are reported by root cause: the launcher watches every rank (a pidfd per rank wakes it the
 moment one exits; `waitpid(WUNTRACED)` sees one stop), and the rank that failed FIRST — exited
 non-zero, was killed by a signal, or stayed stopped (SIGSTOP) — is named with how it ended and the
@@ -32,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spartron.launch.process import STOPPED_STATUS
+from typing import Any
 
+from spartron.runtime.safe_open import make_dir, open_file
 _PR_SET_PDEATHSIG = 1
 
 
@@ -246,7 +250,7 @@ def _root_cause(ranks: Sequence[_Rank], now: float, stopped_limit_s: float, term
 
 def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str], log_dir: Path,
                  master_addr: str = "127.0.0.1", poll_s: float = 0.1, bind_cores: bool = False,
-                 stopped_limit_s: float = 300.0, terminate_grace_s: float = 120.0) -> int:
+                 stopped_limit_s: float = 300.0, terminate_grace_s: float = 120.0, root: Path | None = None) -> int:
     """Run `command` as `nproc` ranks on this machine; returns 0, STOPPED_STATUS (every rank saved and
     stopped after SIGTERM) or the status of the rank that failed first.
 
@@ -256,9 +260,11 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
     terminate_grace_s: after a forwarded SIGTERM, how long the ranks get to save and exit.
     """
     if nproc < 1:
+    root: the run directory log_dir lies in (default: log_dir's parent); nothing below it is followed
+    through a link (UnsafeEntryError names the entry, before any rank starts).
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     slices = core_slices(os.sched_getaffinity(0), nproc) if bind_cores else None
-    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = _open_logs(log_dir, root or log_dir.parent, nproc)
     port = free_port(master_addr)
     prctl = _libc_prctl()
     ranks: list[_Rank] = []
@@ -268,7 +274,7 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
         for rank in range(nproc):
             env = rank_environ(environ, rank, nproc, master_addr, port)
             log = None if rank == 0 else log_dir / f"rank{rank}.log"
-            out = None if log is None else log.open("w")
+            out = logs.pop(rank, None)
             try:
                 # the launcher is single-threaded, so running Python between fork and exec is safe
                 setup = _child_setup(prctl, os.getpid(), slices[rank] if slices else None)
@@ -325,10 +331,31 @@ def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
     print(f"spartron: got SIGTERM; forwarded it to the ranks, which save a complete step and stop "
           f"(waiting up to {grace_s:g} s)", file=sys.stderr)
     for r in ranks:
+        for out in logs.values():  # not handed to a rank (the launch failed first)
+            out.close()
         if r.returncode is None:
             os.kill(r.proc.pid, signal.SIGTERM)
             if r.stop_signal is not None:
                 os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
+
+def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
+    """The log file of each rank 1.. (truncated), opened before any rank starts, without following links."""
+    relative = log_dir.relative_to(root) if log_dir != root else None
+    opened: dict[int, Any] = {}
+    try:
+        if relative is not None:
+            make_dir(root, relative)
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+        for rank in range(1, nproc):
+            name = f"rank{rank}.log" if relative is None else relative / f"rank{rank}.log"
+            opened[rank] = os.fdopen(open_file(root, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
+    except BaseException:
+        for out in opened.values():
+            out.close()
+        raise
+    return opened
+
 
 
 def _endings(ranks: Sequence[_Rank]) -> str:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spartron.runtime.safe_open import UnsafeEntryError, open_file
+
 
 # ---- peak FLOP/s (the FLOP model itself is spartron.layers.costs) --------------------------------
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -134,13 +136,13 @@ class MetricsLog:
         self._task = None
         if not enabled:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:  # O_NOFOLLOW: a linked metrics.jsonl must not make the run append to a file outside its directory
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:  # never through a link or into a FIFO (spartron.runtime.safe_open): nothing outside the run is written
+            fd = open_file(path.parent, path.name, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        except UnsafeEntryError as err:
+            raise MetricsFileError(str(err)) from None
         except OSError as err:
-            raise MetricsFileError(f"{path} cannot be opened for appending: {err.strerror or err}"
-                                   + (" (it is a symbolic link)" if path.is_symlink() else "")) from None
-        _drop_partial_last_line(path)
+            raise MetricsFileError(f"{path} cannot be opened for appending: {err.strerror or err}") from None
+        _drop_partial_last_line(fd)
         self._file = os.fdopen(fd, "a")
         if progress:
             from rich.console import Console
@@ -184,14 +186,20 @@ class MetricsLog:
             print_summary(self.records)
 
 
-def _drop_partial_last_line(path: Path) -> None:
+def _drop_partial_last_line(fd: int) -> None:
     """A process killed mid-write leaves a line without its newline; cut it so appends stay valid JSONL."""
-    if not path.is_file() or path.stat().st_size == 0:
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
         return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    end = size
+    while end > 0:  # back to the last newline, 1 MiB at a time
+        start = max(0, end - (1 << 20))
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            os.ftruncate(fd, start + cut + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)
 
 
 def print_summary(records: list[dict]) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import pickle
 import sys
 import threading
 import time
@@ -32,6 +34,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spartron.configbase import ConfigSection
+from spartron.runtime.safe_open import make_dir, open_file
 
 INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 
@@ -128,12 +131,14 @@ class MemoryHistory:
         if self.enabled:
             torch.cuda.memory._record_memory_history(max_entries=cfg.memory_history_entries)
 
-    def dump(self, path: Path) -> Path | None:
+    def dump(self, run_dir: Path, relative: str) -> Path | None:
+        """Write the snapshot to run_dir/relative, never through a link (what torch's _dump_snapshot writes)."""
         if not self.enabled:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
-        return path
+        data = pickle.dumps(torch.cuda.memory._snapshot())
+        with os.fdopen(open_file(run_dir, relative, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+            f.write(data)
+        return run_dir / relative
 
     def close(self) -> None:
         if self.enabled:
@@ -152,7 +157,7 @@ class RunObserver:
         self.memory = MemoryHistory(cfg, device)
         self.snapshots: list[Path] = []
         if cfg.nccl_flight_recorder:  # NCCL writes its dumps there (launch_env), but creates no folder
-            (run_dir / "nccl_trace").mkdir(parents=True, exist_ok=True)
+            make_dir(run_dir, "nccl_trace")  # a real folder of the run directory, not a link
 
     @contextlib.contextmanager
     def phase(self, what: str, step: int) -> Iterator[None]:
@@ -161,7 +166,7 @@ class RunObserver:
             try:
                 yield
             except torch.OutOfMemoryError:
-                path = self.memory.dump(self.run_dir / "memory" / f"oom-rank{self.rank}-step{step}.pickle")
+                path = self.memory.dump(self.run_dir, f"memory/oom-rank{self.rank}-step{step}.pickle")
                 if path is not None:
                     self.snapshots.append(path)
                     print(f"spartron: rank {self.rank} ran out of memory in {what}; allocator snapshot {path}",

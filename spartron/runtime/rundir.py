@@ -2,9 +2,10 @@
 
 `plan_run` is THE rule for starting a run in a run directory (refusals, the step to resume); the CLI calls
 it through `check_run_start` before spawning ranks, and every rank calls it again
-(spartron.runtime.state.start_run), whose rank 0 then holds the directory's lock (`RunDirLock`) for the
-run. Everything here reads only JSON, checked field by field: nothing read from a run directory can run
-code. What a saved step holds is described in spartron.runtime.state.
+(spartron.runtime.state.start_run), whose rank 0 then takes the directory's lock (`RunDirLock`), which the
+trainer holds until every rank has finished. Nothing inside the directory is followed through a link
+(spartron.runtime.safe_open). Everything here reads only JSON, checked field by field: nothing read from a
+run directory can run code. What a saved step holds is described in spartron.runtime.state.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import json
 import os
 import re
 import socket
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spartron.runtime.safe_open import UnsafeEntryError, check_entry, open_file
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -211,7 +215,7 @@ class RunStart:
     skipped: tuple[str, ...] = ()  # incomplete step directories a resume ignores
     replace: tuple[str, ...] = ()  # a new run's train.overwrite: what it removes first
     rotate_metrics: bool = False  # a new run with resume = true: an earlier run's metrics.jsonl is moved aside
-    lock: RunDirLock | None = field(default=None, compare=False)  # rank 0's, held while the plan is alive
+    lock: RunDirLock | None = field(default=None, compare=False)  # rank 0's; the trainer holds it for the run
 
     def message(self) -> str:
         """The line rank 0 prints on stderr when the run starts."""
@@ -227,68 +231,138 @@ class RunStart:
 
 
 class RunDirLock:
-    """An exclusive flock on ``<run_dir>/.lock``, held by rank 0 for the whole run, so a second run (the
-    same command started twice, ranks of a launcher that died) cannot train into the same directory. The
-    kernel drops it when the process ends, kill -9 included; closing the file (or losing the last
-    reference to this object) releases it."""
+    """A flock on ``<run_dir>/.lock``: exclusive for the run training there, held by its rank 0 from before
+    anything in the directory is written or removed until every rank has finished (the trainer releases it
+    after the last barrier), so a second run, a train.overwrite or an eval cannot act on a live run. Shared
+    for a reader (`spartron eval`): a run cannot start (and prune or replace steps) while one reads. The
+    kernel drops it when the process ends, kill -9 included. The file is opened without following links
+    (spartron.runtime.safe_open): a linked or non-regular `.lock` is refused, never written through."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, shared: bool = False) -> None:
         self.path = Path(run_dir) / LOCK
-        self._file: Any = None
+        self.shared = shared
+        self._fd: int | None = None
 
     def acquire(self) -> str | None:
-        """Take the lock; StateLoadError if another run holds it; a warning line if the file system
-        cannot lock (nothing then stops a second run)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = self.path.open("a+")
+        """Take the lock; StateLoadError if another run holds it (or, shared, trains there) or the `.lock`
+        entry is unsafe; a warning line if the file system cannot lock (nothing then stops a second run)."""
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = open_file(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except UnsafeEntryError as err:
+            raise StateLoadError(str(err)) from None
+        except OSError:
+            if not self.shared:
+                raise
+            try:  # a read-only folder: no run can write there either, but one may hold an existing lock
+                fd = open_file(self.path.parent, LOCK, os.O_RDONLY)
+            except UnsafeEntryError as err:
+                raise StateLoadError(str(err)) from None
+            except OSError:
+                return None
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read(200).strip()
-            f.close()
+            holder = _holder(fd)
+            os.close(fd)
+            if self.shared:
+                who = holder or "holder unknown"
+                raise StateLoadError(f"{self.path.parent} is being trained by another run ({who}, lock {self.path}): "
+                                     "reading its steps now could race a save or train.keep_last; wait for the "
+                                     "run to end, or copy the step elsewhere and evaluate the copy") from None
             raise StateLoadError(_in_use(self.path, holder)) from None
         except OSError as err:
-            f.close()
+            os.close(fd)
             return f"spartron: warning: cannot lock {self.path} ({err}): nothing stops a second run from using it"
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        self._file = f
+        if not self.shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
         return None
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Unlock (a run also clears its holder line, so a later refusal never names a finished run)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                if not self.shared:
+                    os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
 
 
 def _in_use(path: Path, holder: str) -> str:
-    return (f"{path.parent} is in use by another run ({holder or 'holder unknown'}, lock {path}): wait for it "
-            "to end or stop it, or give this run another directory")
+    return (f"{path.parent} is in use by another run ({holder or 'holder unknown: a spartron eval reading it?'}, "
+            f"lock {path}): wait for it to end or stop it, or give this run another directory")
 
 
 def check_not_in_use(run_dir: Path) -> None:
     """StateLoadError if a run holds the directory's lock (a shared, non-blocking probe: probes of several
-    ranks never conflict with each other)."""
+    ranks never conflict with each other) or `.lock` is not a regular file of the directory."""
     path = Path(run_dir) / LOCK
     try:
-        f = path.open("r")
+        fd = open_file(path.parent, LOCK, os.O_RDONLY)
+    except UnsafeEntryError as err:
+        raise StateLoadError(str(err)) from None
     except OSError:
         return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StateLoadError(_in_use(path, f.read(200).strip())) from None
-        except OSError:
-            return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StateLoadError(_in_use(path, _holder(fd))) from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def lock_for_reading(path: Path) -> RunDirLock:
+    """`spartron eval` of `path` (a saved step, or a run directory): a shared lock on its run directory,
+    held while the returned object lives; StateLoadError when a run is training there."""
+    path = Path(path)
+    lock = RunDirLock(path.parent if _STEP_DIR.match(path.name) else path, shared=True)
+    if lock.path.parent.is_dir():
+        warning = lock.acquire()
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    return lock
+
+
+def check_entries(run_dir: Path) -> None:
+    """StateLoadError naming the first entry the run would write through that is a link or of the wrong
+    kind: metrics.jsonl, the logs / tensorboard / memory / nccl_trace / wandb folders, the rank logs, and
+    ``.tmp-step-*`` folders (checked before anything is written, on every rank)."""
+    run_dir = Path(run_dir)
+    try:
+        check_entry(run_dir / METRICS, "file")
+        for name in ("logs", "tensorboard", "memory", "nccl_trace", "wandb"):
+            check_entry(run_dir / name, "dir")
+        logs = run_dir / "logs"
+        if logs.is_dir():
+            for child in logs.iterdir():
+                if re.match(r"^rank\d+\.log$", child.name):
+                    check_entry(child, "file")
+        if run_dir.is_dir():
+            for child in run_dir.iterdir():
+                if _TMP_DIR.match(child.name):
+                    check_entry(child, "dir")
+    except UnsafeEntryError as err:
+        raise StateLoadError(str(err)) from None
 
 
 def _rotated_name(run_dir: Path) -> str:
     k = 1
-    while (run_dir / f"metrics.{k}.jsonl").exists():
+    while os.path.lexists(run_dir / f"metrics.{k}.jsonl"):
         k += 1
     return f"metrics.{k}.jsonl"
 
@@ -302,7 +376,8 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     - a resume under other optimizer settings, or a format-2 state under another layout (meta.json);
     - a directory another run is training in (its lock is held);
     - a resume whose saved step belongs to another run than the directory's metrics.jsonl;
-    - a metrics.jsonl that is a symbolic link.
+    - a metrics.jsonl that is a symbolic link, or an entry the run writes through (`.lock`, logs,
+      tensorboard, ``.tmp-step-*``, ...) that is a link or not a regular file / folder (`check_entries`).
     File damage is left to load_state, which verifies every file collectively.
     """
     run_dir = Path(run_dir)
@@ -311,6 +386,7 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
     if (run_dir / METRICS).is_symlink():  # appending through it would write outside the run directory
         raise StateLoadError(f"{run_dir / METRICS} is a symbolic link (to {os.readlink(run_dir / METRICS)}): "
                              "a run's metrics must be a file inside its run directory; remove the link")
+    check_entries(run_dir)
     has_metrics = (run_dir / METRICS).is_file()
     if not resume:
         held = [step_dir(run_dir, s).name for s in steps_saved] + incomplete + ([METRICS] if has_metrics else [])

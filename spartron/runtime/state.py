@@ -19,7 +19,9 @@ directory must be on a filesystem every rank sees, as with DCP in general.) A wr
 read-only disk) on any rank is agreed by all ranks, removes the temporary directory and raises
 `StateSaveError` naming the path and the bytes the state needs; the previous step stays intact. No
 save writes non-finite parameters or optimizer state: every rank checks its shards first and all agree.
-`train.keep_last` removes older complete steps only after the new one is committed.
+`train.keep_last` removes older complete steps only after the new one is committed, and never one that is a
+symbolic link (a warning names it; the run it points into keeps it). Every file is written without following
+links (spartron.runtime.safe_open).
 `save_state` is `start_save(...).commit()`; with train.async_save the trainer passes an `AsyncSaveGroup` to
 `start_save`, whose tensors DCP's async_save copies to host memory and writes in the background, and commits
 the `PendingSave` after the next step: COMPLETE is still written last, after the write finished.
@@ -104,6 +106,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     config_changes,
     incomplete_steps,
     latest_complete_step,
+    lock_for_reading,
     plan_run,
     read_json,
     read_manifest,
@@ -112,6 +115,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     state_config,
     step_dir,
 )
+from spartron.runtime.safe_open import UnsafeEntryError, check_entry, remove_tree
 from spartron.runtime.state_files import (  # noqa: F401 - read_metadata_file re-exported with the API
     METADATA_GLOBALS,
     SafeFileSystemReader,
@@ -287,8 +291,10 @@ def start_save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torc
     if rank == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crashed save of this step
+            remove_tree(tmp)  # debris of an earlier crashed save of this step (a link there is refused)
             tmp.mkdir()
+        except UnsafeEntryError as err:
+            error = f"rank 0: {err}"
         except OSError as err:
             error = f"rank 0: cannot create {tmp}: {_first_line(err)}"
     pending.check(error)
@@ -387,10 +393,12 @@ class PendingSave:
                 files = [{"path": name, "size": size, "crc32": crc} for name, size, crc in manifest]
                 marker = {"format_version": FORMAT_VERSION, "step": self.step, "checksum": "crc32", "files": files}
                 _write_durable(tmp / COMPLETE, json.dumps(marker).encode())
-                if final.exists():
+                if os.path.lexists(final):
                     remove_step(final)
                 os.replace(tmp, final)
                 _fsync_dir(run_dir)
+            except UnsafeEntryError as err:
+                error = f"rank 0: {err}"
             except OSError as err:
                 error = f"rank 0: {_first_line(err)}"
         self.check(error)
@@ -398,6 +406,8 @@ class PendingSave:
             for old in complete_steps(run_dir)[:-self.keep_last]:
                 try:
                     remove_step(step_dir(run_dir, old))
+                except UnsafeEntryError as err:  # a step linked into another run: that run keeps its step
+                    print(f"spartron: warning: train.keep_last did not remove {err}", file=sys.stderr, flush=True)
                 except OSError as err:  # the new step is committed: an old one left behind is only a warning
                     print(f"spartron: warning: train.keep_last could not remove {step_dir(run_dir, old)}: "
                           f"{_first_line(err)}", file=sys.stderr, flush=True)
@@ -408,7 +418,9 @@ class PendingSave:
 
 def remove_step(path: Path) -> None:
     """Delete a step directory, its COMPLETE marker first: a deletion cut short (kill -9) leaves a directory
-    that no resume takes for complete."""
+    that no resume takes for complete. A step that is a link (into another run, say) or not a folder is
+    refused (UnsafeEntryError), never followed: nothing outside the run directory is removed."""
+    check_entry(path, "dir")
     (path / COMPLETE).unlink(missing_ok=True)
     _fsync_dir(path)
     shutil.rmtree(path)
@@ -535,11 +547,11 @@ def _rank_state(path: Path, rank: int) -> Any:
 
 def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, layout: str | None = None,
               config: dict[str, Any] | None = None) -> tuple[RunStart, str]:
-    """Collective: plan_run on every rank, then rank 0 takes the directory's lock (`RunDirLock`, held while
-    the returned plan lives), prepares the directory (train.overwrite removals, moving an earlier run's
-    metrics.jsonl aside) and prints the plan's line; a failure there is a StateLoadError on every rank.
-    Returns (plan, run id); the run id is rank 0's (a new one for a new run; after a load the trainer
-    adopts the saved one)."""
+    """Collective: plan_run on every rank, then rank 0 takes the directory's lock (`RunDirLock`: the
+    returned plan's `lock`, which the trainer holds until every rank has finished), prepares the directory
+    (train.overwrite removals, moving an earlier run's metrics.jsonl aside) and prints the plan's line; a
+    failure there is a StateLoadError on every rank. Returns (plan, run id); the run id is rank 0's (a new one
+    for a new run; after a load the trainer adopts the saved one)."""
     rank, world = _rank_world()
     plan = plan_run(run_dir, resume=resume, overwrite=overwrite, steps=steps, world_size=world, layout=layout,
                     config=config)
@@ -550,7 +562,7 @@ def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int,
         run_dir = Path(run_dir)
         try:
             lock = RunDirLock(run_dir)
-            warning = lock.acquire()
+            warning = lock.acquire()  # before anything is removed or written
             if warning:
                 print(warning, file=sys.stderr, flush=True)
             plan = dataclasses.replace(plan, lock=lock)
@@ -558,14 +570,14 @@ def start_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int,
                 target = run_dir / name
                 if target.is_dir() and not target.is_symlink():
                     remove_step(target)
-                else:
+                else:  # a file, or a link: the entry itself goes, never what it points to
                     target.unlink(missing_ok=True)
             message = plan.message() if plan.resume_step is None else ""
             if plan.rotate_metrics:
                 os.replace(run_dir / METRICS, run_dir / _rotated_name(run_dir))
             if message:
                 print(message, file=sys.stderr, flush=True)
-        except StateLoadError as err:
+        except (StateLoadError, UnsafeEntryError) as err:
             error = str(err)
         except OSError as err:
             error = f"{run_dir}: cannot prepare the run directory ({_first_line(err)})"

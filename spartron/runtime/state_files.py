@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.futures import Future
 
 from spartron.runtime.rundir import _FILE_NAME, StateLoadError, _first_line
+from spartron.runtime.safe_open import UnsafeEntryError, open_file
 
 # ---- reading files safely -----------------------------------------------------------------------------
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -161,6 +162,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 # ---- writing files with their sizes and checksums -----------------------------------------------------
 def _write_error(err: OSError, path: Path) -> OSError:
     """The same OSError, naming the file (a failed write() says only 'No space left on device')."""
+    if isinstance(err, UnsafeEntryError):  # names the entry already
+        return err
     return OSError(err.errno, err.strerror or str(err), str(path))
 
 
@@ -228,8 +231,8 @@ class _TallyFileSystem(FileSystem):
                 yield stream
             return
         path = Path(path)
-        try:
-            raw = path.open(mode)
+        try:  # a fresh folder; never through a link planted there
+            raw = os.fdopen(open_file(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), mode)
         except OSError as err:
             self.errors.append(_write_error(err, path))
             raise self.errors[-1] from None
@@ -256,7 +259,7 @@ class _TallyWriter(dcp.FileSystemWriter):
 
 def _write_durable(path: Path, data: bytes, tally: dict[str, list[int]] | None = None) -> None:
     try:
-        with path.open("wb") as f:
+        with os.fdopen(open_file(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -267,7 +270,7 @@ def _write_durable(path: Path, data: bytes, tally: dict[str, list[int]] | None =
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

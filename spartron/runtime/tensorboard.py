@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spartron.runtime.safe_open import make_dir
+
 GB = 1e9
 SCALARS: tuple[tuple[str, str, float], ...] = (
     ("loss", "train/loss", 1.0), ("lm_loss", "train/lm_loss", 1.0), ("aux_loss", "train/aux_loss", 1.0),
@@ -45,7 +47,9 @@ class MetricSinks:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+            # a real folder of the run directory (a link there is refused); each start writes a new event file
+            # named by time, host and pid, so an existing event file (a link too) is never opened
+            self.tb = SummaryWriter(log_dir=str(make_dir(run_dir, "tensorboard")))
         if cfg.wandb_project is not None:
             import wandb
 

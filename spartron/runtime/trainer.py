@@ -62,6 +62,7 @@ from spartron.runtime.state import (
 )
 from spartron.runtime.state_layout import expert_mesh, resplit_data_position
 
+    lock_for_reading,
 
 @runtime_checkable
 class TrainableModel(Protocol):
@@ -292,6 +293,7 @@ class Trainer:
         self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
         self.offload_session = None  # the current (or last) step's session: see StepProbe
         self.optimizer = build_optimizer(model, t)
+        self.run_lock = plan.lock  # rank 0's: held until release_run_dir() (train(): after every rank ended)
         self.ep_extra, self.ep_state = _ep_state(model, groups, dims)
         self.async_save_group = AsyncSaveGroup() if t.async_save else None
         self.pending_save: PendingSave | None = None  # an async save, committed after the next step
@@ -352,6 +354,12 @@ class Trainer:
             inject_fault(cfg.debug, self.rank, step)
             with self.observer.phase(f"step {step}", step):
                 record = self._optimizer_step(step, probe or StepProbe())
+
+    def release_run_dir(self) -> None:
+        """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
             self.step_no = step
             counters = self.counters
             counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
@@ -470,18 +478,22 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     steps until done, close."""
     with StopOnSigterm() as stop:  # from the start: a SIGTERM during setup stops after the first step
         owns_pg = _init_process_group(cfg)
-        trainer = Trainer(cfg, model_factory, before_commit, stop).setup()
-        try:
-            while not trainer.done:
-                trainer.step()
-        except Exception:
-            trainer.close(ok=False)
-            raise
-        result = trainer.close()
-    # On failure the group is left alone: tearing it down can block on peers still in a collective.
-    if owns_pg:
-        dist.barrier()  # no rank tears its transport down while a peer still talks to it (gloo aborts)
-        dist.destroy_process_group()
+        trainer = Trainer(cfg, model_factory, before_commit, stop)
+        try:  # rank 0 holds the run directory's lock until every rank has passed the last barrier (or it fails)
+            trainer.setup()
+            try:
+                while not trainer.done:
+                    trainer.step()
+            except Exception:
+                trainer.close(ok=False)
+                raise
+            result = trainer.close()
+            # On failure the group is left alone: tearing it down can block on peers still in a collective.
+            dist.barrier()  # every rank is done with the run directory; no rank tears its transport down
+            if owns_pg:  # while a peer still talks to it (gloo aborts)
+                dist.destroy_process_group()
+        finally:
+            trainer.release_run_dir()
     return result
 
 
@@ -527,3 +539,5 @@ def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory
         dist.barrier()
         dist.destroy_process_group()
     return result
+    reading = lock_for_reading(path)  # held until the end: no run starts, saves or prunes steps meanwhile
+    reading.release()
