@@ -115,7 +115,7 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
 
         return _as_rank(smoke)
     if entry == "eval":
-        return _as_rank(lambda: _eval_rank(cfg, args.step, environ))
+        return _as_rank(lambda: _eval_rank(cfg, args.step, environ, args.set))
     from spartron.runtime.trainer import train
 
     return _as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0)
@@ -151,16 +151,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return _run_ranks(args, "eval")
 
 
-def _eval_rank(cfg: RunConfig, step: str, environ: dict[str, str]) -> int:
-    """One rank of `spartron eval`: rank 0 prints the result as one JSON line on stdout."""
+def _eval_rank(cfg: RunConfig, step: str, environ: dict[str, str], overrides: list[str]) -> int:
+    """One rank of `spartron eval`: the step's own data unless --set names other (evaluate_saved); rank 0
+    prints a note per setting taken from the step, the result as one JSON line on stdout, and what it
+    evaluated."""
     from spartron.parallel.env import discover
     from spartron.runtime.trainer import evaluate_saved
 
-    result = evaluate_saved(cfg, step)
+    explicit = [item.split("=", 1)[0].strip() for item in overrides]  # load_config checked their form
+    result = evaluate_saved(cfg, step, explicit=explicit)
     if discover(environ).rank == 0:
+        for note in result["notes"]:
+            print(note, file=sys.stderr)
         print(json.dumps(result), flush=True)
-        print(f"spartron: {result['path']}: validation loss {result['val_loss']:.6g} (perplexity "
-              f"{result['val_ppl']:.6g}) over {result['val_tokens']} held-out tokens", file=sys.stderr)
+        print(f"spartron: {result['path']} (step {result['step']}): validation loss {result['val_loss']:.6g} "
+              f"(perplexity {result['val_ppl']:.6g}) over {result['val_tokens']} tokens of {result['data']}",
+              file=sys.stderr)
     return 0
 
 
@@ -410,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="validation loss of a saved step on the held-out split",
                        description="Load a saved step (or a run directory's newest complete step) on "
                                    "launch.nproc ranks and print its validation loss and perplexity over "
-                                   "train.eval_steps batches of held-out sequences, as one JSON line.")
+                                   "train.eval_steps batches of held-out sequences, as one JSON line. The data "
+                                   "(train.data.*, seed, seq_len, global_batch_size, eval_steps) is the one the "
+                                   "step records; a config naming other data is reported, --set overrides it.")
     _add_config(p)
     p.add_argument("--step", required=True, metavar="DIR", help="a saved step, or a run directory (newest step)")
     p.set_defaults(func=cmd_eval)

@@ -214,9 +214,15 @@ class TrainConfig(ConfigSection):
     # Write saved tensors in the background (DCP async_save, after a copy to host memory): the next step
     # trains while they are written; the step is committed (COMPLETE written) at the end of that next step.
     async_save: bool = False
-    # Stop with an error naming the step when the (finite) loss explodes; both off by default.
-    max_loss: float | None = Field(None, gt=0)  # the loss may not exceed this
-    loss_spike_factor: float | None = Field(None, gt=1)  # ... nor this many times the run's first-step loss
+    # Stop with an error naming the step when the (finite) loss explodes, before that step's update (the state
+    # stays the last good one). max_loss: an absolute cap, off (None) by default: a sensible number depends on
+    # the vocabulary and the data. loss_spike_factor: the loss may not exceed this many times the run's first-step
+    # loss (kept across resumes); on by default at 10, 0 turns it off. Why 10: a first loss is about ln(vocab)
+    # from scratch (a model guessing uniformly), or lower from a pretrained start; 10x that is far worse than
+    # guessing, which recoverable spikes never reach, while diverging runs pass it within a step or two (the tiny
+    # preset at lr 100 goes 8.1 -> 73,878). Megatron-LM's --check-for-spiky-loss uses the same factor.
+    max_loss: float | None = Field(None, gt=0)
+    loss_spike_factor: float = Field(10.0, ge=0)
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU; None: measured by a matmul loop
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)
@@ -258,6 +264,13 @@ class TrainConfig(ConfigSection):
             if not PurePosixPath(v).is_absolute() and ".." in PurePosixPath(v).parts:
                 raise ValueError(f"a relative run directory must stay below the working directory "
                                  f"(no '..'); give an absolute path to write elsewhere, got {v!r}")
+        return v
+
+    @field_validator("loss_spike_factor")
+    @classmethod
+    def _loss_spike_factor(cls, v: float) -> float:
+        if 0 < v <= 1:  # it would stop a run whose loss merely stopped falling
+            raise ValueError(f"must be 0 (off) or above 1 (times the first step's loss), got {v:g}")
         return v
 
     @model_validator(mode="after")

@@ -176,14 +176,15 @@ class MetricsLog:
         elif self._plain:
             print(f"step {record['step']}/{self.total_steps} {info}", file=sys.stderr, flush=True)
 
-    def close(self, summary: bool = True) -> None:
+    def close(self, summary: bool = True, first_loss: float | None = None) -> None:
+        """`first_loss`: the run's first-step loss (kept across resumes), for the summary's divergence line."""
         if not self.enabled:
             return
         if self._progress is not None:
             self._progress.stop()
         self._file.close()
         if summary and self.records:
-            print_summary(self.records)
+            print_summary(self.records, first_loss)
 
 
 def _drop_partial_last_line(fd: int) -> None:
@@ -202,7 +203,25 @@ def _drop_partial_last_line(fd: int) -> None:
     os.ftruncate(fd, 0)
 
 
-def print_summary(records: list[dict]) -> None:
+# The summary says so when the last loss is above this many times the first: a run that learns ends below its
+# first loss; one that ends at twice it (train.loss_spike_factor, 10x by default, did not stop it) diverged.
+LOSS_ENDED_HIGH = 2.0
+
+
+def loss_ended_high(records: list[dict], first_loss: float | None) -> str | None:
+    """The summary's line for a run whose last loss is far above its first (None when it is not)."""
+    first = first_loss if first_loss is not None else records[0]["loss"] if records else None
+    if not records or first is None or not first > 0:
+        return None
+    last = records[-1]
+    if not last["loss"] > LOSS_ENDED_HIGH * first:
+        return None
+    return (f"spartron: warning: the loss ended at {last['loss']:.6g} (step {last['step']}), "
+            f"{last['loss'] / first:.3g}x the first step's {first:.6g}: the run diverged (a lower train.lr may "
+            "train; a lower train.loss_spike_factor stops such a run earlier)")
+
+
+def print_summary(records: list[dict], first_loss: float | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -217,6 +236,9 @@ def print_summary(records: list[dict]) -> None:
         median = sorted(values)[len(values) // 2]
         table.add_row(key, *(f"{v:.6g}" for v in (values[0], values[-1], median)))
     Console(stderr=True).print(table)
+    diverged = loss_ended_high(records, first_loss)
+    if diverged:
+        print(diverged, file=sys.stderr, flush=True)
 
 
 class MetricsFileError(ValueError):

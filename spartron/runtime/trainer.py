@@ -19,9 +19,10 @@ step boundary after saving it (spartron.runtime.preemption); `[debug]` makes one
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -41,12 +42,19 @@ from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
 from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
-from spartron.runtime.evaluate import Evaluator
+from spartron.runtime.evaluate import (
+    Evaluator,
+    check_held_out,
+    describe_eval_data,
+    eval_data_origin,
+    step_eval_config,
+)
 from spartron.runtime.init_from import init_from_factory
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
+from spartron.runtime.rundir import read_manifest, read_meta
 from spartron.runtime.state import (
     COMPLETE,
     AsyncSaveGroup,
@@ -277,6 +285,7 @@ class Trainer:
                                                     nccl=p.nccl_settings())
         # The run directory against this run (refusals, resume step) before the model is built.
         self.run_dir, self.state_shape = run_dir, shape = cfg.run_dir(), state_config(cfg)
+        shape.update(recorded_run_settings(cfg))  # with each saved step: the lr schedule, train.eval_steps
         plan, self.run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
                                       layout=dims.describe(), config=shape)
 
@@ -336,9 +345,13 @@ class Trainer:
             raise StateLoadError(f"{path / f'rank-{self.rank:05d}.json'}: its data position does not fit this run "
                                  f"({err})") from None
         if self.rank == 0:
-            changed = resume_notes(meta["config"] or {}, self.state_shape)
+            changed = [c for c in resume_notes(meta["config"] or {}, self.state_shape)
+                       if c.split(" ", 1)[0] not in SCHEDULE_KEYS]  # said by schedule_note
             note = f"; settings changed since that step (its tensors fit): {', '.join(changed)}" if changed else ""
             print(plan.message() + note, file=sys.stderr, flush=True)
+            schedule = schedule_note(meta["config"] or {}, self.cfg.train, self.step_no)
+            if schedule:
+                print(schedule, file=sys.stderr, flush=True)
 
     @property
     def done(self) -> bool:
@@ -455,7 +468,7 @@ class Trainer:
     def close(self, ok: bool = True) -> TrainResult:
         """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may
         still be inside a collective)."""
-        self.log.close(summary=ok and self.cfg.train.progress)
+        self.log.close(summary=ok and self.cfg.train.progress, first_loss=self.counters.get("first_loss"))
         self.observer.close()
         if ok:
             if self.pending_save is not None:  # a caller that stops stepping before train.steps
@@ -497,27 +510,66 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     return result
 
 
+# Recorded with every saved step besides state_config: the learning-rate schedule (a resume that changes it
+# says so: schedule_note) and train.eval_steps (`spartron eval` of a step evaluates what the run evaluated).
+SCHEDULE_KEYS = ("train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.steps")
+
+
+def recorded_run_settings(cfg: RunConfig) -> dict[str, Any]:
+    return {key: getattr(cfg.train, key.split(".", 1)[1]) for key in (*SCHEDULE_KEYS, "train.eval_steps")}
+
+
+def schedule_note(saved: dict[str, Any], t, step: int) -> str | None:  # noqa: ANN001 - t: TrainConfig
+    """One line when resuming after `step` under a learning-rate schedule other than the saved step's: the first
+    step whose lr changes, what it would have been and is now, and the keys that changed. A resume that raises
+    train.steps to extend a run re-plans the cosine decay; this is the line that says so (None: no change, or a
+    step saved before the schedule was recorded)."""
+    if not all(key in saved for key in SCHEDULE_KEYS):
+        return None
+    changed = [key for key in SCHEDULE_KEYS if saved[key] != getattr(t, key.split(".", 1)[1])]
+    if not changed:
+        return None
+    before = t.model_copy(update={key.split(".", 1)[1]: saved[key] for key in SCHEDULE_KEYS})
+    for s in range(step + 1, t.steps + 1):
+        was, now = lr_at(s, before), lr_at(s, t)
+        if not math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
+            break
+    else:
+        return None
+    keys = ", ".join(f"{key} {saved[key]!r} -> {getattr(t, key.split('.', 1)[1])!r}" for key in changed)
+    return (f"spartron: note: the learning-rate schedule changed on resume: lr at step {s} was to be {was:.4g}, "
+            f"is now {now:.4g} ({keys})")
+
+
 def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
     """train.max_loss / train.loss_spike_factor: an exploding (still finite) loss stops the run at its step."""
     if t.max_loss is not None and loss > t.max_loss:
         raise LossSpikeError(f"loss {loss:.6g} at step {step} is above train.max_loss = {t.max_loss:g}")
-    if t.loss_spike_factor is not None and first_loss is not None and first_loss > 0 \
+    if t.loss_spike_factor and first_loss is not None and first_loss > 0 \
             and loss > t.loss_spike_factor * first_loss:
         raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
-                             f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g}")
+                             f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g} "
+                             "(lower train.lr, or set train.loss_spike_factor = 0 to train on)")
 
 
-def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory | None = None) -> dict[str, Any]:
+def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory | None = None,
+                   explicit: Collection[str] = ()) -> dict[str, Any]:
     """`spartron eval`: the validation loss (spartron.runtime.evaluate) of a saved step, or of a run
     directory's newest complete step, on the ranks of the current launch (any layout: saved states are
-    layout-free; any train.eval_steps). Returns the Evaluator's values with "step" and "path"; the run is
-    not changed."""
+    layout-free), on the data the step records unless `explicit` (the dotted keys given with --set) names
+    other (step_eval_config). Returns the Evaluator's values with "step", "path", "data" (what was evaluated)
+    and "notes" (one line per setting taken from the step instead of cfg); the run is not changed."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         newest = latest_complete_step(path) if path.is_dir() else None
         if newest is None:
             raise StateLoadError(f"{path}: neither a saved step nor a run directory holding one")
         path = step_dir(path, newest)
+    read_manifest(path)  # the step's data settings; load_state verifies meta.json with every other file
+    saved = read_meta(path)["config"]
+    cfg, notes = step_eval_config(cfg, saved, explicit, str(path / "meta.json"))
+    origin = eval_data_origin(cfg, saved)
+    check_held_out(cfg, origin, str(path))
     owns_pg = _init_process_group(cfg)
     device = resolve_device(cfg)
     dims = cfg.parallel.dims(dist.get_world_size())
@@ -532,7 +584,7 @@ def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory
     meta, _ = load_state(path, model, optimizer, device, config=state_config(cfg),
                          verify_checksums=cfg.train.verify_checksums, **ep_state)
     result = Evaluator(cfg, groups.rank_in("dp"), dims.dp, n_micro, groups.dp_cp, device).run(model)
-    result.update(step=meta["step"], path=str(path))
+    result.update(step=meta["step"], path=str(path), data=describe_eval_data(cfg, origin), notes=notes)
     if isinstance(model, ClosableModel):
         model.close()
     if owns_pg:

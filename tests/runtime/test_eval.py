@@ -152,9 +152,10 @@ def test_spartron_eval_command(tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["val_loss"] == logged["val_loss"] and result["val_tokens"] == 2 * 16
     assert (result["step"], result["path"]) == (2, str(tmp_path / "r" / "step-00000002"))
-    assert err.strip().splitlines()[-1] == (f"spartron: {tmp_path / 'r' / 'step-00000002'}: validation loss "
-                                            f"{result['val_loss']:.6g} (perplexity {result['val_ppl']:.6g}) over "
-                                            "32 held-out tokens")
+    assert err.strip().splitlines()[-1] == (f"spartron: {tmp_path / 'r' / 'step-00000002'} (step 2): validation "
+                                            f"loss {result['val_loss']:.6g} (perplexity {result['val_ppl']:.6g}) over "
+                                            "32 tokens of the held-out stream of synthetic data (train.seed 0), held "
+                                            "out: never trained on")
     with pytest.raises(StateLoadError) as info:
         evaluate_saved(cfg, tmp_path / "nothing")
     assert str(info.value) == f"{tmp_path / 'nothing'}: neither a saved step nor a run directory holding one"

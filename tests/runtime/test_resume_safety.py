@@ -250,9 +250,9 @@ def test_max_loss_stops_the_run_at_the_step(tmp_path):
     assert err.startswith("LossSpikeError: loss 4.") and err.endswith(" at step 1 is above train.max_loss = 1")
 
 
-def test_loss_spike_factor_is_off_by_default_and_survives_a_resume(tmp_path):
+def test_loss_spike_factor_can_be_turned_off_and_survives_a_resume(tmp_path):
     exploding = SmallFactory(scale_at=3, scale=1e6)  # finite, 1e6x the first loss from step 3 on
-    assert run1(cfg_for(tmp_path / "off", save_every=1), exploding) == [1, 2, 3, 4]
+    assert run1(cfg_for(tmp_path / "off", save_every=1, loss_spike_factor=0), exploding) == [1, 2, 3, 4]
 
     run = tmp_path / "run"
     assert run1(cfg_for(run, save_every=2, steps=2), exploding) == [1, 2]  # the first loss is saved with step 2
