@@ -512,6 +512,7 @@ def _is_user_error(err: Exception) -> bool:
     kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError)
     for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError"),
                          ("spartron.runtime.rundir", "StateLoadError"),
+                         ("spartron.runtime.safe_open", "UnsafeEntryError"),
                          ("spartron.runtime.state", "StateSaveError"),
                          ("spartron.runtime.metrics", "MetricsFileError")):
         if module in sys.modules:  # not imported means it cannot have raised; keeps --help free of torch
@@ -540,4 +541,3 @@ def run() -> NoReturn:
 
 if __name__ == "__main__":
     run()
-                         ("spartron.runtime.safe_open", "UnsafeEntryError"),

@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from spartron.launch.process import STOPPED_STATUS
 from typing import Any
 
+from spartron.launch.process import STOPPED_STATUS
 from spartron.runtime.safe_open import make_dir, open_file
+
 _PR_SET_PDEATHSIG = 1
 
 

@@ -560,6 +560,7 @@ def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory
     other (step_eval_config). Returns the Evaluator's values with "step", "path", "data" (what was evaluated)
     and "notes" (one line per setting taken from the step instead of cfg); the run is not changed."""
     path = Path(path)
+    reading = lock_for_reading(path)  # held until the end: no run starts, saves or prunes steps meanwhile
     if not (path / COMPLETE).is_file():
         newest = latest_complete_step(path) if path.is_dir() else None
         if newest is None:
@@ -590,6 +591,5 @@ def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory
     if owns_pg:
         dist.barrier()
         dist.destroy_process_group()
-    return result
-    reading = lock_for_reading(path)  # held until the end: no run starts, saves or prunes steps meanwhile
     reading.release()
+    return result
