@@ -258,10 +258,10 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
     stopped_limit_s: how long a rank may stay stopped (SIGSTOP) before the run is failed (the CLI
     passes parallel.timeout_s: its peers give up on it by then anyway).
     terminate_grace_s: after a forwarded SIGTERM, how long the ranks get to save and exit.
-    """
-    if nproc < 1:
     root: the run directory log_dir lies in (default: log_dir's parent); nothing below it is followed
     through a link (UnsafeEntryError names the entry, before any rank starts).
+    """
+    if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     slices = core_slices(os.sched_getaffinity(0), nproc) if bind_cores else None
     logs = _open_logs(log_dir, root or log_dir.parent, nproc)
@@ -322,21 +322,12 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for out in logs.values():  # not handed to a rank (the launch failed first)
+            out.close()
         for r in ranks:
             if r.pidfd is not None:
                 os.close(r.pidfd)
 
-
-def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
-    print(f"spartron: got SIGTERM; forwarded it to the ranks, which save a complete step and stop "
-          f"(waiting up to {grace_s:g} s)", file=sys.stderr)
-    for r in ranks:
-        for out in logs.values():  # not handed to a rank (the launch failed first)
-            out.close()
-        if r.returncode is None:
-            os.kill(r.proc.pid, signal.SIGTERM)
-            if r.stop_signal is not None:
-                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
 
 def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
     """The log file of each rank 1.. (truncated), opened before any rank starts, without following links."""
@@ -360,6 +351,15 @@ def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
 
 def _endings(ranks: Sequence[_Rank]) -> str:
     return "; ".join(f"rank {r.rank} {r.describe()}" for r in ranks)
+
+def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
+    print(f"spartron: got SIGTERM; forwarded it to the ranks, which save a complete step and stop "
+          f"(waiting up to {grace_s:g} s)", file=sys.stderr)
+    for r in ranks:
+        if r.returncode is None:
+            os.kill(r.proc.pid, signal.SIGTERM)
+            if r.stop_signal is not None:
+                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
 
 
 def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank], early: Sequence[_Rank]) -> None:

@@ -62,6 +62,7 @@ from spartron.runtime.state import (
     StateLoadError,
     latest_complete_step,
     load_state,
+    lock_for_reading,
     resume_notes,
     start_run,
     start_save,
@@ -70,7 +71,6 @@ from spartron.runtime.state import (
 )
 from spartron.runtime.state_layout import expert_mesh, resplit_data_position
 
-    lock_for_reading,
 
 @runtime_checkable
 class TrainableModel(Protocol):
@@ -288,6 +288,7 @@ class Trainer:
         shape.update(recorded_run_settings(cfg))  # with each saved step: the lr schedule, train.eval_steps
         plan, self.run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
                                       layout=dims.describe(), config=shape)
+        self.run_lock = plan.lock  # rank 0's: held until release_run_dir() (train(): after every rank ended)
 
         # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
         # for custom factories that draw from the global RNG: the same state on every rank.
@@ -302,7 +303,6 @@ class Trainer:
         self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
         self.offload_session = None  # the current (or last) step's session: see StepProbe
         self.optimizer = build_optimizer(model, t)
-        self.run_lock = plan.lock  # rank 0's: held until release_run_dir() (train(): after every rank ended)
         self.ep_extra, self.ep_state = _ep_state(model, groups, dims)
         self.async_save_group = AsyncSaveGroup() if t.async_save else None
         self.pending_save: PendingSave | None = None  # an async save, committed after the next step
@@ -353,6 +353,12 @@ class Trainer:
             if schedule:
                 print(schedule, file=sys.stderr, flush=True)
 
+    def release_run_dir(self) -> None:
+        """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
+
     @property
     def done(self) -> bool:
         """train.steps reached, or stopped early after a SIGTERM."""
@@ -367,12 +373,6 @@ class Trainer:
             inject_fault(cfg.debug, self.rank, step)
             with self.observer.phase(f"step {step}", step):
                 record = self._optimizer_step(step, probe or StepProbe())
-
-    def release_run_dir(self) -> None:
-        """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""
-        lock = getattr(self, "run_lock", None)
-        if lock is not None:
-            lock.release()
             self.step_no = step
             counters = self.counters
             counters.setdefault("first_loss", record["loss"])  # saved: a resumed run keeps the spike reference
