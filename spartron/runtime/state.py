@@ -256,7 +256,7 @@ def _model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     torch's get_state_dict initialises an empty optimizer with a zero-gradient step (AdamW: step 1, zero
     moments); saved, that state would make the resumed run's first update 0.735x a fresh AdamW's.
     """
-    fresh = False and not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
+    fresh = not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if fresh:
         optimizer.state.clear()
