@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spartron.data.corpus import Document, corpus_files, read_corpus
 from spartron.data.tokenfile import write_token_folder
 from spartron.data.tokenizer import load_tokenizer
+from spartron.runtime.config import ConfigError
 
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,
@@ -46,4 +49,27 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
         yield from encoded(batch)
 
     return write_token_folder(out, records(), vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
-                              tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info)
+                              tokenizer={"file": str(tok.path), "sha256": tok.sha256}, corpus=info,
+                              extra=lambda folder: keep_tokenizer(tok, folder))
+
+
+KEPT_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
+
+
+def keep_tokenizer(tok, folder: Path) -> dict:  # noqa: ANN001 - a spartron.data.tokenizer.Tokenizer
+    """Copy the tokenizer into the token folder (what export puts beside the weights, even after the original
+    moved): its tokenizer.json (the bytes whose SHA-256 tokens.json records) and the tokenizer_config.json beside
+    it, or one naming its EOS / BOS tokens. Returns the tokens.json entry listing the copies."""
+    raw = Path(tok.path).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != tok.sha256:
+        raise ConfigError(f"tokenizer {str(tok.path)!r} changed while `spartron data` ran")
+    config = Path(tok.path).parent / KEPT_TOKENIZER[1]
+    if config.is_file():
+        config_bytes = config.read_bytes()
+    else:
+        token = tok.backend.id_to_token
+        config_bytes = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": token(tok.eos_id),
+                                   "bos_token": None if tok.bos_id is None else token(tok.bos_id)}, indent=1).encode()
+    for name, data in zip(KEPT_TOKENIZER, (raw, config_bytes), strict=True):
+        (folder / name).write_bytes(data)
+    return {"tokenizer_copy": list(KEPT_TOKENIZER)}

@@ -356,8 +356,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--from-hf goes with --to RUN_DIR (a saved state), --from with --to-hf DIR")
     if args.max_shard_bytes < 1:
         raise UsageError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
+    if args.with_mtp and args.to_hf is None:
+        raise UsageError("--with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)")
     from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf
-    from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml
+    from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml, run_tokenizer
 
     try:
         if args.from_hf is not None:
@@ -367,8 +369,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
-            out = export_hf(SavedStateSource(Path(args.from_state)), args.to_hf, max_shard_bytes=args.max_shard_bytes)
-            print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}")
+            source = SavedStateSource(Path(args.from_state))
+            tokenizer, note = run_tokenizer(source)
+            out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes, with_mtp=args.with_mtp,
+                            extra_files=tokenizer)
+            if note:
+                print(f"spartron: note: {note}", file=sys.stderr)
+            print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}"
+                  + (" with its tokenizer" if tokenizer else ""))
     except (HFConfigError, HFCheckpointError) as err:
         raise UsageError(str(err)) from None
     return 0
@@ -484,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="run config TOML whose train/parallel settings the imported state gets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="export shard size (default 5 GiB)")
+    p.add_argument("--with-mtp", action="store_true", help="export the MTP layers too (transformers' "
+                   "DeepseekV3ForCausalLM has no MTP module and would report them as unexpected keys)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("data", help="tokenize a text corpus into a token folder for train.data.kind = 'packed'",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,10 @@ class SavedStateSource(TensorSource):
             for key in self._keys(name):
                 entry = self.entries[key]
                 wanted[key[len("model."):]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        dcp.load({"model": wanted}, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        with warnings.catch_warnings():  # one process on purpose: not worth torch's warning on every shard
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({"model": wanted}, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
+                     no_dist=True)
         out = {}
         for name in names:
             parts = [wanted[key[len("model."):]] for key in self._keys(name)]
@@ -138,6 +141,46 @@ def check_memory(cfg: ModelConfig, what: str, available: int | None = None) -> N
     if available is not None and needed > available:
         raise HFCheckpointError(f"{what}: the model's {count_parameters(cfg).total:,} parameters with AdamW need "
                                 f"{needed / 2**30:.1f} GiB, this machine has {available / 2**30:.1f} GiB available")
+
+
+def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], str | None]:
+    """(file name -> bytes, note) of the tokenizer the saved step was trained with, for `export_hf`'s
+    extra_files: the copy `spartron data` kept in the token folder (train.data.path, kind 'packed'), else the
+    original tokenizer file if it still has the recorded SHA-256. The note says why none is included."""
+    import hashlib
+
+    from spartron.data.tokenfile import META, open_token_folder
+
+    config = read_meta(source.path).get("config") or {}
+    if config.get("train.data.kind") != "packed":
+        return {}, None
+    if not config.get("train.data.path"):
+        return {}, "the run trained on a blend of token folders: no tokenizer is included"
+    folder = Path(config["train.data.path"])
+    try:
+        meta = open_token_folder(folder).meta
+    except Exception as err:  # noqa: BLE001 - any problem with the folder: the export goes on without it
+        return {}, f"no tokenizer included: {err}"
+    sha = meta["tokenizer"]["sha256"]
+    kept = meta.get("tokenizer_copy")
+    if isinstance(kept, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in kept):
+        files = {}
+        for name in kept:
+            path = folder / name
+            if not path.is_file() or path.is_symlink():
+                return {}, f"no tokenizer included: {path} is missing (listed in {folder / META})"
+            files[name] = path.read_bytes()
+        if hashlib.sha256(files.get("tokenizer.json", b"")).hexdigest() != sha:
+            return {}, f"no tokenizer included: {folder / 'tokenizer.json'} is not the tokenizer {folder / META} records"
+        return files, None
+    original = Path(str(meta["tokenizer"].get("file", "")))
+    if original.is_file() and hashlib.sha256(original.read_bytes()).hexdigest() == sha:
+        files = {"tokenizer.json": original.read_bytes()}
+        if (original.parent / "tokenizer_config.json").is_file():
+            files["tokenizer_config.json"] = (original.parent / "tokenizer_config.json").read_bytes()
+        return files, None
+    return {}, (f"no tokenizer included: {folder / META} keeps no copy and {original} is gone or changed "
+                "(re-run `spartron data` to keep one)")
 
 
 def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) -> tuple[Path, Any]:

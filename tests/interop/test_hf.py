@@ -203,7 +203,7 @@ def test_deepseek_v32_indexer_imports_with_equal_logits_and_round_trips(tmp_path
     assert "model.layers.2.self_attn.indexer.wk.weight" in written
     cfg, model = _spartron(tmp_path / "v32-mtp")
     assert cfg.mtp.depth == 1 and model.mtp.blocks[0].layer.attn.indexer is not None
-    _assert_bitwise(_tensors(export_hf(model, tmp_path / "out-mtp")), written)
+    _assert_bitwise(_tensors(export_hf(model, tmp_path / "out-mtp", with_mtp=True)), written)
 
 
 def test_stacked_expert_checkpoint_imports_like_unstacked(hf_dirs, tmp_path):
@@ -296,7 +296,7 @@ def test_mtp_layer_imports_round_trips_bitwise_and_matches_transformers_mtp_laye
                                   position_ids=positions[None])
         theirs = layer(emb, h, rope, mask, positions[None], None)
     assert (ours - theirs).abs().max().item() <= ATOL
-    out = export_hf(model, tmp_path / "out")
+    out = export_hf(model, tmp_path / "out", with_mtp=True)
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     _assert_bitwise(_tensors(out), written)
     reloaded = DeepseekV3ForCausalLM.from_pretrained(out).eval()  # transformers ignores layer 3, loads the rest

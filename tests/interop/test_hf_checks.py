@@ -7,7 +7,10 @@ exit status 2."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from spartron.interop.hf import HFCheckpointError, HFConfigError, import_hf
+from spartron.interop.hf import HFCheckpointError, HFConfigError, TensorSource, export_hf, import_hf
+from spartron.interop.hf.convert import ModelSource
 from spartron.interop.hf.header import read_header
 from spartron.layers.costs import count_parameters
 from spartron.layers.model import build_model
@@ -268,3 +272,159 @@ def test_symlinked_shards_of_a_hugging_face_cache_folder_are_accepted(hf_dir, tm
     cfg, load = import_hf(snap)
     load(build_model(cfg))
     assert read_header(snap / "model.safetensors")[WQ].shape == (24, 32)
+
+
+# ---- export ----------------------------------------------------------------------------------------
+class _FailingSource(TensorSource):
+    """A model's tensors that fail to arrive after `good` fetches (a disk that fills, a reader that dies)."""
+
+    def __init__(self, model, good: int, error: Exception) -> None:
+        self.inner, self.cfg, self.good, self.error = ModelSource(model), model.cfg, good, error
+
+    def dtype(self, name):
+        return self.inner.dtype(name)
+
+    def fetch(self, names):
+        if self.good == 0:
+            raise self.error
+        self.good -= 1
+        return self.inner.fetch(names)
+
+
+def _model(hf_dir: Path):
+    cfg, load = import_hf(hf_dir)
+    model = build_model(cfg)
+    load(model)
+    return model
+
+
+def test_export_is_atomic_and_leaves_nothing_on_failure(hf_dir, tmp_path):
+    model = _model(hf_dir)
+    out = tmp_path / "parent" / "out"
+    out.parent.mkdir()
+    with pytest.raises(HFCheckpointError) as info:
+        export_hf(_FailingSource(model, 3, OSError(28, "No space left on device")), out, max_shard_bytes=4000)
+    assert str(info.value) == ("reading the tensors of model-00004-of-00032.safetensors failed: No space left on "
+                               "device (nothing was exported)")
+    assert list(out.parent.iterdir()) == []  # no partial shards, no temporary folder: the retry just works
+    with torch.no_grad():
+        model.layers["1"].attn.wq_a.weight[3, 5] = float("nan")
+    with pytest.raises(HFCheckpointError) as info:
+        export_hf(model, out, max_shard_bytes=4000)
+    assert str(info.value) == (f"{WQ} (Spartron's layers.1.attn.wq_a.weight) holds non-finite values: nothing was "
+                               "exported")
+    assert list(out.parent.iterdir()) == []
+    (out.parent / "file").write_text("x")
+    with pytest.raises(HFCheckpointError, match=r"/file/out: no such directory|/file: no such directory"):
+        export_hf(model, out.parent / "file" / "out")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["file"]
+
+
+def test_export_into_an_empty_folder_with_normal_permissions_never_through_a_link(hf_dir, tmp_path):
+    model = _model(hf_dir)
+    out = tmp_path / "empty"
+    out.mkdir()
+    old = os.umask(0o022)
+    try:
+        export_hf(model, out, max_shard_bytes=20_000)
+    finally:
+        os.umask(old)
+    files = sorted(out.iterdir())
+    assert len(files) > 3 and {oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {"0o644"}
+    assert oct(stat.S_IMODE(out.stat().st_mode)) == "0o755"
+    with pytest.raises(HFCheckpointError) as info:
+        export_hf(model, out)
+    assert str(info.value) == f"{out}: exists and is not an empty directory (an export writes a new one)"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    with pytest.raises(HFCheckpointError) as info:
+        export_hf(model, tmp_path / "link")
+    assert str(info.value) == f"{tmp_path / 'link'}: is a symbolic link (an export writes a new folder, not through " \
+                              "a link)"
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_mtp_layers_are_omitted_unless_asked_for_so_transformers_reports_no_unexpected_keys(hf_dir, tmp_path):
+    cfg = import_hf(hf_dir)[0]
+    model = build_model(cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 1})}), seed=1)
+    out = export_hf(model, tmp_path / "plain")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    _, info = DeepseekV3ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert [list(info[k]) for k in ("unexpected_keys", "missing_keys", "mismatched_keys")] == [[], [], []]
+    kept = export_hf(model, tmp_path / "mtp", with_mtp=True)
+    assert json.loads((kept / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert import_hf(kept)[0].mtp.depth == 1 and import_hf(out)[0].mtp.depth == 0
+    _, info = DeepseekV3ForCausalLM.from_pretrained(kept, output_loading_info=True)
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.2.") for k in info["unexpected_keys"])
+
+
+def test_export_refusals_are_one_line_through_the_cli(hf_dir, tmp_path):
+    from spartron.launch.cli import main
+
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    proc = _cli("convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "full"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"spartron: error: {tmp_path / 'full'}: exists and is not an empty directory "
+                                        "(an export writes a new one)"]
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    def full_disk():  # files may not grow past 30 kB: a write fails with EFBIG like a full disk's ENOSPC
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+
+    out = tmp_path / "exports" / "hf"
+    out.parent.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(tmp_path / "run"),
+                           "--to-hf", str(out), "--max-shard-bytes", "40000"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, preexec_fn=full_disk)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert re.fullmatch(f"spartron: error: writing {re.escape(str(out))} failed at model-00001-of-"
+                        r"\d{5}.safetensors: File too large \(nothing was exported\)\n", proc.stderr)
+    assert list(out.parent.iterdir()) == []  # no partial shards, no temporary folder
+    proc = _cli("convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "r2"), "--with-mtp", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "spartron: error: --with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)"]
+
+
+def _train_rank(rank, world, cfg):
+    from spartron.runtime.trainer import train
+
+    return train(cfg).records[-1]["step"]
+
+
+def test_export_includes_the_runs_tokenizer_even_after_the_original_moved(hf_dir, tmp_path, capsys):
+    from spartron.launch.cli import main
+    from spartron.runtime.config import config_from_dict
+    from spartron.testing import run_distributed
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+    from text_corpus import make_tokenizer, text_folder
+
+    tok = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    text_folder(tmp_path / "corpus", n_docs=30)
+    tokens = tmp_path / "tokens"
+    assert main(["data", str(tmp_path / "corpus"), "--tokenizer", str(tok), "--out", str(tokens), "--eos",
+                 "<eos>"]) == 0
+    assert json.loads((tokens / "tokens.json").read_text())["tokenizer_copy"] == ["tokenizer.json",
+                                                                                   "tokenizer_config.json"]
+    cfg = config_from_dict({"device": "cpu", "model": import_hf(hf_dir)[0].model_dump(mode="json"),
+                            "train": {"steps": 1, "seq_len": 16, "global_batch_size": 2, "progress": False,
+                                      "peak_tflops": 1.0, "save_every": 1, "run_dir": str(tmp_path / "run"),
+                                      "data": {"kind": "packed", "path": str(tokens)}}})
+    assert run_distributed(_train_rank, 1, cfg, timeout=180) == [1]
+    shutil.move(tmp_path / "tok", tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.endswith("with its tokenizer\n")
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(tmp_path / "moved" / "tokenizer.json"))
+    assert theirs("the cat sat on a mat")["input_ids"] == ours.encode("the cat sat on a mat").ids
+    assert theirs.eos_token == "<eos>"

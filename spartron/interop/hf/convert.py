@@ -9,8 +9,10 @@ it does not own; any EP / FSDP layout loads the same 1-rank values.
 Export (`export_hf`): from a model (1 rank, or FSDP2 DTensors gathered with `full_tensor`) or any
 `TensorSource` (a saved step: spartron.runtime.hf_state.SavedStateSource reads with DCP what one
 output shard needs, EP entries `<fqn>/ep<r>` joined).
-Output shards of at most `max_shard_bytes` each are built, written and freed one after another;
-`model.safetensors.index.json` maps every tensor to its shard.
+Output shards of at most `max_shard_bytes` each are built, checked (finite), written and freed one after
+another into a temporary sibling folder; `model.safetensors.index.json` maps every tensor to its shard, and
+the folder is renamed to its name at the end (nothing partial is ever left under it). MTP layers are
+omitted unless asked for (transformers has no MTP module).
 
 Reading a checkpoint never executes code: config.json is JSON, tensors come from safetensors
 (`safe_open`), and shard names in the index must be plain file names inside the directory.
@@ -19,7 +21,10 @@ Reading a checkpoint never executes code: config.json is JSON, tensors come from
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,42 +348,103 @@ def _hf_tensor(hf_name: str, shape: tuple[int, ...], pieces: list[Piece], tensor
     return out
 
 
+def _plan_shards(order: list[str], sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in order:
+        if shards[-1] and size + sizes[name] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    return shards
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """An export writes a new folder, or fills an existing empty one; never through a symbolic link."""
+    if out_dir.is_symlink():
+        raise HFCheckpointError(f"{out_dir}: is a symbolic link (an export writes a new folder, not through a link)")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise HFCheckpointError(f"{out_dir}: exists and is not an empty directory (an export writes a new one)")
+    if not out_dir.parent.is_dir():
+        raise HFCheckpointError(f"{out_dir.parent}: no such directory (the export's folder is made inside it)")
+
+
+def _temporary_sibling(out_dir: Path) -> Path:
+    """A new folder beside out_dir (same filesystem: the final rename is atomic), mode 0777 less the umask."""
+    for _ in range(100):
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+    raise HFCheckpointError(f"{out_dir.parent}: cannot make a temporary folder for the export")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:  # a fresh file: never through a link, mode 0666 less the umask
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _finite(name: str, spartron: list[str], t: Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise HFCheckpointError(f"{name} (Spartron's {', '.join(sorted(set(spartron)))}) holds non-finite values: "
+                                "nothing was exported")
+
+
 def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a Hugging Face checkpoint (config.json, safetensors shards, the index) of `source`: a
-    SparseMoEModel or a TensorSource (a saved state: spartron.runtime.hf_state.SavedStateSource).
-    transformers' `from_pretrained(out_dir)` loads it; MTP layers are written as DeepSeek-V3 lays them
-    out (`model.layers.{n_layers + k}.*`). Returns out_dir."""
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, with_mtp: bool = False,
+              extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write a Hugging Face checkpoint (config.json, safetensors shards, the index, `extra_files` such as
+    the tokenizer) of `source`: a SparseMoEModel or a TensorSource (a saved state:
+    spartron.runtime.hf_state.SavedStateSource). transformers' `from_pretrained(out_dir)` loads it.
+
+    MTP layers are omitted by default (config.json then says num_nextn_predict_layers = 0): transformers'
+    DeepseekV3ForCausalLM has no MTP module and would list them as unexpected keys. `with_mtp` writes them as
+    DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`), for Spartron or DeepSeek's own code.
+    Atomic: everything is written (and fsynced) into a temporary sibling folder renamed to out_dir at the
+    end; on any failure (a non-finite tensor, a full disk) it is removed and out_dir is untouched. out_dir
+    may exist if empty; a symbolic link is refused. Returns out_dir."""
     if isinstance(source, nn.Module):
         source = ModelSource(source)
     if max_shard_bytes < 1:
         raise HFCheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     cfg = source.cfg
+    if not with_mtp and cfg.mtp.depth:
+        cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
     hf_config = hf_config_from_model_config(cfg)
     tmap = tensor_map(cfg)
     by_hf = tmap.by_hf()
     hf_shapes = tmap.hf_shapes()
     order = sorted(hf_shapes, key=_hf_order)
     producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else [tmap.copies[name]] for name in order}
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in order:
-        nbytes = _byte_size(hf_shapes[name], source.dtype(producers[name][0]))
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
+    sizes = {name: _byte_size(hf_shapes[name], source.dtype(producers[name][0])) for name in order}
+    shards = _plan_shards(order, sizes, max_shard_bytes)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise HFCheckpointError(f"{out_dir}: exists and is not an empty directory (an export writes a new one)")
-    # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes.
+    # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes; rank 0's
+    # error is agreed at the end, so no rank leaves the gathers early.
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    if dist.is_initialized():
-        dist.barrier()  # every rank has looked at out_dir before rank 0 creates it
+    error, tmp = None, None
     if writer:
-        out_dir.mkdir(parents=True)
-    save_file = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save_file
+        try:
+            _check_out_dir(out_dir)
+            tmp = _temporary_sibling(out_dir)
+        except HFCheckpointError as err:
+            error = str(err)
+        except OSError as err:
+            error = f"{out_dir}: cannot be made ({err.strerror or err})"
+    save = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save
     weight_map, total = {}, 0
     tensors: dict[str, Tensor] = {}  # what the previous shard fetched and this one still needs
     for i, names in enumerate(shards):
@@ -386,26 +452,52 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
         needed = sorted({s for n in names for s in producers[n]})
         tensors = {n: t for n, t in tensors.items() if n in needed}
         missing = [n for n in needed if n not in tensors]
-        if missing:
-            tensors.update(source.fetch(missing))
-        if not writer:
+        if missing and (error is None or dist.is_initialized()):  # every rank joins a DTensor's gather
+            try:
+                tensors.update(source.fetch(missing))
+            except OSError as err:
+                error = error or f"reading the tensors of {file} failed: {err.strerror or err} (nothing was exported)"
+        if not writer or error is not None:
             continue
-        shard = {}
-        for n in names:
-            if n in by_hf:
-                shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors)
-            else:
-                shard[n] = tensors[tmap.copies[n]].clone()
-            total += shard[n].numel() * shard[n].element_size()
-            weight_map[n] = file
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        del shard
-    if writer:
-        (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2, sort_keys=True) + "\n")
-        (out_dir / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        try:
+            shard = {}
+            for n in names:
+                shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
+                    tensors[tmap.copies[n]].clone()
+                _finite(n, producers[n], shard[n])
+                total += shard[n].numel() * shard[n].element_size()
+                weight_map[n] = file
+            _write_file(tmp / file, save(shard, metadata={"format": "pt"}))
+            del shard
+        except HFCheckpointError as err:
+            error = str(err)
+        except OSError as err:
+            error = f"writing {out_dir} failed at {file}: {err.strerror or err} (nothing was exported)"
+    if writer and error is None:
+        try:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_file(tmp / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            _write_file(tmp / CONFIG, (json.dumps(hf_config, indent=2, sort_keys=True) + "\n").encode())
+            for name, data in (extra_files or {}).items():
+                _write_file(tmp / name, data)
+            _fsync(tmp)
+            if out_dir.is_symlink() or (out_dir.exists() and any(out_dir.iterdir())):
+                raise HFCheckpointError(f"{out_dir}: appeared or filled while exporting (nothing was exported)")
+            os.rename(tmp, out_dir)  # onto an empty folder too (rename(2) replaces an empty directory)
+            tmp = None
+            _fsync(out_dir.parent)
+        except HFCheckpointError as err:
+            error = str(err)
+        except OSError as err:
+            error = f"writing {out_dir} failed: {err.strerror or err} (nothing was exported)"
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        agreed = [error]
+        dist.broadcast_object_list(agreed, src=0)
+        error = agreed[0]
+    if error is not None:
+        raise HFCheckpointError(error)
     return out_dir
 
 
