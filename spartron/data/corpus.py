@@ -14,7 +14,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from spartron.optional import require
@@ -34,6 +34,7 @@ class Document:
     """Plain text: every token is a training target."""
 
     text: str
+    where: str = field(default="", compare=False)  # file:line (or file: row n) for errors about this record
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,21 @@ class Chat:
     """(role, content) turns: only the assistant turns are training targets (SFT)."""
 
     messages: tuple[tuple[str, str], ...]
+    where: str = field(default="", compare=False)
 
 
 def corpus_files(path: str | Path) -> list[Path]:
     """The corpus files of a file or a folder (recursive, sorted); a ConfigError naming the path if none."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"corpus {str(path)!r} does not exist")
+    try:
+        exists, is_link = path.exists(), path.is_symlink()
+    except OSError as err:  # a name too long
+        raise ConfigError(f"corpus {str(path)[:200]!r} cannot be read: {err.strerror or err}") from None
+    if not exists:
+        raise ConfigError(f"corpus {str(path)!r} " + ("is a broken or looping symbolic link" if is_link else
+                                                      "does not exist"))
+    if not path.is_file() and not path.is_dir():
+        raise ConfigError(f"corpus {str(path)!r} is neither a regular file nor a folder")
     if path.is_file():
         if _kind(path) is None:
             raise ConfigError(f"corpus {str(path)!r}: unknown file type {path.suffix!r} (read: {', '.join(SUFFIXES)})")
@@ -72,12 +81,23 @@ def parse_record(record: object, text_key: str, where: str) -> Document | Chat:
                 raise ConfigError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
             if m["role"] not in ROLES:
                 raise ConfigError(f"{where}: messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+            _check_unicode(m["content"], f"{where}: messages[{i}].content")
             turns.append((m["role"], m["content"]))
-        return Chat(tuple(turns))
+        return Chat(tuple(turns), where)
     text = record.get(text_key)
     if not isinstance(text, str):
         raise ConfigError(f"{where}: a record needs a string {text_key!r} or a list 'messages'")
-    return Document(text)
+    _check_unicode(text, f"{where}: {text_key!r}")
+    return Document(text, where)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer (nor UTF-8) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"{what} holds a lone surrogate {text[err.start]!r} at character {err.start} "
+                          "(not Unicode text)") from None
 
 
 def _jsonl(path: Path, text_key: str) -> Iterator[Document | Chat]:
@@ -93,7 +113,7 @@ def _jsonl(path: Path, text_key: str) -> Iterator[Document | Chat]:
                     continue
                 try:
                     record = json.loads(line)
-                except (json.JSONDecodeError, RecursionError) as err:
+                except (ValueError, RecursionError) as err:  # ValueError: also an integer of > 4300 digits
                     raise ConfigError(f"{where}: not valid JSON: {err}") from None
                 yield parse_record(record, text_key, where)
     except (OSError, EOFError, zlib.error) as err:  # gzip: a bad or truncated stream
@@ -106,14 +126,24 @@ def _parquet(path: Path, text_key: str) -> Iterator[Document | Chat]:
     try:
         file = pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file that is not parquet
-        raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
+        why = " ".join(str(err).split())
+        raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {why})") from None
     columns = [c for c in (text_key, "messages") if c in file.schema_arrow.names]
     if not columns:
         names = ", ".join(file.schema_arrow.names)
         raise ConfigError(f"{path}: no {text_key!r} or 'messages' column (columns: {names})")
     row = 0
-    for batch in file.iter_batches(columns=columns):
-        for record in batch.to_pylist():
+    batches = file.iter_batches(columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+            records = [] if batch is None else batch.to_pylist()
+        except Exception as err:  # noqa: BLE001 - a corrupt page: pyarrow's OSError, ArrowInvalid, ...
+            why = " ".join(str(err).split())
+            raise ConfigError(f"{path}: row {row + 1} onwards cannot be read ({type(err).__name__}: {why})") from None
+        if batch is None:
+            return
+        for record in records:
             row += 1
             if text_key in record and record[text_key] is None:
                 record.pop(text_key)
@@ -122,7 +152,7 @@ def _parquet(path: Path, text_key: str) -> Iterator[Document | Chat]:
 
 def _text(path: Path) -> Iterator[Document]:
     try:
-        yield Document(path.read_bytes().decode("utf-8-sig"))
+        yield Document(path.read_bytes().decode("utf-8-sig"), str(path))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except OSError as err:

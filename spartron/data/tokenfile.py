@@ -8,14 +8,18 @@
   tokens.json     written last: format, dtype, vocab_size, eos_id, bos_id, the tokenizer's file and SHA-256,
                   n_tokens, n_documents, the names of the files above, the corpus files
 
-A folder without tokens.json is incomplete. Reading checks every field and the file sizes against it
+`spartron data` writes them into a hidden sibling folder renamed to the output folder at the end, and a
+folder without tokens.json is incomplete. Reading checks every field and the file sizes against it
 and refuses anything else with one line naming the file and the key.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,31 +60,61 @@ class TokenFolder:
 
 def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[int]]], *, vocab_size: int,
                        eos_id: int, tokenizer: dict, corpus: dict, chunk_tokens: int = 1 << 20,
-                       bos_id: int | None = None) -> dict:
-    """Stream (ids, loss mask) records into `out` (new or empty); returns the metadata written. A failure
-    (a bad record, a full disk, Ctrl-C) removes what was written, so the folder can be used again."""
-    out = Path(out)
+                       bos_id: int | None = None, extra: Callable[[Path], dict] | None = None) -> dict:
+    """Stream (ids, loss mask) records into `out` (new, or an empty folder); returns the metadata written.
+
+    Everything is written into a hidden sibling `.NAME.partial-PID-HEX`, renamed to `out` at the end (or its
+    files moved into an existing empty `out`, tokens.json last): a failure (a bad record, a full disk) or an
+    interrupt (Ctrl-C; `spartron data` turns SIGTERM into one) removes it, and even a SIGKILL leaves `out` as
+    it was, so the same command can run again. `extra(folder)`, when given, writes more files into the
+    folder before tokens.json and returns the metadata entries that describe them."""
+    out = Path(os.path.realpath(out))  # `.`, and a link to a folder: the folder it names
+    _check_output(out)
     try:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name[:100]}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()  # the umask's permissions, like any folder the user makes
     except OSError as err:
         raise ConfigError(f"output folder {str(out)!r} cannot be made: {err.strerror or err}") from None
+    moved: list[Path] = []  # into an existing empty folder: removed again on failure
     try:
-        return _write(out, records, vocab_size, eos_id, bos_id, tokenizer, corpus, chunk_tokens)
+        meta = _write(tmp, records, vocab_size, eos_id, bos_id, tokenizer, corpus, chunk_tokens, extra)
+        _check_output(out)  # still new or empty: nothing of someone else's is replaced
+        if out.is_dir():  # the user's empty folder stays (its permissions; maybe a shell's working directory)
+            for name in sorted(os.listdir(tmp), key=lambda n: n == META):  # tokens.json last: complete
+                moved.append(out / name)
+                os.rename(tmp / name, out / name)
+            tmp.rmdir()
+        else:
+            os.rename(tmp, out)
+        return meta
     except BaseException as err:
-        for name in (TOKENS, MASK, DOCS, META):
-            (out / name).unlink(missing_ok=True)
-        if created:
-            out.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in moved:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise ConfigError(f"writing {str(out)!r} failed: {err.strerror or err}") from None
         raise
 
 
+def _check_output(out: Path) -> None:
+    """`out` may be new or an empty folder, nothing else."""
+    try:
+        if out.is_dir():
+            if any(out.iterdir()):
+                raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
+        elif out.exists() or out.is_symlink():
+            raise ConfigError(f"output folder {str(out)!r} exists and is not a folder (choose a new folder)")
+    except OSError as err:
+        raise ConfigError(f"output folder {str(out)!r} cannot be read: {err.strerror or err}") from None
+
+
 def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int,
-           bos_id: int | None, tokenizer: dict, corpus: dict, chunk_tokens: int) -> dict:
+           bos_id: int | None, tokenizer: dict, corpus: dict, chunk_tokens: int,
+           extra: Callable[[Path], dict] | None) -> dict:
     dtype = np.dtype(token_dtype(vocab_size))
     ids_buf, mask_buf, starts, has_mask = [], [], [0], False
     n_tokens, n_documents = 0, 0
@@ -110,6 +144,8 @@ def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
             "bos_id": bos_id, "tokenizer": tokenizer, "n_tokens": n_tokens, "n_documents": n_documents,
             "loss_mask": MASK if has_mask else None, "documents": DOCS, "corpus": corpus}
+    if extra is not None:
+        meta.update(extra(out))
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 

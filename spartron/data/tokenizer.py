@@ -17,8 +17,13 @@ turns are context (mask 0). Chat templates of transformers are Jinja programs an
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,19 +66,24 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_records(self, records: list[Document | Chat]) -> list[tuple[list[int], list[int]]]:
-        """encode_record of each, the documents' texts in one encode_batch (the Rust side's threads)."""
-        texts = [r.text for r in records if isinstance(r, Document)]
-        encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
-        out = []
-        for record in records:
-            if isinstance(record, Document):
-                out.append(self._document(next(encoded).ids))
-            else:
-                out.append(self.encode_record(record))
-        return out
+        """encode_record of each, the documents' texts in one encode_batch (the Rust side's threads); when
+        the tokenizer fails, again one record at a time, so the error names the record it fails on."""
+        try:
+            with rust_failures("a batch of records", self.path):
+                texts = [r.text for r in records if isinstance(r, Document)]
+                encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False) if texts else ())
+                return [self._document(next(encoded).ids) if isinstance(r, Document) else self._encode_record(r)
+                        for r in records]
+        except ConfigError:
+            return [self.encode_record(r) for r in records]
 
     def encode_record(self, record: Document | Chat) -> tuple[list[int], list[int]]:
-        """(ids, loss mask) of one record, EOS-terminated."""
+        """(ids, loss mask) of one record, EOS-terminated; a ConfigError naming the record if the tokenizer
+        fails on it."""
+        with rust_failures(record.where or "a record", self.path):
+            return self._encode_record(record)
+
+    def _encode_record(self, record: Document | Chat) -> tuple[list[int], list[int]]:
         if isinstance(record, Document):
             return self._document(self.encode(record.text))
         fmt = CHAT_FORMATS[self.chat_format]
@@ -85,7 +95,8 @@ class Tokenizer:
             end = [i for part in fmt.ends[role] for i in ([self.eos_id] if part is EOS else self.encode(part))]
             ids += header + body + end
             mask += [0] * len(header) + [target] * (len(body) + len(end))
-        if ids[-1] != self.eos_id or not mask[-1]:  # the conversation ends with EOS either way
+        # the conversation ends with EOS either way (an empty system turn alone renders to nothing in "deepseek")
+        if not ids or ids[-1] != self.eos_id or not mask[-1]:
             ids.append(self.eos_id)
             mask.append(0)
         return ids, mask
@@ -93,6 +104,36 @@ class Tokenizer:
     def _document(self, body: list[int]) -> tuple[list[int], list[int]]:
         ids = ([] if self.bos_id is None else [self.bos_id]) + body + [self.eos_id]
         return ids, [1] * len(ids)  # a document's first token is never a label (it starts the document)
+
+
+@contextlib.contextmanager
+def rust_failures(where: str, tokenizer: Path) -> Iterator[None]:
+    """A failure of the tokenizers library (a pre-tokenizer regex over Oniguruma's retry limit panics in
+    Rust: pyo3's PanicException, a BaseException) as one ConfigError naming the record and the tokenizer.
+    File descriptor 2 goes to a temporary file meanwhile, as the Rust panic hook writes its message (and a
+    backtrace) there itself; what a call that succeeds writes is passed on."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as capture:
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        except ConfigError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - pyo3's PanicException is no Exception
+            if not isinstance(err, Exception) and type(err).__name__ != "PanicException":
+                raise  # Ctrl-C, SIGTERM as `spartron data` raises it
+            why = " ".join(str(err).split())[:300]
+            raise ConfigError(f"{where}: tokenizer {str(tokenizer)!r} failed on it ({type(err).__name__}: "
+                              f"{why})") from None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok and capture.tell():
+                capture.seek(0)
+                os.write(2, capture.read())
 
 
 def _special_tokens(folder: Path) -> tuple[str | None, str | None]:

@@ -13,18 +13,19 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from spartron.launch.process import STOPPED_STATUS, exit_process
+from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS, exit_process
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
 from spartron.runtime.debug import check_fault
 
-USAGE_ERROR = 2
+USAGE_ERROR = USAGE_STATUS
 MAX_PLAN_WORLD = 1 << 18  # rank groups of 2^18 ranks take seconds to list; 2^20 half a minute
 DEFAULT_CONFIG = "configs/tiny.toml"
 
@@ -131,7 +132,7 @@ def _as_rank(body: Callable[[], int]) -> int:
         return body()
     except BaseException as err:  # noqa: BLE001 - every failure must surface and end this rank
         if isinstance(err, Exception) and _is_user_error(err):
-            print(f"spartron: error: {err}", file=sys.stderr)
+            print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
             code = USAGE_ERROR
         else:
             traceback.print_exc()
@@ -383,6 +384,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ---- data ------------------------------------------------------------------------------------
+class _Terminated(BaseException):
+    """SIGTERM during `spartron data`: unwinds like Ctrl-C, so the partial output is removed."""
+
+
+def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
+    raise _Terminated
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     """Tokenize a corpus (jsonl / parquet / text file or folder) into a token folder (spartron.data)."""
     import time
@@ -396,8 +405,17 @@ def cmd_data(args: argparse.Namespace) -> int:
             last[0] = time.monotonic()
             print(f"spartron data: {documents} documents, {tokens} tokens", file=sys.stderr, flush=True)
 
-    meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
-                          bos_token=args.bos, progress=progress, chat_format=args.chat_format)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the partial output is removed
+    try:
+        meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
+                              bos_token=args.bos, progress=progress, chat_format=args.chat_format)
+    except (KeyboardInterrupt, _Terminated) as err:
+        name = "SIGTERM" if isinstance(err, _Terminated) else "SIGINT"
+        print(f"spartron: data: stopped by {name}; removed the partial output ({args.out} is as it was: run the "
+              "same command again)", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
           f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
           f"(model.vocab_size >= {meta['vocab_size']})")
@@ -518,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _is_user_error(err: Exception) -> bool:
     """Mistakes in the config, the flags, the data, the disk or the launch environment (not bugs in a run),
     also when the trainer wrapped one in its "rank r failed at step s" TrainingError (a data sample found
-    bad mid-run, a save refused for a full disk): their messages already name the key or path."""
+    bad mid-run, a save refused for a full disk), and a loss guard's intended stop: their messages already
+    name the key, path or step and value."""
     kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError)
     for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError"),
                          ("spartron.runtime.rundir", "StateLoadError"),
@@ -528,8 +547,11 @@ def _is_user_error(err: Exception) -> bool:
         if module in sys.modules:  # not imported means it cannot have raised; keeps --help free of torch
             kinds += (getattr(sys.modules[module], name),)
     trainer = sys.modules.get("spartron.runtime.trainer")
-    if trainer is not None and type(err) is trainer.TrainingError and err.__cause__ is not None:
-        return isinstance(err.__cause__, kinds)
+    if trainer is not None:
+        if isinstance(err, trainer.LossGuardStop):  # train.max_loss, loss_spike_factor, a non-finite loss
+            return True
+        if type(err) is trainer.TrainingError and err.__cause__ is not None:
+            return isinstance(err.__cause__, kinds)
     return isinstance(err, kinds)
 
 
@@ -540,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not _is_user_error(err):
             raise
-        print(f"spartron: error: {err}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
         return USAGE_ERROR
 
 

@@ -8,7 +8,9 @@ moment one exits; `waitpid(WUNTRACED)` sees one stop), and the rank that failed 
 non-zero, was killed by a signal, or stayed stopped (SIGSTOP) — is named with how it ended and the
 tail of its log; the knock-on "connection closed by peer" of its peers comes later and is only
 listed. Then every other rank is killed (SIGKILL: a failed job has nothing left to save, and a
-saved step is atomic) and the root cause's status is returned.
+saved step is atomic) and the root cause's status is returned. A refusal (status 2: a mistake in the
+config or data, a loss guard's stop) is not a failure to diagnose: it is the root rank's one
+`spartron: error: ...` line alone (rank 0's is on the terminal already; another rank's comes from its log).
 
 Ranks die with their launcher, SIGKILL of the launcher included: each rank is started with the
 parent-death signal SIGKILL (Linux `prctl(PR_SET_PDEATHSIG)`), which fires when the thread that
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spartron.launch.process import STOPPED_STATUS
+from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS
 from spartron.runtime.safe_open import make_dir, open_file
 
 _PR_SET_PDEATHSIG = 1
@@ -301,6 +303,13 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
                 early = [r for r in ranks if r.returncode in (0, STOPPED_STATUS) and r.ended_at < failed_at]
                 for r in ranks:
                     r.kill()
+                zero_refused = ranks[0].returncode == USAGE_STATUS  # reaped by kill(): its line is printed
+                if status == USAGE_STATUS and root.returncode == USAGE_STATUS:
+                    refusal = None if zero_refused else _refusal_line(root)
+                    if zero_refused or refusal is not None:
+                        if refusal is not None:
+                            print(refusal, file=sys.stderr)
+                        return status
                 _report_failure(root, what, ranks, early)
                 return status
             if forwarded_at is not None and now - forwarded_at > terminate_grace_s:
@@ -348,10 +357,6 @@ def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
     return opened
 
 
-
-def _endings(ranks: Sequence[_Rank]) -> str:
-    return "; ".join(f"rank {r.rank} {r.describe()}" for r in ranks)
-
 def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
     print(f"spartron: got SIGTERM; forwarded it to the ranks, which save a complete step and stop "
           f"(waiting up to {grace_s:g} s)", file=sys.stderr)
@@ -360,6 +365,18 @@ def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
             os.kill(r.proc.pid, signal.SIGTERM)
             if r.stop_signal is not None:
                 os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
+
+
+def _endings(ranks: Sequence[_Rank]) -> str:
+    return "; ".join(f"rank {r.rank} {r.describe()}" for r in ranks)
+
+
+def _refusal_line(rank: _Rank) -> str | None:
+    """The last `spartron: error: ...` line of a rank that exited with USAGE_STATUS (its log), or None."""
+    if rank.log is None or not rank.log.is_file():
+        return None
+    lines = [line for line in rank.log.read_text(errors="replace").splitlines() if line.startswith(ERROR_PREFIX)]
+    return lines[-1] if lines else None
 
 
 def _report_failure(root: _Rank, what: str, ranks: Sequence[_Rank], early: Sequence[_Rank]) -> None:

@@ -19,6 +19,10 @@ from typing import NoReturn
 # complete step and stopped before train.steps: resuming continues from that step. 75 is sysexits'
 # EX_TEMPFAIL ("try again later"), so it differs from a failure and from a death by SIGTERM (143).
 STOPPED_STATUS = 75
+# The exit status of a refusal (a mistake in the config, the flags, the data; a loss guard's stop): the
+# process printed one `spartron: error: ...` line and no traceback.
+USAGE_STATUS = 2
+ERROR_PREFIX = "spartron: error: "
 
 
 def exit_process(code: int) -> NoReturn:

@@ -114,11 +114,16 @@ class TrainingError(RuntimeError):
     """A step failed on this rank; the message names the rank and the step."""
 
 
-class NonFiniteLossError(TrainingError):
+class LossGuardStop(TrainingError):
+    """A loss guard stopped the run on purpose (every rank at the same step, before the optimizer step):
+    the launcher reports it as one line naming the step and the value, exit status 2, no traceback."""
+
+
+class NonFiniteLossError(LossGuardStop):
     """The (all-reduced) loss or gradient norm is NaN or Inf."""
 
 
-class LossSpikeError(TrainingError):
+class LossSpikeError(LossGuardStop):
     """The (all-reduced, finite) loss is above train.max_loss or train.loss_spike_factor x the first loss."""
 
 

@@ -228,7 +228,7 @@ def test_a_failed_run_of_spartron_data_leaves_nothing_behind(tmp_path, tok):
         prepare_corpus(tmp_path / "e.jsonl", tok, tmp_path / "empty", eos_token="<eos>")
     assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())  # the user's folder stays
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="output folder '.*file' exists and is not empty"):
+    with pytest.raises(ConfigError, match="output folder '.*file' exists and is not a folder"):
         prepare_corpus(tmp_path / "e.jsonl", tok, tmp_path / "file", eos_token="<eos>")
 
 

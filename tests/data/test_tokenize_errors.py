@@ -1,0 +1,198 @@
+"""`spartron data` refuses every bad input with one line naming the file and the record (exit 2, nothing
+else on stderr, no output folder), and an interrupted run leaves nothing that blocks the same command."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.cli import main
+from text_corpus import make_tokenizer, write_jsonl  # next to this file
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+
+
+def _data(capfd, corpus: Path, tokenizer: Path, out: Path, *extra: str) -> tuple[int, str]:
+    """`spartron data` in this process; (status, all of file descriptor 2) -- a Rust panic writes there."""
+    capfd.readouterr()
+    code = main(["data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(out), "--eos", "<eos>", *extra])
+    return code, capfd.readouterr().err
+
+
+def _refused(capfd, corpus, tokenizer, out, *extra) -> str:
+    code, err = _data(capfd, corpus, tokenizer, out, *extra)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("spartron: error: "), err
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
+    return err.strip().removeprefix("spartron: error: ")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    (b'{"text": "the cat \\ud800 sat"}', r"a.jsonl:1: 'text' holds a lone surrogate '\ud800' at character 8 "
+                                         r"(not Unicode text)"),
+    (b'{"messages": [{"role": "user", "content": "a \\udc00"}]}',
+     r"a.jsonl:1: messages[0].content holds a lone surrogate '\udc00' at character 2 (not Unicode text)"),
+    (b'{"messages": []}', "a.jsonl:1: 'messages' must be a non-empty list of {role, content} objects"),
+    (b'{"messages": {"role": "user"}}', "a.jsonl:1: 'messages' must be a non-empty list of {role, content} objects"),
+    (b'{"messages": [{"role": "boss", "content": "x"}]}',
+     "a.jsonl:1: messages[0].role 'boss' is not one of system, user, assistant, tool"),
+    (b'{"messages": [{"role": 3, "content": "x"}]}',
+     "a.jsonl:1: messages[0] must be an object with string 'role' and 'content'"),
+    (b'{"messages": [{"role": "user", "content": ["x"]}]}',
+     "a.jsonl:1: messages[0] must be an object with string 'role' and 'content'"),
+    (b'{"messages": [{"role": "user", "content": null}]}',
+     "a.jsonl:1: messages[0] must be an object with string 'role' and 'content'"),
+    (b'{"text": 5}', "a.jsonl:1: a record needs a string 'text' or a list 'messages'"),
+    (b'[1, 2]', "a.jsonl:1: a record must be a JSON object, got list"),
+    (b'{"text": "a", "n": ' + b"9" * 5000 + b"}",
+     "a.jsonl:1: not valid JSON: Exceeds the limit (4300 digits) for integer string conversion"),
+    (b"\xff\xfe\x00garbage", "a.jsonl:1: not UTF-8 text (byte 0)"),
+    (b"[" * 100000 + b"]" * 100000, "a.jsonl:1: not valid JSON: maximum recursion depth exceeded"),
+])
+def test_bad_records_are_one_line_naming_file_and_line(tmp_path, tok, capfd, line, message):
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_bytes(b'{"text": "the cat"}\n' + line + b"\n")
+    first, rest = message.split(":1: ", 1)
+    got = _refused(capfd, corpus, tok, tmp_path / "out")
+    assert got.startswith(f"{tmp_path / first}:2: {rest}"), got
+
+
+def test_empty_inputs(tmp_path, tok, capfd):
+    (tmp_path / "e.jsonl").write_bytes(b"")
+    assert _refused(capfd, tmp_path / "e.jsonl", tok, tmp_path / "out") == "the corpus holds no document"
+    (tmp_path / "blank.jsonl.gz").write_bytes(gzip.compress(b"\n \n"))
+    assert _refused(capfd, tmp_path / "blank.jsonl.gz", tok, tmp_path / "out") == "the corpus holds no document"
+    (tmp_path / "none").mkdir()
+    assert _refused(capfd, tmp_path / "none", tok, tmp_path / "out") == (
+        f"corpus folder {str(tmp_path / 'none')!r} holds no .jsonl, .jsonl.gz, .parquet, .txt file")
+
+
+def test_gzip_truncated_or_not_gzip(tmp_path, tok, capfd):
+    data = gzip.compress(b"".join(b'{"text": "the cat sat"}\n' for _ in range(2000)))
+    (tmp_path / "t.jsonl.gz").write_bytes(data[:len(data) // 2])
+    assert _refused(capfd, tmp_path / "t.jsonl.gz", tok, tmp_path / "out") == (
+        f"corpus file {str(tmp_path / 't.jsonl.gz')!r} cannot be read: Compressed file ended before the "
+        "end-of-stream marker was reached")
+    (tmp_path / "n.jsonl.gz").write_bytes(b"hello")
+    assert _refused(capfd, tmp_path / "n.jsonl.gz", tok, tmp_path / "out") == (
+        f"corpus file {str(tmp_path / 'n.jsonl.gz')!r} cannot be read: Not a gzipped file (b'he')")
+
+
+def test_parquet_corruption_is_one_line_naming_the_file_and_row(tmp_path, tok, capfd):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [f"the cat {i} " * 20 for i in range(20000)]}), tmp_path / "big.parquet",
+                   row_group_size=2000, compression="snappy")
+    good = (tmp_path / "big.parquet").read_bytes()
+    (tmp_path / "trunc.parquet").write_bytes(good[:len(good) // 2])
+    assert _refused(capfd, tmp_path / "trunc.parquet", tok, tmp_path / "out") == (
+        f"{tmp_path / 'trunc.parquet'}: not a readable parquet file (ArrowInvalid: Parquet magic bytes not found "
+        "in footer. Either the file is corrupted or this is not a parquet file.)")
+    pages = bytearray(good)  # the footer intact, a data page mangled: found while reading rows
+    for i in range(len(pages) // 2, len(pages) // 2 + 3000):
+        pages[i] = (pages[i] * 7 + 13) & 0xFF
+    (tmp_path / "pages.parquet").write_bytes(bytes(pages))
+    got = _refused(capfd, tmp_path / "pages.parquet", tok, tmp_path / "out")
+    assert got.startswith(f"{tmp_path / 'pages.parquet'}: row 1 onwards cannot be read ("), got
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "x"}], []]}), tmp_path / "m.parquet")
+    assert _refused(capfd, tmp_path / "m.parquet", tok, tmp_path / "out") == (
+        f"{tmp_path / 'm.parquet'}: row 2: 'messages' must be a non-empty list of {{role, content}} objects")
+
+
+def _tokenizer_with(tok: Path, tmp_path: Path, name: str, pre_tokenizer: dict) -> Path:
+    data = json.loads(tok.read_text())
+    data["pre_tokenizer"] = pre_tokenizer
+    path = tmp_path / name / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_pathological_tokenizer_regexes(tmp_path, tok, capfd):
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat"}, {"text": "a" * 200 + "!"}])
+    split = {"type": "Split", "behavior": "Isolated", "invert": False}
+    bad = _tokenizer_with(tok, tmp_path, "bad", {**split, "pattern": {"Regex": "(unclosed"}})
+    got = _refused(capfd, corpus, bad, tmp_path / "out")
+    assert got.startswith(f"tokenizer {str(bad)!r} is not a tokenizers JSON file: Oniguruma error: end pattern "
+                          "with unmatched parenthesis"), got
+    # catastrophic backtracking: Oniguruma's retry limit makes the Rust side panic (and print a backtrace on fd 2)
+    slow = _tokenizer_with(tok, tmp_path, "slow", {**split, "pattern": {"Regex": "(a|aa)+$"}})
+    assert _refused(capfd, corpus, slow, tmp_path / "out") == (
+        f"{corpus}:2: tokenizer {str(slow)!r} failed on it (PanicException: Onig: Regex search error: "
+        "retry-limit-in-match over)")
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a" * 200 + "!"}]}])
+    assert _refused(capfd, chats, slow, tmp_path / "out").startswith(f"{chats}:1: tokenizer {str(slow)!r} failed")
+
+
+def test_an_empty_deepseek_chat_is_its_eos_alone(tmp_path, tok, capfd):
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "system", "content": ""}]}])
+    code, err = _data(capfd, corpus, tok, tmp_path / "out", "--chat-format", "deepseek")
+    assert code == 0, err
+    import numpy as np
+
+    assert np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16).tolist() == [1]  # <eos>
+    assert np.fromfile(tmp_path / "out" / "loss_mask.bin", dtype=np.uint8).tolist() == [0]
+
+
+def test_corpus_and_output_paths(tmp_path, tok, capfd):
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    assert _refused(capfd, tmp_path / "loop.jsonl", tok, tmp_path / "out") == (
+        f"corpus {str(tmp_path / 'loop.jsonl')!r} is a broken or looping symbolic link")
+    os.mkfifo(tmp_path / "fifo.jsonl")  # opening it would wait for a writer forever
+    assert _refused(capfd, tmp_path / "fifo.jsonl", tok, tmp_path / "out") == (
+        f"corpus {str(tmp_path / 'fifo.jsonl')!r} is neither a regular file nor a folder")
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat"}])
+    (tmp_path / "file").write_text("x")
+    code, err = _data(capfd, corpus, tok, tmp_path / "file")
+    assert (code, err) == (2, f"spartron: error: output folder {str(tmp_path / 'file')!r} exists and is not a folder "
+                              "(choose a new folder)\n")
+    (tmp_path / "empty").mkdir()  # an existing empty folder is filled in place
+    code, err = _data(capfd, corpus, tok, tmp_path / "empty")
+    assert code == 0 and (tmp_path / "empty" / "tokens.json").is_file()
+    assert not list(tmp_path.glob(".*partial-*"))
+
+
+def _big_corpus(root: Path) -> Path:
+    """About 2M tokens: a second or two of tokenizing, long enough to be stopped mid-write."""
+    line = json.dumps({"text": " ".join(["the cat sat on a mat"] * 40)}) + "\n"
+    root.mkdir(parents=True)
+    for f in range(2):
+        (root / f"part-{f}.jsonl").write_text(line * 4000)
+    return root
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_run_leaves_nothing_that_blocks_the_retry(tmp_path, tok, signum):
+    corpus, out = _big_corpus(tmp_path / "corpus"), tmp_path / "out"
+    command = [sys.executable, "-m", "spartron.launch.cli", "data", str(corpus), "--tokenizer", str(tok),
+               "--out", str(out), "--eos", "<eos>"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*/tokens.bin")):  # mid-write
+        assert proc.poll() is None and time.monotonic() < deadline, "spartron data ended before it was stopped"
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    err = proc.communicate(timeout=60)[1]
+    assert not out.exists()
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        assert len(list(tmp_path.glob(".out.partial-*"))) == 1  # hidden beside it, in nobody's way
+    else:
+        assert proc.returncode == 128 + signum
+        assert err == (f"spartron: data: stopped by {signal.Signals(signum).name}; removed the partial output "
+                       f"({out} is as it was: run the same command again)\n")
+        assert not list(tmp_path.glob(".out.partial-*"))
+    retry = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert retry.returncode == 0, retry.stderr
+    assert json.loads((out / "tokens.json").read_text())["n_documents"] == 2 * 4000
