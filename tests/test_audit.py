@@ -1,7 +1,10 @@
-"""The bad-input audit (benchmarks/audit.py) keeps holding: its quick subset runs the real CLI here."""
+"""The adversarial audit (benchmarks/audit.py) keeps holding: its quick subset runs the real CLI here, every
+surface has its own cases, and the classifier tells clear errors from tracebacks, silence, hangs and escapes."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,42 +17,63 @@ def _audit():
     return audit
 
 
-def test_the_audit_has_at_least_200_distinct_cases_in_every_area():
+def test_the_audit_has_at_least_700_distinct_cases_on_every_surface_and_category():
+    from benchmarks.auditing.core import CATEGORIES, SURFACES
+
     cases = _audit().all_cases()
     ids = [c.id for c in cases]
-    assert len(set(ids)) == len(ids) >= 200
-    areas = Counter(c.area for c in cases)
-    assert set(areas) == {"config", "cli", "data", "state", "launch", "slurm"}
-    assert min(areas.values()) >= 8
+    assert len(set(ids)) == len(ids) >= 700
+    surfaces = Counter(c.surface for c in cases)
+    assert set(surfaces) == set(SURFACES)
+    assert min(surfaces.values()) >= 16
+    assert set(Counter(c.category for c in cases)) == set(CATEGORIES)
+    plain = Counter((tuple(c.argv), tuple(sorted(c.env.items())), c.base, c.interrupt, c.fsize, c.run_script)
+                    for c in cases if c.setup is None and c.first is None)
+    assert max(plain.values()) == 1  # no two cases without a setup run the same command the same way
 
 
-def test_quick_subset_is_clear_or_safe(tmp_path):
+def test_quick_subset_covers_every_surface_and_is_clear_or_safe(tmp_path):
+    from benchmarks.auditing.core import SURFACES
+
     audit = _audit()
     cases = [c for c in audit.all_cases() if c.quick]
-    assert {c.area for c in cases} >= {"config", "cli", "data", "launch", "slurm"}
-    results = audit.run_audit(cases, tmp_path, log=lambda line: None)
+    assert {c.surface for c in cases} == set(SURFACES) - {"state"}
+    start = time.perf_counter()
+    results = audit.run_audit(cases, tmp_path, jobs=2, log=lambda line: None)
     bad = [(r.id, r.cls, r.detail) for r in results if r.cls not in ("clear", "accepted safely")]
     assert not bad
+    assert time.perf_counter() - start < 180
 
 
-def test_classifier_sees_harm_tracebacks_and_silence(tmp_path):
-    audit = _audit()
-    case = audit.Case("probe", "config", [], ("train.lr",))
+def test_classifier_sees_escapes_harm_tracebacks_silence_and_hangs(tmp_path):
+    from benchmarks.auditing.core import Case, classify, make_decoy, tree_hash
+
+    case = Case("probe", "config", [], ("train.lr",))
     work = tmp_path / "work"
     work.mkdir()
+    make_decoy(tmp_path)
     stub_log = tmp_path / "stubs.log"
 
-    def cls(rc, err, out=""):
-        return audit.classify(case, rc, out, err, tmp_path, work, stub_log, {"work"})[0]
+    def cls(rc, err, out="", c=case):
+        return classify(c, rc, out, err, tmp_path, work, stub_log, tree_hash(tmp_path))[0]
 
+    before = tree_hash(tmp_path)
     assert cls(2, "spartron: error: invalid config: train.lr: bad\n") == "clear"
     assert cls(2, "spartron: error: invalid config: train.steps: bad\n") == "unclear"  # names another key
     assert cls(2, "spartron: error: train.lr\nsecond line\n") == "unclear"
     assert cls(1, "Traceback (most recent call last):\n  x\nValueError: train.lr\n") == "traceback"
-    assert cls(0, "") == "silently accepted"
+    assert cls(0, "") == "silent harmful"
+    assert cls(0, "", c=Case("p", "config", [], harmless=True)) == "silent harmless"
+    assert cls(0, "", c=Case("p", "config", [], accept_ok=True)) == "accepted safely"
+    assert cls(0, "", c=Case("p", "config", [], accept_ok=True, harm=lambda d: "broke it")) == "silent harmful"
     assert cls(None, "") == "hang"
-    (tmp_path / "elsewhere").write_text("x")
-    assert cls(2, "spartron: error: train.lr\n") == "harmful"
-    (tmp_path / "elsewhere").unlink()
+    (tmp_path / "decoy" / "precious.txt").write_text("changed\n")  # a write through a link, seen by the hash
+    result = classify(case, 2, "", "spartron: error: train.lr\n", tmp_path, work, stub_log, before)
+    assert result == ("escape", "changed decoy/precious.txt outside the work folder")
+    os.truncate(tmp_path / "decoy" / "notes" / "keep.md", 0)
+    before = tree_hash(tmp_path)
+    (tmp_path / "decoy" / "notes" / "keep.md").unlink()
+    assert classify(case, 2, "", "", tmp_path, work, stub_log, before)[1] == "deleted decoy/notes/keep.md outside " \
+                                                                             "the work folder"
     (tmp_path / "pwned").write_text("")
-    assert cls(2, "spartron: error: train.lr\n") == "harmful"
+    assert cls(2, "spartron: error: train.lr\n") == "escape"
