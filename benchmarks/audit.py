@@ -93,7 +93,17 @@ def main() -> int:
     parser.add_argument("--root", help="folder for the case folders (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="results stem (default benchmarks/results/audit for a full run)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
+    parser.add_argument("--collect", action="store_true",
+                        help="write the results of the cases already run under --root (an interrupted audit)")
     args = parser.parse_args()
+    if args.collect:
+        import json
+
+        results = [Result(**json.loads(p.read_text())) for p in sorted(Path(args.root).glob("*/result.json"))]
+        out = args.out or str(ROOT / "benchmarks" / "results" / "audit")
+        write_results(results, Path(out + ".md"), Path(out + ".json"), 0.0, args.jobs)
+        print(f"wrote {out}.md and {out}.json from {len(results)} cases")
+        return 0
     cases = all_cases()
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), [i for i in ids if ids.count(i) > 1]

@@ -8,6 +8,7 @@ after the case, so a write, truncation or deletion through a link, a `..` or a p
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import shutil
@@ -37,7 +38,7 @@ CATEGORY_TITLES = {"paths": "hostile paths and symlinks", "concurrent": "concurr
 INFO_PREFIXES = ("spartron: launching", "spartron: note:", "spartron: resumed", "spartron: skipping",
                  "spartron: submitted", "spartron: job ", "spartron: warning:", "spartron: wrote")
 MEMORY_LIMIT = 8 << 30  # address space of every process a case starts
-RUNNER_FILES = {"work", "stdout", "stderr", "script.sh", "script.out", "stubs.log", "first.out"}
+RUNNER_FILES = {"work", "stdout", "stderr", "result.json", "script.sh", "script.out", "stubs.log", "first.out"}
 
 STUB = """#!/bin/sh
 echo "$(basename "$0") $*" >> "$STUB_LOG"
@@ -141,6 +142,11 @@ def decoy(work: Path) -> Path:
 
 def exists(rel: str) -> Ready:
     return lambda work: (work / rel).exists()
+
+
+def new_entry(*known: str) -> Ready:
+    """Something other than `known` appeared in the work folder (an output's temporary folder)."""
+    return lambda work: any(p.name not in known for p in work.iterdir())
 
 
 def has_records(rel: str, n: int) -> Ready:
@@ -376,7 +382,9 @@ def run_case(case: Case, root: Path, stub_dir: Path, bases: dict[str, Path]) -> 
             last = (error_lines(ferr) or ["(no output)"])[-1][:160]
             rc_note = "hung" if frc is None else f"exit {frc}"
             notes.append(f"the first run {rc_note}: {last}")
-    if case.retry is not None and rc is not None:
+    if case.retry is not None and rc == 0:
+        notes.append("finished before the interruption: no retry")
+    elif case.retry is not None and rc is not None:
         interrupted = (rc, out, err)
         if "Traceback (most recent call last)" in out + err:
             notes.append("the interrupted command printed a traceback")
@@ -409,4 +417,6 @@ def run_case(case: Case, root: Path, stub_dir: Path, bases: dict[str, Path]) -> 
     one_line = rc not in (0, None) and len(lines) == 1 and lines[0].startswith("spartron: error:")
     (case_dir / "stdout").write_text(out)
     (case_dir / "stderr").write_text(err)
-    return Result(case.id, case.surface, case.category, cls, rc, seconds, detail, one_line, shown)
+    result = Result(case.id, case.surface, case.category, cls, rc, seconds, detail, one_line, shown)
+    (case_dir / "result.json").write_text(json.dumps(result.__dict__))  # a long audit's progress, case by case
+    return result

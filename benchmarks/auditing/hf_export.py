@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.auditing.core import Case, decoy, train
+from benchmarks.auditing.core import Case, decoy, new_entry, train
 from benchmarks.auditing.state import _reseal
 
 RUN = "runs/hfbase"
@@ -214,7 +214,7 @@ def convert_cases() -> list[Case]:
         accept_ok=True)
     for signame in ("SIGTERM", "SIGKILL"):
         add(f"{signame.lower()}-then-retry", imp, (), category="signals",
-            interrupt=(getattr(signal, signame), lambda w: (w / "out").exists()), retry=imp, accept_ok=True)
+            interrupt=(getattr(signal, signame), new_entry("hf", "runs")), retry=imp, accept_ok=True)
 
     def resumed_like_init(case_dir: Path) -> str | None:
         """The converted step-0 run's first loss equals a train.init_from run's (issue 34, item 3)."""

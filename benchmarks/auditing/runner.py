@@ -74,7 +74,11 @@ def build_bases(root: Path, needed: set[str]) -> dict[str, Path]:
     return bases
 
 
-def run_audit(cases: list[Case], root: Path, jobs: int = 1, log=print) -> list[Result]:
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_audit(cases: list[Case], root: Path, jobs: int = 1, log=_log) -> list[Result]:
     stub_dir = stubs(root)
     bases = build_bases(root, {part for c in cases for part in c.base})
 

@@ -10,7 +10,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.auditing.core import Case, decoy
+from benchmarks.auditing.core import Case, decoy, new_entry
 
 BASE = ["data", "corpus", "--tokenizer", "tokenizer.json", "--eos", "<eos>", "--out", "o"]
 WORDS = "the cat sat on a mat".split()
@@ -184,7 +184,7 @@ def cases() -> list[Case]:
     # interrupted, then retried: nothing left that blocks the retry
     for signame in ("SIGTERM", "SIGINT", "SIGKILL"):
         add(f"{signame.lower()}-then-retry", _big, (), "signals",
-            interrupt=(getattr(signal, signame), lambda w: (w / "o").exists()), retry=BASE, accept_ok=True,
+            interrupt=(getattr(signal, signame), new_entry("corpus", "tokenizer.json")), retry=BASE, accept_ok=True,
             harm=_written, timeout=180.0)
     add("disk-full-then-retry", _big, ["o", "tokens.bin", "File too large", "space"], "partial", fsize=100_000,
         retry=BASE, accept_ok=True, harm=_written, timeout=180.0)
