@@ -1,0 +1,80 @@
+"""Intended stops and refusals are one `spartron: error: ...` line with exit status 2 and no traceback:
+the loss guards through `spartron train` on 1 and 2 local ranks, and the launcher's report of a rank that
+refused (rank logs keep the detail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.local import launch_local
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+def _train(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", f"launch.nproc={nproc}",
+               "--set", f"train.run_dir={json.dumps(str(tmp_path / 'run'))}", "--set", "train.progress=false"]
+    for item in overrides:
+        command += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "first rank to fail" not in proc.stderr, proc.stderr
+    return [line for line in proc.stderr.splitlines() if line.startswith("spartron: error:")]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_max_loss_stop_is_one_line_naming_step_value_and_key(tmp_path, nproc):
+    proc = _train(tmp_path, nproc, "train.max_loss=1.0", "train.steps=2")
+    assert _errors(proc) == ["spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1"]
+    assert proc.stderr.endswith("spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1\n")
+    if nproc == 2:  # rank 1 stopped at the same step and says so in its log
+        assert "loss 8.12279 at step 1 is above train.max_loss = 1" in (tmp_path / "run/logs/rank1.log").read_text()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_non_finite_loss_stop_is_one_line_naming_step_and_value(tmp_path, nproc):
+    proc = _train(tmp_path, nproc, "train.lr=1e30", "train.loss_spike_factor=0", "train.steps=4")
+    (line,) = _errors(proc)
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if r["type"] == "step"]
+    assert steps and all(r["step"] == i for i, r in enumerate(steps, 1))  # the steps before it were logged
+    assert line.startswith(f"spartron: error: non-finite values at step {len(steps) + 1}: loss "), line
+    assert ", grad norm nan (lm " in line, line
+
+
+def _ranks(tmp_path: Path, body: str) -> list[str]:
+    """A fake rank: `body` runs with r = its rank."""
+    return [sys.executable, "-c", f"import os, sys, time\nr = int(os.environ['RANK'])\n{body}"]
+
+
+def test_launcher_prints_the_refusing_rank_line_alone(tmp_path, capfd):
+    body = ("if r == 1: print('detail'); print('spartron: error: data.bin:3 is bad', file=sys.stderr); sys.exit(2)\n"
+            "time.sleep(60)")
+    assert launch_local(_ranks(tmp_path, body), 2, os.environ, tmp_path / "logs") == 2
+    assert capfd.readouterr().err == "spartron: error: data.bin:3 is bad\n"
+    assert (tmp_path / "logs" / "rank1.log").read_text() == "detail\nspartron: error: data.bin:3 is bad\n"
+
+
+def test_launcher_adds_nothing_when_rank_0_refused(tmp_path, capfd):
+    body = "print('spartron: error: a guard stop', file=sys.stderr); sys.exit(2)"
+    assert launch_local(_ranks(tmp_path, body), 2, os.environ, tmp_path / "logs") == 2
+    assert capfd.readouterr().err == "spartron: error: a guard stop\n"  # rank 0's own line, once
+
+
+def test_launcher_reports_a_status_2_without_an_error_line_as_a_failure(tmp_path, capfd):
+    body = "if r == 1: print('no line'); sys.exit(2)\ntime.sleep(60)"
+    assert launch_local(_ranks(tmp_path, body), 2, os.environ, tmp_path / "logs") == 2
+    err = capfd.readouterr().err
+    assert err.startswith("spartron: rank 1 exited with status 2, the first rank to fail; stopped the other "
+                          f"ranks; last lines of {tmp_path / 'logs' / 'rank1.log'}:\nno line\n"), err
