@@ -146,7 +146,7 @@ def _special_tokens(folder: Path) -> tuple[str | None, str | None]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ConfigError(f"{config}: not a readable JSON file ({err})") from None
     if not isinstance(data, dict):
-        return None, None
+        raise ConfigError(f"{config}: not a JSON object (a tokenizer_config.json holds one)")
 
     def token(key: str) -> str | None:
         value = data.get(key)
@@ -170,8 +170,11 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: st
     try:
         raw = file.read_bytes()
         backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"tokenizer {str(file)!r} cannot be read: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"tokenizer {str(file)!r} cannot be read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"tokenizer {str(file)!r} is not UTF-8 text (byte {err.start}): not a tokenizers JSON "
+                          "file") from None
     except Exception as err:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad file
         raise ConfigError(f"tokenizer {str(file)!r} is not a tokenizers JSON file: {err}") from None
     config_eos, config_bos = _special_tokens(file.parent)

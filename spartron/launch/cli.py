@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from spartron import __version__
 from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS, exit_process
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
@@ -132,7 +133,7 @@ def _as_rank(body: Callable[[], int]) -> int:
         return body()
     except BaseException as err:  # noqa: BLE001 - every failure must surface and end this rank
         if isinstance(err, Exception) and _is_user_error(err):
-            print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
+            print(error_line(err), file=sys.stderr)
             code = USAGE_ERROR
         else:
             traceback.print_exc()
@@ -405,6 +406,9 @@ def cmd_data(args: argparse.Namespace) -> int:
             last[0] = time.monotonic()
             print(f"spartron data: {documents} documents, {tokens} tokens", file=sys.stderr, flush=True)
 
+    if args.text_key in ("", "messages"):
+        raise UsageError(f"--text-key {args.text_key!r}: name the text field of pretraining records ('messages' "
+                         "holds chats)")
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the partial output is removed
     try:
         meta = prepare_corpus(args.corpus, args.tokenizer, args.out, eos_token=args.eos, text_key=args.text_key,
@@ -425,6 +429,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 # ---- parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spartron", description="Distributed training of sparse MoE models with MLA+DSA.")
+    parser.add_argument("--version", action="version", version=f"spartron {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, required=True)
 
     p = sub.add_parser("train", help="train a config (launch.nproc local ranks, or a rank of torchrun/srun)",
@@ -533,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(err: Exception) -> str:
+    """The one line a refusal prints: a line break inside the message (a file name holding one, a library's
+    multi-line text) is written as \\n, so the line stays one line."""
+    return ERROR_PREFIX + str(err).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _is_user_error(err: Exception) -> bool:
     """Mistakes in the config, the flags, the data, the disk or the launch environment (not bugs in a run),
     also when the trainer wrapped one in its "rank r failed at step s" TrainingError (a data sample found
@@ -562,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not _is_user_error(err):
             raise
-        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
+        print(error_line(err), file=sys.stderr)
         return USAGE_ERROR
 
 

@@ -196,3 +196,28 @@ def test_an_interrupted_run_leaves_nothing_that_blocks_the_retry(tmp_path, tok, 
     retry = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert retry.returncode == 0, retry.stderr
     assert json.loads((out / "tokens.json").read_text())["n_documents"] == 2 * 4000
+
+
+def test_tokenizer_files_and_flags(tmp_path, tok, capfd):
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat"}])
+    (tmp_path / "bin.json").write_bytes(b"\x00\x01\xff")
+    assert _refused(capfd, corpus, tmp_path / "bin.json", tmp_path / "out") == (
+        f"tokenizer {str(tmp_path / 'bin.json')!r} is not UTF-8 text (byte 2): not a tokenizers JSON file")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tok.read_bytes())
+    (folder / "tokenizer_config.json").write_text("[1]")
+    capfd.readouterr()
+    code = main(["data", str(corpus), "--tokenizer", str(folder), "--out", str(tmp_path / "out")])
+    assert (code, capfd.readouterr().err) == (
+        2, f"spartron: error: {folder / 'tokenizer_config.json'}: not a JSON object (a tokenizer_config.json "
+           "holds one)\n")
+    assert _refused(capfd, corpus, tok, tmp_path / "out", "--text-key", "messages") == (
+        "--text-key 'messages': name the text field of pretraining records ('messages' holds chats)")
+
+
+def test_a_line_break_in_a_file_name_stays_one_line(tmp_path, tok, capfd):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x\ny.jsonl").write_text('{"text": "the cat"}\n{broken\n')
+    got = _refused(capfd, tmp_path / "c", tok, tmp_path / "out")
+    assert got.startswith(f"{tmp_path / 'c'}/x\\ny.jsonl:2: not valid JSON: "), got

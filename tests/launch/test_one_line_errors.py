@@ -78,3 +78,12 @@ def test_launcher_reports_a_status_2_without_an_error_line_as_a_failure(tmp_path
     err = capfd.readouterr().err
     assert err.startswith("spartron: rank 1 exited with status 2, the first rank to fail; stopped the other "
                           f"ranks; last lines of {tmp_path / 'logs' / 'rank1.log'}:\nno line\n"), err
+
+
+def test_version(capsys):
+    from spartron import __version__
+    from spartron.launch.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"spartron {__version__}\n"
