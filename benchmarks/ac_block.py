@@ -1,6 +1,6 @@
 """Activation checkpointing cost on one transformer block: Spartron's boundary vs torch.utils.checkpoint.
 
-    python benchmarks/ac_block.py --out benchmarks/results/ac_block.json   # one CUDA GPU, bf16
+    python benchmarks/ac_block.py --out benchmarks/results/ac_block/ac_block.json   # one CUDA GPU, bf16
     python benchmarks/ac_block.py --smoke                                  # tiny, CPU, seconds
 
 Block: RMSNorm -> fused QKV -> causal SDPA -> out proj -> RMSNorm -> SwiGLU MLP, hidden 4096,

@@ -1,6 +1,7 @@
 """Host cost of the eager replay validation (issue 22: at most 1% of the step's wall time).
 
-    python benchmarks/ac_validation_cost.py --out benchmarks/results/ac_validation_cost.json   # dsv3-12l, GPU
+    python benchmarks/ac_validation_cost.py \
+        --out benchmarks/results/ac_validation_cost/ac_validation_cost_SHA.json  # dsv3-12l, GPU
     python benchmarks/ac_validation_cost.py --smoke                                             # tiny, CPU
 
 What is validated: every op an eager checkpoint region dispatches in its original pass is recorded

@@ -2,7 +2,7 @@
 plus torch's fused AdamW, and TritonAdamW (train.adamw_kernel = "triton": clip coefficient and update in one
 pass), against the device's measured copy bandwidth.
 
-    python benchmarks/adamw.py --commit SHA --out benchmarks/results/adamw_SHA.json
+    python benchmarks/adamw.py --commit SHA --out benchmarks/results/adamw/adamw_SHA.json
     python benchmarks/adamw.py --smoke     # tiny shapes on the CPU (Triton rows only with TRITON_INTERPRET=1)
 
 The parameters are the preset's own (the model built on the meta device: names, shapes, dtype), allocated on

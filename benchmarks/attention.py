@@ -1,6 +1,6 @@
 """Dense MLA attention at the benchmark shape: which SDPA layouts run fast, isolated and inside the layer.
 
-    python benchmarks/attention.py --commit $(git rev-parse HEAD) --out benchmarks/results/attention.json
+    python benchmarks/attention.py --commit $(git rev-parse HEAD) --out benchmarks/results/attention/attention.json
 
 Shapes default to dsv3-12l's attention (B 2, H 16, S 4096, qk 192, v 128, causal, bf16). Variants:
 - `bhsd_contiguous`: q, k, v each contiguous [B, H, S, D] (the layout SDPA documents);

@@ -1,6 +1,6 @@
 """The `spartron_collectives::all_to_all` boundary vs the raw `torch.distributed.all_to_all_single`.
 
-    python benchmarks/collectives.py --out benchmarks/results/collectives.json   # 2 CUDA GPUs, NCCL
+    python benchmarks/collectives.py --out benchmarks/results/collectives/collectives.json   # 2 CUDA GPUs, NCCL
     python benchmarks/collectives.py --world 1 --sizes-mb 1 16 --commit SHA ...  # host cost on one GPU
     python benchmarks/collectives.py --smoke                                     # 2 CPU ranks, gloo, tiny
     python benchmarks/collectives.py --fake-group                                # host cost alone, on the CPU

@@ -184,5 +184,5 @@ def trainer_report_header(benchmark: str, args: Any, world: int) -> dict:
     return {"benchmark": benchmark, "device": device_name(torch.cuda.is_available() and not args.smoke),
             "world_size": world, "torch": torch.__version__,
             "triton": importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None,
-            "git_commit": args.commit or git_commit(), "config": str(config)}
+            "commit": args.commit or git_commit(), "config": str(config)}
 

@@ -1,6 +1,6 @@
 """DeepEP vs all_to_all MoE dispatcher on 2 GPUs (EP=2, spawned NCCL ranks).
 
-    python benchmarks/deepep.py --out benchmarks/results/deepep.json   # 2 CUDA GPUs + deep_ep, bf16
+    python benchmarks/deepep.py --out benchmarks/results/deepep/deepep.json   # 2 CUDA GPUs + deep_ep, bf16
     python benchmarks/deepep.py --smoke                                # CPU/gloo: all_to_all side only
 
 Shapes (the MoE benchmark's): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 shared

@@ -1,6 +1,7 @@
 """How fast can the 16-head sparse-MLA backward add its dkv rows? The adds alone, no attention math.
 
-    python benchmarks/dkv_atomics_floor.py --seq 16384 --out benchmarks/results/dkv_atomics_floor.json --commit SHA
+    python benchmarks/dkv_atomics_floor.py --commit SHA \
+        --seq 16384 --out benchmarks/results/dkv_atomics_floor/dkv_atomics_floor_SHA.json
 
 Per selected (query, key) pair the one-walk backward adds a 576-wide float32 row into dkv (2304 bytes),
 reduced over the heads only; at 16k tokens and top-k 2048 that is ~72 GB a step. This times that

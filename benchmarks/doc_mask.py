@@ -1,6 +1,6 @@
 """Block-causal attention over packed documents (layers/attention/doc_mask.py) against plain causal SDPA.
 
-    python benchmarks/doc_mask.py --commit SHA --out benchmarks/results/doc_mask.json   # CUDA, dsv3-12l dims
+    python benchmarks/doc_mask.py --commit SHA --out benchmarks/results/doc_mask/doc_mask.json   # CUDA, dsv3-12l dims
     python benchmarks/doc_mask.py --smoke                                                # tiny, CPU, seconds
 
 Per-head dense MLA form (what MLA._dense runs): q, k [B, H, S, nope + rope], v [B, H, S, v], bf16.

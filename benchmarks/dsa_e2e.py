@@ -1,6 +1,7 @@
 """DSA against dense MLA end to end: the same model, with and without `[model.dsa]`, at one sequence length.
 
-    python benchmarks/dsa_e2e.py --seq 16384 --out benchmarks/results/dsa_e2e_16384.json --commit SHA  # H200
+    python benchmarks/dsa_e2e.py --seq 16384 --commit SHA \
+        --out benchmarks/results/dsa_e2e/dsa_e2e_16384_SHA.json  # H200
     python benchmarks/dsa_e2e.py --seq 65536 --set model.n_heads=64 --out ...   # another head count
     python benchmarks/dsa_e2e.py --smoke                                         # CPU, seconds
 

@@ -1,6 +1,7 @@
 """How much do neighbouring queries' DSA selections overlap in a training run? (Is cross-query reuse worth a kernel?)
 
-    python benchmarks/dsa_id_overlap.py --seq 16384 --steps 20 --out benchmarks/results/dsa_id_overlap.json  # GPU
+    python benchmarks/dsa_id_overlap.py --seq 16384 --steps 20 \
+        --out benchmarks/results/dsa_id_overlap/dsa_id_overlap_16384_SHA.json  # GPU
     python benchmarks/dsa_id_overlap.py --smoke                                                             # CPU
 
 The sparse kernels walk each query's own ids, so every selected (query, key) pair costs one kv row gather

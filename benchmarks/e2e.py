@@ -1,7 +1,7 @@
 """End-to-end training benchmark: tokens/s per GPU, MFU and peak memory for each activation-
 checkpointing mode (none / full / selective / selective + offload), compile off and on, on a fixed preset.
 
-    python benchmarks/e2e.py --out benchmarks/results/e2e.json            # GPU preset (dsv3-12l)
+    python benchmarks/e2e.py --out benchmarks/results/e2e/e2e_dsv3-12l_SHA.json            # GPU preset (dsv3-12l)
     python benchmarks/e2e.py --config configs/dsa-12l.toml --out ...      # the DSA preset
     python benchmarks/e2e.py --smoke                                      # tiny preset, CPU, seconds
     torchrun --nproc-per-node 8 benchmarks/e2e.py --config ...            # several GPUs: rank 0 writes

@@ -1,6 +1,6 @@
 """The lightning indexer on the GPU: `spartron::indexer_topk` (Triton scores + Triton top-k) timed and checked.
 
-    python benchmarks/indexer.py --out benchmarks/results/indexer.json --commit SHA   # CUDA
+    python benchmarks/indexer.py --out benchmarks/results/indexer/indexer_SHA.json --commit SHA   # CUDA
     python benchmarks/indexer.py --smoke                                              # tiny, CPU (reference)
 
 Per case SEQ (default 16k and 64k; 32 index heads x 128, top-k 2048, batch 1, causal): the score

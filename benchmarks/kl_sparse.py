@@ -1,6 +1,6 @@
 """kl_sparse's loss pieces on CUDA: the Triton kernels against the chunked PyTorch path they replaced.
 
-    python benchmarks/kl_sparse.py --out benchmarks/results/kl_sparse.json --commit SHA   # H200, 16k
+    python benchmarks/kl_sparse.py --out benchmarks/results/kl_sparse/kl_sparse_SHA.json --commit SHA   # H200, 16k
     python benchmarks/kl_sparse.py --smoke                                                  # CPU, tiny
 
 `model.dsa.indexer_mode = "kl_sparse"` (attention/indexer_kl.py) computes, per query over its top-k ids, the

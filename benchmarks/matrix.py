@@ -7,7 +7,7 @@ global batches, so its loss and grad-norm traces are compared with the EP1/CP1 b
 design); a second baseline run measures the noise floor. Writes one JSON with every cell (tokens/s
 per GPU, MFU, peak memory, loss trace, the comparison) and a PNG of the loss traces.
 
-    python benchmarks/matrix.py --gpus 2 --out benchmarks/results/matrix_2gpu.json
+    python benchmarks/matrix.py --gpus 2 --out benchmarks/results/matrix/matrix_2gpu.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A megatron-core GPTModel built from Spartron's layer specs, trained for a few steps.
 
-    python benchmarks/megatron_gpt.py --out benchmarks/results/megatron_gpt.json   # CUDA, one GPU
+    python benchmarks/megatron_gpt.py --out benchmarks/results/megatron_gpt/megatron_gpt.json   # CUDA, one GPU
     python benchmarks/megatron_gpt.py --smoke                                       # tiny, CPU, seconds
 
 What it shows: Megatron's GPTModel (embedding, TransformerBlock, output layer, vocab-parallel loss)
@@ -180,7 +180,7 @@ def main() -> int:
         "benchmark": "megatron_gpt",
         "device": device_name(device.type == "cuda"),
         "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", None),
-        "git_commit": git_commit(), "smoke": args.smoke,
+        "commit": git_commit(), "smoke": args.smoke,
         "shapes": {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
                    "model": ModelConfig(**model).model_dump(), "dsa": dsa},
         "cases": rows,

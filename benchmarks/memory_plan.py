@@ -2,7 +2,7 @@
 predicted peak allocated bytes per rank next to torch.cuda.max_memory_allocated of every step the
 public Trainer runs (its step records reset and read the peak), eager.
 
-    python benchmarks/memory_plan.py --out benchmarks/results/memory_plan_dsv3-12l.json --commit SHA
+    python benchmarks/memory_plan.py --out benchmarks/results/memory_plan/memory_plan_dsv3-12l.json --commit SHA
     python benchmarks/memory_plan.py --smoke        # tiny preset on CPU: the plan only (no allocator peak)
     torchrun --nproc-per-node 2 benchmarks/memory_plan.py --set parallel.ep=2 ...   # rank 0 writes
 

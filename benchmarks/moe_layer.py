@@ -1,6 +1,6 @@
 """MoE layer benchmark: fwd+bwd time, grouped-GEMM efficiency, EP=2 dispatch/combine bandwidth.
 
-    python benchmarks/moe_layer.py --out benchmarks/results/moe_layer.json   # 1 or 2 CUDA GPUs, bf16
+    python benchmarks/moe_layer.py --out benchmarks/results/moe_layer/moe_layer.json   # 1 or 2 CUDA GPUs, bf16
     python benchmarks/moe_layer.py --smoke                                   # tiny, CPU/gloo, seconds
 
 Shapes (issue 5): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 shared experts,

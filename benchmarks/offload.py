@@ -1,6 +1,6 @@
 """Offload windows and intra-layer micro-batches on the reference GPU model.
 
-    python benchmarks/offload.py --out benchmarks/results/offload.json     # CUDA (H200), dsv3-12l
+    python benchmarks/offload.py --out benchmarks/results/offload/offload.json     # CUDA (H200), dsv3-12l
     python benchmarks/offload.py --smoke                                   # tiny preset, CPU, seconds
 
 Everything runs through the public Trainer (`Trainer.step(StepProbe(...))` picks the step's offloader
@@ -528,7 +528,7 @@ def main() -> None:
     cfg = load_config(config, overrides)
     report = {
         "benchmark": "offload", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "git_commit": git_commit(), "config": str(config), "overrides": overrides,
+        "torch": torch.__version__, "commit": git_commit(), "config": str(config), "overrides": overrides,
         "shapes": {"layers": cfg.model.n_layers, "dim": cfg.model.dim, "seq_len": cfg.train.seq_len,
                    "micro_batch_size": cfg.train.micro_batch_size, "dtype": cfg.model.dtype},
         "targets": {"step_time_ratio_max": 1.05, "peak_reduction_over_offloaded_min": 0.8,

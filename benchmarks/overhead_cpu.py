@@ -1,6 +1,6 @@
 """Host-side (Python) overhead of two thin boundaries, measured on CPU with tiny tensors.
 
-    python benchmarks/overhead_cpu.py --out benchmarks/results/overhead_cpu.json
+    python benchmarks/overhead_cpu.py --out benchmarks/results/overhead_cpu/overhead_cpu.json
 
 Tiny tensors make the Python work per call dominate, so this compares versions of the code on any
 machine (it is not a GPU number; the GPU runs see this cost only where the host does not run ahead).

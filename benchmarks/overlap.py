@@ -1,6 +1,6 @@
 """Can the token exchange hide under the experts' GEMMs on this machine? Contention, measured.
 
-    python benchmarks/overlap.py --out benchmarks/results/overlap.json   # 2 CUDA GPUs
+    python benchmarks/overlap.py --out benchmarks/results/overlap/overlap.json   # 2 CUDA GPUs
 
 Intra-layer micro-batching (train.intra_layer_micro_batches = 2) only pays when one micro-batch's
 all-to-all runs while the other's compute runs *and neither slows down much*. This measures that
@@ -149,7 +149,7 @@ def main() -> None:
         print(f"{row['transport']:>12} {row['sm_carveout']:>8} {row['gemm_ms']:7.2f} {row['comm_ms']:7.2f} "
               f"{row['both_ms']:7.2f} {row['hidden_fraction']:7.2f} {row['over_longer_ms']:12.2f}")
     write_report(args.out, {"benchmark": "overlap", "device": device_name(True), "torch": torch.__version__,
-                            "git_commit": git_commit(), "shapes": vars(args) | {"out": None}, "ranks": ranks})
+                            "commit": git_commit(), "shapes": vars(args) | {"out": None}, "ranks": ranks})
 
 
 if __name__ == "__main__":

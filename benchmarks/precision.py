@@ -2,7 +2,7 @@
 state in bf16) against fp32 masters with bf16 compute (model.master_dtype = "float32": sharded fp32
 parameters, fp32 gradients and AdamW state, FSDP2 all-gathering bf16 copies; one rank included).
 
-    python benchmarks/precision.py --out benchmarks/results/precision_dsv3-12l.json --commit SHA
+    python benchmarks/precision.py --out benchmarks/results/precision/precision_dsv3-12l.json --commit SHA
     python benchmarks/precision.py --smoke                      # tiny preset, CPU, seconds
 
 Each mode runs the public Trainer for --steps steps (the first --warmup excluded from the medians) on
@@ -111,7 +111,7 @@ def main() -> int:
         "benchmark": "precision", "device": device_name(torch.cuda.is_available() and not args.smoke),
         "world_size": world, "torch": torch.__version__,
         "triton": _triton_version(),
-        "cuda": torch.version.cuda, "git_commit": args.commit or git_commit(),
+        "cuda": torch.version.cuda, "commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set, "steps": args.steps, "warmup_steps_excluded": args.warmup,
         "peak_tflops_per_gpu": args.peak_tflops, "gpu_memory_gib": (torch.cuda.get_device_properties(0).total_memory

@@ -1,6 +1,6 @@
 """Profile ONE training step per activation-checkpointing mode: where does the step time go?
 
-    python benchmarks/profile_step.py --out benchmarks/results/profile_step.json     # H200, 4-layer dsv3
+    python benchmarks/profile_step.py --out benchmarks/results/profile_step/profile_step.json     # H200, 4-layer dsv3
     python benchmarks/profile_step.py --set model.n_layers=12 --modes none,selective ...
     python benchmarks/profile_step.py --smoke                                         # tiny preset, CPU
 
@@ -567,7 +567,7 @@ def main() -> int:
         "benchmark": "profile_step",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         "torch": torch.__version__,
-        "git_commit": args.commit or git_commit(),
+        "commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set,
         "warmup_steps": args.warmup,

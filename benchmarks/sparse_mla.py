@@ -1,6 +1,6 @@
 """Sparse MLA on the GPU: the Triton kernels behind `spartron::sparse_mla` against dense causal SDPA.
 
-    python benchmarks/sparse_mla.py --out benchmarks/results/sparse_mla_triton.json   # CUDA, V3.2 shapes
+    python benchmarks/sparse_mla.py --out benchmarks/results/sparse_mla/sparse_mla_triton_SHA.json   # CUDA, V3.2 shapes
     python benchmarks/sparse_mla.py --smoke                                           # tiny, CPU, seconds
 
 Sparse: absorbed MLA form, q [1, S, H, kv_lora + rope], kv [1, S, kv_lora + rope], random causal
@@ -173,7 +173,7 @@ DEFAULT_SWEEP = {  # per head block: configs timed by --sweep (kind:BHxBKxWARPSx
     16: ["bwd:16x32x4x1", "bwd:16x32x4x2:keyrows", "bwd:16x32x4x4:keyrows", "fwd:16x64x4x3", "fwd:16x32x4x3",
          "fwd:16x64x4x4"],  # the backward before [keys, columns] dkv tiles; pipeline depths around the defaults
 }
-# The exploration of these kernels' configs: benchmarks/results/sparse_mla_sweep_c944a37.json ran
+# The exploration of these kernels' configs: benchmarks/results/archive/sparse_mla/sparse_mla_sweep_c944a37.json ran
 # ["bwd:64x32x8x2x3x2", "fwd:64x64x8x2:gluon", "fwd:64x32x8x3:gluon", "bwd:64x64x8x1x3x2",
 #  "fwd:64x64x8x2:gluon:late", "fwd:64x32x8x3:gluon:late", "bwd:64x32x8x2x3x1"] at 64 heads and
 # ["bwd:16x32x4x2x3x2", "bwd:16x64x4x2x3x2"] at 16.

@@ -121,3 +121,8 @@ def test_bad_results_are_refused_by_name(tmp_path, capsys, case, message):
     assert str(e.value) == message
     assert results_index.main(["--check", "--root", str(root)]) == 2
     assert capsys.readouterr().err == f"spartron: error: {message}\n"
+
+
+def test_benchmarks_write_commit_not_git_commit():
+    writers = [p.name for p in (ROOT / "benchmarks").glob("*.py") if '"git_commit":' in p.read_text()]
+    assert writers == []
