@@ -1,6 +1,6 @@
 """Dense MLA takes SDPA's is_causal path whenever its keys are the local tokens in order, including
 with a 1-rank CP group (what the Trainer passes on one GPU): an explicit [S, S] mask there is the
-same function but runs cuDNN's masked kernel, 3-4x slower on the H200 (benchmarks/results/attention*.json)."""
+same function but runs cuDNN's masked kernel, 3-4x slower on the H200 (benchmarks/results/attention/)."""
 
 import torch
 import torch.nn.functional as F
