@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from text_corpus import make_tokenizer, write_jsonl  # next to this file
 
 from spartron.launch.cli import main
-from text_corpus import make_tokenizer, write_jsonl  # next to this file
 
 
 @pytest.fixture
