@@ -31,6 +31,7 @@ from spartron.checkpointing.saved_ops import PolicyMode, RegionStats, SavedOps
 from spartron.comm.collectives import all_to_all
 from spartron.comm.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
 from spartron.comm.deepep_buffer import load_deep_ep
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.runtime.metrics import git_commit
@@ -142,7 +143,7 @@ def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     group = dist.group.WORLD
     torch.manual_seed(0)
-    a2a = MoELayer(model_cfg(shape, dtype, "all_to_all", num_sms), ep_group=group, device=device)
+    a2a = MoELayer(model_cfg(shape, dtype, "all_to_all", num_sms), EPTransport(group), device=device)
     torch.manual_seed(1 + rank)
     x3 = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
     g = torch.randn_like(x3)
@@ -151,7 +152,7 @@ def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, 
         routing = a2a.router(x3)
     res = {"rank": rank, "all_to_all": _measure_all_to_all(a2a, x, x3, g, routing, group, iters, warmup)}
     try:
-        dep = MoELayer(model_cfg(shape, dtype, "deepep", num_sms), ep_group=group, device=device)
+        dep = MoELayer(model_cfg(shape, dtype, "deepep", num_sms), EPTransport(group), device=device)
         dep.load_state_dict(a2a.state_dict())
         try:
             res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)

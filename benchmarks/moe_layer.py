@@ -25,6 +25,7 @@ import torch._dynamo  # noqa: F401  (imported lazily by custom ops; load it once
 import torch.distributed as dist
 
 from spartron.comm.collectives import all_to_all
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.layers.moe.experts import grouped_mm_available
@@ -131,7 +132,7 @@ def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warm
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     group = dist.group.WORLD
     torch.manual_seed(0)
-    layer = MoELayer(model_cfg(shape, dtype), ep_group=group, device=device)
+    layer = MoELayer(model_cfg(shape, dtype), EPTransport(group), device=device)
     torch.manual_seed(1 + rank)
     x = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
     d = layer.dispatcher

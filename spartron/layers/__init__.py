@@ -1,8 +1,8 @@
 """spartron.layers: the model pieces, each returning a TypedDict (outputs.py).
 
 attention/ (MLA, DSA, RoPE, context parallelism, the sparse-MLA op), moe/ (router and the moe_topk op,
-routing telemetry op, grouped experts, dispatchers, the MoE layer), schedule.py (the intra-layer
-micro-batch phase scheduler), decoder.py / mtp.py / model.py (the reference SparseMoEModel),
+routing telemetry op, grouped experts, dispatchers, the MoE layer), overlap.py (the intra-layer
+micro-batch overlap plan), decoder.py / mtp.py / model.py (the reference SparseMoEModel),
 parallelize.py (AC, compile, FSDP2 over a ParallelizableModel), costs.py (THE parameter / FLOP /
 memory model), init.py (layout-invariant initialisation), config.py (the `[model]` section).
 Importing this package registers the layers' ops (and, through the MoE dispatch, spartron.comm's).

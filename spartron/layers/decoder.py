@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -22,16 +23,21 @@ from spartron.layers.attention.mla import MLA
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.moe import MoELayer
+from spartron.layers.moe.layer import MoEState
 from spartron.layers.norms import RMSNorm
-from spartron.layers.outputs import DecoderLayerOutput
-from spartron.layers.schedule import Carry, Step, drive, interleave, mean_or_none, sum_or_none, then
+from spartron.layers.outputs import DecoderLayerOutput, MoEOutput
+from spartron.layers.overlap import Phase, mean_or_none, run_interleaved, sum_or_none
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); dense SwiGLU or MoE FFN."""
+    """Pre-norm block: h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h)), a dense SwiGLU or MoE FFN.
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None,
-                 transport: EPTransport | None = None):
+    `transport`: the EP group's buffers for the MoE FFN (None: one rank); `moe_micro_batches`: the
+    chunks of the MoE layer's routed path (train.intra_layer_micro_batch_scope = "experts").
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, transport: EPTransport | None = None, cp_group=None,
+                 *, moe_micro_batches: int = 1):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -39,7 +45,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.is_moe = layer_idx >= cfg.first_k_dense
         if self.is_moe:
-            self.ffn = MoELayer(cfg, ep_group=ep_group, transport=transport)
+            self.ffn = MoELayer(cfg, transport, micro_batches=moe_micro_batches)
         else:
             self.ffn = FeedForward(cfg.dim, cfg.dense_inter_dim)
 
@@ -47,64 +53,97 @@ class DecoderLayer(nn.Module):
                 dsa_topk_ids: Tensor | list[Tensor] | None = None) -> DecoderLayerOutput:
         """x: [B, S, D], or a list of intra-layer micro-batches run interleaved (fields become lists)."""
         if isinstance(x, (list, tuple)):
-            return run_micro_batches(self, list(x), positions, dsa_topk_ids)
-        return drive(self.phases(), _carry(x, positions, dsa_topk_ids))["out"]
-
-    def phases(self) -> list[Step]:
-        """The forward as steps over a carry of "x", "positions", "dsa_topk_ids" that ends holding
-        "out" (the DecoderLayerOutput): attention opens the MoE layer's first step and the output
-        closes its last, so a MoE block has the MoE layer's phases and a dense block one step."""
+            return self._micro_batched(list(x), positions, dsa_topk_ids)
+        h, ids, indexer_loss = self._attend(x, positions, dsa_topk_ids)
         if not self.is_moe:
-            return [Step(then(self._attention, self._dense_ffn))]
-        steps = self.ffn.phases()
-        steps[0] = Step(then(self._attention, self._ffn_input, steps[0].run), steps[0].phase)
-        steps[-1] = Step(then(steps[-1].run, self._moe_output), steps[-1].phase)
-        return steps
+            return _output(h + self.ffn(self.ffn_norm(h)), ids, indexer_loss)
+        moe = self.ffn(self.ffn_norm(h))
+        return _output(h + moe["hidden_states"], ids, indexer_loss, moe)
 
-    def _attention(self, c: Carry) -> None:
-        x = c.pop("x")
-        attn = self.attn(self.attn_norm(x), c.pop("positions"), dsa_topk_ids=c.pop("dsa_topk_ids"))
-        c["h"] = x + attn["hidden_states"]
-        c["ids"], c["indexer_loss"] = attn["dsa_topk_ids"], attn["indexer_loss"]
+    def _attend(self, x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None):
+        """h = x + attn(attn_norm(x)) with the attention's DSA ids and indexer loss (its output is not
+        kept past the residual add)."""
+        attn = self.attn(self.attn_norm(x), positions, dsa_topk_ids=dsa_topk_ids)
+        return x + attn["hidden_states"], attn["dsa_topk_ids"], attn["indexer_loss"]
 
-    def _ffn_input(self, c: Carry) -> None:
-        c["moe_in"] = self.ffn_norm(c["h"])
+    # ---- the same forward in phases, for spartron.layers.overlap ----------------------------------
+    def phases(self) -> list[Phase]:
+        """`forward` cut where the MoE layer communicates (spartron.layers.overlap.Phased): the first
+        phase takes a LayerInput, the last returns the DecoderLayerOutput. A dense block, or one whose
+        MoE layer interleaves its own chunks, is one phase."""
+        if not self.is_moe or self.ffn.micro_batches > 1:
+            # the plain forward itself, not a checkpoint region's override: the region is already open
+            return [Phase(lambda inp: DecoderLayer.forward(self, *inp))]
+        return [Phase(self._attend_and_route), Phase(self._dispatch, comm=True), Phase(self._run_experts),
+                Phase(self._combine, comm=True), Phase(self._finalize)]
 
-    def _dense_ffn(self, c: Carry) -> None:
-        h = c.pop("h")
-        c["out"] = DecoderLayerOutput(hidden_states=h + self.ffn(self.ffn_norm(h)), dsa_topk_ids=c.pop("ids"),
-                                      indexer_loss=c.pop("indexer_loss"), aux_loss=None, tokens_per_expert=None)
+    def _attend_and_route(self, inp: LayerInput) -> BlockState:
+        h, ids, indexer_loss = self._attend(*inp)
+        return BlockState(h, ids, indexer_loss, self.ffn.route(self.ffn_norm(h)))
 
-    def _moe_output(self, c: Carry) -> None:
-        moe = c.pop("moe_out")
-        c["out"] = DecoderLayerOutput(hidden_states=c.pop("h") + moe["hidden_states"], dsa_topk_ids=c.pop("ids"),
-                                      indexer_loss=c.pop("indexer_loss"), aux_loss=moe["aux_loss"],
-                                      tokens_per_expert=moe["tokens_per_expert"])
+    def _dispatch(self, s: BlockState) -> BlockState:
+        s.moe = self.ffn.dispatch(s.moe)
+        return s
+
+    def _run_experts(self, s: BlockState) -> BlockState:
+        s.moe = self.ffn.run_experts(s.moe)
+        return s
+
+    def _combine(self, s: BlockState) -> BlockState:
+        s.moe = self.ffn.combine(s.moe)
+        return s
+
+    def _finalize(self, s: BlockState) -> DecoderLayerOutput:
+        moe = self.ffn.finalize(s.moe)
+        return _output(s.h + moe["hidden_states"], s.dsa_topk_ids, s.indexer_loss, moe)
+
+    def _micro_batched(self, xs: list[Tensor], positions: Tensor,
+                       dsa_topk_ids: Tensor | list[Tensor] | None) -> DecoderLayerOutput:
+        """The block over N micro-batches, phases interleaved; list fields, mean losses, summed counts."""
+        if isinstance(dsa_topk_ids, Tensor):
+            dsa_topk_ids = list(dsa_topk_ids.chunk(len(xs), dim=0))
+        ids = dsa_topk_ids if dsa_topk_ids is not None else [None] * len(xs)
+        if len(ids) != len(xs):
+            raise ValueError(f"{len(xs)} micro-batches but {len(ids)} dsa_topk_ids entries")
+        # packed-document positions [B, S] are per row: each micro-batch takes its rows' (1-D ones are shared)
+        rows = list(positions.chunk(len(xs), dim=0)) if positions.dim() == 2 else [positions] * len(xs)
+        outs = run_interleaved(self, [LayerInput(*a) for a in zip(xs, rows, ids, strict=True)], device=xs[0].device)
+        out_ids = [o["dsa_topk_ids"] for o in outs]
+        return DecoderLayerOutput(hidden_states=[o["hidden_states"] for o in outs],
+                                  dsa_topk_ids=None if out_ids[0] is None else out_ids,
+                                  indexer_loss=mean_or_none([o["indexer_loss"] for o in outs]),
+                                  aux_loss=mean_or_none([o["aux_loss"] for o in outs]),
+                                  tokens_per_expert=sum_or_none([o["tokens_per_expert"] for o in outs]))
 
 
-def _carry(x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None) -> Carry:
-    return {"x": x, "positions": positions, "dsa_topk_ids": dsa_topk_ids}
+class LayerInput(NamedTuple):
+    """One micro-batch's input to a block's first phase."""
+
+    x: Tensor
+    positions: Tensor
+    dsa_topk_ids: Tensor | None
 
 
-def run_micro_batches(layer: DecoderLayer, xs: list[Tensor], positions: Tensor,
-                      dsa_topk_ids: Tensor | list[Tensor] | None) -> DecoderLayerOutput:
-    """One layer over N micro-batches, phases interleaved; list fields, mean losses, summed counts."""
-    if isinstance(dsa_topk_ids, Tensor):
-        dsa_topk_ids = list(dsa_topk_ids.chunk(len(xs), dim=0))
-    ids = dsa_topk_ids if dsa_topk_ids is not None else [None] * len(xs)
-    if len(ids) != len(xs):
-        raise ValueError(f"{len(xs)} micro-batches but {len(ids)} dsa_topk_ids entries")
-    # packed-document positions [B, S] are per row: each micro-batch takes its rows' (1-D ones are shared)
-    rows = list(positions.chunk(len(xs), dim=0)) if positions.dim() == 2 else [positions] * len(xs)
-    carries = interleave([(layer.phases(), _carry(x, p, i)) for x, p, i in zip(xs, rows, ids, strict=True)],
-                         device=xs[0].device)
-    outs = [c["out"] for c in carries]
-    out_ids = [o["dsa_topk_ids"] for o in outs]
-    return DecoderLayerOutput(hidden_states=[o["hidden_states"] for o in outs],
-                              dsa_topk_ids=None if out_ids[0] is None else out_ids,
-                              indexer_loss=mean_or_none([o["indexer_loss"] for o in outs]),
-                              aux_loss=mean_or_none([o["aux_loss"] for o in outs]),
-                              tokens_per_expert=sum_or_none([o["tokens_per_expert"] for o in outs]))
+@dataclass
+class BlockState:
+    """A MoE block between its phases: the residual after attention, what attention gives the output,
+    and the MoE layer's state."""
+
+    h: Tensor
+    dsa_topk_ids: Tensor | None
+    indexer_loss: Tensor | None
+    moe: MoEState
+
+    def in_flight(self) -> tuple[Tensor, ...]:
+        """The MoE rows handed across streams (spartron.layers.overlap.InFlight)."""
+        return self.moe.in_flight()
+
+
+def _output(hidden: Tensor, ids: Tensor | None, indexer_loss: Tensor | None,
+            moe: MoEOutput | None = None) -> DecoderLayerOutput:
+    return DecoderLayerOutput(hidden_states=hidden, dsa_topk_ids=ids, indexer_loss=indexer_loss,
+                              aux_loss=None if moe is None else moe["aux_loss"],
+                              tokens_per_expert=None if moe is None else moe["tokens_per_expert"])
 
 
 @dataclass

@@ -27,35 +27,33 @@ from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
+from spartron.layers.overlap import merge_micro_batches, split_micro_batches
 from spartron.layers.parallelize import Block
-from spartron.layers.schedule import merge_micro_batches, split_micro_batches
 
 
 class SparseMoEModel(nn.Module):
-    """`transport`: the EP group's communication buffers (None: one made here); every MoE layer of the
-    model gets it when built, so all share one exchange / DeepEP buffer, released by `close()`.
-    `micro_batches` / `micro_batch_scope` (train.intra_layer_micro_batches and its scope, validated
-    with the run config): each decoder layer runs that many batch slices with their phases
+    """`transport`: the EP group's communication buffers (None: one rank, buffers made here); every MoE
+    layer of the model gets it when built, so all share one exchange / DeepEP buffer, released by
+    `close()`. `micro_batches` / `micro_batch_scope` (train.intra_layer_micro_batches and its scope,
+    validated with the run config): each decoder layer runs that many batch slices with their phases
     interleaved ("layer"), or each MoE layer that many chunks of its routed path ("experts")."""
 
-    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, loss_group=None, seed: int = 0,
-                 transport: EPTransport | None = None, micro_batches: int = 1,
-                 micro_batch_scope: Literal["layer", "experts"] = "layer"):
+    def __init__(self, cfg: ModelConfig, transport: EPTransport | None = None, cp_group=None, loss_group=None,
+                 seed: int = 0, micro_batches: int = 1, micro_batch_scope: Literal["layer", "experts"] = "layer"):
         super().__init__()
         self.cfg = cfg
         self.cp_group = cp_group
         self.loss_group = loss_group
-        self.transport = EPTransport(ep_group, cfg.moe.copy_engine_sync) if transport is None else transport
+        self.transport = EPTransport(None, cfg.moe.copy_engine_sync) if transport is None else transport
         t = self.transport
+        chunks = micro_batches if micro_batch_scope == "experts" else 1
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, ep_group, cp_group, t) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, t, cp_group, moe_micro_batches=chunks)
+                                     for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.mtp = MTP(cfg, ep_group, cp_group, t) if cfg.mtp.depth > 0 else None
+        self.mtp = MTP(cfg, t, cp_group, moe_micro_batches=chunks) if cfg.mtp.depth > 0 else None
         self.intra_layer_micro_batches = micro_batches if micro_batch_scope == "layer" else 1
-        if micro_batch_scope == "experts":
-            for moe in self.moe_layers():
-                moe.micro_batches = micro_batches
         self.init_weights(seed)
 
     def init_weights(self, seed: int = 0) -> None:
@@ -176,12 +174,17 @@ def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTrans
     such as the router's fp32 expert bias keep their own dtype.
     """
     master = cfg.model_copy(update={"dtype": "float32", "master_dtype": None})
+    ep_group = None if groups is None else groups.ep
+    if transport is None:
+        transport = EPTransport(ep_group, cfg.moe.copy_engine_sync)
+    elif transport.group is not ep_group:
+        raise ValueError("build_model: the transport's group is not the expert-parallel group (groups.ep)")
     kw = {"seed": seed, "transport": transport, "micro_batches": micro_batches, "micro_batch_scope": micro_batch_scope}
     with torch.device(device) if device is not None else contextlib.nullcontext():
         if groups is None:
             model = SparseMoEModel(master, **kw)
         else:
-            model = SparseMoEModel(master, ep_group=groups.ep, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
+            model = SparseMoEModel(master, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
     model.cfg = cfg
     dtype = getattr(torch, cfg.stored_dtype)
     if dtype != torch.float32:

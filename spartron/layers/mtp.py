@@ -23,13 +23,13 @@ from spartron.layers.outputs import MTPOutput
 
 
 class MTPBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ep_group=None, cp_group=None,
-                 transport: EPTransport | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, transport: EPTransport | None = None, cp_group=None,
+                 *, moe_micro_batches: int = 1):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.embed_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.layer = DecoderLayer(cfg, layer_idx, ep_group=ep_group, cp_group=cp_group, transport=transport)
+        self.layer = DecoderLayer(cfg, layer_idx, transport, cp_group, moe_micro_batches=moe_micro_batches)
         self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, h_prev: Tensor, embedded: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None):
@@ -57,14 +57,15 @@ class MTP(nn.Module):
     every depth is a source and the block runs one graph.
     """
 
-    def __init__(self, cfg: ModelConfig, ep_group=None, cp_group=None, transport: EPTransport | None = None):
+    def __init__(self, cfg: ModelConfig, transport: EPTransport | None = None, cp_group=None,
+                 *, moe_micro_batches: int = 1):
         super().__init__()
         self.depth = cfg.mtp.depth
         self.loss_scale = cfg.mtp.loss_scale
         n_blocks = 1 if cfg.mtp.share_weights else self.depth
         # MTP layers are numbered after the main stack so the DSA schedule treats them as their own group.
-        self.blocks = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + i, ep_group, cp_group, transport)
-                                    for i in range(n_blocks))
+        self.blocks = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + i, transport, cp_group,
+                                             moe_micro_batches=moe_micro_batches) for i in range(n_blocks))
         self.dsa_roles = dsa_schedule(cfg)[cfg.n_layers:]  # depth 0 computes ids, later depths may reuse
 
     def block(self, k: int) -> MTPBlock:

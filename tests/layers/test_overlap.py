@@ -1,24 +1,24 @@
-"""Intra-layer micro-batches: the interleaved schedule, parity of loss and grads with 1 micro-batch
-(plain, under AC, with EP=2 on gloo), the region receiving a PyTree of micro-batches, and errors."""
+"""Intra-layer micro-batches: the interleaved order of phases, the phases of a block computing its
+forward, parity of loss and grads with 1 micro-batch (plain, under AC, with EP=2 on gloo), the region
+receiving a PyTree of micro-batches, and errors."""
 
 from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import spartron.layers.overlap as overlap
 from spartron.checkpointing import ACConfig, apply_activation_checkpointing, checkpoint_region_of
-from spartron.layers.decoder import DecoderLayer
+from spartron.comm.transport import EPTransport
+from spartron.layers.decoder import DecoderLayer, LayerInput
 from spartron.layers.model import build_model
-from spartron.layers.schedule import (
-    Phase,
-    Step,
-    drive,
-    interleave,
-    merge_micro_batches,
-    split_micro_batches,
-    then,
-)
+from spartron.layers.moe import MoELayer
+from spartron.layers.overlap import Phase, interleave, merge_micro_batches, run_interleaved, split_micro_batches
 from spartron.runtime.config import load_config
 from spartron.testing import run_distributed
 
@@ -35,47 +35,76 @@ def batch(cfg, n: int = 4, seed: int = 1):
             torch.randint(0, cfg.model.vocab_size, (n, SEQ), generator=g))
 
 
-def _logged(mb: int, phases: list[str], log: list[str]) -> tuple[list[Step], dict]:
-    """A layer as steps: "attn" first, then one step per phase name; the carry ends holding mb * 10."""
-    def first(c):
+def _logged(mb: int, names: list[str], log: list[str]) -> tuple[list[Phase], None]:
+    """A layer as phases: "attn" first (it returns mb * 10), then one phase per name passing it on."""
+    def first(_):
         log.append(f"attn{mb}")
-        c["out"] = mb * 10
+        return mb * 10
 
-    def step(name):
-        return Step(lambda c: log.append(f"{name}{mb}"), Phase(name, comm=name in ("dispatch", "combine")))
+    def phase(name):
+        def run(state):
+            log.append(f"{name}{mb}")
+            return state
+        return Phase(run, comm=name in ("dispatch", "combine"))
 
-    return [Step(first), *[step(name) for name in phases]], {}
+    return [Phase(first), *[phase(name) for name in names]], None
 
 
-def test_round_robin_schedule_interleaves_phases_and_follows_each_comm_step_with_its_compute_step():
+def test_round_robin_interleaves_phases_and_follows_each_comm_phase_with_its_compute_phase():
     log = []
-
-    def run(*plans):
-        return [c["out"] for c in interleave(plans)]
-
     moe = ["dispatch", "experts", "combine", "finalize"]
-    assert run(_logged(0, moe, log), _logged(1, moe, log)) == [0, 10]
+    assert interleave([_logged(0, moe, log), _logged(1, moe, log)]) == [0, 10]
     # dispatch mb1 (which may block the host) is issued after mb0's experts, so they run under it
     assert log == ["attn0", "attn1", "dispatch0", "experts0", "dispatch1", "experts1", "combine0", "finalize0",
                    "combine1", "finalize1"]
-    log.clear()  # compute steps alone alternate one step per turn
-    assert run(_logged(0, ["a", "b"], log), _logged(1, ["a", "b"], log)) == [0, 10]
+    log.clear()  # compute phases alone alternate one phase per turn
+    assert interleave([_logged(0, ["a", "b"], log), _logged(1, ["a", "b"], log)]) == [0, 10]
     assert log == ["attn0", "attn1", "a0", "a1", "b0", "b1"]
-    log.clear()  # a comm step followed by another comm step ends the turn; three micro-batches
-    assert run(*[_logged(i, ["dispatch", "combine", "experts"], log) for i in range(3)]) == [0, 10, 20]
+    log.clear()  # a comm phase followed by another comm phase ends the turn; three micro-batches
+    assert interleave([_logged(i, ["dispatch", "combine", "experts"], log) for i in range(3)]) == [0, 10, 20]
     assert log == ["attn0", "attn1", "attn2", "dispatch0", "dispatch1", "dispatch2", "combine0", "experts0",
                    "combine1", "experts1", "combine2", "experts2"]
     log.clear()
-    assert drive(*_logged(0, ["dispatch", "experts"], log))["out"] == 0 and log == ["attn0", "dispatch0", "experts0"]
-    log.clear()  # a plan of one step (a dense layer) finishes in the first round
-    assert run(_logged(0, [], log), _logged(1, ["experts"], log)) == [0, 10]
+    assert interleave([_logged(0, ["dispatch", "experts"], log)]) == [0] and log == ["attn0", "dispatch0", "experts0"]
+    log.clear()  # a plan of one phase (a dense layer) finishes in the first round
+    assert interleave([_logged(0, [], log), _logged(1, ["experts"], log)]) == [0, 10]
     assert log == ["attn0", "attn1", "experts1"]
+    log.clear()  # plans that begin with a comm phase (the chunks of scope "experts") after a one-phase plan
+    def logs(name):
+        return lambda c: log.append(f"{name}{c}") or c
+
+    chunk = [Phase(logs("dispatch"), comm=True), Phase(logs("experts")), Phase(logs("combine"), comm=True),
+             Phase(logs("finalize"))]
+    shared = [Phase(lambda t: log.append("shared") or t * 2)]
+    assert interleave([(shared, 21), (chunk, 0), (chunk, 1)]) == [42, 0, 1]
+    assert log == ["shared", "dispatch0", "experts0", "dispatch1", "experts1", "combine0", "finalize0", "combine1",
+                   "finalize1"]
 
 
-def test_then_runs_step_functions_in_order_on_one_carry():
-    carry = {"x": 1}
-    then(lambda c: c.update(x=c["x"] + 1), lambda c: c.update(y=c["x"] * 10))(carry)
-    assert carry == {"x": 2, "y": 20}
+def test_overlap_imports_no_layer():
+    """The overlap plan knows the layers only through its protocol (Phased, InFlight)."""
+    tree = ast.parse(Path(overlap.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"__future__", "collections.abc", "typing", "torch"}
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])  # tiny: layer 0 dense, layer 1 MoE
+def test_a_blocks_phases_in_order_compute_its_forward_exactly(layer_idx):
+    cfg = tiny()
+    layer = DecoderLayer(cfg.model, layer_idx)
+    x, positions = torch.randn(2, SEQ, cfg.model.dim), torch.arange(SEQ)
+    plain = layer(x, positions)
+    (phased,) = interleave([(layer.phases(), LayerInput(x, positions, None))])
+    assert len(layer.phases()) == (5 if layer_idx else 1)
+    assert [p.comm for p in layer.phases()] == ([False, True, False, True, False] if layer_idx else [False])
+    assert plain.keys() == phased.keys()
+    for key, value in plain.items():
+        assert (value is None and phased[key] is None) or torch.equal(phased[key], value), key
+    moe = layer.ffn if layer_idx else MoELayer(cfg.model)
+    h = torch.randn(2, SEQ, cfg.model.dim)
+    alone, (two,) = moe(h), run_interleaved(moe, [h])
+    assert all(torch.equal(two[k], v) for k, v in alone.items() if v is not None)
 
 
 def _grads(model):
@@ -137,15 +166,21 @@ def test_experts_scope_matches_one_micro_batch_loss_and_grads(ac_mode, aux_loss_
 
 
 def test_experts_scope_errors():
-    moe = build_model(tiny().model).moe_layers()[0]
-    moe.micro_batches = 33
+    cfg = tiny().model
     with pytest.raises(ValueError, match=r"= 33 \(scope 'experts'\) needs at least 33 tokens per MoE layer call"):
-        moe(torch.randn(1, 32, tiny().model.dim))
-    moe.micro_batches = 4  # 5 tokens: chunks of 2, 1, 1, 1 (chunk() would make only 3); equal to one chunk
-    x = torch.randn(1, 5, tiny().model.dim)
-    many = moe(x)
-    moe.micro_batches = 1
-    torch.testing.assert_close(many["hidden_states"], moe(x)["hidden_states"], rtol=1e-6, atol=1e-6)
+        MoELayer(cfg, micro_batches=33)(torch.randn(1, 32, cfg.dim))
+    with pytest.raises(ValueError, match=r"^train.intra_layer_micro_batches must be at least 1, got 0$"):
+        MoELayer(cfg, micro_batches=0)
+    # 5 tokens: chunks of 2, 1, 1, 1 (chunk() would make only 3); equal to one chunk (the same init: same names)
+    x = torch.randn(1, 5, cfg.dim)
+    many, one = MoELayer(cfg, micro_batches=4)(x), MoELayer(cfg)(x)
+    torch.testing.assert_close(many["hidden_states"], one["hidden_states"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(many["tokens_per_expert"], one["tokens_per_expert"])
+
+
+def test_build_model_refuses_a_transport_of_another_group():
+    with pytest.raises(ValueError, match=r"^build_model: the transport's group is not the expert-parallel group"):
+        build_model(tiny().model, transport=EPTransport(object()))
 
 
 def _assert_grads_close(twin, layer):
@@ -165,7 +200,7 @@ def _ep_worker(rank, world):
     n_local = cfg.model.moe.n_routed_experts // 2
     state = {n: (t[rank * n_local:(rank + 1) * n_local] if ".experts." in n else t)
              for n, t in full.state_dict().items()}
-    layer, twin = (DecoderLayer(cfg.model, layer_idx=1, ep_group=torch.distributed.group.WORLD) for _ in "ab")
+    layer, twin = (DecoderLayer(cfg.model, 1, EPTransport(torch.distributed.group.WORLD)) for _ in "ab")
     layer.load_state_dict(state)
     twin.load_state_dict(state)
     apply_activation_checkpointing(twin, ACConfig(mode="selective"))
@@ -206,9 +241,9 @@ class _OpLog(TorchDispatchMode):
 def _ep_experts_scope_worker(rank, world):
     cfg = tiny("parallel.ep=2")
     torch.manual_seed(0)
-    layer, twin = (DecoderLayer(cfg.model, layer_idx=1, ep_group=torch.distributed.group.WORLD) for _ in "ab")
+    layer = DecoderLayer(cfg.model, 1, EPTransport(torch.distributed.group.WORLD))
+    twin = DecoderLayer(cfg.model, 1, EPTransport(torch.distributed.group.WORLD), moe_micro_batches=2)
     twin.load_state_dict(layer.state_dict())
-    twin.ffn.micro_batches = 2
     torch.manual_seed(10 + rank)
     x = torch.randn(2, SEQ, cfg.model.dim)
     positions = torch.arange(SEQ)
@@ -247,43 +282,59 @@ def test_micro_batch_errors_name_the_keys():
         split_micro_batches(torch.zeros(3, 4), 2)
 
 
+@dataclass
+class _Rows:
+    """A state handing `h` across streams (spartron.layers.overlap.InFlight)."""
+
+    h: torch.Tensor
+
+    def in_flight(self):
+        return (self.h,)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: comm steps on per-micro-batch side streams")
-def test_comm_steps_run_on_their_own_micro_batch_stream_and_results_match_drive():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: comm phases on per-micro-batch side streams")
+def test_comm_phases_run_on_their_own_micro_batch_stream_and_results_match_a_plain_run():
     device = torch.device("cuda", torch.cuda.current_device())
     compute = torch.cuda.current_stream(device)
     streams: dict[str, object] = {}
 
-    def layer(mb: int, x: torch.Tensor):
-        def attn(c):
-            c["h"] = (x * (mb + 2)).sin()  # compute
+    def layer(mb: int):
+        def attn(x):
+            return _Rows((x * (mb + 2)).sin())  # compute
 
-        def dispatch(c):
+        def dispatch(s):
             streams[f"dispatch{mb}"] = torch.cuda.current_stream(device)
             torch.cuda._sleep(2_000_000)  # a slow "collective": the compute stream must not wait for it here
-            c["h"] = c["h"].flip(0) + 1
+            return _Rows(s.h.flip(0) + 1)
 
-        def experts(c):
+        def experts(s):
             streams[f"experts{mb}"] = torch.cuda.current_stream(device)
-            c["h"] = c["h"] @ c["h"].T
+            return _Rows(s.h @ s.h.T)
 
-        def combine(c):
+        def combine(s):
             streams[f"combine{mb}"] = torch.cuda.current_stream(device)
-            c["out"] = c.pop("h").cos().sum(0)
+            return s.h.cos().sum(0)
 
-        return [Step(attn), Step(dispatch, Phase("dispatch", comm=True, reads=("h",))),
-                Step(experts, Phase("experts", reads=("h",))),
-                Step(combine, Phase("combine", comm=True, reads=("h",)))], {}
+        return [Phase(attn), Phase(dispatch, comm=True), Phase(experts), Phase(combine, comm=True)]
 
     xs = [torch.randn(256, 256, device=device) for _ in range(2)]
-    expected = [drive(*layer(i, x))["out"] for i, x in enumerate(xs)]
-    got = [c["out"] for c in interleave([layer(i, x) for i, x in enumerate(xs)], device=device)]
+    expected = []
+    for i, x in enumerate(xs):
+        state = x
+        for phase in layer(i):
+            state = phase.run(state)
+        expected.append(state)
+    got = interleave([(layer(i), x) for i, x in enumerate(xs)], device=device)
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)  # the results are usable on the compute stream right away
     assert streams["experts0"] == compute and streams["experts1"] == compute
     assert streams["dispatch0"] != compute and streams["dispatch1"] != compute
     assert streams["dispatch0"] != streams["dispatch1"]  # one comm stream per micro-batch
     assert streams["combine0"] == streams["dispatch0"] and streams["combine1"] == streams["dispatch1"]
+    # a plan that begins with a comm phase waits for what the compute stream had queued when it began
+    first = interleave([([Phase(lambda x: x + 1, comm=True)], x) for x in xs], device=device)
+    assert all(torch.equal(f, x + 1) for f, x in zip(first, xs, strict=True))
 
 
 def test_experts_scope_chunks_split_like_tensor_split_with_one_backward_node():

@@ -211,7 +211,9 @@ class SpartronMoEMLP(_MLPSlot):
         if submodules is not None:
             raise ValueError("SpartronMoEMLP takes no submodules")
         self.ep_group = resolve_group("ep", pg_collection, groups)
-        self.moe = MoELayer(self.model_cfg, ep_group=self.ep_group, transport=transport)
+        if transport is None:
+            transport = EPTransport(self.ep_group, self.model_cfg.moe.copy_engine_sync)
+        self.moe = MoELayer(self.model_cfg, transport)
 
     def ffn_module(self) -> nn.Module:
         return self.moe

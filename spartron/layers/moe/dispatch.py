@@ -10,7 +10,7 @@
     finalize      unsort the slots, weight by the gates, sum the top-k contributions per token
 
 `dispatch` and `combine` only communicate; every computation sits in the phases around them, so
-under interleaving (layers/schedule.py) the communication streams carry communication
+under interleaving (layers/overlap.py) the communication streams carry communication
 and the compute stream never waits for computation queued behind another micro-batch's exchange.
 
 Chunks of one MoE call (`train.intra_layer_micro_batch_scope = "experts"`) exchange their counts
@@ -18,7 +18,7 @@ together (`exchange_counts_together`): the first dispatch among them does one co
 one host copy for all, so the layer synchronises the host once, not once per chunk.
 
 Every piece of data a later phase needs travels in a per-call `DispatchState`; dispatchers hold
-only configuration, so two micro-batches can be in flight at once (layers/schedule.py
+only configuration, so two micro-batches can be in flight at once (layers/overlap.py
 interleaves one micro-batch's communication with another's compute).
 
 The one host synchronisation of the all-to-all path (the split sizes the token all-to-all needs on

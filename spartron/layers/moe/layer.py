@@ -16,6 +16,8 @@ the count of the current forward alone (a fresh tensor, for metrics).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -24,27 +26,59 @@ from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.init import init_parameters_
-from spartron.layers.moe.dispatch import build_dispatcher
+from spartron.layers.moe.dispatch import DispatchState, build_dispatcher
 from spartron.layers.moe.experts import GroupedExperts
-from spartron.layers.moe.router import Router
+from spartron.layers.moe.router import Router, Routing
 from spartron.layers.moe.telemetry import record_routing_stats
 from spartron.layers.outputs import MoEOutput
-from spartron.layers.schedule import Carry, Phase, Step, drive, interleave, then
+from spartron.layers.overlap import Phase, interleave
+
+
+@dataclass
+class RoutedRows:
+    """The routed token path of one MoE call (or of one chunk of it) between its phases."""
+
+    rows: Tensor  # the slots in flight: sorted by expert, received, expert outputs, returned, per token
+    dispatch: DispatchState  # what the dispatcher's later phases need (orders, splits, counts)
+
+    def in_flight(self) -> tuple[Tensor]:
+        """The rows (spartron.layers.overlap.InFlight): each phase replaces them while another stream
+        may still read them. What `dispatch` holds stays alive until the layer ends, after the
+        compute stream has joined the last comm phase, so it needs no recording."""
+        return (self.rows,)
+
+
+@dataclass
+class MoEState(RoutedRows):
+    """One MoE call between its phases: the routed path and what its last phase needs."""
+
+    x: Tensor  # the input [batch, seq, dim]
+    tokens: Tensor  # x as [tokens, dim]: the shared experts' input
+    routing: Routing
 
 
 class MoELayer(nn.Module):
-    def __init__(self, model_cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None, transport: EPTransport | None = None):
-        """`transport`: the EP group's communication buffers, shared by a model's MoE layers (None: its own)."""
+    """Shared experts plus routed experts: route -> dispatch -> experts -> combine -> finalize.
+
+    `transport`: the EP group's communication buffers, shared by a model's MoE layers (None: one
+    rank; a DeepEP layer then makes its own). `micro_batches` > 1: the routed path runs in that many
+    chunks of tokens, interleaved (train.intra_layer_micro_batch_scope = "experts").
+    """
+
+    def __init__(self, model_cfg: ModelConfig, transport: EPTransport | None = None, *, micro_batches: int = 1,
+                 device: torch.device | str | None = None):
         super().__init__()
         cfg = model_cfg.moe
         self.cfg = cfg
+        ep_group = None if transport is None else transport.group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         if cfg.n_routed_experts % ep:
             raise ValueError(f"model.moe.n_routed_experts {cfg.n_routed_experts} is not divisible by the "
                              f"expert-parallel size {ep} (parallel.ep)")
-        self.ep_group = ep_group
+        if micro_batches < 1:
+            raise ValueError(f"train.intra_layer_micro_batches must be at least 1, got {micro_batches}")
+        self.micro_batches = micro_batches
         self.n_local_experts = cfg.n_routed_experts // ep
         self.first_local_expert = ep_rank * self.n_local_experts
         dtype = getattr(torch, model_cfg.dtype)
@@ -55,9 +89,6 @@ class MoELayer(nn.Module):
                                       mode=cfg.grouped_mm, first_expert=self.first_local_expert, **common)
         self.shared_experts = (FeedForward(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim, **common)
                                if cfg.n_shared_experts > 0 else None)
-        # > 1: the routed token path runs in this many chunks, interleaved (train.intra_layer_micro_batch_scope
-        # = "experts": set by the model that owns the layer, SparseMoEModel, when it is built)
-        self.micro_batches = 1
         self.register_buffer("step_tokens_per_expert",
                              torch.zeros(cfg.n_routed_experts, dtype=torch.int64, device=device),
                              persistent=False)
@@ -75,75 +106,70 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> MoEOutput:
         """x [batch, seq, dim] (this rank's tokens) -> MoEOutput."""
-        return drive(self.phases(), {"moe_in": x})["moe_out"]
-
-    def phases(self) -> list[Step]:
-        """The forward as steps (see spartron.layers.schedule) over a carry holding "moe_in" (x) that
-        ends holding "moe_out" (the MoEOutput); `forward` runs them straight through.
-
-        With `micro_batches` > 1 it is one step: routing and the shared experts run once over all
-        tokens, and only the routed token path runs per chunk of tokens, interleaved (`_chunked`)."""
         if self.micro_batches > 1:
-            return [Step(then(self._route, self._chunked_step))]
-        routed = self._routed_steps()
-        return [Step(then(self._route, self._prepare)), *routed[:-1],
-                Step(then(routed[-1].run, self._output), routed[-1].phase)]
+            return self._chunked(x)
+        s = self.route(x)
+        s = self.dispatch(s)
+        s = self.run_experts(s)
+        s = self.combine(s)
+        return self.finalize(s)
 
-    def _route(self, c: Carry) -> None:
-        x = c["moe_in"]
+    def phases(self) -> list[Phase]:
+        """`forward` cut where it communicates (spartron.layers.overlap.Phased); with `micro_batches`
+        > 1 one phase, which interleaves its own chunks."""
+        if self.micro_batches > 1:
+            return [Phase(self._chunked)]
+        return [Phase(self.route), Phase(self.dispatch, comm=True), Phase(self.run_experts),
+                Phase(self.combine, comm=True), Phase(self.finalize)]
+
+    # ---- the phases ----------------------------------------------------------------------------
+    def route(self, x: Tensor) -> MoEState:
+        """Pick each token's experts (counted into the step's telemetry), sort its slots by expert."""
+        routing, tokens = self._pick(x)
+        rows, state = self.dispatcher.prepare(tokens, routing["topk_ids"], routing["topk_weights"])
+        return MoEState(rows, state, x, tokens, routing)
+
+    def dispatch(self, s: RoutedRows) -> RoutedRows:
+        """(EP) exchange the counts, copy the split sizes to the host, send the rows to their experts."""
+        s.rows = self.dispatcher.dispatch(s.rows, s.dispatch)
+        return s
+
+    def run_experts(self, s: RoutedRows) -> RoutedRows:
+        """The local experts over the rows they received, in the order the rows arrived."""
+        rows, tokens_per_local_expert = self.dispatcher.post_dispatch(s.rows, s.dispatch)
+        s.rows = self.dispatcher.pre_combine(self.experts(rows, tokens_per_local_expert), s.dispatch)
+        return s
+
+    def combine(self, s: RoutedRows) -> RoutedRows:
+        """(EP) send the expert outputs back to the ranks their tokens came from."""
+        s.rows = self.dispatcher.combine(s.rows, s.dispatch)
+        return s
+
+    def finalize(self, s: MoEState) -> MoEOutput:
+        """Gate-weighted sum of each token's expert outputs, plus the shared experts."""
+        s.rows = self.dispatcher.finalize(s.rows, s.dispatch)
+        out = s.rows if self.shared_experts is None else s.rows + self.shared_experts(s.tokens)
+        return self._output(s.x, out, s.dispatch.tokens_per_expert, s.routing)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _pick(self, x: Tensor) -> tuple[Routing, Tensor]:
         if x.dim() != 3:
             raise ValueError(f"MoELayer expects x [batch, seq, dim], got shape {tuple(x.shape)}")
-        c["routing"] = routing = self.router(x)
+        routing = self.router(x)
         record_routing_stats(routing["topk_ids"], self.step_tokens_per_expert)
-        c["tokens"] = x.reshape(-1, x.shape[-1])
+        return routing, x.reshape(-1, x.shape[-1])
 
-    def _prepare(self, c: Carry) -> None:
-        c["rows"], c["state"] = self.dispatcher.prepare(c["tokens"], c["routing"]["topk_ids"],
-                                                        c["routing"]["topk_weights"])
+    def _output(self, x: Tensor, out: Tensor, counts: Tensor, routing: Routing) -> MoEOutput:
+        return MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"],
+                         topk_ids=routing["topk_ids"], topk_weights=routing["topk_weights"],
+                         tokens_per_expert=counts, aux_loss=routing["aux_loss"])
 
-    def _chunked_step(self, c: Carry) -> None:
-        c["routed"] = self._chunked(c["tokens"], c["routing"]["topk_ids"], c["routing"]["topk_weights"])
-        self._output(c, shared_done=True)
+    def _finalize_chunk(self, s: RoutedRows) -> RoutedRows:
+        s.rows = self.dispatcher.finalize(s.rows, s.dispatch)
+        return s
 
-    def _output(self, c: Carry, shared_done: bool = False) -> None:
-        out, counts = c["routed"]
-        if self.shared_experts is not None and not shared_done:
-            out = out + self.shared_experts(c["tokens"])
-        x, routing = c.pop("moe_in"), c.pop("routing")
-        for key in ("tokens", "routed", "state"):  # not kept past the layer (an interleave holds every carry)
-            c.pop(key, None)
-        c["moe_out"] = MoEOutput(hidden_states=out.view_as(x), router_scores=routing["scores"],
-                                 topk_ids=routing["topk_ids"], topk_weights=routing["topk_weights"],
-                                 tokens_per_expert=counts, aux_loss=routing["aux_loss"])
-
-    def _routed_steps(self) -> list[Step]:
-        """Routed experts of prepared carry["rows"] / ["state"] (dispatcher.prepare) -> carry["routed"]
-        = ([T, dim] gate-weighted sums, counts per expert). Phase.reads: the rows handed across
-        streams, which the next step replaces while the other stream may still read them; what
-        "state" holds stays alive until the layer ends, after the compute stream has joined the last
-        comm step, so it needs no recording."""
-        d = self.dispatcher
-
-        def dispatch(c: Carry) -> None:  # (EP) count exchange, splits to host, all-to-all
-            c["rows"] = d.dispatch(c["rows"], c["state"])
-
-        def experts(c: Carry) -> None:
-            rows, tokens_per_local_expert = d.post_dispatch(c["rows"], c["state"])
-            c["rows"] = d.pre_combine(self.experts(rows, tokens_per_local_expert), c["state"])
-
-        def combine(c: Carry) -> None:
-            c["rows"] = d.combine(c["rows"], c["state"])
-
-        def finalize(c: Carry) -> None:
-            c["routed"] = (d.finalize(c.pop("rows"), c["state"]), c["state"].tokens_per_expert)
-
-        return [Step(dispatch, Phase("dispatch", comm=True, reads=("rows",))),
-                Step(experts, Phase("experts", reads=("rows",))),
-                Step(combine, Phase("combine", comm=True, reads=("rows",))),
-                Step(finalize, Phase("finalize", reads=("rows",)))]
-
-    def _chunked(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor]:
-        """The routed path over `micro_batches` chunks of tokens, interleaved, plus the shared experts.
+    def _chunked(self, x: Tensor) -> MoEOutput:
+        """Routing over all tokens at once, the routed path over `micro_batches` chunks, interleaved.
 
         The host issues, for 2 chunks: prepare (sort by expert) 0 and 1; the shared experts over all
         tokens; dispatch 0 (one count exchange and host sync for both chunks) + experts 0; dispatch 1
@@ -151,31 +177,28 @@ class MoELayer(nn.Module):
         shared experts, the one host sync waits while they run, each other dispatch or combine runs
         under a chunk's experts, and the last combine under the finalize of chunk 0.
         """
+        routing, tokens = self._pick(x)
         n = self.micro_batches
         if tokens.shape[0] < n:
             raise ValueError(f"train.intra_layer_micro_batches = {n} (scope 'experts') needs at least {n} tokens "
                              f"per MoE layer call, got {tokens.shape[0]}")
         d = self.dispatcher
         sizes = even_split_sizes(tokens.shape[0], n)
-        prepared = [d.prepare(t, i, w) for t, i, w in
-                    zip(tokens.split(sizes), topk_ids.split(sizes), topk_weights.split(sizes), strict=True)]
-        d.exchange_counts_together([state for _, state in prepared])
-        # Each chunk's first step is empty (its first point is the dispatch); the shared experts are
-        # one step with no phase: `interleave` runs it whole in its first turn, after the chunks'
-        # (empty) first steps and before any exchange.
-        plans: list = [([Step(_nothing), *self._routed_steps()], {"rows": rows, "state": state})
-                       for rows, state in prepared]
-        if self.shared_experts is not None:
-            plans.append(([Step(self._shared)], {"tokens": tokens}))
-        results = interleave(plans, device=tokens.device)
-        out = torch.cat([r["routed"][0] for r in results[:n]])
-        counts = torch.stack([r["routed"][1] for r in results[:n]]).sum(dim=0)
-        if self.shared_experts is not None:
-            out = out + results[n]["shared"]
-        return out, counts
-
-    def _shared(self, c: Carry) -> None:
-        c["shared"] = self.shared_experts(c["tokens"])
+        chunks = [RoutedRows(*d.prepare(t, i, w)) for t, i, w in zip(
+            tokens.split(sizes), routing["topk_ids"].split(sizes), routing["topk_weights"].split(sizes), strict=True)]
+        d.exchange_counts_together([c.dispatch for c in chunks])
+        path = [Phase(self.dispatch, comm=True), Phase(self.run_experts), Phase(self.combine, comm=True),
+                Phase(self._finalize_chunk)]
+        # The shared experts are one compute phase, first: `interleave` issues them before any exchange,
+        # and each chunk's dispatch waits only for what was queued before them (the prepares).
+        shared = [([Phase(self.shared_experts)], tokens)] if self.shared_experts is not None else []
+        results = interleave([*shared, *((path, c) for c in chunks)], device=tokens.device)
+        routed = results[len(shared):]
+        out = torch.cat([r.rows for r in routed])
+        counts = torch.stack([r.dispatch.tokens_per_expert for r in routed]).sum(dim=0)
+        if shared:
+            out = out + results[0]
+        return self._output(x, out, counts, routing)
 
     @torch.no_grad()
     def update_expert_bias(self, counts: Tensor | None = None,
@@ -200,6 +223,3 @@ def even_split_sizes(rows: int, n: int) -> list[int]:
     of micro-batch 2's extra copy time."""
     return [rows // n + (i < rows % n) for i in range(n)]
 
-
-def _nothing(c: Carry) -> None:
-    """The first step of a chunk whose work starts at its dispatch."""

@@ -186,7 +186,6 @@ def _train_once(layer, x, g, mode):
     base, _, chunks = mode.partition("-")
     if base != "none":
         apply_activation_checkpointing(layer, ACConfig(mode=base))
-    layer.micro_batches = 2 if chunks == "experts2" else 1
     x = x.clone().requires_grad_()
     out = layer(x)["hidden_states"]
     (out.float() * g).sum().backward()
@@ -211,9 +210,9 @@ def _layer_parity_worker(rank, world, device_kind, shared, modes, sync="barrier"
         for transport in ("nccl", "copy_engine"):
             torch.manual_seed(0)
             extra = {"copy_engine_sync": sync} if transport == "copy_engine" else {}
-            buffers = EPTransport(group, sync, memory=memory) if transport == "copy_engine" else None
-            layers[transport] = MoELayer(model_cfg(transport, dtype, **extra), ep_group=group, device=device,
-                                         transport=buffers)
+            buffers = EPTransport(group, sync, memory=memory) if transport == "copy_engine" else EPTransport(group)
+            layers[transport] = MoELayer(model_cfg(transport, dtype, **extra), buffers, device=device,
+                                         micro_batches=2 if mode.endswith("experts2") else 1)
         ce = layers["copy_engine"].dispatcher
         assert isinstance(ce, CopyEngineDispatcher) and type(layers["nccl"].dispatcher) is AllToAllDispatcher
         ref, got = (_train_once(layers[t], x, g, mode) for t in ("nccl", "copy_engine"))

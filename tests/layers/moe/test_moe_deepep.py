@@ -27,7 +27,7 @@ from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer, build_dispatcher
 from spartron.layers.moe.dispatch import DeepEPDispatcher
-from spartron.layers.schedule import interleave
+from spartron.layers.overlap import run_interleaved
 from spartron.testing import run_distributed
 
 DIM, TOKENS_PER_SEQ, BATCH = 64, 8, 4
@@ -139,13 +139,12 @@ def _close(got, ref, what):
 
 
 def _run_mb2(layer, xs, device):
-    return [c["moe_out"] for c in interleave([(layer.phases(), {"moe_in": x}) for x in xs], device)]
+    return run_interleaved(layer, xs, device)
 
 
 def _forward(layer, x, mode, device):
     """[MoEOutput per micro-batch] for one of MODES ("-experts2": scope 'experts', 2 chunks in the layer)."""
-    if mode.endswith("experts2"):
-        layer.micro_batches = 2
+    if mode.endswith("experts2"):  # the layer was built with micro_batches=2
         return [layer(x)]
     if mode.endswith("mb2"):
         xs = list(x.chunk(2))
@@ -166,7 +165,7 @@ def _parity_worker(rank, world, device_kind, modes):
         device, group, library = torch.device("cpu"), dist.group.WORLD, deepep_emulator
     dim = DIM
     torch.manual_seed(0)
-    ref = MoELayer(model_cfg("all_to_all", dim), ep_group=group, device=device)
+    ref = MoELayer(model_cfg("all_to_all", dim), EPTransport(group), device=device)
     transport = EPTransport(group, deepep_library=library)  # one buffer for the group, reused by every mode
     shared_buffer = transport.deepep_buffer(3, 8, 8, dim)
     torch.manual_seed(100 + rank)
@@ -180,7 +179,8 @@ def _parity_worker(rank, world, device_kind, modes):
     ref.update_expert_bias(group=group)
     report = {}
     for mode in modes:
-        dep = MoELayer(model_cfg("deepep", dim), ep_group=group, device=device, transport=transport)
+        dep = MoELayer(model_cfg("deepep", dim), transport, device=device,
+                       micro_batches=2 if mode.endswith("experts2") else 1)
         assert isinstance(dep.dispatcher, DeepEPDispatcher) and dep.dispatcher.buffer is shared_buffer
         dep.load_state_dict(ref.state_dict())
         with torch.no_grad():
@@ -269,11 +269,10 @@ def test_one_transport_gives_every_layer_one_deepep_buffer():
 
 def _share_worker(rank, world):
     transport = EPTransport(dist.group.WORLD, deepep_library=deepep_emulator)
-    layers = [MoELayer(model_cfg("deepep"), ep_group=dist.group.WORLD, transport=transport) for _ in range(3)]
-    own = MoELayer(model_cfg("deepep"), ep_group=dist.group.WORLD,
-                   transport=EPTransport(dist.group.WORLD, deepep_library=deepep_emulator))
+    layers = [MoELayer(model_cfg("deepep"), transport) for _ in range(3)]
+    own = MoELayer(model_cfg("deepep"), EPTransport(dist.group.WORLD, deepep_library=deepep_emulator))
     try:
-        MoELayer(model_cfg("deepep", top_k=2), ep_group=dist.group.WORLD, transport=transport)
+        MoELayer(model_cfg("deepep", top_k=2), transport)
         message = "no error"
     except ValueError as err:
         message = str(err)

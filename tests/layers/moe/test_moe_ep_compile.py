@@ -79,7 +79,7 @@ def _compiled_worker(rank, world, mode, kind, shared=None, device_kind="cpu"):
     layers = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        layer = MoELayer(_cfg(kind), ep_group=group, transport=transport, device=device)
+        layer = MoELayer(_cfg(kind), transport, device=device)
         if mode != "none":
             apply_activation_checkpointing(layer, ACConfig(mode=mode, reentrant=False), name="moe")
         if compiled:

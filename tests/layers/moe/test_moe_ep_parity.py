@@ -14,6 +14,7 @@ import torch
 import torch._dynamo  # noqa: F401  (custom ops import it lazily: 4 s in every forked rank otherwise)
 import torch.distributed as dist
 
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import AllToAllDispatcher, MoELayer
 from spartron.testing import run_distributed
@@ -38,7 +39,7 @@ def _ep_parity_worker(rank, world, score_func, dead_last_rank):
     torch.manual_seed(rank)  # neither layer's weights may depend on the RNG state
     ref = MoELayer(cfg)
     torch.manual_seed(100 + rank)
-    ep = MoELayer(cfg, ep_group=dist.group.WORLD)
+    ep = MoELayer(cfg, EPTransport(dist.group.WORLD))
     assert isinstance(ep.dispatcher, AllToAllDispatcher)
     n_local = 8 // world
     assert ep.n_local_experts == n_local and ep.first_local_expert == rank * n_local
@@ -99,7 +100,7 @@ def _interleaved_worker(rank, world):
     """Two micro-batches whose phases interleave give what each gives alone (no state on modules)."""
     cfg = _cfg("sigmoid")
     torch.manual_seed(rank)
-    layer = MoELayer(cfg, ep_group=dist.group.WORLD)
+    layer = MoELayer(cfg, EPTransport(dist.group.WORLD))
     torch.manual_seed(10 + rank)
     xs = [torch.randn(BATCH_PER_RANK, SEQ, DIM) for _ in range(2)]
     alone = [layer(x)["hidden_states"] for x in xs]
@@ -137,7 +138,7 @@ def _prepare_is_local_worker(rank, world):
 
     cfg = _cfg("sigmoid")
     torch.manual_seed(rank)
-    layer = MoELayer(cfg, ep_group=dist.group.WORLD)
+    layer = MoELayer(cfg, EPTransport(dist.group.WORLD))
     x = torch.randn(BATCH_PER_RANK * SEQ, DIM)
     routing = layer.router(x.view(BATCH_PER_RANK, SEQ, DIM))
     d = layer.dispatcher

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spartron.checkpointing import checkpoint
+from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe import LocalDispatcher, MoELayer
 from spartron.testing import run_distributed
@@ -108,7 +109,7 @@ def _bad_ep_worker(rank, world):
     errors = []
     for moe in ({"n_routed_experts": 8}, {"dispatcher": "local"}):
         try:
-            MoELayer(model_cfg(**moe), ep_group=dist.group.WORLD)
+            MoELayer(model_cfg(**moe), EPTransport(dist.group.WORLD))
         except ValueError as err:
             errors.append(str(err))
     dist.barrier()  # no collective ran: keep every rank alive until all finished connecting
