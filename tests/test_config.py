@@ -115,6 +115,27 @@ def test_bad_files(tmp_path):
         load_config(unknown)
 
 
+def test_config_links_that_lead_nowhere_say_so(tmp_path):
+    loop, dangling = tmp_path / "loop.toml", tmp_path / "dangling.toml"
+    loop.symlink_to("loop.toml")
+    dangling.symlink_to("gone.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(loop)
+    assert str(err.value) == (f"config file {str(loop)!r} is a symbolic link that loops (to 'loop.toml'): "
+                              "point it at a TOML file")
+    with pytest.raises(ConfigError) as err:
+        load_config(dangling)
+    assert str(err.value) == (f"config file {str(dangling)!r} is a dangling symbolic link (to 'gone.toml'): "
+                              "its target does not exist")
+    with pytest.raises(ConfigError) as err:
+        load_config(loop / "x.toml")
+    assert str(err.value) == (f"config file {str(loop / 'x.toml')!r} cannot be reached: a folder on its path is a "
+                              "symbolic link that loops")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value) == f"config file {str(tmp_path)!r} is not a regular file"
+
+
 def test_compile_makes_an_unset_ac_reentrant_non_reentrant(tmp_path):
     cfg = load_config("configs/tiny.toml", ["train.compile=true"])  # tiny.toml: ac.mode = "selective"
     assert cfg.ac.reentrant is False

@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -548,17 +551,32 @@ def config_from_dict(data: dict) -> RunConfig:
         raise ConfigError(_format_error(err)) from None
 
 
+def _path_problem(path: Path) -> str | None:
+    """Why `path` is not a readable regular file, told as it is: missing, a dangling or looping symbolic
+    link (Path.exists() says only "does not exist" for both), or something other than a file."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        link = os.path.islink(path)
+        target = f" (to {os.readlink(path)!r})" if link else ""
+        if err.errno == errno.ELOOP:
+            return (f"is a symbolic link that loops{target}: point it at a TOML file" if link else
+                    "cannot be reached: a folder on its path is a symbolic link that loops")
+        if err.errno == errno.ENOENT:
+            return f"is a dangling symbolic link{target}: its target does not exist" if link else "does not exist"
+        return f"cannot be read: {err.strerror or err}"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    return None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict = {}
     if path is not None:
         path = Path(path)
-        try:
-            if not path.exists():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
-            if not path.is_file():
-                raise ConfigError(f"config file {str(path)!r} is not a regular file")
-        except OSError as err:  # a name too long, a loop of links
-            raise ConfigError(f"config file {str(path)[:200]!r}: {err.strerror or err}") from None
+        problem = _path_problem(path)
+        if problem:
+            raise ConfigError(f"config file {str(path)[:200]!r} {problem}")
         try:
             data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # an editor's BOM is not an error
         except OSError as err:
