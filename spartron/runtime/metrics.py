@@ -122,8 +122,48 @@ def versions() -> dict[str, str]:
 
 
 # ---- the log -------------------------------------------------------------------------------------
-SUMMARY_KEYS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s",
-                "peak_memory_allocated_bytes", "expert_load_max_violation")
+def _seconds(s: float) -> str:
+    """A duration for a person: ms below a second, s below ten minutes, else h:mm:ss."""
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 600:
+        return f"{s:.2f} s"
+    return f"{int(s // 3600)}:{int(s // 60 % 60):02d}:{int(s % 60):02d} h"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# The summary's rows: the record key, its label, how a value reads (human units: GiB, %, ms / s).
+SUMMARY_ROWS: tuple[tuple[str, str, Any], ...] = (
+    ("loss", "loss", lambda v: f"{v:.4f}"),
+    ("val_loss", "validation loss", lambda v: f"{v:.4f}"),
+    ("grad_norm", "grad norm", lambda v: f"{v:.4g}"),
+    ("lr", "learning rate", lambda v: f"{v:.3g}"),
+    ("step_time_s", "step time", _seconds),
+    ("tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"),
+    ("tokens_per_s_per_gpu", "tokens/s per GPU", lambda v: f"{v:,.0f}"),
+    ("mfu", "MFU", lambda v: f"{v:.2%}"),
+    ("peak_memory_allocated_bytes", "peak memory allocated", _gib),
+    ("expert_load_max_violation", "expert load violation", lambda v: f"{v:.3f}"),
+)
+
+
+def step_info(record: dict) -> str:
+    """The progress line's text for one step record: loss, grad norm, lr, step time, tokens/s, peak memory
+    (and the validation loss when the step evaluated); a field the record lacks is left out."""
+    parts = [f"loss {record['loss']:.4f}", f"gnorm {record['grad_norm']:.3f}"]
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.3g}")
+    if record.get("step_time_s") is not None:
+        parts.append(f"time {_seconds(record['step_time_s'])}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("peak_memory_allocated_bytes") is not None:
+        parts.append(f"mem {_gib(record['peak_memory_allocated_bytes'])}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val {record['val_loss']:.4f} (ppl {record['val_ppl']:.4g})")
+    return " ".join(parts)
 
 
 class MetricsLog:
@@ -168,23 +208,23 @@ class MetricsLog:
         if record.get("type") != "step":
             return
         self.records.append(record)
-        info = f"loss {record['loss']:.4f} gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s"
-        if record.get("val_loss") is not None:
-            info += f" val {record['val_loss']:.4f} (ppl {record['val_ppl']:.4g})"
+        info = step_info(record)
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], info=info)
         elif self._plain:
             print(f"step {record['step']}/{self.total_steps} {info}", file=sys.stderr, flush=True)
 
-    def close(self, summary: bool = True, first_loss: float | None = None) -> None:
-        """`first_loss`: the run's first-step loss (kept across resumes), for the summary's divergence line."""
+    def close(self, summary: bool = True, first_loss: float | None = None, total_s: float | None = None,
+              saved: str | None = None) -> None:
+        """`first_loss`: the run's first-step loss (kept across resumes), for the summary's divergence line;
+        `total_s` and `saved`: the run's wall time and its last saved step, for the summary's last lines."""
         if not self.enabled:
             return
         if self._progress is not None:
             self._progress.stop()
         self._file.close()
         if summary and self.records:
-            print_summary(self.records, first_loss)
+            print_summary(self.records, first_loss, total_s, saved)
 
 
 def _drop_partial_last_line(fd: int) -> None:
@@ -221,21 +261,27 @@ def loss_ended_high(records: list[dict], first_loss: float | None) -> str | None
             "train; a lower train.loss_spike_factor stops such a run earlier)")
 
 
-def print_summary(records: list[dict], first_loss: float | None = None) -> None:
+def print_summary(records: list[dict], first_loss: float | None = None, total_s: float | None = None,
+                  saved: str | None = None) -> None:
+    """The end-of-run table (first, last and median of each metric, in human units), then the run's total
+    time, its last saved step (`saved`, None: none) and, when the loss ended far above its start, a warning."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"spartron: {len(records)} steps")
+    table = Table(title=f"spartron: {len(records)} steps (steps {records[0]['step']}-{records[-1]['step']})")
     table.add_column("metric")
     for col in ("first", "last", "median"):
         table.add_column(col, justify="right")
-    for key in SUMMARY_KEYS:
+    for key, label, show in SUMMARY_ROWS:
         values = [r[key] for r in records if r.get(key) is not None]
         if not values:
             continue
         median = sorted(values)[len(values) // 2]
-        table.add_row(key, *(f"{v:.6g}" for v in (values[0], values[-1], median)))
+        table.add_row(label, *(show(v) for v in (values[0], values[-1], median)))
     Console(stderr=True).print(table)
+    if total_s is not None:
+        print(f"spartron: total time {_seconds(total_s)}; last saved step: {saved or 'none'}", file=sys.stderr,
+              flush=True)
     diverged = loss_ended_high(records, first_loss)
     if diverged:
         print(diverged, file=sys.stderr, flush=True)

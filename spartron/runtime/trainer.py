@@ -263,6 +263,8 @@ class Trainer:
         self.stop = stop or StopOnSigterm()  # not installed: only stop.request() stops the run
         self.records: list[dict] = []
         self.stopped_at: int | None = None
+        self.started = time.perf_counter()  # the summary's total time counts from here
+        self.last_saved: int | None = None  # the newest committed step: this run's, or the one it resumed from
 
     def setup(self) -> Trainer:
         """Build everything (class docstring); rank 0 says every observe.progress_every_s while it runs."""
@@ -314,7 +316,7 @@ class Trainer:
         self.loader = build_train_loader(cfg, groups.rank_in("dp"), dims.dp)
 
         self.step_no, self.counters = 0, {"tokens": 0}
-        self.resumed_from = plan.resume_step
+        self.resumed_from = self.last_saved = plan.resume_step
         if self.resumed_from is not None:
             self._resume(plan)
         self.log = M.MetricsLog(run_dir / "metrics.jsonl", t.steps, enabled=rank == 0, progress=t.progress)
@@ -396,6 +398,7 @@ class Trainer:
                 pending, self.pending_save = self.pending_save, None
                 with self.observer.phase(f"committing step {pending.step}", step):
                     pending.commit()
+                self.last_saved = pending.step
             stopping = self.stop.agreed(self.device) and step < t.steps  # every rank stops at the same step
             if (t.save_every and step % t.save_every == 0) or stopping:
                 with self.observer.phase(f"saving step {step}", step):
@@ -406,6 +409,7 @@ class Trainer:
                                          keep_last=t.keep_last, **self.ep_state)
                     if background is None:
                         pending.commit()
+                        self.last_saved = step
                     else:
                         self.pending_save = pending
             if stopping:
@@ -473,12 +477,14 @@ class Trainer:
     def close(self, ok: bool = True) -> TrainResult:
         """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may
         still be inside a collective)."""
-        self.log.close(summary=ok and self.cfg.train.progress, first_loss=self.counters.get("first_loss"))
+        if ok and self.pending_save is not None:  # a caller that stops stepping before train.steps
+            self.pending_save.commit()
+            self.last_saved, self.pending_save = self.pending_save.step, None
+        saved = None if self.last_saved is None else f"{self.last_saved} ({step_dir(self.run_dir, self.last_saved)})"
+        self.log.close(summary=ok and self.cfg.train.progress, first_loss=self.counters.get("first_loss"),
+                       total_s=time.perf_counter() - self.started, saved=saved)
         self.observer.close()
         if ok:
-            if self.pending_save is not None:  # a caller that stops stepping before train.steps
-                self.pending_save.commit()
-                self.pending_save = None
             if self.async_save_group is not None:
                 self.async_save_group.destroy()
             if isinstance(self.model, ClosableModel):  # collective: every rank ends the run well together
