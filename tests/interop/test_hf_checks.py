@@ -428,3 +428,41 @@ def test_export_includes_the_runs_tokenizer_even_after_the_original_moved(hf_dir
     ours = Tokenizer.from_file(str(tmp_path / "moved" / "tokenizer.json"))
     assert theirs("the cat sat on a mat")["input_ids"] == ours.encode("the cat sat on a mat").ids
     assert theirs.eos_token == "<eos>"
+
+
+# ---- the checkpoint folder itself ------------------------------------------------------------------
+def test_a_from_hf_path_that_is_no_checkpoint_folder_says_what_it_is(tmp_path, capsys):
+    from spartron.launch.cli import main
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"\x80")
+    (tmp_path / "dangling").symlink_to("gone")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "model.safetensors").mkdir()
+    expected = {
+        "missing": "does not exist (a Hugging Face checkpoint folder is expected)",
+        "fifo": "is a FIFO, not a folder (a Hugging Face checkpoint is a folder holding config.json and "
+                "model.safetensors or model.safetensors.index.json)",
+        "file": "is a regular file, not a folder (a Hugging Face checkpoint is a folder holding config.json and "
+                "model.safetensors or model.safetensors.index.json)",
+        "dangling": "is a dangling symbolic link (to 'gone'), not a folder (a Hugging Face checkpoint is a folder "
+                    "holding config.json and model.safetensors or model.safetensors.index.json)",
+        "loop": "is a looping symbolic link (to 'loop'), not a folder (a Hugging Face checkpoint is a folder "
+                "holding config.json and model.safetensors or model.safetensors.index.json)",
+        "empty": "a folder without a Hugging Face safetensors checkpoint (neither model.safetensors.index.json "
+                 "nor model.safetensors in it)",
+        "pickled": "a folder without a Hugging Face safetensors checkpoint (neither model.safetensors.index.json "
+                   "nor model.safetensors in it); its pytorch_model.bin is not read (a pickle can run code): save "
+                   "the model as safetensors",
+    }
+    for name, why in expected.items():
+        assert main(["convert", "--from-hf", str(tmp_path / name), "--to", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"spartron: error: {tmp_path / name}: {why}"]
+    assert main(["convert", "--from-hf", str(tmp_path / "odd"), "--to", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"spartron: error: {tmp_path / 'odd' / 'model.safetensors'}: a folder, not a file"]
+    assert not (tmp_path / "run").exists()

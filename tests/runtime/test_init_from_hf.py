@@ -96,5 +96,5 @@ def test_mismatching_model_and_missing_directory_name_the_key(hf_checkpoint, tmp
     cfg.train.init_from = f"hf:{missing}"
     with pytest.raises(ConfigError) as info:
         check_init_from(cfg)
-    assert str(info.value) == (f"train.init_from {str(missing)!r}: {missing}: holds neither "
-                               "model.safetensors.index.json nor model.safetensors")
+    assert str(info.value) == (f"train.init_from {str(missing)!r}: {missing}: does not exist (a Hugging Face "
+                               "checkpoint folder is expected)")

@@ -20,11 +20,13 @@ Reading a checkpoint never executes code: config.json is JSON, tensors come from
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +86,14 @@ def _header(path: Path) -> dict[str, TensorInfo]:
 
 
 def weight_files(hf_dir: Path) -> dict[str, str]:
-    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`). Shards are plain
-    file names inside the directory (a symbolic link there, as in a Hugging Face cache folder, is followed)."""
+    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`). A path that is
+    no checkpoint folder is named as what it is (missing, a file, a FIFO, a broken link, a folder without
+    one). Shards are plain file names inside the directory (a symbolic link there, as in a Hugging Face cache
+    folder, is followed)."""
+    _check_folder(hf_dir)
     index = hf_dir / INDEX
+    if os.path.lexists(index) and not index.is_file():
+        raise HFCheckpointError(f"{index}: {_kind(index)}, not a file")
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -96,9 +103,39 @@ def weight_files(hf_dir: Path) -> dict[str, str]:
                 raise HFCheckpointError(f"{index}: {name!r} -> {file!r} is not a .safetensors file in {hf_dir}")
         return dict(weight_map)
     single = hf_dir / SINGLE
+    if os.path.lexists(single) and not single.is_file():
+        raise HFCheckpointError(f"{single}: {_kind(single)}, not a file")
     if not single.is_file():
-        raise HFCheckpointError(f"{hf_dir}: holds neither {INDEX} nor {SINGLE}")
+        pickled = sorted(n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists())
+        hint = (f"; its {pickled[0]} is not read (a pickle can run code): save the model as safetensors"
+                if pickled else "")
+        raise HFCheckpointError(f"{hf_dir}: a folder without a Hugging Face safetensors checkpoint (neither "
+                                f"{INDEX} nor {SINGLE} in it){hint}")
     return {name: SINGLE for name in _header(single)}
+
+
+def _kind(path: Path) -> str:
+    """What `path` is, following links (a link into a Hugging Face cache is fine) and naming a broken one."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if os.path.islink(path):
+            loops = err.errno == errno.ELOOP
+            return f"a {'looping' if loops else 'dangling'} symbolic link (to {os.readlink(path)!r})"
+        return "missing" if err.errno == errno.ENOENT else f"unreadable ({err.strerror or err})"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file or folder")
+
+
+def _check_folder(hf_dir: Path) -> None:
+    """A checkpoint is a folder: a missing path, a file or a FIFO is named as what it is."""
+    kind = _kind(hf_dir)
+    if kind == "missing":
+        raise HFCheckpointError(f"{hf_dir}: does not exist (a Hugging Face checkpoint folder is expected)")
+    if kind != "a folder":
+        raise HFCheckpointError(f"{hf_dir}: is {kind}, not a folder (a Hugging Face checkpoint is a folder "
+                                f"holding {CONFIG} and {SINGLE} or {INDEX})")
 
 
 def checked_headers(hf_dir: Path, files: dict[str, str]) -> dict[str, TensorInfo]:
