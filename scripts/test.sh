@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The whole test suite, from nothing: venv, a real single-machine Slurm (when root), pytest.
+# The whole test suite, from nothing: venv, a real single-machine Slurm (as root), pytest on 2 workers.
+# Extra arguments go to pytest (they win over the defaults here: `scripts/test.sh -n 0` runs serially).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 source scripts/venv.sh
-slurm_tool="$root/../shared/tools/slurm-ci.sh"
 started_slurm=0
-if [ "$(id -u)" = 0 ] && [ -f "$slurm_tool" ]; then
-  if command -v sinfo >/dev/null && sinfo >/dev/null 2>&1; then
-    :  # a Slurm is already running (started by someone else): use it and leave it running
-  elif SLURM_CI_NODES=2 bash "$slurm_tool" start >/tmp/spartron-slurm-start.log 2>&1; then
+if command -v sinfo >/dev/null && bash scripts/slurm.sh status >/dev/null 2>&1; then
+  :  # a Slurm already answers (started by hand or by someone else): use it and leave it running
+elif [ "$(id -u)" = 0 ]; then
+  if bash scripts/slurm.sh start 2 >/tmp/spartron-slurm-start.log 2>&1; then
     started_slurm=1
   else
-    echo "note: Slurm could not be started (see /tmp/spartron-slurm-start.log); Slurm tests will skip"
+    echo "note: scripts/slurm.sh could not start Slurm (log: /tmp/spartron-slurm-start.log); the Slurm tests skip"
   fi
+else
+  echo "note: not root, so no Slurm is started; the Slurm tests skip (run as root, or start one: scripts/slurm.sh)"
 fi
-cleanup() { [ "$started_slurm" = 1 ] && bash "$slurm_tool" stop >/dev/null 2>&1 || true; }
+cleanup() { if [ "$started_slurm" = 1 ]; then bash scripts/slurm.sh stop >/dev/null 2>&1 || true; fi; }
 trap cleanup EXIT
-python -m pytest -q "$@"
+# Independent tests run on 2 workers; the Slurm tests share one worker (tests/conftest.py).
+python -m pytest -q -n 2 --dist loadgroup "$@"

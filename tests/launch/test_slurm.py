@@ -1,9 +1,9 @@
 """Slurm: jobs run on a REAL Slurm (2 emulated nodes); hostile values reach the ranks verbatim and run
 nothing; SIGTERM saves a complete step; a requeued job resumes. (Rendering alone: test_slurm_script.py.)
 
-The `slurm` tests need a running Slurm with 2 nodes (scripts/test.sh starts one as root with
-`SLURM_CI_NODES=2 ../shared/tools/slurm-ci.sh start`); they skip, saying why, only when `sinfo` is
-missing or the controller does not answer.
+The `slurm` tests need a running Slurm with 2 nodes: scripts/test.sh starts one as root with the project's
+scripts/slurm.sh. Without it they skip, and the skip names the reason (no Slurm tools, no controller, or
+fewer than 2 usable nodes). They share one xdist worker (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -57,17 +57,35 @@ def test_first_failed_task_is_srun_s_first_report(tmp_path):
 
 
 # ---- a real Slurm ------------------------------------------------------------------------------
+START_HINT = "start one as root with `scripts/slurm.sh start` (scripts/test.sh does)"
+
+
 def _slurm_unavailable() -> str | None:
+    """Why the Slurm tests cannot run here, or None when a controller answers with 2 usable nodes."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        return ("Slurm client tools (sinfo, sbatch) are not installed; scripts/test.sh installs and starts "
-                "Slurm when run as root")
-    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
+        return f"no Slurm: the client tools (sinfo, sbatch) are not installed; {START_HINT}"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return f"no Slurm: sinfo did not answer within 20 s; {START_HINT}"
     if proc.returncode != 0:
-        return f"slurmctld is not reachable: {proc.stderr.strip()}"
+        return f"no Slurm: slurmctld does not answer ({proc.stderr.strip()}); {START_HINT}"
     usable = [line for line in proc.stdout.splitlines() if not line.split()[1].startswith(("down", "drain"))]
     if len(usable) < 2:
-        return f"needs 2 usable Slurm nodes (SLURM_CI_NODES=2), sinfo shows: {proc.stdout.strip()!r}"
+        return f"needs 2 usable Slurm nodes, sinfo shows {proc.stdout.strip()!r}; {START_HINT}"
     return None
+
+
+@pytest.fixture(scope="module")
+def slurm_reason() -> str | None:
+    """Asked once per module: every Slurm test skips for the same reason."""
+    return _slurm_unavailable()
+
+
+@pytest.fixture
+def slurm(slurm_reason) -> None:
+    if slurm_reason:
+        pytest.skip(slurm_reason)
 
 
 def _spartron(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -85,14 +103,13 @@ TRAIN_ARGS = ["--set", "train.steps=3", "--set", "train.progress=false"]
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
+def jobs(tmp_path_factory, slurm_reason):
     """Every CLI run of this module, started at once: Slurm queues the jobs while the CLIs start up.
 
     The local 4-rank training run (the reference for the Slurm one) runs alongside.
     """
-    reason = _slurm_unavailable()
-    if reason:
-        pytest.skip(reason)
+    if slurm_reason:
+        pytest.skip(slurm_reason)
     root = tmp_path_factory.mktemp("slurm-jobs")
     marker = root / "pwned"
     hostile_env = {f"V{i}": v for i, v in enumerate(_hostile(marker))}
@@ -222,14 +239,12 @@ def _saved_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slurm
-def test_scancel_sigterm_saves_a_complete_step_and_the_job_ends(tmp_path):
+def test_scancel_sigterm_saves_a_complete_step_and_the_job_ends(tmp_path, slurm):
     """`scancel -s TERM` signals the job's steps: every rank saves the same step and exits 75; the job
     ends (FAILED, exit 75: it did not reach train.steps) and is not requeued."""
     from spartron.launch.slurm import wait
     from spartron.runtime.state import verify_step
 
-    if _slurm_unavailable():
-        pytest.skip(_slurm_unavailable())
     proc, job_id, run_dir = _submit_long(tmp_path, "preempt", ["--set", "train.steps=500"])
     proc.communicate(timeout=30)
     subprocess.run(["scancel", "-s", "TERM", job_id], check=True)
@@ -245,12 +260,10 @@ def test_scancel_sigterm_saves_a_complete_step_and_the_job_ends(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sigterm_to_the_batch_shell_requeues_and_the_job_resumes(tmp_path):
+def test_sigterm_to_the_batch_shell_requeues_and_the_job_resumes(tmp_path, slurm):
     """launch.requeue: `scancel -b -s TERM` (what --signal=B:TERM@<s> does before the time limit) reaches
     the batch shell, which forwards it; the ranks save and exit 75, the job requeues itself, and the
     requeued job resumes from that step to train.steps. `spartron sbatch --wait` follows it to the end."""
-    if _slurm_unavailable():
-        pytest.skip(_slurm_unavailable())
     proc, job_id, run_dir = _submit_long(tmp_path, "requeue", ["--set", "train.steps=40",
                                                                 "--set", "launch.requeue=true"], wait=True)
     subprocess.run(["scancel", "-b", "-s", "TERM", job_id], check=True)
@@ -268,13 +281,11 @@ def test_sigterm_to_the_batch_shell_requeues_and_the_job_resumes(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_scontrol_requeue_of_a_running_job_resumes_from_the_step_saved_on_sigterm(tmp_path):
+def test_scontrol_requeue_of_a_running_job_resumes_from_the_step_saved_on_sigterm(tmp_path, slurm):
     """`scontrol requeue` (an operator, or preemption with PreemptMode=REQUEUE) SIGTERMs the running
     job: the ranks save, and the requeued job resumes from that step."""
     from spartron.launch.slurm import wait
 
-    if _slurm_unavailable():
-        pytest.skip(_slurm_unavailable())
     proc, job_id, run_dir = _submit_long(tmp_path, "requeued", ["--set", "train.steps=40",
                                                                  "--set", "launch.requeue=true"])
     proc.communicate(timeout=30)
@@ -288,11 +299,9 @@ def test_scontrol_requeue_of_a_running_job_resumes_from_the_step_saved_on_sigter
 
 
 @pytest.mark.slurm
-def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path):
+def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path, slurm):
     """[debug] rides in the job's frozen config: rank 1 (on n2) exits 3 at step 2; rank 0's knock-on
     traceback fills the log's tail, and `spartron sbatch --wait` names rank 1 from srun's report."""
-    if _slurm_unavailable():
-        pytest.skip(_slurm_unavailable())
     proc = _spartron(["sbatch", TINY, "--nodes", "2", "--wait", "--set", "train.steps=3", "--set",
                       "train.progress=false", "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1",
                       "--set", 'debug.fail_mode="exit"'], tmp_path)
@@ -304,13 +313,11 @@ def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_the_signal_before_the_time_limit_saves_and_stops_before_the_limit(tmp_path):
+def test_the_signal_before_the_time_limit_saves_and_stops_before_the_limit(tmp_path, slurm):
     """launch.signal_before_s = 100 with a 2-minute limit: Slurm signals the batch shell 100 s (up to 60 s
     more) before the limit; the ranks save and stop with 75 well before Slurm's TIMEOUT kill."""
     from spartron.runtime.state import verify_step
 
-    if _slurm_unavailable():
-        pytest.skip(_slurm_unavailable())
     start = time.monotonic()
     proc = _spartron(["sbatch", TINY, "--time", "2", "--wait", "--set", "launch.signal_before_s=100",
                       "--set", "train.steps=100000", "--set", "train.progress=false", "--set", 'name="limit"'],

@@ -1,0 +1,17 @@
+"""Suite-wide collection rules.
+
+Tests marked `slurm` share one single-machine Slurm of 2 nodes (scripts/slurm.sh): under pytest-xdist
+(`--dist loadgroup`, as scripts/test.sh runs the suite) they all go to one worker, so their jobs never
+queue behind each other's and their timings hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
