@@ -20,6 +20,11 @@ _CONTROL = frozenset(chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 
                                       *range(0x2066, 0x206A)]) - {"\t"}
 
 
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the dotted key. Defined here, at the package
+    top, so that every floor (data below runtime included) raises the one error the CLI reports."""
+
+
 _INT_LIMIT = 2**63  # every integer option fits a signed 64-bit integer (torch, numpy, JSON readers)
 
 

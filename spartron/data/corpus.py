@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spartron.configbase import ConfigError
 from spartron.optional import require
-from spartron.runtime.config import ConfigError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".txt")
 

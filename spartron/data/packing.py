@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from spartron.configbase import ConfigError
 from spartron.data.tokenfile import TokenFolder
 from spartron.layers.loss import IGNORE_INDEX as IGNORE
-from spartron.runtime.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from spartron.configbase import ConfigError
 from spartron.data.corpus import Document, corpus_files, read_corpus
 from spartron.data.tokenfile import write_token_folder
 from spartron.data.tokenizer import load_tokenizer
-from spartron.runtime.config import ConfigError
 
 
 def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, eos_token: str | None = None,

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from spartron.configbase import ConfigError
 from spartron.data.corpus import ROLES, Chat, Document
 from spartron.optional import require
-from spartron.runtime.config import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS = object()  # in a turn end: the tokenizer's EOS id

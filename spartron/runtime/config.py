@@ -19,16 +19,12 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 import spartron.layers  # noqa: F401  (registers Spartron's ops: `ac.targets` are validated against them)
 from spartron.checkpointing.config import ACConfig, OffloadConfig
-from spartron.configbase import ConfigSection
+from spartron.configbase import ConfigError, ConfigSection
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
 from spartron.runtime.debug import DebugConfig
 from spartron.runtime.observe import FLIGHT_RECORDER_ENV, ObserveConfig
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the dotted key."""
 
 
 class NcclCommConfig(ConfigSection):
