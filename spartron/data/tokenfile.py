@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from spartron.runtime.config import ConfigError
+from spartron.temporaries import make_sibling, remove_stale
 
 FORMAT = "spartron-tokens"
 VERSION = 1
@@ -63,17 +64,19 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
                        bos_id: int | None = None, extra: Callable[[Path], dict] | None = None) -> dict:
     """Stream (ids, loss mask) records into `out` (new, or an empty folder); returns the metadata written.
 
-    Everything is written into a hidden sibling `.NAME.partial-PID-HEX`, renamed to `out` at the end (or its
-    files moved into an existing empty `out`, tokens.json last): a failure (a bad record, a full disk) or an
-    interrupt (Ctrl-C; `spartron data` turns SIGTERM into one) removes it, and even a SIGKILL leaves `out` as
-    it was, so the same command can run again. `extra(folder)`, when given, writes more files into the
-    folder before tokens.json and returns the metadata entries that describe them."""
+    Everything is written into a hidden sibling `.NAME.partial-HOST-PID-HEX`, renamed to `out` at the end
+    (or its files moved into an existing empty `out`, tokens.json last): a failure (a bad record, a full
+    disk) or an interrupt (Ctrl-C; `spartron data` turns SIGTERM into one) removes it, and even a SIGKILL
+    leaves `out` as it was, so the same command can run again (it removes, with a note, the sibling a
+    killed run left: spartron.temporaries). `extra(folder)`, when given, writes more files into the folder
+    before tokens.json and returns the metadata entries that describe them."""
     out = Path(os.path.realpath(out))  # `.`, and a link to a folder: the folder it names
     _check_output(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name[:100]}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()  # the umask's permissions, like any folder the user makes
+        for note in remove_stale(out, "partial"):  # what a SIGKILLed earlier attempt left
+            print(note, file=sys.stderr, flush=True)
+        tmp = make_sibling(out, "partial")  # the umask's permissions, like any folder the user makes
     except OSError as err:
         raise ConfigError(f"output folder {str(out)!r} cannot be made: {err.strerror or err}") from None
     moved: list[Path] = []  # into an existing empty folder: removed again on failure

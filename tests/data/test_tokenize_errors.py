@@ -193,9 +193,14 @@ def test_an_interrupted_run_leaves_nothing_that_blocks_the_retry(tmp_path, tok, 
         assert err == (f"spartron: data: stopped by {signal.Signals(signum).name}; removed the partial output "
                        f"({out} is as it was: run the same command again)\n")
         assert not list(tmp_path.glob(".out.partial-*"))
+    left = list(tmp_path.glob(".out.partial-*"))
     retry = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert retry.returncode == 0, retry.stderr
     assert json.loads((out / "tokens.json").read_text())["n_documents"] == 2 * 4000
+    notes = [line for line in retry.stderr.splitlines() if line.startswith("spartron: note:")]
+    assert notes == [f"spartron: note: removed {path}, left by process {proc.pid} of this host, which is no longer "
+                     "running" for path in left]  # the killed run's folder, named with its host and pid
+    assert not list(tmp_path.glob(".out.partial-*"))
 
 
 def test_tokenizer_files_and_flags(tmp_path, tok, capfd):

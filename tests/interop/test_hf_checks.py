@@ -466,3 +466,26 @@ def test_a_from_hf_path_that_is_no_checkpoint_folder_says_what_it_is(tmp_path, c
     assert capsys.readouterr().err.splitlines() == [
         f"spartron: error: {tmp_path / 'odd' / 'model.safetensors'}: a folder, not a file"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_killed_exports_temporary_folder_is_removed_by_the_retry(hf_dir, tmp_path):
+    from spartron.launch.cli import main
+
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+    out = tmp_path / "exports" / "hf"
+    out.parent.mkdir()
+    command = [sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(tmp_path / "run"), "--to-hf",
+               str(out), "--max-shard-bytes", "1000"]
+    proc = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.DEVNULL)
+    while not list(out.parent.glob(".hf.tmp-*")):  # made before the first shard is written
+        assert proc.poll() is None, "the export ended before it was killed"
+    proc.kill()
+    assert proc.wait(timeout=60) == -9
+    left = list(out.parent.glob(".hf.tmp-*"))
+    assert len(left) == 1 and not out.exists()
+    assert re.fullmatch(rf"\.hf\.tmp-[A-Za-z0-9._]+-{proc.pid}-[0-9a-f]{{8}}", left[0].name)
+    retry = _cli("convert", "--from", str(tmp_path / "run"), "--to-hf", str(out), cwd=tmp_path)
+    assert retry.returncode == 0, retry.stderr
+    assert retry.stderr.splitlines() == [f"spartron: note: removed {left[0]}, left by process {proc.pid} of this "
+                                         "host, which is no longer running"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"] and (out / "config.json").is_file()

@@ -24,9 +24,9 @@ import errno
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from spartron.interop.hf.header import FLOAT_WEIGHTS, HeaderError, TensorInfo, r
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.layers.config import ModelConfig
 from spartron.optional import require
+from spartron.temporaries import make_sibling, remove_stale
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -408,15 +409,14 @@ def _check_out_dir(out_dir: Path) -> None:
 
 
 def _temporary_sibling(out_dir: Path) -> Path:
-    """A new folder beside out_dir (same filesystem: the final rename is atomic), mode 0777 less the umask."""
-    for _ in range(100):
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
-    raise HFCheckpointError(f"{out_dir.parent}: cannot make a temporary folder for the export")
+    """A new folder beside out_dir (same filesystem: the final rename is atomic), mode 0777 less the umask,
+    after removing the ones an export killed earlier left there (spartron.temporaries)."""
+    for note in remove_stale(out_dir, "tmp"):
+        print(note, file=sys.stderr, flush=True)
+    try:
+        return make_sibling(out_dir, "tmp")
+    except FileExistsError:
+        raise HFCheckpointError(f"{out_dir.parent}: cannot make a temporary folder for the export") from None
 
 
 def _fsync(path: Path) -> None:
