@@ -98,7 +98,7 @@ def _registered_names() -> tuple[set[str], set[str]]:
 def validate_targets(targets: Iterable[str]) -> None:
     """Raise ValueError for a target that names no registered operator or namespace.
 
-    Checks what torch has registered now: import Spartron's op libraries first (the run config does).
+    Checks what torch has registered now: call spartron.layers.ops.load_ops() first (RunConfig does).
     """
     ops, namespaces = _registered_names()
     for entry in targets:

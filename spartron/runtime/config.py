@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-import spartron.layers  # noqa: F401  (registers Spartron's ops: `ac.targets` are validated against them)
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigError, ConfigSection
 from spartron.layers.config import ModelConfig
 from spartron.layers.moe.dispatch import check_dispatcher
+from spartron.layers.ops import load_ops
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
 from spartron.runtime.debug import DebugConfig
 from spartron.runtime.observe import FLIGHT_RECORDER_ENV, ObserveConfig
@@ -401,6 +401,13 @@ class RunConfig(ConfigSection):
         """THE run directory: train.run_dir, else runs/<name>; a relative one under `workdir` when given."""
         path = Path(self.train.run_dir) if self.train.run_dir else Path("runs") / self.name
         return path if workdir is None or path.is_absolute() else workdir / path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ops_loaded(cls, data: Any) -> Any:
+        """`ac.targets` name operators: their libraries are registered before the sections validate."""
+        load_ops()
+        return data
 
     @field_validator("name")
     @classmethod
