@@ -22,8 +22,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("comm",),
     ("checkpointing",),
     ("layers",),
+    ("data",),  # corpora, tokenizers, token files: their errors come from configbase, never from runtime
     ("interop",),
-    ("runtime", "data"),  # data reads the run config's errors; the trainer's loaders read data
+    ("runtime",),
     ("launch",),
     ("testing",),  # the test harness sits above all
 ]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spartron.runtime.config import ConfigError
+from spartron.configbase import ConfigError
 from spartron.temporaries import make_sibling, remove_stale
 
 FORMAT = "spartron-tokens"
