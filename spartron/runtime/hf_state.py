@@ -36,8 +36,8 @@ from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_mode
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
 from spartron.runtime.config import RunConfig, config_from_dict, dump_config
+from spartron.runtime.rundir import StateLoadError, check_newest_marker, marker_kind
 from spartron.runtime.state import (
-    COMPLETE,
     SafeFileSystemReader,
     SafeLoadPlanner,
     latest_complete_step,
@@ -72,7 +72,11 @@ class SavedStateSource(TensorSource):
     def __init__(self, path: Path) -> None:
         if dist.is_initialized():
             raise HFCheckpointError("exporting a saved state runs in one process (outside torch.distributed)")
-        if not (path / COMPLETE).is_file():
+        if marker_kind(path) == "absent":  # a run directory: its newest complete step
+            try:
+                check_newest_marker(path)
+            except StateLoadError as err:
+                raise HFCheckpointError(str(err)) from None
             step = latest_complete_step(path)
             if step is None:
                 raise HFCheckpointError(f"{path}: neither a complete saved step nor a run directory holding one")

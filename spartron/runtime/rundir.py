@@ -15,13 +15,14 @@ import json
 import os
 import re
 import socket
+import stat
 import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spartron.runtime.safe_open import UnsafeEntryError, check_entry, open_file
+from spartron.runtime.safe_open import UnsafeEntryError, check_entry, describe, open_file
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -50,26 +51,55 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"step-{step:08d}"
 
 
+def marker_kind(path: Path) -> str:
+    """What a step folder's COMPLETE is, by lstat (a link is never followed): "complete" (a regular file,
+    as every save writes), "absent", or "unsafe" (a symbolic link, FIFO, folder...: someone changed the
+    directory, so the step is not a complete saved step)."""
+    try:
+        mode = os.lstat(path / COMPLETE).st_mode
+    except FileNotFoundError:
+        return "absent"
+    except OSError:  # the step itself is not a folder (ENOTDIR), or a looping link
+        return "absent"
+    return "complete" if stat.S_ISREG(mode) else "unsafe"
+
+
+def _step_names(run_dir: Path) -> list[str]:
+    return sorted(c.name for c in run_dir.iterdir() if _STEP_DIR.match(c.name)) if run_dir.is_dir() else []
+
+
 def complete_steps(run_dir: str | Path) -> list[int]:
-    """Steps with a complete saved state, ascending (directories without the marker are ignored)."""
+    """Steps with a complete saved state, ascending (folders without a regular-file marker are ignored)."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    steps = []
-    for child in run_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(int(n[5:]) for n in _step_names(run_dir) if marker_kind(run_dir / n) == "complete")
+
+
+def unsafe_steps(run_dir: str | Path) -> list[str]:
+    """Names of step folders whose COMPLETE is there but not a regular file (`marker_kind` "unsafe")."""
+    run_dir = Path(run_dir)
+    return [n for n in _step_names(run_dir) if marker_kind(run_dir / n) == "unsafe"]
 
 
 def incomplete_steps(run_dir: str | Path) -> list[str]:
-    """Names of step directories a resume ignores: ``.tmp-step-*`` and ``step-*`` without COMPLETE."""
+    """Names of step directories a resume ignores: ``.tmp-step-*`` and ``step-*`` without a regular COMPLETE."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return sorted(c.name for c in run_dir.iterdir() if _TMP_DIR.match(c.name)
-                  or (_STEP_DIR.match(c.name) and not (c / COMPLETE).is_file()))
+    tmp = [c.name for c in run_dir.iterdir() if _TMP_DIR.match(c.name)]
+    return sorted(tmp + [n for n in _step_names(run_dir) if marker_kind(run_dir / n) != "complete"])
+
+
+def check_newest_marker(run_dir: Path) -> None:
+    """StateLoadError when the newest step folder has an unsafe COMPLETE: silently taking an older step
+    would go back behind a step someone tampered with (a resume, an eval or an export of the run dir)."""
+    unsafe = unsafe_steps(run_dir)
+    steps = complete_steps(run_dir)
+    if unsafe and (not steps or int(unsafe[-1][5:]) > steps[-1]):
+        path = Path(run_dir) / unsafe[-1]
+        older = f"to use {step_dir(run_dir, steps[-1]).name}" if steps else "to start anew"
+        raise StateLoadError(f"{path / COMPLETE} {describe(path / COMPLETE)}: a save writes a regular file there, "
+                             f"so {path.name} (the newest step) is not a complete saved step; restore the marker, "
+                             f"or remove {path.name} {older}")
 
 
 def latest_complete_step(run_dir: str | Path) -> int | None:
@@ -124,10 +154,18 @@ def _reject_constant(value: str) -> Any:
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        return parse_json(path, path.read_bytes())
     except FileNotFoundError:
         raise StateLoadError(f"{path}: missing") from None
-    except (OSError, ValueError, RecursionError) as err:
+    except OSError as err:
+        raise StateLoadError(f"{path}: not valid JSON ({_first_line(err)})") from None
+
+
+def parse_json(path: Path, raw: bytes) -> Any:
+    """The JSON in `raw` (read from `path`, which a StateLoadError names); non-finite numbers refused."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
         raise StateLoadError(f"{path}: not valid JSON ({_first_line(err)})") from None
 
 
@@ -148,9 +186,20 @@ def read_manifest(path: Path) -> list[dict]:
     """The file list of a step's COMPLETE marker, checked field by field (StateLoadError names the marker)."""
     marker = path / COMPLETE
     _refuse_link(path)
-    if not marker.is_file():
+    kind = marker_kind(path)
+    if kind == "absent":
         raise StateLoadError(f"{path} is not a complete saved state (no {COMPLETE} marker)")
-    data = read_json(marker)
+    try:  # never through a link, never a FIFO (it could change between marker_kind and here)
+        with os.fdopen(open_file(path, COMPLETE, os.O_RDONLY), "rb") as f:
+            raw = f.read()
+    except OSError:
+        kind = "unsafe" if kind == "complete" and marker_kind(path) != "complete" else kind
+        if kind != "unsafe":
+            raise StateLoadError(f"{marker}: unreadable") from None
+    if kind == "unsafe":
+        raise StateLoadError(f"{marker} {describe(marker)}: a save writes a regular file there, so {path.name} is "
+                             "not a complete saved step (the run directory was changed)")
+    data = parse_json(marker, raw)
     if not isinstance(data, dict) or data.get("format_version") not in READABLE_FORMATS:
         version = data.get("format_version", 1) if isinstance(data, dict) else 1
         raise StateLoadError(f"{marker}: saved-state format {version!r}, this Spartron reads formats "
@@ -226,7 +275,9 @@ class RunStart:
                 return (f"spartron: {self.run_dir} holds no complete saved step: starting a new run; the "
                         f"earlier run's {METRICS} was moved to {_rotated_name(self.run_dir)}")
             return ""
-        skipped = (f"; skipped incomplete step directories: {', '.join(self.skipped)}" if self.skipped else "")
+        names = [f"{n} ({COMPLETE} is not a regular file)" if marker_kind(self.run_dir / n) == "unsafe" else n
+                 for n in self.skipped]
+        skipped = f"; skipped incomplete step directories: {', '.join(names)}" if names else ""
         return f"spartron: resumed from step {self.resume_step} ({step_dir(self.run_dir, self.resume_step)}){skipped}"
 
 
@@ -398,6 +449,7 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
                 "(name or train.run_dir), delete that one, or set train.overwrite = true to replace its "
                 "saved steps and metrics")
         return RunStart(run_dir, None, replace=tuple(held))
+    check_newest_marker(run_dir)
     if not steps_saved:
         return RunStart(run_dir, None, rotate_metrics=has_metrics)
     last = steps_saved[-1]

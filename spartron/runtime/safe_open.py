@@ -42,6 +42,11 @@ def _what(path: Path) -> str:
     return "is " + next((name for test, name in kinds if test(st.st_mode)), "not a regular file")
 
 
+def describe(path: Path) -> str:
+    """'is a symbolic link (to X)', 'is a FIFO', ...: what the entry at `path` is, links not followed."""
+    return _what(path)
+
+
 def refusal(path: Path, what: str | None = None, hint: str = _HINT) -> UnsafeEntryError:
     """The one-line error for a hostile entry: '<path> <what it is>: <hint>'."""
     return UnsafeEntryError(f"{path} {what or _what(path)}: {hint}")

@@ -107,6 +107,7 @@ from spartron.runtime.rundir import (  # noqa: F401 - re-exported: the saved-sta
     incomplete_steps,
     latest_complete_step,
     lock_for_reading,
+    marker_kind,
     plan_run,
     read_json,
     read_manifest,
@@ -421,7 +422,10 @@ def remove_step(path: Path) -> None:
     that no resume takes for complete. A step that is a link (into another run, say) or not a folder is
     refused (UnsafeEntryError), never followed: nothing outside the run directory is removed."""
     check_entry(path, "dir")
-    (path / COMPLETE).unlink(missing_ok=True)
+    try:
+        (path / COMPLETE).unlink(missing_ok=True)  # a link or FIFO there: the entry itself goes
+    except IsADirectoryError:
+        pass  # a folder named COMPLETE (never a save's): rmtree removes it without following links inside
     _fsync_dir(path)
     shutil.rmtree(path)
 
@@ -467,7 +471,7 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     problem = verify_step(path, verify_checksums)
     if problem is not None:
         newest = _newest_intact(path.parent, int(path.name[5:]), verify_checksums) \
-            if _STEP_DIR.match(path.name) and (path / COMPLETE).is_file() else ""
+            if _STEP_DIR.match(path.name) and marker_kind(path) == "complete" else ""
         raise StateLoadError(problem + (f"; {newest}" if newest else ""))
     meta = read_meta(path)
     check_meta(path, meta, world, layout, config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import zlib
 from collections.abc import Collection
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from spartron.runtime.rundir import COMPLETE, StateLoadError, _first_line, complete_steps, read_manifest, step_dir
+from spartron.runtime.safe_open import describe, open_file
 
 _READ_CHUNK = 8 << 20
 
@@ -35,9 +37,9 @@ def _all_gather(value: Any) -> list[Any]:
 
 
 # ---- verifying a saved step ------------------------------------------------------------------------------
-def _crc32_file(path: Path) -> int:
+def _crc32_file(step: Path, name: str) -> int:
     crc = 0
-    with path.open("rb") as f:
+    with os.fdopen(open_file(step, name, os.O_RDONLY), "rb") as f:  # never through a link, never a FIFO
         while chunk := f.read(_READ_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -46,15 +48,19 @@ def _crc32_file(path: Path) -> int:
 def _check_file(path: Path, entry: dict, checksums: bool) -> str | None:
     file = path / entry["path"]
     try:
-        if file.is_symlink():
-            return f"{file}: a symbolic link (to {os.readlink(file)}); a saved step holds only its own files"
-        if not file.is_file():
+        try:
+            st = os.lstat(file)
+        except FileNotFoundError:
             return f"{file}: missing (listed in {COMPLETE} with {entry['size']} bytes)"
-        size = file.stat().st_size
+        if stat.S_ISLNK(st.st_mode):
+            return f"{file}: a symbolic link (to {os.readlink(file)}); a saved step holds only its own files"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{file} {describe(file)}: a saved step holds only regular files"
+        size = st.st_size
         if size != entry["size"]:
             return f"{file}: {size} bytes, {COMPLETE} records {entry['size']} (truncated or overwritten)"
         if checksums:
-            crc = _crc32_file(file)
+            crc = _crc32_file(path, entry["path"])
             if crc != entry["crc32"]:
                 return (f"{file}: CRC-32 {crc:08x}, {COMPLETE} records {entry['crc32']:08x} "
                         "(the file is corrupted)")

@@ -54,9 +54,8 @@ from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
-from spartron.runtime.rundir import read_manifest, read_meta
+from spartron.runtime.rundir import check_newest_marker, marker_kind, read_manifest, read_meta
 from spartron.runtime.state import (
-    COMPLETE,
     AsyncSaveGroup,
     PendingSave,
     StateLoadError,
@@ -572,7 +571,8 @@ def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory
     and "notes" (one line per setting taken from the step instead of cfg); the run is not changed."""
     path = Path(path)
     reading = lock_for_reading(path)  # held until the end: no run starts, saves or prunes steps meanwhile
-    if not (path / COMPLETE).is_file():
+    if marker_kind(path) == "absent":  # a run directory: its newest complete step
+        check_newest_marker(path)
         newest = latest_complete_step(path) if path.is_dir() else None
         if newest is None:
             raise StateLoadError(f"{path}: neither a saved step nor a run directory holding one")

@@ -341,3 +341,79 @@ def test_cli_train_into_a_run_dir_with_a_linked_rank_log_is_one_line_exit_2(tmp_
     assert (done.returncode, done.stderr) == (
         USAGE_ERROR, f"spartron: error: {run / 'logs' / 'rank1.log'} is a symbolic link (to {target}): {HINT}\n")
     assert target.read_bytes() == PRECIOUS
+
+
+# ---- step markers and files are looked at with lstat: a linked or FIFO COMPLETE is no complete step --------
+def _tamper(path: Path, kind: str, target: Path) -> str:
+    """Replace the regular file at `path` with a `kind` entry; returns how the refusal describes it."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "is a FIFO"
+    if kind == "folder":
+        path.mkdir()
+        return "is a directory"
+    link = {"file": target, "dir": target.parent, "dangling": target.parent / "gone"}[kind]
+    path.symlink_to(link)
+    return f"is a symbolic link (to {link})"
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "dangling", "fifo", "folder"])
+def test_a_newest_step_whose_complete_is_not_a_regular_file_stops_the_resume(tmp_path, kind, capfd):
+    from spartron.runtime.rundir import complete_steps, incomplete_steps, read_manifest
+
+    run, target = tmp_path / "run", outside_file(tmp_path)
+    assert run1(cfg_for(run, steps=2, save_every=1)) == [1, 2]
+    marker = step_dir(run, 2) / COMPLETE
+    what = _tamper(marker, kind, target)
+    assert complete_steps(run) == [1] and incomplete_steps(run) == ["step-00000002"]
+    assert run1(cfg_for(run, steps=4, save_every=1)) == (
+        f"StateLoadError: {marker} {what}: a save writes a regular file there, so step-00000002 (the newest step) "
+        "is not a complete saved step; restore the marker, or remove step-00000002 to use step-00000001")
+    with pytest.raises(StateLoadError) as err:
+        read_manifest(step_dir(run, 2))
+    assert str(err.value) == (f"{marker} {what}: a save writes a regular file there, so step-00000002 is not a "
+                              "complete saved step (the run directory was changed)")
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=1, save_every=1, resume=False, overwrite=True)) == [1]
+    assert f"spartron: train.overwrite: removed step-00000001, step-00000002, metrics.jsonl from {run}" in \
+        capfd.readouterr().err
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-00000001"]
+    assert target.read_bytes() == PRECIOUS and os.listdir(target.parent) == ["precious.txt"]
+
+
+def test_an_older_step_with_a_linked_complete_is_skipped_with_a_note(tmp_path, capfd):
+    run, target = tmp_path / "run", outside_file(tmp_path)
+    assert run1(cfg_for(run, steps=2, save_every=1)) == [1, 2]
+    _tamper(step_dir(run, 1) / COMPLETE, "file", target)
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=3, save_every=1, keep_last=1)) == [3]
+    assert (f"spartron: resumed from step 2 ({step_dir(run, 2)}); skipped incomplete step directories: "
+            f"step-00000001 ({COMPLETE} is not a regular file)") in capfd.readouterr().err.splitlines()
+    assert (step_dir(run, 1) / COMPLETE).is_symlink() and target.read_bytes() == PRECIOUS  # never pruned through
+
+
+def test_a_step_file_that_is_a_fifo_is_named_without_hanging(tmp_path):
+    run = tmp_path / "run"
+    assert run1(cfg_for(run, steps=2, save_every=1)) == [1, 2]
+    fifo = step_dir(run, 2) / "rank-00000.json"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    assert run1(cfg_for(run, steps=3, save_every=1)) == (
+        f"StateLoadError: {fifo} is a FIFO: a saved step holds only regular files; the newest intact step is "
+        f"step-00000001: move step-00000002 out of {run} to resume from it")
+
+
+def test_an_empty_step_folder_is_skipped_on_resume_refused_on_a_new_run_and_replaced_by_the_save(tmp_path, capfd):
+    run = tmp_path / "run"
+    assert run1(cfg_for(run, steps=2, save_every=1)) == [1, 2]
+    step_dir(run, 3).mkdir()  # what a deletion cut short leaves (COMPLETE goes first), or a user's mkdir
+    assert run1(cfg_for(run, steps=4, save_every=1, resume=False)).startswith(
+        f"StateLoadError: {run} already holds saved steps [1, 2] (step-00000001, step-00000002, step-00000003, "
+        "metrics.jsonl); train.resume = false will not mix a new run into it")
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=4, save_every=1)) == [3, 4]
+    assert (f"spartron: resumed from step 2 ({step_dir(run, 2)}); skipped incomplete step directories: "
+            "step-00000003") in capfd.readouterr().err.splitlines()
+    assert (step_dir(run, 3) / COMPLETE).is_file() and (step_dir(run, 3) / "meta.json").is_file()
+    assert run1(cfg_for(run, steps=5, save_every=1)) == [5]  # step 3 is a complete step now
