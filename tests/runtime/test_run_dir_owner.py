@@ -417,3 +417,22 @@ def test_an_empty_step_folder_is_skipped_on_resume_refused_on_a_new_run_and_repl
             "step-00000003") in capfd.readouterr().err.splitlines()
     assert (step_dir(run, 3) / COMPLETE).is_file() and (step_dir(run, 3) / "meta.json").is_file()
     assert run1(cfg_for(run, steps=5, save_every=1)) == [5]  # step 3 is a complete step now
+
+
+def test_eval_and_export_of_a_run_dir_whose_newest_marker_is_linked_are_one_line(tmp_path, capsys):
+    from spartron.launch.cli import main
+    from spartron.runtime.trainer import evaluate_saved
+
+    run, target = tmp_path / "run", outside_file(tmp_path)
+    assert run1(cfg_for(run, steps=2, save_every=1)) == [1, 2]
+    marker = step_dir(run, 2) / COMPLETE
+    what = _tamper(marker, "file", target)
+    why = (f"{marker} {what}: a save writes a regular file there, so step-00000002 (the newest step) is not a "
+           "complete saved step; restore the marker, or remove step-00000002 to use step-00000001")
+    with pytest.raises(StateLoadError) as err:
+        evaluate_saved(cfg_for(run), run)
+    assert str(err.value) == why
+    capsys.readouterr()
+    assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "hf")]) == USAGE_ERROR
+    assert capsys.readouterr().err.splitlines() == [f"spartron: error: {why}"]
+    assert not (tmp_path / "hf").exists() and target.read_bytes() == PRECIOUS
