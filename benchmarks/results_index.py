@@ -236,7 +236,8 @@ def render_results_doc(rows: list[dict]) -> str:
         "",
         "Generated from the results index (`python benchmarks/results_index.py`; the raw files and the archive:",
         "[benchmarks/results/](../benchmarks/results/README.md)); do not edit. Devices are as each run recorded",
-        "them; times are medians of the timed steps or calls unless the file says otherwise.",
+        "them; times are medians of the timed steps or calls unless the file says otherwise. The headline tables",
+        "and what the numbers mean: [GPU_NOTES.md](GPU_NOTES.md).",
         "",
     ]
     body: list[str] = []
