@@ -145,3 +145,20 @@ def test_compile_makes_an_unset_ac_reentrant_non_reentrant(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(dump_config(cfg))  # the resolved value is written, so the dump loads the same
     assert load_config(path).ac == cfg.ac
+
+
+def test_the_reentrant_default_is_resolved_without_changing_what_was_passed():
+    from spartron.checkpointing.config import ACConfig
+    from spartron.runtime.config import TrainConfig
+
+    ac = ACConfig(mode="full")
+    cfg = RunConfig(name="t", train=TrainConfig(compile=True), ac=ac)
+    assert (cfg.ac.reentrant, ac.reentrant, "reentrant" in cfg.ac.model_fields_set) == (False, True, True)
+    eager = RunConfig(name="t", ac=ac)
+    assert eager.ac.reentrant is True
+    with pytest.raises(ValueError, match="with ac.mode = 'selective' needs ac.reentrant = false"):
+        cfg.ac = ACConfig(mode="selective")  # an assigned section is checked, not resolved: say it explicitly
+    with pytest.raises(ValueError, match="train.compile = true with ac.mode = 'full' needs ac.reentrant = false"):
+        RunConfig(name="t", train=TrainConfig(compile=True), ac=ACConfig(mode="full", reentrant=True))
+    with pytest.raises(ValueError, match="train\n  Input should be a valid dictionary or instance of TrainConfig"):
+        RunConfig.model_validate({"name": "t", "train": 3, "ac": {"mode": "full"}})

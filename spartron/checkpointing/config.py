@@ -18,7 +18,7 @@ class ACConfig(ConfigSection):
     region's boundary; left unset with train.compile = true it becomes false (compiled regions are
     non-reentrant; setting it true there is an error, spartron.runtime.config). Targets are checked
     against the operators torch has registered when the config is validated: the run config
-    (spartron.runtime.config) imports Spartron's op libraries first, so their namespaces are there.
+    (spartron.runtime.config) calls spartron.layers.ops.load_ops() first, so their namespaces are there.
     """
 
     mode: Literal["none", "full", "selective"] = "none"

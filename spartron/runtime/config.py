@@ -409,6 +409,24 @@ class RunConfig(ConfigSection):
         load_ops()
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_defaults(cls, data: Any) -> Any:
+        """The one default that depends on another section, chosen here, before the sections validate:
+        `ac.reentrant` left unset is false when train.compile is true and there are checkpoint regions
+        (compiled regions are non-reentrant). Returns new input; nothing validated is changed afterwards, so
+        a section assigned later (`cfg.ac = ...`) is checked, not resolved."""
+        if not isinstance(data, dict):
+            return data
+        train, ac = data.get("train", {}), data.get("ac", {})
+        compiled = train.compile if isinstance(train, TrainConfig) else isinstance(train, dict) and train.get("compile")
+        if isinstance(ac, ACConfig):
+            if compiled is True and ac.mode != "none" and "reentrant" not in ac.model_fields_set:
+                return {**data, "ac": ac.model_copy(update={"reentrant": False})}
+        elif isinstance(ac, dict) and compiled is True and ac.get("mode", "none") != "none" and "reentrant" not in ac:
+            return {**data, "ac": {**ac, "reentrant": False}}
+        return data
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -427,15 +445,12 @@ class RunConfig(ConfigSection):
             raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be "
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
-        if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:
-            if "reentrant" in self.ac.model_fields_set:
-                raise ValueError(
-                    f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
-                    "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
-                    "(the same operator table) the compiled graph obeys; a reentrant region's policy is a Python "
-                    "dispatch mode that compiled graphs bypass, so its saves could not be exact")
-            self.ac.reentrant = False  # left at its default: compiled regions are non-reentrant
-            return self._check()
+        if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:  # set so: unset is resolved above
+            raise ValueError(
+                f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "
+                "block checkpoints through torch's non-reentrant checkpoint, whose selective-checkpoint policy "
+                "(the same operator table) the compiled graph obeys; a reentrant region's policy is a Python "
+                "dispatch mode that compiled graphs bypass, so its saves could not be exact")
         if self.train.compile and self.ac.debug_summary:
             raise ValueError("ac.debug_summary is set but train.compile = true: a compiled region keeps no "
                              "per-op stats (its saves are decided in the graph); set train.compile = false to log them")
