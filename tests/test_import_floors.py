@@ -17,7 +17,7 @@ PACKAGE = "spartron"
 # Lowest first. A file may import its own floor and the floors below; one name per top-level entry
 # of spartron/ (a subpackage, or a module for the root helpers and testing.py).
 FLOORS: list[tuple[str, ...]] = [
-    ("__init__", "configbase", "scoped", "optional", "temporaries"),  # root helpers
+    ("__init__", "configbase", "scoped", "optional", "temporaries", "face"),  # root helpers
     ("parallel",),
     ("comm",),
     ("checkpointing",),
