@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import torch
@@ -51,3 +52,18 @@ def test_load_ops_registers_the_namespaces_ac_targets_may_name():
     validate_targets(sorted(namespaces))
     targets = ["spartron::sparse_mla", "spartron_symm"]
     assert config_from_dict({"name": "t", "ac": {"mode": "selective", "targets": targets}}).ac.targets == targets
+
+
+def test_library_files_carry_no_measurement_diary():
+    """Kernel history lives in docs/KERNEL_NOTES.md: no library file names a result file or a commit-stamped run."""
+    pattern = re.compile(r"benchmarks/results|_[0-9a-f]{7}\.json|\.json\b.*\bms\b")
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "spartron").rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
+def test_kernel_notes_name_result_files_that_exist():
+    text = (ROOT / "docs" / "KERNEL_NOTES.md").read_text()
+    named = re.findall(r"`([\w/.-]+\.json)`", text)
+    assert len(named) >= 12
+    assert [name for name in named if not (ROOT / "benchmarks" / "results" / name).is_file()] == []

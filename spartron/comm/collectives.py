@@ -185,7 +185,7 @@ REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_on,
 # calls take the cheapest entry that keeps every observer present on this call seeing the op: the
 # transport when nothing watches, the op below its autograd layer when a dispatch mode or subclass
 # does, one autograd.Function when the result needs a gradient. Each skipped layer saves several µs
-# of host time a call (benchmarks/results/collectives_1rank_*.json), which MoE dispatch pays per layer.
+# of host time a call (docs/KERNEL_NOTES.md), which MoE dispatch pays per layer.
 # ---------------------------------------------------------------------------------------------
 
 class _Differentiable(torch.autograd.Function):

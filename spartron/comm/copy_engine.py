@@ -1,10 +1,8 @@
 """The MoE token exchange over the copy engines: `spartron_symm::exchange` (one host, NVLink/P2P).
 
 Why: NCCL's all-to-all runs as kernels that hold SMs while they move data, so an exchange
-overlapped with the experts' GEMMs slows them by about what it hides. Measured on 2 x H200
-(benchmarks/results/overlap.json): grouped GEMMs 2.83 ms and an NCCL exchange 0.77 ms take 3.68 ms
-overlapped, more than the 3.60 ms one after the other; this exchange (0.85 ms alone) takes 3.25 ms
-overlapped (51% of it hidden). Copy engines move bytes without SMs.
+overlapped with the experts' GEMMs slows them by about what it hides; copy engines move bytes without
+SMs, so this exchange is about half hidden behind the same GEMMs (docs/KERNEL_NOTES.md).
 
 The protocol, on the caller's stream, per exchange (every rank of the group, same order), with two
 receive slots per rank used in turn (exchange k uses slot k % 2):
@@ -127,9 +125,8 @@ class CudaSymmetricMemory:
       rank; each rank writes the exchange's epoch into its entry in every peer's signals
       (cuStreamWriteValue32, which fences the copies before it), and the stream then waits in its
       front end until all its own entries reach the epoch (cuStreamWaitValue32, CUDA driver API via
-      ctypes: torch has the write but not the wait). Exact on the H200, but slower there: micro-batch 2
-      took 481 ms against 459-462 ms with "barrier", with 27 ms more host issue time and 15 ms more
-      GPU idle time (benchmarks/results/microbatch_mbs8_experts_copy_engine_stream_wait.json).
+      ctypes: torch has the write but not the wait). Exact on the H200, but slower there than
+      "barrier" (more host issue time and GPU idle time; docs/KERNEL_NOTES.md).
     """
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, sync: str = "barrier"):

@@ -41,9 +41,9 @@ class IndexerKernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     head_pairs: bool = True
-    fp8_num_stages: int = 3  # fp8 at 16k: 1.38 ms against 1.51 with bf16's 2 stages and pairs (indexer_6c7bfcf.json)
+    fp8_num_stages: int = 3  # fp8: faster than bf16's 2 stages and head pairs (docs/KERNEL_NOTES.md)
     fp8_head_pairs: bool = False
-    topk_block: int = 1024  # the fastest top-k of the sweep at 16k: benchmarks/results/indexer_5742fa3.json
+    topk_block: int = 1024  # the fastest top-k of the sweep at 16k (docs/KERNEL_NOTES.md)
     topk_sample: int = 2048
     topk_candidates: int = 2048
     topk_warps: int = 2

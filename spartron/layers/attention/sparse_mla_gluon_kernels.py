@@ -13,9 +13,7 @@ gather. Here the layouts and the schedule are explicit:
   with ids loaded one block earlier still, so the gather overlaps a whole block of compute.
 - The row sum of P is kept per element and reduced once at the end; only the row max crosses
   warpgroups each block.
-Measured on the H200 at 16k tokens x 64 heads, top-k 2048: 13.5 ms = 323.9 TFLOP/s against 16.9 ms
-for the Triton kernel (benchmarks/results/sparse_mla_sweep_c944a37.json: 2 stages of 64 keys; the
-refill after the score product 320.4; 3 stages of 32 keys 235-238). Hopper only (wgmma); Gluon is
+About 1.25x the Triton kernel's speed at 64 heads (docs/KERNEL_NOTES.md). Hopper only (wgmma); Gluon is
 Triton's experimental dialect, written against triton 3.6.
 """
 

@@ -62,17 +62,10 @@ def check_supported(q: Tensor, kv: Tensor, d_v: int) -> None:
 
 def forward_config(n_heads: int, hopper: bool = True) -> KernelConfig:
     """Head block 64 (one wgmma row tile, two warpgroups) from 33 heads up: on Hopper the Gluon kernel,
-    2 stages of 64 keys, refill before each score product (323.9 TFLOP/s at 16k x 64 heads against 259
-    for the Triton kernel, benchmarks/results/sparse_mla_sweep_c944a37.json; as the default: 13.8 ms,
-    317.7 TFLOP/s, and 55.8 ms at 64k = 2.67x faster than dense causal SDPA,
-    sparse_mla_triton_4d49dff.json); elsewhere (`hopper` false: its wgmma is sm90 only) the Triton
-    kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel, q and the gathered rows in
-    four 128-column latent chunks and the rope part: at 16k x 16 heads 6.46-6.73 ms, 64k 27.8-28.0 ms
-    (sparse_mla_split_h16.json), against 7.07-7.18 / 30.3-30.4 when they were one 512-column tile and
-    8.1-8.3 for every schedule of a 16-head Gluon kernel with keys as wgmma rows (dropped;
-    sparse_mla_fwd16_4225a68.json, sparse_mla_fwd16_d4850c5.json; the kernel is in git at 2ff61f4).
-    Deeper pipelines (the kv gather gets two or three buffers from num_stages 5 here; 2-4 give one)
-    are all slower (sparse_mla_stages_h16_664fff2.json)."""
+    2 stages of 64 keys, refill before each score product; elsewhere (`hopper` false: its wgmma is sm90
+    only) the Triton kernel. Below 33 heads, head block 16 (mma rows) with the Triton kernel, q and the
+    gathered rows in four 128-column latent chunks and the rope part. Each choice was the fastest
+    measured; deeper pipelines were slower. The measurements: docs/KERNEL_NOTES.md."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=2, gluon=hopper)
     return KernelConfig(block_h=16, block_k=64, num_warps=4, num_stages=2)
@@ -84,15 +77,11 @@ def is_hopper(device: torch.device) -> bool:
 
 
 def backward_config(n_heads: int, dkv_in_l2: bool = True) -> KernelConfig:
-    """From 33 heads up: three walks, 64 keys, later walks 2 stages (57.1 ms, 191.7 TFLOP/s at 16k x 64
-    heads against 103.1 ms for one walk, sparse_mla_sweep_c944a37.json; as the default 57.5 ms, 190.7
-    TFLOP/s, sparse_mla_triton_4d49dff.json). At 16 heads one walk of 32 keys with [keys, columns]
-    dkv tiles: that tile needs no layout change through shared memory before its atomics, which
-    leaves room to pipeline the gathers. Three stages pay while the float32 dkv accumulator stays in
-    L2 (`dkv_in_l2`; 16k: 24.7 ms against 32.0 for transposed tiles and 1 stage; with the atomics
-    replaced by plain stores 30.4, so they were not the limit); past it the atomics reach HBM and one
-    stage is fastest (64k: 151.2 ms against 162.0 for 3 stages and 155.4 before;
-    sparse_mla_bwd16_sweep_1e57698.json, sparse_mla_bwd16_stages_9c34ddc.json)."""
+    """From 33 heads up: three walks, 64 keys, later walks 2 stages (about half the time of one walk).
+    At 16 heads one walk of 32 keys with [keys, columns] dkv tiles: that tile needs no layout change
+    through shared memory before its atomics, which leaves room to pipeline the gathers. Three stages
+    pay while the float32 dkv accumulator stays in L2 (`dkv_in_l2`); past it the atomics reach HBM and
+    one stage is fastest. The measurements: docs/KERNEL_NOTES.md."""
     if n_heads > 32:
         return KernelConfig(block_h=64, block_k=64, num_warps=8, num_stages=1, walks=3, stages2=2)
     return KernelConfig(block_h=16, block_k=32, num_warps=4, num_stages=3 if dkv_in_l2 else 1, dkv_key_rows=True)
