@@ -1,5 +1,8 @@
 """Decoder layer and THE decoder-stack loop.
 
+`DecoderLayer.forward` is the block. Its `phases()` are the same computation cut where the MoE layer
+communicates, for spartron.layers.overlap to interleave intra-layer micro-batches (a list input).
+
 The loop lives in one function, `run_decoder_stack`: it passes each layer's explicit outputs (DSA
 top-k ids from source layers) to the next layers and collects aux losses, indexer losses and router
 counts. MTP (spartron.layers.mtp) has a loop of its own because it is not a stack: each depth takes
