@@ -297,19 +297,15 @@ class RunDirLock:
     def acquire(self) -> str | None:
         """Take the lock; StateLoadError if another run holds it (or, shared, trains there) or the `.lock`
         entry is unsafe; a warning line if the file system cannot lock (nothing then stops a second run)."""
-        try:
-            fd = open_file(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a reader never creates a file: no `.lock` there means no run to wait for
+            fd = (open_file(self.path.parent, LOCK, os.O_RDONLY) if self.shared
+                  else open_file(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT, 0o644))
         except UnsafeEntryError as err:
             raise StateLoadError(str(err)) from None
         except OSError:
             if not self.shared:
                 raise
-            try:  # a read-only folder: no run can write there either, but one may hold an existing lock
-                fd = open_file(self.path.parent, LOCK, os.O_RDONLY)
-            except UnsafeEntryError as err:
-                raise StateLoadError(str(err)) from None
-            except OSError:
-                return None
+            return None
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -379,8 +375,12 @@ def check_not_in_use(run_dir: Path) -> None:
 
 def lock_for_reading(path: Path) -> RunDirLock:
     """`spartron eval` of `path` (a saved step, or a run directory): a shared lock on its run directory,
-    held while the returned object lives; StateLoadError when a run is training there."""
+    held while the returned object lives; StateLoadError when a run is training there, or when `path` is a
+    saved step reached through a symbolic link (refused before anything in it is opened). Nothing is created:
+    a directory without a `.lock` has no run to wait for."""
     path = Path(path)
+    if path.is_symlink() and (_STEP_DIR.match(path.name) or marker_kind(path) != "absent"):
+        _refuse_link(path)
     lock = RunDirLock(path.parent if _STEP_DIR.match(path.name) else path, shared=True)
     if lock.path.parent.is_dir():
         warning = lock.acquire()
@@ -471,7 +471,7 @@ def plan_run(run_dir: str | Path, *, resume: bool, overwrite: bool, steps: int, 
         check_meta(path, meta, world_size, layout, config)
         logged = _metrics_run_id(run_dir / METRICS) if has_metrics else None
         if meta["run_id"] and logged and logged != meta["run_id"]:
-            raise StateLoadError(f"{run_dir / METRICS} belongs to run {logged}, but {path} was saved by run "
+            raise StateLoadError(f"{run_dir / METRICS} belongs to run {logged}, but {path / META} records run_id "
                                  f"{meta['run_id']}: resuming would mix two runs in one directory; move "
                                  f"{METRICS} away, or resume in a directory holding only that step")
     return RunStart(run_dir, last, skipped=tuple(incomplete))

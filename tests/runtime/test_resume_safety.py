@@ -236,7 +236,7 @@ def test_a_step_of_another_run_copied_next_to_this_runs_metrics_is_refused(tmp_p
     shutil.copytree(step_dir(a, 2), step_dir(b, 2))
     id_a, id_b = headers(a)[0]["run_id"], headers(b)[0]["run_id"]
     assert run1(cfg_for(b, steps=4)) == (
-        f"StateLoadError: {b}/metrics.jsonl belongs to run {id_b}, but {step_dir(b, 2)} was saved by run {id_a}: "
+        f"StateLoadError: {b}/metrics.jsonl belongs to run {id_b}, but {step_dir(b, 2)}/meta.json records run_id {id_a}: "
         "resuming would mix two runs in one directory; move metrics.jsonl away, or resume in a directory "
         "holding only that step")
     (b / "metrics.jsonl").unlink()

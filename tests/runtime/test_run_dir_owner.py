@@ -127,6 +127,22 @@ def test_a_reader_and_a_run_exclude_each_other(tmp_path):
     assert run1(cfg_for(run)) == [1, 2]
 
 
+def test_a_reader_creates_no_file_and_refuses_a_linked_step_before_opening_it(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "step-00000002").mkdir(parents=True)
+    (outside / "step").mkdir(parents=True)
+    (outside / "step" / "COMPLETE").write_text("{}")
+    (run / "linked").symlink_to(outside / "step")
+    lock_for_reading(step_dir(run, 2)).release()
+    lock_for_reading(run).release()
+    assert not (run / ".lock").exists()  # no lock file: nothing to wait for, nothing written
+    with pytest.raises(StateLoadError) as err:
+        lock_for_reading(run / "linked")
+    assert str(err.value) == (f"{run / 'linked'} is a symbolic link (to {outside / 'step'}): a saved step must be a "
+                              "directory inside the run directory; copy it there instead")
+    assert sorted(p.name for p in (outside / "step").iterdir()) == ["COMPLETE"]
+
+
 def _cli(args: list[str], cwd: Path, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "spartron.launch.cli", *args]
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
