@@ -69,6 +69,10 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool,
 
     if entry in ("smoke", "eval"):  # eval reads a saved step: the run directory's start rules do not apply
         check_device_options(cfg)
+        if entry == "smoke":  # it writes smoke.json (and rank logs) there: never into a live run's directory
+            from spartron.runtime.rundir import check_not_in_use
+
+            check_not_in_use(cfg.run_dir(Path.cwd()))
         return
     world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
     check_before_launch(cfg, world_size, local_ranks=None if is_rank else cfg.launch.nproc)
@@ -165,7 +169,7 @@ def _eval_rank(cfg: RunConfig, step: str, environ: dict[str, str], overrides: li
     if discover(environ).rank == 0:
         for note in result["notes"]:
             print(note, file=sys.stderr)
-        print(json.dumps(result), flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k != "notes"}), flush=True)  # notes: stderr only
         print(f"spartron: {result['path']} (step {result['step']}): validation loss {result['val_loss']:.6g} "
               f"(perplexity {result['val_ppl']:.6g}) over {result['val_tokens']} tokens of {result['data']}",
               file=sys.stderr)

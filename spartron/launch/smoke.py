@@ -9,11 +9,14 @@ one all_reduce and one all_gather, and rank 0 writes `<run dir>/smoke.json`: wor
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
 
 from spartron.runtime.config import RunConfig
+from spartron.runtime.rundir import check_not_in_use
+from spartron.runtime.safe_open import open_file
 
 
 class SmokeError(RuntimeError):
@@ -44,10 +47,18 @@ def run_smoke(cfg: RunConfig, environ: Mapping[str, str], run_dir: Path) -> dict
         if total.item() != expected:
             raise SmokeError(f"all_reduce returned {total.item()}, expected {expected}")
         if env.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "smoke.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_smoke(run_dir, result)
             print(f"spartron smoke: {env.world_size} rank(s) ok ({backend}, {env.launcher}); "
                   f"wrote {run_dir / 'smoke.json'}")
         return result
     finally:
         destroy_distributed()
+
+
+def write_smoke(run_dir: Path, result: dict) -> None:
+    """`<run dir>/smoke.json`, never while a run owns the directory (StateLoadError naming its lock) and never
+    through a link or into a FIFO there (spartron.runtime.safe_open: UnsafeEntryError names the entry)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_not_in_use(run_dir)
+    with open(open_file(run_dir, "smoke.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+        f.write(json.dumps(result, indent=1) + "\n")

@@ -155,6 +155,35 @@ def test_cli_under_existing_launcher_does_not_spawn(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "logs").exists()
 
 
+def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path):
+    """smoke writes into the run directory: never while a run owns it, never through a link there."""
+    import socket
+
+    from spartron.runtime.rundir import RunDirLock
+
+    run_dir = tmp_path / "runs" / "tiny"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    live = RunDirLock(run_dir)
+    assert live.acquire() is None
+    proc = _cli(["smoke", TINY], tmp_path, env=env)
+    live.release()
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"spartron: error: {run_dir} is in use by another run (pid {os.getpid()} on {socket.gethostname()}, lock "
+        f"{run_dir}/.lock): wait for it to end or stop it, or give this run another directory"]
+    assert not (run_dir / "smoke.json").exists()
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep")
+    (run_dir / "smoke.json").symlink_to(outside)
+    proc = _cli(["smoke", TINY], tmp_path, env=dict(env, MASTER_PORT=str(free_port())))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"spartron: error: {run_dir}/smoke.json is a symbolic link (to {outside}): a run reads and writes only "
+        "regular files and folders inside its run directory; remove it"]
+    assert outside.read_text() == "keep"
+
+
 def test_cli_rank_with_a_launch_mistake_exits_2_with_one_line(tmp_path):
     """A rank that cannot start (NCCL asked for on CPU) says why in one line; launch_local passes the
     status on (tested above with plain ranks)."""
