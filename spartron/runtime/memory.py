@@ -4,7 +4,7 @@ and the trainer's startup banner read the same numbers."""
 
 from __future__ import annotations
 
-from spartron.layers.costs import MemoryPlan, StepShape, memory_plan
+from spartron.layers.step_memory import MemoryPlan, StepShape, memory_plan
 from spartron.runtime.config import RunConfig
 
 

@@ -192,7 +192,7 @@ def _count(n: float) -> str:
 
 
 def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int | None,  # noqa: ANN001
-           plan=None) -> str:  # noqa: ANN001 - a costs.MemoryPlan
+           plan=None) -> str:  # noqa: ANN001 - a step_memory.MemoryPlan
     """The lines rank 0 prints before the first step. Total and active counts (active: dense parameters
     plus top_k of n_routed_experts of the routed ones), the state bytes per rank and `plan` (the predicted
     peak of a step, spartron.runtime.memory.plan_memory; None: not computed) are the cost model's

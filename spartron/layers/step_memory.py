@@ -1,0 +1,267 @@
+"""The peak memory of one training step per rank, from the model shapes, the parallel layout and the
+step's train / ac / offload keys: what `spartron plan` prints and the trainer checks before it starts
+(tests/layers/test_memory_plan.py compares it with measured peaks). Parameters and optimizer state come
+from the cost model (spartron.layers.costs); this module adds activations, saved tensors and buffers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from spartron.comm.copy_engine import GROWTH_QUANTUM
+from spartron.comm.deepep_buffer import nvl_buffer_bytes
+from spartron.layers.attention.dsa import dsa_schedule
+from spartron.layers.config import ModelConfig
+from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, state_bytes_per_rank
+from spartron.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What besides the model shapes a step's memory: the run config's train / ac / offload keys
+    (spartron.launch.plan.plan_memory builds it from a RunConfig)."""
+
+    seq_len: int
+    micro_batch_size: int
+    micro_steps: int = 1  # gradient-accumulation micro-batches per optimizer step
+    optimizer: str = "adamw"
+    ac_mode: str = "none"  # none | full | selective
+    ac_freq: int = 1
+    ac_targets: tuple[str, ...] | None = None  # None: the default targets
+    offload: bool = False
+    offload_keep_last: int = 1
+    offload_prefetch_depth: int = 1
+    keep_grad_buffers: bool = False
+    device: str = "cuda"  # cpu: SDPA's math path keeps the [B, H, S, S] probabilities
+    grad_sync: str = "last_micro_batch"  # train.grad_sync; "every_micro_batch": no unsharded grads accumulate
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted bytes on one rank. `parts`: what is live at the predicted peak, by kind; `peak` their
+    sum; `phase`: when it happens (forward end = inside the loss of the last micro-batch, backward =
+    the last block's backward, optimizer = after backward with every gradient)."""
+
+    parts: dict[str, int]
+    phase: str
+    phases: dict[str, int]  # the peak of each phase
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.peak <= device_bytes
+
+
+_MATMUL_TARGETS = {"aten", "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_addmm_activation",
+                   "aten::baddbmm", "spartron::absorb_query", "spartron::absorb_output"}
+_ATTENTION_TARGETS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+                      "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
+                      "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                      "aten", "spartron", "spartron::sparse_mla"}
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Bytes per micro-batch of one decoder block: `saved` without AC, `kept` the outputs selective AC
+    keeps (matmuls, attention), `work` the backward's temporaries beyond what is saved."""
+
+    saved: int
+    kept_matmul: int
+    kept_attention: int
+    work: int
+    params: int  # elements (its FSDP unit: all-gathered in the compute dtype)
+
+
+def _norm(tokens: int, width: int, a: int) -> int:
+    """RMSNorm saves its input, the normalised input and the output (the next matmul's input), + rstd."""
+    return tokens * (3 * width * a + 4)
+
+
+def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int, a: int) -> tuple[int, int, int]:
+    """(saved, kept by matmul targets, kept by attention targets) of one MLA layer's attention."""
+    x, h = m.mla, m.n_heads
+    qk, kv = x.qk_nope_head_dim + x.qk_rope_head_dim, x.kv_lora_rank + x.qk_rope_head_dim
+    keys = tokens * cp  # CP gathers the compressed keys of the whole sequence
+    saved = _norm(tokens, m.dim, a)
+    mm = 0
+    if x.q_lora_rank:
+        saved += _norm(tokens, x.q_lora_rank, a)  # wq_a's output is q_norm's input
+        mm += tokens * x.q_lora_rank * a
+    mm += tokens * h * qk * a + tokens * kv * a  # wq (wq_b), wkv_a outputs
+    saved += tokens * kv * a + tokens * x.kv_lora_rank * a + keys * kv * a  # wkv_a out, kv_norm, compressed (+rope)
+    if role is None:  # dense SDPA: q, k (cat with the rope part), v (a view of wkv_b's output on CUDA)
+        wkv_b = keys * h * (x.qk_nope_head_dim + x.v_head_dim) * a
+        v = wkv_b if step.device == "cuda" else keys * h * x.v_head_dim * a
+        scores = tokens * h * 4 if step.device == "cuda" else tokens * h * keys // step.micro_batch_size * a
+        out = tokens * h * x.v_head_dim * a
+        saved += tokens * h * qk * a + keys * h * qk * a + v + scores + out
+        mm += wkv_b
+        attn = out + tokens * h * 4
+    else:  # absorbed sparse attention over the selected keys
+        k = min(m.dsa.index_topk, keys)
+        q_abs = tokens * h * kv * a
+        out = tokens * h * x.kv_lora_rank * a
+        ids = tokens * k * 4
+        saved += q_abs + out + tokens * h * x.v_head_dim * a + ids + tokens * h * 4
+        mm += q_abs + tokens * h * x.v_head_dim * a
+        attn = out + tokens * h * 4
+    saved += tokens * h * x.v_head_dim * a  # wo's input
+    mm += tokens * m.dim * a  # wo's output
+    return saved, mm, attn
+
+
+def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int, int]:
+    """(saved, kept by matmul targets, widest intermediate) of one FFN (dense SwiGLU or MoE)."""
+    saved = _norm(tokens, m.dim, a)
+    if not moe:
+        i = m.dense_inter_dim
+        return saved + 4 * tokens * i * a, tokens * (2 * i + m.dim) * a, tokens * i
+    e = m.moe
+    routed = tokens * e.top_k
+    router = tokens * e.n_routed_experts * (4 if e.router_fp32 else a) * 2 + tokens * e.top_k * (8 + 4) * 2
+    saved += router + routed * m.dim * a * 2 + 4 * routed * e.moe_inter_dim * a  # permuted in / out, SwiGLU
+    mm = tokens * e.n_routed_experts * (4 if e.router_fp32 else a) + routed * (2 * e.moe_inter_dim + m.dim) * a
+    si = e.n_shared_experts * e.moe_inter_dim
+    if si:
+        saved += 4 * tokens * si * a
+        mm += tokens * (2 * si + m.dim) * a
+    return saved, mm, max(routed * e.moe_inter_dim, tokens * si)
+
+
+def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list[_Block]:
+    tokens = step.micro_batch_size * step.seq_len // dims.cp
+    roles, shapes = dsa_schedule(m), param_shapes(m)
+    blocks = []
+    n_mtp = m.mtp.depth
+    for i in range(m.n_layers + n_mtp):
+        moe = i >= m.first_k_dense
+        s_attn, mm_attn, attn = _attention_block(m, tokens, step, roles[i], dims.cp, a)
+        s_ffn, mm_ffn, widest = _ffn_block(m, tokens, moe, a)
+        saved, mm = s_attn + s_ffn, mm_attn + mm_ffn
+        if i >= m.n_layers:  # MTP depth: its two norms, the embedding and the projection's input and output
+            saved += 2 * _norm(tokens, m.dim, a) + tokens * m.dim * a * 4
+            mm += tokens * m.dim * a
+        prefix = f"layers.{i}." if i < m.n_layers else f"mtp.blocks.{0 if m.mtp.share_weights else i - m.n_layers}."
+        local = {f: s for f, s in shapes.items() if f.startswith(prefix)}
+        params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in local.items())
+        work = tokens * m.dim * a * 4 + 2 * widest * a
+        blocks.append(_Block(saved, mm, attn, work, params))
+    return blocks
+
+
+def _loss(m: ModelConfig, tokens: int, a: int) -> tuple[int, int, int]:
+    """(saved for backward, extra live at the forward's peak, extra live in its backward) of one LM loss."""
+    v, c = m.vocab_size, m.loss_chunk_size
+    norm = _norm(tokens, m.dim, a)
+    if 0 < c < tokens:  # spartron.layers.loss: the gradients of each chunk at once, [N, V] never kept
+        saved = norm + tokens * m.dim * a + v * m.dim * 4
+        return saved, c * v * (12 + a) + v * m.dim * (4 + a), tokens * m.dim * a
+    f32 = tokens * v * 4
+    saved = norm + f32  # log_softmax's output
+    return saved, f32 + tokens * v * a, 2 * f32 + tokens * v * a
+
+
+def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
+    """The EP group's long-lived buffers (spartron.comm): DeepEP's NVLink buffer, or the copy engine's
+    symmetric memory (two receive slots of the rows a rank receives, grown 1.25x to a quantum; rows
+    assumed balanced: tokens x top_k). The NCCL all-to-all's buffers are the dispatched tokens, counted
+    with the activations."""
+    e = m.moe
+    if dims.ep == 1 or m.first_k_dense >= m.n_layers and not m.mtp.depth:
+        return 0
+    if e.dispatcher == "deepep":
+        return nvl_buffer_bytes(m.dim, dims.ep, e.deepep_num_sms)
+    if e.dispatcher == "all_to_all" and e.all_to_all_transport == "copy_engine":
+        slot = -(-tokens * e.top_k * m.dim * PARAM_BYTES[m.dtype] // 256) * 256
+        return -(-int(2 * slot * 1.25) // GROWTH_QUANTUM) * GROWTH_QUANTUM
+    return 0
+
+
+def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> MemoryPlan:
+    """Predicted peak allocated bytes of one training step on `rank` (eager, as the trainer runs it).
+
+    Static: the sharded parameters, gradients and optimizer state (state_bytes_per_rank); gradients are
+    live through the whole step with gradient accumulation or train.keep_grad_buffers, else they appear
+    during backward. Activations per micro-batch, by AC mode: none keeps every block's saved tensors;
+    full keeps each region's input and recomputes one block at a time in backward; selective also keeps
+    the outputs of its targets (matmuls, attention, communication) and replays the rest. Every `freq`-th
+    block is a region. An offload window keeps only `keep_last` regions' inputs (+ `prefetch_depth` in
+    flight) on the device. FSDP2 all-gathers a block's parameters (and prefetches the next) in the
+    compute dtype and reduce-scatters its gradients in model.reduce_dtype. The LM losses (main and MTP)
+    keep what spartron.layers.loss keeps; the chunked loss's [chunk, vocab] temporaries are the forward's
+    peak. Three phase peaks are compared: forward end, backward of the last block, optimizer step.
+    """
+    a = PARAM_BYTES[m.dtype]
+    stored = PARAM_BYTES[m.stored_dtype]
+    shapes = param_shapes(m)
+    state = state_bytes_per_rank(m, dims, step.optimizer, rank)
+    static = state["parameters"] + state["optimizer_state"]
+    grads = state["gradients"]
+    tokens = step.micro_batch_size * step.seq_len // dims.cp
+    blocks = _blocks(m, dims, step, a)
+    targets = set(step.ac_targets) if step.ac_targets is not None else _MATMUL_TARGETS | _ATTENTION_TARGETS
+    keeps_mm, keeps_attn = bool(targets & _MATMUL_TARGETS), bool(targets & _ATTENTION_TARGETS)
+    block_input = tokens * m.dim * a
+    saved, recompute = [], []
+    for i, b in enumerate(blocks):
+        region = step.ac_mode != "none" and i % step.ac_freq == 0
+        if not region:
+            saved.append(b.saved)
+            recompute.append(0)
+            continue
+        kept = block_input
+        if step.ac_mode == "selective":
+            kept += (b.kept_matmul if keeps_mm else 0) + (b.kept_attention if keeps_attn else 0)
+        saved.append(kept)
+        recompute.append(b.saved - kept + block_input)
+    regions = [i for i, r in enumerate(recompute) if r]
+    if step.offload and regions:  # block inputs in the window live on the host
+        on_device = set(regions[-step.offload_keep_last:] if step.offload_keep_last else [])
+        moved = [i for i in regions if i not in on_device]
+        in_flight = set(moved[-step.offload_prefetch_depth:] if step.offload_prefetch_depth else [])
+        for i in moved:
+            if i not in in_flight:
+                saved[i] -= block_input
+    n_losses = 1 + m.mtp.depth
+    loss_saved, loss_fwd, loss_bwd = _loss(m, tokens, a)
+    embed = tokens * m.dim * a
+    acts = sum(saved) + n_losses * loss_saved + embed
+    biggest = max(blocks, key=lambda b: b.params)
+    reduce = PARAM_BYTES[m.reduce_dtype]
+    fsdp = dims.world_size > 1 or m.master_dtype is not None  # spartron.layers.parallelize
+    head = m.vocab_size * m.dim
+    # FSDP2: the block in use and the prefetched one all-gathered in the compute dtype, the root's
+    # embedding + head for the whole forward, one block's gradients reduce-scattered in reduce_dtype.
+    unsharded = 2 * biggest.params * a if fsdp else 0
+    root = head * (1 if m.tie_embeddings else 2) * a if fsdp else 0
+    reduction = biggest.params * (a + reduce) if fsdp else 0
+    if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
+        reduction += biggest.params * reduce
+    grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
+    if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers and step.grad_sync == "last_micro_batch":
+        # the trainer turns FSDP2's gradient sync off for all but the last micro-batch: until then every
+        # block's UNSHARDED gradients accumulate (compute dtype); sharded ones appear only when reduced
+        unsharded_params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items())
+        grads_always = unsharded_params * a
+    head_grad = 0 if grads_always else head * stored  # the first gradient backward makes
+    last = blocks[-1]
+    comm = comm_buffer_bytes(m, dims, tokens)
+    static += comm
+    phases = {
+        "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
+        "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
+        + last.work + root + unsharded + reduction,
+        "optimizer": static + grads + reduction,
+    }
+    phase = max(phases, key=phases.get)
+    parts = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
+             "communication_buffers": comm}
+    if phase == "optimizer":
+        parts |= {"gradients": grads, "gradient_reduction": phases[phase] - static - grads}
+    else:
+        parts |= {"gradients": grads_always, "activations": acts,
+                  "unsharded_parameters": root + unsharded // (2 if phase == "forward end" else 1)}
+        parts["working"] = phases[phase] - sum(parts.values())
+    return MemoryPlan(parts=parts, phase=phase, phases=phases)
