@@ -41,6 +41,10 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")  # a step holds
 STATE_TRAIN_KEYS = ("optimizer", "beta1", "beta2", "weight_decay")
 # What the saved data position means (with every train.data.* key): a change is reported when resuming.
 DATA_TRAIN_KEYS = ("seed", "seq_len", "global_batch_size")
+# How training proceeds from the step on: a resume that changes one prints a note naming it (`training_notes`).
+TRAINING_TRAIN_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "steps", "grad_clip", "micro_batch_size",
+                       "intra_layer_micro_batches", "intra_layer_micro_batch_scope", "grad_sync", "adamw_kernel",
+                       "compile", "max_loss", "loss_spike_factor")
 
 
 class StateLoadError(RuntimeError):
@@ -120,7 +124,8 @@ def _flatten(data: Any, prefix: str) -> dict[str, Any]:
 def state_config(cfg: Any) -> dict[str, Any]:
     """Dotted key -> value of the options recorded with a saved state (cfg: a RunConfig)."""
     flat = _flatten(cfg.model.model_dump(mode="json"), "model")
-    flat.update({f"train.{key}": getattr(cfg.train, key) for key in STATE_TRAIN_KEYS + DATA_TRAIN_KEYS})
+    flat.update({f"train.{key}": getattr(cfg.train, key)
+                 for key in STATE_TRAIN_KEYS + DATA_TRAIN_KEYS + TRAINING_TRAIN_KEYS})
     flat.update(_flatten(cfg.train.data.model_dump(mode="json"), "train.data"))
     return flat
 
@@ -137,10 +142,25 @@ def _refused(change: str) -> bool:
     return change.split(" ", 1)[0] in {f"train.{key}" for key in STATE_TRAIN_KEYS}
 
 
+def _training(change: str) -> bool:
+    return change.split(" ", 1)[0] in {f"train.{key}" for key in TRAINING_TRAIN_KEYS}
+
+
 def resume_notes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """The recorded settings that differ but do not stop a resume: model.* keys whose tensors still fit
-    (checked by load_state), and what the data position means (seed, sequence length, batch, data file)."""
-    return [c for c in config_changes(saved, now) if not _refused(c)]
+    (checked by load_state), and what the data position means (seed, sequence length, batch, data file).
+    How training proceeds (lr, grad_clip, ...) is `training_notes`'."""
+    return [c for c in config_changes(saved, now) if not _refused(c) and not _training(c)]
+
+
+def training_notes(saved: dict[str, Any], now: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """One `spartron: note:` line per train.* option of TRAINING_TRAIN_KEYS the saved step recorded with
+    another value than this run's (a step saved before a key was recorded says nothing of it); `skip`: dotted
+    keys another line already names."""
+    return [f"spartron: note: {key} changed on resume: the saved step trained with {saved[key]!r}, this run uses "
+            f"{now.get(key)!r}"
+            for key in (f"train.{k}" for k in TRAINING_TRAIN_KEYS)
+            if key in saved and key not in skip and saved[key] != now.get(key)]
 
 
 def _first_line(err: BaseException) -> str:

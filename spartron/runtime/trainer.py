@@ -54,7 +54,7 @@ from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
-from spartron.runtime.rundir import check_newest_marker, marker_kind, read_manifest, read_meta
+from spartron.runtime.rundir import check_newest_marker, marker_kind, read_manifest, read_meta, training_notes
 from spartron.runtime.state import (
     AsyncSaveGroup,
     PendingSave,
@@ -358,6 +358,8 @@ class Trainer:
             schedule = schedule_note(meta["config"] or {}, self.cfg.train, self.step_no)
             if schedule:
                 print(schedule, file=sys.stderr, flush=True)
+            for line in training_notes(meta["config"] or {}, self.state_shape, SCHEDULE_KEYS if schedule else ()):
+                print(line, file=sys.stderr, flush=True)
 
     def release_run_dir(self) -> None:
         """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""

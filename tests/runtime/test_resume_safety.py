@@ -198,6 +198,21 @@ def test_resume_reports_changed_data_and_model_settings_that_still_fit(tmp_path,
             "fit): train.seed (saved 0, this run 1)") in capfd.readouterr().err
 
 
+def test_resume_names_each_changed_training_option_in_one_note(tmp_path, capfd):
+    run = tmp_path / "run"
+    run1(cfg_for(run, save_every=2, steps=2, warmup_steps=2))
+    capfd.readouterr()
+    # lr 1e-2 -> 1e-1 with min_lr_ratio 0.1: step 3's lr is 1e-2 either way (no schedule line), still said
+    assert run1(cfg_for(run, steps=3, warmup_steps=2, lr=1e-1, grad_clip=0.5, loss_spike_factor=0.0)) == [3]
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("spartron: note:")]
+    assert notes == [
+        "spartron: note: train.lr changed on resume: the saved step trained with 0.01, this run uses 0.1",
+        "spartron: note: train.steps changed on resume: the saved step trained with 2, this run uses 3",
+        "spartron: note: train.grad_clip changed on resume: the saved step trained with 1.0, this run uses 0.5",
+        "spartron: note: train.loss_spike_factor changed on resume: the saved step trained with 10.0, this run "
+        "uses 0.0"]
+
+
 # ---- mismatched states ----------------------------------------------------------------------------------
 def test_resuming_a_model_of_another_shape_names_the_differing_keys(tmp_path):
     run = tmp_path / "run"
