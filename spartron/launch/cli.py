@@ -558,7 +558,8 @@ def _is_user_error(err: Exception) -> bool:
                          ("spartron.runtime.rundir", "StateLoadError"),
                          ("spartron.runtime.safe_open", "UnsafeEntryError"),
                          ("spartron.runtime.state", "StateSaveError"),
-                         ("spartron.runtime.metrics", "MetricsFileError")):
+                         ("spartron.runtime.metrics", "MetricsFileError"),
+                         ("spartron.runtime.metrics", "MetricsWriteError")):
         if module in sys.modules:  # not imported means it cannot have raised; keeps --help free of torch
             kinds += (getattr(sys.modules[module], name),)
     trainer = sys.modules.get("spartron.runtime.trainer")

@@ -183,7 +183,7 @@ class MetricsLog:
         except OSError as err:
             raise MetricsFileError(f"{path} cannot be opened for appending: {err.strerror or err}") from None
         _drop_partial_last_line(fd)
-        self._file = os.fdopen(fd, "a")
+        self._fd: int | None = fd  # unbuffered: a failed write leaves nothing queued for a later flush to retry
         if progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -200,11 +200,13 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        data = (json.dumps(record) + "\n").encode()
         try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        except OSError as err:  # a full disk: name the file (write() alone says only "No space left")
-            raise OSError(err.errno, err.strerror or str(err), str(self.path)) from None
+            while data:  # O_APPEND: a partial line a full disk leaves is cut when the run resumes
+                data = data[os.write(self._fd, data):]
+        except OSError as err:  # a full disk or a file-size limit: name the file (write() alone does not)
+            raise MetricsWriteError(f"{self.path}: cannot write a metrics record ({err.strerror or err}): free space "
+                                    "on its disk, then resume the run") from None
         if record.get("type") != "step":
             return
         self.records.append(record)
@@ -222,7 +224,9 @@ class MetricsLog:
             return
         if self._progress is not None:
             self._progress.stop()
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if summary and self.records:
             print_summary(self.records, first_loss, total_s, saved)
 
@@ -289,6 +293,10 @@ def print_summary(records: list[dict], first_loss: float | None = None, total_s:
 
 class MetricsFileError(ValueError):
     """A metrics.jsonl that cannot be read as ONE run (unreadable, or several runs in one file)."""
+
+
+class MetricsWriteError(OSError):
+    """A record that could not be appended to metrics.jsonl (a full disk, a file-size limit): names the file."""
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:

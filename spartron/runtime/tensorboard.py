@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spartron.runtime.metrics import MetricsWriteError
 from spartron.runtime.safe_open import make_dir
 
 GB = 1e9
@@ -61,16 +62,22 @@ class MetricSinks:
             return
         values, step = scalars(record), record["step"]
         if self.tb is not None:
-            for tag, value in values.items():
-                self.tb.add_scalar(tag, value, step)
-            layers = record.get("expert_load_per_layer")
-            if layers:
-                import numpy as np
-
-                self.tb.add_histogram("moe/load_violation_over_layers", np.asarray(layers, dtype=np.float64), step)
-            self.tb.flush()
+            try:
+                self._write_tb(values, step, record.get("expert_load_per_layer"))
+            except OSError as err:  # its writer thread's error (a full disk), re-raised here without the folder
+                raise MetricsWriteError(f"{self.tb_dir}: cannot write TensorBoard events ({err.strerror or err}): "
+                                        "free space on its disk, then resume the run") from None
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
+
+    def _write_tb(self, values: dict[str, float], step: int, layers: list[float] | None) -> None:
+        for tag, value in values.items():
+            self.tb.add_scalar(tag, value, step)
+        if layers:
+            import numpy as np
+
+            self.tb.add_histogram("moe/load_violation_over_layers", np.asarray(layers, dtype=np.float64), step)
+        self.tb.flush()
 
     def close(self) -> None:
         if self.tb is not None:

@@ -23,7 +23,7 @@ from torch import nn
 from spartron.launch.cli import USAGE_ERROR, main
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict
-from spartron.runtime.metrics import MetricsFileError, MetricsLog, read_metrics
+from spartron.runtime.metrics import MetricsFileError, MetricsLog, MetricsWriteError, read_metrics
 from spartron.runtime.state import COMPLETE, RunDirLock, StateLoadError, complete_steps, step_dir
 from spartron.runtime.trainer import TrainingError, train
 from spartron.testing import run_distributed
@@ -148,17 +148,38 @@ def test_a_run_dir_another_run_is_training_in_is_refused(tmp_path):
 
 def _metrics_past_limit(rank, world, path):
     log = MetricsLog(path, 1, enabled=True, progress=False)
+    log.write({"type": "header", "n": 1})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
     try:
-        log.write({"type": "header", "pad": "x" * 200})
-    except OSError as err:
-        return str(err)
+        log.write({"type": "step", "pad": "x" * 200})
+    except MetricsWriteError as err:
+        return str(err), path.read_bytes()
+    finally:
+        log.close(summary=False)  # nothing left queued: closing does not retry the failed write
 
 
-def test_a_metrics_write_error_names_the_file(tmp_path):
+def test_a_metrics_write_error_names_the_file_and_the_resume_cuts_the_partial_line(tmp_path):
     path = tmp_path / "run" / "metrics.jsonl"
-    assert run_distributed(_metrics_past_limit, 1, path) == [f"[Errno 27] File too large: '{path}'"]
+    [(message, content)] = run_distributed(_metrics_past_limit, 1, path)
+    assert message == f"{path}: cannot write a metrics record (File too large): free space on its disk, then resume the run"
+    assert content == b'{"type": "header", "n": 1}\n{"type": "step", "pad": "' + b"x" * 48  # cut at 100 bytes
+    MetricsLog(path, 1, enabled=True, progress=False).close(summary=False)
+    assert path.read_bytes() == b'{"type": "header", "n": 1}\n'
+
+
+def test_cli_a_metrics_file_past_the_size_limit_is_one_line_exit_2(tmp_path):
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", str(ROOT / "configs" / "tiny.toml"),
+                           "--set", "train.steps=1", "--set", "train.progress=false", "--set", "name=k",
+                           "--set", "train.peak_tflops=1.0"], cwd=tmp_path, capture_output=True, text=True,
+                          preexec_fn=limit, timeout=240)
+    assert proc.returncode == USAGE_ERROR
+    assert proc.stderr.splitlines() == ["spartron: error: runs/k/metrics.jsonl: cannot write a metrics record (File too "
+                                        "large): free space on its disk, then resume the run"]
 
 
 # ---- resume says what it did ------------------------------------------------------------------------

@@ -236,3 +236,27 @@ def test_rank_0_prints_the_banner_before_the_first_step(tmp_path, capfd):
     assert step_line > first + 5  # after the banner; between them at most progress lines of a slow first step
     assert all(line.startswith("spartron: step 1 running for ") for line in err[first + 6:step_line])
     assert sum(line.startswith("spartron: run 'tiny'") for line in err) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # tensorboard's writer thread
+def test_a_tensorboard_write_error_names_the_folder(tmp_path):
+    import resource
+
+    from spartron.runtime.metrics import MetricsWriteError
+    from spartron.runtime.tensorboard import MetricSinks
+
+    sinks = MetricSinks(ObserveConfig(tensorboard=True), tmp_path, {})
+    sinks.write({"type": "step", "step": 1, "loss": 1.0})
+    size = sum(p.stat().st_size for p in (tmp_path / "tensorboard").iterdir())
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))  # the disk is full after this event file
+    try:
+        with pytest.raises(MetricsWriteError) as err:
+            for step in range(2, 6):  # the writer thread's error surfaces at the next write
+                sinks.write({"type": "step", "step": step, "loss": 1.0})
+                time.sleep(0.2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(err.value) == (f"{tmp_path / 'tensorboard'}: cannot write TensorBoard events (File too large): free "
+                              "space on its disk, then resume the run")
