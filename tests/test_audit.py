@@ -77,3 +77,14 @@ def test_classifier_sees_escapes_harm_tracebacks_silence_and_hangs(tmp_path):
                                                                              "the work folder"
     (tmp_path / "pwned").write_text("")
     assert cls(2, "spartron: error: train.lr\n") == "escape"
+
+
+def test_information_lines_do_not_count_as_output_of_a_refusal():
+    from benchmarks.auditing.core import error_lines
+
+    err = ("spartron: step 1 running for 10 s\nspartron: checkpoint save running for 12 s\n"
+           "spartron: 3 steps (steps 1-3) ...\nspartron: runs/k holds no complete saved step: starting a new run; x\n"
+           "spartron: train.overwrite: removed step-00000002 from runs/base\n"
+           "spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1\n")
+    assert error_lines(err) == ["spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1"]
+    assert error_lines("spartron: step 1 running for 10 s (rank 1)\n") == ["spartron: step 1 running for 10 s (rank 1)"]

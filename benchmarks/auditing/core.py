@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -36,7 +37,12 @@ CATEGORY_TITLES = {"paths": "hostile paths and symlinks", "concurrent": "concurr
                    "signals": "signals and faults mid-operation", "values": "plain bad values",
                    "injection": "shell injection"}
 INFO_PREFIXES = ("spartron: launching", "spartron: note:", "spartron: resumed", "spartron: skipping",
-                 "spartron: submitted", "spartron: job ", "spartron: warning:", "spartron: wrote")
+                 "spartron: submitted", "spartron: job ", "spartron: warning:", "spartron: wrote",
+                 "spartron: train.overwrite: removed", "spartron: total time", "spartron: run ")
+# Informational lines that name a run-time value: the heartbeat on a slow machine ("spartron: step 2 running for
+# 10 s"), the end-of-run summary ("spartron: 3 steps (steps 1-3) ..."), a new run's metrics rotation.
+INFO_PATTERNS = (re.compile(r"^spartron: .+ running for \d+ s$"), re.compile(r"^spartron: \d+ steps \(steps "),
+                 re.compile(r"^spartron: .+ holds no complete saved step: starting a new run"))
 MEMORY_LIMIT = 8 << 30  # address space of every process a case starts
 RUNNER_FILES = {"work", "stdout", "stderr", "result.json", "script.sh", "script.out", "stubs.log", "first.out"}
 
@@ -208,6 +214,7 @@ def _diff(before: dict[str, str], after: dict[str, str]) -> str | None:
 # ------------------------------------------------------------------------------------------ classify
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not line.startswith(INFO_PREFIXES)
+            and not any(pattern.match(line) for pattern in INFO_PATTERNS)
             and "UserWarning" not in line and not line.startswith("  return func(")]
 
 

@@ -146,7 +146,7 @@ def export_cases() -> list[Case]:
     add("from-distcp-truncated", export("out", STEP), ["step-00000002", ".distcp"], "corrupt",
         setup=lambda w: [p.write_bytes(p.read_bytes()[:1000]) for p in (w / STEP).glob("*.distcp")])
     for key, cid in (("embed.weight", "embed"), ("norm.weight", "norm"),
-                     ("layers.1.moe.router.weight", "router")):
+                     ("layers.1.ffn.router.weight", "router")):
         for value, vname in ((float("nan"), "nan"), (float("inf"), "inf")):
             add(f"from-{vname}-{cid}", export("out", STEP), ["non-finite", "NaN", "nan", "Inf", "inf"], "nonfinite",
                 setup=poison_state(STEP, key, value), timeout=120.0)
