@@ -76,6 +76,27 @@ def _slurm_unavailable() -> str | None:
     return None
 
 
+def test_slurm_tests_share_one_xdist_group(request):
+    """tests/conftest.py: under `pytest -n 2 --dist loadgroup` every Slurm test runs on one worker."""
+    marked = [item for item in request.session.items if item.get_closest_marker("slurm")]
+    if not marked:
+        pytest.skip("no Slurm test is selected in this session")
+    assert all([m.args for m in item.iter_markers("xdist_group")] == [("slurm",)] for item in marked)
+    unmarked = [item for item in request.session.items if not item.get_closest_marker("slurm")]
+    assert not any(item.get_closest_marker("xdist_group") for item in unmarked)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "slurm.sh: usage: scripts/slurm.sh start [NODES] | stop | status"),
+    (["start", "two"], "slurm.sh: NODES must be a positive integer, got 'two'"),
+    (["start", "0"], "slurm.sh: NODES must be a positive integer, got '0'"),
+])
+def test_slurm_script_refuses_bad_arguments_in_one_line(args, message):
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "slurm.sh"), *args], capture_output=True, text=True,
+                          timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", message + "\n")
+
+
 @pytest.fixture(scope="module")
 def slurm_reason() -> str | None:
     """Asked once per module: every Slurm test skips for the same reason."""
