@@ -343,6 +343,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if world > MAX_PLAN_WORLD:  # launch.nproc when --world-size is not given
         raise UsageError(f"launch.nproc {world} is above {MAX_PLAN_WORLD}, the most ranks `spartron plan` lays out")
     dims = _world_layout(cfg, world)
+    if cfg.train.init_from is not None:  # train's preflight check: the plan is of the model it would train
+        from spartron.runtime.init_from import check_init_from
+        from spartron.runtime.state import latest_complete_step
+
+        if latest_complete_step(cfg.run_dir(Path.cwd())) is None:  # a new run reads the checkpoint
+            check_init_from(cfg)
     sys.stdout.write(render_plan(cfg, world, max_groups=args.max_groups))
     try:  # a plan at scale is still worth printing; training at this size would refuse the batch
         cfg.train.micro_steps(dims.dp)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from spartron.interop.hf.config_map import HFConfigError
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
@@ -235,11 +236,22 @@ def model_toml(cfg: ModelConfig) -> str:
 
 def hf_initialised(factory, hf_dir: str | Path):
     """The trainer model factory `factory(cfg, groups)` followed by `load_hf_weights(model, hf_dir)`
-    (the run's [model] must compute the checkpoint's function: `check_config_matches`)."""
+    (the run's [model] must compute the checkpoint's function: `check_config_matches`). Each rank reads only
+    its own boxes, so a NaN one rank finds is agreed: every rank raises the same HFCheckpointError."""
 
     def build(cfg, groups):
         model = factory(cfg, groups)
-        load_hf_weights(model, hf_dir)
+        error = None
+        try:
+            load_hf_weights(model, hf_dir)
+        except (HFCheckpointError, HFConfigError) as err:
+            error = str(err)
+        if dist.is_initialized():
+            errors: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise HFCheckpointError(error)
         return model
 
     return build

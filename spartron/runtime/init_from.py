@@ -33,8 +33,18 @@ def check_init_from(cfg: RunConfig) -> None:
 
 
 def init_from_factory(cfg: RunConfig, factory):  # noqa: ANN001, ANN201 - trainer model factories
-    """`factory` followed by loading train.init_from's weights into the model it builds (checked first)."""
+    """`factory` followed by loading train.init_from's weights into the model it builds (checked first); what
+    only the read finds (a NaN in a tensor) is a ConfigError naming train.init_from, the file and the tensor."""
     from spartron.runtime.hf_state import hf_initialised
 
     check_init_from(cfg)
-    return hf_initialised(factory, init_from_dir(cfg))
+    hf_dir = init_from_dir(cfg)
+    build = hf_initialised(factory, hf_dir)
+
+    def checked(run_cfg: RunConfig, groups):  # noqa: ANN001, ANN202 - ParallelGroups -> nn.Module
+        try:
+            return build(run_cfg, groups)
+        except (HFCheckpointError, HFConfigError) as err:
+            raise ConfigError(f"train.init_from {str(hf_dir)!r}: {err}") from None
+
+    return checked

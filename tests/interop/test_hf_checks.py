@@ -489,3 +489,152 @@ def test_a_killed_exports_temporary_folder_is_removed_by_the_retry(hf_dir, tmp_p
     assert retry.stderr.splitlines() == [f"spartron: note: removed {left[0]}, left by process {proc.pid} of this "
                                          "host, which is no longer running"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"] and (out / "config.json").is_file()
+
+
+# ---- what the audit found: values, shards against the index, JSON files that are no files, field names ----------
+def _poison(path: Path, name: str, value: float) -> None:
+    tensors = load_file(path / "model.safetensors")
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("name", "value"), [("model.embed_tokens.weight", float("nan")),
+                                             ("model.layers.1.mlp.experts.3.up_proj.weight", float("inf")),
+                                             ("model.layers.1.mlp.gate.e_score_correction_bias", float("nan"))])
+def test_a_non_finite_value_is_refused_as_it_is_read_naming_the_hf_tensor_and_file(hf_dir, tmp_path, name, value):
+    path = _copy(hf_dir, tmp_path)
+    _poison(path, name, value)
+    cfg, load = import_hf(path)  # headers only: the values are checked as each tensor is read
+    with pytest.raises(HFCheckpointError) as info:
+        load(build_model(cfg))
+    assert str(info.value) == (f"{path / 'model.safetensors'}: {name} holds non-finite values (NaN or Inf): "
+                               "nothing is imported from a checkpoint with them")
+
+
+def test_train_init_from_refuses_a_non_finite_tensor_naming_the_key_file_and_tensor(hf_dir, tmp_path):
+    from spartron.runtime.config import ConfigError, RunConfig
+    from spartron.runtime.init_from import init_from_factory
+
+    path = _copy(hf_dir, tmp_path)
+    _poison(path, "model.embed_tokens.weight", float("nan"))
+    cfg = RunConfig.model_validate({"model": import_hf(path)[0].model_dump(mode="json"),
+                                    "train": {"init_from": f"hf:{path}"}})
+    build = init_from_factory(cfg, lambda run_cfg, groups: build_model(run_cfg.model))
+    with pytest.raises(ConfigError) as info:
+        build(cfg, None)
+    assert str(info.value) == (f"train.init_from {str(path)!r}: {path / 'model.safetensors'}: "
+                               "model.embed_tokens.weight holds non-finite values (NaN or Inf): nothing is imported "
+                               "from a checkpoint with them")
+
+
+def _two_shards(path: Path, extra_in_a: dict[str, torch.Tensor] | None = None) -> None:
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    a = {n: tensors[n] for n in names[: len(names) // 2]}
+    b = {n: tensors[n] for n in names[len(names) // 2:]}
+    (path / "model.safetensors").unlink()
+    save_file({**a, **(extra_in_a or {})}, str(path / "a.safetensors"))
+    save_file(b, str(path / "b.safetensors"))
+    weight_map = {**{n: "a.safetensors" for n in a}, **{n: "b.safetensors" for n in b}}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_shard_must_hold_exactly_what_the_index_maps_to_it(hf_dir, tmp_path):
+    extra = "model.layers.1.mlp.experts.99.up_proj.weight"
+    path = _copy(hf_dir, tmp_path, "extra")
+    _two_shards(path, {extra: torch.zeros(4)})
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == (f"{path / 'a.safetensors'}: holds {extra!r}, which model.safetensors.index.json "
+                               "does not list (a tensor its config.json does not explain)")
+    path = _copy(hf_dir, tmp_path, "twice")
+    norm = "model.norm.weight"
+    _two_shards(path, {norm: torch.ones(32)})
+    assert json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][norm] == "b.safetensors"
+    with pytest.raises(HFCheckpointError) as info:
+        import_hf(path)
+    assert str(info.value) == (f"{path / 'a.safetensors'}: holds {norm!r} too, which model.safetensors.index.json "
+                               f"maps to {path / 'b.safetensors'} (a tensor present twice)")
+    path = _copy(hf_dir, tmp_path, "rope")  # what transformers itself skips on load is no weight: accepted
+    _two_shards(path, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    cfg, load = import_hf(path)
+    load(build_model(cfg))
+
+
+def test_config_json_is_read_only_from_a_small_regular_file(hf_dir, tmp_path):
+    for name, make, why in (
+            ("fifo", lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+            ("zero", lambda p: p.symlink_to("/dev/zero"), "is a character device, not a regular file"),
+            ("dir", lambda p: p.mkdir(), "is a folder, not a regular file"),
+            ("big", lambda p: p.write_bytes(b"{}" + b" " * 2**20),
+             f"{2**20 + 2} bytes, larger than the {2**20} a JSON file of a Hugging Face checkpoint may be here")):
+        path = _copy(hf_dir, tmp_path, name)
+        (path / "config.json").unlink()
+        make(path / "config.json")
+        with pytest.raises(HFCheckpointError) as info:
+            import_hf(path)
+        assert str(info.value) == f"{path / 'config.json'}: {why}"
+    path = _copy(hf_dir, tmp_path, "cli")
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")
+    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    assert (proc.returncode, proc.stderr.splitlines()) == (
+        2, [f"spartron: error: {path / 'config.json'}: is a FIFO, not a regular file"])
+    path = _copy(hf_dir, tmp_path, "linked")  # a link to a regular file (a Hugging Face cache) is read
+    (path / "config.json").rename(tmp_path / "config.json")
+    (path / "config.json").symlink_to(tmp_path / "config.json")
+    import_hf(path)
+
+
+@pytest.mark.parametrize(("changes", "why"), [
+    ({"num_experts_per_tok": 9}, "1 setting(s) cannot be honoured: num_experts_per_tok: 9: must be <= "
+                                 "n_routed_experts (4)"),
+    ({"first_k_dense_replace": 99}, "1 setting(s) cannot be honoured: first_k_dense_replace: 99: must be <= "
+                                    "num_hidden_layers (2)"),
+    ({"num_attention_heads": 3}, "1 setting(s) cannot be honoured: num_key_value_heads: 2: must equal "
+                                 "num_attention_heads (3): MLA has one KV head per attention head"),
+    ({"n_group": 3}, "1 setting(s) cannot be honoured: n_group: 3: must divide n_routed_experts (4)"),
+    ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3},
+     "1 setting(s) cannot be honoured: num_experts_per_tok: 3: exceeds the experts of topk_group (1) groups of 2"),
+    ({"topk_group": 2}, "1 setting(s) cannot be honoured: topk_group: 2: must be <= n_group (1)"),
+    ({"qk_rope_head_dim": 7}, "1 setting(s) cannot be honoured: qk_rope_head_dim: 7: must be even (RoPE rotates "
+                              "pairs)"),
+    ({"hidden_size": None, "v_head_dim": None}, "2 setting(s) cannot be honoured: hidden_size: missing (a required "
+     "field: it decides the tensors' shapes); v_head_dim: missing (a required field: it decides the tensors' "
+     "shapes)"),
+])
+def test_config_json_is_checked_across_fields_in_its_own_terms_before_mapping(hf_dir, tmp_path, changes, why):
+    path = _copy(hf_dir, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config.update({k: v for k, v in changes.items() if v is not None})
+    for key in (k for k, v in changes.items() if v is None):
+        config.pop(key)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConfigError) as info:
+        import_hf(path)
+    assert str(info.value) == f"Hugging Face config.json: {why}"
+
+
+def test_a_mapped_config_spartron_refuses_names_the_config_json_field():
+    from spartron.interop.hf.config_map import HF_FIELD_OF
+
+    assert HF_FIELD_OF["top_k"] == "num_experts_per_tok" and HF_FIELD_OF["first_k_dense"] == "first_k_dense_replace"
+    hf = {**DeepseekV3Config(**HF).to_dict(), "index_n_heads": 2, "index_head_dim": 4, "index_topk": 8,
+          "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]}
+    hf.pop("rope_interleave", None)
+    from spartron.interop.hf import model_config_from_hf
+
+    with pytest.raises(HFConfigError) as info:
+        model_config_from_hf(hf)
+    assert str(info.value) == ("Hugging Face config.json maps to an invalid Spartron config (from config.json's "
+                               "index_head_dim, qk_rope_head_dim): model.dsa.index_head_dim 4 must be >= "
+                               "model.mla.qk_rope_head_dim 8: the indexer rotates its first qk_rope_head_dim dims")
+
+
+def test_plan_runs_trains_init_from_check(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\ninit_from = "hf:nope"\n')
+    proc = _cli("plan", str(config), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.splitlines() == [f"spartron: error: train.init_from 'nope': {Path('nope')}: does not exist "
+                                        "(a Hugging Face checkpoint folder is expected)"]

@@ -94,3 +94,36 @@ def field_problems(hf: dict[str, Any]) -> list[tuple[str, str]]:
         if "truncate" in rope and not isinstance(rope["truncate"], bool):
             out.append((f"{key}.truncate", f"{rope['truncate']!r}: must be true or false"))
     return out
+
+
+# Fields that decide the tensors' shapes: transformers would fill a missing one with DeepSeek-V3's full size
+# (hidden_size 7168, ...), and the error would then blame a tensor. Every config.json transformers writes has them.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "n_shared_experts", "n_routed_experts", "num_experts_per_tok",
+            "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+            "v_head_dim")
+
+
+def cross_field_problems(hf: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, why) for every field missing from REQUIRED or inconsistent with another, in config.json's own
+    terms; for a dict whose fields passed `field_problems` (types and bounds)."""
+    out = [(key, "missing (a required field: it decides the tensors' shapes)") for key in REQUIRED if key not in hf]
+    experts, top_k = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
+    groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if experts is not None and top_k is not None and top_k > experts:
+        out.append(("num_experts_per_tok", f"{top_k}: must be <= n_routed_experts ({experts})"))
+    if experts is not None and experts % groups:
+        out.append(("n_group", f"{groups}: must divide n_routed_experts ({experts})"))
+    if topk_groups > groups:
+        out.append(("topk_group", f"{topk_groups}: must be <= n_group ({groups})"))
+    elif experts is not None and top_k is not None and not experts % groups and groups > 1 \
+            and top_k > topk_groups * (experts // groups):
+        out.append(("num_experts_per_tok", f"{top_k}: exceeds the experts of topk_group ({topk_groups}) groups of "
+                                           f"{experts // groups}"))
+    layers, dense = hf.get("num_hidden_layers"), hf.get("first_k_dense_replace")
+    if layers is not None and dense is not None and dense > layers:
+        out.append(("first_k_dense_replace", f"{dense}: must be <= num_hidden_layers ({layers})"))
+    rope = hf.get("qk_rope_head_dim")
+    if rope is not None and rope % 2:
+        out.append(("qk_rope_head_dim", f"{rope}: must be even (RoPE rotates pairs)"))
+    return out

@@ -23,12 +23,13 @@ logits); the differences that matter:
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from typing import Any
 
 from pydantic import ValidationError
 
-from spartron.interop.hf.config_fields import field_problems
+from spartron.interop.hf.config_fields import cross_field_problems, field_problems
 from spartron.layers.config import ModelConfig
 
 V3, V32 = "deepseek_v3", "deepseek_v32"
@@ -130,6 +131,9 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     for key, why in field_problems(hf):  # types and bounds first: nothing below sees a wrong type
         problems.add(key, why)
     problems.raise_if_any()
+    for key, why in cross_field_problems(hf):  # required fields and consistency, in config.json's own terms
+        problems.add(key, why)
+    problems.raise_if_any()
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         problems.add("model_type", f"{kind!r}: Spartron imports {' and '.join(ARCHITECTURES)}")
@@ -162,7 +166,8 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     require("moe_layer_freq", lambda v: v == 1, "every layer after first_k_dense_replace is MoE in Spartron")
     require("quantization_config", lambda v: v is None, "quantized weights (dequantize to bf16 first)")
     heads = get("num_attention_heads", 128)
-    require("num_key_value_heads", lambda v: v in (None, heads), "MLA has one KV head per attention head")
+    require("num_key_value_heads", lambda v: v in (None, heads),
+            f"must equal num_attention_heads ({heads}): MLA has one KV head per attention head")
     rope_dim = get("qk_rope_head_dim", 64)
     require("head_dim", lambda v: v == rope_dim, "transformers sets it to qk_rope_head_dim")
     require("qk_head_dim", lambda v: v == get("qk_nope_head_dim", 128) + rope_dim,
@@ -212,8 +217,27 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as err:
-        details = "; ".join(f"model.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise HFConfigError(f"Hugging Face config.json maps to an invalid Spartron config: {details}") from None
+        details = "; ".join((f"model.{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "")
+                            + e["msg"].removeprefix("Value error, ") for e in err.errors())
+        named = {key.rstrip(".").rsplit(".", 1)[-1] for key in re.findall(r"model\.[\w.]+", details)}
+        fields = sorted({HF_FIELD_OF[key] for key in named if key in HF_FIELD_OF})
+        raise HFConfigError(f"Hugging Face config.json maps to an invalid Spartron config (from config.json's "
+                            f"{', '.join(fields) or 'fields'}): {details}") from None
+
+
+# Spartron's `model.*` key -> the config.json field it comes from: a mapped config that Spartron's own checks
+# refuse names the field the user edits.
+HF_FIELD_OF = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "first_k_dense": "first_k_dense_replace", "dense_inter_dim": "intermediate_size", "norm_eps": "rms_norm_eps",
+    "max_seq_len": "max_position_embeddings", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+    "rope_theta": "rope_theta", "yarn": "rope_scaling", "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts", "top_k": "num_experts_per_tok", "moe_inter_dim": "moe_intermediate_size",
+    "topk_groups": "topk_group", "n_groups": "n_group", "route_scale": "routed_scaling_factor",
+    "n_index_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+    "mtp": "num_nextn_predict_layers",
+}
 
 
 # ModelConfig keys a checkpoint does not determine: how Spartron runs and trains the same function.

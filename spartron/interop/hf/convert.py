@@ -20,12 +20,9 @@ Reading a checkpoint never executes code: config.json is JSON, tensors come from
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
-import stat
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,115 +38,27 @@ from spartron.interop.hf.config_map import (
     hf_config_from_model_config,
     model_config_from_hf,
 )
-from spartron.interop.hf.header import FLOAT_WEIGHTS, HeaderError, TensorInfo, read_header
+from spartron.interop.hf.folder import (
+    CONFIG,
+    INDEX,
+    MAX_CONFIG_BYTES,
+    HFCheckpointError,
+    checked_headers,
+    ignored_tensor,
+    read_json,
+    weight_files,
+)
+from spartron.interop.hf.header import FLOAT_WEIGHTS
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.layers.config import ModelConfig
 from spartron.optional import require
 from spartron.temporaries import make_sibling, remove_stale
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-CONFIG = "config.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-_PLAIN_FILE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}\.safetensors$")
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint directory that cannot be read as (or written from) this model."""
 
 
 def _safetensors():
     return require("safetensors", "Hugging Face checkpoint conversion", "pip install 'spartron[hf]'")
-
-
-_MAX_JSON_BYTES = 64 * 1024 * 1024
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        if path.is_file() and path.stat().st_size > _MAX_JSON_BYTES:
-            raise HFCheckpointError(f"{path}: larger than {_MAX_JSON_BYTES} bytes")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HFCheckpointError(f"{path}: missing (a Hugging Face checkpoint directory holds it)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise HFCheckpointError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise HFCheckpointError(f"{path}: must hold a JSON object")
-    return data
-
-
-def _header(path: Path) -> dict[str, TensorInfo]:
-    try:
-        return read_header(path)
-    except HeaderError as err:
-        raise HFCheckpointError(str(err)) from None
-
-
-def weight_files(hf_dir: Path) -> dict[str, str]:
-    """HF tensor name -> shard file name, from the index (or the single `model.safetensors`). A path that is
-    no checkpoint folder is named as what it is (missing, a file, a FIFO, a broken link, a folder without
-    one). Shards are plain file names inside the directory (a symbolic link there, as in a Hugging Face cache
-    folder, is followed)."""
-    _check_folder(hf_dir)
-    index = hf_dir / INDEX
-    if os.path.lexists(index) and not index.is_file():
-        raise HFCheckpointError(f"{index}: {_kind(index)}, not a file")
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise HFCheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
-        for name, file in weight_map.items():
-            if not isinstance(file, str) or not _PLAIN_FILE.match(file) or not (hf_dir / file).is_file():
-                raise HFCheckpointError(f"{index}: {name!r} -> {file!r} is not a .safetensors file in {hf_dir}")
-        return dict(weight_map)
-    single = hf_dir / SINGLE
-    if os.path.lexists(single) and not single.is_file():
-        raise HFCheckpointError(f"{single}: {_kind(single)}, not a file")
-    if not single.is_file():
-        pickled = sorted(n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists())
-        hint = (f"; its {pickled[0]} is not read (a pickle can run code): save the model as safetensors"
-                if pickled else "")
-        raise HFCheckpointError(f"{hf_dir}: a folder without a Hugging Face safetensors checkpoint (neither "
-                                f"{INDEX} nor {SINGLE} in it){hint}")
-    return {name: SINGLE for name in _header(single)}
-
-
-def _kind(path: Path) -> str:
-    """What `path` is, following links (a link into a Hugging Face cache is fine) and naming a broken one."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as err:
-        if os.path.islink(path):
-            loops = err.errno == errno.ELOOP
-            return f"a {'looping' if loops else 'dangling'} symbolic link (to {os.readlink(path)!r})"
-        return "missing" if err.errno == errno.ENOENT else f"unreadable ({err.strerror or err})"
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a file or folder")
-
-
-def _check_folder(hf_dir: Path) -> None:
-    """A checkpoint is a folder: a missing path, a file or a FIFO is named as what it is."""
-    kind = _kind(hf_dir)
-    if kind == "missing":
-        raise HFCheckpointError(f"{hf_dir}: does not exist (a Hugging Face checkpoint folder is expected)")
-    if kind != "a folder":
-        raise HFCheckpointError(f"{hf_dir}: is {kind}, not a folder (a Hugging Face checkpoint is a folder "
-                                f"holding {CONFIG} and {SINGLE} or {INDEX})")
-
-
-def checked_headers(hf_dir: Path, files: dict[str, str]) -> dict[str, TensorInfo]:
-    """HF tensor name -> (dtype, shape) from every shard's checked header; a tensor the index maps to a shard
-    that lacks it is an HFCheckpointError naming both."""
-    out: dict[str, TensorInfo] = {}
-    for file in sorted(set(files.values())):
-        header = _header(hf_dir / file)
-        for name in (n for n, f in files.items() if f == file):
-            if name not in header:
-                raise HFCheckpointError(f"{hf_dir / file}: holds no tensor {name!r}, which {INDEX} maps to it")
-            out[name] = header[name]
-    return out
 
 
 def hf_model_config(hf_dir: str | Path) -> ModelConfig:
@@ -160,7 +69,7 @@ def hf_model_config(hf_dir: str | Path) -> ModelConfig:
 
 
 def _config_of(hf_dir: Path, names: Iterable[str]) -> ModelConfig:
-    hf = _read_json(hf_dir / CONFIG)
+    hf = read_json(hf_dir / CONFIG, MAX_CONFIG_BYTES)
     n_layers = hf.get("num_hidden_layers")
     ok = isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 0
     mtp = mtp_layer_indices(names, n_layers) if ok else []
@@ -231,11 +140,13 @@ def _targets(model: nn.Module, tmap: TensorMap) -> dict[str, _Target]:
 def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[str, str]) -> None:
     expected = {p.hf for p in tmap.pieces}
     missing = sorted(expected - names)
-    extra = sorted(names - expected - set(tmap.copies) - set(optional))
+    extra = sorted(n for n in names - expected - set(tmap.copies) - set(optional) if not ignored_tensor(n))
     if missing or extra:
         parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + \
                 ([f"unexpected {len(extra)}: {', '.join(extra[:4])}"] if extra else [])
-        raise HFCheckpointError(f"{hf_dir}: tensors do not match its config.json ({'; '.join(parts)})")
+        raise HFCheckpointError(f"{hf_dir}: tensors do not match its config.json ({'; '.join(parts)}; its "
+                                "num_hidden_layers, first_k_dense_replace, n_routed_experts, "
+                                "num_nextn_predict_layers and q_lora_rank decide which tensors exist)")
 
 
 def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> TensorMap:
@@ -246,7 +157,7 @@ def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> Ten
     _check_names(hf_dir, set(files), tmap, optional)
     infos = checked_headers(hf_dir, files)
     shapes = {**tmap.hf_shapes(), **{hf: tmap.shapes[ours] for hf, ours in optional.items()}}
-    for name in sorted(files, key=_hf_order):
+    for name in sorted((n for n in files if not ignored_tensor(n)), key=_hf_order):
         info, where = infos[name], hf_dir / files[name]
         if info.dtype not in FLOAT_WEIGHTS:
             raise HFCheckpointError(f"{where}: {name} is {info.dtype}; Spartron imports float32, bfloat16 or "
@@ -255,6 +166,15 @@ def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> Ten
             raise HFCheckpointError(f"{where}: {name} has shape {list(info.shape)}, its config.json gives "
                                     f"{list(shapes[name])}")
     return tmap
+
+
+def _finite_read(path: Path, name: str, t: Tensor) -> Tensor:
+    """`t` (the part of `name` this rank reads), refused if any value is NaN or Inf: a run would train into a
+    NaN loss at its first step, and a converted state would only be refused at save, naming Spartron's tensor."""
+    if not bool(torch.isfinite(t).all()):
+        raise HFCheckpointError(f"{path}: {name} holds non-finite values (NaN or Inf): nothing is imported "
+                                "from a checkpoint with them")
+    return t
 
 
 def _read_error(path: Path, name: str, err: Exception) -> HFCheckpointError:
@@ -296,7 +216,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
                         continue
                     dst, src = boxes
                     region = target.tensor[_index(dst)]
-                    region.copy_(f.get_slice(p.hf)[_index(src)].reshape(region.shape))
+                    region.copy_(_finite_read(hf_dir / file, p.hf, f.get_slice(p.hf)[_index(src)]).reshape(
+                        region.shape))
                     filled[p.spartron] += region.numel()
         except HFCheckpointError:
             raise
@@ -306,7 +227,9 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
         target = targets[ours]
         try:
             with safe_open(str(hf_dir / files[hf_name]), framework="pt") as f:
-                theirs = f.get_slice(hf_name)[_index(target.box)]
+                theirs = _finite_read(hf_dir / files[hf_name], hf_name, f.get_slice(hf_name)[_index(target.box)])
+        except HFCheckpointError:
+            raise
         except Exception as err:  # noqa: BLE001 - as above
             raise _read_error(hf_dir / files[hf_name], hf_name, err) from None
         if not torch.equal(theirs.to(target.tensor.dtype), target.tensor):
