@@ -366,11 +366,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("give one of --from-hf DIR / --from STATE and one of --to RUN_DIR / --to-hf DIR")
     if (args.from_hf is None) != (args.to is None):
         raise UsageError("--from-hf goes with --to RUN_DIR (a saved state), --from with --to-hf DIR")
-    if args.max_shard_bytes < 1:
+    if args.to_hf is None and args.max_shard_bytes is not None:
+        raise UsageError("--max-shard-bytes goes with --to-hf DIR (an import writes a saved state, not shards)")
+    if args.to_hf is not None and (args.config is not None or args.set):
+        raise UsageError(f"{'--config' if args.config is not None else '--set'} goes with --from-hf (an export "
+                         "writes the saved step's own [model]; it reads no run config)")
+    if args.max_shard_bytes is not None and args.max_shard_bytes < 1:
         raise UsageError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
     if args.with_mtp and args.to_hf is None:
         raise UsageError("--with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)")
     from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf
+    from spartron.interop.hf.convert import DEFAULT_SHARD_BYTES
     from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml, run_tokenizer
 
     try:
@@ -382,9 +388,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
             source = SavedStateSource(Path(args.from_state))
+            source.check_target(args.to_hf)
             tokenizer, note = run_tokenizer(source)
-            out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes, with_mtp=args.with_mtp,
-                            extra_files=tokenizer)
+            out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
+                            with_mtp=args.with_mtp, extra_files=tokenizer)
             if note:
                 print(f"spartron: note: {note}", file=sys.stderr)
             print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}"
@@ -524,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-hf", metavar="DIR", help="new Hugging Face checkpoint directory")
     p.add_argument("--config", help="run config TOML whose train/parallel settings the imported state gets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="export shard size (default 5 GiB)")
+    p.add_argument("--max-shard-bytes", type=int, default=None, help="export shard size (default 5 GiB)")
     p.add_argument("--with-mtp", action="store_true", help="export the MTP layers too (transformers' "
                    "DeepseekV3ForCausalLM has no MTP module and would report them as unexpected keys)")
     p.set_defaults(func=cmd_convert)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from spartron.interop.hf.config_map import HFConfigError
+from spartron.interop.hf.config_map import HFConfigError, check_config_matches
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
@@ -96,6 +96,14 @@ class SavedStateSource(TensorSource):
             found = _EP_KEY.match(key)
             if found:
                 self.ep_ranks.setdefault(found.group(1), []).append(int(found.group(2)))
+
+    def check_target(self, out_dir: str | Path) -> None:
+        """HFCheckpointError when `out_dir` (links resolved) lies inside the run directory of this step: an
+        export never writes into a run's directory (its steps are verified against what they list)."""
+        run = Path(os.path.realpath(self.path.parent))
+        if Path(os.path.realpath(out_dir)).is_relative_to(run):
+            raise HFCheckpointError(f"{out_dir}: inside the run directory {self.path.parent} the step is read from "
+                                    "(an export writes a folder outside any run directory)")
 
     def _keys(self, name: str) -> list[str]:
         if name in self.ep_ranks:
@@ -188,6 +196,21 @@ def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], str | Non
                 "(re-run `spartron data` to keep one)")
 
 
+def _check_new_run_dir(run_dir: Path) -> None:
+    """An imported state starts a new run directory (or fills an empty one), never through a symbolic link
+    (its files would land wherever the link points)."""
+    try:
+        if run_dir.is_symlink():
+            raise HFCheckpointError(f"{run_dir}: is a symbolic link (to {os.readlink(run_dir)!r}); an imported "
+                                    "state starts a new run directory, not through a link")
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise HFCheckpointError(f"{run_dir}: exists and is not an empty directory; an imported state starts "
+                                    "a new run directory")
+    except OSError as err:
+        raise HFCheckpointError(f"{str(run_dir)[:200]}: cannot be used as a run directory "
+                                f"({err.strerror or err})") from None
+
+
 def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) -> tuple[Path, Any]:
     """Write `run_dir/step-00000000` from a Hugging Face checkpoint (module docstring).
 
@@ -203,11 +226,11 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
         raise HFCheckpointError("import_hf_to_state writes a one-rank saved state: call it outside "
                                 "torch.distributed (other layouts load the HF directory with load_hf_weights)")
     run_dir = Path(run_dir)
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise HFCheckpointError(f"{run_dir}: exists and is not an empty directory; an imported state starts a "
-                                "new run directory")
+    _check_new_run_dir(run_dir)
     check_memory(hf_model_config(hf_dir), f"converting {hf_dir}")  # config.json alone, before any tensor
     model_cfg, load = import_hf(hf_dir)
+    if run_cfg is not None and run_cfg.model != ModelConfig():  # a [model] the user gave must be the checkpoint's
+        check_config_matches(run_cfg.model, model_cfg)
     data = (run_cfg or RunConfig()).model_dump(mode="json")
     data["model"] = model_cfg.model_dump(mode="json")
     run_cfg = config_from_dict(data)

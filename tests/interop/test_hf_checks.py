@@ -638,3 +638,49 @@ def test_plan_runs_trains_init_from_check(tmp_path):
     assert proc.returncode == 2, proc.stdout
     assert proc.stderr.splitlines() == [f"spartron: error: train.init_from 'nope': {Path('nope')}: does not exist "
                                         "(a Hugging Face checkpoint folder is expected)"]
+
+
+def test_convert_refuses_what_its_direction_does_not_use_and_where_it_would_write_through_a_link(hf_dir, tmp_path,
+                                                                                                 capsys):
+    from spartron.launch.cli import main
+
+    def refused(*argv: str) -> list[str]:
+        assert main(["convert", *argv]) == 2
+        return capsys.readouterr().err.splitlines()
+
+    hf, run = str(hf_dir), str(tmp_path / "run")
+    assert refused("--from-hf", hf, "--to", run, "--max-shard-bytes", "100") == [
+        "spartron: error: --max-shard-bytes goes with --to-hf DIR (an import writes a saved state, not shards)"]
+    for flag, value in (("--config", "x.toml"), ("--set", "train.lr=1.0")):
+        assert refused("--from", run, "--to-hf", str(tmp_path / "out"), flag, value) == [
+            f"spartron: error: {flag} goes with --from-hf (an export writes the saved step's own [model]; it reads "
+            "no run config)"]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    assert refused("--from-hf", hf, "--to", str(tmp_path / "link")) == [
+        f"spartron: error: {tmp_path / 'link'}: is a symbolic link (to {str(tmp_path / 'elsewhere')!r}); an imported "
+        "state starts a new run directory, not through a link"]
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    long = "o" * 5000
+    assert refused("--from-hf", hf, "--to", str(tmp_path / long)) == [
+        f"spartron: error: {str(tmp_path / long)[:200]}: cannot be used as a run directory (File name too long)"]
+    lines = refused("--from-hf", hf, "--to", run, "--set", "model.dim=16")
+    assert len(lines) == 1 and lines[0].startswith("spartron: error: the run's [model] differs from the Hugging Face "
+                                                   "checkpoint in ")
+    assert "; model.dim: the run has 16, the checkpoint 32; " in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_export_never_writes_into_the_run_directory_it_reads(hf_dir, tmp_path, capsys):
+    from spartron.launch.cli import main
+
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(run)]) == 0
+    capsys.readouterr()
+    for target in (run / "step-00000000" / "hf", run / "hf"):
+        assert main(["convert", "--from", str(run), "--to-hf", str(target)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"spartron: error: {target}: inside the run directory {run} the step is read from (an export writes a "
+            "folder outside any run directory)"]
+        assert not target.exists()
+    assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "out")]) == 0
