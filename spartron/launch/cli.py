@@ -381,7 +381,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     try:
         if args.from_hf is not None:
-            step, cfg = import_hf_to_state(args.from_hf, args.to, load_config(args.config, args.set))
+            keys = tuple(item.split("=", 1)[0].strip() for item in args.set if item.strip().startswith("model."))
+            step, cfg = import_hf_to_state(args.from_hf, args.to, load_config(args.config, args.set), keys)
             toml = Path(args.to) / "model.toml"
             toml.write_text(model_toml(cfg.model))
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "

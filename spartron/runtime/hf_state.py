@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from spartron.interop.hf.config_map import HFConfigError, check_config_matches
+from spartron.interop.hf.config_map import HFConfigError
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
@@ -211,11 +211,27 @@ def _check_new_run_dir(run_dir: Path) -> None:
                                 f"({err.strerror or err})") from None
 
 
-def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) -> tuple[Path, Any]:
+def _check_model_overrides(run: ModelConfig, checkpoint: ModelConfig, keys: tuple[str, ...]) -> None:
+    """A `--set model.KEY=...` the checkpoint contradicts is refused: the import takes the checkpoint's
+    [model] (a run config's own [model] is replaced, as the README says), so the value would be dropped."""
+    ours, theirs = run.model_dump(mode="json"), checkpoint.model_dump(mode="json")
+    for key in keys:
+        a, b = ours, theirs
+        for part in key.split(".")[1:]:
+            a = a.get(part) if isinstance(a, dict) else None
+            b = b.get(part) if isinstance(b, dict) else None
+        if a != b:
+            raise HFCheckpointError(f"--set {key}: {a!r}, the Hugging Face checkpoint has {b!r} (an import takes "
+                                    "the checkpoint's [model])")
+
+
+def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
+                       model_overrides: tuple[str, ...] = ()) -> tuple[Path, Any]:
     """Write `run_dir/step-00000000` from a Hugging Face checkpoint (module docstring).
 
     `run_cfg`: the RunConfig the run will train with (its `model` section is replaced by the
-    checkpoint's; default: RunConfig()). Returns (the step directory, the RunConfig used).
+    checkpoint's; default: RunConfig()). `model_overrides`: the `model.*` keys the user set on the command line:
+    each must equal the checkpoint's (HFCheckpointError naming it). Returns (the step directory, the RunConfig).
     """
     from spartron.layers.model import build_model
     from spartron.parallel.dims import ParallelDims
@@ -229,8 +245,8 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None) ->
     _check_new_run_dir(run_dir)
     check_memory(hf_model_config(hf_dir), f"converting {hf_dir}")  # config.json alone, before any tensor
     model_cfg, load = import_hf(hf_dir)
-    if run_cfg is not None and run_cfg.model != ModelConfig():  # a [model] the user gave must be the checkpoint's
-        check_config_matches(run_cfg.model, model_cfg)
+    if run_cfg is not None:
+        _check_model_overrides(run_cfg.model, model_cfg, model_overrides)
     data = (run_cfg or RunConfig()).model_dump(mode="json")
     data["model"] = model_cfg.model_dump(mode="json")
     run_cfg = config_from_dict(data)
