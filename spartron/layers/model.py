@@ -169,11 +169,10 @@ def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTrans
     shards by `spartron.layers.init.materialize_(model, device, seed, cfg.init_std)` (what the trainer
     does); None: the current default device, initialised here.
 
-    Parameters are stored in `cfg.stored_dtype` (model.master_dtype, else model.dtype): initialised in
-    float32 and cast once; `spartron.layers.parallelize` makes the compute run in model.dtype. Buffers
-    such as the router's fp32 expert bias keep their own dtype.
+    Parameters are stored in `cfg.stored_dtype` (model.master_dtype, else model.dtype): drawn in
+    float32 (spartron.layers.init) and cast once; `spartron.layers.parallelize` makes the compute run
+    in model.dtype. Buffers such as the router's fp32 expert bias keep their own dtype.
     """
-    master = cfg.model_copy(update={"dtype": "float32", "master_dtype": None})
     ep_group = None if groups is None else groups.ep
     if transport is None:
         transport = EPTransport(ep_group, cfg.moe.copy_engine_sync)
@@ -182,12 +181,11 @@ def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTrans
     kw = {"seed": seed, "transport": transport, "micro_batches": micro_batches, "micro_batch_scope": micro_batch_scope}
     with torch.device(device) if device is not None else contextlib.nullcontext():
         if groups is None:
-            model = SparseMoEModel(master, **kw)
+            model = SparseMoEModel(cfg, **kw)
         else:
-            model = SparseMoEModel(master, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
-    model.cfg = cfg
+            model = SparseMoEModel(cfg, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
     dtype = getattr(torch, cfg.stored_dtype)
-    if dtype != torch.float32:
-        for p in model.parameters():
+    for p in model.parameters():
+        if p.dtype != dtype:  # torch's default-dtype modules (MoE layers make theirs in the stored dtype)
             p.data = p.data.to(dtype)
     return model

@@ -8,6 +8,7 @@ from torch import nn
 
 from spartron.layers.init import identity_seed, init_parameters_, init_tensor_
 from spartron.layers.model import build_model
+from spartron.layers.moe import MoELayer
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.runtime.config import load_config
 
@@ -61,6 +62,23 @@ def test_bfloat16_parameters_are_the_float32_values_cast():
     fp32 = init_tensor_(torch.empty(4, 6), "w", 0, 0.02)
     bf16 = init_tensor_(torch.empty(4, 6, dtype=torch.bfloat16), "w", 0, 0.02)
     assert torch.equal(bf16, fp32.to(torch.bfloat16))
+
+
+def test_build_model_keeps_its_config_and_stores_the_float32_values_cast():
+    """The model is built with the config it is given (no swap afterwards); every parameter is in the
+    stored dtype and holds the float32 model's value cast, the MoE layers' ones included."""
+    fp32 = tiny_model_cfg()
+    ref = build_model(fp32, seed=3).state_dict()
+    for update, dtype in (({"dtype": "bfloat16"}, torch.bfloat16),
+                          ({"dtype": "bfloat16", "master_dtype": "float32"}, torch.float32)):
+        cfg = fp32.model_copy(update=update)
+        model = build_model(cfg, seed=3)
+        assert model.cfg is cfg and model.layers["1"].ffn.router.weight.dtype == dtype
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        assert model.layers["1"].ffn.router.expert_bias.dtype == torch.float32
+        assert {p.dtype for p in MoELayer(cfg).parameters()} == {dtype}  # built in the stored dtype
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, ref[name].to(value.dtype)), name
 
 
 def test_parameters_without_a_rule_and_meta_tensors_are_errors():

@@ -182,12 +182,12 @@ class LocalDispatcher:
 
 
 class AllToAllDispatcher(LocalDispatcher):
-    """Expert parallelism over `ep_group` with uneven all-to-alls (spartron_collectives ops)."""
+    """Expert parallelism over the transport's EP group with uneven all-to-alls (spartron_collectives ops)."""
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup):
+    def __init__(self, n_experts: int, transport: EPTransport):
         super().__init__(n_experts)
-        self.group = ep_group
-        self.ep = dist.get_world_size(ep_group)
+        self.group = transport.group
+        self.ep = dist.get_world_size(self.group)
         self.n_local_experts = n_experts // self.ep
 
     def exchange_counts(self, *states: DispatchState) -> None:
@@ -250,11 +250,10 @@ class CopyEngineDispatcher(AllToAllDispatcher):
     the exchange needs, and this rank's received counts per local expert, in one host copy.
     """
 
-    def __init__(self, n_experts: int, ep_group: dist.ProcessGroup, transport: EPTransport | None = None):
-        """`transport`: the EP group's (its exchange buffer is shared by every layer on the group); None:
-        this dispatcher's own."""
-        super().__init__(n_experts, ep_group)
-        self.buffer = (EPTransport(ep_group) if transport is None else transport).exchange_buffer()
+    def __init__(self, n_experts: int, transport: EPTransport):
+        """`transport`: the EP group's (its exchange buffer is shared by every layer on the group)."""
+        super().__init__(n_experts, transport)
+        self.buffer = transport.exchange_buffer()
 
     def exchange_counts(self, *states: DispatchState) -> None:
         ep, n_local, n = self.ep, self.n_local_experts, len(states)
@@ -303,12 +302,11 @@ class DeepEPDispatcher:
     layer on the group shares it.
     """
 
-    def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None,
-                 transport: EPTransport):
+    def __init__(self, cfg: MoEConfig, transport: EPTransport, hidden: int | None):
         """`transport.deepep_library`: what provides `Buffer`/`Config` (None: `deep_ep`, imported now)."""
         if transport.deepep_library is None:
             load_deep_ep()  # a missing install fails when the model is built, not at the first step
-        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        ep = 1 if transport.group is None else dist.get_world_size(transport.group)
         check_deepep_shape(cfg.n_routed_experts, cfg.top_k, ep, cfg.deepep_num_sms, hidden)
         self.n_experts = cfg.n_routed_experts
         self.ep = ep
@@ -365,25 +363,23 @@ def check_dispatcher(dispatcher: str, ep: int) -> None:
                          "use 'all_to_all' or 'deepep'")
 
 
-def build_dispatcher(cfg: MoEConfig, ep_group: dist.ProcessGroup | None, hidden: int | None = None,
-                     transport: EPTransport | None = None) -> Dispatcher:
-    """The dispatcher `model.moe.dispatcher` names, for an EP group (None = single rank).
+def build_dispatcher(cfg: MoEConfig, transport: EPTransport | None = None, hidden: int | None = None) -> Dispatcher:
+    """The dispatcher `model.moe.dispatcher` names, over the EP group `transport` holds (None, or a
+    transport of group None: single rank).
 
     With one EP rank there is nothing to exchange: "all_to_all" runs as the local dispatcher
     (the same arithmetic, no collective). "local" with more than one EP rank is an error.
     "deepep" needs DeepEP installed and an EP group of 2, 4 or 8 ranks; `hidden` (model.dim) sizes
     its buffer (None: taken from the first tokens). "all_to_all" exchanges tokens with NCCL, or with
     the copy engines when `model.moe.all_to_all_transport = "copy_engine"` (one host).
-    `transport`: the EP group's buffers, shared by every layer of a model (None: this layer's own).
+    `transport` also holds the EP group's buffers, shared by every layer of a model.
     """
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep = 1 if transport is None or transport.group is None else dist.get_world_size(transport.group)
     check_dispatcher(cfg.dispatcher, ep)
-    if transport is None and (cfg.dispatcher == "deepep" or ep > 1):
-        transport = EPTransport(ep_group, copy_engine_sync=cfg.copy_engine_sync)
     if cfg.dispatcher == "deepep":
-        return DeepEPDispatcher(cfg, ep_group, hidden, transport)
+        return DeepEPDispatcher(cfg, transport or EPTransport(None, cfg.copy_engine_sync), hidden)
     if ep == 1:
         return LocalDispatcher(cfg.n_routed_experts)
     if cfg.all_to_all_transport == "copy_engine":
-        return CopyEngineDispatcher(cfg.n_routed_experts, ep_group, transport)
-    return AllToAllDispatcher(cfg.n_routed_experts, ep_group)
+        return CopyEngineDispatcher(cfg.n_routed_experts, transport)
+    return AllToAllDispatcher(cfg.n_routed_experts, transport)

@@ -81,9 +81,9 @@ class MoELayer(nn.Module):
         self.micro_batches = micro_batches
         self.n_local_experts = cfg.n_routed_experts // ep
         self.first_local_expert = ep_rank * self.n_local_experts
-        dtype = getattr(torch, model_cfg.dtype)
+        dtype = getattr(torch, model_cfg.stored_dtype)  # model.master_dtype, else model.dtype
         common = {"dtype": dtype, "device": device, "init_std": model_cfg.init_std}
-        self.dispatcher = build_dispatcher(cfg, ep_group, hidden=model_cfg.dim, transport=transport)
+        self.dispatcher = build_dispatcher(cfg, transport, hidden=model_cfg.dim)
         self.router = Router(cfg, model_cfg.dim, **common)
         self.experts = GroupedExperts(self.n_local_experts, model_cfg.dim, cfg.moe_inter_dim,
                                       mode=cfg.grouped_mm, first_expert=self.first_local_expert, **common)

@@ -80,10 +80,14 @@ def test_transport_applies_to_all_to_all_only():
         "stream_wait"
 
 
-def test_dispatcher_takes_the_sync_from_the_config():
+def test_build_model_takes_the_sync_from_the_config():
     def worker(rank, world):
-        cfg = model_cfg("copy_engine", copy_engine_sync="stream_wait").moe
-        dispatcher = build_dispatcher(cfg, dist.group.WORLD)
+        from spartron.parallel.dims import ParallelDims
+        from spartron.parallel.groups import ParallelGroups
+
+        groups = ParallelGroups.build(ParallelDims(world, fsdp=world, ep=world), "cpu")
+        cfg = model_cfg("copy_engine", copy_engine_sync="stream_wait").model_copy(update={"first_k_dense": 0})
+        dispatcher = next(iter(build_model(cfg, groups).moe_layers())).dispatcher
         try:
             ExchangeBuffer(dist.group.WORLD, sync="spin")
         except ValueError as err:
@@ -251,6 +255,7 @@ def test_build_model_shares_one_exchange_buffer_per_ep_group():
 
 def test_single_rank_needs_no_exchange():
     assert type(build_dispatcher(model_cfg("copy_engine").moe, None)).__name__ == "LocalDispatcher"
+    assert type(build_dispatcher(model_cfg("copy_engine").moe, EPTransport(None))).__name__ == "LocalDispatcher"
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_missing_deep_ep_says_how_to_install(monkeypatch):
 def test_deepep_needs_an_intranode_ep_group():
     cfg = model_cfg("deepep").moe
     with pytest.raises(ValueError, match=r"EP group of 2, 4 or 8 ranks; parallel.ep is 1 \(use 'all_to_all'\)"):
-        DeepEPDispatcher(cfg, None, None, EPTransport(None, deepep_library=deepep_emulator))
+        DeepEPDispatcher(cfg, EPTransport(None, deepep_library=deepep_emulator), None)
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -170,7 +170,8 @@ def _counts_together_worker(rank, world):
 
     torch.manual_seed(rank)
     out = []
-    for d in (AllToAllDispatcher(8, dist.group.WORLD), CopyEngineDispatcher(8, dist.group.WORLD)):
+    transport = EPTransport(dist.group.WORLD)
+    for d in (AllToAllDispatcher(8, transport), CopyEngineDispatcher(8, transport)):
         x = torch.randn(6 + rank, DIM)
         ids = [torch.randint(0, 8, (6 + rank, 3)) for _ in range(3)]
         alone = [d.prepare(x, i, torch.rand(i.shape))[1] for i in ids]
