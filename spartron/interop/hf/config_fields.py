@@ -117,7 +117,7 @@ def cross_field_problems(hf: dict[str, Any]) -> list[tuple[str, str]]:
     if topk_groups > groups:
         out.append(("topk_group", f"{topk_groups}: must be <= n_group ({groups})"))
     elif experts is not None and top_k is not None and not experts % groups and groups > 1 \
-            and top_k > topk_groups * (experts // groups):
+            and experts >= top_k > topk_groups * (experts // groups):
         out.append(("num_experts_per_tok", f"{top_k}: exceeds the experts of topk_group ({topk_groups}) groups of "
                                            f"{experts // groups}"))
     layers, dense = hf.get("num_hidden_layers"), hf.get("first_k_dense_replace")
