@@ -359,6 +359,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # ---- convert ---------------------------------------------------------------------------------
+class _Terminated(BaseException):
+    """SIGTERM during `spartron data` or `convert --to-hf`: unwinds like Ctrl-C, so the partial output is removed."""
+
+
+def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
+    raise _Terminated
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Hugging Face checkpoint -> a step-0 saved state `spartron train` resumes (train.resume = true), or a
     saved state (step or run directory) -> a Hugging Face checkpoint (spartron/interop/hf)."""
@@ -391,8 +399,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
             source = SavedStateSource(Path(args.from_state))
             source.check_target(args.to_hf)
             tokenizer, note = run_tokenizer(source)
-            out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
-                            with_mtp=args.with_mtp, extra_files=tokenizer)
+            previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the export's folder is removed
+            try:
+                out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
+                                with_mtp=args.with_mtp, extra_files=tokenizer)
+            except (KeyboardInterrupt, _Terminated) as err:
+                name = "SIGTERM" if isinstance(err, _Terminated) else "SIGINT"
+                print(f"spartron: convert: stopped by {name}; removed the partial export ({args.to_hf} is as it "
+                      "was: run the same command again)", file=sys.stderr)
+                return 128 + (signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
             if note:
                 print(f"spartron: note: {note}", file=sys.stderr)
             print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}"
@@ -403,14 +420,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ---- data ------------------------------------------------------------------------------------
-class _Terminated(BaseException):
-    """SIGTERM during `spartron data`: unwinds like Ctrl-C, so the partial output is removed."""
-
-
-def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
-    raise _Terminated
-
-
 def cmd_data(args: argparse.Namespace) -> int:
     """Tokenize a corpus (jsonl / parquet / text file or folder) into a token folder (spartron.data)."""
     import time

@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException
 
 from spartron.interop.hf.config_map import HFConfigError
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
 from spartron.runtime.config import RunConfig, config_from_dict, dump_config
-from spartron.runtime.rundir import StateLoadError, check_newest_marker, marker_kind
+from spartron.runtime.rundir import StateLoadError, _first_line, check_newest_marker, marker_kind
 from spartron.runtime.state import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -123,8 +124,13 @@ class SavedStateSource(TensorSource):
                 wanted[key[len("model."):]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         with warnings.catch_warnings():  # one process on purpose: not worth torch's warning on every shard
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load({"model": wanted}, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
-                     no_dist=True)
+            try:
+                dcp.load({"model": wanted}, storage_reader=SafeFileSystemReader(self.path),
+                         planner=SafeLoadPlanner(), no_dist=True)
+            except CheckpointException as err:  # a tensor file the safe reader refuses (garbage, a pickle)
+                exc = err.failures[min(err.failures)][0]
+                raise HFCheckpointError(f"{exc}: nothing was exported" if isinstance(exc, StateLoadError) else
+                                        f"{self.path}: {_first_line(exc)}: nothing was exported") from None
         out = {}
         for name in names:
             parts = [wanted[key[len("model."):]] for key in self._keys(name)]

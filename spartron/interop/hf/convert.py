@@ -396,62 +396,67 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     # error is agreed at the end, so no rank leaves the gathers early.
     writer = not dist.is_initialized() or dist.get_rank() == 0
     error, tmp = None, None
-    if writer:
-        try:
-            _check_out_dir(out_dir)
-            tmp = _temporary_sibling(out_dir)
-        except HFCheckpointError as err:
-            error = str(err)
-        except OSError as err:
-            error = f"{out_dir}: cannot be made ({err.strerror or err})"
-    save = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save
-    weight_map, total = {}, 0
-    tensors: dict[str, Tensor] = {}  # what the previous shard fetched and this one still needs
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        needed = sorted({s for n in names for s in producers[n]})
-        tensors = {n: t for n, t in tensors.items() if n in needed}
-        missing = [n for n in needed if n not in tensors]
-        if missing and (error is None or dist.is_initialized()):  # every rank joins a DTensor's gather
+    try:  # every way out (an error, an exception, Ctrl-C, SIGTERM unwinding) removes the temporary folder
+        if writer:
             try:
-                tensors.update(source.fetch(missing))
+                _check_out_dir(out_dir)
+                tmp = _temporary_sibling(out_dir)
+            except HFCheckpointError as err:
+                error = str(err)
             except OSError as err:
-                error = error or f"reading the tensors of {file} failed: {err.strerror or err} (nothing was exported)"
-        if not writer or error is not None:
-            continue
-        try:
-            shard = {}
-            for n in names:
-                shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
-                    tensors[tmap.copies[n]].clone()
-                _finite(n, producers[n], shard[n])
-                total += shard[n].numel() * shard[n].element_size()
-                weight_map[n] = file
-            _write_file(tmp / file, save(shard, metadata={"format": "pt"}))
-            del shard
-        except HFCheckpointError as err:
-            error = str(err)
-        except OSError as err:
-            error = f"writing {out_dir} failed at {file}: {err.strerror or err} (nothing was exported)"
-    if writer and error is None:
-        try:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_file(tmp / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-            _write_file(tmp / CONFIG, (json.dumps(hf_config, indent=2, sort_keys=True) + "\n").encode())
-            for name, data in (extra_files or {}).items():
-                _write_file(tmp / name, data)
-            _fsync(tmp)
-            if out_dir.is_symlink() or (out_dir.exists() and any(out_dir.iterdir())):
-                raise HFCheckpointError(f"{out_dir}: appeared or filled while exporting (nothing was exported)")
-            os.rename(tmp, out_dir)  # onto an empty folder too (rename(2) replaces an empty directory)
-            tmp = None
-            _fsync(out_dir.parent)
-        except HFCheckpointError as err:
-            error = str(err)
-        except OSError as err:
-            error = f"writing {out_dir} failed: {err.strerror or err} (nothing was exported)"
-    if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+                error = f"{out_dir}: cannot be made ({err.strerror or err})"
+        save = require("safetensors.torch", "Hugging Face checkpoint export", "pip install 'spartron[hf]'").save
+        weight_map, total = {}, 0
+        tensors: dict[str, Tensor] = {}  # what the previous shard fetched and this one still needs
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            needed = sorted({s for n in names for s in producers[n]})
+            tensors = {n: t for n, t in tensors.items() if n in needed}
+            missing = [n for n in needed if n not in tensors]
+            if missing and (error is None or dist.is_initialized()):  # every rank joins a DTensor's gather
+                try:
+                    tensors.update(source.fetch(missing))
+                except HFCheckpointError as err:  # a saved state's file that cannot be loaded
+                    error = error or str(err)
+                except OSError as err:
+                    error = error or (f"reading the tensors of {file} failed: {err.strerror or err} "
+                                      "(nothing was exported)")
+            if not writer or error is not None:
+                continue
+            try:
+                shard = {}
+                for n in names:
+                    shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
+                        tensors[tmap.copies[n]].clone()
+                    _finite(n, producers[n], shard[n])
+                    total += shard[n].numel() * shard[n].element_size()
+                    weight_map[n] = file
+                _write_file(tmp / file, save(shard, metadata={"format": "pt"}))
+                del shard
+            except HFCheckpointError as err:
+                error = str(err)
+            except OSError as err:
+                error = f"writing {out_dir} failed at {file}: {err.strerror or err} (nothing was exported)"
+        if writer and error is None:
+            try:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                _write_file(tmp / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+                _write_file(tmp / CONFIG, (json.dumps(hf_config, indent=2, sort_keys=True) + "\n").encode())
+                for name, data in (extra_files or {}).items():
+                    _write_file(tmp / name, data)
+                _fsync(tmp)
+                if out_dir.is_symlink() or (out_dir.exists() and any(out_dir.iterdir())):
+                    raise HFCheckpointError(f"{out_dir}: appeared or filled while exporting (nothing was exported)")
+                os.rename(tmp, out_dir)  # onto an empty folder too (rename(2) replaces an empty directory)
+                tmp = None
+                _fsync(out_dir.parent)
+            except HFCheckpointError as err:
+                error = str(err)
+            except OSError as err:
+                error = f"writing {out_dir} failed: {err.strerror or err} (nothing was exported)"
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         agreed = [error]
         dist.broadcast_object_list(agreed, src=0)
