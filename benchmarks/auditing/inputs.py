@@ -122,7 +122,7 @@ def config_cases() -> list[Case]:
         ("ac-target-namespace", ["ac.targets=[\"nonexistent_ns\"]"], "nonexistent_ns"),
         ("ac-target-empty", ["ac.targets=[\"\"]"], "ac.targets"),
         ("ac-target-marker", ["ac.targets=[\"profiler\"]"], "ac.targets"),
-        ("compile-ac", ["train.compile=true"], "train.compile"),
+        ("compile-ac", ["train.compile=true", "ac.reentrant=true"], "train.compile"),
         ("imb-divide", ["train.intra_layer_micro_batches=3", "train.micro_batch_size=4"],
          "train.intra_layer_micro_batches"),
         ("imb-tokens", ["train.intra_layer_micro_batches=100", "train.intra_layer_micro_batch_scope=experts",
@@ -151,6 +151,9 @@ def config_cases() -> list[Case]:
         ("yarn-factor", ["model.mla.yarn={factor = 0.5}"], "model.mla.yarn.factor"),
     ]:
         add(cid, items, [key], quick=cid == "dsa-index-dim")
+    # ac.reentrant left unset resolves to false under train.compile (documented): accepting is right
+    cases.append(Case("config-compile-ac-unset", "config", plan("train.compile=true"), accept_ok=True,
+                      note="an unset ac.reentrant is false under train.compile (compiled regions are non-reentrant)"))
     # override syntax
     for cid, item, key in [("no-equals", "nonsense", "nonsense"), ("empty-key", "=1", "=1"),
                            ("empty-part", "a..b=1", "a..b"), ("value-not-section", "train.steps.x=1", "train.steps"),
