@@ -19,12 +19,10 @@ step boundary after saving it (spartron.runtime.preemption); `[debug]` makes one
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -33,42 +31,49 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from spartron.checkpointing.offload import ActivationOffloader
+from spartron.checkpointing.offload import ActivationOffloader, OffloadSession
 from spartron.layers.costs import training_flops_per_token
 from spartron.layers.outputs import ModelOutput
-from spartron.parallel.dims import ParallelDims
-from spartron.parallel.groups import ParallelGroups
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
 from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
-from spartron.runtime.evaluate import (
-    Evaluator,
-    check_held_out,
-    describe_eval_data,
-    eval_data_origin,
-    step_eval_config,
-)
+from spartron.runtime.evaluate import Evaluator
+from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLossError, TrainingError, check_loss_limits
 from spartron.runtime.init_from import init_from_factory
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
-from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, lr_at, set_lr
+from spartron.runtime.optim import clip_and_step_, global_grad_norm, lr_at, set_lr
 from spartron.runtime.preemption import StopOnSigterm
-from spartron.runtime.rundir import check_newest_marker, marker_kind, read_manifest, read_meta, training_notes
+from spartron.runtime.rank_setup import (
+    ClosableModel,
+    ExpertParallelModel,
+    ModelFactory,
+    RankModel,
+    RankPlace,
+    default_model_factory,
+    init_process_group,
+)
+from spartron.runtime.rundir import RunDirLock, training_notes
+from spartron.runtime.saved_eval import evaluate_saved
+from spartron.runtime.schedule import SCHEDULE_KEYS, recorded_run_settings, schedule_note
 from spartron.runtime.state import (
     AsyncSaveGroup,
     PendingSave,
     StateLoadError,
-    latest_complete_step,
     load_state,
-    lock_for_reading,
     resume_notes,
     start_run,
     start_save,
     state_config,
     step_dir,
 )
-from spartron.runtime.state_layout import expert_mesh, resplit_data_position
+from spartron.runtime.state_layout import resplit_data_position
+
+# Defined beside the rank set-up, the guards and `spartron eval`; imported from here by launchers and tests.
+__all__ = ["ClosableModel", "ExpertParallelModel", "LossGuardStop", "LossSpikeError", "ModelFactory",
+           "NonFiniteLossError", "StepProbe", "TrainResult", "TrainableModel", "Trainer", "TrainingError",
+           "default_model_factory", "evaluate_saved", "schedule_note", "train"]
 
 
 @runtime_checkable
@@ -92,106 +97,12 @@ class ExpertBiasModel(Protocol):
         (``groups.dp_cp``) over which the step's expert counts are summed."""
 
 
-@runtime_checkable
-class ExpertParallelModel(Protocol):
-    def ep_sharded_parameters(self) -> Iterable[nn.Parameter]:
-        """Parameters whose tensors hold only this EP rank's experts without saying so in a DTensor
-        placement (their squared norms are summed over the EP group for clipping; they are saved as
-        global tensors over the expert mesh, spartron.runtime.state_layout). Required with parallel.ep > 1."""
-
-
-@runtime_checkable
-class ClosableModel(Protocol):
-    def close(self) -> object:
-        """Release communication buffers: a collective, called on every rank when a run ends well."""
-
-
-ModelFactory = Callable[[RunConfig, ParallelGroups], nn.Module]
-
-
-class TrainingError(RuntimeError):
-    """A step failed on this rank; the message names the rank and the step."""
-
-
-class LossGuardStop(TrainingError):
-    """A loss guard stopped the run on purpose (every rank at the same step, before the optimizer step):
-    the launcher reports it as one line naming the step and the value, exit status 2, no traceback."""
-
-
-class NonFiniteLossError(LossGuardStop):
-    """The (all-reduced) loss or gradient norm is NaN or Inf."""
-
-
-class LossSpikeError(LossGuardStop):
-    """The (all-reduced, finite) loss is above train.max_loss or train.loss_spike_factor x the first loss."""
-
-
 @dataclass
 class TrainResult:
     run_dir: Path
     records: list[dict] = field(default_factory=list)  # one per step run by this call
     resumed_from: int | None = None
     stopped_at: int | None = None  # SIGTERM: the step saved before stopping early (None: ran to train.steps)
-
-
-def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
-    """The reference model of spartron.layers.model, built on the meta device, parallelised there (AC,
-    compile, FSDP2 with model.dtype as compute dtype over model.master_dtype masters, gradients reduced
-    in model.reduce_dtype) and materialised shard by shard on the current default device: no rank
-    holds more than its shards and one parameter's temporary."""
-    from spartron.layers.init import materialize_
-    from spartron.layers.model import build_model
-    from spartron.layers.parallelize import parallelize
-
-    t, m = cfg.train, cfg.model
-    model = build_model(m, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,
-                        micro_batch_scope=t.intra_layer_micro_batch_scope, device="meta")
-    model = parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None,
-                        param_dtype=getattr(torch, m.dtype) if m.master_dtype else None,
-                        reduce_dtype=getattr(torch, m.reduce_dtype))
-    return materialize_(model, torch.get_default_device(), t.seed, m.init_std)
-
-
-def resolve_device(cfg: RunConfig) -> torch.device:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' requested but torch.cuda.is_available() is False "
-                          "(install a CUDA build of torch, or set device = 'cpu')")
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def micro_steps(cfg: RunConfig, dims: ParallelDims) -> int:
-    """Micro-batches per optimizer step on each rank; a ConfigError if the batch does not divide."""
-    return cfg.train.micro_steps(dims.dp)
-
-
-def _ep_sharded(model: nn.Module, groups: ParallelGroups) -> dict[int, tuple]:
-    if groups.size("ep") == 1:
-        return {}
-    if not isinstance(model, ExpertParallelModel):
-        raise ConfigError(f"parallel.ep = {groups.size('ep')}: {type(model).__name__} has no "
-                          "ep_sharded_parameters() saying which parameters hold only this rank's experts")
-    return {id(p): (groups.ep,) for p in model.ep_sharded_parameters()}
-
-
-def _ep_state(model: nn.Module, groups: ParallelGroups, dims: ParallelDims) -> tuple[dict, dict]:
-    """(the EP-sharded parameters' extra norm groups, save_state / load_state's EP keywords)."""
-    ep_extra = _ep_sharded(model, groups)
-    # Every EP rank holds different experts under the same names: saved as global tensors over ep_mesh.
-    ep_state = {"ep_sharded": [n for n, q in model.named_parameters() if id(q) in ep_extra],
-                "ep_rank": groups.rank_in("ep"), "layout": dims.describe(), "ep_mesh": expert_mesh(groups)}
-    return ep_extra, ep_state
-
-
-def _init_process_group(cfg: RunConfig) -> bool:
-    """Initialise torch.distributed from the launcher's environment unless already done; True if we did."""
-    if dist.is_initialized():
-        return False
-    from spartron.parallel.env import discover, init_distributed
-
-    init_distributed(discover(), cfg.parallel.backend, cfg.parallel.timeout_s)
-    return True
 
 
 class _StepStats:
@@ -264,6 +175,34 @@ class Trainer:
         self.stopped_at: int | None = None
         self.started = time.perf_counter()  # the summary's total time counts from here
         self.last_saved: int | None = None  # the newest committed step: this run's, or the one it resumed from
+        self.step_no, self.counters = 0, {"tokens": 0}  # counters: saved with each step
+        self.resumed_from: int | None = None
+        self.pending_save: PendingSave | None = None  # an async save, committed after the next step
+        self.offload_session: OffloadSession | None = None  # the current (or last) step's: see StepProbe
+        self.run_lock: RunDirLock | None = None  # rank 0's: held until release_run_dir() (train(): all ranks ended)
+        # The products of setup(), declared here:
+        self.place: RankPlace  # device, rank, world, layout, micro-batches per step, groups
+        self.run_dir: Path
+        self.run_id: str
+        self.state_shape: dict[str, Any]  # the config saved with each step (state_config and the schedule)
+        self.model: nn.Module
+        self.optimizer: torch.optim.Optimizer
+        self.params: list[nn.Parameter]  # those with requires_grad
+        self.ep_extra: dict[int, tuple]  # EP-sharded parameters: their clip-norm groups
+        self.ep_state: dict  # save_state / load_state's EP keywords
+        self.offloader: ActivationOffloader | None  # run-long (window, host-buffer pool); a session per step
+        self.async_save_group: AsyncSaveGroup | None
+        self.loader: Any  # spartron.runtime.data's train loader
+        self.log: M.MetricsLog
+        self.observer: RunObserver
+        self.evaluator: Evaluator | None
+        self.flops_per_token: float
+        self.peak_flops: float
+
+    # What benchmarks and tests read of the rank's place.
+    device = property(lambda self: self.place.device)
+    n_micro = property(lambda self: self.place.n_micro)
+    groups = property(lambda self: self.place.groups)
 
     def setup(self) -> Trainer:
         """Build everything (class docstring); rank 0 says every observe.progress_every_s while it runs."""
@@ -275,46 +214,34 @@ class Trainer:
             beat.close()
 
     def _setup(self) -> Trainer:
-        cfg, t, p = self.cfg, self.cfg.train, self.cfg.parallel
-        self.device = device = resolve_device(cfg)
-        self.rank, self.world = rank, world = dist.get_rank(), dist.get_world_size()
+        cfg, t = self.cfg, self.cfg.train
         # Everything that can be wrong with the config is checked before the first collective.
-        self.dims = dims = p.dims(world)
-        self.n_micro = micro_steps(cfg, dims)
-        fault = check_fault(cfg.debug, world, t.steps)
+        fault = check_fault(cfg.debug, dist.get_world_size(), t.steps)
         if fault:
             raise ConfigError(fault)
-        if cfg.debug.fail_step is not None and rank == 0:  # never a surprise in a real run's log
+        if cfg.debug.fail_step is not None and dist.get_rank() == 0:  # never a surprise in a real run's log
             print(f"spartron: [debug] rank {cfg.debug.fail_rank} will fail at step {cfg.debug.fail_step} "
                   f"(fail_mode = {cfg.debug.fail_mode!r})", file=sys.stderr, flush=True)
-        self.groups = groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=p.timeout_s),
-                                                    nccl=p.nccl_settings())
+        self.place = place = RankPlace.of(cfg)
+        device, rank, world, dims, groups = place.device, place.rank, place.world, place.dims, place.groups
         # The run directory against this run (refusals, resume step) before the model is built.
         self.run_dir, self.state_shape = run_dir, shape = cfg.run_dir(), state_config(cfg)
         shape.update(recorded_run_settings(cfg))  # with each saved step: the lr schedule, train.eval_steps
         plan, self.run_id = start_run(run_dir, resume=t.resume, overwrite=t.overwrite, steps=t.steps,
                                       layout=dims.describe(), config=shape)
-        self.run_lock = plan.lock  # rank 0's: held until release_run_dir() (train(): after every rank ended)
+        self.run_lock = plan.lock
 
-        # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
-        # for custom factories that draw from the global RNG: the same state on every rank.
-        torch.manual_seed(t.seed)
         factory = self.model_factory
         if t.init_from is not None and plan.resume_step is None:  # a resumed run loads its own saved step
             factory = init_from_factory(cfg, factory)
-        with device:
-            self.model = model = factory(cfg, groups)
-        self.params = [q for q in model.parameters() if q.requires_grad]
-        # Offload windows: the run-long offloader (window, host-buffer pool, streams); each step opens a session.
-        self.offloader = ActivationOffloader.for_model(model, cfg.offload, device) if cfg.offload.enabled else None
-        self.offload_session = None  # the current (or last) step's session: see StepProbe
-        self.optimizer = build_optimizer(model, t)
-        self.ep_extra, self.ep_state = _ep_state(model, groups, dims)
+        built = RankModel.build(cfg, place, factory)
+        self.model, self.optimizer, self.ep_extra, self.ep_state = (built.model, built.optimizer, built.ep_extra,
+                                                                    built.ep_state)
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.offloader = ActivationOffloader.for_model(self.model, cfg.offload, device) if cfg.offload.enabled else None
         self.async_save_group = AsyncSaveGroup() if t.async_save else None
-        self.pending_save: PendingSave | None = None  # an async save, committed after the next step
         self.loader = build_train_loader(cfg, groups.rank_in("dp"), dims.dp)
 
-        self.step_no, self.counters = 0, {"tokens": 0}
         self.resumed_from = self.last_saved = plan.resume_step
         if self.resumed_from is not None:
             self._resume(plan)
@@ -324,19 +251,19 @@ class Trainer:
                         "hardware": M.hardware(device, world), "layout": dims.describe(),
                         "deterministic": device.type == "cpu", "resumed_from_step": self.resumed_from,
                         "run_id": self.run_id, "skipped_incomplete_steps": list(plan.skipped),
-                        "micro_steps": self.n_micro})
+                        "micro_steps": place.n_micro})
         self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else M.measure_peak_flops(device, dtype)
-        self.evaluator = (Evaluator(cfg, groups.rank_in("dp"), dims.dp, self.n_micro, groups.dp_cp, device)
+        self.evaluator = (Evaluator(cfg, groups.rank_in("dp"), dims.dp, place.n_micro, groups.dp_cp, device)
                           if t.eval_every else None)
         self.observer = RunObserver(cfg.observe, run_dir, rank, device, cfg.model_dump(mode="json"))
         if rank == 0 and t.progress:
             try:
-                plan = plan_memory(cfg, world)
+                memory = plan_memory(cfg, world)
             except Exception:  # noqa: BLE001 - as in `spartron plan`: the banner still says the rest
-                plan = None
-            print(banner(cfg, dims, model, run_dir, self.resumed_from, plan), file=sys.stderr, flush=True)
+                memory = None
+            print(banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), file=sys.stderr, flush=True)
         return self
 
     def _resume(self, plan) -> None:  # noqa: ANN001
@@ -348,9 +275,9 @@ class Trainer:
             self.loader.load_state_dict(resplit_data_position(rank_state["data"], self.loader.dp_rank,
                                                               self.loader.dp_size, str(path)))
         except (KeyError, TypeError, ValueError) as err:
-            raise StateLoadError(f"{path / f'rank-{self.rank:05d}.json'}: its data position does not fit this run "
-                                 f"({err})") from None
-        if self.rank == 0:
+            raise StateLoadError(f"{path / f'rank-{self.place.rank:05d}.json'}: its data position does not fit "
+                                 f"this run ({err})") from None
+        if self.place.rank == 0:
             changed = [c for c in resume_notes(meta["config"] or {}, self.state_shape)
                        if c.split(" ", 1)[0] not in SCHEDULE_KEYS]  # said by schedule_note
             note = f"; settings changed since that step (its tensors fit): {', '.join(changed)}" if changed else ""
@@ -363,9 +290,8 @@ class Trainer:
 
     def release_run_dir(self) -> None:
         """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""
-        lock = getattr(self, "run_lock", None)
-        if lock is not None:
-            lock.release()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     @property
     def done(self) -> bool:
@@ -378,7 +304,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         step = self.step_no + 1
         try:
-            inject_fault(cfg.debug, self.rank, step)
+            inject_fault(cfg.debug, self.place.rank, step)
             with self.observer.phase(f"step {step}", step):
                 record = self._optimizer_step(step, probe or StepProbe())
             self.step_no = step
@@ -387,8 +313,8 @@ class Trainer:
             tokens_per_step = t.global_batch_size * t.seq_len
             counters["tokens"] += tokens_per_step
             tps = tokens_per_step / record["step_time_s"]
-            record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / self.world,
-                          mfu=self.flops_per_token * tps / self.world / self.peak_flops)
+            record.update(tokens=counters["tokens"], tokens_per_s=tps, tokens_per_s_per_gpu=tps / self.place.world,
+                          mfu=self.flops_per_token * tps / self.place.world / self.peak_flops)
             if self.evaluator is not None and (step % t.eval_every == 0 or step == t.steps):
                 with self.observer.phase(f"evaluation after step {step}", step):
                     record.update(self.evaluator.run(self.model))
@@ -418,7 +344,7 @@ class Trainer:
         except TrainingError:
             raise
         except Exception as err:
-            raise TrainingError(f"rank {self.rank} failed at step {step}: {type(err).__name__}: {err}") from err
+            raise TrainingError(f"rank {self.place.rank} failed at step {step}: {type(err).__name__}: {err}") from err
         return record
 
     def _open_offload_session(self, probe: StepProbe):  # noqa: ANN202
@@ -458,7 +384,7 @@ class Trainer:
             raise NonFiniteLossError(f"non-finite values at step {step}: loss {loss}, grad norm {norm} "
                                      f"(lm {lm_loss}, mtp {mtp}, aux {aux_loss}, indexer {indexer_loss})")
         # before the optimizer step: the state stays the last good one
-        _check_loss_limits(t, step, loss, self.counters.get("first_loss"))
+        check_loss_limits(t, step, loss, self.counters.get("first_loss"))
         clip_and_step_(optimizer, self.params, t.grad_clip, grad_norm, norm)  # TritonAdamW clips inside its pass
         optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
         if isinstance(model, ExpertBiasModel):
@@ -490,7 +416,7 @@ class Trainer:
                 self.async_save_group.destroy()
             if isinstance(self.model, ClosableModel):  # collective: every rank ends the run well together
                 self.model.close()
-            if self.stopped_at is not None and self.rank == 0:
+            if self.stopped_at is not None and self.place.rank == 0:
                 print(f"spartron: SIGTERM: saved step {self.stopped_at} of {self.cfg.train.steps} in {self.run_dir} "
                       f"and stopped; resume = true continues from it", file=sys.stderr, flush=True)
         return TrainResult(run_dir=self.run_dir, records=self.records, resumed_from=self.resumed_from,
@@ -502,7 +428,7 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     """Run (or resume) the job described by cfg on the ranks of the current launch: a Trainer's setup,
     steps until done, close."""
     with StopOnSigterm() as stop:  # from the start: a SIGTERM during setup stops after the first step
-        owns_pg = _init_process_group(cfg)
+        owns_pg = init_process_group(cfg)
         trainer = Trainer(cfg, model_factory, before_commit, stop)
         try:  # rank 0 holds the run directory's lock until every rank has passed the last barrier (or it fails)
             trainer.setup()
@@ -522,87 +448,3 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     return result
 
 
-# Recorded with every saved step besides state_config: the learning-rate schedule (a resume that changes it
-# says so: schedule_note) and train.eval_steps (`spartron eval` of a step evaluates what the run evaluated).
-SCHEDULE_KEYS = ("train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.steps")
-
-
-def recorded_run_settings(cfg: RunConfig) -> dict[str, Any]:
-    return {key: getattr(cfg.train, key.split(".", 1)[1]) for key in (*SCHEDULE_KEYS, "train.eval_steps")}
-
-
-def schedule_note(saved: dict[str, Any], t, step: int) -> str | None:  # noqa: ANN001 - t: TrainConfig
-    """One line when resuming after `step` under a learning-rate schedule other than the saved step's: the first
-    step whose lr changes, what it would have been and is now, and the keys that changed. A resume that raises
-    train.steps to extend a run re-plans the cosine decay; this is the line that says so (None: no change, or a
-    step saved before the schedule was recorded)."""
-    if not all(key in saved for key in SCHEDULE_KEYS):
-        return None
-    changed = [key for key in SCHEDULE_KEYS if saved[key] != getattr(t, key.split(".", 1)[1])]
-    if not changed:
-        return None
-    before = t.model_copy(update={key.split(".", 1)[1]: saved[key] for key in SCHEDULE_KEYS})
-    for s in range(step + 1, t.steps + 1):
-        was, now = lr_at(s, before), lr_at(s, t)
-        if not math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
-            break
-    else:
-        return None
-    keys = ", ".join(f"{key} {saved[key]!r} -> {getattr(t, key.split('.', 1)[1])!r}" for key in changed)
-    return (f"spartron: note: the learning-rate schedule changed on resume: lr at step {s} was to be {was:.4g}, "
-            f"is now {now:.4g} ({keys})")
-
-
-def _check_loss_limits(t, step: int, loss: float, first_loss: float | None) -> None:  # noqa: ANN001
-    """train.max_loss / train.loss_spike_factor: an exploding (still finite) loss stops the run at its step."""
-    if t.max_loss is not None and loss > t.max_loss:
-        raise LossSpikeError(f"loss {loss:.6g} at step {step} is above train.max_loss = {t.max_loss:g}")
-    if t.loss_spike_factor and first_loss is not None and first_loss > 0 \
-            and loss > t.loss_spike_factor * first_loss:
-        raise LossSpikeError(f"loss {loss:.6g} at step {step} is {loss / first_loss:.3g}x the first step's loss "
-                             f"{first_loss:.6g}, above train.loss_spike_factor = {t.loss_spike_factor:g} "
-                             "(lower train.lr, or set train.loss_spike_factor = 0 to train on)")
-
-
-def evaluate_saved(cfg: RunConfig, path: str | Path, model_factory: ModelFactory | None = None,
-                   explicit: Collection[str] = ()) -> dict[str, Any]:
-    """`spartron eval`: the validation loss (spartron.runtime.evaluate) of a saved step, or of a run
-    directory's newest complete step, on the ranks of the current launch (any layout: saved states are
-    layout-free), on the data the step records unless `explicit` (the dotted keys given with --set) names
-    other (step_eval_config). Returns the Evaluator's values with "step", "path", "data" (what was evaluated)
-    and "notes" (one line per setting taken from the step instead of cfg); the run is not changed."""
-    path = Path(path)
-    reading = lock_for_reading(path)  # held until the end: no run starts, saves or prunes steps meanwhile
-    if marker_kind(path) == "absent":  # a run directory: its newest complete step
-        check_newest_marker(path)
-        newest = latest_complete_step(path) if path.is_dir() else None
-        if newest is None:
-            raise StateLoadError(f"{path}: neither a saved step nor a run directory holding one")
-        path = step_dir(path, newest)
-    read_manifest(path)  # the step's data settings; load_state verifies meta.json with every other file
-    saved = read_meta(path)["config"]
-    cfg, notes = step_eval_config(cfg, saved, explicit, str(path / "meta.json"))
-    origin = eval_data_origin(cfg, saved)
-    check_held_out(cfg, origin, str(path))
-    owns_pg = _init_process_group(cfg)
-    device = resolve_device(cfg)
-    dims = cfg.parallel.dims(dist.get_world_size())
-    n_micro = micro_steps(cfg, dims)
-    groups = ParallelGroups.build(dims, device.type, timeout=timedelta(seconds=cfg.parallel.timeout_s),
-                                  nccl=cfg.parallel.nccl_settings())
-    torch.manual_seed(cfg.train.seed)
-    with device:
-        model = (model_factory or default_model_factory)(cfg, groups)
-    optimizer = build_optimizer(model, cfg.train)  # load_state restores both; only the model is used
-    _, ep_state = _ep_state(model, groups, dims)
-    meta, _ = load_state(path, model, optimizer, device, config=state_config(cfg),
-                         verify_checksums=cfg.train.verify_checksums, **ep_state)
-    result = Evaluator(cfg, groups.rank_in("dp"), dims.dp, n_micro, groups.dp_cp, device).run(model)
-    result.update(step=meta["step"], path=str(path), data=describe_eval_data(cfg, origin), notes=notes)
-    if isinstance(model, ClosableModel):
-        model.close()
-    if owns_pg:
-        dist.barrier()
-        dist.destroy_process_group()
-    reading.release()
-    return result

@@ -59,14 +59,14 @@ def test_a_spike_factor_that_would_stop_a_healthy_run_is_refused(value):
 
 
 def test_the_guard_error_class_is_the_spike_stop():
-    from spartron.runtime.trainer import _check_loss_limits
+    from spartron.runtime.guards import check_loss_limits
 
     t = load_config("configs/tiny.toml").train
     with pytest.raises(LossSpikeError) as info:
-        _check_loss_limits(t, 4, 81.5, 8.0)
+        check_loss_limits(t, 4, 81.5, 8.0)
     assert str(info.value) == ("loss 81.5 at step 4 is 10.2x the first step's loss 8, above train.loss_spike_factor "
                                "= 10 (lower train.lr, or set train.loss_spike_factor = 0 to train on)")
-    _check_loss_limits(t, 4, 79.9, 8.0)  # below 10x: trains on
+    check_loss_limits(t, 4, 79.9, 8.0)  # below 10x: trains on
 
 
 # ---- the end-of-run summary -------------------------------------------------------------------------------
