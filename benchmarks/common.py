@@ -152,6 +152,28 @@ def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port:
     exit_process(0)
 
 
+MOE_BENCH = Path(__file__).resolve().parents[1] / "configs" / "moe-layer-bench.toml"
+# --smoke: the preset shrunk to the tiny preset's MoE sizes (seconds on a CPU); what the layer scripts vary
+MOE_SMOKE = ("device=cpu", "model.dim=64", "model.moe.n_routed_experts=8", "model.moe.top_k=2",
+             "model.moe.moe_inter_dim=32", "model.moe.n_shared_experts=1", "train.seq_len=256")
+
+
+def moe_bench_model(smoke: bool, tokens: int, dtype: str, **moe: Any) -> tuple[Any, dict]:
+    """(the ModelConfig of configs/moe-layer-bench.toml in `dtype` with `moe` overrides, the report's shape:
+    n_experts, top_k, dim, inter, shared, tokens per rank). `tokens` > 0: tokens per rank (train.seq_len)."""
+    from spartron.runtime.config import load_config
+
+    overrides = [*(MOE_SMOKE if smoke else ()), f'model.dtype="{dtype}"',
+                 *(f"model.moe.{key}={value!r}" for key, value in moe.items())]
+    if tokens:
+        overrides += [f"train.seq_len={tokens}", f"model.max_seq_len={max(tokens, 16384)}"]
+    cfg = load_config(MOE_BENCH, overrides)
+    m, t = cfg.model, cfg.train
+    shape = {"n_experts": m.moe.n_routed_experts, "top_k": m.moe.top_k, "dim": m.dim, "inter": m.moe.moe_inter_dim,
+             "shared": m.moe.n_shared_experts, "tokens": t.seq_len * t.micro_batch_size}
+    return m, shape
+
+
 def start_trainer_benchmark(args: Any) -> bool:
     """The start every Trainer benchmark shares (e2e, precision, memory_plan). `--smoke`: the tiny preset on
     CPU, 3 steps after 1 warm-up where the script steps; on a GPU an unset `--peak-tflops` means 750 (the

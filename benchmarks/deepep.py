@@ -3,8 +3,9 @@
     python benchmarks/deepep.py --out benchmarks/results/deepep/deepep.json   # 2 CUDA GPUs + deep_ep, bf16
     python benchmarks/deepep.py --smoke                                # CPU/gloo: all_to_all side only
 
-Shapes (the MoE benchmark's): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 shared
-experts, 16k tokens per rank, bf16. Median of CUDA-event timed iterations, worst rank reported.
+Shapes (the MoE benchmark's: configs/moe-layer-bench.toml): 64 routed experts, top-8, hidden 2048,
+expert hidden 1408, 2 shared experts, 16k tokens per rank, bf16. Median of CUDA-event timed iterations,
+worst rank reported.
 - dispatch+combine: the dispatcher's whole token path without experts (prepare -> dispatch ->
   post_dispatch -> combine -> finalize, no grad), and the bare exchanges alone (all_to_all: the two
   uneven all-to-alls of the rows; DeepEP: the dispatch op incl. layout + the combine op), with the
@@ -32,24 +33,14 @@ from spartron.comm.collectives import all_to_all
 from spartron.comm.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
 from spartron.comm.deepep_buffer import load_deep_ep
 from spartron.comm.transport import EPTransport
-from spartron.layers.config import ModelConfig
 from spartron.layers.moe import MoELayer
 from spartron.runtime.metrics import git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
-from common import device_name, median_ms, run_ranks, write_report  # noqa: E402
+from common import device_name, median_ms, moe_bench_model, run_ranks, write_report  # noqa: E402
 
-FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
-SMOKE = {"n_experts": 8, "top_k": 2, "dim": 64, "inter": 32, "shared": 1, "tokens": 256}
 GOAL_SPEEDUP = 1.3
 WORLD = 2
-
-
-def model_cfg(shape: dict, dtype: str, dispatcher: str, num_sms: int) -> ModelConfig:
-    moe = {"n_routed_experts": shape["n_experts"], "top_k": shape["top_k"], "moe_inter_dim": shape["inter"],
-           "n_shared_experts": shape["shared"], "score_func": "softmax", "router_fp32": True,
-           "dispatcher": dispatcher, "deepep_num_sms": num_sms, "grouped_mm": "auto"}
-    return ModelConfig.model_validate({"dim": shape["dim"], "dtype": dtype, "moe": moe})
 
 
 def _token_path(layer: MoELayer, x: torch.Tensor, routing: dict):
@@ -137,13 +128,12 @@ def _measure_deepep(layer, x, x3, g, routing, iters, warmup) -> dict:
     return res
 
 
-def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, iters: int,
-                  warmup: int) -> dict:
+def _rank_measure(rank: int, world: int, configs: dict, shape: dict, dtype: str, iters: int, warmup: int) -> dict:
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     group = dist.group.WORLD
     torch.manual_seed(0)
-    a2a = MoELayer(model_cfg(shape, dtype, "all_to_all", num_sms), EPTransport(group), device=device)
+    a2a = MoELayer(configs["all_to_all"], EPTransport(group), device=device)
     torch.manual_seed(1 + rank)
     x3 = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
     g = torch.randn_like(x3)
@@ -152,7 +142,7 @@ def _rank_measure(rank: int, world: int, shape: dict, dtype: str, num_sms: int, 
         routing = a2a.router(x3)
     res = {"rank": rank, "all_to_all": _measure_all_to_all(a2a, x, x3, g, routing, group, iters, warmup)}
     try:
-        dep = MoELayer(model_cfg(shape, dtype, "deepep", num_sms), EPTransport(group), device=device)
+        dep = MoELayer(configs["deepep"], EPTransport(group), device=device)
         dep.load_state_dict(a2a.state_dict())
         try:
             res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)
@@ -179,9 +169,11 @@ def _worst(ranks: list[dict], path: tuple[str, ...]):
 
 
 def run(args) -> dict:
-    shape = dict(SMOKE if args.smoke else FULL)
-    if args.tokens:
-        shape["tokens"] = args.tokens
+    dtype = "bfloat16"
+    # configs/moe-layer-bench.toml, once per dispatcher compared
+    configs = {name: moe_bench_model(args.smoke, args.tokens, dtype, dispatcher=name, deepep_num_sms=args.num_sms)[0]
+               for name in ("all_to_all", "deepep")}
+    shape = moe_bench_model(args.smoke, args.tokens, dtype)[1]
     try:
         load_deep_ep()
         deepep_status = "importable"
@@ -191,9 +183,8 @@ def run(args) -> dict:
     cuda = not args.smoke
     if cuda and torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} CUDA GPUs (found {torch.cuda.device_count()}); use --smoke on CPU")
-    dtype = "bfloat16"
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
-    measure_args = (shape, dtype, args.num_sms, iters, warmup)
+    measure_args = (configs, shape, dtype, iters, warmup)
     ranks = run_ranks(_rank_measure, WORLD, *measure_args, cuda=cuda)
     summary = {}
     for name in ("all_to_all", "deepep"):

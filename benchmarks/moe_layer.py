@@ -3,8 +3,8 @@
     python benchmarks/moe_layer.py --out benchmarks/results/moe_layer/moe_layer.json   # 1 or 2 CUDA GPUs, bf16
     python benchmarks/moe_layer.py --smoke                                   # tiny, CPU/gloo, seconds
 
-Shapes (issue 5): 64 routed experts, top-8, hidden 2048, expert hidden 1408, 2 shared experts,
-16k tokens per rank, bf16, softmax router in fp32. Measured (median of CUDA-event timed iters):
+Shapes (issue 5: configs/moe-layer-bench.toml): 64 routed experts, top-8, hidden 2048, expert hidden
+1408, 2 shared experts, 16k tokens per rank, bf16, softmax router in fp32. Measured (median of CUDA-event timed iters):
 - layer: forward and forward+backward of MoELayer on one GPU (EP=1);
 - grouped GEMM: the routed experts (3 grouped GEMMs + SwiGLU) on the rows the router actually
   produced, as achieved TFLOP/s, against the ceiling = three bare `torch._grouped_mm` calls on the
@@ -32,17 +32,7 @@ from spartron.layers.moe.experts import grouped_mm_available
 from spartron.runtime.metrics import git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
-from common import device_name, median_ms, run_ranks, write_report  # noqa: E402
-
-FULL = {"n_experts": 64, "top_k": 8, "dim": 2048, "inter": 1408, "shared": 2, "tokens": 16384}
-SMOKE = {"n_experts": 8, "top_k": 2, "dim": 64, "inter": 32, "shared": 1, "tokens": 256}
-
-
-def model_cfg(shape: dict, dtype: str) -> ModelConfig:
-    moe = {"n_routed_experts": shape["n_experts"], "top_k": shape["top_k"], "moe_inter_dim": shape["inter"],
-           "n_shared_experts": shape["shared"], "score_func": "softmax", "router_fp32": True,
-           "dispatcher": "all_to_all", "grouped_mm": "auto"}
-    return ModelConfig.model_validate({"dim": shape["dim"], "dtype": dtype, "moe": moe})
+from common import device_name, median_ms, moe_bench_model, run_ranks, write_report  # noqa: E402
 
 
 def bench_layer(layer: MoELayer, x: torch.Tensor, iters: int, warmup: int) -> dict:
@@ -126,13 +116,13 @@ def bench_grouped_gemm(layer: MoELayer, x: torch.Tensor, iters: int, warmup: int
 # EP=2: spawned ranks
 # --------------------------------------------------------------------------------------------
 
-def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warmup: int) -> dict:
+def _ep_measure(rank: int, world: int, cfg: ModelConfig, shape: dict, dtype: str, iters: int, warmup: int) -> dict:
     """One EP rank's measurements; the default process group is initialised (NCCL or gloo)."""
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     group = dist.group.WORLD
     torch.manual_seed(0)
-    layer = MoELayer(model_cfg(shape, dtype), EPTransport(group), device=device)
+    layer = MoELayer(cfg, EPTransport(group), device=device)
     torch.manual_seed(1 + rank)
     x = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
     d = layer.dispatcher
@@ -177,25 +167,24 @@ def _ep_measure(rank: int, world: int, shape: dict, dtype: str, iters: int, warm
     return res
 
 
-def bench_ep(shape: dict, dtype: str, iters: int, warmup: int, cuda: bool, world: int = 2) -> list[dict]:
-    return run_ranks(_ep_measure, world, shape, dtype, iters, warmup, cuda=cuda)
+def bench_ep(cfg: ModelConfig, shape: dict, dtype: str, iters: int, warmup: int, cuda: bool,
+             world: int = 2) -> list[dict]:
+    return run_ranks(_ep_measure, world, cfg, shape, dtype, iters, warmup, cuda=cuda)
 
 
 # --------------------------------------------------------------------------------------------
 
 def run(args) -> dict:
-    shape = dict(SMOKE if args.smoke else FULL)
-    if args.tokens:
-        shape["tokens"] = args.tokens
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = "bfloat16" if cuda else "float32"
+    cfg, shape = moe_bench_model(args.smoke, args.tokens, dtype)  # configs/moe-layer-bench.toml
     iters, warmup = (3, 1) if args.smoke else (args.iters, args.warmup)
     report = {"benchmark": "moe_layer", "device": device_name(cuda),
               "torch": torch.__version__, "commit": git_commit(), "dtype": dtype, "shape": shape,
               "iters": iters, "warmup": warmup}
     torch.manual_seed(0)
-    layer = MoELayer(model_cfg(shape, dtype), device=device)
+    layer = MoELayer(cfg, device=device)
     x = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=getattr(torch, dtype))
     report["ep1_layer"] = bench_layer(layer, x, iters, warmup)
     report["grouped_gemm"] = bench_grouped_gemm(layer, x, iters, warmup)
@@ -204,7 +193,7 @@ def run(args) -> dict:
     del layer, x
     gpus = torch.cuda.device_count() if cuda else 0
     if args.smoke or gpus >= 2:
-        report["ep2"] = bench_ep(shape, dtype, iters, warmup, cuda)
+        report["ep2"] = bench_ep(cfg, shape, dtype, iters, warmup, cuda)
     else:
         report["ep2"] = f"skipped: needs 2 CUDA GPUs, found {gpus}"
     return report
