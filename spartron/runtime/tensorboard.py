@@ -9,11 +9,14 @@ to the same folder; TensorBoard shows the re-run steps past the last save over t
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from spartron.runtime.metrics import MetricsWriteError
-from spartron.runtime.safe_open import make_dir
+from spartron.runtime.safe_open import UnsafeEntryError, open_file
 
 GB = 1e9
 SCALARS: tuple[tuple[str, str, float], ...] = (
@@ -39,6 +42,35 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class EventFile:
+    """One TensorBoard event file written on the caller's thread (SummaryWriter writes from a thread of its
+    own, whose failure -- a full disk -- printed that thread's traceback before our one-line error)."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event = Event
+        # opened without following links below folder's run directory; O_EXCL: never an existing file
+        fd = open_file(folder.parent, Path(folder.name) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self.path = folder / name
+        self._records = RecordWriter(os.fdopen(fd, "wb"))
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def _write(self, event) -> None:  # noqa: ANN001 - an event_pb2.Event
+        self._records.write(event.SerializeToString())
+
+    def add(self, summary, step: int) -> None:  # noqa: ANN001 - a summary_pb2.Summary
+        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
+
+
 class MetricSinks:
     """The configured sinks of `[observe]`; `write(record)` logs one step record to each."""
 
@@ -46,11 +78,15 @@ class MetricSinks:
         self.tb = self.wandb_run = None
         self.tb_dir = run_dir / "tensorboard"
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # a real folder of the run directory (a link there is refused); each start writes a new event file
             # named by time, host and pid, so an existing event file (a link too) is never opened
-            self.tb = SummaryWriter(log_dir=str(make_dir(run_dir, "tensorboard")))
+            name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
+            try:
+                self.tb = EventFile(self.tb_dir, name)
+            except UnsafeEntryError:
+                raise
+            except OSError as err:
+                raise self._error(err) from None
         if cfg.wandb_project is not None:
             import wandb
 
@@ -64,23 +100,32 @@ class MetricSinks:
         if self.tb is not None:
             try:
                 self._write_tb(values, step, record.get("expert_load_per_layer"))
-            except OSError as err:  # its writer thread's error (a full disk), re-raised here without the folder
-                raise MetricsWriteError(f"{self.tb_dir}: cannot write TensorBoard events ({err.strerror or err}): "
-                                        "free space on its disk, then resume the run") from None
+            except OSError as err:  # a full disk
+                raise self._error(err) from None
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
 
+    def _error(self, err: OSError) -> MetricsWriteError:
+        return MetricsWriteError(f"{self.tb_dir}: cannot write TensorBoard events ({err.strerror or err}): "
+                                 "free space on its disk, then resume the run")
+
     def _write_tb(self, values: dict[str, float], step: int, layers: list[float] | None) -> None:
+        from torch.utils.tensorboard.summary import histogram, scalar
+
         for tag, value in values.items():
-            self.tb.add_scalar(tag, value, step)
+            self.tb.add(scalar(tag, value), step)
         if layers:
             import numpy as np
 
-            self.tb.add_histogram("moe/load_violation_over_layers", np.asarray(layers, dtype=np.float64), step)
+            self.tb.add(histogram("moe/load_violation_over_layers", np.asarray(layers, dtype=np.float64),
+                                  "auto"), step)
         self.tb.flush()
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as err:
+                raise self._error(err) from None
         if self.wandb_run is not None:
             self.wandb_run.finish()

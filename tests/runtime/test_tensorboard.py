@@ -239,9 +239,10 @@ def test_rank_0_prints_the_banner_before_the_first_step(tmp_path, capfd):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # tensorboard's writer thread
-def test_a_tensorboard_write_error_names_the_folder(tmp_path):
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no writer thread's traceback
+def test_a_tensorboard_write_error_names_the_folder(tmp_path, capfd):
     import resource
+    import signal
 
     from spartron.runtime.metrics import MetricsWriteError
     from spartron.runtime.tensorboard import MetricSinks
@@ -250,13 +251,17 @@ def test_a_tensorboard_write_error_names_the_folder(tmp_path):
     sinks.write({"type": "step", "step": 1, "loss": 1.0})
     size = sum(p.stat().st_size for p in (tmp_path / "tensorboard").iterdir())
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))  # the disk is full after this event file
     try:
-        with pytest.raises(MetricsWriteError) as err:
-            for step in range(2, 6):  # the writer thread's error surfaces at the next write
-                sinks.write({"type": "step", "step": step, "loss": 1.0})
-                time.sleep(0.2)
+        with pytest.raises(MetricsWriteError) as err:  # at once, on this thread: events are written synchronously
+            sinks.write({"type": "step", "step": 2, "loss": 1.0})
+        with pytest.raises(MetricsWriteError) as closing:  # the unwritten event: the same error, once more
+            sinks.close()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert str(closing.value) == str(err.value)
+    assert capfd.readouterr() == ("", "")  # no "Exception in thread ..." traceback
     assert str(err.value) == (f"{tmp_path / 'tensorboard'}: cannot write TensorBoard events (File too large): free "
                               "space on its disk, then resume the run")
