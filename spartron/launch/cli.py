@@ -396,11 +396,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
-            source = SavedStateSource(Path(args.from_state))
-            source.check_target(args.to_hf)
-            tokenizer, note = run_tokenizer(source)
+            from spartron.runtime.rundir import lock_for_reading
+
+            reading = lock_for_reading(Path(args.from_state))  # as eval's: no run saves or prunes steps meanwhile
             previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the export's folder is removed
             try:
+                source = SavedStateSource(Path(args.from_state))
+                source.check_target(args.to_hf)
+                tokenizer, note = run_tokenizer(source)
                 out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
                                 with_mtp=args.with_mtp, extra_files=tokenizer)
             except (KeyboardInterrupt, _Terminated) as err:
@@ -410,6 +413,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 return 128 + (signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT)
             finally:
                 signal.signal(signal.SIGTERM, previous)
+                reading.release()
             if note:
                 print(f"spartron: note: {note}", file=sys.stderr)
             print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}"

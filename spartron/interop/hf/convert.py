@@ -322,13 +322,18 @@ def _plan_shards(order: list[str], sizes: dict[str, int], max_shard_bytes: int) 
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """An export writes a new folder, or fills an existing empty one; never through a symbolic link."""
+    """An export writes a new folder (its missing parents too), or fills an existing empty one; never through a
+    symbolic link."""
     if out_dir.is_symlink():
         raise HFCheckpointError(f"{out_dir}: is a symbolic link (an export writes a new folder, not through a link)")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise HFCheckpointError(f"{out_dir}: exists and is not an empty directory (an export writes a new one)")
-    if not out_dir.parent.is_dir():
-        raise HFCheckpointError(f"{out_dir.parent}: no such directory (the export's folder is made inside it)")
+    if not out_dir.parent.is_dir():  # missing parents are made, as mkdir -p: a file or a link loop there is refused
+        try:
+            os.makedirs(out_dir.parent, exist_ok=True)
+        except OSError as err:
+            raise HFCheckpointError(f"{out_dir.parent}: cannot make the export's parent folder "
+                                    f"({err.strerror or err})") from None
 
 
 def _temporary_sibling(out_dir: Path) -> Path:

@@ -1,0 +1,70 @@
+"""`spartron convert --to-hf` at the seams (issue 34): it reads a run directory under the reader lock `spartron
+eval` takes (never while a run trains there), and makes its output folder's missing parents, as mkdir -p, but
+refuses a parent that is a file or a link loop in one line."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from spartron.launch.cli import main
+from spartron.runtime.rundir import RunDirLock
+
+HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
+          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A step-0 saved state converted from a tiny Hugging Face checkpoint."""
+    hf = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(hf)
+    run = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["convert", "--from-hf", str(hf), "--to", str(run)]) == 0
+    return run
+
+
+def test_convert_refuses_a_run_directory_a_run_is_training(run_dir, tmp_path, capsys):
+    trainer = RunDirLock(run_dir)
+    assert trainer.acquire() is None
+    try:
+        capsys.readouterr()
+        assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "hf")]) == 2
+    finally:
+        trainer.release()
+    assert capsys.readouterr().err == (
+        f"spartron: error: {run_dir} is being trained by another run (pid {os.getpid()} on {socket.gethostname()}, "
+        f"lock {run_dir}/.lock): reading its steps now could race a save or train.keep_last; wait for the run to "
+        "end, or copy the step elsewhere and evaluate the copy\n")
+    assert not (tmp_path / "hf").exists()
+    assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "hf")]) == 0  # the lock is released
+    reader = RunDirLock(run_dir)  # ... also by the export: a run may take the directory again
+    assert reader.acquire() is None
+    reader.release()
+
+
+def test_convert_makes_the_missing_parents_of_its_output(run_dir, tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "out"
+    assert main(["convert", "--from", str(run_dir), "--to-hf", str(out)]) == 0
+    assert (out / "config.json").is_file() and sorted(os.listdir(tmp_path / "a")) == ["b"]
+    assert sorted(os.listdir(out.parent)) == ["out"]
+
+
+def test_convert_refuses_a_parent_that_is_a_file_or_a_link_loop(run_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    capsys.readouterr()
+    assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "file" / "b" / "out")]) == 2
+    assert capsys.readouterr().err == (f"spartron: error: {tmp_path / 'file' / 'b'}: cannot make the export's parent "
+                                       "folder (Not a directory)\n")
+    assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "loop" / "b" / "out")]) == 2
+    assert capsys.readouterr().err == (f"spartron: error: {tmp_path / 'loop' / 'b'}: cannot make the export's parent "
+                                       "folder (Too many levels of symbolic links)\n")
+    assert (tmp_path / "file").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file", "loop"]
