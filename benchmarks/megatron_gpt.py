@@ -44,23 +44,13 @@ from spartron.interop.megatron.groups import to_process_group_collection  # noqa
 from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
+from spartron.runtime.config import load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
 
-# DeepSeek-V3-style shapes (configs/dsv3-12l.toml) cut to 4 layers: 1 dense + 3 MoE.
-GPU_MODEL = dict(vocab_size=32768, dim=2048, n_layers=4, n_heads=16, first_k_dense=1, dense_inter_dim=10944,
-                 max_seq_len=4096,
-                 mla=dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                          v_head_dim=128),
-                 moe=dict(n_routed_experts=64, n_shared_experts=2, top_k=6, moe_inter_dim=1408,
-                          score_func="sigmoid", dispatcher="local", aux_loss_coeff=1e-4))
-GPU_DSA = dict(n_index_heads=32, index_head_dim=128, index_topk=512, topk_freq=2, layers="moe")
-SMOKE_MODEL = dict(vocab_size=128, dim=32, n_layers=3, n_heads=2, first_k_dense=1, dense_inter_dim=48,
-                   max_seq_len=64,
-                   mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                            v_head_dim=8),
-                   moe=dict(n_routed_experts=4, n_shared_experts=1, top_k=2, moe_inter_dim=16,
-                            score_func="sigmoid", dispatcher="local", aux_loss_coeff=1e-4))
-SMOKE_DSA = dict(n_index_heads=2, index_head_dim=8, index_topk=8, topk_freq=2, layers="moe")
+PRESET = REPO / "configs" / "megatron-gpt-bench.toml"  # the model; its DSA section is the "dsa-moe" case's
+# --smoke: the tiny preset's model, without MTP (GPTModel has none), on the router the GPU preset uses
+SMOKE = ["model.mtp.depth=0", "model.moe.dispatcher='local'", "model.moe.aux_loss_coeff=1e-4",
+         "model.moe.n_groups=1", "model.moe.topk_groups=1"]
 
 
 def init_single_rank(device: torch.device):
@@ -157,15 +147,17 @@ def main() -> int:
     if device.type == "cpu" and not args.smoke:
         print("no CUDA device: use --smoke for the CPU version", file=sys.stderr)
         return 2
-    model, dsa = (SMOKE_MODEL, SMOKE_DSA) if args.smoke else (GPU_MODEL, GPU_DSA)
+    run_cfg = load_config(REPO / "configs" / "tiny.toml", SMOKE) if args.smoke else load_config(PRESET)
+    with_dsa = run_cfg.model
+    model = with_dsa.model_copy(update={"dsa": None})
     args.steps = args.steps or (4 if args.smoke else 10)
-    args.seq = args.seq or (32 if args.smoke else 4096)
-    args.batch = args.batch or (2 if args.smoke else 1)
+    args.seq = args.seq or (32 if args.smoke else run_cfg.train.seq_len)
+    args.batch = args.batch or (2 if args.smoke else run_cfg.train.micro_batch_size)
     args.lr = args.lr if not args.smoke else 1e-2
     pgc = init_single_rank(device)
-    cases = {"mla-moe": (ModelConfig(**model), False), "dsa-moe": (ModelConfig(**model, dsa=dsa), False)}
+    cases = {"mla-moe": (model, False), "dsa-moe": (with_dsa, False)}
     if device.type == "cuda":
-        cases["mla-moe-bf16-autocast"] = (ModelConfig(**model), True)
+        cases["mla-moe-bf16-autocast"] = (model, True)
     rows = []
     for name, (cfg, autocast) in cases.items():
         try:
@@ -182,7 +174,8 @@ def main() -> int:
         "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", None),
         "commit": git_commit(), "smoke": args.smoke,
         "shapes": {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-                   "model": ModelConfig(**model).model_dump(), "dsa": dsa},
+                   "model": model.model_dump(), "dsa": with_dsa.dsa.model_dump(), "config": str(
+                       (REPO / "configs" / "tiny.toml" if args.smoke else PRESET).relative_to(REPO))},
         "cases": rows,
     }
     write_report(args.out, result)
