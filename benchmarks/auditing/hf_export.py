@@ -114,7 +114,7 @@ def export_cases() -> list[Case]:
         harm=None)
     add("out-fifo", export(), ["out"], "paths", setup=lambda w: os.mkfifo(w / "out"), harm=None, timeout=60.0)
     add("out-parents-missing", export("a/b/out"), ["a/b"], "paths", harm=None, accept_ok=True,
-        note="creating the parents of a new folder is what mkdir -p users expect")
+        note="the missing parents are made (as mkdir -p); a parent that is a file or a link loop is one line")
     add("out-too-long", export("o" * 5000), ["ooo"], "sizes", harm=None)
     add("out-cwd", export("."), ["'.'", "exists", "empty"], "paths", harm=None)
     add("out-is-run-dir", export(RUN), [RUN, "hfbase"], "paths", harm=None)
