@@ -3,6 +3,8 @@
 Rank 0 keeps the terminal (progress bar, summary); ranks 1.. write to `<log_dir>/rank<k>.log`, opened
 before any rank starts and never through a link or into a FIFO (spartron.runtime.safe_open): a linked
 `logs` folder or rank log is one line naming it, and nothing outside the run directory is truncated.
+A rank writes into a pipe the launcher copies into its log, so a log that cannot be written (a full disk)
+is the launcher's one line naming it (the ranks are killed), not a rank's lost traceback or a hang.
 Failures are reported by root cause: the launcher watches every rank (a pidfd per rank wakes it the
 moment one exits; `waitpid(WUNTRACED)` sees one stop), and the rank that failed FIRST — exited
 non-zero, was killed by a signal, or stayed stopped (SIGSTOP) — is named with how it ended and the
@@ -34,7 +36,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS
 from spartron.runtime.safe_open import make_dir, open_file
@@ -116,6 +117,34 @@ class _Rank:
     stopped_at: float | None = None
     killed_by_launcher: bool = False
     stopped_before_kill: int | None = None
+    pipe: int | None = None  # the read end of the rank's output (ranks 1..), copied into log_fd
+    log_fd: int | None = None
+
+    def copy_output(self) -> str | None:
+        """Copy what the rank has written so far into its log (without blocking); the error line when the
+        log cannot be written."""
+        while self.pipe is not None:
+            try:
+                data = os.read(self.pipe, 1 << 16)
+            except BlockingIOError:
+                return None
+            if not data:  # every writer closed it
+                os.close(self.pipe)
+                self.pipe = None
+                return None
+            try:
+                while data:
+                    data = data[os.write(self.log_fd, data):]
+            except OSError as err:
+                return (f"{self.log}: cannot write this rank log ({err.strerror or err}): free space on its disk, "
+                        "then resume the run")
+        return None
+
+    def close_output(self) -> None:
+        for fd in (self.pipe, self.log_fd):
+            if fd is not None:
+                os.close(fd)
+        self.pipe = self.log_fd = None
 
     @property
     def status(self) -> int:
@@ -188,6 +217,7 @@ def _libc_prctl() -> Callable[..., int] | None:
 def _child_setup(prctl: Callable[..., int] | None, launcher_pid: int, cores: list[int] | None):
     """The preexec_fn of a rank: die with the launcher, then pin to `cores`."""
     def setup() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as the launcher's caller had it
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != launcher_pid:  # the launcher died before the prctl took effect
@@ -211,7 +241,7 @@ def _wait_for_change(ranks: Sequence[_Rank], timeout_s: float) -> None:
         time.sleep(min(timeout_s, 0.01))
         return
     poller = select.poll()
-    for fd in fds:
+    for fd in fds + [r.pipe for r in ranks if r.pipe is not None]:  # a rank's output wakes it too
         poller.register(fd, select.POLLIN)
     poller.poll(timeout_s * 1000)
 
@@ -272,20 +302,30 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
     ranks: list[_Rank] = []
     term = _TermRequest()
     previous = signal.signal(signal.SIGTERM, term)
+    # a log past RLIMIT_FSIZE is EFBIG for our write (the one line), not a SIGXFSZ that kills the launcher
+    previous_fsize = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         for rank in range(nproc):
             env = rank_environ(environ, rank, nproc, master_addr, port)
             log = None if rank == 0 else log_dir / f"rank{rank}.log"
-            out = logs.pop(rank, None)
+            log_fd = logs.pop(rank, None)
+            pipe, out = os.pipe() if log_fd is not None else (None, None)
             try:
                 # the launcher is single-threaded, so running Python between fork and exec is safe
                 setup = _child_setup(prctl, os.getpid(), slices[rank] if slices else None)
                 proc = subprocess.Popen(list(command), env=env, stdout=out, preexec_fn=setup,
                                         stderr=subprocess.STDOUT if out else None)
+            except BaseException:
+                for fd in (pipe, log_fd):
+                    if fd is not None:
+                        os.close(fd)
+                raise
             finally:
-                if out:
-                    out.close()
-            ranks.append(_Rank(rank, proc, log, _pidfd(proc.pid)))
+                if out is not None:
+                    os.close(out)
+            if pipe is not None:
+                os.set_blocking(pipe, False)
+            ranks.append(_Rank(rank, proc, log, _pidfd(proc.pid), pipe=pipe, log_fd=log_fd))
         forwarded_at = None
         while any(r.returncode is None for r in ranks):
             _wait_for_change(ranks, poll_s)
@@ -293,6 +333,13 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
             for r in ranks:
                 if r.returncode is None:
                     r.observe(now)
+            for r in ranks:  # after observe: a rank seen ended has all its output in the pipe
+                problem = r.copy_output()
+                if problem is not None:
+                    for other in ranks:
+                        other.kill()
+                    print(ERROR_PREFIX + problem, file=sys.stderr)
+                    return USAGE_STATUS
             if term.requested and forwarded_at is None:
                 forwarded_at = now
                 _forward_term(ranks, terminate_grace_s)
@@ -331,17 +378,20 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for out in logs.values():  # not handed to a rank (the launch failed first)
-            out.close()
+        signal.signal(signal.SIGXFSZ, previous_fsize)
+        for fd in logs.values():  # not handed to a rank (the launch failed first)
+            os.close(fd)
         for r in ranks:
+            r.close_output()
             if r.pidfd is not None:
                 os.close(r.pidfd)
 
 
-def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
-    """The log file of each rank 1.. (truncated), opened before any rank starts, without following links."""
+def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, int]:
+    """The log file (descriptor) of each rank 1.. (truncated), opened before any rank starts, without
+    following links."""
     relative = log_dir.relative_to(root) if log_dir != root else None
-    opened: dict[int, Any] = {}
+    opened: dict[int, int] = {}
     try:
         if relative is not None:
             make_dir(root, relative)
@@ -349,10 +399,10 @@ def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, Any]:
             root.mkdir(parents=True, exist_ok=True)
         for rank in range(1, nproc):
             name = f"rank{rank}.log" if relative is None else relative / f"rank{rank}.log"
-            opened[rank] = os.fdopen(open_file(root, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
+            opened[rank] = open_file(root, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     except BaseException:
-        for out in opened.values():
-            out.close()
+        for fd in opened.values():
+            os.close(fd)
         raise
     return opened
 

@@ -359,3 +359,26 @@ def test_a_rank_that_left_early_with_status_0_is_pointed_out(tmp_path, capfd):
     assert "spartron: rank 0 exited with status 1, the first rank to fail;" in err
     assert err.strip().splitlines()[-1] == ("spartron: note: rank 1 exited with status 0 before rank 0 failed; "
                                             "its peers may have been waiting for it")
+
+
+_FULL_DISK = """
+import resource, sys
+from pathlib import Path
+from spartron.launch.local import launch_local
+code = ("import os, sys, time; os.environ['RANK'] == '1' and [print('x' * 99, flush=True) for _ in range(200)]; "
+        "open(sys.argv[1] + os.environ['RANK'], 'w'); time.sleep(60)")
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # the disk is full after 4 kB
+sys.exit(launch_local([sys.executable, '-c', code, sys.argv[1]], 2, {'PATH': '/usr/bin:/bin'}, Path(sys.argv[1])))
+"""
+
+
+def test_a_rank_log_that_cannot_be_written_ends_the_run_in_one_line(tmp_path):
+    """The launcher copies rank 1's output into logs/rank1.log; past RLIMIT_FSIZE (a full disk) that write fails:
+    one line naming the log, status 2, the ranks killed (not left sleeping, not a rank's lost traceback)."""
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "logs")], capture_output=True, text=True,
+                          timeout=50)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"spartron: error: {tmp_path / 'logs' / 'rank1.log'}: cannot write this rank log (File "
+                           "too large): free space on its disk, then resume the run\n")
+    assert (tmp_path / "logs" / "rank1.log").stat().st_size == 4096  # what fitted: lines of the rank's output
+    assert (tmp_path / "logs" / "rank1.log").read_text().startswith("x" * 99 + "\n")
