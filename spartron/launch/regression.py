@@ -14,8 +14,9 @@ The checks (defaults from the method of XTuner's review, see REFERENCES.md):
   few cores with everything else on the machine) the throughput check is reported but not enforced
   unless `Tolerances.enforce_throughput_on_cpu`: a loaded CI host changes tokens/s by more than any
   useful tolerance while loss, grad norm and memory stay exact.
-A NaN or Inf in any compared metric, at any step of either run, fails the comparison (a tolerance check
-would skip it: NaN compares false with everything). A metrics file that cannot be compared (not JSON, no
+A NaN or Inf in any metric of a step record (compared or not: lr, lm_loss, mtp losses, expert load...), at any
+step of either run, fails the comparison (a tolerance check would skip it: NaN compares false with everything;
+a NaN lr or auxiliary loss means the run is not the one the loss curve suggests). A metrics file that cannot be compared (not JSON, no
 step record, a compared metric missing from a step or not a number) is a MetricsFileError naming the file,
 line and key: the CLI prints it as one line, exit status 2.
 `compare_runs` returns a report with one line per check; `plot_runs` draws run vs baseline with the
@@ -38,6 +39,8 @@ GB = 1e9
 REQUIRED_METRICS = ("loss",)
 PER_STEP_METRICS = ("grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "peak_memory_allocated_bytes")
 COMPARED_METRICS = REQUIRED_METRICS + PER_STEP_METRICS + ("val_loss",)
+# Strings that float() reads as NaN / Inf (any case, a sign before): a writer other than json.dumps may use them.
+_NONFINITE_WORDS = ("nan", "inf", "infinity")
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,27 @@ def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
     return headers, steps
 
 
+def _nonfinite_values(value: object, path: str) -> list[tuple[str, object]]:
+    """(dotted path, value) of every NaN / Inf number inside `value` (a metric: a number, or lists and objects
+    of them, e.g. mtp_losses[1]); a string float() reads as NaN / Inf ("NaN", "inf") counts as one too."""
+    if isinstance(value, dict):
+        return [bad for key, item in value.items() for bad in _nonfinite_values(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in _nonfinite_values(item, f"{path}[{i}]")]
+    if isinstance(value, str) and value.strip().lower().lstrip("+-") in _NONFINITE_WORDS:
+        return [(path, value)]
+    if _is_number(value) and not math.isfinite(value):
+        return [(path, value)]
+    return []
+
+
 def nonfinite(steps: list[dict]) -> list[str]:
-    """'<metric> <value> at step <s>' for every compared metric that is NaN or Inf, in step order."""
-    return [f"{key} {record[key]} at step {record['step']}" for record in steps for key in COMPARED_METRICS
-            if _is_number(record.get(key)) and not math.isfinite(record[key])]
+    """'<metric> <value> at step <s>' for every metric of a step record (compared or not: lr, lm_loss,
+    mtp_losses[i], expert load, ...) that is NaN or Inf, in step order; the writer (json.dumps) records them
+    as the literals NaN / Infinity / -Infinity, which json.loads reads back as floats."""
+    return [f"{path} {value!r} at step {record['step']}" for record in steps
+            for key, item in record.items() if key not in ("type", "step")
+            for path, value in _nonfinite_values(item, key)]
 
 
 def _finite_check(runs: dict[str, list[dict]]) -> Check:
@@ -144,7 +164,7 @@ def _finite_check(runs: dict[str, list[dict]]) -> Check:
     bad = [f"{name}: {', '.join(items[:3])}" + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
            for name, items in found.items() if items]
     return Check("finite metrics", not bad, "; ".join(bad) if bad else
-                 f"every compared metric is finite at every step of the {' and the '.join(runs)}")
+                 f"every metric is finite at every step of the {' and the '.join(runs)}")
 
 
 def throughput_key(*runs: list[dict]) -> str:

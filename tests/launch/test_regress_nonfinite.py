@@ -42,10 +42,39 @@ def test_a_nonfinite_metric_in_either_run_fails_naming_metric_and_step(tmp_path,
     assert f"  [FAIL] finite metrics: {side}: {shown}" in report.text()
 
 
+@pytest.mark.parametrize("key, value, shown", [
+    ("lr", math.nan, "lr nan at step 2"),
+    ("lm_loss", math.inf, "lm_loss inf at step 2"),
+    ("mtp_losses", [0.9, math.nan], "mtp_losses[1] nan at step 2"),
+    ("expert_load_per_layer", [-math.inf, 0.2, math.inf], "expert_load_per_layer[0] -inf at step 2, "
+                                                          "expert_load_per_layer[2] inf at step 2"),
+    ("extra", {"a": {"b": [1, [2.0, math.nan]]}}, "extra.a.b[1][1] nan at step 2"),
+    ("lr", "NaN", "lr 'NaN' at step 2"),
+    ("aux_loss", "-Infinity", "aux_loss '-Infinity' at step 2"),
+])
+@pytest.mark.parametrize("side", ["run", "baseline"])
+def test_a_nonfinite_value_of_a_metric_that_is_not_compared_fails_too(tmp_path, capsys, key, value, shown, side):
+    bad, good = write_run(tmp_path / "bad.jsonl", 2, key, value), write_run(tmp_path / "good.jsonl")
+    argv = [str(bad), str(good)] if side == "run" else [str(good), str(bad)]
+    check = compare_runs(*argv).check("finite metrics")
+    assert (check.passed, check.detail) == (False, f"{side}: {shown}")
+    status, out, err = _cli(["regress", "compare", *argv], capsys)
+    assert (status, err) == (1, "")
+    assert f"  [FAIL] finite metrics: {side}: {shown}\n" in out and "result: FAIL" in out
+
+
+def test_null_and_finite_non_compared_metrics_pass(tmp_path):
+    """None is what the writer records for a value it did not measure (alloc_retries on CPU): not NaN."""
+    run = write_run(tmp_path / "r.jsonl", 2, "alloc_retries", None)
+    run.write_text(run.read_text().replace('"step": 3,', '"step": 3, "lr": 1e-4, "mtp_losses": [0.5], "x": "fast",'))
+    report = compare_runs(run, write_run(tmp_path / "b.jsonl"))
+    assert report.check("finite metrics").passed and report.passed
+
+
 def test_finite_runs_say_so_and_many_nonfinite_values_are_counted(tmp_path):
     good = write_run(tmp_path / "good.jsonl")
     assert compare_runs(good, good).check("finite metrics").detail == (
-        "every compared metric is finite at every step of the run and the baseline")
+        "every metric is finite at every step of the run and the baseline")
     lines = good.read_text().replace('"loss": 4.', '"loss": NaN, "x": 4.')
     lines = lines.replace('"grad_norm": 1.0', '"grad_norm": NaN')
     (tmp_path / "nan.jsonl").write_text(lines)
