@@ -13,8 +13,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -106,12 +108,23 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
         fault = check_fault(cfg.debug, cfg.launch.nproc, cfg.train.steps)
         if fault:
             raise ConfigError(fault)
-        logs = run_dir / "logs" / "eval" if entry == "eval" else run_dir / "logs"  # eval keeps training's logs
+        # eval reads a run directory it does not own (maybe a live one): its rank logs go to a new temporary
+        # folder, removed unless the ranks failed (then its path is the last line)
+        logs = Path(tempfile.mkdtemp(prefix="spartron-eval-logs-")) if entry == "eval" else run_dir / "logs"
         print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {logs}", file=sys.stderr)
-        return launch_local(command, cfg.launch.nproc, environ, logs, root=run_dir,
-                            bind_cores=cfg.launch.bind_cores,
-                            stopped_limit_s=cfg.parallel.timeout_s,
-                            terminate_grace_s=cfg.launch.terminate_grace_s)
+        status = USAGE_STATUS
+        try:
+            status = launch_local(command, cfg.launch.nproc, environ, logs, root=logs if entry == "eval" else run_dir,
+                                  bind_cores=cfg.launch.bind_cores,
+                                  stopped_limit_s=cfg.parallel.timeout_s,
+                                  terminate_grace_s=cfg.launch.terminate_grace_s)
+        finally:
+            if entry == "eval":
+                if status in (0, USAGE_STATUS):  # done, or refused in one line already printed
+                    shutil.rmtree(logs, ignore_errors=True)
+                else:
+                    print(f"spartron: the eval ranks' logs are kept in {logs}", file=sys.stderr)
+        return status
     if entry == "smoke":
         from spartron.launch.smoke import run_smoke
 
