@@ -129,6 +129,8 @@ class SavedStateSource(TensorSource):
                          planner=SafeLoadPlanner(), no_dist=True)
             except CheckpointException as err:  # a tensor file the safe reader refuses (garbage, a pickle)
                 exc = err.failures[min(err.failures)][0]
+                if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM unwinding: torch wrapped it, not an error
+                    raise exc from None
                 raise HFCheckpointError(f"{exc}: nothing was exported" if isinstance(exc, StateLoadError) else
                                         f"{self.path}: {_first_line(exc)}: nothing was exported") from None
         out = {}

@@ -17,7 +17,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from spartron.interop.hf import TensorSource, export_hf, import_hf
 from spartron.interop.hf.convert import ModelSource
+from spartron.interop.hf.names import tensor_map
 from spartron.layers.model import build_model
+from spartron.runtime.hf_state import SavedStateSource
 
 HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
           num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
@@ -95,14 +97,39 @@ def test_an_unloadable_tensor_file_is_one_line_and_leaves_nothing(run_dir, tmp_p
     assert list(out.parent.iterdir()) == []
 
 
+def test_ctrl_c_while_a_saved_state_is_read_stays_an_interrupt_not_an_error(run_dir):
+    """torch.distributed.checkpoint wraps whatever its reader raises, KeyboardInterrupt too: the source re-raises
+    it (an HFCheckpointError would print `_Terminated` or `KeyboardInterrupt` as if the file were bad)."""
+    source = SavedStateSource(run_dir)
+    names = sorted({p.spartron for pieces in tensor_map(source.cfg).by_hf().values() for p in pieces})
+
+    def interrupt(signum, frame):  # only inside torch.distributed.checkpoint's load; else try again 1 ms later
+        while frame is not None and "torch/distributed/checkpoint" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is None:
+            signal.setitimer(signal.ITIMER_REAL, 0.001)
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.005)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(10_000):
+                source.fetch(names)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_sigterm_during_an_export_removes_its_temporary_folder(run_dir, tmp_path):
     out = tmp_path / "exports" / "hf"
     out.parent.mkdir()
     command = [sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(run_dir), "--to-hf", str(out),
                "--max-shard-bytes", "1000"]
     proc = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    while not list(out.parent.glob(".hf.tmp-*")):  # made before the first shard is written
-        assert proc.poll() is None, "the export ended before it was stopped"
+    while not list(out.parent.glob(".hf.tmp-*/*.safetensors")):  # mid-export: most of its time is in reading
+        assert proc.poll() is None, "the export ended before it was stopped"  # tensors (torch wraps a signal)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
