@@ -4,7 +4,9 @@ documents.
 A record is a pretraining document (a string under `text_key`, default "text") or a chat
 (`messages`: a list of {"role", "content"} with role system / user / assistant / tool). A folder
 is read recursively in sorted path order, so a corpus always yields the same documents in the same
-order. Nothing read here is executed: JSON through `json`, parquet through pyarrow (optional: a
+order; a linked folder inside it is not descended (no loop), and an entry with a corpus suffix that is not a
+regular file (a FIFO, a device, a broken or looping link) is refused by name rather than skipped. A record
+holding both a document and a chat is refused as ambiguous. Nothing read here is executed: JSON through `json`, parquet through pyarrow (optional: a
 clear error names the package when a .parquet file is met without it), text as UTF-8.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,17 +65,39 @@ def corpus_files(path: str | Path) -> list[Path]:
         if _kind(path) is None:
             raise ConfigError(f"corpus {str(path)!r}: unknown file type {path.suffix!r} (read: {', '.join(SUFFIXES)})")
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+    files = []
+    for p in sorted(path.rglob("*")):  # rglob lists a linked folder but does not descend into it (no loop)
+        if _kind(p) is None or p.is_dir():
+            continue
+        if not p.is_file():  # opening a FIFO waits forever, a device never ends: refused, not skipped
+            raise ConfigError(_not_regular(p))
+        files.append(p)
     if not files:
         raise ConfigError(f"corpus folder {str(path)!r} holds no {', '.join(SUFFIXES)} file")
     return files
+
+
+def _not_regular(path: Path) -> str:
+    """Why a corpus file inside a folder cannot be read: a broken or looping link, or not a regular file."""
+    link = f" (a symbolic link to {os.readlink(path)!r})" if path.is_symlink() else ""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return f"corpus file {str(path)!r} is a broken or looping symbolic link{link}"
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "an unknown kind of entry")
+    return f"corpus file {str(path)!r} is {kind}{link}, not a regular file"
 
 
 def parse_record(record: object, text_key: str, where: str) -> Document | Chat:
     """A jsonl line or parquet row as a Document or a Chat; a ConfigError naming `where` otherwise."""
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
-    if "messages" in record and text_key not in record:
+    if "messages" in record and text_key in record:
+        raise ConfigError(f"{where}: ambiguous record: it holds both {text_key!r} (a document) and 'messages' "
+                          "(a chat); keep one")
+    if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
@@ -145,8 +171,7 @@ def _parquet(path: Path, text_key: str) -> Iterator[Document | Chat]:
             return
         for record in records:
             row += 1
-            if text_key in record and record[text_key] is None:
-                record.pop(text_key)
+            record = {key: value for key, value in record.items() if value is not None}  # the other column's row
             yield parse_record(record, text_key, f"{path}: row {row}")
 
 

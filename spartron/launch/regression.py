@@ -16,9 +16,9 @@ The checks (defaults from the method of XTuner's review, see REFERENCES.md):
   useful tolerance while loss, grad norm and memory stay exact.
 A NaN or Inf in any metric of a step record (compared or not: lr, lm_loss, mtp losses, expert load...), at any
 step of either run, fails the comparison (a tolerance check would skip it: NaN compares false with everything;
-a NaN lr or auxiliary loss means the run is not the one the loss curve suggests). A metrics file that cannot be compared (not JSON, no
-step record, a compared metric missing from a step or not a number) is a MetricsFileError naming the file,
-line and key: the CLI prints it as one line, exit status 2.
+a NaN lr or auxiliary loss means the run is not the one the loss curve suggests). A metrics file that cannot
+be compared (not JSON, no step record, a compared metric missing from a step or not a number) is a
+MetricsFileError naming the file, line and key: the CLI prints it as one line, exit status 2.
 `compare_runs` returns a report with one line per check; `plot_runs` draws run vs baseline with the
 tolerance band and the verdict of each panel's check.
 """

@@ -54,6 +54,8 @@ def _refused(capfd, corpus, tokenizer, out, *extra) -> str:
     (b'{"messages": [{"role": "user", "content": null}]}',
      "a.jsonl:1: messages[0] must be an object with string 'role' and 'content'"),
     (b'{"text": 5}', "a.jsonl:1: a record needs a string 'text' or a list 'messages'"),
+    (b'{"text": "a", "messages": [{"role": "user", "content": "b"}]}',
+     "a.jsonl:1: ambiguous record: it holds both 'text' (a document) and 'messages' (a chat); keep one"),
     (b'[1, 2]', "a.jsonl:1: a record must be a JSON object, got list"),
     (b'{"text": "a", "n": ' + b"9" * 5000 + b"}",
      "a.jsonl:1: not valid JSON: Exceeds the limit (4300 digits) for integer string conversion"),
@@ -108,6 +110,45 @@ def test_parquet_corruption_is_one_line_naming_the_file_and_row(tmp_path, tok, c
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": "x"}], []]}), tmp_path / "m.parquet")
     assert _refused(capfd, tmp_path / "m.parquet", tok, tmp_path / "out") == (
         f"{tmp_path / 'm.parquet'}: row 2: 'messages' must be a non-empty list of {{role, content}} objects")
+
+
+def test_parquet_rows_take_the_column_they_fill_and_a_row_filling_both_is_ambiguous(tmp_path, tok, capfd):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    chat = [{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}]
+    pq.write_table(pa.table({"text": ["the cat", None], "messages": [None, chat]}), tmp_path / "ok.parquet")
+    code, err = _data(capfd, tmp_path / "ok.parquet", tok, tmp_path / "out")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "tokens.json").read_text())["n_documents"] == 2
+    pq.write_table(pa.table({"text": ["the cat", "sat"], "messages": [None, chat]}), tmp_path / "both.parquet")
+    assert _refused(capfd, tmp_path / "both.parquet", tok, tmp_path / "out2") == (
+        f"{tmp_path / 'both.parquet'}: row 2: ambiguous record: it holds both 'text' (a document) and 'messages' "
+        "(a chat); keep one")
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda p: p.symlink_to(p.name), "is a broken or looping symbolic link (a symbolic link to 'b.jsonl')"),
+    (lambda p: p.symlink_to("gone.jsonl"), "is a broken or looping symbolic link (a symbolic link to 'gone.jsonl')"),
+    (lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+    (lambda p: p.symlink_to("/dev/zero"), "is a character device (a symbolic link to '/dev/zero'), not a regular file"),
+])
+def test_a_corpus_file_in_a_folder_that_is_not_a_regular_file_is_refused_by_name(tmp_path, tok, capfd, make, what):
+    """Skipping it would tokenize less than the folder holds without a word; opening a FIFO would wait forever."""
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "a.jsonl", [{"text": "the cat"}])
+    (corpus / "sub").mkdir()
+    make(corpus / "sub" / "b.jsonl")
+    assert _refused(capfd, corpus, tok, tmp_path / "out") == f"corpus file {str(corpus / 'sub' / 'b.jsonl')!r} {what}"
+
+
+def test_a_corpus_folder_with_a_link_to_its_parent_is_read_once(tmp_path, tok, capfd):
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "a.jsonl", [{"text": "the cat"}])
+    (corpus / "up").symlink_to("..")
+    (corpus / "notes").symlink_to("notes")  # a loop without a corpus suffix: not a corpus file, not opened
+    code, err = _data(capfd, corpus, tok, tmp_path / "out")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "tokens.json").read_text())["n_documents"] == 1
 
 
 def _tokenizer_with(tok: Path, tmp_path: Path, name: str, pre_tokenizer: dict) -> Path:
