@@ -380,6 +380,20 @@ def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
     raise _Terminated
 
 
+def _replaced_keys(given, taken, prefix: str) -> list[tuple[str, str, str]]:  # noqa: ANN001 - config sections
+    """(dotted key, the config's value, the checkpoint's) of each key the config sets explicitly (its file, not a
+    default) that an import replaces with the checkpoint's value: a user's setting never changes silently."""
+    out = []
+    for name in sorted(given.model_fields_set):
+        mine, theirs = getattr(given, name), getattr(taken, name)
+        if hasattr(mine, "model_fields_set") and hasattr(theirs, "model_fields_set"):
+            out += _replaced_keys(mine, theirs, f"{prefix}.{name}")
+        elif mine != theirs:
+            show = [json.dumps(v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for v in (mine, theirs)]
+            out.append((f"{prefix}.{name}", *show))
+    return out
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Hugging Face checkpoint -> a step-0 saved state `spartron train` resumes (train.resume = true), or a
     saved state (step or run directory) -> a Hugging Face checkpoint (spartron/interop/hf)."""
@@ -403,7 +417,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         if args.from_hf is not None:
             keys = tuple(item.split("=", 1)[0].strip() for item in args.set if item.strip().startswith("model."))
-            step, cfg = import_hf_to_state(args.from_hf, args.to, load_config(args.config, args.set), keys)
+            given = load_config(args.config, args.set)
+            step, cfg = import_hf_to_state(args.from_hf, args.to, given, keys)
+            for key, mine, theirs in _replaced_keys(given.model, cfg.model, "model") if args.config else ():
+                print(f"spartron: note: {key} = {mine} in {args.config} is replaced by the checkpoint's {theirs} "
+                      f"({args.from_hf}/config.json decides the model)", file=sys.stderr)
             toml = Path(args.to) / "model.toml"
             toml.write_text(model_toml(cfg.model))
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "

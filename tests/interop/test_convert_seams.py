@@ -1,6 +1,7 @@
 """`spartron convert --to-hf` at the seams (issue 34): it reads a run directory under the reader lock `spartron
 eval` takes (never while a run trains there), and makes its output folder's missing parents, as mkdir -p, but
-refuses a parent that is a file or a link loop in one line."""
+refuses a parent that is a file or a link loop in one line. `--from-hf --config F`: each key F's [model] sets that the
+checkpoint's replaces is a note."""
 
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A step-0 saved state converted from a tiny Hugging Face checkpoint."""
+def hf(tmp_path_factory):
+    """A tiny Hugging Face checkpoint."""
     hf = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(hf)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def run_dir(hf, tmp_path_factory):
+    """A step-0 saved state converted from the tiny checkpoint."""
     run = tmp_path_factory.mktemp("runs") / "run"
     assert main(["convert", "--from-hf", str(hf), "--to", str(run)]) == 0
     return run
@@ -68,3 +75,16 @@ def test_convert_refuses_a_parent_that_is_a_file_or_a_link_loop(run_dir, tmp_pat
     assert capsys.readouterr().err == (f"spartron: error: {tmp_path / 'loop' / 'b'}: cannot make the export's parent "
                                        "folder (Too many levels of symbolic links)\n")
     assert (tmp_path / "file").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file", "loop"]
+
+
+def test_import_notes_each_model_key_of_the_config_the_checkpoint_replaces(hf, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\ndim = 64\nn_layers = 2\n\n[model.moe]\ntop_k = 2\nn_routed_experts = 8\n')
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(hf), "--to", str(tmp_path / "run"), "--config", str(config)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("spartron: note: ")]
+    assert notes == [  # n_layers and top_k equal the checkpoint's: no note
+        f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf}/config.json decides "
+        "the model)",
+        f"spartron: note: model.moe.n_routed_experts = 8 in {config} is replaced by the checkpoint's 4 "
+        f"({hf}/config.json decides the model)"]
