@@ -66,6 +66,12 @@ def test_classifier_sees_escapes_harm_tracebacks_silence_and_hangs(tmp_path):
     assert cls(0, "", c=Case("p", "config", [], harmless=True)) == "silent harmless"
     assert cls(0, "", c=Case("p", "config", [], accept_ok=True)) == "accepted safely"
     assert cls(0, "", c=Case("p", "config", [], accept_ok=True, harm=lambda d: "broke it")) == "silent harmful"
+    refused = "spartron: error: train.lr: bad\n"  # a harm that judges a success's output: a refusal is not harmed
+    assert cls(2, refused, c=Case("p", "config", [], ("train.lr",), harm=lambda d: "no output")) == "silent harmful"
+    assert cls(2, refused, c=Case("p", "config", [], ("train.lr",), harm=lambda d: "no output",
+                                  harm_on_refusal=False)) == "clear"
+    assert cls(0, "", c=Case("p", "config", [], accept_ok=True, harm=lambda d: "no output",
+                             harm_on_refusal=False)) == "silent harmful"
     assert cls(None, "") == "hang"
     (tmp_path / "decoy" / "precious.txt").write_text("changed\n")  # a write through a link, seen by the hash
     result = classify(case, 2, "", "spartron: error: train.lr\n", tmp_path, work, stub_log, before)

@@ -79,6 +79,7 @@ class Case:
     note: str = ""
     env: dict[str, str] = field(default_factory=dict)  # extra environment (a launcher's variables)
     harm: Callable[[Path], str | None] | None = None  # silent-harm check on the case folder (None: no harm)
+    harm_on_refusal: bool = True  # False: `harm` checks what a successful command left (run at exit 0 only)
     first: list[str] | None = None  # a concurrent run started before the case's command
     first_ready: Ready | None = None  # the case's command starts once this holds for the work folder
     interrupt: tuple[int, Ready] | None = None  # (signal, when): sent to the command's process group
@@ -234,7 +235,7 @@ def classify(case: Case, rc: int | None, out: str, err: str, case_dir: Path, wor
         return "silent harmful", "submitted a job before refusing the input"
     if rc is None:
         return "hang", "timeout"
-    if case.harm is not None and (why := case.harm(case_dir)):
+    if case.harm is not None and (rc == 0 or case.harm_on_refusal) and (why := case.harm(case_dir)):
         return "silent harmful", why
     text = out + err
     if case.fault:

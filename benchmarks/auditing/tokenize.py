@@ -65,6 +65,8 @@ def cases() -> list[Case]:
     out: list[Case] = []
 
     def add(cid, setup, names, category="values", argv=BASE, **kw):
+        if kw.get("harm") is _written:  # "exit 0 without o/tokens.json": a refusal is judged by its message
+            kw.setdefault("harm_on_refusal", False)
         out.append(Case(f"tokenize-{cid}", "tokenize", argv, tuple(names), category=category, setup=setup,
                         timeout=kw.pop("timeout", 60.0), **kw))
 
