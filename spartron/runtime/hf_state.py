@@ -205,12 +205,13 @@ def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], str | Non
 
 
 def _check_new_run_dir(run_dir: Path) -> None:
-    """An imported state starts a new run directory (or fills an empty one), never through a symbolic link
-    (its files would land wherever the link points)."""
+    """An imported state starts a new run directory (or fills an empty one). As for `spartron train`, the run
+    directory itself may be a link to an empty folder (another disk, a scratch space): it then fills that
+    folder; a link to nothing is refused (making its target would create a folder wherever it points)."""
     try:
-        if run_dir.is_symlink():
-            raise HFCheckpointError(f"{run_dir}: is a symbolic link (to {os.readlink(run_dir)!r}); an imported "
-                                    "state starts a new run directory, not through a link")
+        if run_dir.is_symlink() and not run_dir.exists():
+            raise HFCheckpointError(f"{run_dir}: is a symbolic link to nothing (to {os.readlink(run_dir)!r}); an "
+                                    "imported state starts a new run directory or fills an empty one")
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise HFCheckpointError(f"{run_dir}: exists and is not an empty directory; an imported state starts "
                                     "a new run directory")

@@ -139,3 +139,23 @@ def test_sigterm_during_an_export_removes_its_temporary_folder(run_dir, tmp_path
     retry = _cli("convert", "--from", str(run_dir), "--to-hf", str(out), cwd=tmp_path)
     assert retry.returncode == 0 and retry.stderr == "", retry.stderr
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"] and (out / "config.json").is_file()
+
+
+def test_an_import_fills_a_run_directory_that_is_a_link_to_an_empty_folder_as_train_does(run_dir, tmp_path):
+    hf = tmp_path / "hf"
+    proc = _cli("convert", "--from", str(run_dir), "--to-hf", str(hf), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "scratch")
+    proc = _cli("convert", "--from-hf", str(hf), "--to", "linked", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "linked").is_symlink()
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["model.toml", "step-00000000"]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("x")
+    (tmp_path / "to-full").symlink_to(tmp_path / "full")
+    proc = _cli("convert", "--from-hf", str(hf), "--to", "to-full", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["spartron: error: to-full: exists and is not an empty directory; an imported "
+                                        "state starts a new run directory"]
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
