@@ -174,6 +174,22 @@ def moe_bench_model(smoke: bool, tokens: int, dtype: str, **moe: Any) -> tuple[A
     return m, shape
 
 
+def fill_attention_shape(args: Any, smoke: bool, names: dict[str, str]) -> None:
+    """Give every `args` attribute in `names` that its flag left None the value of the model field it names
+    (mla.kv_lora_rank, dsa.index_topk, n_heads, ...) in configs/dsa-12l.toml, or configs/tiny.toml with
+    --smoke: the DSA kernel benchmarks measure the shapes the presets train."""
+    from spartron.runtime.config import load_config
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / ("tiny.toml" if smoke else "dsa-12l.toml")
+    model = load_config(preset).model
+    for attr, field in names.items():
+        if getattr(args, attr) is None:
+            value = model
+            for part in field.split("."):
+                value = getattr(value, part)
+            setattr(args, attr, value)
+
+
 def start_trainer_benchmark(args: Any) -> bool:
     """The start every Trainer benchmark shares (e2e, precision, memory_plan). `--smoke`: the tiny preset on
     CPU, 3 steps after 1 warm-up where the script steps; on a GPU an unset `--peak-tflops` means 750 (the

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py / sparse_mla.py, also under -m
-from common import device_name, write_report  # noqa: E402
+from common import device_name, fill_attention_shape, write_report  # noqa: E402
 from sparse_mla import git_commit, matmul_ceiling, timed  # noqa: E402
 
 from spartron.layers.attention.indexer_fp8 import fp8_operands  # noqa: E402
@@ -262,9 +262,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the reference path)")
     p.add_argument("--seqs", type=int, nargs="+", default=[16384, 65536])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--topk", type=int, default=2048)
+    shape_help = "(default: configs/dsa-12l.toml's, --smoke: configs/tiny.toml's)"
+    p.add_argument("--heads", type=int, default=None, help=f"model.dsa.n_index_heads {shape_help}")
+    p.add_argument("--dim", type=int, default=None, help=f"model.dsa.index_head_dim {shape_help}")
+    p.add_argument("--topk", type=int, default=None, help=f"model.dsa.index_topk {shape_help}")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--check-rows", dest="check_rows", type=int, default=256)
@@ -273,7 +274,9 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="git commit to record (the GPU copy's git metadata lies)")
     args = p.parse_args()
     if args.smoke:
-        args.seqs, args.heads, args.dim, args.topk, args.iters, args.warmup, args.check_rows = [96], 4, 16, 8, 2, 1, 8
+        args.seqs, args.iters, args.warmup, args.check_rows = [96], 2, 1, 8
+    fill_attention_shape(args, args.smoke, {"heads": "dsa.n_index_heads", "dim": "dsa.index_head_dim",
+                                            "topk": "dsa.index_topk"})
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -33,7 +33,7 @@ from spartron.layers.attention import sparse_mla_triton
 from spartron.layers.attention.sparse_mla import default_chunk_size, reference_backward, reference_forward, sparse_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
-from common import call_times_ms, device_name, write_report  # noqa: E402
+from common import call_times_ms, device_name, fill_attention_shape, write_report  # noqa: E402
 
 
 def causal_random_ids(seq: int, topk: int, device, chunk: int = 1024) -> torch.Tensor:
@@ -369,11 +369,12 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the reference path)")
     p.add_argument("--cases", nargs="+", default=["16384x64", "16384x16", "65536x64f"],
                    help="SEQxHEADS, a trailing f: forward only")
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--kv-lora", dest="kv_lora", type=int, default=512)
-    p.add_argument("--rope", type=int, default=64)
-    p.add_argument("--nope", type=int, default=128)
-    p.add_argument("--v-dim", dest="v_dim", type=int, default=128)
+    shape_help = "(default: configs/dsa-12l.toml's, --smoke: configs/tiny.toml's)"
+    p.add_argument("--topk", type=int, default=None, help=f"model.dsa.index_topk {shape_help}")
+    p.add_argument("--kv-lora", dest="kv_lora", type=int, default=None, help=f"model.mla.kv_lora_rank {shape_help}")
+    p.add_argument("--rope", type=int, default=None, help=f"model.mla.qk_rope_head_dim {shape_help}")
+    p.add_argument("--nope", type=int, default=None, help=f"model.mla.qk_nope_head_dim {shape_help}")
+    p.add_argument("--v-dim", dest="v_dim", type=int, default=None, help=f"model.mla.v_head_dim {shape_help}")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference at the first case")
@@ -386,9 +387,10 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="git commit to record (the GPU machine's copy has no .git)")
     args = p.parse_args()
     if args.smoke:
-        args.cases, args.topk = ["64x4"], 16
-        args.kv_lora, args.rope, args.nope, args.v_dim = 32, 8, 16, 16
-        args.iters, args.warmup = 2, 1
+        args.cases, args.iters, args.warmup = ["64x4"], 2, 1
+    fill_attention_shape(args, args.smoke, {"topk": "dsa.index_topk", "kv_lora": "mla.kv_lora_rank",
+                                            "rope": "mla.qk_rope_head_dim", "nope": "mla.qk_nope_head_dim",
+                                            "v_dim": "mla.v_head_dim"})
     result = run(args)
     print(f"bf16 matmul ceiling {result['ceiling_bf16_matmul_tflops']:.0f} TFLOP/s")
     print(f"{'seq':>6s} {'H':>4s} {'case':28s} {'ms':>10s} {'TFLOP/s':>9s} {'peak GiB':>9s}")
