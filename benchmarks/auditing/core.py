@@ -103,6 +103,7 @@ class Result:
     detail: str
     one_line: bool = False
     argv: list[str] = field(default_factory=list)
+    report: bool = False  # a non-zero exit that is a report by design (a rank fault, a regress FAIL verdict)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -425,6 +426,7 @@ def run_case(case: Case, root: Path, stub_dir: Path, bases: dict[str, Path]) -> 
     one_line = rc not in (0, None) and len(lines) == 1 and lines[0].startswith("spartron: error:")
     (case_dir / "stdout").write_text(out)
     (case_dir / "stderr").write_text(err)
-    result = Result(case.id, case.surface, case.category, cls, rc, seconds, detail, one_line, shown)
+    report = case.fault is not None or case.expect_out == "[FAIL]"
+    result = Result(case.id, case.surface, case.category, cls, rc, seconds, detail, one_line, shown, report)
     (case_dir / "result.json").write_text(json.dumps(result.__dict__))  # a long audit's progress, case by case
     return result

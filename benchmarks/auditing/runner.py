@@ -103,7 +103,7 @@ def summary(results: list[Result]) -> dict:
         by_category.setdefault(r.category, Counter())[r.cls] += 1
     one_line = {}
     for surface in by_surface:
-        refusals = [r for r in results if r.surface == surface and r.rc not in (0, None)]
+        refusals = [r for r in results if r.surface == surface and r.rc not in (0, None) and not r.report]
         one_line[surface] = {"refusals": len(refusals), "one_line": sum(r.one_line for r in refusals)}
     good = counts["clear"] + counts["accepted safely"]
     return {"cases": len(results), "counts": {c: counts[c] for c in CLASSES},
@@ -138,7 +138,10 @@ def write_results(results: list[Result], out_md: Path, out_json: Path, wall_s: f
              "or a check found damage: a concurrent run broken, an output unusable); silent harmless (accepted, "
              "should have been refused, no harm); hang (the timeout expired); escape (something outside the case's "
              "work folder written, truncated or deleted: a hashed decoy tree, new files next to the work folder, "
-             "a payload's marker).", "",
+             "a payload's marker). A refusal is a non-zero exit for bad input; a rank fault's report and a "
+             "`regress` FAIL verdict are answers by design, not refusals, and are left out of the one-line share.",
+             "Out of reach of any checksum: tampering that rewrites a saved step's files and its COMPLETE manifest "
+             "to match (the manifest guards against damage, not against an author with write access).", "",
              "## Per surface", "", "| surface | " + " | ".join(CLASSES) + " | one-line refusals |",
              "| --- |" + " --- |" * (len(CLASSES) + 1)]
     for surface, n in s["by_surface"].items():
