@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spartron.configbase import ConfigError
 from spartron.runtime.metrics import MetricsFileError, read_metrics
+from spartron.runtime.safe_open import describe
 
 GB = 1e9
 # The metrics a comparison reads. Every step record holds "loss"; the per-step ones, once a file records them
@@ -112,17 +116,32 @@ def _is_number(value: object) -> bool:
 
 def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
     """read_metrics, then every kept step record checked for the compared metrics: MetricsFileError naming
-    the file, the line and the key when a file holds no step, lacks a metric or records one as a non-number.
+    the file, the line and the key when a file holds no step, lacks a metric or records one as a non-number,
+    or the step numbers do not count up from 1 (a step again with no resume header before it).
     Non-finite numbers are kept: the comparison fails on them (`compare`)."""
     headers, steps = read_metrics(path)
     if not steps:
         raise MetricsFileError(f"{path}: holds no step record (empty, or the run stopped before its first step): "
                                "nothing to compare")
     lines = {}  # step -> line number of its kept (last) record
+    previous, resume_line = 0, None  # the last step since the latest header; the line of a resume header
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         record = json.loads(line) if line.strip() else None
-        if isinstance(record, dict) and record.get("type") == "step":
-            lines[record["step"]] = number
+        if isinstance(record, dict) and record.get("type") == "header":
+            resumed = record.get("resumed_from_step")
+            previous = resumed if isinstance(resumed, int) and not isinstance(resumed, bool) else 0
+            resume_line = number if previous else None
+        elif isinstance(record, dict) and record.get("type") == "step":
+            step = record["step"]
+            if step < 1:
+                raise MetricsFileError(f"{path}:{number}: step {step} is not a step number (steps count from 1)")
+            if step <= previous and resume_line is not None:  # a resume re-runs only the steps after its save
+                raise MetricsFileError(f"{path}:{number}: step {step} is not after step {previous}, the step the "
+                                       f"resume header at line {resume_line} resumed from: not one run's metrics")
+            if step <= previous:  # a run writes each step once after its header
+                raise MetricsFileError(f"{path}:{number}: step {step} follows step {previous} with no resume header "
+                                       "between them (a duplicated or reordered record): not one run's metrics")
+            previous, lines[step], resume_line = step, number, None
     recorded = {key for key in PER_STEP_METRICS if any(r.get(key) is not None for r in steps)}
     for record in steps:
         where = f"{path}:{lines[record['step']]}: step {record['step']}"
@@ -295,15 +314,46 @@ _VERDICT_COLOR = {"PASS": "tab:green", "FAIL": "tab:red", "WARN": "tab:orange"}
 
 def plot_runs(run_jsonl: str | Path, baseline_jsonl: str | Path, out_png: str | Path,
               tolerances: Tolerances = Tolerances(), report: RegressionReport | None = None) -> Path:
-    """Write `comparison_figure` as a PNG."""
+    """Write `comparison_figure` as a PNG (or the format the name's suffix says). The file is written under a
+    new name beside `out_png` and renamed over it: an existing regular file is replaced, and a link, FIFO or
+    folder at that name is refused (ConfigError naming it), never written through."""
     import matplotlib.pyplot as plt
 
-    fig = comparison_figure(run_jsonl, baseline_jsonl, tolerances, report)
     out = Path(out_png)
+    _check_plot_path(out)
+    fig = comparison_figure(run_jsonl, baseline_jsonl, tolerances, report)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=100, format=out.suffix[1:].lower() or "png")
+        os.replace(tmp, out)
+    except OSError as err:
+        raise ConfigError(f"--plot {str(out)!r} cannot be written: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
+
+
+def _check_plot_path(out: Path) -> None:
+    """ConfigError unless `out` is absent or a regular file, and its suffix names a format matplotlib writes."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if out.suffix and out.suffix[1:].lower() not in formats:
+        raise ConfigError(f"--plot {str(out)!r}: unknown image format {out.suffix!r} (use one of "
+                          f"{', '.join('.' + f for f in sorted(formats))})")
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    except OSError as err:  # a name too long, a parent that is a file
+        raise ConfigError(f"--plot {str(out)[:200]!r} cannot be written: {err.strerror or err}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--plot {str(out)!r} {describe(out)}: the plot replaces a regular file or makes a new "
+                          "one; choose another path")
 
 
 def comparison_figure(run_jsonl: str | Path, baseline_jsonl: str | Path, tolerances: Tolerances = Tolerances(),

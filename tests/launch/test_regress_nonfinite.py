@@ -128,3 +128,59 @@ def test_a_nonfinite_noise_floor_run_is_refused(tmp_path, capsys):
     assert (status, out) == (2, "")
     assert err == (f"spartron: error: {noisy}: the noise-floor run records non-finite metrics: grad_norm nan at "
                    "step 2\n")
+
+
+def _lines(path):
+    return path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda ls: [*ls, ls[-1]], "{p}:6: step 4 follows step 4 with no resume header between them (a duplicated or "
+                               "reordered record): not one run's metrics"),
+    (lambda ls: [ls[0], *reversed(ls[1:])], "{p}:3: step 3 follows step 4 with no resume header between them (a "
+                                            "duplicated or reordered record): not one run's metrics"),
+    (lambda ls: [ls[0], ls[1].replace('"step": 1', '"step": -1'), *ls[2:]],
+     "{p}:2: step -1 is not a step number (steps count from 1)"),
+    (lambda ls: [*ls, json.dumps({"type": "header", "resumed_from_step": 3}), ls[2]],
+     "{p}:7: step 2 is not after step 3, the step the resume header at line 6 resumed from: not one run's metrics"),
+    (lambda ls: [*ls, json.dumps({"type": "header", "resumed_from_step": 2}), ls[3], ls[3]],
+     "{p}:8: step 3 follows step 3 with no resume header between them (a duplicated or reordered record): not one "
+     "run's metrics"),
+])
+def test_step_numbers_that_do_not_count_up_are_one_line(tmp_path, capsys, edit, message):
+    bad, good = write_run(tmp_path / "bad.jsonl"), write_run(tmp_path / "good.jsonl")
+    bad.write_text("\n".join(edit(_lines(bad))) + "\n")
+    status, out, err = _cli(["regress", "compare", str(bad), str(good)], capsys)
+    assert (status, out, err) == (2, "", f"spartron: error: {message.format(p=bad)}\n")
+
+
+def test_a_resume_that_reruns_steps_keeps_their_last_records(tmp_path):
+    run = write_run(tmp_path / "r.jsonl")
+    lines = _lines(run)
+    resumed = json.dumps({"type": "header", "deterministic": True, "resumed_from_step": 2})
+    run.write_text("\n".join([*lines, resumed, lines[3].replace('"grad_norm": 1.0', '"grad_norm": 1.5'), lines[4]])
+                   + "\n")
+    report = compare_runs(run, write_run(tmp_path / "b.jsonl"))
+    assert report.check("grad norm (absolute)").detail.startswith("max abs diff 0.5 at step 3")
+
+
+def test_plot_replaces_a_regular_file_and_refuses_a_link_a_fifo_or_an_unknown_format(tmp_path, capsys):
+    import os
+
+    run, base = str(write_run(tmp_path / "r.jsonl")), str(write_run(tmp_path / "b.jsonl"))
+    (tmp_path / "old.png").write_text("old")
+    status, out, err = _cli(["regress", "compare", run, base, "--plot", str(tmp_path / "old.png")], capsys)
+    assert (status, err) == (0, "") and (tmp_path / "old.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "precious.txt").write_text("mine")
+    (tmp_path / "link.png").symlink_to(tmp_path / "precious.txt")
+    os.mkfifo(tmp_path / "fifo.png")
+    for name, what in (("link.png", f"is a symbolic link (to {tmp_path / 'precious.txt'})"), ("fifo.png", "is a FIFO")):
+        status, out, err = _cli(["regress", "compare", run, base, "--plot", str(tmp_path / name)], capsys)
+        assert (status, err) == (2, f"spartron: error: --plot {str(tmp_path / name)!r} {what}: the plot replaces a "
+                                    "regular file or makes a new one; choose another path\n")
+    assert (tmp_path / "precious.txt").read_text() == "mine"
+    status, out, err = _cli(["regress", "compare", run, base, "--plot", str(tmp_path / "p.doc")], capsys)
+    assert status == 2 and err.startswith(f"spartron: error: --plot {str(tmp_path / 'p.doc')!r}: unknown image "
+                                          "format '.doc' (use one of ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.jsonl", "fifo.png", "link.png", "old.png",
+                                                          "precious.txt", "r.jsonl"]
