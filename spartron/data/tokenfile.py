@@ -70,26 +70,26 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
     leaves `out` as it was, so the same command can run again (it removes, with a note, the sibling a
     killed run left: spartron.temporaries). `extra(folder)`, when given, writes more files into the folder
     before tokens.json and returns the metadata entries that describe them."""
-    out = Path(os.path.realpath(out))  # `.`, and a link to a folder: the folder it names
-    _check_output(out)
+    given = str(out)  # every message names the folder as the user gave it, not the path it resolves to
+    _refuse_link(Path(out), given)
+    out = Path(os.path.realpath(out))  # `.` and `..`: the folder they name (a link there was refused above)
+    _check_output(out, given)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         for note in remove_stale(out, "partial"):  # what a SIGKILLed earlier attempt left
             print(note, file=sys.stderr, flush=True)
         tmp = make_sibling(out, "partial")  # the umask's permissions, like any folder the user makes
     except OSError as err:
-        raise ConfigError(f"output folder {str(out)!r} cannot be made: {err.strerror or err}") from None
+        raise ConfigError(f"output folder {given!r} cannot be made: {err.strerror or err}") from None
     moved: list[Path] = []  # into an existing empty folder: removed again on failure
     try:
         meta = _write(tmp, records, vocab_size, eos_id, bos_id, tokenizer, corpus, chunk_tokens, extra)
-        _check_output(out)  # still new or empty: nothing of someone else's is replaced
+        _refuse_link(out, given)  # still no link, and new or empty: nothing of someone else's is replaced
+        _check_output(out, given)
         if out.is_dir():  # the user's empty folder stays (its permissions; maybe a shell's working directory)
-            for name in sorted(os.listdir(tmp), key=lambda n: n == META):  # tokens.json last: complete
-                moved.append(out / name)
-                os.rename(tmp / name, out / name)
-            tmp.rmdir()
+            _fill(tmp, out, moved)
         else:
-            os.rename(tmp, out)
+            os.rename(tmp, out)  # onto a link made meanwhile: ENOTDIR, the link stays as it was
         return meta
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -99,20 +99,45 @@ def write_token_folder(out: str | Path, records: Iterable[tuple[list[int], list[
             else:
                 path.unlink(missing_ok=True)
         if isinstance(err, OSError):
-            raise ConfigError(f"writing {str(out)!r} failed: {err.strerror or err}") from None
+            raise ConfigError(f"writing output folder {given!r} failed: {err.strerror or err}") from None
         raise
 
 
-def _check_output(out: Path) -> None:
+def _fill(tmp: Path, out: Path, moved: list[Path]) -> None:
+    """Move tmp's files into the empty folder `out`, tokens.json last (complete), through a descriptor of
+    `out` opened without following a link: a link swapped in after the check is refused, not written through."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in sorted(os.listdir(tmp), key=lambda n: n == META):
+            moved.append(out / name)
+            os.rename(tmp / name, name, dst_dir_fd=fd)
+    finally:
+        os.close(fd)
+    tmp.rmdir()
+
+
+def _refuse_link(out: Path, given: str) -> None:
+    """An output folder that is a symbolic link is refused: filling its target (an empty folder elsewhere, or
+    one made where a dangling link points) writes outside the folder the user named."""
+    try:
+        target = os.readlink(out) if out.is_symlink() else None
+    except OSError as err:  # a name too long, a folder on the path that is not one
+        raise ConfigError(f"output folder {given!r} cannot be read: {err.strerror or err}") from None
+    if target is not None:
+        raise ConfigError(f"output folder {given!r} is a symbolic link (to {target!r}): `spartron data` writes a "
+                          "new folder or fills an empty one, never through a link (name its target)")
+
+
+def _check_output(out: Path, given: str) -> None:
     """`out` may be new or an empty folder, nothing else."""
     try:
         if out.is_dir():
             if any(out.iterdir()):
-                raise ConfigError(f"output folder {str(out)!r} exists and is not empty (choose a new folder)")
+                raise ConfigError(f"output folder {given!r} exists and is not empty (choose a new folder)")
         elif out.exists() or out.is_symlink():
-            raise ConfigError(f"output folder {str(out)!r} exists and is not a folder (choose a new folder)")
+            raise ConfigError(f"output folder {given!r} exists and is not a folder (choose a new folder)")
     except OSError as err:
-        raise ConfigError(f"output folder {str(out)!r} cannot be read: {err.strerror or err}") from None
+        raise ConfigError(f"output folder {given!r} cannot be read: {err.strerror or err}") from None
 
 
 def _write(out: Path, records: Iterable[tuple[list[int], list[int]]], vocab_size: int, eos_id: int,

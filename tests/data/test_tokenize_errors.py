@@ -204,6 +204,56 @@ def test_corpus_and_output_paths(tmp_path, tok, capfd):
     assert not list(tmp_path.glob(".*partial-*"))
 
 
+@pytest.mark.parametrize(("make", "target"), [
+    (lambda d: (d / "empty").mkdir(), "empty"),  # would be filled: files outside the folder the user named
+    (lambda d: None, "new"),  # dangling: would be made where the link points
+    (lambda d: ((d / "notes").mkdir(), (d / "notes" / "n.txt").write_text("mine")), "notes"),
+    (lambda d: (d / "precious.txt").write_text("mine"), "precious.txt"),
+])
+def test_an_output_folder_that_is_a_link_is_refused_by_the_name_given(tmp_path, tok, capfd, monkeypatch, make,
+                                                                       target):
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat"}])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make(elsewhere)
+    before = sorted(p.name for p in elsewhere.rglob("*"))
+    (tmp_path / "o").symlink_to(elsewhere / target)
+    monkeypatch.chdir(tmp_path)
+    code, err = _data(capfd, corpus, tok, Path("o"))
+    assert (code, err) == (2, f"spartron: error: output folder 'o' is a symbolic link (to {str(elsewhere / target)!r}): "
+                              "`spartron data` writes a new folder or fills an empty one, never through a link (name "
+                              "its target)\n")
+    assert sorted(p.name for p in elsewhere.rglob("*")) == before
+    assert (tmp_path / "o").is_symlink() and not list(tmp_path.glob(".o.partial-*"))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda o: o.write_text("mine"), "exists and is not a folder (choose a new folder)"),
+    (lambda o: os.mkfifo(o), "exists and is not a folder (choose a new folder)"),
+    (lambda o: (o.mkdir(), (o / "x").write_text("mine")), "exists and is not empty (choose a new folder)"),
+])
+def test_an_output_path_that_is_not_new_or_empty_is_named_as_given(tmp_path, tok, capfd, monkeypatch, make, message):
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat"}])
+    make(tmp_path / "o")
+    monkeypatch.chdir(tmp_path)
+    code, err = _data(capfd, corpus, tok, Path("o"))
+    assert (code, err) == (2, f"spartron: error: output folder 'o' {message}\n")
+
+
+def test_an_output_folder_named_dot_is_filled_when_empty(tmp_path, tok, capfd, monkeypatch):
+    corpus = write_jsonl(tmp_path / "c" / "a.jsonl", [{"text": "the cat"}])
+    (tmp_path / "o").mkdir()
+    monkeypatch.chdir(tmp_path / "o")
+    code, err = _data(capfd, corpus, tok, Path("."))
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path / "o")) == ["documents.bin", "tokenizer.json", "tokenizer_config.json",
+                                                  "tokens.bin", "tokens.json"]
+    monkeypatch.chdir(tmp_path)
+    long = "o" * 5000
+    code, err = _data(capfd, corpus, tok, Path(long))
+    assert (code, err) == (2, f"spartron: error: output folder {long!r} cannot be read: File name too long\n")
+
+
 def _big_corpus(root: Path) -> Path:
     """About 2M tokens: a second or two of tokenizing, long enough to be stopped mid-write."""
     line = json.dumps({"text": " ".join(["the cat sat on a mat"] * 40)}) + "\n"
