@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException
 
-from spartron.interop.hf.config_map import HFConfigError
+from spartron.interop.hf.config_map import SPARTRON_ONLY_KEYS, HFConfigError
 from spartron.interop.hf.convert import HFCheckpointError, TensorSource, hf_model_config, import_hf, load_hf_weights
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
@@ -225,6 +225,8 @@ def _check_model_overrides(run: ModelConfig, checkpoint: ModelConfig, keys: tupl
     [model] (a run config's own [model] is replaced, as the README says), so the value would be dropped."""
     ours, theirs = run.model_dump(mode="json"), checkpoint.model_dump(mode="json")
     for key in keys:
+        if key[len("model."):] in SPARTRON_ONLY_KEYS:  # the run's own (_keep_spartron_only)
+            continue
         a, b = ours, theirs
         for part in key.split(".")[1:]:
             a = a.get(part) if isinstance(a, dict) else None
@@ -234,13 +236,27 @@ def _check_model_overrides(run: ModelConfig, checkpoint: ModelConfig, keys: tupl
                                     "the checkpoint's [model])")
 
 
+def _keep_spartron_only(run: ModelConfig, model: dict) -> None:
+    """Put the run config's explicit settings of SPARTRON_ONLY_KEYS (how Spartron runs the same function: the
+    dispatcher, the dtypes; a checkpoint does not decide them) into `model`, the checkpoint's [model] dump."""
+    for key in SPARTRON_ONLY_KEYS:
+        *parents, name = key.split(".")
+        section, target = run, model
+        for part in parents:
+            section = getattr(section, part, None)
+            target = target.get(part) if isinstance(target, dict) else None
+        if section is not None and isinstance(target, dict) and name in section.model_fields_set:
+            target[name] = section.model_dump(mode="json")[name]
+
+
 def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
                        model_overrides: tuple[str, ...] = ()) -> tuple[Path, Any]:
     """Write `run_dir/step-00000000` from a Hugging Face checkpoint (module docstring).
 
-    `run_cfg`: the RunConfig the run will train with (its `model` section is replaced by the
-    checkpoint's; default: RunConfig()). `model_overrides`: the `model.*` keys the user set on the command line:
-    each must equal the checkpoint's (HFCheckpointError naming it). Returns (the step directory, the RunConfig).
+    `run_cfg`: the RunConfig the run will train with (its `model` section is replaced by the checkpoint's,
+    but for the SPARTRON_ONLY_KEYS it sets; default: RunConfig()). `model_overrides`: the `model.*` keys the
+    user set on the command line: each must equal the checkpoint's (HFCheckpointError naming it), but for the
+    SPARTRON_ONLY_KEYS. Returns (the step directory, the RunConfig).
     """
     from spartron.layers.model import build_model
     from spartron.parallel.dims import ParallelDims
@@ -258,6 +274,8 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
         _check_model_overrides(run_cfg.model, model_cfg, model_overrides)
     data = (run_cfg or RunConfig()).model_dump(mode="json")
     data["model"] = model_cfg.model_dump(mode="json")
+    if run_cfg is not None:
+        _keep_spartron_only(run_cfg.model, data["model"])
     run_cfg = config_from_dict(data)
     p, t = run_cfg.parallel, run_cfg.train
     dims = ParallelDims(1, fsdp=p.resolve_fsdp(1), cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate, order=p.order)

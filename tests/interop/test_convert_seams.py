@@ -13,6 +13,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from spartron.launch.cli import main
+from spartron.runtime.config import load_config
 from spartron.runtime.rundir import RunDirLock
 
 HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -88,3 +89,18 @@ def test_import_notes_each_model_key_of_the_config_the_checkpoint_replaces(hf, t
         "the model)",
         f"spartron: note: model.moe.n_routed_experts = 8 in {config} is replaced by the checkpoint's 4 "
         f"({hf}/config.json decides the model)"]
+
+
+def test_import_keeps_the_spartron_only_keys_the_config_sets(hf, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\ndim = 64\n\n[model.moe]\ndispatcher = "local"\nbias_update_rate = 0.5\n')
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(hf), "--to", str(tmp_path / "run"), "--config", str(config),
+                 "--set", "model.moe.grouped_mm='loop'"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("spartron: note: ")]
+    assert notes == [f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf}/config.json "
+                     "decides the model)"]  # how Spartron runs the function is the config's: no note
+    saved = load_config(str(tmp_path / "run" / "model.toml"))
+    moe = saved.model.moe
+    assert (moe.dispatcher, moe.bias_update_rate, moe.grouped_mm) == ("local", 0.5, "loop")
+    assert saved.model.dim == 32
