@@ -116,8 +116,9 @@ def _is_number(value: object) -> bool:
 
 def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
     """read_metrics, then every kept step record checked for the compared metrics: MetricsFileError naming
-    the file, the line and the key when a file holds no step, lacks a metric or records one as a non-number,
-    or the step numbers do not count up from 1 (a step again with no resume header before it).
+    the file, the line and the key when a file holds no step, does not start with its header (not written by
+    Spartron, or its first line lost), lacks a metric or records one as a non-number, or the step numbers do not
+    count up from 1 (a step again with no resume header before it).
     Non-finite numbers are kept: the comparison fails on them (`compare`)."""
     headers, steps = read_metrics(path)
     if not steps:
@@ -125,8 +126,13 @@ def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
                                "nothing to compare")
     lines = {}  # step -> line number of its kept (last) record
     previous, resume_line = 0, None  # the last step since the latest header; the line of a resume header
+    started = False  # a record was read: the first one must be the header
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         record = json.loads(line) if line.strip() else None
+        if record is not None and not started and not _is_header(record):
+            raise MetricsFileError(f"{path}:{number}: no header: not a metrics file Spartron wrote, or its first "
+                                   "line was lost (its header says what the run was: deterministic, run id)")
+        started = started or record is not None
         if isinstance(record, dict) and record.get("type") == "header":
             resumed = record.get("resumed_from_step")
             previous = resumed if isinstance(resumed, int) and not isinstance(resumed, bool) else 0
@@ -153,6 +159,10 @@ def load_run(path: str | Path) -> tuple[list[dict], list[dict]]:
             if record.get(key) is not None and not _is_number(record[key]):
                 raise MetricsFileError(f"{where}: metric {key!r} is not a number (got {record[key]!r:.60})")
     return headers, steps
+
+
+def _is_header(record: object) -> bool:
+    return isinstance(record, dict) and record.get("type") == "header"
 
 
 def _nonfinite_values(value: object, path: str) -> list[tuple[str, object]]:

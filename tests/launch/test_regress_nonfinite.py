@@ -100,6 +100,9 @@ def test_cli_exit_1_on_a_nan_baseline(tmp_path, capsys):
                                  "nothing to compare"),
     (lambda p: p.write_text(json.dumps({"type": "header"}) + "\n"),
      "{p}: holds no step record (empty, or the run stopped before its first step): nothing to compare"),
+    (lambda p: p.write_text("\n" + "".join(p.read_text().splitlines(True)[1:])),
+     "{p}:2: no header: not a metrics file Spartron wrote, or its first line was lost (its header says what the run "
+     "was: deterministic, run id)"),
     (lambda p: p.write_text(p.read_text().replace('"loss": 4.8, ', '')),
      "{p}:3: step 2: metric 'loss' is missing"),
     (lambda p: p.write_text(p.read_text().replace('"grad_norm": 1.0, ', '', 1)),
