@@ -13,10 +13,8 @@ import argparse
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -89,7 +87,7 @@ def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool,
 
 def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks."""
-    from spartron.launch.local import existing_launcher, launch_local
+    from spartron.launch.local import existing_launcher, launch_local, launch_with_temporary_logs
     from spartron.parallel.env import process_environ
     from spartron.runtime.observe import launch_env
 
@@ -100,31 +98,19 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     _check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         _world_layout(cfg, cfg.launch.nproc)
-        command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config]
-        for item in args.set:
-            command += ["--set", item]
-        if entry == "eval":
-            command += ["--step", args.step]
+        step = ["--step", args.step] if entry == "eval" else []
+        command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config, *step,
+                   *(x for item in args.set for x in ("--set", item))]
         fault = check_fault(cfg.debug, cfg.launch.nproc, cfg.train.steps)
         if fault:
             raise ConfigError(fault)
-        # eval reads a run directory it does not own (maybe a live one): its rank logs go to a new temporary
-        # folder, removed unless the ranks failed (then its path is the last line)
-        logs = Path(tempfile.mkdtemp(prefix="spartron-eval-logs-")) if entry == "eval" else run_dir / "logs"
-        print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {logs}", file=sys.stderr)
-        status = USAGE_STATUS
-        try:
-            status = launch_local(command, cfg.launch.nproc, environ, logs, root=logs if entry == "eval" else run_dir,
-                                  bind_cores=cfg.launch.bind_cores,
-                                  stopped_limit_s=cfg.parallel.timeout_s,
-                                  terminate_grace_s=cfg.launch.terminate_grace_s)
-        finally:
-            if entry == "eval":
-                if status in (0, USAGE_STATUS):  # done, or refused in one line already printed
-                    shutil.rmtree(logs, ignore_errors=True)
-                else:
-                    print(f"spartron: the eval ranks' logs are kept in {logs}", file=sys.stderr)
-        return status
+        options = dict(bind_cores=cfg.launch.bind_cores, stopped_limit_s=cfg.parallel.timeout_s,
+                       terminate_grace_s=cfg.launch.terminate_grace_s)
+        if entry == "eval":  # it reads a run directory it does not own (maybe a live one): never writes there
+            return launch_with_temporary_logs(command, cfg.launch.nproc, environ, "spartron-eval-logs-", **options)
+        print(f"spartron: launching {cfg.launch.nproc} local ranks; logs of ranks 1.. in {run_dir / 'logs'}",
+              file=sys.stderr)
+        return launch_local(command, cfg.launch.nproc, environ, run_dir / "logs", root=run_dir, **options)
     if entry == "smoke":
         from spartron.launch.smoke import run_smoke
 
@@ -380,20 +366,6 @@ def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
     raise _Terminated
 
 
-def _replaced_keys(given, taken, prefix: str) -> list[tuple[str, str, str]]:  # noqa: ANN001 - config sections
-    """(dotted key, the config's value, the checkpoint's) of each key the config sets explicitly (its file, not a
-    default) that an import replaces with the checkpoint's value: a user's setting never changes silently."""
-    out = []
-    for name in sorted(given.model_fields_set):
-        mine, theirs = getattr(given, name), getattr(taken, name)
-        if hasattr(mine, "model_fields_set") and hasattr(theirs, "model_fields_set"):
-            out += _replaced_keys(mine, theirs, f"{prefix}.{name}")
-        elif mine != theirs:
-            show = [json.dumps(v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for v in (mine, theirs)]
-            out.append((f"{prefix}.{name}", *show))
-    return out
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
     """Hugging Face checkpoint -> a step-0 saved state `spartron train` resumes (train.resume = true), or a
     saved state (step or run directory) -> a Hugging Face checkpoint (spartron/interop/hf)."""
@@ -412,16 +384,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)")
     from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf
     from spartron.interop.hf.convert import DEFAULT_SHARD_BYTES
+    from spartron.runtime import hf_state
     from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml, run_tokenizer
 
     try:
         if args.from_hf is not None:
             keys = tuple(item.split("=", 1)[0].strip() for item in args.set if item.strip().startswith("model."))
-            given = load_config(args.config, args.set)
-            step, cfg = import_hf_to_state(args.from_hf, args.to, given, keys)
-            for key, mine, theirs in _replaced_keys(given.model, cfg.model, "model") if args.config else ():
-                print(f"spartron: note: {key} = {mine} in {args.config} is replaced by the checkpoint's {theirs} "
-                      f"({args.from_hf}/config.json decides the model)", file=sys.stderr)
+            step, cfg = import_hf_to_state(args.from_hf, args.to, given := load_config(args.config, args.set), keys)
+            for line in hf_state.replaced_model_notes(given.model, cfg.model, args.config, args.from_hf):
+                print(line, file=sys.stderr)
             toml = Path(args.to) / "model.toml"
             toml.write_text(model_toml(cfg.model))
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "

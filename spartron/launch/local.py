@@ -28,14 +28,17 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS
 from spartron.runtime.safe_open import make_dir, open_file
@@ -385,6 +388,24 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
             r.close_output()
             if r.pidfd is not None:
                 os.close(r.pidfd)
+
+
+def launch_with_temporary_logs(command: Sequence[str], nproc: int, environ: Mapping[str, str], prefix: str,
+                               **options: Any) -> int:
+    """launch_local with the rank logs in a new temporary folder (for a command that reads a run directory it
+    does not own): removed at the end unless the ranks failed (refused in one line counts as done); then
+    its path is the last line."""
+    logs = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"spartron: launching {nproc} local ranks; logs of ranks 1.. in {logs}", file=sys.stderr)
+    status = USAGE_STATUS
+    try:
+        status = launch_local(command, nproc, environ, logs, root=logs, **options)
+    finally:
+        if status in (0, USAGE_STATUS):
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"spartron: the ranks' logs are kept in {logs}", file=sys.stderr)
+    return status
 
 
 def _open_logs(log_dir: Path, root: Path, nproc: int) -> dict[int, int]:

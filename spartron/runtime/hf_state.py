@@ -21,6 +21,7 @@ The runtime half of spartron.interop.hf (which stays below the runtime floor and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -287,6 +288,28 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
     path = save_state(run_dir, 0, model, optimizer, {"tokens": 0}, {"data": loader.state_dict()},
                       torch.device("cpu"), layout=dims.describe(), config=state_config(run_cfg))
     return path, run_cfg
+
+
+def replaced_model_notes(given: ModelConfig, taken: ModelConfig, config: str | None, hf_dir: str) -> list[str]:
+    """One `spartron: note:` line per key the run config `config` sets explicitly in [model] (not a default)
+    that the import replaced with the checkpoint's value: a user's setting never changes silently (none
+    without a config file)."""
+    if config is None:
+        return []
+    return [f"spartron: note: {key} = {mine} in {config} is replaced by the checkpoint's {theirs} ({hf_dir}/"
+            "config.json decides the model)" for key, mine, theirs in _replaced(given, taken, "model")]
+
+
+def _replaced(given, taken, prefix: str) -> list[tuple[str, str, str]]:  # noqa: ANN001 - config sections
+    out = []
+    for name in sorted(given.model_fields_set):
+        mine, theirs = getattr(given, name), getattr(taken, name)
+        if hasattr(mine, "model_fields_set") and hasattr(theirs, "model_fields_set"):
+            out += _replaced(mine, theirs, f"{prefix}.{name}")
+        elif mine != theirs:
+            show = [json.dumps(v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for v in (mine, theirs)]
+            out.append((f"{prefix}.{name}", *show))
+    return out
 
 
 def model_toml(cfg: ModelConfig) -> str:
