@@ -382,3 +382,19 @@ def test_a_rank_log_that_cannot_be_written_ends_the_run_in_one_line(tmp_path):
                            "too large): free space on its disk, then resume the run\n")
     assert (tmp_path / "logs" / "rank1.log").stat().st_size == 4096  # what fitted: lines of the rank's output
     assert (tmp_path / "logs" / "rank1.log").read_text().startswith("x" * 99 + "\n")
+
+
+def test_temporary_rank_logs_are_removed_or_kept_and_named(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # tempfile's folder, read at each mkdtemp
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    from spartron.launch.local import launch_with_temporary_logs
+
+    env = {"PATH": "/usr/bin:/bin"}
+    assert launch_with_temporary_logs([sys.executable, "-c", "print('hi')"], 2, env, "t-") == 0
+    assert list(tmp_path.glob("t-*")) == []
+    assert launch_with_temporary_logs([sys.executable, "-c", "import sys; sys.exit(3)"], 2, env, "t-") == 3
+    (kept,) = tmp_path.glob("t-*")
+    assert (kept / "rank1.log").is_file()
+    assert capfd.readouterr().err.endswith(f"spartron: the ranks' logs are kept in {kept}\n")
