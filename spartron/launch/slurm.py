@@ -20,6 +20,7 @@ complete step and exit with STOPPED_STATUS (75). With `launch.requeue` the job t
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from spartron.launch.process import STOPPED_STATUS
 from spartron.runtime.config import LaunchConfig, RunConfig, dump_config
 from spartron.runtime.observe import launch_env
+from spartron.runtime.safe_open import open_file
 
 # Characters allowed in paths written into #SBATCH directives (sbatch parses those itself).
 _DIRECTIVE_PATH = re.compile(r"/[A-Za-z0-9._/+=@:,~-]*")
@@ -223,9 +225,13 @@ def _srun_with_sigterm_forwarding(srun: str, requeue: bool) -> list[str]:
 
 
 def write_job(job: SlurmJob) -> None:
-    job.script_path.parent.mkdir(parents=True, exist_ok=True)
-    job.config_path.write_text(job.config_text)
-    job.script_path.write_text(job.script)
+    """Write the frozen config and the script into <run dir>/slurm without following a link there: a
+    `slurm`, `config.toml` or `job.sbatch` that is a link (or a FIFO...) is refused by name (UnsafeEntryError),
+    never written through to a file elsewhere."""
+    for path, text in ((job.config_path, job.config_text), (job.script_path, job.script)):
+        relative = path.relative_to(job.run_dir)
+        with open(open_file(job.run_dir, relative, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+            f.write(text)
 
 
 def _slurm(args: list[str]) -> subprocess.CompletedProcess:

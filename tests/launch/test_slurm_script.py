@@ -22,8 +22,9 @@ import pytest
 from shell_payloads import MULTI_LINE, SINGLE_LINE  # next to this file
 
 from spartron.launch.cli import main
-from spartron.launch.slurm import SlurmError, render_job, time_limit_s
+from spartron.launch.slurm import SlurmError, render_job, time_limit_s, write_job
 from spartron.runtime.config import RunConfig, load_config
+from spartron.runtime.safe_open import UnsafeEntryError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -335,3 +336,32 @@ def test_a_signal_at_or_before_the_job_start_is_refused(tmp_path):
         render_job(load_config(TINY, ['launch.time="00:05:00"', "launch.signal_before_s=300"]), tmp_path)
     render_job(load_config(TINY, ['launch.time="00:05:01"', "launch.signal_before_s=300"]), tmp_path)
     render_job(load_config(TINY, ['launch.time="UNLIMITED"', "launch.signal_before_s=300"]), tmp_path)
+
+
+@pytest.mark.parametrize(("entry", "make"), [
+    ("slurm/config.toml", lambda p, target: p.symlink_to(target)),
+    ("slurm/job.sbatch", lambda p, target: p.symlink_to(target)),
+    ("slurm", lambda p, target: p.symlink_to(target.parent)),
+])
+def test_job_files_are_never_written_through_a_link_in_the_run_directory(tmp_path, entry, make):
+    """A link left in <run dir>/slurm (by a user, a copy tool or an attacker) would make sbatch overwrite the
+    file it points to: refused by name, the target unchanged."""
+    job = render_job(_base(tmp_path), tmp_path)
+    precious = tmp_path / "elsewhere" / "precious.txt"
+    precious.parent.mkdir()
+    precious.write_text("mine")
+    (job.run_dir / entry).parent.mkdir(parents=True)
+    make(job.run_dir / entry, precious)
+    with pytest.raises(UnsafeEntryError) as err:
+        write_job(job)
+    assert str(err.value) == (f"{job.run_dir / entry} is a symbolic link (to {os.readlink(job.run_dir / entry)}): a "
+                              "run reads and writes only regular files and folders inside its run directory; remove it")
+    assert precious.read_text() == "mine" and sorted(os.listdir(precious.parent)) == ["precious.txt"]
+
+
+def test_job_files_are_written_and_rewritten_in_place(tmp_path):
+    job = render_job(_base(tmp_path), tmp_path)
+    write_job(job)
+    write_job(job)  # a second submission of the same run replaces them
+    assert job.config_path.read_text() == job.config_text and job.script_path.read_text() == job.script
+    assert sorted(os.listdir(job.run_dir / "slurm")) == ["config.toml", "job.sbatch"]
