@@ -23,6 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from spartron.runtime.safe_open import UnsafeEntryError, check_entry, describe, open_file
+from spartron.runtime.saved_config import (  # noqa: F401  (the run directory's public names, kept importable here)
+    DATA_TRAIN_KEYS,
+    STATE_TRAIN_KEYS,
+    TRAINING_TRAIN_KEYS,
+    config_changes,
+    refused_change,
+    resume_notes,
+    state_config,
+    training_notes,
+)
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -37,14 +47,6 @@ READABLE_FORMATS = (LEGACY_FORMAT, FORMAT_VERSION)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d{8,})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")  # a step holds flat file names only
-# The train.* options stored in the optimizer's state (its kind and param_groups): a resume must match them.
-STATE_TRAIN_KEYS = ("optimizer", "beta1", "beta2", "weight_decay")
-# What the saved data position means (with every train.data.* key): a change is reported when resuming.
-DATA_TRAIN_KEYS = ("seed", "seq_len", "global_batch_size")
-# How training proceeds from the step on: a resume that changes one prints a note naming it (`training_notes`).
-TRAINING_TRAIN_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "steps", "grad_clip", "micro_batch_size",
-                       "intra_layer_micro_batches", "intra_layer_micro_batch_scope", "grad_sync", "adamw_kernel",
-                       "compile", "max_loss", "loss_spike_factor")
 
 
 class StateLoadError(RuntimeError):
@@ -109,58 +111,6 @@ def check_newest_marker(run_dir: Path) -> None:
 def latest_complete_step(run_dir: str | Path) -> int | None:
     steps = complete_steps(run_dir)
     return steps[-1] if steps else None
-
-
-# ---- the config that shapes a state -----------------------------------------------------------------
-def _flatten(data: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}.{key}"))
-        return out
-    return {prefix: data}
-
-
-def state_config(cfg: Any) -> dict[str, Any]:
-    """Dotted key -> value of the options recorded with a saved state (cfg: a RunConfig)."""
-    flat = _flatten(cfg.model.model_dump(mode="json"), "model")
-    flat.update({f"train.{key}": getattr(cfg.train, key)
-                 for key in STATE_TRAIN_KEYS + DATA_TRAIN_KEYS + TRAINING_TRAIN_KEYS})
-    flat.update(_flatten(cfg.train.data.model_dump(mode="json"), "train.data"))
-    return flat
-
-
-def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    """'key (saved A, this run B)' for every dotted key under prefix whose value differs."""
-    keys = sorted(k for k in set(saved) | set(now) if k.startswith(prefix))
-    missing = "<unset>"
-    return [f"{k} (saved {saved.get(k, missing)!r}, this run {now.get(k, missing)!r})"
-            for k in keys if saved.get(k, missing) != now.get(k, missing)]
-
-
-def _refused(change: str) -> bool:
-    return change.split(" ", 1)[0] in {f"train.{key}" for key in STATE_TRAIN_KEYS}
-
-
-def _training(change: str) -> bool:
-    return change.split(" ", 1)[0] in {f"train.{key}" for key in TRAINING_TRAIN_KEYS}
-
-
-def resume_notes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The recorded settings that differ but do not stop a resume: model.* keys whose tensors still fit
-    (checked by load_state), and what the data position means (seed, sequence length, batch, data file).
-    How training proceeds (lr, grad_clip, ...) is `training_notes`'."""
-    return [c for c in config_changes(saved, now) if not _refused(c) and not _training(c)]
-
-
-def training_notes(saved: dict[str, Any], now: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
-    """One `spartron: note:` line per train.* option of TRAINING_TRAIN_KEYS the saved step recorded with
-    another value than this run's (a step saved before a key was recorded says nothing of it); `skip`: dotted
-    keys another line already names."""
-    return [f"spartron: note: {key} changed on resume: the saved step trained with {saved[key]!r}, this run uses "
-            f"{now.get(key)!r}"
-            for key in (f"train.{k}" for k in TRAINING_TRAIN_KEYS)
-            if key in saved and key not in skip and saved[key] != now.get(key)]
 
 
 def _first_line(err: BaseException) -> str:
@@ -268,7 +218,7 @@ def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: d
         raise StateLoadError(f"{path} is a saved-state format {LEGACY_FORMAT} state (experts keyed per EP rank), "
                              f"which resumes only on the layout that saved it ({saved}); this run has {now}")
     if config is not None and meta.get("config") is not None:
-        changed = [c for c in config_changes(meta["config"], config, "train.") if _refused(c)]
+        changed = [c for c in config_changes(meta["config"], config, "train.") if refused_change(c)]
         if changed:
             raise StateLoadError(f"{path} holds optimizer state for other settings: {', '.join(changed)}; "
                                  "resume with the saved values, or start a new run")

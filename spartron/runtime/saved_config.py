@@ -1,0 +1,66 @@
+"""The config recorded with a saved state (`state_config`) and what a resume says when this run's differs:
+refused (the optimizer's own settings), a note per training option, or a note per other change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The train.* options stored in the optimizer's state (its kind and param_groups): a resume must match them.
+STATE_TRAIN_KEYS = ("optimizer", "beta1", "beta2", "weight_decay")
+# What the saved data position means (with every train.data.* key): a change is reported when resuming.
+DATA_TRAIN_KEYS = ("seed", "seq_len", "global_batch_size")
+# How training proceeds from the step on: a resume that changes one prints a note naming it (`training_notes`).
+TRAINING_TRAIN_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "steps", "grad_clip", "micro_batch_size",
+                       "intra_layer_micro_batches", "intra_layer_micro_batch_scope", "grad_sync", "adamw_kernel",
+                       "compile", "max_loss", "loss_spike_factor")
+
+
+def _flatten(data: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}.{key}"))
+        return out
+    return {prefix: data}
+
+
+def state_config(cfg: Any) -> dict[str, Any]:
+    """Dotted key -> value of the options recorded with a saved state (cfg: a RunConfig)."""
+    flat = _flatten(cfg.model.model_dump(mode="json"), "model")
+    flat.update({f"train.{key}": getattr(cfg.train, key)
+                 for key in STATE_TRAIN_KEYS + DATA_TRAIN_KEYS + TRAINING_TRAIN_KEYS})
+    flat.update(_flatten(cfg.train.data.model_dump(mode="json"), "train.data"))
+    return flat
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """'key (saved A, this run B)' for every dotted key under prefix whose value differs."""
+    keys = sorted(k for k in set(saved) | set(now) if k.startswith(prefix))
+    missing = "<unset>"
+    return [f"{k} (saved {saved.get(k, missing)!r}, this run {now.get(k, missing)!r})"
+            for k in keys if saved.get(k, missing) != now.get(k, missing)]
+
+
+def refused_change(change: str) -> bool:
+    return change.split(" ", 1)[0] in {f"train.{key}" for key in STATE_TRAIN_KEYS}
+
+
+def _training(change: str) -> bool:
+    return change.split(" ", 1)[0] in {f"train.{key}" for key in TRAINING_TRAIN_KEYS}
+
+
+def resume_notes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The recorded settings that differ but do not stop a resume: model.* keys whose tensors still fit
+    (checked by load_state), and what the data position means (seed, sequence length, batch, data file).
+    How training proceeds (lr, grad_clip, ...) is `training_notes`'."""
+    return [c for c in config_changes(saved, now) if not refused_change(c) and not _training(c)]
+
+
+def training_notes(saved: dict[str, Any], now: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """One `spartron: note:` line per train.* option of TRAINING_TRAIN_KEYS the saved step recorded with
+    another value than this run's (a step saved before a key was recorded says nothing of it); `skip`: dotted
+    keys another line already names."""
+    return [f"spartron: note: {key} changed on resume: the saved step trained with {saved[key]!r}, this run uses "
+            f"{now.get(key)!r}"
+            for key in (f"train.{k}" for k in TRAINING_TRAIN_KEYS)
+            if key in saved and key not in skip and saved[key] != now.get(key)]
