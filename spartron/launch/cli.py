@@ -393,11 +393,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             step, cfg = import_hf_to_state(args.from_hf, args.to, given := load_config(args.config, args.set), keys)
             for line in hf_state.replaced_model_notes(given.model, cfg.model, args.config, args.from_hf):
                 print(line, file=sys.stderr)
-            from spartron.runtime.safe_open import open_file
-
             toml = Path(args.to) / "model.toml"
-            with open(open_file(Path(args.to), "model.toml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-                f.write(model_toml(cfg.model))  # inside the run directory: never through a link put there
+            toml.write_text(model_toml(cfg.model))
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
