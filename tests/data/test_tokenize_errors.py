@@ -220,9 +220,9 @@ def test_an_output_folder_that_is_a_link_is_refused_by_the_name_given(tmp_path, 
     (tmp_path / "o").symlink_to(elsewhere / target)
     monkeypatch.chdir(tmp_path)
     code, err = _data(capfd, corpus, tok, Path("o"))
-    assert (code, err) == (2, f"spartron: error: output folder 'o' is a symbolic link (to {str(elsewhere / target)!r}): "
-                              "`spartron data` writes a new folder or fills an empty one, never through a link (name "
-                              "its target)\n")
+    to = str(elsewhere / target)
+    assert (code, err) == (2, f"spartron: error: output folder 'o' is a symbolic link (to {to!r}): `spartron data` "
+                              "writes a new folder or fills an empty one, never through a link (name its target)\n")
     assert sorted(p.name for p in elsewhere.rglob("*")) == before
     assert (tmp_path / "o").is_symlink() and not list(tmp_path.glob(".o.partial-*"))
 
