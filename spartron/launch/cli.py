@@ -359,7 +359,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # ---- convert ---------------------------------------------------------------------------------
 class _Terminated(BaseException):
-    """SIGTERM during `spartron data` or `convert --to-hf`: unwinds like Ctrl-C, so the partial output is removed."""
+    """SIGTERM during `spartron data` or `convert`: unwinds like Ctrl-C, so the partial output is removed."""
 
 
 def _raise_terminated(signum, frame) -> NoReturn:  # noqa: ANN001
@@ -385,43 +385,43 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf
     from spartron.interop.hf.convert import DEFAULT_SHARD_BYTES
     from spartron.runtime import hf_state
-    from spartron.runtime.hf_state import SavedStateSource, import_hf_to_state, model_toml, run_tokenizer
+    from spartron.runtime.hf_state import SavedStateSource, import_hf_run_dir, run_tokenizer
 
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the partial import/export is removed
     try:
         if args.from_hf is not None:
             keys = tuple(item.split("=", 1)[0].strip() for item in args.set if item.strip().startswith("model."))
-            step, cfg = import_hf_to_state(args.from_hf, args.to, given := load_config(args.config, args.set), keys)
+            step, cfg, toml = import_hf_run_dir(args.from_hf, args.to, given := load_config(args.config, args.set),
+                                                keys)
             for line in hf_state.replaced_model_notes(given.model, cfg.model, args.config, args.from_hf):
                 print(line, file=sys.stderr)
-            toml = Path(args.to) / "model.toml"
-            toml.write_text(model_toml(cfg.model))
             print(f"spartron: wrote {step} from {args.from_hf}; its [model] section is {toml}: train from it with "
                   f"that section, train.run_dir = {json.dumps(str(args.to))} and train.resume = true")
         else:
             from spartron.runtime.rundir import lock_for_reading
 
             reading = lock_for_reading(Path(args.from_state))  # as eval's: no run saves or prunes steps meanwhile
-            previous = signal.signal(signal.SIGTERM, _raise_terminated)  # as Ctrl-C: the export's folder is removed
             try:
                 source = SavedStateSource(Path(args.from_state))
                 source.check_target(args.to_hf)
                 tokenizer, note = run_tokenizer(source)
                 out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
                                 with_mtp=args.with_mtp, extra_files=tokenizer)
-            except (KeyboardInterrupt, _Terminated) as err:
-                name = "SIGTERM" if isinstance(err, _Terminated) else "SIGINT"
-                print(f"spartron: convert: stopped by {name}; removed the partial export ({args.to_hf} is as it "
-                      "was: run the same command again)", file=sys.stderr)
-                return 128 + (signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT)
             finally:
-                signal.signal(signal.SIGTERM, previous)
                 reading.release()
             if note:
                 print(f"spartron: note: {note}", file=sys.stderr)
             print(f"spartron: wrote a Hugging Face checkpoint of {args.from_state} to {out}"
                   + (" with its tokenizer" if tokenizer else ""))
+    except (KeyboardInterrupt, _Terminated) as err:
+        what, out = ("import", args.to) if args.from_hf is not None else ("export", args.to_hf)
+        print(f"spartron: convert: stopped by {'SIGTERM' if isinstance(err, _Terminated) else 'SIGINT'}; removed "
+              f"the partial {what} ({out} is as it was: run the same command again)", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT)
     except (HFConfigError, HFCheckpointError) as err:
         raise UsageError(str(err)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -17,6 +17,8 @@ The runtime half of spartron.interop.hf (which stays below the runtime floor and
   layout and fills it from the HF directory (each rank reads its own shards): how a run starts from
   HF weights on any layout (what a `train.init_from` option would call for a new run).
 - `model_toml(cfg)`: the `[model]` section of a run config TOML for a ModelConfig (runtime's writer).
+- `import_hf_run_dir(hf_dir, run_dir, run_cfg, keys)`: what `spartron convert --from-hf` writes (the step-0
+  state and `model.toml`), atomically: an interrupt or an error leaves run_dir as it was.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, count_parameters
 from spartron.runtime.config import RunConfig, config_from_dict, dump_config
 from spartron.runtime.rundir import StateLoadError, _first_line, check_newest_marker, marker_kind
+from spartron.runtime.safe_open import open_file
 from spartron.runtime.state import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -51,6 +56,7 @@ from spartron.runtime.state import (
     step_dir,
     verify_step,
 )
+from spartron.temporaries import make_sibling, remove_stale
 
 _EP_KEY = re.compile(r"^model\.(.+)/ep(\d+)$")
 
@@ -288,6 +294,45 @@ def import_hf_to_state(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
     path = save_state(run_dir, 0, model, optimizer, {"tokens": 0}, {"data": loader.state_dict()},
                       torch.device("cpu"), layout=dims.describe(), config=state_config(run_cfg))
     return path, run_cfg
+
+
+def import_hf_run_dir(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
+                      model_overrides: tuple[str, ...] = ()) -> tuple[Path, Any, Path]:
+    """`import_hf_to_state` plus `run_dir/model.toml`, built in a temporary sibling `.<run_dir>.tmp-<host>-<pid>-
+    <hex>` (spartron.temporaries) and moved into place at the end, so a SIGTERM, Ctrl-C or error removes it and
+    leaves run_dir as it was (a SIGKILL's leftover is removed by the retry, with a note). A new run_dir is the
+    renamed temporary; an existing empty folder, or a link to one, receives its entries (the folder, its owner
+    and mode stay; the temporary lies beside the link's target, on its file system). model.toml is created
+    without following links. Returns (the step directory, the RunConfig, the model.toml path)."""
+    run_dir = Path(run_dir)
+    _check_new_run_dir(run_dir)
+    target = run_dir.resolve() if run_dir.exists() else run_dir
+    for note in remove_stale(target, "tmp"):
+        print(note, file=sys.stderr, flush=True)
+    try:
+        tmp = make_sibling(target, "tmp")
+    except OSError as err:
+        raise HFCheckpointError(f"{run_dir}: cannot make a temporary folder beside it "
+                                f"({err.strerror or err}); nothing was imported") from None
+    try:
+        path, cfg = import_hf_to_state(hf_dir, tmp, run_cfg, model_overrides)
+        fd = open_file(tmp, "model.toml", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(model_toml(cfg.model))
+        _check_new_run_dir(run_dir)  # nothing appeared meanwhile
+        try:
+            if target.exists():
+                for name in sorted(os.listdir(tmp)):
+                    os.rename(tmp / name, target / name)
+                os.rmdir(tmp)
+            else:
+                os.rename(tmp, target)
+        except OSError as err:
+            raise HFCheckpointError(f"{run_dir}: moving the import into it failed ({err.strerror or err})") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return run_dir / path.relative_to(tmp), cfg, run_dir / "model.toml"
 
 
 def replaced_model_notes(given: ModelConfig, taken: ModelConfig, config: str | None, hf_dir: str) -> list[str]:
