@@ -310,6 +310,7 @@ def import_hf_run_dir(hf_dir: str | Path, run_dir: str | Path, run_cfg=None,
     for note in remove_stale(target, "tmp"):
         print(note, file=sys.stderr, flush=True)
     try:
+        os.makedirs(target.parent, exist_ok=True)  # missing parents are made, as save_state and mkdir -p do
         tmp = make_sibling(target, "tmp")
     except OSError as err:
         raise HFCheckpointError(f"{run_dir}: cannot make a temporary folder beside it "

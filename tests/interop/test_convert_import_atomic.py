@@ -104,3 +104,14 @@ def test_an_error_mid_import_leaves_nothing(hf, tmp_path):
     with pytest.raises(HFCheckpointError, match=r"^--set model\.vocab_size: 32, the Hugging Face checkpoint has 64"):
         import_hf_run_dir(hf, out, load_config(None, ["model.vocab_size=32"]), ("model.vocab_size",))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_parents_are_made_and_a_parent_that_is_a_file_is_one_error(hf, tmp_path):
+    step, _, _ = import_hf_run_dir(hf, tmp_path / "a" / "b" / "run")
+    assert step == tmp_path / "a" / "b" / "run" / "step-00000000" and step.is_dir()
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["run"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(HFCheckpointError) as err:
+        import_hf_run_dir(hf, tmp_path / "file" / "run")
+    assert str(err.value) == (f"{tmp_path / 'file' / 'run'}: cannot make a temporary folder beside it (File exists); "
+                              "nothing was imported")
