@@ -6,8 +6,9 @@ A record is a pretraining document (a string under `text_key`, default "text") o
 is read recursively in sorted path order, so a corpus always yields the same documents in the same
 order; a linked folder inside it is not descended (no loop), and an entry with a corpus suffix that is not a
 regular file (a FIFO, a device, a broken or looping link) is refused by name rather than skipped. A record
-holding both a document and a chat is refused as ambiguous. Nothing read here is executed: JSON through `json`, parquet through pyarrow (optional: a
-clear error names the package when a .parquet file is met without it), text as UTF-8.
+holding both a document and a chat is refused as ambiguous. Nothing read here is executed: JSON through
+`json`, parquet through pyarrow (optional: a clear error names the package when a .parquet file is met
+without it), text as UTF-8.
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], str | Non
                 return {}, f"no tokenizer included: {path} is missing (listed in {folder / META})"
             files[name] = path.read_bytes()
         if hashlib.sha256(files.get("tokenizer.json", b"")).hexdigest() != sha:
-            return {}, f"no tokenizer included: {folder / 'tokenizer.json'} is not the tokenizer {folder / META} records"
+            return {}, (f"no tokenizer included: {folder / 'tokenizer.json'} is not the tokenizer "
+                        f"{folder / META} records")
         return files, None
     original = Path(str(meta["tokenizer"].get("file", "")))
     if original.is_file() and hashlib.sha256(original.read_bytes()).hexdigest() == sha:

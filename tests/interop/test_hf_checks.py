@@ -400,10 +400,11 @@ def _train_rank(rank, world, cfg):
 
 
 def test_export_includes_the_runs_tokenizer_even_after_the_original_moved(hf_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
     from spartron.launch.cli import main
     from spartron.runtime.config import config_from_dict
     from spartron.testing import run_distributed
-    from transformers import AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
     from text_corpus import make_tokenizer, text_folder

@@ -162,7 +162,8 @@ def _metrics_past_limit(rank, world, path):
 def test_a_metrics_write_error_names_the_file_and_the_resume_cuts_the_partial_line(tmp_path):
     path = tmp_path / "run" / "metrics.jsonl"
     [(message, content)] = run_distributed(_metrics_past_limit, 1, path)
-    assert message == f"{path}: cannot write a metrics record (File too large): free space on its disk, then resume the run"
+    assert message == (f"{path}: cannot write a metrics record (File too large): free space on its disk, "
+                       "then resume the run")
     assert content == b'{"type": "header", "n": 1}\n{"type": "step", "pad": "' + b"x" * 48  # cut at 100 bytes
     MetricsLog(path, 1, enabled=True, progress=False).close(summary=False)
     assert path.read_bytes() == b'{"type": "header", "n": 1}\n'
@@ -178,8 +179,9 @@ def test_cli_a_metrics_file_past_the_size_limit_is_one_line_exit_2(tmp_path):
                            "--set", "train.peak_tflops=1.0"], cwd=tmp_path, capture_output=True, text=True,
                           preexec_fn=limit, timeout=240)
     assert proc.returncode == USAGE_ERROR
-    assert proc.stderr.splitlines() == ["spartron: error: runs/k/metrics.jsonl: cannot write a metrics record (File too "
-                                        "large): free space on its disk, then resume the run"]
+    assert proc.stderr.splitlines() == [
+        "spartron: error: runs/k/metrics.jsonl: cannot write a metrics record (File too large): free space on its "
+        "disk, then resume the run"]
 
 
 # ---- resume says what it did ------------------------------------------------------------------------
@@ -272,8 +274,8 @@ def test_a_step_of_another_run_copied_next_to_this_runs_metrics_is_refused(tmp_p
     shutil.copytree(step_dir(a, 2), step_dir(b, 2))
     id_a, id_b = headers(a)[0]["run_id"], headers(b)[0]["run_id"]
     assert run1(cfg_for(b, steps=4)) == (
-        f"StateLoadError: {b}/metrics.jsonl belongs to run {id_b}, but {step_dir(b, 2)}/meta.json records run_id {id_a}: "
-        "resuming would mix two runs in one directory; move metrics.jsonl away, or resume in a directory "
+        f"StateLoadError: {b}/metrics.jsonl belongs to run {id_b}, but {step_dir(b, 2)}/meta.json records run_id "
+        f"{id_a}: resuming would mix two runs in one directory; move metrics.jsonl away, or resume in a directory "
         "holding only that step")
     (b / "metrics.jsonl").unlink()
     assert run1(cfg_for(b, steps=4)) == [3, 4]  # the copied step alone: a fork of run a
