@@ -293,6 +293,9 @@ def stubs(root: Path) -> Path:
 def _spartron(argv: list[str], work: Path, env: dict[str, str], fsize: int | None = None) -> subprocess.Popen:
     def limit() -> None:  # a hostile size must fail in the case, not take the machine's memory
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+        # as at a terminal: an audit started in the background (`nohup ... &`) has SIGINT ignored, which its
+        # children would inherit, and Ctrl-C cases would then test nothing
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 

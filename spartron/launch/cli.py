@@ -53,11 +53,6 @@ def _load(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, args.set)
 
 
-def _world_layout(cfg: RunConfig, world_size: int):
-    """The ParallelDims for this world size; raises ConfigError/ParallelDimsError before any launch."""
-    return cfg.parallel.dims(world_size)
-
-
 # ---- train / smoke ---------------------------------------------------------------------------
 def _check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, entry: str) -> None:
     """Data file, batch division, device options, offload window, run dir: one line, exit 2, before any
@@ -97,7 +92,7 @@ def _run_ranks(args: argparse.Namespace, entry: str) -> int:
     environ = process_environ()
     _check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
-        _world_layout(cfg, cfg.launch.nproc)
+        cfg.parallel.dims(cfg.launch.nproc)  # ParallelDimsError before any launch
         step = ["--step", args.step] if entry == "eval" else []
         command = [sys.executable, "-m", "spartron.launch.cli", entry, args.config, *step,
                    *(x for item in args.set for x in ("--set", item))]
@@ -138,9 +133,11 @@ def _as_rank(body: Callable[[], int]) -> int:
         if isinstance(err, Exception) and _is_user_error(err):
             print(error_line(err), file=sys.stderr)
             code = USAGE_ERROR
+        elif isinstance(err, KeyboardInterrupt):  # the user's Ctrl-C: a stop, not a failure to trace
+            print("spartron: stopped by SIGINT; complete saved steps are kept", file=sys.stderr)
+            code = 130
         else:
-            traceback.print_exc()
-            code = 130 if isinstance(err, KeyboardInterrupt) else 1
+            code = traceback.print_exc() or 1
         exit_process(code)
 
 
@@ -200,7 +197,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         if not math.isfinite(args.wait_timeout) or args.wait_timeout <= 0:
             raise UsageError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
     cfg = load_config(args.config, args.set + _sbatch_overrides(args))
-    _world_layout(cfg, cfg.launch.nodes * slurm.tasks_per_node(cfg))
+    cfg.parallel.dims(cfg.launch.nodes * slurm.tasks_per_node(cfg))
     if args.entry == "train":
         from spartron.runtime.preflight import check_before_submit
 
@@ -341,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     world = cfg.launch.nproc if args.world_size is None else args.world_size
     if world > MAX_PLAN_WORLD:  # launch.nproc when --world-size is not given
         raise UsageError(f"launch.nproc {world} is above {MAX_PLAN_WORLD}, the most ranks `spartron plan` lays out")
-    dims = _world_layout(cfg, world)
+    dims = cfg.parallel.dims(world)
     if cfg.train.init_from is not None:  # train's preflight check: the plan is of the model it would train
         from spartron.runtime.init_from import check_init_from
         from spartron.runtime.state import latest_complete_step

@@ -87,3 +87,29 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"spartron {__version__}\n"
+
+
+def test_ctrl_c_of_a_single_rank_run_is_one_line_and_keeps_the_saved_steps(tmp_path):
+    """SIGINT (the user's Ctrl-C) stops a one-rank run with one line and status 130, no traceback; the steps
+    it completed stay and a resume continues from the newest (the child restores SIGINT's default, as at a
+    terminal: a test runner started in the background would pass SIG_IGN on)."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "launch.nproc=1", "--set",
+               f"train.run_dir={json.dumps(str(run))}", "--set", "train.progress=false", "--set", "train.steps=200",
+               "--set", "train.save_every=1"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while not (run / "step-00000002" / "COMPLETE").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == "spartron: stopped by SIGINT; complete saved steps are kept"
+    assert (run / "step-00000002" / "COMPLETE").is_file()
