@@ -1,7 +1,7 @@
 """Suite-wide collection rules.
 
 Tests marked `slurm` share one single-machine Slurm of 2 nodes (scripts/slurm.sh): under pytest-xdist
-(`--dist loadgroup`, as scripts/test.sh runs the suite) they all go to one worker, so their jobs never
+(`-n 2 --dist loadgroup`, which scripts/test.sh passes on) they all go to one worker, so their jobs never
 queue behind each other's and their timings hold.
 """
 
