@@ -7,7 +7,7 @@
     side.reset(); out = block(hidden[s, b, h], attention_mask=None); loss = lm_loss + side.loss()
 
 Config mapping and the list of Megatron settings the adapters cannot honour live in `config.py`,
-the SideChannel and the ModuleSpec adapters in `spec.py`, the ProcessGroupCollection export in
+the SideChannel in `side_channel.py`, the ModuleSpec adapters in `spec.py`, the ProcessGroupCollection export in
 `groups.py`. megatron-core is imported lazily (inside the spec builders and the reverse config
 mapping) because it is optional.
 """

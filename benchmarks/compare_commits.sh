@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Same-call speed comparison of two commits on the GPU: benchmarks/e2e.py of BASE (a tree exported to
+# .carry/base by `git archive BASE spartron benchmarks configs | tar -x -C .carry/base`) and of this tree,
+# alternating, each with the same arguments.
+# Usage (repo root, GPU machine): bash benchmarks/compare_commits.sh OUTDIR BASE_SHA HEAD_SHA TAG [e2e args...]
+set -uo pipefail
+out=${1:?OUTDIR}; base=${2:?BASE_SHA}; head=${3:?HEAD_SHA}; tag=${4:?TAG}; shift 4
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$out/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+fi
+export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+for which in base head; do
+  if [ $which = base ]; then tree=.carry/base; sha=$base; else tree=.; sha=$head; fi
+  (cd "$tree" && python3 benchmarks/e2e.py --commit "$sha" --out "$OLDPWD/$out/e2e_${tag}_${which}_${sha:0:7}.json" "$@") \
+    >"$out/e2e_${tag}_${which}_${sha:0:7}.log" 2>&1
+  echo "=== $which $sha rc=$?"; grep -E "median|step_ms|ms " "$out/e2e_${tag}_${which}_${sha:0:7}.log" | tail -n 8
+done
