@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Same-call speed comparison of two commits on the GPU: benchmarks/e2e.py of BASE (a tree exported to
-# .carry/base by `git archive BASE spartron benchmarks configs | tar -x -C .carry/base`) and of this tree,
-# alternating, each with the same arguments.
+# Same-call speed comparison of two commits on the GPU: benchmarks/e2e.py of two exported trees,
+# alternating, each with the same arguments. Export each tree first (on the developer machine):
+#   git archive SHA spartron benchmarks configs pyproject.toml | tar -x -C .carry/<base|head>
 # Usage (repo root, GPU machine): bash benchmarks/compare_commits.sh OUTDIR BASE_SHA HEAD_SHA TAG [e2e args...]
 set -uo pipefail
-out=${1:?OUTDIR}; base=${2:?BASE_SHA}; head=${3:?HEAD_SHA}; tag=${4:?TAG}; shift 4
+out=$(realpath -m "${1:?OUTDIR}"); base=${2:?BASE_SHA}; head=${3:?HEAD_SHA}; tag=${4:?TAG}; shift 4
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,8 +13,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 for which in base head; do
-  if [ $which = base ]; then tree=.carry/base; sha=$base; else tree=.; sha=$head; fi
-  (cd "$tree" && python3 benchmarks/e2e.py --commit "$sha" --out "$OLDPWD/$out/e2e_${tag}_${which}_${sha:0:7}.json" "$@") \
-    >"$out/e2e_${tag}_${which}_${sha:0:7}.log" 2>&1
-  echo "=== $which $sha rc=$?"; grep -E "median|step_ms|ms " "$out/e2e_${tag}_${which}_${sha:0:7}.log" | tail -n 8
+  if [ $which = base ]; then sha=$base; else sha=$head; fi
+  name="e2e_${tag}_${which}_${sha:0:7}"
+  (cd ".carry/$which" && python3 benchmarks/e2e.py --commit "$sha" --out "$out/$name.json" "$@") >"$out/$name.log" 2>&1
+  echo "=== $which $sha rc=$?"; tail -n 12 "$out/$name.log"
 done
