@@ -270,12 +270,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def muon_takes(shape: tuple[int, ...], vocab_size: int) -> bool:
+    """Muon's rule (spartron.runtime.muon), here for the optimizer and the memory model alike: 2-D weights and
+    3-D routed-expert stacks [experts, out, in] whose matrix dims are not the vocabulary size (embedding, head)."""
+    return len(shape) in (2, 3) and vocab_size not in tuple(shape)[-2:]
+
+
 def _optimizer_state_elements(m: ModelConfig, shards: dict[str, tuple[int, ...]], optimizer: str) -> int:
-    """AdamW: exp_avg + exp_avg_sq per element. Muon (spartron.runtime.optim): one momentum for the 2-D
-    weights that are not vocabulary-sized (embedding, head), AdamW's two for the rest (experts are 3-D)."""
+    """AdamW: exp_avg + exp_avg_sq per element. Muon: one momentum for what `muon_takes`, AdamW's two for the rest."""
     total = 0
     for fqn, shape in param_shapes(m).items():
-        muon = optimizer == "muon" and len(shape) == 2 and m.vocab_size not in shape
+        muon = optimizer == "muon" and muon_takes(shape, m.vocab_size)
         total += _numel(shards[fqn]) * (1 if muon else 2)
     return total
 

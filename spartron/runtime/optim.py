@@ -20,8 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.layers.costs import muon_takes
 from spartron.runtime.adamw_triton import TritonAdamW
 from spartron.runtime.config import TrainConfig
+from spartron.runtime.muon import MuonWithAdamW, newton_schulz_orthogonalize
+
+__all__ = ["MuonWithAdamW", "build_optimizer", "clip_and_step_", "clip_grads_", "global_grad_norm", "lr_at",
+           "newton_schulz_orthogonalize", "set_lr"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -54,7 +59,8 @@ def _decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (TritonAdamW for CUDA parameters unless train.adamw_kernel = 'torch', torch's fused kernel then;
-    torch's AdamW on the CPU), or Muon for hidden matrices with AdamW for the rest."""
+    torch's AdamW on the CPU), or distributed Muon (spartron.runtime.muon) for hidden matrices and routed
+    experts with AdamW for the rest."""
     decay, no_decay = _decay_split(model)
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters")
@@ -71,93 +77,17 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             adam_kwargs.pop("fused")
             return TritonAdamW([g for g in groups if g["params"]], **adam_kwargs)
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)
-    # Muon orthogonalises whole 2-D updates; embeddings and the LM head stay on AdamW (as in the
-    # Muon paper), recognised by their vocabulary-sized dimension.
-    vocab = max((p.shape[0] for p in decay), default=0)
-    matrices = [p for p in decay if p.ndim == 2 and p.shape[0] != vocab and p.shape[1] != vocab]
+    # Muon (spartron.runtime.muon) takes what muon_takes says: hidden matrices and routed-expert stacks;
+    # embeddings and the LM head stay on AdamW (as in the Muon paper), recognised by their vocabulary-sized
+    # dimension (the largest first dim of a 2-D weight).
+    vocab = max((p.shape[0] for p in decay if p.ndim == 2), default=0)
+    matrices = [p for p in decay if muon_takes(tuple(p.shape), vocab)]
     ids = {id(p) for p in matrices}
     rest_decay = [p for p in decay if id(p) not in ids]
     adam_groups = [{"params": rest_decay, "weight_decay": cfg.weight_decay, "muon": False},
                    {"params": no_decay, "weight_decay": 0.0, "muon": False}]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + adam_groups
     return MuonWithAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
-def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
-    """Approximate U V^T of g = U S V^T with the quintic Newton-Schulz iteration (Muon's)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.float()
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:
-        x = x.T
-    x = x / (x.norm() + 1e-7)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if transposed else x).to(g.dtype)
-
-
-def _full(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _like(full: Tensor, ref: Tensor) -> Tensor:
-    """`full` (replicated on every rank) laid out like `ref` (a no-communication local slice)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(ref, DTensor):
-        return full
-    replicated = DTensor.from_local(full, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim,
-                                    run_check=False)
-    return replicated.redistribute(ref.device_mesh, ref.placements)
-
-
-class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon (Nesterov momentum + Newton-Schulz orthogonalised update) on groups with ``muon=True``,
-    AdamW on the others; one standard optimizer so its state dict is the usual per-parameter one.
-
-    Sharded (DTensor) matrices are gathered to orthogonalise the full update, then sliced back
-    without communication; plain matrices must be whole on each rank.
-    """
-
-    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8,
-                 momentum: float = 0.95, ns_steps: int = 5) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
-                        muon=False)
-        super().__init__(param_groups, defaults)
-
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                p.mul_(1 - lr * wd)
-                if group["muon"]:
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p.grad)
-                    buf = state["momentum_buffer"]
-                    buf.mul_(group["momentum"]).add_(p.grad)
-                    update = p.grad.add(buf, alpha=group["momentum"])
-                    full = newton_schulz_orthogonalize(_full(update), group["ns_steps"])
-                    scale = max(1.0, full.shape[0] / full.shape[1]) ** 0.5
-                    p.add_(_like(full, p), alpha=-lr * scale)
-                    continue
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p.grad)
-                    state["exp_avg_sq"] = torch.zeros_like(p.grad)
-                beta1, beta2 = group["betas"]
-                state["step"] += 1
-                step = state["step"].item()
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
 
 
 def _reduce_groups(t: Tensor, extra: Sequence[dist.ProcessGroup]) -> tuple:

@@ -69,8 +69,8 @@ def test_state_bytes_shard_over_fsdp_cp_and_count_optimizer_state():
     assert four[0]["parameters"] == max(f["parameters"] for f in four) > one["parameters"] // 4
     bf16 = state_bytes_per_rank(load_config(TINY, ['model.dtype="bfloat16"']).model, ParallelDims(1, fsdp=1),
                                 "muon")
-    muon = sum(p.numel() for p in build_model(cfg.model).parameters() if p.ndim == 2
-               and cfg.model.vocab_size not in p.shape)  # one momentum; everything else AdamW's two
+    muon = sum(p.numel() for p in build_model(cfg.model).parameters() if p.ndim in (2, 3)
+               and cfg.model.vocab_size not in p.shape)  # one momentum (experts too); the rest AdamW's two
     assert bf16["parameters"] == 2 * n and bf16["optimizer_state"] == 2 * (muon + 2 * (n - muon))
 
 
