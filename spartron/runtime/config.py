@@ -28,6 +28,7 @@ from spartron.runtime.debug import DebugConfig
 from spartron.runtime.launch_config import LaunchConfig
 from spartron.runtime.observe import ObserveConfig
 from spartron.runtime.sections import DataConfig, NcclCommConfig, ParallelConfig, TrainConfig
+from spartron.runtime.stage_config import check_stages
 
 __all__ = ["ConfigError", "DataConfig", "LaunchConfig", "NcclCommConfig", "ParallelConfig", "RunConfig", "TrainConfig",
            "apply_overrides", "config_from_dict", "dump_config", "load_config"]
@@ -122,6 +123,7 @@ class RunConfig(ConfigSection):
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
         self._check_intra_layer_micro_batches()
+        check_stages(self.train, self.model)
         if self.observe.memory_snapshot_on_oom and self.device == "cpu":
             raise ValueError("observe.memory_snapshot_on_oom records the CUDA allocator's history, but device = 'cpu'")
         if self.observe.nccl_flight_recorder and (self.device == "cpu" or self.parallel.backend == "gloo"):

@@ -10,6 +10,8 @@ from pydantic import Field, field_validator, model_validator
 
 from spartron.configbase import ConfigError, ConfigSection
 from spartron.parallel.dims import GROUP_DIMS, ParallelDims, check_order
+from spartron.runtime.indexer_metrics import IndexerMetricsConfig
+from spartron.runtime.stage_config import StageConfig
 
 
 class NcclCommConfig(ConfigSection):
@@ -217,6 +219,11 @@ class TrainConfig(ConfigSection):
     # A NEW run starts from these weights: "hf:DIR", a Hugging Face DeepSeek-V3 checkpoint whose config the
     # run's [model] must compute (a resumed run loads its own saved step instead).
     init_from: str | None = None
+    # [[train.stages]]: steps, lr schedule, trainable parameters and DSA mode per stage (stage_config, stages)
+    stages: list[StageConfig] = Field(default_factory=list)
+    # [train.indexer_metrics]: recall of the dense attention mass by the indexer's top-k, and the KL, per
+    # DSA layer on sampled queries (spartron.runtime.indexer_metrics)
+    indexer_metrics: IndexerMetricsConfig = Field(default_factory=IndexerMetricsConfig)
 
     @field_validator("init_from")
     @classmethod

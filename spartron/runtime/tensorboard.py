@@ -39,6 +39,11 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         out[f"train/mtp_loss_{depth + 1}"] = float(value)
     for layer, value in enumerate(record.get("expert_load_per_layer") or []):
         out[f"moe/layer_{layer}/load_violation"] = float(value)
+    for name in ("recall", "kl"):  # the indexer-quality metric (spartron.runtime.indexer_metrics)
+        if record.get(f"indexer_{name}") is not None:
+            out[f"dsa/indexer_{name}"] = float(record[f"indexer_{name}"])
+        for layer, value in zip(record.get("indexer_metric_layers") or [], record.get(f"indexer_{name}_per_layer") or []):
+            out[f"dsa/layer_{layer}/indexer_{name}"] = float(value)
     return out
 
 

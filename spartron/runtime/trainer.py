@@ -43,7 +43,8 @@ from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLoss
 from spartron.runtime.init_from import init_from_factory
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
-from spartron.runtime.optim import clip_and_step_, global_grad_norm, lr_at, set_lr
+from spartron.runtime.indexer_metrics import IndexerProbe
+from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, set_lr
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.rank_setup import (
     ClosableModel,
@@ -68,6 +69,7 @@ from spartron.runtime.state import (
     state_config,
     step_dir,
 )
+from spartron.runtime.stages import StageRunner, default_indexer_mode, lr_for_step
 from spartron.runtime.state_layout import resplit_data_position
 
 # Defined beside the rank set-up, the guards and `spartron eval`; imported from here by launchers and tests.
@@ -237,7 +239,10 @@ class Trainer:
         built = RankModel.build(cfg, place, factory)
         self.model, self.optimizer, self.ep_extra, self.ep_state = (built.model, built.optimizer, built.ep_extra,
                                                                     built.ep_state)
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        # [[train.stages]]: the stage of the first step to train, or of the saved step it resumes from
+        self.stages = StageRunner(self.model, t, default_indexer_mode(self.model))
+        self._enter_stage(plan.resume_step or 1)
+        self.indexer_probe = IndexerProbe.for_model(self.model, t, groups.dp_cp)
         self.offloader = ActivationOffloader.for_model(self.model, cfg.offload, device) if cfg.offload.enabled else None
         self.async_save_group = AsyncSaveGroup() if t.async_save else None
         self.loader = build_train_loader(cfg, groups.rank_in("dp"), dims.dp)
@@ -265,6 +270,14 @@ class Trainer:
                 memory = None
             print(banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), file=sys.stderr, flush=True)
         return self
+
+    def _enter_stage(self, step: int) -> None:
+        """Step `step`'s stage in force (trainable parameters, DSA mode, optimizer: spartron.runtime.stages)."""
+        before = self.stages.current
+        self.optimizer = self.stages.enter(step, self.optimizer, lambda m: build_optimizer(m, self.cfg.train))
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        if self.stages.current is not before and self.place.rank == 0:
+            print(self.stages.describe(), file=sys.stderr, flush=True)
 
     def _resume(self, plan) -> None:  # noqa: ANN001
         path = step_dir(self.run_dir, self.resumed_from)
@@ -305,6 +318,7 @@ class Trainer:
         step = self.step_no + 1
         try:
             inject_fault(cfg.debug, self.place.rank, step)
+            self._enter_stage(step)
             with self.observer.phase(f"step {step}", step):
                 record = self._optimizer_step(step, probe or StepProbe())
             self.step_no = step
@@ -357,11 +371,11 @@ class Trainer:
     def _optimizer_step(self, step: int, probe: StepProbe) -> dict[str, Any]:
         t, model, optimizer, device = self.cfg.train, self.model, self.optimizer, self.device
         phase = probe.on_phase or (lambda name: None)
-        lr = lr_at(step, t)
+        lr = lr_for_step(step, t)
         set_lr(optimizer, lr)
         M.reset_peak_memory(device)
         start = time.perf_counter()
-        stats = _StepStats()
+        stats, measured = _StepStats(), {}
         n_micro, data_s = self.n_micro, 0.0
         with self._open_offload_session(probe):
             phase("forward")
@@ -371,10 +385,12 @@ class Trainer:
                 fetch = time.perf_counter()
                 batch = self.loader.next(t.micro_batch_size)  # packed documents add their positions
                 data_s += time.perf_counter() - fetch
-                out = model(batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
-                            **batch.model_kwargs(device))
-                phase("backward")
-                (out["loss"] / n_micro).backward()
+                with (self.indexer_probe.measuring(step, measured) if self.indexer_probe and micro == 0
+                      else contextlib.nullcontext()):
+                    out = model(batch.tokens.to(device, non_blocking=True),
+                                batch.labels.to(device, non_blocking=True), **batch.model_kwargs(device))
+                    phase("backward")
+                    (out["loss"] / n_micro).backward()
                 stats.add(out)
             phase("optimizer")
         (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp)
@@ -387,7 +403,7 @@ class Trainer:
         check_loss_limits(t, step, loss, self.counters.get("first_loss"))
         clip_and_step_(optimizer, self.params, t.grad_clip, grad_norm, norm)  # TritonAdamW clips inside its pass
         optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
-        if isinstance(model, ExpertBiasModel):
+        if isinstance(model, ExpertBiasModel) and self.stages.updates_expert_bias():
             model.update_expert_bias(self.groups.dp_cp)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -399,7 +415,9 @@ class Trainer:
                 "step_time_s": elapsed, "data_time_s": data_s, "peak_memory_allocated_bytes": alloc,
                 "peak_memory_reserved_bytes": reserved, "alloc_retries": M.alloc_retries(device),
                 "expert_load_max_violation": M.expert_load_max_violation(counts),
-                "expert_load_per_layer": M.expert_load_per_layer(counts)}
+                "expert_load_per_layer": M.expert_load_per_layer(counts),
+                **({"stage": self.stages.current.name} if self.stages.current else {}),
+                **(self.indexer_probe.record(measured) if self.indexer_probe else {})}
 
     def close(self, ok: bool = True) -> TrainResult:
         """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may

@@ -15,7 +15,8 @@ Training (`model.dsa.indexer_mode`): `frozen` computes ids under no_grad through
 indexer with KL(main-attention distribution || softmax(I)) over all visible keys (S x S: a short warm-up) /
 the top-k only (ids from `indexer_topk`, the loss in O(S x K): indexer_kl).
 The indexer input is detached in both KL modes (like Megatron-core: the KL loss trains the indexer
-only) and the main attention target is detached. Attention itself is always top-k sparse.
+only) and the main attention target is detached. Attention is top-k sparse, except in a training stage's
+`dense_warmup` (mla.set_indexer_mode): dense attention, the indexer trained by kl_dense's loss towards it.
 """
 
 from __future__ import annotations

@@ -33,11 +33,30 @@ from spartron.layers.attention.dsa import (
     dsa_schedule,
     trained_indexer_ids_and_loss,
 )
+from spartron.layers.attention.indexer_topk import visible_keys
 from spartron.layers.attention.rope import apply_rope, mla_softmax_scale, rope_cos_sin
 from spartron.layers.attention.sparse_mla import sparse_mla
 from spartron.layers.config import ModelConfig
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import AttentionOutput
+
+
+INDEXER_MODES = ("frozen", "kl_dense", "kl_sparse", "dense_warmup")
+
+
+def set_indexer_mode(model: nn.Module, mode: str) -> int:
+    """Run every DSA layer of `model` in `mode` from its next forward (a training stage's switch,
+    spartron.runtime.stages); returns how many layers changed. "dense_warmup": full causal attention, the
+    indexer trained by KL towards its head-summed distribution over all visible keys (DeepSeek-V3.2's
+    warm-up); the others as model.dsa.indexer_mode."""
+    if mode not in INDEXER_MODES:
+        raise ValueError(f"indexer mode must be one of {', '.join(INDEXER_MODES)}, got {mode!r}")
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, MLA) and module.dsa_role is not None and module.indexer_mode != mode:
+            module.indexer_mode = mode
+            changed += 1
+    return changed
 
 
 class MLA(nn.Module):
@@ -78,6 +97,9 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
         self.indexer = LightningIndexer(cfg, cp_group) if self.dsa_role == "source" else None
+        # How a DSA layer attends and trains its indexer: model.dsa.indexer_mode, or a training stage's
+        # "dense_warmup" (full causal attention, the indexer trained by KL to it): set_indexer_mode.
+        self.indexer_mode = cfg.dsa.indexer_mode if self.dsa_role is not None else None
 
     def _query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head queries [B,S,H,qk_dim] and the indexer's query input (q latent, or x)."""
@@ -88,6 +110,18 @@ class MLA(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, dsa_topk_ids: Tensor | None = None) -> AttentionOutput:
         self._check_inputs(x, positions, dsa_topk_ids)
+        cos, sin, q_nope, q_pe, q_in, kv, k_positions = self._project(x, positions)
+        if self.dsa_role is None or self.indexer_mode == "dense_warmup":
+            out = self._dense(q_nope, q_pe, kv, positions, k_positions)
+            if self.dsa_role != "source":  # a consumer in the dense warm-up passes its source's ids on unused
+                return AttentionOutput(hidden_states=out, dsa_topk_ids=None, indexer_loss=None)
+            ids, loss = self._indexer_kl(x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, sparse=False)
+            return AttentionOutput(hidden_states=out, dsa_topk_ids=ids, indexer_loss=loss)
+        return self._sparse(x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, dsa_topk_ids)
+
+    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """RoPE tables, per-head query parts, the indexer's query input, the gathered compressed KV rows and
+        the key positions: what every attention form starts from."""
         cos, sin = rope_cos_sin(positions, self.cfg.mla)
         q, q_in = self._query(x)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -95,11 +129,23 @@ class MLA(nn.Module):
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         compressed = torch.cat((self.kv_norm(latent), apply_rope(k_pe, cos, sin, interleaved=True)), dim=-1)
         kv = gather_sequence(compressed, self.cp_group, dim=1)  # [B, S_kv, kv_lora + rope], global order
-        k_positions = self._key_positions(positions)
-        if self.dsa_role is None:
-            return AttentionOutput(hidden_states=self._dense(q_nope, q_pe, kv, positions, k_positions),
-                                   dsa_topk_ids=None, indexer_loss=None)
-        return self._sparse(x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, dsa_topk_ids)
+        return cos, sin, q_nope, q_pe, q_in, kv, self._key_positions(positions)
+
+    def indexer_probe(self, x: Tensor, positions: Tensor, rows: Tensor) -> dict[str, Tensor]:
+        """What the indexer-quality metric (spartron.layers.attention.indexer_recall) reads, no gradient: at
+        local query `rows` only, the absorbed queries, the indexer's queries and head weights, the visibility
+        and the query positions; all keys (latent rows, index keys) and their positions. A DSA source only."""
+        if self.indexer is None:
+            raise ValueError(f"layer {self.layer_idx} has no indexer (it is not a DSA source)")
+        with torch.no_grad():
+            cos, sin, q_nope, q_pe, q_in, kv, k_positions = self._project(x, positions)
+            q_pos, q_starts = self._query_positions(positions, k_positions)
+            q_abs = absorb_query(q_nope[:, rows], q_pe[:, rows], self._absorbed_weights()[0])
+            q_idx, weights, k_idx = self.indexer(x, q_in, cos, sin)
+            starts = None if q_starts is None else q_starts[:, rows]
+            return {"q_abs": q_abs, "kv": kv, "q_index": q_idx[:, rows], "weights": weights[:, rows], "k_index": k_idx,
+                    "q_positions": q_pos[rows], "k_positions": k_positions, "q_starts": starts,
+                    "visible": visible_keys(q_pos[rows], k_positions, starts)}
 
     def _check_inputs(self, x: Tensor, positions: Tensor, ids: Tensor | None) -> None:
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
@@ -160,24 +206,36 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
+    def _query_positions(self, positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The queries' key-axis positions and, with packed documents, their documents' starts."""
+        if positions.dim() != 2:
+            return positions, None
+        q_index = self._query_index(positions)  # packed documents: the queries' global indices
+        q_pos = k_positions[:positions.shape[-1]] if q_index is None else q_index
+        return q_pos, q_pos[None] - positions
+
+    def _indexer_kl(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, sparse: bool):
+        """The KL-trained indexer's ids and loss (dsa.trained_indexer_ids_and_loss): sparse over its top-k, or
+        dense over all visible keys, towards the main attention, which the absorbed queries compute."""
+        q_pos, q_starts = self._query_positions(positions, k_positions)
+        with torch.no_grad():  # the target is detached: no graph through the absorbed queries
+            q_abs = absorb_query(q_nope, q_pe, self._absorbed_weights()[0])
+        return trained_indexer_ids_and_loss(self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs,
+                                            kv, self.softmax_scale, sparse=sparse, coeff=self.cfg.dsa.indexer_loss_coeff)
+
     def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
         w_uk, w_uv = self._absorbed_weights()
         q_abs = absorb_query(q_nope, q_pe, w_uk)
         loss = None
         if ids is None:  # a source computing its ids
-            dsa = self.cfg.dsa
-            q_pos, q_starts = positions, None
-            if positions.dim() == 2:  # packed documents: the queries' global indices and their documents' starts
-                q_index = self._query_index(positions)
-                q_pos = k_positions[:positions.shape[-1]] if q_index is None else q_index
-                q_starts = q_pos[None] - positions
-            if dsa.indexer_mode == "frozen":
+            q_pos, q_starts = self._query_positions(positions, k_positions)
+            if self.indexer_mode == "frozen":
                 ids = reuse_during_recompute(self.indexer.select_frozen, x, q_in, cos, sin, q_pos, k_positions,
                                              q_starts)
             else:
                 ids, loss = trained_indexer_ids_and_loss(
                     self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs, kv,
-                    self.softmax_scale, sparse=dsa.indexer_mode == "kl_sparse", coeff=dsa.indexer_loss_coeff)
+                    self.softmax_scale, sparse=self.indexer_mode == "kl_sparse", coeff=self.cfg.dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
         return AttentionOutput(hidden_states=self.wo(absorb_output(out_latent, w_uv)), dsa_topk_ids=ids,
