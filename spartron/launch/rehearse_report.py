@@ -1,0 +1,162 @@
+"""The rehearsal's report: measured compute and memory, modelled communication, the planner beside them.
+
+Step time, three ways (communication from spartron.runtime.linktable, compute measured):
+- `no_overlap`: compute + every collective, one after the other;
+- `headline`: only the overlaps the runtime implements: FSDP2's all-gathers (prefetched on their own
+  stream) and reduce-scatters (their own stream) hide under compute; the MoE all-to-alls too when
+  train.intra_layer_micro_batches > 1 (spartron.layers.overlap interleaves them with the other
+  micro-batch's compute), otherwise they are exposed; CP's all-gathers and the step's small all-reduces
+  (loss, grad norm, expert bias) are exposed: max(compute, overlapped) + exposed;
+- `full_overlap`: max(compute, all communication), a bound no runtime reaches.
+Tokens/s per GPU = global_batch_size x seq_len / world / step time; MFU over the trainer's peak FLOP/s
+(train.peak_tflops, else the measured matmul ceiling of the device).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from spartron.layers.costs import state_bytes_per_rank
+from spartron.runtime.linktable import ClusterConfig, collective_time
+from spartron.runtime.memory import plan_memory
+
+CATEGORIES = ("fsdp", "ep", "cp", "other")
+HGX_GPUS = 8  # GPUs per node when launch.gpus_per_node is 0 (an HGX H100 / H200 node)
+
+
+def category(kind: str, ranks: tuple[int, ...], group_ranks: dict[str, tuple[int, ...]]) -> str:
+    """fsdp (parameter all-gathers, gradient reduce-scatters), ep (all-to-alls), cp (the CP group's
+    all-gathers / reduce-scatters), other (the step's all-reduces and broadcasts)."""
+    if kind == "all_to_all":
+        return "ep"
+    if kind in ("all_gather", "reduce_scatter"):
+        cp = group_ranks.get("cp", ())
+        return "cp" if len(cp) > 1 and ranks == cp else "fsdp"
+    return "other"
+
+
+def _weights(n_segments: int, n_micro: int, rehearsed: int) -> list[float]:
+    """Per segment (first forward, each backward->next forward, last backward, optimizer): how many
+    times a step of `n_micro` micro-batches runs it."""
+    middle = rehearsed - 1
+    per_middle = (n_micro - 1) / middle if middle else 0.0
+    return [1.0] + [per_middle] * middle + [1.0, 1.0][: n_segments - 1 - middle]
+
+
+def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_node: int) -> dict[str, Any]:
+    cfg, rank = measured["config"], measured["rank"]
+    segments = step["segments"]
+    weights = _weights(len(segments), measured["n_micro"], measured["rehearsed_micro"])
+    compute = sum(w * s.seconds for w, s in zip(weights, segments, strict=True))
+    comm = {c: {"bytes": 0.0, "seconds": 0.0, "calls": 0.0} for c in CATEGORIES}
+    detail: dict[tuple[str, str], dict] = {}
+    for w, seg in zip(weights, segments, strict=True):
+        for r in seg.records:
+            t = collective_time(cluster, r.kind, r.ranks, r.calls, r.bytes, rank, gpus_per_node)
+            cat = category(r.kind, r.ranks, measured["group_ranks"])
+            comm[cat]["bytes"] += w * r.bytes
+            comm[cat]["seconds"] += w * t.seconds
+            comm[cat]["calls"] += w * r.calls
+            row = detail.setdefault((r.kind, r.group), {"kind": r.kind, "group": r.group, "group_size": r.size,
+                                                         "category": cat, "link": t.link, "calls": 0.0,
+                                                         "bytes": 0.0, "seconds": 0.0})
+            row["calls"] += w * r.calls
+            row["bytes"] += w * r.bytes
+            row["seconds"] += w * t.seconds
+    total_comm = sum(c["seconds"] for c in comm.values())
+    overlapped = comm["fsdp"]["seconds"] + (comm["ep"]["seconds"] if cfg.train.intra_layer_micro_batches > 1 else 0.0)
+    exposed = total_comm - overlapped
+    headline = max(compute, overlapped) + exposed
+    tokens_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / measured["world"]
+    rec = step["record"]
+
+    def rate(seconds: float) -> dict[str, float]:
+        tps = tokens_per_gpu / seconds
+        return {"seconds": seconds, "tokens_per_s_per_gpu": tps,
+                "mfu": measured["flops_per_token"] * tps / measured["peak_flops"]}
+
+    return {"step": rec["step"], "loss": rec["loss"], "rehearsed_step_s": rec["step_time_s"],
+            "compute_s": compute, "peak_allocated_bytes": rec["peak_memory_allocated_bytes"],
+            "peak_reserved_bytes": rec["peak_memory_reserved_bytes"],
+            "comm": comm, "comm_detail": sorted(detail.values(), key=lambda d: (d["category"], d["group"], d["kind"])),
+            "compute_only": rate(compute), "no_overlap": rate(compute + total_comm), "headline": rate(headline),
+            "full_overlap": rate(max(compute, total_comm))}
+
+
+def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
+    """The JSON report of a rehearsal (`measured`: spartron.launch.rehearse.run_rehearsal's result)."""
+    cfg, world, rank = measured["config"], measured["world"], measured["rank"]
+    dims = cfg.parallel.dims(world)
+    gpus = cfg.launch.gpus_per_node or HGX_GPUS  # a CPU config sets none: the nodes of the run it stands for
+    steps = [step_report(s, measured, cluster, gpus) for s in measured["steps"]]
+    last = steps[-1]
+    plan = plan_memory(cfg, world, rank)
+    planned_params = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer, rank)["parameters"]
+    peak = max(s["peak_allocated_bytes"] for s in steps)
+    return {
+        "config": cfg.name, "world_size": world, "rank": rank, "layout": dims.describe(),
+        "device": measured["device"], "gpus_per_node": gpus, "setup_s": measured["setup_s"],
+        "routing": ("balanced: every expert slot receives the mean of what this rank sends" if measured["balanced"]
+                    else "the model's own, every rank routing as this one (identical data)"),
+        "micro_batches": {"per_step": measured["n_micro"], "rehearsed": measured["rehearsed_micro"]},
+        "measured": ["compute time", "peak allocated / reserved memory", "bytes of every collective"],
+        "modelled": ["communication time (link table)", "step time with communication", "tokens/s per GPU",
+                     "MFU", "compute of the micro-batches not rehearsed (the second one's time)"],
+        "overlaps_in_headline": ["fsdp"] + (["ep"] if cfg.train.intra_layer_micro_batches > 1 else []),
+        "steps": steps, "headline": last,
+        "planner": {"predicted_peak_bytes": plan.peak, "measured_peak_bytes": peak,
+                    "difference_percent": 100.0 * (plan.peak - peak) / peak if peak else None,
+                    "phase": plan.phase, "parameter_bytes": planned_params,
+                    "measured_parameter_bytes": measured["param_bytes"]},
+        "link_table": cluster.model_dump(), "peak_tflops": measured["peak_flops"] / 1e12,
+        "notes": measured["notes"],
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def render(report: dict[str, Any]) -> str:
+    """A readable summary of `report` (rich tables, as text)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(record=True, width=120, file=io.StringIO())  # recorded, returned as text
+    h, p = report["headline"], report["planner"]
+    console.print(f"spartron rehearse: {report['config']} rank {report['rank']} of {report['world_size']} "
+                  f"({report['layout']}) on {report['device']}; routing: {report['routing']}; "
+                  f"{report['micro_batches']['rehearsed']} of {report['micro_batches']['per_step']} micro-batches "
+                  f"run per step; set-up {report['setup_s']:.1f} s")
+    steps = Table(title="per step (compute and memory measured, communication modelled)")
+    for col in ("step", "loss", "compute s", "peak alloc", "peak reserved", "comm s", "step s (headline)",
+                "step s (no overlap)", "tok/s/GPU", "MFU"):
+        steps.add_column(col, justify="right")
+    for s in report["steps"]:
+        comm = sum(c["seconds"] for c in s["comm"].values())
+        steps.add_row(str(s["step"]), f"{s['loss']:.4f}", f"{s['compute_s']:.3f}", _gb(s["peak_allocated_bytes"]),
+                      _gb(s["peak_reserved_bytes"]), f"{comm:.3f}", f"{s['headline']['seconds']:.3f}",
+                      f"{s['no_overlap']['seconds']:.3f}", f"{s['headline']['tokens_per_s_per_gpu']:.1f}",
+                      f"{100 * s['headline']['mfu']:.1f}%")
+    console.print(steps)
+    comm = Table(title=f"communication per step (last step; headline overlaps: {', '.join(report['overlaps_in_headline'])})")
+    for col in ("category", "kind", "group", "size", "link", "calls", "bytes", "modelled s"):
+        comm.add_column(col, justify="right")
+    for d in h["comm_detail"]:
+        comm.add_row(d["category"], d["kind"], d["group"], str(d["group_size"]), d["link"], f"{d['calls']:.0f}",
+                     _gb(d["bytes"]), f"{d['seconds']:.4f}")
+    console.print(comm)
+    diff = "n/a" if p["difference_percent"] is None else f"{p['difference_percent']:+.1f}%"
+    console.print(f"planner: predicted peak {_gb(p['predicted_peak_bytes'])} at {p['phase']}, measured "
+                  f"{_gb(p['measured_peak_bytes'])} ({diff}); parameter shards {_gb(p['parameter_bytes'])} planned, "
+                  f"{_gb(p['measured_parameter_bytes'])} held")
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    return console.export_text()
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1) + "\n")
