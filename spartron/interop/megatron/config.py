@@ -104,10 +104,12 @@ REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "is_hybrid_model": ((False,), "MLA on every layer"),
     "heterogeneous_block_specs": ((False,), "one spec per layer kind"),
     "mtp_num_layers": ((None,), "MTP blocks are not adapted; use spartron.layers.mtp"),
-    "recompute_granularity": ((None,), "adapters write the SideChannel once per forward; use "
-                              "spartron.checkpointing instead of Megatron recompute"),
-    "moe_layer_recompute": ((False,), "use spartron.checkpointing"),
-    "cpu_offloading": ((False,), "use spartron offload windows"),
+    "recompute_granularity": ((None,), "Megatron recompute re-runs the layers through its own checkpoint, which "
+                              "replays the SideChannel writes and has no Spartron policy; use "
+                              "spartron.interop.megatron.apply_spartron_checkpointing(model, ac) with ac.mode "
+                              "'full' or 'selective'"),
+    "moe_layer_recompute": ((False,), "use spartron.interop.megatron.apply_spartron_checkpointing"),
+    "cpu_offloading": ((False,), "use the offload windows of apply_spartron_checkpointing(model, ac, offload)"),
     "fine_grained_activation_offloading": ((False,), "use spartron offload windows"),
     "enable_cuda_graph": ((False,), "no CUDA graphs"), "external_cuda_graph": ((False,), "no CUDA graphs"),
     "cuda_graph_impl": (("none",), "no CUDA graphs"),
