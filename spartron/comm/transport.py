@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from spartron.comm.copy_engine import ExchangeBuffer, SymmetricMemory
 from spartron.comm.deepep_buffer import FEATURE, DeepEPBuffer
+from spartron.comm.mirror import MirrorError, is_mirrored
 
 
 class EPTransport:
@@ -41,12 +42,14 @@ class EPTransport:
     def exchange_buffer(self) -> ExchangeBuffer:
         """The copy-engine exchange buffer of the group (the same object for every caller)."""
         if self._exchange is None:
+            _refuse_mirrored(self.group, "the copy-engine exchange (model.moe.all_to_all_transport)")
             self._exchange = ExchangeBuffer(self.group, self._memory, sync=self.copy_engine_sync)
         return self._exchange
 
     def deepep_buffer(self, top_k: int, n_experts: int, num_sms: int, hidden: int | None) -> DeepEPBuffer:
         """The DeepEP buffer of the group (the same object for every caller, who must agree on its shape)."""
         if self._deepep is None:
+            _refuse_mirrored(self.group, FEATURE)
             self._deepep = DeepEPBuffer(self.group, top_k, n_experts, num_sms, hidden, library=self.deepep_library)
             return self._deepep
         mine, theirs = (top_k, n_experts, num_sms), (self._deepep.top_k, self._deepep.n_experts, self._deepep.num_sms)
@@ -66,3 +69,11 @@ class EPTransport:
             self._exchange.destroy()
             live += 1
         return live
+
+
+def _refuse_mirrored(group: dist.ProcessGroup | None, what: str) -> None:
+    """Peer-memory buffers have no mirrored meaning (spartron.comm.mirror): refused before any is made."""
+    if group is not None and is_mirrored(group):
+        raise MirrorError(f"{what} cannot run on a mirrored process group (spartron rehearse): its buffers map "
+                          "peer GPUs' memory, and a mirrored rank has no peer; use model.moe.dispatcher = "
+                          "'all_to_all' over NCCL")
