@@ -380,7 +380,9 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`), for Spartron or DeepSeek's own code.
     Atomic: everything is written (and fsynced) into a temporary sibling folder renamed to out_dir at the
     end; on any failure (a non-finite tensor, a full disk) it is removed and out_dir is untouched. out_dir
-    may exist if empty; a symbolic link is refused. Returns out_dir."""
+    may exist if empty; a symbolic link is refused. Returns out_dir.
+    Collective under torch.distributed: every rank must call it (each gathers every FSDP2 tensor, rank 0
+    writes, and rank 0's error is agreed by all); one rank calling it alone waits forever."""
     if isinstance(source, nn.Module):
         source = ModelSource(source)
     if max_shard_bytes < 1:
