@@ -9,13 +9,13 @@ is an HFCheckpointError naming the file, before any tensor is read.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
 from pathlib import Path
 
 from spartron.interop.hf.header import HeaderError, TensorInfo, read_header
+from spartron.interop.hf.jsonfile import JSONFileError, json_object, open_regular
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -32,38 +32,32 @@ MAX_CONFIG_BYTES = 1024 * 1024
 
 
 def read_json(path: Path, limit: int) -> dict:
-    """A JSON object from a regular file of at most `limit` bytes. Opened non-blocking and checked with fstat
-    before a byte is read: a FIFO would block forever, /dev/zero (a link to it, or a character device) never
-    ends. A symbolic link to a regular file (a Hugging Face cache folder) is read."""
+    """A JSON object from a regular file of at most `limit` bytes, read by `jsonfile` (a FIFO, /dev/zero or a
+    folder is refused before a byte is read; a symbolic link to a regular file, as in a Hugging Face cache
+    folder, is read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise HFCheckpointError(f"{path}: is {_kind(path)}") from None
-        raise HFCheckpointError(f"{path}: missing (a Hugging Face checkpoint directory holds it)") from None
-    except OSError as err:
-        raise HFCheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise HFCheckpointError(f"{path}: is {_kind(path)}, not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if st.st_size > limit:
-            raise HFCheckpointError(f"{path}: {st.st_size} bytes, larger than the {limit} a JSON file of a "
-                                    "Hugging Face checkpoint may be here")
-        try:
+        with open_regular(path) as (f, size):
+            if size > limit:
+                raise HFCheckpointError(f"{path}: {size} bytes, larger than the {limit} a JSON file of a "
+                                        "Hugging Face checkpoint may be here")
             raw = f.read(limit + 1)
-        except OSError as err:
-            raise HFCheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
-    if len(raw) > limit:
-        raise HFCheckpointError(f"{path}: grew past {limit} bytes while read")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise HFCheckpointError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise HFCheckpointError(f"{path}: must hold a JSON object")
-    return data
+        if len(raw) > limit:
+            raise HFCheckpointError(f"{path}: grew past {limit} bytes while read")
+        return json_object(raw)
+    except JSONFileError as err:
+        raise HFCheckpointError(f"{path}: {_why(path, err)}") from None
+
+
+def _why(path: Path, err: JSONFileError) -> str:
+    """A failed check in folder.py's words (a missing file is told apart from a link to nothing)."""
+    if err.check == "unreadable" and err.errno == errno.ENOENT:
+        missing = "missing (a Hugging Face checkpoint directory holds it)"
+        return f"is {_kind(path)}" if os.path.islink(path) else missing
+    if err.check == "unreadable":
+        return f"cannot be read ({err.detail})"
+    if err.check == "irregular":
+        return f"is {_kind(path)}, not a regular file"
+    return f"not readable JSON ({err.detail})" if err.check == "json" else "must hold a JSON object"
 
 
 def _header(path: Path) -> dict[str, TensorInfo]:

@@ -9,12 +9,11 @@ fails here, naming the first tensor it cuts). Nothing is executed or allocated b
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from spartron.interop.hf.jsonfile import JSONFileError, json_object, open_regular
 
 # safetensors' dtype names -> bytes per element
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
@@ -39,34 +38,30 @@ def _ints(value: object, n: int | None = None) -> bool:
 
 
 def _read(path: Path) -> tuple[bytes, int]:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as err:
-        raise HeaderError(f"{path}: cannot be read ({err.strerror or err})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise HeaderError(f"{path}: not a regular file")
+    """The header's JSON bytes and the size of the data area after it."""
+    with open_regular(path) as (f, size):
         head = f.read(8)
         if len(head) < 8:
-            raise HeaderError(f"{path}: truncated ({st.st_size} bytes: not even the 8-byte header length)")
+            raise HeaderError(f"{path}: truncated ({size} bytes: not even the 8-byte header length)")
         n = int.from_bytes(head, "little")
-        if n > st.st_size - 8 or n > MAX_HEADER_BYTES:
-            raise HeaderError(f"{path}: header length {n} does not fit the file ({st.st_size} bytes; corrupt or "
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise HeaderError(f"{path}: header length {n} does not fit the file ({size} bytes; corrupt or "
                               "truncated)")
-        return f.read(n), st.st_size - 8 - n
+        return f.read(n), size - 8 - n
+
+
+_WHY = {"unreadable": "cannot be read ({detail})", "irregular": "not a regular file",
+        "json": "the header is not valid JSON ({detail})", "object": "the header is not a JSON object"}
 
 
 def read_header(path: str | Path) -> dict[str, TensorInfo]:
     """Every tensor of the safetensors file `path` (dtype, shape), after checking the header (module docstring)."""
     path = Path(path)
-    raw, data_bytes = _read(path)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise HeaderError(f"{path}: the header is not valid JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise HeaderError(f"{path}: the header is not a JSON object")
+        raw, data_bytes = _read(path)
+        header = json_object(raw)
+    except JSONFileError as err:
+        raise HeaderError(f"{path}: {_WHY[err.check].format(detail=err.detail)}") from None
     out, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
