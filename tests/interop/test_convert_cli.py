@@ -9,68 +9,21 @@ import signal
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from hf_fixtures import FailingSource, cli, loaded_model
 
-from spartron.interop.hf import TensorSource, export_hf, import_hf
-from spartron.interop.hf.convert import ModelSource
+from spartron.interop.hf import export_hf
 from spartron.interop.hf.names import tensor_map
-from spartron.layers.model import build_model
 from spartron.runtime.hf_state import SavedStateSource
-
-HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
-          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A step-0 saved state converted from a tiny Hugging Face checkpoint."""
-    hf = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(hf)
-    run = tmp_path_factory.mktemp("runs") / "run"
-    proc = _cli("convert", "--from-hf", str(hf), "--to", str(run), cwd=run.parent)
-    assert proc.returncode == 0, proc.stderr
-    return run
-
-
-def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spartron.launch.cli", *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
-
-
-class _InterruptedSource(TensorSource):
-    """A model's tensors, and `error` at the second fetch (Ctrl-C, or a bug's exception mid-export)."""
-
-    def __init__(self, model, error: BaseException) -> None:
-        self.inner, self.cfg, self.error, self.fetches = ModelSource(model), model.cfg, error, 0
-
-    def dtype(self, name):
-        return self.inner.dtype(name)
-
-    def fetch(self, names):
-        self.fetches += 1
-        if self.fetches == 2:
-            raise self.error
-        return self.inner.fetch(names)
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("a bug")])
-def test_an_exception_mid_export_removes_the_temporary_folder(tmp_path, error):
-    hf = tmp_path / "hf"
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(hf)
-    cfg, load = import_hf(hf)
-    model = build_model(cfg)
-    load(model)
+def test_an_exception_mid_export_removes_the_temporary_folder(hf_dir, tmp_path, error):
+    model = loaded_model(hf_dir)
     out = tmp_path / "exports" / "out"
     out.parent.mkdir()
-    source = _InterruptedSource(model, error)
+    source = FailingSource(model, 1, error)
     with pytest.raises(type(error)):
         export_hf(source, out, max_shard_bytes=4000)
     assert source.fetches == 2  # it stopped mid-export, after the temporary folder was made
@@ -89,7 +42,7 @@ def test_an_unloadable_tensor_file_is_one_line_and_leaves_nothing(run_dir, tmp_p
     (step / "COMPLETE").write_text(json.dumps(manifest))
     out = tmp_path / "exports" / "hf"
     out.parent.mkdir()
-    proc = _cli("convert", "--from", str(step), "--to-hf", str(out), cwd=tmp_path)
+    proc = cli("convert", "--from", str(step), "--to-hf", str(out), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"spartron: error: {distcp}: not loadable by torch's weights-only loader "
                                         "(Unsupported operand 0; nothing from the file was run): nothing "
@@ -136,25 +89,25 @@ def test_sigterm_during_an_export_removes_its_temporary_folder(run_dir, tmp_path
     assert stderr.splitlines() == [f"spartron: convert: stopped by SIGTERM; removed the partial export ({out} is as "
                                    "it was: run the same command again)"]
     assert list(out.parent.iterdir()) == []
-    retry = _cli("convert", "--from", str(run_dir), "--to-hf", str(out), cwd=tmp_path)
+    retry = cli("convert", "--from", str(run_dir), "--to-hf", str(out), cwd=tmp_path)
     assert retry.returncode == 0 and retry.stderr == "", retry.stderr
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"] and (out / "config.json").is_file()
 
 
 def test_an_import_fills_a_run_directory_that_is_a_link_to_an_empty_folder_as_train_does(run_dir, tmp_path):
     hf = tmp_path / "hf"
-    proc = _cli("convert", "--from", str(run_dir), "--to-hf", str(hf), cwd=tmp_path)
+    proc = cli("convert", "--from", str(run_dir), "--to-hf", str(hf), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "scratch").mkdir()
     (tmp_path / "linked").symlink_to(tmp_path / "scratch")
-    proc = _cli("convert", "--from-hf", str(hf), "--to", "linked", cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(hf), "--to", "linked", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "linked").is_symlink()
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["model.toml", "step-00000000"]
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("x")
     (tmp_path / "to-full").symlink_to(tmp_path / "full")
-    proc = _cli("convert", "--from-hf", str(hf), "--to", "to-full", cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(hf), "--to", "to-full", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["spartron: error: to-full: exists and is not an empty directory; an imported "
                                         "state starts a new run directory"]

@@ -8,35 +8,9 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
 from spartron.launch.cli import main
 from spartron.runtime.config import load_config
 from spartron.runtime.rundir import RunDirLock
-
-HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
-          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    """A tiny Hugging Face checkpoint."""
-    hf = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(hf)
-    return hf
-
-
-@pytest.fixture(scope="module")
-def run_dir(hf, tmp_path_factory):
-    """A step-0 saved state converted from the tiny checkpoint."""
-    run = tmp_path_factory.mktemp("runs") / "run"
-    assert main(["convert", "--from-hf", str(hf), "--to", str(run)]) == 0
-    return run
 
 
 def test_convert_refuses_a_run_directory_a_run_is_training(run_dir, tmp_path, capsys):
@@ -78,28 +52,28 @@ def test_convert_refuses_a_parent_that_is_a_file_or_a_link_loop(run_dir, tmp_pat
     assert (tmp_path / "file").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file", "loop"]
 
 
-def test_import_notes_each_model_key_of_the_config_the_checkpoint_replaces(hf, tmp_path, capsys):
+def test_import_notes_each_model_key_of_the_config_the_checkpoint_replaces(hf_dir, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('[model]\ndim = 64\nn_layers = 2\n\n[model.moe]\ntop_k = 2\nn_routed_experts = 8\n')
     capsys.readouterr()
-    assert main(["convert", "--from-hf", str(hf), "--to", str(tmp_path / "run"), "--config", str(config)]) == 0
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run"), "--config", str(config)]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("spartron: note: ")]
     assert notes == [  # n_layers and top_k equal the checkpoint's: no note
-        f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf}/config.json decides "
-        "the model)",
+        f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf_dir}/config.json "
+        "decides the model)",
         f"spartron: note: model.moe.n_routed_experts = 8 in {config} is replaced by the checkpoint's 4 "
-        f"({hf}/config.json decides the model)"]
+        f"({hf_dir}/config.json decides the model)"]
 
 
-def test_import_keeps_the_spartron_only_keys_the_config_sets(hf, tmp_path, capsys):
+def test_import_keeps_the_spartron_only_keys_the_config_sets(hf_dir, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('[model]\ndim = 64\n\n[model.moe]\ndispatcher = "local"\nbias_update_rate = 0.5\n')
     capsys.readouterr()
-    assert main(["convert", "--from-hf", str(hf), "--to", str(tmp_path / "run"), "--config", str(config),
+    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run"), "--config", str(config),
                  "--set", "model.moe.grouped_mm='loop'"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("spartron: note: ")]
-    assert notes == [f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf}/config.json "
-                     "decides the model)"]  # how Spartron runs the function is the config's: no note
+    assert notes == [f"spartron: note: model.dim = 64 in {config} is replaced by the checkpoint's 32 ({hf_dir}/"
+                     "config.json decides the model)"]  # how Spartron runs the function is the config's: no note
     saved = load_config(str(tmp_path / "run" / "model.toml"))
     moe = saved.model.moe
     assert (moe.dispatcher, moe.bias_update_rate, moe.grouped_mm) == ("local", 0.5, "loop")

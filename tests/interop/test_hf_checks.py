@@ -17,29 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_fixtures import TINY_HF, FailingSource, cli, loaded_model
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from spartron.interop.hf import HFCheckpointError, HFConfigError, TensorSource, export_hf, import_hf
-from spartron.interop.hf.convert import ModelSource
-from spartron.interop.hf.header import read_header
+from benchmarks.auditing import stfile
+from spartron.interop.hf import HFCheckpointError, HFConfigError, export_hf, import_hf
+from spartron.interop.hf.header import HeaderError, read_header
 from spartron.layers.costs import count_parameters
 from spartron.layers.model import build_model
 from spartron.runtime.hf_state import check_memory
 
-HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
-          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
 WQ = "model.layers.1.self_attn.q_a_proj.weight"
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(path)
-    return path
 
 
 def _copy(hf_dir: Path, tmp_path: Path, name: str = "ckpt") -> Path:
@@ -52,11 +41,6 @@ def _edit_config(path: Path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(changes)
     (path / "config.json").write_text(json.dumps(config))
-
-
-def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spartron.launch.cli", *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
 
 
 # ---- config.json -----------------------------------------------------------------------------------
@@ -95,7 +79,7 @@ def test_nested_rope_fields_are_checked(hf_dir, tmp_path):
 def test_hostile_config_is_one_line_through_the_cli(hf_dir, tmp_path):
     path = _copy(hf_dir, tmp_path)
     _edit_config(path, hidden_size=2**40)
-    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["spartron: error: Hugging Face config.json: 1 setting(s) cannot be "
                                         "honoured: hidden_size: 1099511627776: must be an integer in 1..65536"]
@@ -115,7 +99,7 @@ def test_the_size_estimate_is_checked_against_the_machine_before_allocating(hf_d
     assert str(info.value) == (f"converting X: the model's {n:,} parameters with AdamW need "
                                f"{16 * n / 2**30:.1f} GiB, this machine has 1.0 GiB available")
     check_memory(cfg, "converting X", available=16 * n)  # exactly enough
-    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
     assert proc.stderr.startswith(f"spartron: error: converting {path}: the model's {n:,} parameters with AdamW "
                                   f"need {16 * n / 2**30:.1f} GiB, this machine has ")
@@ -141,7 +125,7 @@ def test_an_int8_weight_is_one_line_through_the_cli(hf_dir, tmp_path):
     tensors = load_file(path / "model.safetensors")
     tensors[WQ] = tensors[WQ].to(torch.int8)
     save_file(tensors, str(path / "model.safetensors"))
-    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"spartron: error: {path / 'model.safetensors'}: {WQ} is I8; Spartron "
                                         "imports float32, bfloat16 or float16 weights (dequantize or convert it "
@@ -172,17 +156,6 @@ def test_a_shape_other_than_the_configs_is_refused_before_any_tensor_is_read(hf_
 
 
 # ---- the files themselves --------------------------------------------------------------------------
-def _raw(path: Path) -> tuple[int, dict, bytes]:
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    return n, json.loads(data[8:8 + n]), data[8 + n:]
-
-
-def _write_raw(path: Path, header: dict, body: bytes) -> None:
-    head = json.dumps(header).encode()
-    path.write_bytes(len(head).to_bytes(8, "little") + head + body)
-
-
 def _last_tensor(header: dict) -> str:
     return max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
 
@@ -190,7 +163,7 @@ def _last_tensor(header: dict) -> str:
 def test_a_truncated_shard_names_the_file_and_the_tensor_it_cuts(hf_dir, tmp_path):
     path = _copy(hf_dir, tmp_path)
     shard = path / "model.safetensors"
-    _, header, body = _raw(shard)
+    header, body = stfile.read(shard)
     shard.write_bytes(shard.read_bytes()[:-10])
     last = _last_tensor(header)
     end = header[last]["data_offsets"]
@@ -207,8 +180,9 @@ def test_a_truncated_shard_names_the_file_and_the_tensor_it_cuts(hf_dir, tmp_pat
 def test_a_corrupt_header_names_the_file(hf_dir, tmp_path, damage):
     path = _copy(hf_dir, tmp_path)
     shard = path / "model.safetensors"
-    n, header, body = _raw(shard)
+    header, body = stfile.read(shard)
     size = shard.stat().st_size
+    n = size - 8 - len(body)
     if damage == "length":
         shard.write_bytes((2**40).to_bytes(8, "little") + shard.read_bytes()[8:])
         expected = f"{shard}: header length {2**40} does not fit the file ({size} bytes; corrupt or truncated)"
@@ -217,19 +191,19 @@ def test_a_corrupt_header_names_the_file(hf_dir, tmp_path, damage):
         expected = None
     elif damage == "offsets":
         header[WQ]["data_offsets"][1] -= 4
-        _write_raw(shard, header, body)
+        stfile.write_raw(shard, header, body)
         begin, end = header[WQ]["data_offsets"]
         expected = (f"{shard}: tensor {WQ!r}: shape [24, 32] of F32 is 3072 bytes, its data_offsets {[begin, end]} "
                     f"hold {end - begin}")
     elif damage == "dtype":
         header[WQ]["dtype"] = "Q4"
-        _write_raw(shard, header, body)
+        stfile.write_raw(shard, header, body)
         expected = f"{shard}: tensor {WQ!r}: unknown dtype 'Q4'"
     else:
         other = next(x for x in header if x not in ("__metadata__", WQ) and header[x]["data_offsets"][0] > 0
                      and header[x]["data_offsets"][1] - header[x]["data_offsets"][0] == 3072)
         header[other]["data_offsets"] = list(header[WQ]["data_offsets"])  # two tensors on the same bytes
-        _write_raw(shard, header, body)
+        stfile.write_raw(shard, header, body)
         expected = None
     with pytest.raises(HFCheckpointError) as info:
         import_hf(path)
@@ -241,6 +215,20 @@ def test_a_corrupt_header_names_the_file(hf_dir, tmp_path, damage):
         assert message.startswith(f"{shard}: the header is not valid JSON")
     else:
         assert "(overlapping or a gap)" in message
+
+
+def test_a_header_is_read_only_from_a_regular_file_and_never_waits_on_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "fifo.safetensors")  # opened without blocking: refused at once, as config.json's FIFO is
+    (tmp_path / "dir.safetensors").mkdir()
+    for name, why in (("fifo", "not a regular file"), ("dir", "not a regular file"),
+                      ("gone", "cannot be read (No such file or directory)")):
+        with pytest.raises(HeaderError) as info:
+            read_header(tmp_path / f"{name}.safetensors")
+        assert str(info.value) == f"{tmp_path / name}.safetensors: {why}"
+    stfile.write_raw(tmp_path / "list.safetensors", [], b"")  # JSON, but no object
+    with pytest.raises(HeaderError) as info:
+        read_header(tmp_path / "list.safetensors")
+    assert str(info.value) == f"{tmp_path / 'list.safetensors'}: the header is not a JSON object"
 
 
 def test_a_shard_that_lacks_a_tensor_the_index_names(hf_dir, tmp_path):
@@ -275,35 +263,12 @@ def test_symlinked_shards_of_a_hugging_face_cache_folder_are_accepted(hf_dir, tm
 
 
 # ---- export ----------------------------------------------------------------------------------------
-class _FailingSource(TensorSource):
-    """A model's tensors that fail to arrive after `good` fetches (a disk that fills, a reader that dies)."""
-
-    def __init__(self, model, good: int, error: Exception) -> None:
-        self.inner, self.cfg, self.good, self.error = ModelSource(model), model.cfg, good, error
-
-    def dtype(self, name):
-        return self.inner.dtype(name)
-
-    def fetch(self, names):
-        if self.good == 0:
-            raise self.error
-        self.good -= 1
-        return self.inner.fetch(names)
-
-
-def _model(hf_dir: Path):
-    cfg, load = import_hf(hf_dir)
-    model = build_model(cfg)
-    load(model)
-    return model
-
-
 def test_export_is_atomic_and_leaves_nothing_on_failure(hf_dir, tmp_path):
-    model = _model(hf_dir)
+    model = loaded_model(hf_dir)
     out = tmp_path / "parent" / "out"
     out.parent.mkdir()
     with pytest.raises(HFCheckpointError) as info:
-        export_hf(_FailingSource(model, 3, OSError(28, "No space left on device")), out, max_shard_bytes=4000)
+        export_hf(FailingSource(model, 3, OSError(28, "No space left on device")), out, max_shard_bytes=4000)
     assert str(info.value) == ("reading the tensors of model-00004-of-00032.safetensors failed: No space left on "
                                "device (nothing was exported)")
     assert list(out.parent.iterdir()) == []  # no partial shards, no temporary folder: the retry just works
@@ -323,7 +288,7 @@ def test_export_is_atomic_and_leaves_nothing_on_failure(hf_dir, tmp_path):
 
 
 def test_export_into_an_empty_folder_with_normal_permissions_never_through_a_link(hf_dir, tmp_path):
-    model = _model(hf_dir)
+    model = loaded_model(hf_dir)
     out = tmp_path / "empty"
     out.mkdir()
     old = os.umask(0o022)
@@ -361,13 +326,10 @@ def test_mtp_layers_are_omitted_unless_asked_for_so_transformers_reports_no_unex
     assert info["unexpected_keys"] and all(k.startswith("model.layers.2.") for k in info["unexpected_keys"])
 
 
-def test_export_refusals_are_one_line_through_the_cli(hf_dir, tmp_path):
-    from spartron.launch.cli import main
-
-    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+def test_export_refusals_are_one_line_through_the_cli(hf_dir, run_dir, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    proc = _cli("convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "full"), cwd=tmp_path)
+    proc = cli("convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "full"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"spartron: error: {tmp_path / 'full'}: exists and is not an empty directory "
                                         "(an export writes a new one)"]
@@ -381,14 +343,14 @@ def test_export_refusals_are_one_line_through_the_cli(hf_dir, tmp_path):
 
     out = tmp_path / "exports" / "hf"
     out.parent.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(tmp_path / "run"),
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(run_dir),
                            "--to-hf", str(out), "--max-shard-bytes", "40000"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, preexec_fn=full_disk)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
     assert re.fullmatch(f"spartron: error: writing {re.escape(str(out))} failed at model-00001-of-"
                         r"\d{5}.safetensors: File too large \(nothing was exported\)\n", proc.stderr)
     assert list(out.parent.iterdir()) == []  # no partial shards, no temporary folder
-    proc = _cli("convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "r2"), "--with-mtp", cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "r2"), "--with-mtp", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "spartron: error: --with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)"]
 
@@ -471,13 +433,10 @@ def test_a_from_hf_path_that_is_no_checkpoint_folder_says_what_it_is(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
-def test_a_killed_exports_temporary_folder_is_removed_by_the_retry(hf_dir, tmp_path):
-    from spartron.launch.cli import main
-
-    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+def test_a_killed_exports_temporary_folder_is_removed_by_the_retry(run_dir, tmp_path):
     out = tmp_path / "exports" / "hf"
     out.parent.mkdir()
-    command = [sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(tmp_path / "run"), "--to-hf",
+    command = [sys.executable, "-m", "spartron.launch.cli", "convert", "--from", str(run_dir), "--to-hf",
                str(out), "--max-shard-bytes", "1000"]
     proc = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.DEVNULL)
     while not list(out.parent.glob(".hf.tmp-*")):  # made before the first shard is written
@@ -487,7 +446,7 @@ def test_a_killed_exports_temporary_folder_is_removed_by_the_retry(hf_dir, tmp_p
     left = list(out.parent.glob(".hf.tmp-*"))
     assert len(left) == 1 and not out.exists()
     assert re.fullmatch(rf"\.hf\.tmp-[A-Za-z0-9._]+-{proc.pid}-[0-9a-f]{{8}}", left[0].name)
-    retry = _cli("convert", "--from", str(tmp_path / "run"), "--to-hf", str(out), cwd=tmp_path)
+    retry = cli("convert", "--from", str(run_dir), "--to-hf", str(out), cwd=tmp_path)
     assert retry.returncode == 0, retry.stderr
     assert retry.stderr.splitlines() == [f"spartron: note: removed {left[0]}, left by process {proc.pid} of this "
                                          "host, which is no longer running"]
@@ -580,7 +539,7 @@ def test_config_json_is_read_only_from_a_small_regular_file(hf_dir, tmp_path):
     path = _copy(hf_dir, tmp_path, "cli")
     (path / "config.json").unlink()
     os.mkfifo(path / "config.json")
-    proc = _cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    proc = cli("convert", "--from-hf", str(path), "--to", str(tmp_path / "run"), cwd=tmp_path)
     assert (proc.returncode, proc.stderr.splitlines()) == (
         2, [f"spartron: error: {path / 'config.json'}: is a FIFO, not a regular file"])
     path = _copy(hf_dir, tmp_path, "linked")  # a link to a regular file (a Hugging Face cache) is read
@@ -622,7 +581,7 @@ def test_a_mapped_config_spartron_refuses_names_the_config_json_field():
     from spartron.interop.hf.config_map import HF_FIELD_OF
 
     assert HF_FIELD_OF["top_k"] == "num_experts_per_tok" and HF_FIELD_OF["first_k_dense"] == "first_k_dense_replace"
-    hf = {**DeepseekV3Config(**HF).to_dict(), "index_n_heads": 2, "index_head_dim": 4, "index_topk": 8,
+    hf = {**DeepseekV3Config(**TINY_HF).to_dict(), "index_n_heads": 2, "index_head_dim": 4, "index_topk": 8,
           "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]}
     hf.pop("rope_interleave", None)
     from spartron.interop.hf import model_config_from_hf
@@ -637,7 +596,7 @@ def test_a_mapped_config_spartron_refuses_names_the_config_json_field():
 def test_plan_runs_trains_init_from_check(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('[train]\ninit_from = "hf:nope"\n')
-    proc = _cli("plan", str(config), cwd=tmp_path)
+    proc = cli("plan", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert proc.stderr.splitlines() == [f"spartron: error: train.init_from 'nope': {Path('nope')}: does not exist "
                                         "(a Hugging Face checkpoint folder is expected)"]
@@ -672,16 +631,14 @@ def test_convert_refuses_what_its_direction_does_not_use_and_where_it_would_writ
     assert not (tmp_path / "run").exists()
 
 
-def test_an_export_never_writes_into_the_run_directory_it_reads(hf_dir, tmp_path, capsys):
+def test_an_export_never_writes_into_the_run_directory_it_reads(run_dir, tmp_path, capsys):
     from spartron.launch.cli import main
 
-    run = tmp_path / "run"
-    assert main(["convert", "--from-hf", str(hf_dir), "--to", str(run)]) == 0
     capsys.readouterr()
-    for target in (run / "step-00000000" / "hf", run / "hf"):
-        assert main(["convert", "--from", str(run), "--to-hf", str(target)]) == 2
+    for target in (run_dir / "step-00000000" / "hf", run_dir / "hf"):
+        assert main(["convert", "--from", str(run_dir), "--to-hf", str(target)]) == 2
         assert capsys.readouterr().err.splitlines() == [
-            f"spartron: error: {target}: inside the run directory {run} the step is read from (an export writes a "
+            f"spartron: error: {target}: inside the run directory {run_dir} the step is read from (an export writes a "
             "folder outside any run directory)"]
         assert not target.exists()
-    assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "out")]) == 0
+    assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "out")]) == 0
