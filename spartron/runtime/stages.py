@@ -26,6 +26,7 @@ from torch import nn
 
 from spartron.configbase import ConfigError
 from spartron.layers.attention.mla import MLA, set_indexer_mode
+from spartron.layers.moe.layer import MoELayer
 from spartron.runtime.optim import lr_at
 from spartron.runtime.sections import TrainConfig
 from spartron.runtime.stage_config import StageConfig
@@ -132,6 +133,16 @@ class StageRunner:
             return True
         routers = [p for n, p in self.base if plain_name(n).endswith(".router.weight")]
         return not routers or any(p.requires_grad for p in routers)
+
+    def update_expert_bias(self, model, group) -> None:  # noqa: ANN001 - an ExpertBiasModel, the dp x cp group
+        """The step's expert-bias update, or, while the routers are frozen, only its counts dropped (a later stage's
+        first update sees its own step's counts, as after a resume, whose counts start at zero)."""
+        if self.updates_expert_bias():
+            model.update_expert_bias(group)
+            return
+        for module in self.model.modules():
+            if isinstance(module, MoELayer):
+                module.reset_buffers()
 
     def describe(self) -> str | None:
         """One line naming the stage in force (rank 0 prints it when a stage begins)."""

@@ -403,8 +403,8 @@ class Trainer:
         check_loss_limits(t, step, loss, self.counters.get("first_loss"))
         clip_and_step_(optimizer, self.params, t.grad_clip, grad_norm, norm)  # TritonAdamW clips inside its pass
         optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
-        if isinstance(model, ExpertBiasModel) and self.stages.updates_expert_bias():
-            model.update_expert_bias(self.groups.dp_cp)
+        if isinstance(model, ExpertBiasModel):  # not while the routers are frozen (stages)
+            self.stages.update_expert_bias(model, self.groups.dp_cp)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         phase("end")

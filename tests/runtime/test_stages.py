@@ -99,7 +99,7 @@ def _first_steps(rank, world, data, steps, spy):
     trainer.close()
     trainer.release_run_dir()
     return {"changed": sorted(n for n in full if not torch.equal(full[n], after[n])), "state": state,
-            "params": sorted(full), "stages": [r["stage"] for r in records], "grads": grads, "sizes": sizes,
+            "params": sorted(n for n, _ in trainer.model.named_parameters()), "stages": [r["stage"] for r in records], "grads": grads, "sizes": sizes,
             "recall": [r["indexer_recall_per_layer"] for r in records], "indexer_numel": indexer_numel}
 
 
@@ -112,17 +112,15 @@ def test_backbone_is_bitwise_frozen_through_the_warmup(tmp_path, world):
     assert out["state"] == indexer  # optimizer state only for the trainable parameters
     assert out["grads"] == []  # zeroed after the step (set_to_none)
     assert len(out["recall"][0]) == 2 and all(0 < r <= 1 for r in out["recall"][0])
-    if world > 1:  # FSDP2 reduce-scattered only the indexers' gradients: each one padded to a multiple of 2 rows
-        per_step = sum(out["sizes"]) // 2
-        assert 0 < per_step <= sum(out["indexer_numel"]) + 2 * 64 * len(out["indexer_numel"])
-        assert per_step < sum(out["indexer_numel"]) * 2
+    if world > 1:  # FSDP2 reduce-scattered exactly the indexers' gradients: one call per block holding one, per step
+        assert out["sizes"] == [sum(out["indexer_numel"]) // 2] * 4  # 2 steps x 2 blocks, each half the indexers
 
 
 def test_the_sparse_stage_trains_everything_and_creates_state_at_the_boundary(tmp_path):
     out = run_distributed(_first_steps, 1, staged(tmp_path / "run"), 3, False, timeout=240)[0]
     assert out["stages"] == ["dense_warmup", "dense_warmup", "sparse"]
     assert out["state"] == sorted(n for n in out["params"])  # every parameter after its first sparse step
-    assert set(out["changed"]) >= {n for n in out["params"] if "expert_bias" not in n}
+    assert set(out["changed"]) >= set(out["params"])
 
 
 def _run_to(rank, world, data, stop_at):
@@ -131,7 +129,7 @@ def _run_to(rank, world, data, stop_at):
     records = []
     while trainer.step_no < stop_at:
         records.append(trainer.step())
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().tobytes()  # exact bits
               for n, p in trainer.model.named_parameters()}
     trainer.close()
     trainer.release_run_dir()
@@ -146,4 +144,4 @@ def test_resume_at_and_after_the_boundary_equals_the_uninterrupted_run_bitwise(t
     run_distributed(_run_to, 1, part, saved, timeout=240)
     resumed, records = run_distributed(_run_to, 1, copy.deepcopy(part), 4, timeout=240)[0]
     assert records == whole_records[saved:]  # losses, grad norms and stages of the steps after the resume
-    assert all(torch.equal(whole[n], resumed[n]) for n in whole)
+    assert resumed == whole
