@@ -213,7 +213,8 @@ class MirroredProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    def reduce_scatter(self, outs: list[Tensor], in_lists: list[list[Tensor]], opts: dist.ReduceScatterOptions) -> _Done:
+    def reduce_scatter(self, outs: list[Tensor], in_lists: list[list[Tensor]],
+                       opts: dist.ReduceScatterOptions) -> _Done:
         for out, ins in zip(outs, in_lists, strict=True):
             self.ledger.add("reduce_scatter", self, sum(_nbytes(t) for t in ins))
             out.copy_(_reduced(ins[self._rank], opts.reduceOp, self._size))

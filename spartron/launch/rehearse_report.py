@@ -142,7 +142,8 @@ def render(report: dict[str, Any]) -> str:
                       f"{s['no_overlap']['seconds']:.3f}", f"{s['headline']['tokens_per_s_per_gpu']:.1f}",
                       f"{100 * s['headline']['mfu']:.1f}%")
     console.print(steps)
-    comm = Table(title=f"communication per step (last step; headline overlaps: {', '.join(report['overlaps_in_headline'])})")
+    hidden = ", ".join(report["overlaps_in_headline"])
+    comm = Table(title=f"communication per step (last step; hidden under compute in the headline: {hidden})")
     for col in ("category", "kind", "group", "size", "link", "calls", "bytes", "modelled s"):
         comm.add_column(col, justify="right")
     for d in h["comm_detail"]:

@@ -21,7 +21,8 @@ def test_all_gather_fills_every_slot_and_is_recorded():
         assert torch.equal(all_gather(x, dim=1), x.repeat(1, 4))
         assert torch.equal(funcol.all_gather_tensor(x, 0, dist.group.WORLD).wait(), x.repeat(4, 1))
         (rec,) = ledger.take()
-        assert (rec.kind, rec.group, rec.size, rec.calls, rec.bytes) == ("all_gather", "default_pg", 4, 3, 3 * 8 * 2 * 4)
+        assert (rec.kind, rec.group, rec.size, rec.calls) == ("all_gather", "default_pg", 4, 3)
+        assert rec.bytes == 3 * 8 * 2 * 4  # the output of each call
         assert ledger.take() == []
 
 

@@ -1,0 +1,103 @@
+"""`spartron rehearse` on CPU: the tiny preset's rank 3 of 8 (FSDP 8, EP 2) holds the planner's parameter bytes
+and reports finite, modelled communication by group; a mirrored rank's forward equals a real 2-rank gloo run's
+whose ranks hold identical shards and tokens; what a mirrored rank cannot run is refused by key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from spartron.comm.mirror import mirrored_world
+from spartron.launch.rehearse import rehearsal_config, run_rehearsal
+from spartron.launch.rehearse_report import build_report, render
+from spartron.layers.costs import state_bytes_per_rank
+from spartron.parallel.groups import ParallelGroups
+from spartron.runtime.config import ConfigError, load_config
+from spartron.runtime.linktable import ClusterConfig, LinkConfig, collective_time
+from spartron.runtime.rank_setup import default_model_factory
+from spartron.testing import run_distributed
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+WORLD8 = ["parallel.ep=2", "train.global_batch_size=32", "train.seq_len=32", "train.peak_tflops=1.0"]
+
+
+def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_communication():
+    cfg = load_config(TINY, WORLD8)
+    measured = run_rehearsal(cfg, 8, 3, 2, balanced=False)
+    report = build_report(measured, ClusterConfig())
+    dims = cfg.parallel.dims(8)
+    assert (dims.fsdp, dims.ep, dims.expert_fsdp) == (8, 2, 4)
+    planned = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer, 3)["parameters"]
+    assert report["planner"]["measured_parameter_bytes"] == planned == report["planner"]["parameter_bytes"]
+    assert report["micro_batches"] == {"per_step": 4, "rehearsed": 2}
+    head = report["headline"]
+    assert torch.isfinite(torch.tensor(head["loss"]))
+    # FSDP all-gathers and reduce-scatters, EP all-to-alls; a CPU run's 8 ranks sit in one HGX node
+    assert head["comm"]["fsdp"]["bytes"] > 0 and head["comm"]["ep"]["bytes"] > 0 and head["comm"]["cp"]["bytes"] == 0
+    assert {d["link"] for d in head["comm_detail"]} == {"nvlink"}
+    ep = [d for d in head["comm_detail"] if d["kind"] == "all_to_all"]
+    assert [(d["group"], d["group_size"], d["category"]) for d in ep] == [("ep", 2, "ep")]
+    # the headline hides FSDP under compute (no intra-layer micro-batches: the all-to-alls stay exposed)
+    comm = sum(c["seconds"] for c in head["comm"].values())
+    assert head["no_overlap"]["seconds"] == pytest.approx(head["compute_s"] + comm)
+    assert head["headline"]["seconds"] == pytest.approx(max(head["compute_s"], head["comm"]["fsdp"]["seconds"])
+                                                        + comm - head["comm"]["fsdp"]["seconds"])
+    text = render(report)
+    assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text
+
+
+def test_link_table_classes_and_factors():
+    c = ClusterConfig(nvlink=LinkConfig(busbw_gbps=100.0, latency_us=0.0),
+                      network=LinkConfig(busbw_gbps=10.0, latency_us=0.0),
+                      nvlink_all_to_all=LinkConfig(busbw_gbps=50.0, latency_us=0.0),
+                      network_all_to_all=LinkConfig(busbw_gbps=10.0, latency_us=1.0))
+    inside = collective_time(c, "all_gather", range(8), 1, 8 * 10**9, 0, 8)
+    assert (inside.link, inside.seconds) == ("nvlink", pytest.approx(0.07))  # 8 GB x 7/8 at 100 GB/s
+    across = collective_time(c, "all_reduce", range(16), 1, 10**9, 0, 8)
+    assert (across.link, across.seconds) == ("network", pytest.approx(2 * 15 / 16 / 10))
+    a2a = collective_time(c, "all_to_all", range(16), 2, 16 * 10**9, 0, 8)  # 7/16 over NVLink, 8/16 network
+    assert (a2a.link, a2a.seconds) == ("nvlink+network", pytest.approx(2e-6 + 8e9 / 10e9))
+    assert collective_time(c, "all_gather", [5], 3, 100, 5, 8).seconds == 0.0
+
+
+def test_what_a_mirrored_rank_cannot_run_is_refused_by_key():
+    cfg = load_config(TINY, ["parallel.ep=2"])
+    # built without validation: the dispatcher's own checks (DeepEP importable, CUDA) would refuse it first here
+    deepep = cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"moe": cfg.model.moe.model_copy(update={"dispatcher": "deepep"})})})
+    with pytest.raises(ConfigError, match=r"^model.moe.dispatcher = 'deepep' cannot be rehearsed: DeepEP's buffers"):
+        rehearsal_config(deepep, 8, 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"^--steps must be >= 1, got 0"):
+        rehearsal_config(cfg, 8, 0, "/tmp/unused")
+
+
+def _shard0_forward(rank: int, world: int, overrides: list[str]) -> float:
+    """The loss of the tiny model on fixed tokens, every rank holding rank 0's parameter shards."""
+    cfg = load_config(TINY, overrides)
+    groups = ParallelGroups.build(cfg.parallel.dims(world), "cpu")
+    model = default_model_factory(cfg, groups)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            rows0 = -(-p.shape[0] // world) if isinstance(p, DTensor) else local.shape[0]  # rank 0's shard rows
+            buf = local.new_zeros(rows0, *local.shape[1:])
+            if rank == 0:
+                buf.copy_(local)
+            dist.broadcast(buf, src=0)
+            local.copy_(buf[: local.shape[0]])
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return float(model(tokens, tokens.roll(-1, dims=1))["loss"])
+
+
+def test_mirrored_forward_equals_a_real_identical_data_run():
+    overrides = ["train.seq_len=32", "parallel.fsdp=2"]
+    real = run_distributed(_shard0_forward, 2, overrides, timeout=300)
+    assert real[0] == real[1]
+    with mirrored_world(0, 2):
+        mirrored = _shard0_forward(0, 2, overrides)
+    assert mirrored == pytest.approx(real[0], rel=1e-6, abs=1e-6)
