@@ -1,5 +1,6 @@
 """Reading and rewriting safetensors files byte by byte (no library: a case must be able to write what the
-library would refuse to), and the edits the Hugging Face cases make to an exported checkpoint."""
+library would refuse to), and the edits the Hugging Face cases make to an exported checkpoint. The project's
+one raw safetensors reader and writer: the tests that damage a header use it too."""
 
 from __future__ import annotations
 

@@ -100,6 +100,8 @@ def check_compiler(cfg: RunConfig, which=shutil.which) -> None:
 
         if torch.cuda.is_available():
             return
+    # CXX is no Spartron switch: it is the compiler torch's inductor builds with (torch._inductor.config.cpp.cxx
+    # reads it), so the check looks for the one the first step will run
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
     if not any(which(name) for name in names):
         raise ConfigError(f"train.compile = true with compile_backend 'inductor' on CPU needs a C++ compiler "
