@@ -14,7 +14,6 @@ MAX_REHEARSE_WORLD = 1 << 16
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from spartron.launch.rehearse import run_rehearsal
     from spartron.launch.rehearse_report import build_report, render, write_report
-    from spartron.runtime.linktable import ClusterConfig
 
     if not 1 <= args.world_size <= MAX_REHEARSE_WORLD:
         raise UsageError(f"--world-size must be in [1, {MAX_REHEARSE_WORLD}], got {args.world_size}")
@@ -27,9 +26,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
-    cluster = getattr(cfg, "cluster", None) or ClusterConfig()
     measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.balanced_routing)
-    report = build_report(measured, cluster)
+    report = build_report(measured, cfg.cluster)
     sys.stdout.write(render(report))
     if args.out is not None:
         write_report(report, Path(args.out))

@@ -26,6 +26,7 @@ from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.layers.ops import load_ops
 from spartron.runtime.debug import DebugConfig
 from spartron.runtime.launch_config import LaunchConfig
+from spartron.runtime.linktable import ClusterConfig
 from spartron.runtime.observe import ObserveConfig
 from spartron.runtime.sections import DataConfig, NcclCommConfig, ParallelConfig, TrainConfig
 from spartron.runtime.stage_config import check_stages
@@ -47,6 +48,7 @@ class RunConfig(ConfigSection):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)  # test hook: fail one rank at one step
     observe: ObserveConfig = Field(default_factory=ObserveConfig)  # TensorBoard, W&B, progress, OOM snapshots
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # link table of `spartron rehearse`
 
     def run_dir(self, workdir: Path | None = None) -> Path:
         """THE run directory: train.run_dir, else runs/<name>; a relative one under `workdir` when given."""

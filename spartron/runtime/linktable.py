@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spartron.configbase import ConfigSection
 
@@ -44,13 +45,30 @@ class LinkConfig(ConfigSection):
     latency_us: float = Field(ge=0)
 
 
-class ClusterConfig(ConfigSection):
-    """`[cluster]`: the link table `spartron rehearse` models communication with (module docstring)."""
+DEFAULTS: dict[str, dict[str, float]] = {  # the module docstring's sources
+    "nvlink": {"busbw_gbps": 300.0, "latency_us": 10.0},
+    "network": {"busbw_gbps": 40.0, "latency_us": 30.0},
+    "nvlink_all_to_all": {"busbw_gbps": 150.0, "latency_us": 10.0},
+    "network_all_to_all": {"busbw_gbps": 40.0, "latency_us": 30.0},
+}
 
-    nvlink: LinkConfig = Field(default_factory=lambda: LinkConfig(busbw_gbps=300.0, latency_us=10.0))
-    network: LinkConfig = Field(default_factory=lambda: LinkConfig(busbw_gbps=40.0, latency_us=30.0))
-    nvlink_all_to_all: LinkConfig = Field(default_factory=lambda: LinkConfig(busbw_gbps=150.0, latency_us=10.0))
-    network_all_to_all: LinkConfig = Field(default_factory=lambda: LinkConfig(busbw_gbps=40.0, latency_us=30.0))
+
+class ClusterConfig(ConfigSection):
+    """`[cluster]`: the link table `spartron rehearse` models communication with (module docstring). A link
+    given in part (`cluster.network.busbw_gbps = 25.0`) keeps the default of the key it does not set."""
+
+    nvlink: LinkConfig = Field(default_factory=lambda: LinkConfig(**DEFAULTS["nvlink"]))
+    network: LinkConfig = Field(default_factory=lambda: LinkConfig(**DEFAULTS["network"]))
+    nvlink_all_to_all: LinkConfig = Field(default_factory=lambda: LinkConfig(**DEFAULTS["nvlink_all_to_all"]))
+    network_all_to_all: LinkConfig = Field(default_factory=lambda: LinkConfig(**DEFAULTS["network_all_to_all"]))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: {**DEFAULTS[key], **value} if key in DEFAULTS and isinstance(value, dict) else value
+                for key, value in data.items()}
 
 
 BUS_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,

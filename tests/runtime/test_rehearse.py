@@ -64,6 +64,16 @@ def test_link_table_classes_and_factors():
     assert collective_time(c, "all_gather", [5], 3, 100, 5, 8).seconds == 0.0
 
 
+def test_cluster_section_overrides_a_link_in_part_and_refuses_unknown_links():
+    cfg = load_config(TINY, ["cluster.network.busbw_gbps=25.0"])
+    assert (cfg.cluster.network.busbw_gbps, cfg.cluster.network.latency_us) == (25.0, 30.0)
+    assert cfg.cluster.nvlink == ClusterConfig().nvlink
+    with pytest.raises(ConfigError, match=r"cluster.infiniband: unknown key"):
+        load_config(TINY, ["cluster.infiniband.busbw_gbps=1.0"])
+    with pytest.raises(ConfigError, match=r"cluster.nvlink_all_to_all.latency_us: Input should be greater than or"):
+        load_config(TINY, ["cluster.nvlink_all_to_all.latency_us=-1.0"])
+
+
 def test_what_a_mirrored_rank_cannot_run_is_refused_by_key():
     cfg = load_config(TINY, ["parallel.ep=2"])
     # built without validation: the dispatcher's own checks (DeepEP importable, CUDA) would refuse it first here
