@@ -13,26 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from spartron.interop.hf import HFCheckpointError
 from spartron.runtime.config import load_config
 from spartron.runtime.hf_state import import_hf_run_dir
-
-HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-          num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-          q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=1, topk_group=1,
-          num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> Path:
-    """A tiny Hugging Face checkpoint."""
-    path = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**HF)).save_pretrained(path)
-    return path
 
 
 def _command(hf: Path, out: Path) -> list[str]:
@@ -60,58 +44,58 @@ def _retry_succeeds(hf: Path, out: Path) -> subprocess.CompletedProcess:
     return retry
 
 
-def test_sigterm_mid_import_removes_the_partial_import_and_the_retry_succeeds(hf, tmp_path):
+def test_sigterm_mid_import_removes_the_partial_import_and_the_retry_succeeds(hf_dir, tmp_path):
     out = tmp_path / "runs" / "run"
     out.parent.mkdir()
-    proc = _stopped_mid_import(hf, out, signal.SIGTERM)
+    proc = _stopped_mid_import(hf_dir, out, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert proc.stderr.splitlines() == [f"spartron: convert: stopped by SIGTERM; removed the partial import ({out} "
                                         "is as it was: run the same command again)"]
     assert list(out.parent.iterdir()) == []
-    retry = _retry_succeeds(hf, out)
+    retry = _retry_succeeds(hf_dir, out)
     assert [line for line in retry.stderr.splitlines() if line.startswith("spartron:")] == []  # no leftover note
     assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
 
 
-def test_the_retry_after_a_sigkill_removes_the_dead_import_s_temporary_folder(hf, tmp_path):
+def test_the_retry_after_a_sigkill_removes_the_dead_import_s_temporary_folder(hf_dir, tmp_path):
     out = tmp_path / "runs" / "run"
     out.parent.mkdir()
-    proc = _stopped_mid_import(hf, out, signal.SIGKILL)
+    proc = _stopped_mid_import(hf_dir, out, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     [left] = list(out.parent.iterdir())
     assert re.fullmatch(r"\.run\.tmp-.+-\d+-[0-9a-f]{8}", left.name) and left.is_dir()
-    retry = _retry_succeeds(hf, out)
+    retry = _retry_succeeds(hf_dir, out)
     notes = [line for line in retry.stderr.splitlines() if line.startswith("spartron:")]
     assert notes == [f"spartron: note: removed {left}, left by process {left.name.split('-')[-2]} of this host, "
                      "which is no longer running"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
 
 
-def test_an_existing_empty_folder_keeps_its_inode_and_mode_and_receives_the_import(hf, tmp_path):
+def test_an_existing_empty_folder_keeps_its_inode_and_mode_and_receives_the_import(hf_dir, tmp_path):
     out = tmp_path / "run"
     out.mkdir(mode=0o700)
     os.chmod(out, 0o710)
     inode = os.stat(out).st_ino
-    step, _, toml = import_hf_run_dir(hf, out)
+    step, _, toml = import_hf_run_dir(hf_dir, out)
     assert (step, toml) == (out / "step-00000000", out / "model.toml")
     assert os.stat(out).st_ino == inode and os.stat(out).st_mode & 0o777 == 0o710
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert sorted(p.name for p in out.iterdir()) == ["model.toml", "step-00000000"]
 
 
-def test_an_error_mid_import_leaves_nothing(hf, tmp_path):
+def test_an_error_mid_import_leaves_nothing(hf_dir, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(HFCheckpointError, match=r"^--set model\.vocab_size: 32, the Hugging Face checkpoint has 64"):
-        import_hf_run_dir(hf, out, load_config(None, ["model.vocab_size=32"]), ("model.vocab_size",))
+        import_hf_run_dir(hf_dir, out, load_config(None, ["model.vocab_size=32"]), ("model.vocab_size",))
     assert list(tmp_path.iterdir()) == []
 
 
-def test_missing_parents_are_made_and_a_parent_that_is_a_file_is_one_error(hf, tmp_path):
-    step, _, _ = import_hf_run_dir(hf, tmp_path / "a" / "b" / "run")
+def test_missing_parents_are_made_and_a_parent_that_is_a_file_is_one_error(hf_dir, tmp_path):
+    step, _, _ = import_hf_run_dir(hf_dir, tmp_path / "a" / "b" / "run")
     assert step == tmp_path / "a" / "b" / "run" / "step-00000000" and step.is_dir()
     assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["run"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(HFCheckpointError) as err:
-        import_hf_run_dir(hf, tmp_path / "file" / "run")
+        import_hf_run_dir(hf_dir, tmp_path / "file" / "run")
     assert str(err.value) == (f"{tmp_path / 'file' / 'run'}: cannot make a temporary folder beside it (File exists); "
                               "nothing was imported")
