@@ -13,6 +13,7 @@ from spartron.layers.costs import count_parameters, state_bytes_per_rank
 from spartron.parallel.dims import GROUP_DIMS
 from spartron.runtime.config import RunConfig, dump_config
 from spartron.runtime.memory import plan_memory, step_shape  # noqa: F401 (this module's API too)
+from spartron.runtime.stages import planned_stage_table
 
 
 def _gib(n: int) -> str:
@@ -28,6 +29,9 @@ def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:max_groups])
         more = f" ... ({len(groups) - max_groups} more)" if len(groups) > max_groups else ""
         out.append(f"{name:<13} size {dims.group_size(name):<4} {len(groups)} group(s): {shown}{more}")
+    stages = planned_stage_table(cfg)  # a pattern matching no parameter: a ConfigError naming it
+    if stages:
+        out += ["", f"# training stages ({len(stages)}, [[train.stages]])", *(line.strip() for line in stages)]
     params = count_parameters(cfg.model)
     mem = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)
     out += ["", f"# state per rank ({cfg.model.stored_dtype} parameters, gradients and optimizer state): "

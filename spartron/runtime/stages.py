@@ -144,6 +144,13 @@ class StageRunner:
             if isinstance(module, MoELayer):
                 module.reset_buffers()
 
+    def table(self) -> list[str]:
+        """`stage_table` of this model (the banner's lines)."""
+        if self.current is None:
+            return []
+        nbytes = self.base[0][1].element_size()
+        return stage_table(self.train, [(n, p.numel()) for n, p in self.base], nbytes, self.default_mode)
+
     def describe(self) -> str | None:
         """One line naming the stage in force (rank 0 prints it when a stage begins)."""
         s = self.current
@@ -160,6 +167,33 @@ def trainable_count(model: nn.Module) -> tuple[int, int]:
     params = [p for p in model.parameters() if p.requires_grad]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     return sum(p.numel() for p in params), sum(q.numel() * q.element_size() for q in local)
+
+
+def stage_table(t: TrainConfig, params: list[tuple[str, int]], dtype_bytes: int, default_mode: str | None
+                ) -> list[str]:
+    """What `spartron plan` and the run banner say of the stages: per stage its steps, lr, DSA mode and how many of
+    the model's trainable `params` (name, global count) train, with their bytes in the stored dtype."""
+    total = sum(k for _, k in params)
+    lines = []
+    for s in stages_of(t):
+        chosen = trainable_names([n for n, _ in params], s)
+        count = sum(k for n, k in params if n in chosen)
+        lines.append(f"  stage {s.index + 1} {s.name!r}: steps {s.first_step}-{s.last_step}, "
+                     f"{_mode_text(s, default_mode)}, lr {_lr_text(s)}; trains {count:,} of {total:,} parameters "
+                     f"({count * dtype_bytes / 2**20:,.2f} MiB)")
+    return lines
+
+
+def planned_stage_table(cfg) -> list[str]:  # noqa: ANN001 - a RunConfig
+    """`stage_table` of the reference model, built on the meta device (no memory); [] without stages."""
+    if not cfg.train.stages:
+        return []
+    from spartron.layers.model import build_model
+
+    model = build_model(cfg.model, device="meta")
+    params = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    dtype_bytes = getattr(torch, cfg.model.stored_dtype).itemsize
+    return stage_table(cfg.train, params, dtype_bytes, cfg.model.dsa.indexer_mode if cfg.model.dsa else None)
 
 
 def _mode_text(stage: Stage, default_mode: str | None) -> str:

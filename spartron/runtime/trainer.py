@@ -268,7 +268,9 @@ class Trainer:
                 memory = plan_memory(cfg, world)
             except Exception:  # noqa: BLE001 - as in `spartron plan`: the banner still says the rest
                 memory = None
-            print(banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), file=sys.stderr, flush=True)
+            stages = ["  stages", *self.stages.table()] if t.stages else []
+            print("\n".join([banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), *stages]),
+                  file=sys.stderr, flush=True)
         return self
 
     def _enter_stage(self, step: int) -> None:
