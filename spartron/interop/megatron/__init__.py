@@ -8,10 +8,16 @@
 
 Config mapping and the list of Megatron settings the adapters cannot honour live in `config.py`,
 the SideChannel in `side_channel.py`, the ModuleSpec adapters in `spec.py`, the ProcessGroupCollection export in
-`groups.py`. megatron-core is imported lazily (inside the spec builders and the reverse config
+`groups.py`, activation checkpointing and offload windows (apply_spartron_checkpointing) in
+`checkpointing.py`. megatron-core is imported lazily (inside the spec builders and the reverse config
 mapping) because it is optional.
 """
 
+from spartron.interop.megatron.checkpointing import (
+    MegatronCheckpointing,
+    apply_spartron_checkpointing,
+    megatron_checkpoint_region_of,
+)
 from spartron.interop.megatron.config import (
     MAPPED,
     MEGATRON_OWNED,
@@ -33,8 +39,8 @@ from spartron.interop.megatron.spec import (
 )
 
 __all__ = [
-    "MAPPED", "MEGATRON_OWNED", "REQUIRED", "MegatronConfigError", "SideChannel", "SpartronDenseMLP",
-    "SpartronMLAAttention", "SpartronMoEMLP", "megatron_config_from_spartron", "moe_adapters",
+    "MAPPED", "MEGATRON_OWNED", "REQUIRED", "MegatronCheckpointing", "MegatronConfigError", "SideChannel",
+    "SpartronDenseMLP", "SpartronMLAAttention", "SpartronMoEMLP", "megatron_config_from_spartron", "moe_adapters",
     "resolve_group", "spartron_block_spec", "spartron_config_from_megatron", "spartron_layer_key",
-    "spartron_layer_spec",
+    "spartron_layer_spec", "apply_spartron_checkpointing", "megatron_checkpoint_region_of",
 ]
