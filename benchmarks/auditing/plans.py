@@ -50,4 +50,19 @@ def cases() -> list[Case]:
     add("experts-huge", ["{tiny}", *sets("model.moe.n_routed_experts=1048576", "model.moe.n_groups=1",
                                          "model.moe.topk_groups=1")], ["model.moe.n_routed_experts"],
         category="sizes", accept_ok=True, note="a plan of a huge model is what plan is for")
+    # [[train.stages]] and [train.indexer_metrics] (spartron.runtime.stage_config, stages, indexer_metrics)
+    add("stages-sum", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 2}]")], ["train.stages", "train.steps"])
+    add("stages-unknown-key", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 5, colour = 'red'}]")],
+        ["train.stages.0.colour"])
+    add("stages-pattern-none", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 5, trainable = ['nope.*']}]")],
+        ["train.stages.0.trainable.0", "nope.*"])
+    add("stages-mode-no-kl", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 5, dsa_mode = 'dense_warmup'}]")],
+        ["train.stages.0.dsa_mode", "model.dsa.indexer_loss_coeff"])
+    add("stages-steps-zero", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 0}]")], ["train.stages.0.steps"],
+        category="sizes")
+    add("stages-lr-nan", ["{tiny}", *sets("train.stages=[{name = 'a', steps = 5, lr = nan}]")],
+        ["train.stages.0.lr"], category="nonfinite")
+    add("stages-not-a-list", ["{tiny}", *sets("train.stages=5")], ["train.stages"], category="dtypes")
+    add("indexer-queries-zero", ["{tiny}", *sets("train.indexer_metrics.queries=0")],
+        ["train.indexer_metrics.queries"], category="sizes")
     return out
