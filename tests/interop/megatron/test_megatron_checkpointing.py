@@ -311,3 +311,60 @@ def test_megatron_recompute_is_refused_with_the_spartron_way(granularity):
         f"recompute_granularity={granularity!r}: must be one of [None] (Megatron recompute re-runs the layers "
         "through its own checkpoint, which replays the SideChannel writes and has no Spartron policy; use "
         "spartron.interop.megatron.apply_spartron_checkpointing(model, ac) with ac.mode 'full' or 'selective')"]
+
+
+# ---------------------------------------------------------------- inside Megatron's DDP and schedule
+
+def _ddp_schedule_grads(rank, world):
+    """2 gloo ranks, EP 2: Megatron DDP + get_forward_backward_func (2 micro-batches) + finalize_model_grads;
+    DDP's reduced main_grads of every parameter per AC case."""
+    from cpu_shim import cpu_megatron  # next to this file: the test-only CPU placement of Megatron's bookkeeping
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    # DSA and an aux loss; the expert bias off: what finalize_model_grads does with it is item 1's
+    cfg = small_cfg(dsa=DSA_KL, moe={**MOE_SMALL, "aux_loss_coeff": 0.01, "bias_update_rate": 0.0})
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 17), generator=gen) for _ in range(2)]
+    grads = {}
+    for name, ac in {"no-ac": None, "selective-reentrant": {"mode": "selective"},
+                     "full-non-reentrant": {"mode": "full", "reentrant": False}}.items():
+        torch.manual_seed(0)  # the same Megatron-owned weights (embedding, output layer) in every case
+        tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True, expert_model_parallel_size=2)
+        side = SideChannel()
+        gpt = GPTModel(tcfg, spartron_block_spec(tcfg, side, base_config=cfg, pg_collection=pgc, init_seed=3),
+                       vocab_size=cfg.vocab_size, max_sequence_length=32, position_embedding_type="none",
+                       pg_collection=pgc)
+        if ac is not None:
+            apply_spartron_checkpointing(gpt, ac)
+        with cpu_megatron():
+            model = DistributedDataParallel(tcfg, DistributedDataParallelConfig(), gpt, pg_collection=pgc)
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.no_sync_func = model.no_sync
+
+        def forward_step(data_iterator, model, side=side):
+            tokens = next(data_iterator)
+            side.reset()
+            per_token = model(tokens[:, :-1], None, None, labels=tokens[:, 1:])
+            return per_token, lambda out: (out.float().mean() + side.loss(), {})
+
+        with cpu_megatron():
+            model.zero_grad_buffer()
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                                        num_microbatches=2, seq_length=16, micro_batch_size=2)
+        grads[name] = {k: p.main_grad.clone() for k, p in gpt.named_parameters()}
+    ref = grads.pop("no-ac")
+    return dict(nonzero=sum(int(g.abs().sum() > 0) for g in ref.values()), n=len(ref),
+                diffs={name: max((g[k] - ref[k]).abs().max().item() for k in ref) for name, g in grads.items()})
+
+
+def test_megatron_ddp_schedule_gradients_are_the_no_ac_ones():
+    results = run_distributed(_ddp_schedule_grads, 2, timeout=300)
+    for r in results:
+        assert r["nonzero"] == r["n"], r  # every parameter's reduced gradient is there (indexers included)
+        assert r["diffs"] == {"selective-reentrant": 0.0, "full-non-reentrant": 0.0}, r
