@@ -3,7 +3,8 @@ mass by the indexer's top-k and the KL, on sampled queries (spartron.layers.atte
 
 `[train.indexer_metrics]`: `queries` sampled per rank and layer, `every` n-th step (0: off). Measured on the
 first micro-batch of a step by forward hooks on the source layers (through `reuse_during_recompute`: a
-checkpoint replay gets the result back, the region's recorded operators stay those of the model), averaged over the dp x cp ranks; a step record gets `indexer_recall_per_layer`,
+checkpoint replay gets the result back, the region's recorded operators stay those of the model), averaged
+over the dp x cp ranks; a step record gets `indexer_recall_per_layer`,
 `indexer_kl_per_layer` (the order of `indexer_metric_layers`) and their means `indexer_recall`, `indexer_kl`.
 Off under train.compile (a hook in a compiled block would break its graph).
 """

@@ -42,7 +42,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     for name in ("recall", "kl"):  # the indexer-quality metric (spartron.runtime.indexer_metrics)
         if record.get(f"indexer_{name}") is not None:
             out[f"dsa/indexer_{name}"] = float(record[f"indexer_{name}"])
-        for layer, value in zip(record.get("indexer_metric_layers") or [], record.get(f"indexer_{name}_per_layer") or []):
+        values = record.get(f"indexer_{name}_per_layer") or []
+        for layer, value in zip(record.get("indexer_metric_layers") or [], values, strict=True):
             out[f"dsa/layer_{layer}/indexer_{name}"] = float(value)
     return out
 

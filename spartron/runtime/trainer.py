@@ -40,10 +40,10 @@ from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLossError, TrainingError, check_loss_limits
+from spartron.runtime.indexer_metrics import IndexerProbe
 from spartron.runtime.init_from import init_from_factory
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
-from spartron.runtime.indexer_metrics import IndexerProbe
 from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, set_lr
 from spartron.runtime.preemption import StopOnSigterm
 from spartron.runtime.rank_setup import (
@@ -58,6 +58,7 @@ from spartron.runtime.rank_setup import (
 from spartron.runtime.rundir import RunDirLock, training_notes
 from spartron.runtime.saved_eval import evaluate_saved
 from spartron.runtime.schedule import SCHEDULE_KEYS, recorded_run_settings, schedule_note
+from spartron.runtime.stages import StageRunner, default_indexer_mode, lr_for_step
 from spartron.runtime.state import (
     AsyncSaveGroup,
     PendingSave,
@@ -69,7 +70,6 @@ from spartron.runtime.state import (
     state_config,
     step_dir,
 )
-from spartron.runtime.stages import StageRunner, default_indexer_mode, lr_for_step
 from spartron.runtime.state_layout import resplit_data_position
 
 # Defined beside the rank set-up, the guards and `spartron eval`; imported from here by launchers and tests.

@@ -58,7 +58,8 @@ def test_stage_rule_and_learning_rate():
      "train.stages.1.name: 'dense_warmup' names an earlier stage too"),
     (lambda d: d["train"]["stages"][0].update(warmup_steps=3), "train.stages.0.warmup_steps: 3 is more than the "
                                                                "stage's 2 steps"),
-    (lambda d: d["train"]["stages"][0].update(trainable=[]), "train.stages.0.trainable: must name at least one parameter pattern"),
+    (lambda d: d["train"]["stages"][0].update(trainable=[]),
+     "train.stages.0.trainable: must name at least one parameter pattern"),
     (lambda d: d["train"]["stages"][0].update(dsa_mode="sparse"), "train.stages.0.dsa_mode: Input should be"),
     (lambda d: d["model"]["dsa"].update(indexer_mode="frozen", indexer_loss_coeff=0.0),
      "train.stages.0.dsa_mode = 'dense_warmup' trains the indexer by its KL loss, but model.dsa.indexer_loss_coeff "
@@ -99,7 +100,8 @@ def _first_steps(rank, world, data, steps, spy):
     trainer.close()
     trainer.release_run_dir()
     return {"changed": sorted(n for n in full if not torch.equal(full[n], after[n])), "state": state,
-            "params": sorted(n for n, _ in trainer.model.named_parameters()), "stages": [r["stage"] for r in records], "grads": grads, "sizes": sizes,
+            "params": sorted(n for n, _ in trainer.model.named_parameters()), "stages": [r["stage"] for r in records],
+            "grads": grads, "sizes": sizes,
             "recall": [r["indexer_recall_per_layer"] for r in records], "indexer_numel": indexer_numel}
 
 

@@ -40,7 +40,6 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import AttentionOutput
 
-
 INDEXER_MODES = ("frozen", "kl_dense", "kl_sparse", "dense_warmup")
 
 
@@ -221,7 +220,8 @@ class MLA(nn.Module):
         with torch.no_grad():  # the target is detached: no graph through the absorbed queries
             q_abs = absorb_query(q_nope, q_pe, self._absorbed_weights()[0])
         return trained_indexer_ids_and_loss(self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs,
-                                            kv, self.softmax_scale, sparse=sparse, coeff=self.cfg.dsa.indexer_loss_coeff)
+                                            kv, self.softmax_scale, sparse=sparse,
+                                            coeff=self.cfg.dsa.indexer_loss_coeff)
 
     def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
         w_uk, w_uv = self._absorbed_weights()
@@ -235,7 +235,8 @@ class MLA(nn.Module):
             else:
                 ids, loss = trained_indexer_ids_and_loss(
                     self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs, kv,
-                    self.softmax_scale, sparse=self.indexer_mode == "kl_sparse", coeff=self.cfg.dsa.indexer_loss_coeff)
+                    self.softmax_scale, sparse=self.indexer_mode == "kl_sparse",
+                    coeff=self.cfg.dsa.indexer_loss_coeff)
         out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
                                    deterministic=self.cfg.dsa.deterministic_dkv)
         return AttentionOutput(hidden_states=self.wo(absorb_output(out_latent, w_uv)), dsa_topk_ids=ids,
