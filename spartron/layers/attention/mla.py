@@ -137,10 +137,18 @@ class MLA(nn.Module):
         if self.indexer is None:
             raise ValueError(f"layer {self.layer_idx} has no indexer (it is not a DSA source)")
         with torch.no_grad():
-            cos, sin, q_nope, q_pe, q_in, kv, k_positions = self._project(x, positions)
+            cos, sin = rope_cos_sin(positions, self.cfg.mla)
+            latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            compressed = torch.cat((self.kv_norm(latent), apply_rope(k_pe, cos, sin, interleaved=True)), dim=-1)
+            kv = gather_sequence(compressed, self.cp_group, dim=1)
+            k_positions = self._key_positions(positions)
             q_pos, q_starts = self._query_positions(positions, k_positions)
-            q_abs = absorb_query(q_nope[:, rows], q_pe[:, rows], self._absorbed_weights()[0])
-            q_idx, weights, k_idx = self.indexer(x, q_in, cos, sin)
+            # the indexer over all rows (its keys need them); the main queries at the sampled rows only
+            q_idx, weights, k_idx = self.indexer(x, self.q_norm(self.wq_a(x)) if self.q_lora else x, cos, sin)
+            q, _ = self._query(x[:, rows])
+            cos_r, sin_r = rope_cos_sin(positions[..., rows], self.cfg.mla)
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            q_abs = absorb_query(q_nope, apply_rope(q_pe, cos_r, sin_r, interleaved=True), self._absorbed_weights()[0])
             starts = None if q_starts is None else q_starts[:, rows]
             return {"q_abs": q_abs, "kv": kv, "q_index": q_idx[:, rows], "weights": weights[:, rows], "k_index": k_idx,
                     "q_positions": q_pos[rows], "k_positions": k_positions, "q_starts": starts,
