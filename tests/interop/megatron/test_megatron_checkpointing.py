@@ -102,6 +102,13 @@ def _step(model: GPTModel, side: SideChannel, batches: list[torch.Tensor], ckpt=
                 counts={k: b.clone() for k, b in model.named_buffers() if k.endswith("step_tokens_per_expert")})
 
 
+def _eval(model: GPTModel, side: SideChannel, tokens: torch.Tensor) -> list[torch.Tensor]:
+    side.reset()
+    with torch.no_grad():
+        per_token = model(tokens[:, :-1], None, None, labels=tokens[:, 1:])
+    return [per_token, side.indexer_loss(), side.tokens_per_expert(), side.dsa_topk_ids]
+
+
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
@@ -139,6 +146,7 @@ def _ac_parity(rank, world, cfg_name):
     ref_model = _gpt(cfg, pgc, side)
     batches = [torch.randint(0, cfg.vocab_size, (2, 17)) for _ in range(2)]
     ref = _step(ref_model, side, batches)
+    ref_eval = _eval(ref_model, side, batches[0])
     out = dict(indexer_grads=sorted(k for k in ref["grads"] if ".indexer." in k),
                n_grads=len(ref["grads"]), n_params=len(dict(ref_model.named_parameters())),
                counts=[c.sum().item() for c in ref["counts"].values()], cases={})
@@ -148,6 +156,9 @@ def _ac_parity(rank, world, cfg_name):
         model.load_state_dict(ref_model.state_dict())
         ckpt = apply_spartron_checkpointing(model, ac, offload)
         result = _compare(ref, _step(model, side, batches, ckpt))
+        got_eval = _eval(model, side, batches[0])  # without grad the regions run their layers plainly, once
+        result["eval_equal"] = all((a is None and b is None) or torch.equal(a, b)
+                                   for a, b in zip(ref_eval, got_eval, strict=True))
         result["layers"] = list(ckpt.layers)
         result["classes"] = sorted({type(m).__name__ for m in model.decoder.layers})
         stats = [megatron_checkpoint_region_of(m) for m in model.decoder.layers]
@@ -168,6 +179,7 @@ def test_every_ac_mode_gives_the_no_ac_gradients(cfg_name):
         assert c["same_grad_names"], (name, c)
         # fp32 on CPU, the same operators in the same order: bit-exact, not merely close
         assert c["grads"] == 0.0 and c["losses"] == 0.0 and c["side_losses"] == 0.0, (name, c)
+        assert c["eval_equal"], (name, c)
         assert c["tpe_equal"] and c["ids_equal"] and c["counts_equal"] and c["tracked_equal"], (name, c)
         expected = {"none": [], "full-freq2-reentrant": all_layers[::2]}.get(name, all_layers)
         assert c["layers"] == expected, (name, c)
