@@ -3,26 +3,19 @@
 A rehearsal measures compute and memory on one device and MODELS communication: for each collective a
 step would run (kind, group, bytes in the nccl-tests sense, from spartron.comm.mirror's ledger), the time
 is `calls x latency + bytes x factor / busbw`, with nccl-tests' bus-bandwidth factors ((n-1)/n for
-all-gather, reduce-scatter and all-to-all, 2(n-1)/n for all-reduce, 1 for broadcast) and the bus
-bandwidth of the link class the group crosses: NVLink when every member sits in this rank's node
-(`launch.gpus_per_node` consecutive ranks per node), the per-GPU network otherwise. An all-to-all that
-spans nodes sends (k-1)/(n-1) of its bytes over NVLink and the rest over the network at the same time (k:
-members in this node); the slower of the two sets its time.
+all-gather, reduce-scatter and all-to-all, 2(n-1)/n for all-reduce, 1 for broadcast) and the link classes
+the group crosses (`launch.gpus_per_node` consecutive ranks per node; one NIC per GPU):
+- every member in this rank's node: NVLink alone;
+- a ring collective (all-gather, reduce-scatter, all-reduce, broadcast) spanning nodes with k members in
+  this node: its NVLink hops carry the whole bus volume, and the (n-k)/(n-1) of it that enters the node
+  arrives through the k members' NICs together, so time = max(NVLink time, network time at k x the
+  per-GPU bandwidth) (k = 1: one NIC carries it all);
+- an all-to-all spanning nodes: (k-1)/n of the input goes over NVLink and (n-k)/n over this GPU's own NIC
+  at the same time; the slower of the two sets its time.
 
-Defaults: an HGX H100 or H200 node (both NVLink 4, 450 GB/s per direction per GPU; one 400 Gb/s
-ConnectX-7 NIC per GPU, 50 GB/s line rate), bandwidths as published, in GB/s (1e9 bytes/s):
-- ring collectives over NVLink, 300 GB/s: nccl-tests all_gather / reduce_scatter bus bandwidth on 8 x
-  H100 SXM, large messages, is 300-370 GB/s (NVIDIA's DGX H100 / nccl-tests reports);
-- ring collectives over the network, 40 GB/s per GPU: nccl-tests multi-node bus bandwidth on 400 Gb/s
-  InfiniBand NDR is 40-48 GB/s per GPU;
-- all-to-all over NVLink, 150 GB/s: DeepEP's normal kernels, intranode EP 8, measured 153 GB/s dispatch /
-  158 GB/s combine (github.com/deepseek-ai/DeepEP README, H800 whose NVLink tops at ~160 GB/s); the NCCL
-  all-to-all of model.moe.dispatcher = 'all_to_all' is of the same order (this project's 2-rank H200
-  exchange: benchmarks/results/deepep/deepep.json);
-- all-to-all over the network, 40 GB/s per GPU: DeepEP internode normal kernels, EP 16 / 32 / 64: 43 / 58
-  / 51 GB/s over RDMA with 400 Gb/s ConnectX-7 (same README); NCCL's all-to-all gets less, hence 40;
-- latency per call: 10 us over NVLink, 30 us over the network (nccl-tests small-message times).
-Measure your own cluster (nccl-tests, benchmarks/collectives.py) and set `[cluster]`.
+Defaults: an HGX H100 or H200 node (NVLink 4, 450 GB/s per direction per GPU; one 400 Gb/s NIC per GPU),
+in GB/s (1e9 bytes/s). Sources and the cross-check against this project's own measurements:
+docs/LINK_TABLE.md. Measure your own cluster (nccl-tests, benchmarks/collectives.py) and set `[cluster]`.
 """
 
 from __future__ import annotations
@@ -45,11 +38,11 @@ class LinkConfig(ConfigSection):
     latency_us: float = Field(ge=0)
 
 
-DEFAULTS: dict[str, dict[str, float]] = {  # the module docstring's sources
-    "nvlink": {"busbw_gbps": 300.0, "latency_us": 10.0},
-    "network": {"busbw_gbps": 40.0, "latency_us": 30.0},
-    "nvlink_all_to_all": {"busbw_gbps": 150.0, "latency_us": 10.0},
-    "network_all_to_all": {"busbw_gbps": 40.0, "latency_us": 30.0},
+DEFAULTS: dict[str, dict[str, float]] = {  # sources: docs/LINK_TABLE.md
+    "nvlink": {"busbw_gbps": 360.0, "latency_us": 10.0},  # nccl-tests ring busbw on 8 x H100 (NCCL's maintainers)
+    "network": {"busbw_gbps": 40.0, "latency_us": 30.0},  # per GPU: 46-48 GB/s per 400G NIC at 2 nodes, less at 256
+    "nvlink_all_to_all": {"busbw_gbps": 280.0, "latency_us": 10.0},  # NCCL all-to-all, 2 x H200, 256 MiB per rank
+    "network_all_to_all": {"busbw_gbps": 40.0, "latency_us": 30.0},  # DeepEP internode EP 16-64: 43-58 GB/s (H800)
 }
 
 
@@ -98,14 +91,18 @@ def collective_time(cluster: ClusterConfig, kind: str, ranks: Sequence[int], cal
     moved = nbytes * BUS_FACTOR[kind](n)
     node = rank // gpus_per_node
     local = sum(1 for r in ranks if r // gpus_per_node == node)
+    a2a = kind == "all_to_all"
+    nvlink, network = ((cluster.nvlink_all_to_all, cluster.network_all_to_all) if a2a
+                       else (cluster.nvlink, cluster.network))
     if local == n:
-        link = cluster.nvlink_all_to_all if kind == "all_to_all" else cluster.nvlink
-        return LinkTime(_time(link, calls, moved), "nvlink")
-    if kind != "all_to_all" or local == 1:
-        link = cluster.network_all_to_all if kind == "all_to_all" else cluster.network
-        return LinkTime(_time(link, calls, moved), "network")
-    # nbytes * (n-1)/n leave this rank: (local-1) of the n-1 peers over NVLink, the rest over the network
-    inside = nbytes * (local - 1) / n
-    outside = nbytes * (n - local) / n
-    return LinkTime(max(_time(cluster.nvlink_all_to_all, calls, inside),
-                        _time(cluster.network_all_to_all, calls, outside)), "nvlink+network")
+        return LinkTime(_time(nvlink, calls, moved), "nvlink")
+    if a2a:  # (local-1) of the n-1 peers over NVLink, the rest over this GPU's NIC, at the same time
+        inside, outside = nbytes * (local - 1) / n, nbytes * (n - local) / n
+        if local == 1:
+            return LinkTime(_time(network, calls, outside), "network")
+        return LinkTime(max(_time(nvlink, calls, inside), _time(network, calls, outside)), "nvlink+network")
+    # a ring spanning nodes: the bus volume entering the node comes through the `local` members' NICs
+    outside = _time(network, calls, moved * (n - local) / (n - 1) / local)
+    if local == 1:
+        return LinkTime(outside, "network")
+    return LinkTime(max(_time(nvlink, calls, moved), outside), "nvlink+network")

@@ -57,8 +57,15 @@ def test_link_table_classes_and_factors():
                       network_all_to_all=LinkConfig(busbw_gbps=10.0, latency_us=1.0))
     inside = collective_time(c, "all_gather", range(8), 1, 8 * 10**9, 0, 8)
     assert (inside.link, inside.seconds) == ("nvlink", pytest.approx(0.07))  # 8 GB x 7/8 at 100 GB/s
+    # a ring over 2 nodes, 8 members each: 8/15 of the bus volume enters the node through 8 NICs at 10 GB/s
+    # (1 GB x 2 x 15/16 x 8/15 / 80 GB/s = 0.0125 s); its NVLink hops carry it all (0.01875 s) and set the time
     across = collective_time(c, "all_reduce", range(16), 1, 10**9, 0, 8)
-    assert (across.link, across.seconds) == ("network", pytest.approx(2 * 15 / 16 / 10))
+    assert (across.link, across.seconds) == ("nvlink+network", pytest.approx(2 * 15 / 16 / 100))
+    slow = c.model_copy(update={"network": LinkConfig(busbw_gbps=1.0, latency_us=0.0)})
+    ring = collective_time(slow, "all_gather", range(16), 1, 16 * 10**9, 3, 8)  # 16 GB x 15/16 x 8/15 / 8 GB/s
+    assert (ring.link, ring.seconds) == ("nvlink+network", pytest.approx(1.0))
+    strided = collective_time(c, "reduce_scatter", range(0, 32, 8), 1, 4 * 10**9, 8, 8)  # one member per node
+    assert (strided.link, strided.seconds) == ("network", pytest.approx(3e9 / 10e9))
     a2a = collective_time(c, "all_to_all", range(16), 2, 16 * 10**9, 0, 8)  # 7/16 over NVLink, 8/16 network
     assert (a2a.link, a2a.seconds) == ("nvlink+network", pytest.approx(2e-6 + 8e9 / 10e9))
     assert collective_time(c, "all_gather", [5], 3, 100, 5, 8).seconds == 0.0
