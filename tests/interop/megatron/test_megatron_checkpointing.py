@@ -120,8 +120,10 @@ def _max_diff(a: list, b: list) -> float:
 
 def _compare(ref: dict, got: dict) -> dict:
     return dict(
-        same_grad_names=sorted(ref["grads"]) == sorted(got["grads"]),
-        grads=max((ref["grads"][k] - got["grads"][k]).abs().max().item() for k in ref["grads"]),
+        # parameters whose gradient one run has and the other lacks (the issue: indexers under reentrant AC)
+        grads_only_in_one=sorted(set(ref["grads"]) ^ set(got["grads"])),
+        grads=max((ref["grads"][k] - got["grads"][k]).abs().max().item()
+                  for k in set(ref["grads"]) & set(got["grads"])),
         losses=_max_diff(ref["losses"], got["losses"]),
         side_losses=max(_max_diff(list(a), list(b)) for a, b in zip(ref["side_losses"], got["side_losses"],
                                                                      strict=True)),
@@ -176,7 +178,7 @@ def test_every_ac_mode_gives_the_no_ac_gradients(cfg_name):
     assert r["counts"] == [2 * 2 * 16 * 2] * 2  # 2 micro-batches x 2 x 16 tokens x top-2, per MoE layer
     all_layers = [f"decoder.layers.{i}" for i in range(3)]
     for name, c in r["cases"].items():
-        assert c["same_grad_names"], (name, c)
+        assert c["grads_only_in_one"] == [], (name, c)
         # fp32 on CPU, the same operators in the same order: bit-exact, not merely close
         assert c["grads"] == 0.0 and c["losses"] == 0.0 and c["side_losses"] == 0.0, (name, c)
         assert c["eval_equal"], (name, c)
