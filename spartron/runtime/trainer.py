@@ -200,6 +200,8 @@ class Trainer:
         self.evaluator: Evaluator | None
         self.flops_per_token: float
         self.peak_flops: float
+        self.stages: StageRunner  # the training stages (one implicit stage when train.stages is empty)
+        self.indexer_probe: IndexerProbe | None  # the indexer-quality metric; None when off or no DSA layer
 
     # What benchmarks and tests read of the rank's place.
     device = property(lambda self: self.place.device)
