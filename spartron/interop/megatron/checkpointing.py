@@ -50,6 +50,7 @@ from spartron.checkpointing import (
 from spartron.checkpointing.offload import ActivationOffloader, OffloadSession
 from spartron.interop.megatron.side_channel import SideChannel, decisions
 from spartron.interop.megatron.spec import SpartronMLAAttention
+from spartron.layers.ops import load_ops
 
 _ATTR = "_spartron_megatron_checkpoint"
 
@@ -150,9 +151,11 @@ def apply_spartron_checkpointing(model: nn.Module, ac: ACConfig | Mapping[str, A
     Spartron checkpoint region; `offload` (enabled) moves the regions' saved inputs to host memory.
 
     `ac` / `offload` are the `[ac]` / `[offload]` sections of a Spartron run config (or their dicts).
-    Apply before wrapping the model in Megatron's DDP / Float16Module (the layers keep their names,
-    so the order only matters for the wrappers that copy parameters). ac.mode = "none" wraps nothing.
+    Apply it to the bare model, before Megatron's DDP / Float16Module wrap it (the layers keep their
+    parameters and names). ac.mode = "none" wraps nothing. Errors: a model without TransformerLayers,
+    a layer not built from Spartron specs, already checkpointed, or with Megatron recompute set.
     """
+    load_ops()  # ac.targets may name Spartron's operators: registered before the config checks them
     ac = ac if isinstance(ac, ACConfig) else ACConfig.model_validate(dict(ac))
     if offload is not None and not isinstance(offload, OffloadConfig):
         offload = OffloadConfig.model_validate(dict(offload))

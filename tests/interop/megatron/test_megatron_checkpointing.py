@@ -57,6 +57,9 @@ CASES = {  # name -> (ac, offload)
     **{f"{mode}-{'reentrant' if r else 'non-reentrant'}": (dict(mode=mode, reentrant=r), None)
        for mode in ("full", "selective") for r in (True, False)},
     "selective-no-targets-reentrant": (dict(mode="selective", targets=[]), None),
+    "selective-own-targets-non-reentrant": (dict(mode="selective", targets=["aten::mm", "spartron::sparse_mla",
+                                                                            "spartron_collectives"],
+                                                 reentrant=False), None),
     "full-freq2-reentrant": (dict(mode="full", freq=2), None),
     "selective-offload-reentrant": (dict(mode="selective"), dict(enabled=True)),
     "full-offload-non-reentrant": (dict(mode="full", reentrant=False), dict(enabled=True, window=[0, 1],
