@@ -13,12 +13,12 @@ import sys
 from typing import NoReturn
 
 from spartron import __version__
-from spartron.launch import cmd_convert, cmd_data, cmd_plan, cmd_regress, cmd_sbatch, cmd_train
+from spartron.launch import cmd_convert, cmd_data, cmd_plan, cmd_regress, cmd_rehearse, cmd_sbatch, cmd_train
 from spartron.launch.command import USAGE_ERROR, Parser, error_line, is_user_error
 from spartron.launch.process import exit_process
 
-# train, smoke, eval | sbatch | regress compare, regress run | plan | convert | data
-COMMANDS = (cmd_train, cmd_sbatch, cmd_regress, cmd_plan, cmd_convert, cmd_data)
+# train, smoke, eval | sbatch | regress compare, regress run | plan | rehearse | convert | data
+COMMANDS = (cmd_train, cmd_sbatch, cmd_regress, cmd_plan, cmd_rehearse, cmd_convert, cmd_data)
 
 
 def build_parser() -> argparse.ArgumentParser:
