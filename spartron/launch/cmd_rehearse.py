@@ -9,6 +9,28 @@ from pathlib import Path
 from spartron.launch.command import UsageError, add_config, load
 
 MAX_REHEARSE_WORLD = 1 << 16
+DEFAULT_PEAK_TFLOPS = 750.0  # the bf16 matmul ceiling measured on one H200 (issue 37), when train.peak_tflops is unset
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    """--suggest: the planner's layouts for --world-size GPUs of --gpu-memory-gib each (spartron.launch.suggest)."""
+    from spartron.launch.suggest import render_suggestions, suggest
+
+    if args.gpu_memory_gib is None or args.gpu_memory_gib <= 0:
+        raise UsageError(f"--suggest needs --gpu-memory-gib > 0 (the memory of one GPU), got {args.gpu_memory_gib}")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    cfg = load(args)
+    peak = cfg.train.peak_tflops or DEFAULT_PEAK_TFLOPS
+    device_bytes = int(args.gpu_memory_gib * 2**30)
+    rows = suggest(cfg, args.world_size, device_bytes, cfg.cluster, args.mfu, peak)
+    if not rows:
+        raise UsageError(f"no layout of {cfg.name} on {args.world_size} GPUs: EP must divide "
+                         f"model.moe.n_routed_experts and the world, and train.global_batch_size the data ranks")
+    sys.stdout.write(render_suggestions(rows, args.world_size, device_bytes, args.mfu, peak, args.limit))
+    return 0
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -17,6 +39,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     if not 1 <= args.world_size <= MAX_REHEARSE_WORLD:
         raise UsageError(f"--world-size must be in [1, {MAX_REHEARSE_WORLD}], got {args.world_size}")
+    if args.suggest:
+        return cmd_suggest(args)
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     if args.steps < 1:
@@ -47,4 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--balanced-routing", action="store_true",
                    help="every expert slot receives the mean of what this rank sends (default: the model's routing)")
     p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--suggest", action="store_true",
+                   help="rehearse nothing: list the layouts (EP, CP, FSDP, AC) the planner fits in --gpu-memory-gib "
+                        "on --world-size GPUs, with predicted peak and modelled tokens/s")
+    p.add_argument("--gpu-memory-gib", type=float, help="with --suggest: memory of one GPU (GiB)")
+    p.add_argument("--mfu", type=float, default=0.4, help="with --suggest: compute modelled at this MFU (default 0.4)")
+    p.add_argument("--limit", type=int, default=10, help="with --suggest: layouts listed (default 10)")
     p.set_defaults(func=cmd_rehearse)

@@ -1,0 +1,169 @@
+"""`spartron rehearse --suggest`: the layouts the planner recommends for a GPU count and per-GPU memory.
+
+Nothing runs. For every layout of the config's model on `world` GPUs (EP over the divisors of the routed
+experts, CP in 1, 2, 4, 8, AC none / selective / full; FSDP fills the rest) the planner's predicted peak
+(spartron.runtime.memory.plan_memory, the same number `spartron plan` prints) decides whether the rank fits
+the device, and a step time is MODELLED, not measured:
+- compute: the model's training FLOPs of this rank's tokens (spartron.layers.costs) at `mfu` of the peak
+  FLOP/s, plus the forward that AC replays (a third of the replayed FLOPs: all under full AC; under
+  selective AC the projections unless its targets keep the matmuls, never the attention it keeps);
+- communication, from the link table (spartron.runtime.linktable) on rank 0's groups: FSDP2's all-gathers
+  (forward and backward, in model.dtype) and reduce-scatters (model.reduce_dtype; once per micro-batch with
+  train.grad_sync = 'every_micro_batch', else once per step) of the dense parameters over fsdp x cp and of
+  the routed experts over expert_fsdp; the MoE all-to-alls (dispatch and combine of top_k rows of `dim`
+  per token, forward, backward, and the forward again under AC); CP's all-gather of the latent KV rows
+  per layer and its reduce-scatter in backward;
+- the headline hides what the runtime overlaps (spartron.launch.rehearse_report's rule: FSDP always, the
+  all-to-alls with train.intra_layer_micro_batches > 1).
+A rehearsal (`spartron rehearse`) then measures the chosen layout's compute and peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
+from spartron.parallel.dims import ParallelDimsError
+from spartron.runtime.config import ConfigError, RunConfig, config_from_dict
+from spartron.runtime.linktable import ClusterConfig, collective_time
+from spartron.runtime.memory import plan_memory
+
+AC_MODES = ("none", "selective", "full")
+CP_SIZES = (1, 2, 4, 8)
+HGX_GPUS = 8
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One layout: its keys, the planner's peak, whether it fits, and its modelled step."""
+
+    ep: int
+    cp: int
+    fsdp: int
+    ac_mode: str
+    peak_bytes: int
+    fits: bool
+    compute_s: float
+    comm_s: dict[str, float]  # fsdp, ep, cp: modelled seconds per step
+    step_s: float  # headline: the runtime's overlaps only
+    tokens_per_s_per_gpu: float
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", "parallel.fsdp=-1", f"ac.mode='{self.ac_mode}'"]
+
+
+def layout_config(cfg: RunConfig, ep: int, cp: int, ac_mode: str) -> RunConfig:
+    """`cfg` with EP `ep`, CP `cp`, FSDP filling the world and AC `ac_mode` (validated as a file would be)."""
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["parallel"].update(ep=ep, cp=cp, fsdp=-1)
+    data["ac"]["mode"] = ac_mode
+    if ac_mode == "none":
+        data["ac"].pop("targets", None)
+    return config_from_dict(data)
+
+
+def replayed_flops(cfg: RunConfig, parts) -> float:  # noqa: ANN001 - FlopParts
+    """Training FLOPs per token whose forward AC runs again: all under full AC; under selective AC the
+    projections unless its targets keep the matmuls (the default targets do), never the attention cores."""
+    if cfg.ac.mode == "none":
+        return 0.0
+    if cfg.ac.mode == "full":
+        return parts.total
+    targets = cfg.ac.targets
+    keeps_matmuls = targets is None or any(t in ("aten", "aten::mm", "aten::_grouped_mm") for t in targets)
+    return 0.0 if keeps_matmuls else parts.total - parts.attention
+
+
+def _group(dims, name: str) -> list[int]:  # noqa: ANN001 - ParallelDims
+    return next(g for g in dims.rank_groups(name) if 0 in g)
+
+
+def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float, peak_tflops: float,
+                  gpus_per_node: int) -> tuple[float, dict[str, float], float]:
+    """(compute seconds, communication seconds by category, headline step seconds) of one step of `cfg`."""
+    m, t = cfg.model, cfg.train
+    dims = cfg.parallel.dims(world)
+    n_micro = t.micro_steps(dims.dp)
+    tokens = t.micro_batch_size * t.seq_len // dims.cp  # this rank's tokens per micro-batch
+    parts = training_flop_parts(m, t.seq_len)
+    replay = 0.0 if cfg.ac.mode == "none" else 1.0
+    flops = tokens * n_micro * (parts.total + replayed_flops(cfg, parts) / 3)
+    compute = flops / (mfu * peak_tflops * 1e12)
+
+    shapes = param_shapes(m)
+    dense = sum(_numel(s) for f, s in shapes.items() if not is_routed_expert(f))
+    experts = sum(_numel(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
+    width, reduce = PARAM_BYTES[m.dtype], PARAM_BYTES[m.reduce_dtype or m.dtype]
+    syncs = n_micro if t.grad_sync == "every_micro_batch" else 1
+    moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
+    blocks = m.n_layers + m.mtp.depth + 1
+    a2a_passes = 4 + 2 * replay  # dispatch + combine, forward and backward, the forward again under AC
+    a2a_bytes = tokens * m.moe.top_k * m.dim * width
+    kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
+
+    def cost(kind: str, group: str, calls: float, nbytes: float) -> float:
+        return collective_time(cluster, kind, _group(dims, group), round(calls), round(nbytes), 0,
+                               gpus_per_node).seconds
+
+    comm = {
+        "fsdp": cost("all_gather", "fsdp_cp", 2 * n_micro * blocks, 2 * n_micro * dense * width)
+        + cost("reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense * reduce)
+        + cost("all_gather", "expert_fsdp", 2 * n_micro * moe_layers, 2 * n_micro * experts * width)
+        + cost("reduce_scatter", "expert_fsdp", syncs * moe_layers, syncs * experts * reduce),
+        "ep": cost("all_to_all", "ep", a2a_passes * n_micro * moe_layers, a2a_passes * n_micro * moe_layers * a2a_bytes),
+        "cp": cost("all_gather", "cp", (1 + replay) * n_micro * m.n_layers, (1 + replay) * n_micro * m.n_layers * kv_bytes)
+        + cost("reduce_scatter", "cp", n_micro * m.n_layers, n_micro * m.n_layers * kv_bytes),
+    }
+    overlapped = comm["fsdp"] + (comm["ep"] if t.intra_layer_micro_batches > 1 else 0.0)
+    exposed = sum(comm.values()) - overlapped
+    return compute, comm, max(compute, overlapped) + exposed
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfig, mfu: float,
+            peak_tflops: float) -> list[Suggestion]:
+    """Every valid layout of `cfg` on `world` GPUs, those that fit `device_bytes` first, fastest first."""
+    gpus = cfg.launch.gpus_per_node or HGX_GPUS
+    n_experts = cfg.model.moe.n_routed_experts
+    eps = [e for e in range(1, min(world, n_experts) + 1) if n_experts % e == 0 and world % e == 0]
+    out = []
+    for ep in eps:
+        for cp in CP_SIZES:
+            for mode in AC_MODES:
+                try:
+                    lcfg = layout_config(cfg, ep, cp, mode)
+                    dims = lcfg.parallel.dims(world)
+                    lcfg.train.micro_steps(dims.dp)
+                except (ConfigError, ParallelDimsError, ValueError):
+                    continue  # not a layout of this world / batch
+                peak = plan_memory(lcfg, world).peak
+                compute, comm, step = modelled_step(lcfg, world, cluster, mfu, peak_tflops, gpus)
+                tps = lcfg.train.global_batch_size * lcfg.train.seq_len / world / step
+                out.append(Suggestion(ep, cp, dims.fsdp, mode, peak, peak <= device_bytes, compute, comm, step, tps))
+    return sorted(out, key=lambda s: (not s.fits, -s.tokens_per_s_per_gpu, s.peak_bytes))
+
+
+def render_suggestions(rows: list[Suggestion], world: int, device_bytes: int, mfu: float, peak_tflops: float,
+                       limit: int) -> str:
+    """The table `--suggest` prints: the `limit` best layouts (fitting ones first)."""
+    head = (f"spartron rehearse --suggest: {world} GPUs of {device_bytes / 2**30:.1f} GiB; compute modelled at "
+            f"{100 * mfu:.0f}% MFU of {peak_tflops:.0f} TFLOP/s, communication from the link table; "
+            f"{sum(r.fits for r in rows)} of {len(rows)} layouts fit")
+    lines = [head, f"{'ep':>4} {'cp':>3} {'fsdp':>5} {'ac':>9} {'peak GiB':>9} {'fits':>4} {'compute s':>9} "
+                   f"{'fsdp s':>7} {'ep s':>7} {'cp s':>7} {'step s':>7} {'tok/s/GPU':>9}"]
+    for r in rows[:limit]:
+        lines.append(f"{r.ep:>4} {r.cp:>3} {r.fsdp:>5} {r.ac_mode:>9} {r.peak_bytes / 2**30:>9.1f} "
+                     f"{'yes' if r.fits else 'no':>4} {r.compute_s:>9.3f} {r.comm_s['fsdp']:>7.3f} "
+                     f"{r.comm_s['ep']:>7.3f} {r.comm_s['cp']:>7.3f} {r.step_s:>7.3f} {r.tokens_per_s_per_gpu:>9.0f}")
+    if rows and rows[0].fits:
+        lines.append("rehearse the first: --set " + " --set ".join(rows[0].overrides))
+    elif rows:
+        lines.append("no layout fits: more GPUs, offload (offload.enabled) or a shorter train.seq_len")
+    return "\n".join(lines) + "\n"

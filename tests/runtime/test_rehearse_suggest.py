@@ -1,0 +1,56 @@
+"""`spartron rehearse --suggest`: every layout's peak is the planner's own number for that layout, what fits
+comes first and fastest first, the modelled compute is the cost model's FLOPs at the given MFU, and a
+missing device memory is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spartron.launch.cli import main
+from spartron.launch.suggest import layout_config, modelled_step, replayed_flops, suggest
+from spartron.layers.costs import training_flop_parts
+from spartron.runtime.config import load_config
+from spartron.runtime.linktable import ClusterConfig
+from spartron.runtime.memory import plan_memory
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+SETS = ["train.global_batch_size=32", "train.seq_len=64"]
+
+
+def test_suggest_rows_carry_the_planners_peak_and_sort_fitting_fastest_first():
+    cfg = load_config(TINY, SETS)
+    every = suggest(cfg, 8, 1 << 40, ClusterConfig(), 0.5, 10.0)
+    assert {(r.ep, r.cp, r.ac_mode) for r in every} >= {(1, 1, "none"), (2, 1, "full"), (8, 8, "selective")}
+    for r in every:
+        assert r.peak_bytes == plan_memory(layout_config(cfg, r.ep, r.cp, r.ac_mode), 8).peak
+    device = sorted(r.peak_bytes for r in every)[len(every) // 2]
+    rows = suggest(cfg, 8, device, ClusterConfig(), 0.5, 10.0)
+    assert [r.fits for r in rows] == sorted((r.peak_bytes <= device for r in rows), reverse=True)
+    fitting = [r.tokens_per_s_per_gpu for r in rows if r.fits]
+    assert fitting == sorted(fitting, reverse=True) and 0 < len(fitting) < len(rows)
+
+
+def test_modelled_compute_is_the_cost_models_flops_at_the_given_mfu():
+    cfg = layout_config(load_config(TINY, SETS), 2, 1, "full")
+    compute, comm, step = modelled_step(cfg, 8, ClusterConfig(), 0.5, 10.0, 8)
+    parts = training_flop_parts(cfg.model, 64)
+    n_micro = cfg.train.micro_steps(cfg.parallel.dims(8).dp)
+    assert replayed_flops(cfg, parts) == parts.total
+    assert compute == pytest.approx(64 * n_micro * parts.total * 4 / 3 / (0.5 * 10e12))
+    assert comm["cp"] == 0.0 and comm["ep"] > 0 and comm["fsdp"] > 0
+    assert step == pytest.approx(max(compute, comm["fsdp"]) + comm["ep"])  # all-to-alls exposed, FSDP hidden
+    none = layout_config(load_config(TINY, SETS), 2, 1, "none")
+    assert modelled_step(none, 8, ClusterConfig(), 0.5, 10.0, 8)[0] == pytest.approx(compute * 3 / 4)
+
+
+def test_suggest_command_prints_the_table_and_refuses_without_memory(capsys):
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "64",
+                 *(x for s in SETS for x in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("spartron rehearse --suggest: 8 GPUs of 64.0 GiB; compute modelled at 40% MFU")
+    assert "rehearse the first: --set parallel.ep=" in out
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest"]) == 2
+    assert capsys.readouterr().err == ("spartron: error: --suggest needs --gpu-memory-gib > 0 (the memory of one "
+                                      "GPU), got None\n")
