@@ -1,7 +1,9 @@
 """The indexer-quality metric while a DSA model trains: per DSA source layer, the recall of the dense attention
 mass by the indexer's top-k and the KL, on sampled queries (spartron.layers.attention.indexer_recall).
 
-`[train.indexer_metrics]`: `queries` sampled per rank and layer, `every` n-th step (0: off). Measured on the
+`[train.indexer_metrics]`: `queries` sampled per rank and layer, `every` n-th step (default 0: off). Opt-in
+because a measured step runs the main attention of the sampled rows over every key (O(queries x H x S) memory
+and time beside the model's): a benchmark or a run that does not ask for it pays nothing. Measured on the
 first micro-batch of a step by forward hooks on the source layers (through `reuse_during_recompute`: a
 checkpoint replay gets the result back, the region's recorded operators stay those of the model), averaged
 over the dp x cp ranks; a step record gets `indexer_recall_per_layer`,
@@ -36,7 +38,7 @@ def layer_quality(module: MLA, x: torch.Tensor, positions: torch.Tensor, queries
 
 class IndexerMetricsConfig(ConfigSection):
     queries: int = Field(32, ge=1)  # sampled query rows per rank and layer
-    every: int = Field(1, ge=0)  # measure every n-th step; 0: never
+    every: int = Field(0, ge=0)  # measure every n-th step; 0 (the default): never
 
 
 def measured_every(train) -> int:  # noqa: ANN001 - TrainConfig

@@ -27,7 +27,7 @@ def staged(run_dir=None, **train) -> dict:
     data["model"].update(n_layers=2, max_seq_len=32)
     data["train"].update(steps=4, seq_len=16, progress=False, peak_tflops=1.0, **train)
     data["train"]["stages"][0]["steps"] = data["train"]["stages"][1]["steps"] = 2
-    data["train"]["indexer_metrics"] = {"queries": 4}
+    data["train"]["indexer_metrics"] = {"queries": 4, "every": 1}
     data["parallel"]["timeout_s"] = 30.0
     if run_dir is not None:
         data["train"]["run_dir"] = str(run_dir)
