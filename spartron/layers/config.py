@@ -156,6 +156,11 @@ class ModelConfig(ConfigSection):
     dtype: Literal["float32", "bfloat16"] = "float32"
     master_dtype: Literal["float32", "bfloat16"] | None = None
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Who holds the fp32 masters (model.master_dtype = "float32"): "fsdp", FSDP2's sharded parameters cast to
+    # `dtype` per step (any layout); "optimizer", bf16 parameters with fp32 masters, main gradients and AdamW
+    # state in the optimizer, which writes the bf16 weight as it updates the master (one rank; see
+    # spartron.runtime.master_weights). "fsdp" stays the default until the H200 measures both.
+    master_weights: Literal["fsdp", "optimizer"] = "fsdp"
     init_std: float = Field(0.02, gt=0, le=1)  # 0 starts every expert and head identical; > 1 diverges
     loss_chunk_size: int = Field(0, ge=0)  # 0: plain cross-entropy; N: chunks of N tokens
     mla: MLAConfig = Field(default_factory=MLAConfig)
@@ -188,6 +193,9 @@ class ModelConfig(ConfigSection):
             raise ValueError("model.master_dtype = 'bfloat16' with model.dtype = 'float32' keeps masters less "
                              "precise than the compute: set model.dtype = 'bfloat16' and leave model.master_dtype "
                              "unset (bf16-only), or model.master_dtype = 'float32' with model.dtype = 'bfloat16'")
+        if self.master_weights == "optimizer" and self.master_dtype != "float32":
+            raise ValueError("model.master_weights = 'optimizer' keeps fp32 masters in the optimizer: it needs "
+                             "model.master_dtype = 'float32' (with model.dtype = 'bfloat16')")
         if self.reduce_dtype == "bfloat16" and self.stored_dtype == "float32":
             raise ValueError("model.reduce_dtype = 'bfloat16' with float32 gradients (model.master_dtype or "
                              "model.dtype 'float32') rounds every gradient to bf16 before an fp32 update: "

@@ -12,7 +12,9 @@ Tensors of a parameter group are launched together per (device, param / grad / e
 16-byte alignment): one launch for all of them (a pointer table and a block -> tensor map), or, from
 `AdamWKernelConfig.per_tensor_min_numel` elements up, one launch per tensor. The bias corrections are computed
 on the device from each tensor's own step in float64, as torch computes them on the host, so nothing syncs.
-Triton is imported only when a TritonAdamW is built.
+Triton is imported only when a TritonAdamW is built. `_tensors` says what one parameter's update reads and writes;
+spartron.runtime.master_weights.MasterAdamW overrides it to update an fp32 master and write the bf16 parameter
+(a fifth tensor, the copy) in the same pass.
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ class TritonAdamW(torch.optim.AdamW):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, kernel: AdamWKernelConfig | None = None) -> None:
-        self._triton = _kernels()
+        self._triton = self._load_kernels()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self.kernel = kernel or AdamWKernelConfig()
         self._block_maps: dict[tuple, Tensor] = {}  # (device, sizes, elements per program) -> block -> tensor
+
+    def _load_kernels(self) -> ModuleType | None:
+        return _kernels()
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None):  # noqa: ANN001, ANN201 - torch.optim signature
@@ -94,19 +99,20 @@ class TritonAdamW(torch.optim.AdamW):
         buckets: dict[tuple, list[tuple[tuple[Tensor, ...], Tensor]]] = {}
         steps = []
         for p in group["params"]:
-            if p.grad is None:
+            grad = self._grad(p)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise ValueError("TritonAdamW does not take sparse gradients")
             state = self.state[p]
             if not state:
+                like = self._updated(p)
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(p.device, torch.float32)  # a state loaded from a non-fused AdamW
-            tensors = tuple(t.to_local() if isinstance(t, DTensor) else t
-                            for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            tensors = tuple(t.to_local() if isinstance(t, DTensor) else t for t in self._tensors(p, state))
             _check(tensors)
             steps.append(state["step"])
             if tensors[0].numel():
@@ -132,32 +138,46 @@ class TritonAdamW(torch.optim.AdamW):
             for i, (tensors, _) in enumerate(own, start=len(shared)):
                 self._launch_tensor(tensors, coefs[i], scale, scalars)
 
+    def _grad(self, p: Tensor) -> Tensor | None:
+        """The gradient the update reads."""
+        return p.grad
+
+    def _updated(self, p: Tensor) -> Tensor:
+        """The tensor the update writes (its moments are shaped and typed like it)."""
+        return p
+
+    def _tensors(self, p: Tensor, state: dict) -> tuple[Tensor, ...]:
+        """(updated tensor, gradient, exp_avg, exp_avg_sq[, its copy in the compute dtype])."""
+        return p, p.grad, state["exp_avg"], state["exp_avg_sq"]
+
     def _launch_tensor(self, tensors: tuple[Tensor, ...], coefs: Tensor, scale: Tensor | None, scalars: dict) -> None:
-        k, (p, g, m, v) = self.kernel, tensors
+        k, (p, g, m, v), copy = self.kernel, tensors[:4], tensors[4] if len(tensors) > 4 else None
         grid = (_cdiv(p.numel(), k.block * k.iters),)
         self._triton.adamw_tensor_kernel[grid](
-            p, g, m, v, p.numel(), coefs, coefs if scale is None else scale, HAS_SCALE=scale is not None,
-            BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, **scalars)
+            p, g, m, v, p if copy is None else copy, p.numel(), coefs, coefs if scale is None else scale,
+            HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=k.block, ITERS=k.iters,
+            num_warps=k.num_warps, **scalars)
 
     def _launch_table(self, device: torch.device, members: list[tuple[Tensor, ...]], coefs: Tensor,
                       scale: Tensor | None, aligned: bool, scalars: dict) -> None:
         k, kern = self.kernel, self._triton
         per_program = k.block * k.iters
         rows, counts, first = [], [], 0
-        for p, g, m, v in members:
+        for p, g, m, v, *copy in members:
             counts.append(_cdiv(p.numel(), per_program))
-            rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), first]
+            rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), first,
+                     copy[0].data_ptr() if copy else 0]
             first += counts[-1]
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         map_key = (device, tuple(t[0].numel() for t in members), per_program)
         if map_key not in self._block_maps:
             self._block_maps[map_key] = torch.repeat_interleave(
                 torch.arange(len(members), dtype=torch.int32), torch.tensor(counts)).to(device)
-        p, g, m, v = (kern.TL_DTYPES[t.dtype] for t in members[0])
+        p, g, m, v, *w = (kern.TL_DTYPES[t.dtype] for t in members[0])
         kern.adamw_table_kernel[(first,)](
             table, self._block_maps[map_key], coefs, coefs if scale is None else scale, P_DTYPE=p, G_DTYPE=g,
-            M_DTYPE=m, V_DTYPE=v, HAS_SCALE=scale is not None, ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters,
-            num_warps=k.num_warps, **scalars)
+            M_DTYPE=m, V_DTYPE=v, W_DTYPE=w[0] if w else p, HAS_SCALE=scale is not None, HAS_COPY=bool(w),
+            ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, **scalars)
 
 
 def _coefficients(steps: list[Tensor], lr: float, beta1: float, beta2: float) -> Tensor:
@@ -174,7 +194,7 @@ def _cdiv(a: int, b: int) -> int:
 def _check(tensors: tuple[Tensor, ...]) -> None:
     """The kernels read flat contiguous memory of supported float dtypes, all of one size on one device."""
     p = tensors[0]
-    for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors, strict=True):
+    for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq", "compute copy"), tensors, strict=False):
         if t.dtype not in KERNEL_DTYPES:
             raise ValueError(f"TritonAdamW: {name} dtype {t.dtype} is not one of float32, bfloat16, float16")
         if t.shape != p.shape or t.device != p.device or not t.is_contiguous():

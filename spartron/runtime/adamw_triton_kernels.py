@@ -1,7 +1,9 @@
 """Triton kernels of the AdamW update with the gradient-clip coefficient folded in (adamw_triton.py launches them).
 
 One pass per element: read param, grad, exp_avg, exp_avg_sq, compute in fp32 registers, write param, exp_avg,
-exp_avg_sq in their own dtypes (the gradient is only read). The math follows torch.optim.AdamW's single-tensor
+exp_avg_sq in their own dtypes (the gradient is only read). With HAS_COPY the parameter is an fp32 master
+(spartron.runtime.master_weights) and the pass also writes its copy in the compute dtype (`w`, rounded to
+nearest even as torch's `.to(torch.bfloat16)` rounds): the bf16 weight costs no pass of its own. The math follows torch.optim.AdamW's single-tensor
 update operation by operation (decoupled decay, lerp, mul/addcmul, sqrt / sqrt(bc2) + eps, addcdiv), with
 correctly rounded sqrt and division as torch's kernels use.
 
@@ -19,12 +21,12 @@ import triton
 import triton.language as tl
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-TABLE_COLUMNS = tl.constexpr(6)  # param, grad, exp_avg, exp_avg_sq addresses; numel; first block of the tensor
+TABLE_COLUMNS = tl.constexpr(7)  # param, grad, exp_avg, exp_avg_sq addresses; numel; first block; copy address
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale, decay, w1, beta2, w2, eps, neg_step_size, bc2_sqrt,
-            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_SMALL: tl.constexpr):
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, scale, decay, w1, beta2, w2, eps, neg_step_size, bc2_sqrt,
+            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_SMALL: tl.constexpr, HAS_COPY: tl.constexpr):
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -43,13 +45,16 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale, decay, w1, beta2, w2,
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    if HAS_COPY:
+        tl.store(w_ptr + offs, p.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def adamw_table_kernel(table_ptr, block_tensor_ptr, coef_ptr, scale_ptr, decay, w1, beta2, w2, eps,
                        P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_SMALL: tl.constexpr,
-                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                       W_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr,
+                       LERP_SMALL: tl.constexpr, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                       ITERS: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid).to(tl.int64)
     row = table_ptr + t * TABLE_COLUMNS
@@ -58,11 +63,15 @@ def adamw_table_kernel(table_ptr, block_tensor_ptr, coef_ptr, scale_ptr, decay, 
     m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(V_DTYPE))
     n = tl.load(row + 4)
+    w_ptr = p_ptr
+    if HAS_COPY:
+        w_ptr = tl.load(row + 6).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
         m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
         n = tl.multiple_of(n, 16)
     start = (pid - tl.load(row + 5)) * (BLOCK * ITERS)
     neg_step_size = tl.load(coef_ptr + t * 2)
@@ -72,14 +81,14 @@ def adamw_table_kernel(table_ptr, block_tensor_ptr, coef_ptr, scale_ptr, decay, 
         scale = tl.load(scale_ptr)
     for i in tl.range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, scale, decay, w1, beta2, w2, eps, neg_step_size,
-                bc2_sqrt, HAS_SCALE, HAS_DECAY, LERP_SMALL)
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, offs < n, scale, decay, w1, beta2, w2, eps, neg_step_size,
+                bc2_sqrt, HAS_SCALE, HAS_DECAY, LERP_SMALL, HAS_COPY)
 
 
 @triton.jit
-def adamw_tensor_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, coef_ptr, scale_ptr, decay, w1, beta2, w2, eps,
+def adamw_tensor_kernel(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, n, coef_ptr, scale_ptr, decay, w1, beta2, w2, eps,
                         HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_SMALL: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                        HAS_COPY: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     neg_step_size = tl.load(coef_ptr)
     bc2_sqrt = tl.load(coef_ptr + 1)
@@ -88,5 +97,5 @@ def adamw_tensor_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, coef_ptr, scale_ptr, deca
         scale = tl.load(scale_ptr)
     for i in tl.range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, scale, decay, w1, beta2, w2, eps, neg_step_size,
-                bc2_sqrt, HAS_SCALE, HAS_DECAY, LERP_SMALL)
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, offs < n, scale, decay, w1, beta2, w2, eps, neg_step_size,
+                bc2_sqrt, HAS_SCALE, HAS_DECAY, LERP_SMALL, HAS_COPY)

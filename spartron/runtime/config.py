@@ -124,6 +124,9 @@ class RunConfig(ConfigSection):
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
+        if self.model.master_weights == "optimizer" and self.train.optimizer != "adamw":
+            raise ValueError(f"model.master_weights = 'optimizer' is AdamW over fp32 masters; train.optimizer = "
+                             f"{self.train.optimizer!r} keeps its own state: set model.master_weights = 'fsdp'")
         self._check_intra_layer_micro_batches()
         check_stages(self.train, self.model)
         if self.observe.memory_snapshot_on_oom and self.device == "cpu":

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from spartron.layers.costs import muon_takes
 from spartron.runtime.adamw_triton import TritonAdamW
 from spartron.runtime.config import TrainConfig
+from spartron.runtime.master_weights import MasterAdamW, grad_of, has_master
 from spartron.runtime.muon import MuonWithAdamW, newton_schulz_orthogonalize
 
 __all__ = ["MuonWithAdamW", "build_optimizer", "clip_and_step_", "clip_grads_", "global_grad_norm", "lr_at",
@@ -66,6 +67,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         raise ValueError("the model has no trainable parameters")
     on_cuda = all(p.is_cuda for p in decay + no_decay)
     adam_kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True if on_cuda else None)
+    if any(has_master(p) for p in decay + no_decay):  # model.master_weights = "optimizer"
+        return _master_adamw(decay, no_decay, cfg, on_cuda)
     if cfg.optimizer == "adamw":
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
@@ -88,6 +91,22 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                    {"params": no_decay, "weight_decay": 0.0, "muon": False}]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + adam_groups
     return MuonWithAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def _master_adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig,
+                  on_cuda: bool) -> MasterAdamW:
+    """AdamW over the fp32 masters of spartron.runtime.master_weights: the Triton kernel on CUDA (train.adamw_kernel
+    'auto' or 'triton'), the torch reference otherwise."""
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"model.master_weights = 'optimizer' is AdamW's (train.optimizer = {cfg.optimizer!r}): set "
+                         "train.optimizer = 'adamw' or model.master_weights = 'fsdp'")
+    if not all(has_master(p) for p in decay + no_decay):
+        raise ValueError("model.master_weights = 'optimizer': some trainable parameters have no fp32 master")
+    if cfg.adamw_kernel == "triton" and not on_cuda:
+        raise ValueError("train.adamw_kernel = 'triton' needs CUDA parameters and the triton package (use 'torch')")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return MasterAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                       reference=cfg.adamw_kernel == "torch" or not on_cuda)
 
 
 def _reduce_groups(t: Tensor, extra: Sequence[dist.ProcessGroup]) -> tuple:
@@ -117,9 +136,9 @@ def global_grad_norm(params: Iterable[nn.Parameter],
     buckets: dict[tuple, Tensor] = {}
     device = None
     for p in params:
-        if p.grad is None:
+        grad = grad_of(p)  # p.main_grad under model.master_weights = "optimizer"
+        if grad is None:
             continue
-        grad = p.grad
         key = _reduce_groups(grad, extra_shard_groups.get(id(p), ()))
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         device = local.device

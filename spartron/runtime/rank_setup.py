@@ -17,6 +17,7 @@ from torch import nn
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime.config import ConfigError, RunConfig
+from spartron.runtime.master_weights import attach_master_weights, check_layout
 from spartron.runtime.optim import build_optimizer
 from spartron.runtime.state_layout import expert_mesh
 
@@ -41,7 +42,8 @@ def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
     """The reference model of spartron.layers.model, built on the meta device, parallelised there (AC,
     compile, FSDP2 with model.dtype as compute dtype over model.master_dtype masters, gradients reduced
     in model.reduce_dtype) and materialised shard by shard on the current default device: no rank
-    holds more than its shards and one parameter's temporary."""
+    holds more than its shards and one parameter's temporary. Under model.master_weights = "optimizer" no
+    FSDP2 on one rank: fp32 parameters, which RankModel.build turns into bf16 ones with fp32 masters."""
     from spartron.layers.init import materialize_
     from spartron.layers.model import build_model
     from spartron.layers.parallelize import parallelize
@@ -50,7 +52,7 @@ def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
     model = build_model(m, groups, seed=t.seed, micro_batches=t.intra_layer_micro_batches,
                         micro_batch_scope=t.intra_layer_micro_batch_scope, device="meta")
     model = parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None,
-                        param_dtype=getattr(torch, m.dtype) if m.master_dtype else None,
+                        param_dtype=getattr(torch, m.dtype) if m.master_dtype and m.master_weights == "fsdp" else None,
                         reduce_dtype=getattr(torch, m.reduce_dtype))
     return materialize_(model, torch.get_default_device(), t.seed, m.init_std)
 
@@ -112,8 +114,13 @@ class RankModel:
         # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
         # for custom factories that draw from the global RNG: the same state on every rank.
         torch.manual_seed(cfg.train.seed)
+        refusal = check_layout(cfg.model.master_weights, place.world)
+        if refusal:
+            raise ConfigError(refusal)
         with place.device:
             model = factory(cfg, place.groups)
+        if cfg.model.master_weights == "optimizer":  # fp32 parameters become bf16 with fp32 masters
+            attach_master_weights(model, getattr(torch, cfg.model.dtype))
         ep_extra, ep_state = _ep_state(model, place)
         return cls(model, build_optimizer(model, cfg.train), ep_extra, ep_state)
 
