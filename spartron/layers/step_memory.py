@@ -12,7 +12,7 @@ from spartron.comm.copy_engine import GROWTH_QUANTUM
 from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.config import ModelConfig
-from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, state_bytes_per_rank
+from spartron.layers.costs import PARAM_BYTES, is_routed_expert, optimizer_masters, param_shapes, state_bytes_per_rank
 from spartron.parallel.dims import ParallelDims
 
 
@@ -192,6 +192,10 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     compute dtype and reduce-scatters its gradients in model.reduce_dtype. The LM losses (main and MTP)
     keep what spartron.layers.loss keeps; the chunked loss's [chunk, vocab] temporaries are the forward's
     peak. Three phase peaks are compared: forward end, backward of the last block, optimizer step.
+    model.master_weights = "optimizer" (one rank, no FSDP2): compute-dtype parameters beside fp32 masters;
+    a single micro-batch's gradients stay in the compute dtype, several sum into fp32 main gradients (live
+    through the step, plus the largest parameter's compute-dtype gradient and its first fp32 copy in flight);
+    the CPU's torch reference update holds three fp32 temporaries of the largest parameter.
     """
     a = PARAM_BYTES[m.dtype]
     stored = PARAM_BYTES[m.stored_dtype]
@@ -230,7 +234,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     acts = sum(saved) + n_losses * loss_saved + embed
     biggest = max(blocks, key=lambda b: b.params)
     reduce = PARAM_BYTES[m.reduce_dtype]
-    fsdp = dims.world_size > 1 or m.master_dtype is not None  # spartron.layers.parallelize
+    masters = optimizer_masters(m)
+    fsdp = dims.world_size > 1 or (m.master_dtype is not None and not masters)  # spartron.layers.parallelize
     head = m.vocab_size * m.dim
     # FSDP2: the block in use and the prefetched one all-gathered in the compute dtype, the root's
     # embedding + head for the whole forward, one block's gradients reduce-scattered in reduce_dtype.
@@ -240,20 +245,28 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
         reduction += biggest.params * reduce
     grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
+    largest = max(math.prod(s) for s in shapes.values())
+    accumulate = update = 0
+    if masters:
+        if step.micro_steps == 1:  # autograd's compute-dtype gradients, dropped after the step
+            grads, grads_always = grads * a // stored, 0
+        else:
+            accumulate = largest * (a + stored)
+        update = 3 * largest * stored if step.device == "cpu" else 0
     if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers and step.grad_sync == "last_micro_batch":
         # the trainer turns FSDP2's gradient sync off for all but the last micro-batch: until then every
         # block's UNSHARDED gradients accumulate (compute dtype); sharded ones appear only when reduced
         unsharded_params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items())
         grads_always = unsharded_params * a
-    head_grad = 0 if grads_always else head * stored  # the first gradient backward makes
+    head_grad = 0 if grads_always else head * (a if masters else stored)  # the first gradient backward makes
     last = blocks[-1]
     comm = comm_buffer_bytes(m, dims, tokens)
     static += comm
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
-        + last.work + root + unsharded + reduction,
-        "optimizer": static + grads + reduction,
+        + last.work + root + unsharded + reduction + accumulate,
+        "optimizer": static + grads + reduction + update,
     }
     phase = max(phases, key=phases.get)
     parts = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
