@@ -14,8 +14,16 @@ the spec param `init_seed` and the names the same layer has in SparseMoEModel (`
 The MLP slot learns its layer index from `set_layer_number`, so it initialises there.
 
 Groups: attention takes Megatron's `pg_collection` (TransformerLayer passes it); the MLP slot gets
-no groups from TransformerLayer, so `pg_collection` or a Spartron `ParallelGroups` is a spec param.
-When both a ParallelGroups and a ProcessGroupCollection reach an adapter their ranks must agree.
+no groups from TransformerLayer, so `pg_collection` or a Spartron `ParallelGroups` is a spec param,
+and without either the groups of megatron.core.parallel_state (when initialised). When both a
+ParallelGroups and a ProcessGroupCollection reach an adapter their ranks must agree, and the Megatron
+config's expert_model_parallel_size / context_parallel_size must be the groups' sizes
+(groups.resolve_group): a spec never silently builds every expert on every rank.
+
+Megatron's machinery: every parameter carries Megatron's DDP attributes (expert_params.py), the MoE
+adapter has a `sharded_state_dict` with experts sharded over the EP group (sharded.py), its router
+works with finalize_model_grads and Float16Module (router_hooks.py), and its balance loss goes
+through Megatron's aux-loss scaler and tracker (aux_loss.py).
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.comm.transport import EPTransport
+from spartron.interop.megatron.aux_loss import attach_and_track, balance_loss, check_definition
 from spartron.interop.megatron.config import spartron_config_from_megatron
+from spartron.interop.megatron.expert_params import set_megatron_param_attributes
+from spartron.interop.megatron.groups import resolve_group, source_group
+from spartron.interop.megatron.router_hooks import MegatronRouter
+from spartron.interop.megatron.sharded import moe_sharded_state_dict
 from spartron.interop.megatron.side_channel import SideChannel
 from spartron.layers.attention.context_parallel import cp_size_of, local_positions
 from spartron.layers.attention.dsa import ids_for_layer
@@ -46,20 +59,9 @@ if TYPE_CHECKING:
 
 
 def _ranks(pg: dist.ProcessGroup | None) -> list[int]:
-    return [dist.get_rank()] if pg is None else dist.get_process_group_ranks(pg)
-
-
-def resolve_group(name: str, pg_collection: ProcessGroupCollection | None,
-                  groups: ParallelGroups | None) -> dist.ProcessGroup | None:
-    """Spartron's `name` group ("cp" or "ep") from either source; None when it is this rank alone."""
-    from_pgc = getattr(pg_collection, name, None) if pg_collection is not None else None
-    from_groups = getattr(groups, name) if groups is not None else None
-    if pg_collection is not None and groups is not None and _ranks(from_pgc) != _ranks(from_groups):
-        raise ValueError(f"the {name} group of pg_collection has ranks {_ranks(from_pgc)} but "
-                         f"ParallelGroups.{name} has {_ranks(from_groups)}: build pg_collection with "
-                         "spartron.interop.megatron.groups.to_process_group_collection(groups)")
-    pg = from_groups if groups is not None else from_pgc
-    return pg if pg is not None and dist.get_world_size(pg) > 1 else None
+    if pg is not None:
+        return dist.get_process_group_ranks(pg)
+    return [dist.get_rank()] if dist.is_initialized() else [0]
 
 
 def _model_config(config, base: ModelConfig | None) -> ModelConfig:
@@ -87,9 +89,10 @@ class SpartronMLAAttention(nn.Module):
         self.model_cfg = _model_config(config, base_config)
         self.layer_idx = layer_number - 1
         self.side_channel = side_channel
-        self.cp_group = resolve_group("cp", pg_collection, groups)
+        self.cp_group = resolve_group("cp", pg_collection, groups, config)
         self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
         init_parameters_(self.mla, init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.attn.")
+        set_megatron_param_attributes(self, expert_parallel=False)
 
     @property
     def dsa_role(self):
@@ -145,20 +148,32 @@ class _MLPSlot(nn.Module):
 
 
 class SpartronMoEMLP(_MLPSlot):
-    """`mlp` slot: Spartron MoELayer; its MoEOutput goes to the SideChannel."""
+    """`mlp` slot: Spartron MoELayer (with a MegatronRouter); its MoEOutput goes to the SideChannel."""
 
     def __init__(self, config, side_channel: SideChannel, base_config: ModelConfig | None = None,
                  groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
-                 submodules: Any = None, init_seed: int = 0, transport: EPTransport | None = None):
+                 submodules: Any = None, init_seed: int = 0, transport: EPTransport | None = None,
+                 aux_loss_definition: str = "spartron"):
         """`transport`: the EP group's buffers, shared by the block's MoE slots (spartron_block_spec
-        passes one to all; None: this slot's own)."""
+        passes one to all; None: this slot's own). `aux_loss_definition`: "spartron" or "megatron"
+        (aux_loss.py)."""
         super().__init__(config, side_channel, base_config, init_seed)
         if submodules is not None:
             raise ValueError("SpartronMoEMLP takes no submodules")
-        self.ep_group = resolve_group("ep", pg_collection, groups)
+        check_definition(aux_loss_definition)
+        self.aux_loss_definition = aux_loss_definition
+        ep = source_group("ep", pg_collection, groups, config)
+        self.ep_group = ep if ep is not None and dist.get_world_size(ep) > 1 else None
+        self.expt_dp_group = source_group("expt_dp", pg_collection, groups)
+        self.tracker_group = source_group("cp", pg_collection, groups, config)  # Megatron's tp_cp at tp = 1
         if transport is None:
             transport = EPTransport(self.ep_group, self.model_cfg.moe.copy_engine_sync)
+        elif _ranks(transport.group) != _ranks(self.ep_group):
+            raise ValueError(f"the transport's EP group has ranks {_ranks(transport.group)} but this MoE slot's "
+                             f"has {_ranks(self.ep_group)}")
         self.moe = MoELayer(self.model_cfg, transport)
+        self.moe.router = MegatronRouter.like(self.moe.router)
+        set_megatron_param_attributes(self, expert_parallel=self.ep_group is not None)
 
     def ffn_module(self) -> nn.Module:
         return self.moe
@@ -166,9 +181,20 @@ class SpartronMoEMLP(_MLPSlot):
     def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
         if self.layer_idx is None:
             raise RuntimeError("set_layer_number was not called: build SpartronMoEMLP in a TransformerLayer")
-        out = self.moe(self._bsh(hidden_states, padding_mask))
-        self.side_channel.record_moe(self.layer_idx, out)
-        return out["hidden_states"].transpose(0, 1), None
+        x = self._bsh(hidden_states, padding_mask)
+        out = self.moe(x)
+        hidden = out["hidden_states"]
+        aux = balance_loss(out, self.model_cfg.moe, x.shape[0], self.aux_loss_definition)
+        if aux is not None:
+            hidden = attach_and_track(hidden, aux, self.model_cfg.moe, self.layer_idx + 1, self.config.num_layers,
+                                      self.tracker_group, self.training)
+        self.side_channel.record_moe(self.layer_idx, {**out, "hidden_states": hidden, "aux_loss": None})
+        return hidden.transpose(0, 1), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """dist_checkpointing's view: experts sharded over the EP group, the rest replicated (sharded.py)."""
+        return moe_sharded_state_dict(self, prefix, sharded_offsets, metadata, self.ep_group, self.expt_dp_group)
 
 
 class SpartronDenseMLP(_MLPSlot):
@@ -184,6 +210,7 @@ class SpartronDenseMLP(_MLPSlot):
             raise TypeError(f"SpartronDenseMLP got unexpected arguments {sorted(unknown)}")
         self.ffn = FeedForward(self.model_cfg.dim, self.model_cfg.dense_inter_dim,
                                init_std=self.model_cfg.init_std)
+        set_megatron_param_attributes(self, expert_parallel=False)
 
     def ffn_module(self) -> nn.Module:
         return self.ffn
@@ -206,14 +233,14 @@ def spartron_layer_key(megatron_key: str) -> str:
 
 
 def moe_adapters(module: nn.Module) -> list[SpartronMoEMLP]:
-    """The MoE adapters of a Megatron model, e.g. to call `.moe.update_expert_bias(group=...)` per step."""
+    """The MoE adapters of a Megatron model (the expert bias: router_hooks.update_expert_bias)."""
     return [m for m in module.modules() if isinstance(m, SpartronMoEMLP)]
 
 
 def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_config: ModelConfig | None = None,
                         groups: ParallelGroups | None = None,
                         pg_collection: ProcessGroupCollection | None = None, init_seed: int = 0,
-                        transport: EPTransport | None = None) -> ModuleSpec:
+                        transport: EPTransport | None = None, aux_loss_definition: str = "spartron") -> ModuleSpec:
     """ModuleSpec of a Megatron TransformerLayer with Spartron MLA and a Spartron MoE (`kind="moe"`)
     or dense SwiGLU (`kind="dense"`) FFN, and Megatron's torch RMSNorms.
 
@@ -222,6 +249,7 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
     `pg_collection`/`groups` give the MoE its EP group (TransformerLayer passes the MLP none).
     `init_seed`: the seed of the layout-invariant init (SparseMoEModel's layer i with that seed).
     `transport`: the EP group's communication buffers for the MoE slot (None: its own).
+    `aux_loss_definition`: which top-k the balance loss counts, "spartron" or "megatron" (aux_loss.py).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -231,7 +259,8 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
     if kind not in ("moe", "dense"):
         raise ValueError(f"kind must be 'moe' or 'dense', got {kind!r}")
     common = {"side_channel": side_channel, "base_config": base_config, "init_seed": init_seed}
-    moe_params = {**common, "groups": groups, "pg_collection": pg_collection, "transport": transport}
+    moe_params = {**common, "groups": groups, "pg_collection": pg_collection, "transport": transport,
+                  "aux_loss_definition": aux_loss_definition}
     mlp = (ModuleSpec(module=SpartronMoEMLP, params=moe_params) if kind == "moe"
            else ModuleSpec(module=SpartronDenseMLP, params=common))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
@@ -246,15 +275,19 @@ def spartron_layer_spec(side_channel: SideChannel, kind: str = "moe", base_confi
 
 def spartron_block_spec(config, side_channel: SideChannel, base_config: ModelConfig | None = None,
                         groups: ParallelGroups | None = None, pg_collection: ProcessGroupCollection | None = None,
-                        init_seed: int = 0) -> TransformerBlockSubmodules:
+                        init_seed: int = 0, aux_loss_definition: str = "spartron") -> TransformerBlockSubmodules:
     """TransformerBlock spec: model.first_k_dense dense layers then MoE layers, final torch RMSNorm.
 
-    All MoE layers of the block share ONE transport of the EP group (one DeepEP / exchange buffer)."""
+    All MoE layers of the block share ONE transport of the EP group (one DeepEP / exchange buffer).
+    Without `groups` / `pg_collection` the groups are megatron.core.parallel_state's (initialise it
+    first); a config asking for EP or CP > 1 with no groups anywhere is an error."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     cfg = spartron_config_from_megatron(config, base=base_config)
-    transport = EPTransport(resolve_group("ep", pg_collection, groups), cfg.moe.copy_engine_sync)
+    check_definition(aux_loss_definition)
+    transport = EPTransport(resolve_group("ep", pg_collection, groups, config), cfg.moe.copy_engine_sync)
     specs = [spartron_layer_spec(side_channel, "dense" if i < cfg.first_k_dense else "moe", base_config,
-                                 groups, pg_collection, init_seed, transport) for i in range(cfg.n_layers)]
+                                 groups, pg_collection, init_seed, transport, aux_loss_definition)
+             for i in range(cfg.n_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)

@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install me
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
@@ -197,8 +198,13 @@ def _block_parity(rank, world, cfg_kwargs):
     stack = run_decoder_stack(layers, x_s, torch.arange(s))
     y_s = norm(stack.hidden_states).transpose(0, 1)
     grad = torch.randn_like(y_m)
-    aux_m, aux_s = side.aux_loss(), sum(stack.aux_losses) if stack.aux_losses else None
-    ((y_m * grad).sum() + (aux_m if aux_m is not None else 0)).backward()
+    aux_s = sum(stack.aux_losses) if stack.aux_losses else None
+    # The adapters' balance loss rides on the MoE output (MoEAuxLossAutoScaler) and is logged in
+    # Megatron's tracker as aux / coeff per layer; the SideChannel no longer carries it.
+    tracked = get_moe_layer_wise_logging_tracker().get("seq_load_balancing_loss")  # aux_loss_type "seq"
+    aux_m = None if tracked is None else tracked["values"].sum() * cfg.moe.aux_loss_coeff
+    side_aux = side.aux_loss()
+    (y_m * grad).sum().backward()
     ((y_s * grad).sum() + (aux_s if aux_s is not None else 0)).backward()
     params_s = dict(layers.named_parameters())
     def spartron_name(k: str) -> str:  # "layers.{i}.<megatron layer key>" -> "{i}.<spartron layer key>"
@@ -211,7 +217,7 @@ def _block_parity(rank, world, cfg_kwargs):
     return dict(init_differs=init_differs, out=_max_diff(y_m, y_s),
                 x_grad=_max_diff(x_m.grad, x_s.grad.transpose(0, 1)),
                 grads=max(grad_diffs.values()), n_grads=len(grad_diffs), no_grad=no_grad,
-                aux=None if aux_m is None else _max_diff(aux_m, aux_s),
+                aux=None if aux_m is None else _max_diff(aux_m, aux_s), side_aux=side_aux,
                 ids_equal=(side.dsa_topk_ids is None and stack.dsa_topk_ids is None)
                 or torch.equal(side.dsa_topk_ids, stack.dsa_topk_ids),
                 tpe=side.tokens_per_expert().sum(dim=1).tolist(),
@@ -231,6 +237,7 @@ def test_megatron_block_matches_spartron_decoder_layers(cfg_kwargs):
                              for n in ("k_norm.bias", "k_norm.weight", "weights_proj.weight", "wk.weight",
                                        "wq_b.weight")])
     assert r["ids_equal"] and r["tpe_equal"] and r["tpe"] == [2 * 12 * 2] * 2  # tokens x top_k per MoE layer
+    assert r["side_aux"] is None  # the aux loss reaches backward once, through Megatron's scaler
     if "dsa" not in cfg_kwargs:
         assert r["aux"] < 1e-6
 
@@ -283,7 +290,7 @@ def _groups_and_cp_parity(rank, world):
     pgc = to_process_group_collection(groups)
     other_dims = ParallelDims(world_size=world, fsdp=1, cp=4, ep=4)
     other = to_process_group_collection(ParallelGroups.build(other_dims, "cpu"))
-    tcfg = megatron_config_from_spartron(cfg)
+    tcfg = megatron_config_from_spartron(cfg, context_parallel_size=2, expert_model_parallel_size=2)
     side = SideChannel()
     ranks = {}
     for how, params in {"pgc": dict(pg_collection=pgc), "groups": dict(groups=groups),
@@ -311,7 +318,8 @@ def _groups_and_cp_parity(rank, world):
     cp_rank = dist.get_rank(groups.cp)
     layer = build_module(spartron_layer_spec(side, "dense", cfg), config=tcfg, layer_number=1,
                          pg_collection=pgc)
-    full = build_module(spartron_layer_spec(side, "dense", cfg), config=tcfg, layer_number=1,
+    full = build_module(spartron_layer_spec(side, "dense", cfg), config=megatron_config_from_spartron(cfg),
+                        layer_number=1,
                         pg_collection=to_process_group_collection(
                             ParallelGroups.build(ParallelDims(world_size=world, fsdp=world), "cpu")))
     full.load_state_dict(layer.state_dict())
