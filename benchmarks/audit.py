@@ -79,10 +79,11 @@ def legacy_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    from benchmarks.auditing import evaluation, hf_export, hf_import, plans, regress, rundir, runs, tokenize
+    from benchmarks.auditing import (evaluation, hf_export, hf_import, plans, regress, rehearsals, rundir, runs,
+                                     tokenize)
 
     return (legacy_cases() + plans.cases() + tokenize.cases() + hf_import.cases() + hf_export.cases()
-            + rundir.cases() + runs.cases() + evaluation.cases() + regress.cases())
+            + rundir.cases() + runs.cases() + evaluation.cases() + regress.cases() + rehearsals.cases())
 
 
 def main() -> int:

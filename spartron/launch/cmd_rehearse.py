@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from spartron.launch.command import UsageError, add_config, load
 
 MAX_REHEARSE_WORLD = 1 << 16
+MAX_GPU_MEMORY_GIB = 1 << 20
+MAX_REHEARSE_STEPS = 100  # a rehearsal measures a step; more steps only repeat it
 DEFAULT_PEAK_TFLOPS = 750.0  # the bf16 matmul ceiling measured on one H200 (issue 37), when train.peak_tflops is unset
 
 
@@ -16,8 +19,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     """--suggest: the planner's layouts for --world-size GPUs of --gpu-memory-gib each (spartron.launch.suggest)."""
     from spartron.launch.suggest import render_suggestions, suggest
 
-    if args.gpu_memory_gib is None or args.gpu_memory_gib <= 0:
-        raise UsageError(f"--suggest needs --gpu-memory-gib > 0 (the memory of one GPU), got {args.gpu_memory_gib}")
+    memory = args.gpu_memory_gib
+    if memory is None or not math.isfinite(memory) or not 0 < memory <= MAX_GPU_MEMORY_GIB:
+        raise UsageError(f"--suggest needs --gpu-memory-gib in (0, {MAX_GPU_MEMORY_GIB}] (the memory of one GPU), "
+                         f"got {memory}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
     if args.limit < 1:
@@ -43,10 +48,14 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         return cmd_suggest(args)
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
-    if args.out is not None and not Path(args.out).parent.is_dir():
-        raise UsageError(f"--out {args.out!r}: its folder does not exist")
+    if not 1 <= args.steps <= MAX_REHEARSE_STEPS:
+        raise UsageError(f"--steps must be in [1, {MAX_REHEARSE_STEPS}], got {args.steps}")
+    if args.out is not None:  # refused before the rehearsal, not after it
+        out = Path(args.out)
+        if not out.parent.is_dir():
+            raise UsageError(f"--out {args.out!r}: its folder does not exist")
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            raise UsageError(f"--out {args.out!r} exists and is not a regular file (the JSON report replaces a file)")
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
