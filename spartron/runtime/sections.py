@@ -167,6 +167,8 @@ class TrainConfig(ConfigSection):
     # interleaves only the routed token path (dispatch, experts, combine) over chunks of tokens.
     intra_layer_micro_batch_scope: Literal["layer", "experts"] = "layer"
     seed: int = Field(0, ge=0, lt=2**63)
+    # "muon": distributed Muon (spartron.runtime.muon) for hidden matrices and the routed experts (each expert
+    # its own matrix), AdamW for embedding, head, norms and biases; its state reshards like AdamW's.
     optimizer: Literal["adamw", "muon"] = "adamw"
     # The AdamW update: torch's fused kernel, or one Triton pass that also applies the clip coefficient
     # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way). "auto": the
