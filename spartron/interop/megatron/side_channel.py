@@ -76,7 +76,7 @@ class SideChannel:
         if self._captured(layer_idx, "attention", out):
             return
         _check_fresh(self.attention, layer_idx)
-        self.attention[layer_idx] = out
+        self.attention[layer_idx] = _without_hidden(out)  # the layer's output goes on through Megatron
         if out["dsa_topk_ids"] is not None:
             self.dsa_topk_ids = out["dsa_topk_ids"]
 
@@ -84,7 +84,7 @@ class SideChannel:
         if self._captured(layer_idx, "moe", out):
             return
         _check_fresh(self.moe, layer_idx)
-        self.moe[layer_idx] = out
+        self.moe[layer_idx] = _without_hidden(out)
 
     # ---- replay-safe writes (spartron.interop.megatron.checkpointing) ------------------------------
     @contextlib.contextmanager
