@@ -216,3 +216,108 @@ def test_dist_checkpointing_saved_under_ep2_loads_under_other_ep_sizes(tmp_path,
         for ep in load_eps:
             assert r[ep]["wrong_after"] == [], (ep, r[ep])
             assert r[ep]["wrong_before"] > r[ep]["n_keys"] // 2, (ep, r[ep])  # another seed: the load did it
+
+
+# ---------------------------------------------------------------- the router under Megatron's machinery
+
+def _bf16_step_and_finalize(rank, world):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    cfg = small_cfg(n_layers=3, dtype="bfloat16", moe={**MOE, "bias_update_rate": 0.01})
+    tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True, expert_model_parallel_size=2)
+    side = SideChannel()
+    torch.manual_seed(0)
+    gpt = GPTModel(tcfg, spartron_block_spec(tcfg, side, base_config=cfg), vocab_size=64, max_sequence_length=32,
+                   position_embedding_type="none", pg_collection=pgc)  # the spec's groups: parallel_state's
+    with cpu_megatron():
+        model = DistributedDataParallel(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                        Float16Module(tcfg, gpt), pg_collection=pgc)
+    routers = [m for m in gpt.modules() if isinstance(m, MegatronRouter)]
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    side.reset()
+    model(tokens[:, :-1], None, None, labels=tokens[:, 1:]).float().mean().backward()
+    out = {"bias_dtypes": {str(r.expert_bias.dtype) for r in routers},
+           "param_dtypes": {str(p.dtype) for n, p in gpt.named_parameters() if "experts" in n},
+           "no_grad": sorted(n for n, p in gpt.named_parameters() if p.main_grad.abs().sum() == 0)}
+    before, expected = [], []
+    for r in routers:  # Spartron's trainer rule on the same counts, summed over dp x cp
+        ref = Router(cfg.moe, cfg.dim)
+        ref.expert_bias.copy_(r.expert_bias)
+        before.append(r.expert_bias.clone())
+        ref.update_expert_bias(r.local_tokens_per_expert.clone(), group=pgc.dp_cp)
+        expected.append(ref.expert_bias)
+    with cpu_megatron():
+        finalize_model_grads([model], pg_collection=pgc)
+    after = [r.expert_bias.clone() for r in routers]
+    out["moved"] = all(not torch.equal(b, e) for b, e in zip(before, expected, strict=True))
+    out["equal_rule"] = all(torch.equal(a, e) for a, e in zip(after, expected, strict=True))
+    out["counts_zeroed"] = all(r.local_tokens_per_expert.sum().item() == 0 for r in routers)
+    update_expert_bias(gpt, pgc.dp_cp)  # the hand-written-loop path in the same step: no second move
+    out["no_double_update"] = all(torch.equal(r.expert_bias, a) for r, a in zip(routers, after, strict=True))
+    try:
+        routers[0].update_expert_bias(torch.zeros(4, dtype=torch.int64))
+    except RuntimeError as e:
+        out["moe_layer_path"] = str(e)
+    return out
+
+
+def test_float16module_forward_backward_and_finalize_model_grads_update_the_bias_by_spartrons_rule():
+    for r in run_distributed(_bf16_step_and_finalize, 2, timeout=180):
+        assert r["bias_dtypes"] == {"torch.float32"} and r["param_dtypes"] == {"torch.bfloat16"}
+        assert r["no_grad"] == []
+        assert r["moved"] and r["equal_rule"] and r["counts_zeroed"] and r["no_double_update"], r
+        assert r["moe_layer_path"].startswith("the expert bias of a router under Megatron moves from its "
+                                              "local_tokens_per_expert")
+
+
+# ---------------------------------------------------------------- aux losses
+
+def _aux_definitions(rank, world):
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        compute_routing_scores_for_aux_loss,
+        get_moe_layer_wise_logging_tracker,
+        switch_load_balancing_loss_func,
+    )
+    from megatron.core.transformer.spec_utils import build_module
+
+    cfg = small_cfg(first_k_dense=0, n_layers=1, moe={**MOE, "n_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01,
+                                                      "aux_loss_type": "batch"})
+    pgc = to_process_group_collection(ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), "cpu"))
+    tcfg = megatron_config_from_spartron(cfg)
+    x = torch.randn(6, 2, cfg.dim)
+    tracked = {}
+    for definition in ("spartron", "megatron"):
+        layer = build_module(spartron_layer_spec(SideChannel(), "moe", cfg, pg_collection=pgc,
+                                                 aux_loss_definition=definition),
+                             config=tcfg, layer_number=1, pg_collection=pgc)
+        router = layer.mlp.moe.router
+        with torch.no_grad():  # bias and group-limited routing move the selection off the plain top-k
+            router.expert_bias.copy_(torch.tensor([0.5, 0.5, -0.5, -0.5]))
+        clear_aux_losses_tracker()
+        layer.mlp(x)
+        tracked[definition] = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][0].item()
+    logits = x.transpose(0, 1).reshape(-1, cfg.dim) @ router.weight.T
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, 2, "sigmoid")
+    megatron = switch_load_balancing_loss_func(scores, routing_map.sum(0), logits.shape[0], 2, 4, 1.0).item()
+    try:
+        spartron_layer_spec(SideChannel(), "moe", cfg, aux_loss_definition="plain")
+        build_module(spartron_layer_spec(SideChannel(), "moe", cfg, pg_collection=pgc, aux_loss_definition="plain"),
+                     config=tcfg, layer_number=1, pg_collection=pgc)
+    except ValueError as e:
+        tracked["bad"] = str(e)
+    return tracked, megatron
+
+
+def test_aux_loss_is_tracked_by_megatron_and_its_definition_is_selectable():
+    ((tracked, megatron),) = run_distributed(_aux_definitions, 1)
+    assert abs(tracked["megatron"] - megatron) < 1e-6, (tracked, megatron)
+    assert abs(tracked["spartron"] - megatron) > 1e-3, (tracked, megatron)  # counted after bias + groups
+    assert tracked["bad"].startswith("aux_loss_definition must be one of ['spartron', 'megatron'], got 'plain'")
