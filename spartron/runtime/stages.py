@@ -105,6 +105,8 @@ class StageRunner:
         # The parameters a stage may train: those the model itself trains (an always-frozen one stays so).
         self.base = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         check_stages_against(model, t)
+        if len(t.stages) > 1:
+            fsdp_dtype_refresher()  # a torch without it fails now, not at the first boundary
         self.current: Stage | None = None
 
     def enter(self, step: int, optimizer: torch.optim.Optimizer | None,
@@ -214,17 +216,34 @@ def carry_optimizer_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer
                 new.state[p] = old.state[p]
 
 
+def fsdp_dtype_refresher() -> Callable[[object], None]:
+    """torch's private FSDP2 `FSDPParamGroup._init_mp_dtypes` (no public hook re-derives a unit's gradient dtypes);
+    its behaviour pinned by tests/runtime/test_stage_fsdp_dtypes.py on the torch that runs the tests. A torch
+    without it is a RuntimeError naming it, raised when a staged run starts (StageRunner), not at a boundary."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup  # noqa: PLC2701
+    except ImportError:
+        FSDPParamGroup = None  # noqa: N806 - the class, when this torch has it
+    refresh = getattr(FSDPParamGroup, "_init_mp_dtypes", None)
+    if refresh is None:
+        raise RuntimeError(f"spartron: error: torch {torch.__version__}'s FSDP2 FSDPParamGroup has no _init_mp_dtypes, "
+                           "which train.stages needs to re-derive gradient dtypes at a stage change; run the stages "
+                           "on a torch that has it (2.13 is tested) or drop train.stages")
+    return refresh
+
+
 def refresh_fsdp_reduce_dtypes(model: nn.Module) -> None:
     """FSDP2 fixes a unit's gradient dtypes (model.master_dtype / reduce_dtype) at its first forward from the
     parameters trainable THEN; a unit wholly frozen at that time would reduce a later stage's gradients in the
     compute dtype. Re-derived here at every stage change (torch's own initialiser, a no-op before lazy init)."""
     from torch.distributed.fsdp import FSDPModule
 
+    refresh = fsdp_dtype_refresher()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group  # noqa: SLF001 - torch's, no public hook
             if group is not None and getattr(group, "_orig_dtype", "unset") != "unset":
-                group._init_mp_dtypes()  # noqa: SLF001
+                refresh(group)
 
 
 def default_indexer_mode(model: nn.Module) -> str | None:
