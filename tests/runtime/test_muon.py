@@ -172,3 +172,21 @@ def test_the_host_sync_check_catches_item_and_torchs_own_adamw():
     opt = torch.optim.AdamW([p], foreach=False)  # its single-tensor path reads the step on the host
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():
         opt.step()
+
+
+def test_the_optimizer_switch_is_validated_and_selects_distributed_muon_for_experts_too():
+    from spartron.layers.model import build_model
+    from spartron.runtime.config import ConfigError, config_from_dict
+    from spartron.runtime.optim import build_optimizer
+
+    with pytest.raises(ConfigError, match=r"train\.optimizer: Input should be 'adamw' or 'muon' \(got 'lion'\)"):
+        config_from_dict({"train": {"optimizer": "lion"}})
+    cfg = load_config(TINY, ['train.optimizer="muon"'])
+    model = build_model(cfg.model, seed=0)
+    opt = build_optimizer(model, cfg.train)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])
+    assert isinstance(opt, MuonWithAdamW)
+    assert "layers.1.ffn.experts.w1" in muon and "layers.1.attn.wo.weight" in muon
+    assert not {"embed.weight", "head.weight", "norm.weight"} & set(muon)
+    assert all(".experts." in n or model.get_parameter(n).ndim == 2 for n in muon)
