@@ -1,6 +1,6 @@
 """`spartron rehearse` on CPU: the tiny preset's rank 3 of 8 (FSDP 8, EP 2) holds the planner's parameter bytes
-and reports finite, modelled communication by group; a mirrored rank's forward equals a real 2-rank gloo run's
-whose ranks hold identical shards and tokens; what a mirrored rank cannot run is refused by key."""
+and reports finite, modelled communication by group; a mirrored rank's forward equals a real gloo run's
+(FSDP 2 and FSDP 4, 2 and 4 ranks) whose ranks hold identical shards and tokens; what a mirrored rank cannot run is refused by key."""
 
 from __future__ import annotations
 
@@ -111,10 +111,11 @@ def _shard0_forward(rank: int, world: int, overrides: list[str]) -> float:
         return float(model(tokens, tokens.roll(-1, dims=1))["loss"])
 
 
-def test_mirrored_forward_equals_a_real_identical_data_run():
-    overrides = ["train.seq_len=32", "parallel.fsdp=2"]
-    real = run_distributed(_shard0_forward, 2, overrides, timeout=300)
-    assert real[0] == real[1]
-    with mirrored_world(0, 2):
-        mirrored = _shard0_forward(0, 2, overrides)
+@pytest.mark.parametrize("world", [2, 4])
+def test_mirrored_forward_equals_a_real_identical_data_run(world):
+    overrides = ["train.seq_len=32", f"parallel.fsdp={world}"]
+    real = run_distributed(_shard0_forward, world, overrides, timeout=600)
+    assert real == [real[0]] * world
+    with mirrored_world(0, world):
+        mirrored = _shard0_forward(0, world, overrides)
     assert mirrored == pytest.approx(real[0], rel=1e-6, abs=1e-6)
