@@ -9,8 +9,11 @@
 Config mapping and the list of Megatron settings the adapters cannot honour live in `config.py`,
 the SideChannel in `side_channel.py`, the ModuleSpec adapters in `spec.py`, the ProcessGroupCollection export in
 `groups.py`, activation checkpointing and offload windows (apply_spartron_checkpointing) in
-`checkpointing.py`. megatron-core is imported lazily (inside the spec builders and the reverse config
-mapping) because it is optional.
+`checkpointing.py`; what Megatron's machinery reads: DDP parameter attributes (`expert_params.py`),
+dist_checkpointing's sharded state (`sharded.py`), the router for finalize_model_grads / Float16Module
+and the expert-bias update (`router_hooks.py`), the aux loss through Megatron's scaler and tracker
+(`aux_loss.py`; side.loss() no longer holds it). megatron-core is imported lazily (inside the spec
+builders and the reverse config mapping) because it is optional.
 """
 
 from spartron.interop.megatron.checkpointing import (
@@ -26,6 +29,7 @@ from spartron.interop.megatron.config import (
     megatron_config_from_spartron,
     spartron_config_from_megatron,
 )
+from spartron.interop.megatron.router_hooks import MegatronRouter, update_expert_bias
 from spartron.interop.megatron.spec import (
     SideChannel,
     SpartronDenseMLP,
@@ -42,5 +46,6 @@ __all__ = [
     "MAPPED", "MEGATRON_OWNED", "REQUIRED", "MegatronCheckpointing", "MegatronConfigError", "SideChannel",
     "SpartronDenseMLP", "SpartronMLAAttention", "SpartronMoEMLP", "megatron_config_from_spartron", "moe_adapters",
     "resolve_group", "spartron_block_spec", "spartron_config_from_megatron", "spartron_layer_key",
-    "spartron_layer_spec", "apply_spartron_checkpointing", "megatron_checkpoint_region_of",
+    "spartron_layer_spec", "apply_spartron_checkpointing", "megatron_checkpoint_region_of", "MegatronRouter",
+    "update_expert_bias",
 ]
