@@ -55,11 +55,14 @@ class MemoryPlan:
 
 
 _MATMUL_TARGETS = {"aten", "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_addmm_activation",
-                   "aten::baddbmm", "spartron::absorb_query", "spartron::absorb_output"}
+                   "aten::baddbmm"}
 _ATTENTION_TARGETS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
                       "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
                       "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                      "aten", "spartron", "spartron::sparse_mla"}
+                      "aten", "spartron", "spartron::sparse_mla", "spartron::kl_sparse_target",
+                      "spartron::kl_selected_scores"}
+# DSA's absorbed projections: not default targets (checkpointing.policy), kept only when ac.targets lists them
+_ABSORB_TARGETS = {"spartron", "spartron::absorb_query", "spartron::absorb_output"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class _Block:
     kept_matmul: int
     kept_attention: int
     work: int
+    kept_absorb: int  # DSA's absorbed query and output projections (kept only when ac.targets names them)
     params: int  # elements (its FSDP unit: all-gathered in the compute dtype)
 
 
@@ -79,13 +83,18 @@ def _norm(tokens: int, width: int, a: int) -> int:
     return tokens * (3 * width * a + 4)
 
 
-def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int, a: int) -> tuple[int, int, int]:
-    """(saved, kept by matmul targets, kept by attention targets) of one MLA layer's attention."""
+def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int,
+                     a: int) -> tuple[int, int, int, int]:
+    """(saved, kept by matmul targets, kept by attention targets, kept by the absorb targets) of one MLA layer's
+    attention. A DSA layer keeps its sparse attention's output [T, H, kv_lora] and lse; a source also its
+    indexer's projections, the top-k ids [T, K] (int32, reused on replay in every AC mode) and, with
+    kl_sparse, the KL target and selected scores ([T, K] float32 each); kl_dense / a dense warm-up's KL runs
+    in query chunks, nothing [T, S] kept (attention.indexer_kl_dense)."""
     x, h = m.mla, m.n_heads
     qk, kv = x.qk_nope_head_dim + x.qk_rope_head_dim, x.kv_lora_rank + x.qk_rope_head_dim
     keys = tokens * cp  # CP gathers the compressed keys of the whole sequence
     saved = _norm(tokens, m.dim, a)
-    mm = 0
+    mm = absorb = 0
     if x.q_lora_rank:
         saved += _norm(tokens, x.q_lora_rank, a)  # wq_a's output is q_norm's input
         mm += tokens * x.q_lora_rank * a
@@ -103,13 +112,19 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         k = min(m.dsa.index_topk, keys)
         q_abs = tokens * h * kv * a
         out = tokens * h * x.kv_lora_rank * a
-        ids = tokens * k * 4
-        saved += q_abs + out + tokens * h * x.v_head_dim * a + ids + tokens * h * 4
-        mm += q_abs + tokens * h * x.v_head_dim * a
+        saved += q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
+        absorb = q_abs + tokens * h * x.v_head_dim * a
         attn = out + tokens * h * 4
+        if role == "source":
+            d = m.dsa
+            index = tokens * (d.n_index_heads * d.index_head_dim + d.index_head_dim + d.n_index_heads) * a
+            ids, kl = tokens * k * 4, (2 * tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)
+            saved += index + ids + kl + (tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)  # + log_softmax
+            mm += index
+            attn += ids + kl
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
-    return saved, mm, attn
+    return saved, mm, attn, absorb
 
 
 def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int, int]:
@@ -137,7 +152,7 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
     n_mtp = m.mtp.depth
     for i in range(m.n_layers + n_mtp):
         moe = i >= m.first_k_dense
-        s_attn, mm_attn, attn = _attention_block(m, tokens, step, roles[i], dims.cp, a)
+        s_attn, mm_attn, attn, absorb = _attention_block(m, tokens, step, roles[i], dims.cp, a)
         s_ffn, mm_ffn, widest = _ffn_block(m, tokens, moe, a)
         saved, mm = s_attn + s_ffn, mm_attn + mm_ffn
         if i >= m.n_layers:  # MTP depth: its two norms, the embedding and the projection's input and output
@@ -147,7 +162,7 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
         local = {f: s for f, s in shapes.items() if f.startswith(prefix)}
         params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in local.items())
         work = tokens * m.dim * a * 4 + 2 * widest * a
-        blocks.append(_Block(saved, mm, attn, work, params))
+        blocks.append(_Block(saved, mm, attn, work, params, absorb))
     return blocks
 
 
@@ -207,6 +222,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     blocks = _blocks(m, dims, step, a)
     targets = set(step.ac_targets) if step.ac_targets is not None else _MATMUL_TARGETS | _ATTENTION_TARGETS
     keeps_mm, keeps_attn = bool(targets & _MATMUL_TARGETS), bool(targets & _ATTENTION_TARGETS)
+    keeps_absorb = step.ac_targets is not None and bool(targets & _ABSORB_TARGETS)
     block_input = tokens * m.dim * a
     saved, recompute = [], []
     for i, b in enumerate(blocks):
@@ -218,6 +234,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         kept = block_input
         if step.ac_mode == "selective":
             kept += (b.kept_matmul if keeps_mm else 0) + (b.kept_attention if keeps_attn else 0)
+            kept += b.kept_absorb if keeps_absorb else 0
         saved.append(kept)
         recompute.append(b.saved - kept + block_input)
     regions = [i for i, r in enumerate(recompute) if r]
@@ -235,6 +252,9 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     biggest = max(blocks, key=lambda b: b.params)
     reduce = PARAM_BYTES[m.reduce_dtype]
     masters = optimizer_masters(m)
+    if masters and dims.world_size > 1:
+        raise ValueError(f"model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); "
+                         f"this plan has {dims.world_size} ranks: set model.master_weights = 'fsdp'")
     fsdp = dims.world_size > 1 or (m.master_dtype is not None and not masters)  # spartron.layers.parallelize
     head = m.vocab_size * m.dim
     # FSDP2: the block in use and the prefetched one all-gathered in the compute dtype, the root's

@@ -91,3 +91,11 @@ def _measured_and_planned(rank, world, run_dir: str, mode: str, micro: int):
 def test_predicted_peak_is_within_10_percent_of_the_tracked_peak(tmp_path, mode, micro):
     measured, planned = run_distributed(_measured_and_planned, 1, str(tmp_path), mode, micro, timeout=120)[0]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_a_plan_of_more_than_one_rank_is_refused_naming_the_key():
+    cfg = load_config(TINY, OPTIMIZER)
+    with pytest.raises(ValueError) as err:
+        memory_plan(cfg.model, cfg.parallel.dims(2), StepShape(seq_len=64, micro_batch_size=1))
+    assert str(err.value) == ("model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); "
+                              "this plan has 2 ranks: set model.master_weights = 'fsdp'")

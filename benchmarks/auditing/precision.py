@@ -1,0 +1,30 @@
+"""model.master_weights (issue 38 item 1): hostile values, contradicting keys, a layout it does not run on, and
+one real step on it (`spartron train` and `spartron plan`)."""
+
+from __future__ import annotations
+
+from benchmarks.auditing.core import Case, plan, train
+
+MASTERS = ("model.dtype=\"bfloat16\"", "model.master_dtype=\"float32\"")
+
+
+def cases() -> list[Case]:
+    out: list[Case] = []
+
+    def add(cid, argv, names, category="values", **kw):
+        out.append(Case(f"precision-{cid}", "config", argv, tuple(names), category=category,
+                        timeout=kw.pop("timeout", 120.0), **kw))
+
+    key = ("model.master_weights",)
+    add("master-weights-unknown", train(*MASTERS, 'model.master_weights="megatron"'), key, quick=True)
+    add("master-weights-int", train(*MASTERS, "model.master_weights=1"), key, category="dtypes")
+    add("master-weights-empty", train(*MASTERS, 'model.master_weights=""'), key)
+    add("master-weights-no-masters", train('model.dtype="bfloat16"', 'model.master_weights="optimizer"'), key)
+    add("master-weights-muon", train(*MASTERS, 'model.master_weights="optimizer"', 'train.optimizer="muon"'), key)
+    add("master-weights-two-ranks", train(*MASTERS, 'model.master_weights="optimizer"', "launch.nproc=2"), key,
+        category="sizes", timeout=180.0)
+    add("master-weights-plan", plan(*MASTERS, 'model.master_weights="optimizer"'), (), accept_ok=True)
+    add("master-weights-plan-two-ranks", [*plan(*MASTERS, 'model.master_weights="optimizer"'), "--world-size", "2"],
+        key, category="sizes", accept_ok=True, expect_out="model.master_weights = 'optimizer' runs on one rank")
+    add("master-weights-step", train(*MASTERS, 'model.master_weights="optimizer"'), (), accept_ok=True)
+    return out
