@@ -140,6 +140,8 @@ LAYOUTS = [
     pytest.param(4, ("parallel.ep=2",), id="ep2xfsdp2"),
     # 6 experts: 3 per EP rank do not split over expert_fsdp 2, so FSDP2 shards them on dim 1 (gathered)
     pytest.param(4, ("parallel.ep=2", "model.moe.n_routed_experts=6"), id="ep2xfsdp2-experts-dim1"),
+    # HSDP: each of the 2 replicas orthogonalises every matrix once over its own 2 ranks
+    pytest.param(4, ("parallel.dp_replicate=2",), id="hsdp2xfsdp2"),
 ]
 
 
@@ -159,8 +161,9 @@ def test_distributed_muon_equals_the_one_rank_reference(world, extra):
     assert matrices[-1] == sum(1 if t.ndim == 2 else experts for n, t in initial.items()
                                if t.ndim in (2, 3) and cfg.model.vocab_size not in t.shape[-2:])
     assert matrices[0] < matrices[-1]  # the indexer had no gradient at step 1
-    assert [sum(r[2][s] for r in results) for s in range(STEPS)] == matrices
-    if world > 1:  # the work is spread: no rank does more than 60% of it
+    replicas = cfg.parallel.dp_replicate
+    assert [sum(r[2][s] for r in results) for s in range(STEPS)] == [replicas * m for m in matrices]
+    if world > replicas:  # the work is spread: no rank does more than 60% of its replica's
         assert max(r[2][-1] for r in results) < 0.6 * matrices[-1], [r[2] for r in results]
 
 
