@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,6 +71,15 @@ def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int
             "comm": h["comm"], "step_s": {k: h[k]["seconds"] for k in ("compute_only", "headline", "no_overlap")},
             "tokens_per_s_per_gpu": h["headline"]["tokens_per_s_per_gpu"], "mfu": h["headline"]["mfu"],
             "micro_batches": report["micro_batches"], "setup_s": report["setup_s"]}
+
+
+def isolated_entry(*args: object) -> dict:
+    """`entry` in a fresh Python process: each rehearsal gets its own torch.distributed world, device-mesh state
+    and device memory (two mirrored worlds one after the other in one process have mis-sharded a parameter)."""
+    done = subprocess.run([sys.executable, __file__, "--entry", json.dumps(args)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"rehearsal {args[:2]} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _empty_cache() -> None:
@@ -124,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, help="device memory (default: the local GPU's)")
     p.add_argument("--smoke", action="store_true", help="the tiny preset at 1, 8, 16 ranks on CPU")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--entry", help=argparse.SUPPRESS)  # one entry's arguments as JSON (isolated_entry)
     args = p.parse_args(argv)
+    if args.entry is not None:
+        print(json.dumps(entry(*json.loads(args.entry))))
+        return 0
     import torch
 
     if args.gpu_memory_gib is not None:
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
-            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.balanced_routing)
+            e = isolated_entry(name, config, world, overrides, seq, device_bytes, args.steps, args.balanced_routing)
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",

@@ -20,7 +20,8 @@ def _link(work: Path) -> None:
 
 
 def _only_report(case_dir: Path) -> str | None:
-    made = sorted(p.name for p in (case_dir / "work").iterdir() if p.name not in ("r.json", "report.json"))  # the case's own
+    own = ("r.json", "report.json")  # the report, and the FIFO / link a case sets up
+    made = sorted(p.name for p in (case_dir / "work").iterdir() if p.name not in own)
     return f"rehearse wrote {made}" if made else None
 
 

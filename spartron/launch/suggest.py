@@ -101,6 +101,7 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     a2a_passes = 4 + 2 * replay  # dispatch + combine, forward and backward, the forward again under AC
     a2a_bytes = tokens * m.moe.top_k * m.dim * width
     kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
+    a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + replay) * n_micro * m.n_layers
 
     def cost(kind: str, group: str, calls: float, nbytes: float) -> float:
         return collective_time(cluster, kind, _group(dims, group), round(calls), round(nbytes), 0,
@@ -111,8 +112,8 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
         + cost("reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense * reduce)
         + cost("all_gather", "expert_fsdp", 2 * n_micro * moe_layers, 2 * n_micro * experts * width)
         + cost("reduce_scatter", "expert_fsdp", syncs * moe_layers, syncs * experts * reduce),
-        "ep": cost("all_to_all", "ep", a2a_passes * n_micro * moe_layers, a2a_passes * n_micro * moe_layers * a2a_bytes),
-        "cp": cost("all_gather", "cp", (1 + replay) * n_micro * m.n_layers, (1 + replay) * n_micro * m.n_layers * kv_bytes)
+        "ep": cost("all_to_all", "ep", a2a_calls, a2a_calls * a2a_bytes),
+        "cp": cost("all_gather", "cp", kv_gathers, kv_gathers * kv_bytes)
         + cost("reduce_scatter", "cp", n_micro * m.n_layers, n_micro * m.n_layers * kv_bytes),
     }
     overlapped = comm["fsdp"] + (comm["ep"] if t.intra_layer_micro_batches > 1 else 0.0)

@@ -1,6 +1,7 @@
 """`spartron rehearse` on CPU: the tiny preset's rank 3 of 8 (FSDP 8, EP 2) holds the planner's parameter bytes
 and reports finite, modelled communication by group; a mirrored rank's forward equals a real gloo run's
-(FSDP 2 and FSDP 4, 2 and 4 ranks) whose ranks hold identical shards and tokens; what a mirrored rank cannot run is refused by key."""
+(FSDP 2 and FSDP 4, 2 and 4 ranks) whose ranks hold identical shards and tokens; what a mirrored rank cannot
+run is refused by key."""
 
 from __future__ import annotations
 
