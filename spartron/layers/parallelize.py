@@ -175,8 +175,10 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
                 reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply AC, compile (when `compile_backend` is given: train.compile) and FSDP2 to a
     ParallelizableModel; returns the same model. FSDP2 runs when `groups` span more than one rank, or
-    when `param_dtype` (the compute dtype, model.dtype under model.master_dtype) is given: the cast of
-    the sharded masters to it is FSDP's, so it applies on one rank too. Works on a model built on the
+    when `param_dtype` (the compute dtype, model.dtype under model.master_dtype with model.master_weights =
+    "fsdp") is given: the cast of the sharded masters to it is FSDP's, so it applies on one rank too. Under
+    model.master_weights = "optimizer" no param_dtype is given: one rank runs without FSDP2 and the
+    optimizer holds the masters (spartron.runtime.master_weights). Works on a model built on the
     meta device (spartron.layers.init.materialize_ gives it storage afterwards)."""
     if not isinstance(model, ParallelizableModel):
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
