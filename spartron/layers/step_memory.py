@@ -114,14 +114,17 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         out = tokens * h * x.kv_lora_rank * a
         saved += q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
         absorb = q_abs + tokens * h * x.v_head_dim * a
-        attn = out + tokens * h * 4
+        # ac.targets naming other ops than sparse_mla / the KL ops (a list without them): recomputed in the replay
+        listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
+        attn = out + tokens * h * 4 if listed & {"spartron", "spartron::sparse_mla"} else 0
         if role == "source":
             d = m.dsa
             index = tokens * (d.n_index_heads * d.index_head_dim + d.index_head_dim + d.n_index_heads) * a
             ids, kl = tokens * k * 4, (2 * tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)
             saved += index + ids + kl + (tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)  # + log_softmax
             mm += index
-            attn += ids + kl
+            kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
+            attn += ids + (kl if kl_listed else 0)
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
     return saved, mm, attn, absorb

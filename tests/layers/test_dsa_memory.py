@@ -96,3 +96,19 @@ def test_gradients_equal_the_previous_policy_and_no_ac_bitwise(mode):
     assert len(now) == len(before) == len(none) == (6 if mode == "frozen" else 11)
     for a, b, c in zip(now, before, none, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_the_memory_plan_drops_the_sparse_attention_output_when_ac_targets_leave_it_out():
+    import json
+    from pathlib import Path
+
+    from spartron.runtime.config import load_config
+    from spartron.runtime.memory import plan_memory
+
+    config = Path(__file__).parents[2] / "configs" / "dsa-4l.toml"
+    base = ["model.mtp.depth=0", "train.seq_len=65536", "model.max_seq_len=65536", "model.n_heads=128",
+            "model.dsa.indexer_mode=kl_sparse", "model.dsa.indexer_loss_coeff=0.01"]
+    without = json.dumps([t for t in DEFAULT_TARGETS if t != "spartron::sparse_mla"])
+    kept = plan_memory(load_config(config, base), 1, 0).parts["activations"]
+    recomputed = plan_memory(load_config(config, [*base, f"ac.targets={without}"]), 1, 0).parts["activations"]
+    assert kept - recomputed == 3 * 65536 * 128 * (512 * 2 + 4)  # 3 DSA layers: output [T, H, 512] bf16 + lse
