@@ -4,12 +4,16 @@
         --out benchmarks/results/dsa_e2e/dsa_e2e_16384_SHA.json  # H200
     python benchmarks/dsa_e2e.py --seq 65536 --set model.n_heads=64 --out ...   # another head count
     python benchmarks/dsa_e2e.py --smoke                                         # CPU, seconds
+    python benchmarks/dsa_e2e.py --seq 131072 --mode full --dsa-set KEY=VALUE    # AC mode; DSA-only overrides
 
 Runs benchmarks/e2e.py (the public Trainer) once per config, each in its own process so the two share no
 allocator state: `configs/dsa-4l.toml` (DSA on the three MoE layers) and `configs/dsa-4l-dense.toml` (the
 same model, dense MLA), selective AC, MTP off (`model.mtp.depth=0` for both), --steps steps of which the
 first --warmup are excluded from the medians; `--set model.dsa.*` overrides apply to the DSA config only
-(the dense one has no such section). Writes both reports and the DSA / dense step-time ratio
+(the dense one has no such section), and so do `--dsa-set` overrides (e.g. an `ac.targets` list without
+`spartron::sparse_mla`, which recomputes the sparse attention in the replay instead of keeping its
+[S, H, 512] output); `--mode` is the e2e.py AC mode of both (default selective). Writes both reports
+and the DSA / dense step-time ratio
 against issue 23's target for that length (64k: <= 0.75x, 16k: <= 1.25x). `--smoke` runs both configs at
 tiny sizes on CPU (the reference kernels), which checks the wiring, not the speed.
 """
@@ -41,12 +45,14 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     """One config through e2e.py; its report (an `error` key when the run failed)."""
     out = tmp / f"{name}.json"
     overrides = ["model.mtp.depth=0", f"train.seq_len={args.seq}", f"model.max_seq_len={args.seq}", *args.set]
+    if name == "dsa":
+        overrides += args.dsa_set
     if args.smoke:
         overrides = [*SMOKE, *overrides]
     if name == "dense":  # the dense model has no [model.dsa] section to override
         overrides = [o for o in overrides if not o.startswith("model.dsa.")]
     cmd = [sys.executable, str(REPO / "benchmarks" / "e2e.py"), "--config", str(CONFIGS[name]), "--modes",
-           "selective", "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+           args.mode, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
     cmd += [a for o in overrides for a in ("--set", o)]
     if args.commit:
         cmd += ["--commit", args.commit]
@@ -68,6 +74,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=13)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for both configs")
+    parser.add_argument("--dsa-set", action="append", default=[], metavar="KEY=VALUE", help="override for DSA only")
+    parser.add_argument("--mode", default="selective", choices=["none", "full", "selective", "selective+offload"],
+                        help="e2e.py's AC mode for both configs")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
     parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, 3 steps")
@@ -80,6 +89,7 @@ def main() -> int:
     ratio = dsa / dense if dsa and dense else None
     target = TARGETS.get(args.seq)
     result = {"benchmark": "dsa_e2e", "seq_len": args.seq, "commit": args.commit, "overrides": args.set,
+              "dsa_overrides": args.dsa_set, "ac_mode": args.mode,
               "command": "benchmarks/dsa_e2e.py " + " ".join(sys.argv[1:]), "dsa_over_dense_step_time": ratio,
               "target": None if target is None else f"<= {target}x dense",
               "target_met": None if ratio is None or target is None else ratio <= target, "runs": runs}
