@@ -50,6 +50,8 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::baddbmm",
     "aten::_grouped_mm",
     "aten::_scaled_mm",
+    "spartron_fp8::linear",  # blockwise FP8 GEMMs (spartron.layers.fp8.ops): kept like the GEMMs they replace
+    "spartron_fp8::grouped_mm",
     # Not DSA's absorbed per-head projections (spartron::absorb_query / absorb_output): their outputs are
     # [B, S, H, 576] and [B, S, H, 128] (at 128 heads 9 GiB and 2 GiB per layer at 64k) for a batched product of
     # ~0.15 GFLOP per token to recompute; kept, they made DSA hold more than dense MLA (issue 39).
