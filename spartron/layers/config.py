@@ -139,6 +139,31 @@ class MTPConfig(ConfigSection):
     loss_scale: float = Field(0.3, ge=0.0)
 
 
+class FP8Config(ConfigSection):
+    """FP8 training, DeepSeek-V3's blockwise recipe (Megatron's `--fp8-recipe blockwise`): E4M3 with
+    1x128 activation / gradient tiles and 128x128 weight blocks, fp32 scales, for the forward, dgrad and
+    wgrad GEMMs of the chosen modules; everything else (attention, router, head, norms) stays in
+    model.dtype. `modules`: "experts" (the routed experts' grouped GEMMs), "dense" (every other
+    nn.Linear of the blocks with both dims multiples of 128: MLA projections, dense FFNs, shared
+    experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (dense GEMMs by
+    torch's blockwise scaled_mm, sm90; experts by the Triton kernels), "reference" (dequantise + fp32
+    matmul: the exact numerics on any device, slow). `power_of_two_scales`: scales rounded up to a
+    power of two (exact rescaling; TransformerEngine's default for this recipe). See docs/FP8.md."""
+
+    recipe: Literal["blockwise"] = "blockwise"
+    backend: Literal["triton", "torch_scaled_mm", "reference"] = "triton"
+    modules: list[Literal["experts", "dense"]] = Field(default_factory=lambda: ["experts", "dense"])
+    power_of_two_scales: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> FP8Config:
+        if not self.modules:
+            raise ValueError("model.fp8.modules is empty: list 'experts' and/or 'dense', or remove [model.fp8]")
+        if len(set(self.modules)) != len(self.modules):
+            raise ValueError(f"model.fp8.modules has duplicates: {self.modules}")
+        return self
+
+
 class ModelConfig(ConfigSection):
     vocab_size: int = Field(1024, ge=2)
     dim: int = Field(64, ge=1)
@@ -167,6 +192,7 @@ class ModelConfig(ConfigSection):
     moe: MoEConfig = Field(default_factory=MoEConfig)
     dsa: DSAConfig | None = None
     mtp: MTPConfig = Field(default_factory=MTPConfig)
+    fp8: FP8Config | None = None  # FP8 GEMMs (blockwise recipe) for the chosen modules; None: model.dtype
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -178,7 +204,20 @@ class ModelConfig(ConfigSection):
                 raise ValueError(f"model.dsa.layers has indices outside 0..{self.n_layers - 1}: {bad}")
         check_dsa(self)
         self._check_precision()
+        self._check_fp8()
         return self
+
+    def _check_fp8(self) -> None:
+        if self.fp8 is None:
+            return
+        if self.dtype != "bfloat16":
+            raise ValueError(f"model.fp8 needs model.dtype = 'bfloat16' (the compute dtype outside the FP8 GEMMs), "
+                             f"got {self.dtype!r}")
+        if "experts" in self.fp8.modules:
+            for key, size in (("model.dim", self.dim), ("model.moe.moe_inter_dim", self.moe.moe_inter_dim)):
+                if size % 128:
+                    raise ValueError(f"model.fp8.modules 'experts' quantises 128-wide tiles: {key} {size} is not "
+                                     "a multiple of 128")
 
     @property
     def stored_dtype(self) -> str:

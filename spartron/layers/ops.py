@@ -13,6 +13,7 @@ def load_ops() -> frozenset[str]:
     """Register every operator library of Spartron's layers and comm; returns their namespaces."""
     from spartron.comm import collectives, copy_engine, deepep
     from spartron.layers.attention import absorb, indexer_kl, indexer_topk, sparse_mla  # noqa: F401 (each defines spartron:: ops)
+    from spartron.layers.fp8 import ops as fp8_ops  # noqa: F401 (defines spartron_fp8:: ops)
     from spartron.layers.moe import telemetry, topk  # noqa: F401 (each defines spartron:: ops)
 
-    return frozenset({"spartron", collectives.NAMESPACE, copy_engine.NAMESPACE, deepep.NAMESPACE})
+    return frozenset({"spartron", "spartron_fp8", collectives.NAMESPACE, copy_engine.NAMESPACE, deepep.NAMESPACE})

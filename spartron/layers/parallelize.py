@@ -33,6 +33,8 @@ from torch import nn
 
 from spartron.checkpointing import apply_ac_to_blocks, compile_block
 from spartron.checkpointing.config import ACConfig
+from spartron.layers.config import FP8Config
+from spartron.layers.fp8 import apply_fp8
 from spartron.parallel.groups import ParallelGroups
 
 
@@ -172,8 +174,8 @@ def _range_fsdp_pre_forward(module: nn.Module) -> None:
 
 def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
                 compile_backend: str | None = None, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Apply AC, compile (when `compile_backend` is given: train.compile) and FSDP2 to a
+                reduce_dtype: torch.dtype = torch.float32, fp8: FP8Config | None = None) -> nn.Module:
+    """Apply FP8 compute (model.fp8: spartron.layers.fp8.apply_fp8), AC, compile (when `compile_backend` is given: train.compile) and FSDP2 to a
     ParallelizableModel; returns the same model. FSDP2 runs when `groups` span more than one rank, or
     when `param_dtype` (the compute dtype, model.dtype under model.master_dtype with model.master_weights =
     "fsdp") is given: the cast of the sharded masters to it is FSDP's, so it applies on one rank too. Under
@@ -183,6 +185,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     if not isinstance(model, ParallelizableModel):
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
                         f"{type(model).__name__} has none")
+    if fp8 is not None:
+        apply_fp8([b.module for b in model.blocks()], fp8)
     apply_ac(model, ac)
     blocks = model.blocks()
     if compile_backend is not None:

@@ -53,7 +53,7 @@ def default_model_factory(cfg: RunConfig, groups: ParallelGroups) -> nn.Module:
                         micro_batch_scope=t.intra_layer_micro_batch_scope, device="meta")
     model = parallelize(model, groups, cfg.ac, compile_backend=t.compile_backend if t.compile else None,
                         param_dtype=getattr(torch, m.dtype) if m.master_dtype and m.master_weights == "fsdp" else None,
-                        reduce_dtype=getattr(torch, m.reduce_dtype))
+                        reduce_dtype=getattr(torch, m.reduce_dtype), fp8=m.fp8)
     return materialize_(model, torch.get_default_device(), t.seed, m.init_std)
 
 

@@ -1,0 +1,71 @@
+"""apply_fp8: switch the chosen modules of a model's blocks to FP8 compute (model.fp8).
+
+Runs before AC, compile and FSDP2 (parallelize calls it first). Converts in place by class swap:
+parameter names, dtypes and saved state do not change, so a bf16 run resumes in FP8 and back.
+What stays in model.dtype, by design (DeepSeek-V3 and Megatron's recipe alike): attention's core
+(softmax(QK^T)V, DSA's indexer scores), the router, embeddings, the LM head (outside the blocks),
+norms, and any linear with a dim that is not a multiple of 128 (MLA's kv down-projection, 576 wide).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spartron.layers.config import FP8Config
+from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+from spartron.layers.moe.experts import GroupedExperts
+from spartron.layers.moe.router import Router
+
+
+def check_backend(backend: str) -> None:
+    """Raise ValueError naming model.fp8.backend when this machine cannot run it (no fallback)."""
+    if backend == "reference":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"model.fp8.backend = {backend!r} runs on a CUDA GPU (Hopper) and torch.cuda is not "
+                         "available: use backend 'reference' on CPU")
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"model.fp8.backend = {backend!r} needs triton (pip install triton): {err}") from err
+    if backend == "triton" and major < 9:
+        raise ValueError(f"model.fp8.backend = 'triton' needs FP8 tensor cores (compute capability >= 9.0), "
+                         f"this GPU is {major}.{minor}")
+    if backend == "torch_scaled_mm":
+        import torch.nn.functional as F
+        if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
+            raise ValueError("model.fp8.backend = 'torch_scaled_mm' needs torch.nn.functional.scaled_mm with "
+                             f"ScalingType.BlockWise128x128 (torch >= 2.9), this is torch {torch.__version__}: "
+                             "install a newer torch or use backend 'triton'")
+        if (major, minor) != (9, 0):
+            raise ValueError("model.fp8.backend = 'torch_scaled_mm': cuBLASLt's blockwise scaling runs on sm90 "
+                             f"(Hopper) only, this GPU is {major}.{minor}: use backend 'triton'")
+
+
+def dense_eligible(module: nn.Module) -> bool:
+    return (type(module) is nn.Linear and module.bias is None and module.in_features % 128 == 0
+            and module.out_features % 128 == 0)
+
+
+def apply_fp8(blocks: list[nn.Module], cfg: FP8Config) -> list[str]:
+    """Convert the chosen modules inside `blocks` (nn.Modules); returns their qualified names
+    (block index, then the module path), in order."""
+    check_backend(cfg.backend)
+    converted = []
+    for index, block in enumerate(blocks):
+        routers = [m for m in block.modules() if isinstance(m, Router)]
+        skip = {id(p) for r in routers for p in r.modules()}
+        for name, module in block.named_modules():
+            if id(module) in skip:
+                continue
+            if "experts" in cfg.modules and type(module) is GroupedExperts:
+                module.__class__ = FP8GroupedExperts
+            elif "dense" in cfg.modules and dense_eligible(module):
+                module.__class__ = FP8Linear
+            else:
+                continue
+            module.fp8_backend, module.fp8_pow2 = cfg.backend, cfg.power_of_two_scales
+            converted.append(f"{index}.{name}")
+    return converted

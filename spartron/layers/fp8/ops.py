@@ -1,0 +1,129 @@
+"""The FP8 GEMMs as torch.library ops with registered autograd: `spartron_fp8::linear` (a dense
+linear, x @ w^T) and `spartron_fp8::grouped_mm` (rows grouped by expert, x[rows of e] @ w[e]^T).
+
+Both quantise inside (1x128 activations, 128x128 weights) and run their backward, dgrad and wgrad,
+in FP8 too (spartron.layers.fp8.quant: the tilings). They save their bf16 inputs for backward, like
+the GEMMs they replace, and are GEMM targets of the checkpoint policy (spartron.checkpointing.policy
+DEFAULT_TARGETS): selective AC keeps their outputs as it keeps aten::mm's, a replay re-runs their
+quantisation from the same inputs (deterministic), and offload sees the same bf16 saved tensors.
+As one op each, compile and the policy see one boundary per GEMM.
+
+`backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
+Hopper), "torch_scaled_mm" (dense GEMMs through torch's blockwise `scaled_mm`, grouped ones through
+Spartron's Triton kernels: torch has no sm90 blockwise grouped GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("reference", "triton", "torch_scaled_mm")
+
+
+def _grouped_impl(backend: str):
+    if backend == "reference":
+        from spartron.layers.fp8 import reference as impl
+    elif backend in ("triton", "torch_scaled_mm"):
+        from spartron.layers.fp8 import triton_backend as impl
+    else:
+        raise ValueError(f"model.fp8.backend must be one of {BACKENDS}, got {backend!r}")
+    return impl
+
+
+def _one_group(x2d: Tensor) -> Tensor:
+    return torch.tensor([x2d.shape[0]], dtype=torch.int32, device=x2d.device)
+
+
+# --- grouped ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("spartron_fp8::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool) -> Tensor:
+    """x [M, K] grouped by `counts` [E] (int32), w [E, N, K] -> [M, N] in x's dtype."""
+    return _grouped_impl(backend).grouped_forward(x, w, counts, pow2)
+
+
+@grouped_mm.register_fake
+def _(x, w, counts, backend, pow2):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("spartron_fp8::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, backend: str,
+                        pow2: bool) -> tuple[Tensor, Tensor]:
+    return _grouped_impl(backend).grouped_backward(grad.contiguous(), x, w, counts, pow2)
+
+
+@grouped_mm_backward.register_fake
+def _(grad, x, w, counts, backend, pow2):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _grouped_setup(ctx, inputs, output):
+    x, w, counts, backend, pow2 = inputs
+    ctx.save_for_backward(x, w, counts)
+    ctx.backend, ctx.pow2 = backend, pow2
+
+
+def _grouped_backward(ctx, grad):
+    x, w, counts = ctx.saved_tensors
+    dx, dw = grouped_mm_backward(grad, x, w, counts, ctx.backend, ctx.pow2)
+    return dx, dw, None, None, None
+
+
+grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+# --- dense --------------------------------------------------------------------------------------
+
+def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
+    if backend == "torch_scaled_mm":
+        from spartron.layers.fp8 import scaled_mm_backend
+        return scaled_mm_backend.linear_forward(x2d, w, pow2)
+    return _grouped_impl(backend).grouped_forward(x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+
+
+def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
+    if backend == "torch_scaled_mm":
+        from spartron.layers.fp8 import scaled_mm_backend
+        return scaled_mm_backend.linear_backward(g2d, x2d, w, pow2)
+    dx, dw = _grouped_impl(backend).grouped_backward(g2d, x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+    return dx, dw.squeeze(0)
+
+
+@torch.library.custom_op("spartron_fp8::linear", mutates_args=())
+def linear(x: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype."""
+    return _dense_forward(x.reshape(-1, x.shape[-1]), w, backend, pow2).reshape(*x.shape[:-1], w.shape[0])
+
+
+@linear.register_fake
+def _(x, w, backend, pow2):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.custom_op("spartron_fp8::linear_backward", mutates_args=())
+def linear_backward(grad: Tensor, x: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
+    dx, dw = _dense_backward(grad.reshape(-1, grad.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]), w,
+                             backend, pow2)
+    return dx.reshape(x.shape), dw
+
+
+@linear_backward.register_fake
+def _(grad, x, w, backend, pow2):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, w, backend, pow2 = inputs
+    ctx.save_for_backward(x, w)
+    ctx.backend, ctx.pow2 = backend, pow2
+
+
+def _linear_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    dx, dw = linear_backward(grad, x, w, ctx.backend, ctx.pow2)
+    return dx, dw, None, None
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -1,0 +1,144 @@
+"""Triton kernels of the blockwise FP8 recipe on Hopper: quantisation and grouped GEMMs.
+
+torch 2.11 has no grouped GEMM with 1x128 / 128x128 scales on sm90 (its `scaled_grouped_mm` takes
+rowwise scales there, MXFP8 on sm100), so the grouped experts' three GEMMs are written here. Each
+GEMM keeps both operands contiguous along the contraction dim (the K-major form Hopper's FP8 MMA
+reads) and multiplies every 128-deep partial product by its two scales before adding it to the fp32
+accumulator: DeepSeek-V3's promotion to CUDA cores every 128 elements. Layouts and tilings are those
+of spartron.layers.fp8.quant (the reference they are tested against). Imported only on that backend.
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX: tl.constexpr = 448.0
+
+
+@triton.jit
+def _scale(amax, POW2: tl.constexpr):
+    scale = amax / FP8_MAX
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & 0x7F800000
+        exponent = tl.where((bits & 0x007FFFFF) != 0, exponent + 0x00800000, exponent)
+        scale = exponent.to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _group_of_slot(slot, counts_ptr, N_GROUPS: tl.constexpr, TILE: tl.constexpr):
+    """(first row, end row, group) of tile slot `slot`; first row -1 for an unused slot."""
+    start = 0
+    tiles = 0
+    row_lo = -1
+    row_hi = -1
+    group = 0
+    for g in range(N_GROUPS):
+        cnt = tl.load(counts_ptr + g)
+        nt = (cnt + TILE - 1) // TILE
+        inside = (slot >= tiles) & (slot < tiles + nt)
+        lo = start + (slot - tiles) * TILE
+        row_lo = tl.where(inside, lo, row_lo)
+        row_hi = tl.where(inside, tl.minimum(lo + TILE, start + cnt), row_hi)
+        group = tl.where(inside, g, group)
+        tiles += nt
+        start += cnt
+    return row_lo, row_hi, group
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, BM: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = rows[:, None] < M
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(tl.abs(x), axis=1), POW2)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + kb * M + rows, scale, mask=rows < M)
+
+
+@triton.jit
+def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, POW2: tl.constexpr):
+    row_block = tl.program_id(0)  # over groups x N/128
+    kb = tl.program_id(1)
+    rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
+    cols = kb * 128 + tl.arange(0, 128)
+    offs = rows[:, None] * K + cols[None, :]
+    w = tl.load(w_ptr + offs).to(tl.float32)
+    scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    tl.store(q_ptr + offs, tl.clamp(w / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv))
+    tl.store(s_ptr + row_block * (K // 128) + kb, scale)
+
+
+@triton.jit
+def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, M, C, T, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
+                         BC: tl.constexpr):
+    slot = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
+    if row_lo >= 0:
+        rows = row_lo + tl.arange(0, 128)
+        mask = rows[:, None] < row_hi
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = _scale(tl.max(tl.abs(x), axis=0), POW2)  # [BC]
+        q = tl.clamp(x / scale[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        tl.store(q_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
+        tl.store(s_ptr + cols * T + slot, scale)
+
+
+@triton.jit
+def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr, N_GROUPS: tl.constexpr,
+                        stride_bg, stride_bn, stride_sbg, stride_sbn, stride_sbk,
+                        BN: tl.constexpr, num_stages_k: tl.constexpr):
+    """out[rows of g] = A[rows of g] @ B[g]^T: A [M, KC] (scales [KC/128, M]), B [G, NOUT, KC] with the
+    contraction contiguous (scales [G, NOUT/128, KC/128] by strides). BM = BK = 128, BN = 128."""
+    slot = tl.program_id(0)
+    nb = tl.program_id(1)
+    row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
+    if row_lo >= 0:
+        rows = row_lo + tl.arange(0, 128)
+        rmask = rows < row_hi
+        cols = nb * BN + tl.arange(0, BN)
+        ks = tl.arange(0, 128)
+        acc = tl.zeros((128, BN), dtype=tl.float32)
+        b_base = b_ptr + group.to(tl.int64) * stride_bg
+        for kb in tl.range(0, KC // 128, num_stages=num_stages_k):
+            k0 = kb * 128
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * KC + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + (k0 + ks)[:, None])
+            sa = tl.load(sa_ptr + kb * M + rows, mask=rmask, other=0.0)
+            sb = tl.load(sb_ptr + group * stride_sbg + nb * stride_sbn + kb * stride_sbk)
+            acc += tl.dot(a, b) * (sa[:, None] * sb)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, N, K, T, N_GROUPS: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    """out[g] = A[:, rows of g] @ B[:, rows of g]^T: A = grad_out^T [N, M], B = x^T [K, M] (tokens
+    contiguous), scales [N, T] and [K, T] per 128-token tile slot of the group."""
+    g = tl.program_id(0)
+    ns = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.program_id(2) * BK + tl.arange(0, BK)
+    start = 0
+    slot0 = 0
+    for i in range(N_GROUPS):
+        cnt_i = tl.where(i < g, tl.load(counts_ptr + i), 0)
+        start += cnt_i
+        slot0 += (cnt_i + 127) // 128
+    cnt = tl.load(counts_ptr + g)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    ts = tl.arange(0, 128)
+    for t in range(0, (cnt + 127) // 128):
+        rows = start + t * 128 + ts
+        rmask = rows < start + cnt
+        a = tl.load(a_ptr + ns[:, None].to(tl.int64) * M + rows[None, :], mask=rmask[None, :], other=0.0)
+        b = tl.load(b_ptr + ks[None, :].to(tl.int64) * M + rows[:, None], mask=rmask[:, None], other=0.0)
+        sa = tl.load(sa_ptr + ns * T + slot0 + t)
+        sb = tl.load(sb_ptr + ks * T + slot0 + t)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    out = out_ptr + g.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty))
