@@ -11,13 +11,15 @@ exactly those device choices to the CPU while it is active, and nothing else:
   `torch.device("cuda", i)`) to `"cpu"`, and makes `Tensor.cuda()` the identity. Megatron creates with it
   the schedules' `total_num_tokens`, the optimizer's `found_inf` / `_scale_one` / grad-scaler and
   clip_grads' norm tensors, and dist_checkpointing's exchange buffers.
+- `Tensor.type()` (no argument) of a CPU tensor answers its CUDA type name ('torch.BFloat16Tensor' ->
+  'torch.cuda.BFloat16Tensor'): the optimizer sorts parameters into fp32 / fp16 / bf16 by comparing
+  these names with the torch.cuda ones, and refuses any other.
 - `torch.cuda.synchronize()` and `torch.cuda.empty_cache()` do nothing (p2p communication, dist_checkpointing
   and DDP call them; a CPU has no queue to wait for).
 
 No value changes: every redirected tensor is created with the same dtype, shape and contents, on the
-CPU where the model already is. What is NOT shimmed, on purpose: the distributed optimizer (its
-`param.type() == 'torch.cuda.FloatTensor'` checks refuse CPU parameters, see the tests) and
-`overlap_grad_reduce` (it needs CUDA streams). On a GPU the same Megatron paths run unpatched.
+CPU where the model already is, and a type name is only compared. NOT shimmed: `overlap_grad_reduce`
+(CUDA streams), nor anything that moves a model: on a GPU the same Megatron paths run unpatched.
 """
 
 from __future__ import annotations
@@ -42,12 +44,16 @@ def _is_cuda(device: object) -> bool:
 
 
 class _CudaDevicesToCpu(TorchFunctionMode):
-    """`device=<cuda>` -> `device="cpu"`; `Tensor.cuda()` / `Tensor.to(<cuda>)` -> the tensor itself."""
+    """`device=<cuda>` -> `device="cpu"`; `Tensor.cuda()` / `Tensor.to(<cuda>)` -> the tensor itself;
+    `Tensor.type()` -> the CUDA type name."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

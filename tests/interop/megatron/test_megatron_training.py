@@ -1,12 +1,15 @@
 """Megatron's own training machinery around Spartron's layers, on real gloo ranks, against Spartron's Trainer.
 
-What a Megatron user runs: `parallel_state` groups, a `GPTModel` from `spartron_block_spec`, Megatron's
-`DistributedDataParallel`, its optimizer, `get_forward_backward_func` over several micro-batches and
+What a Megatron user runs (examples/megatron_gpt.py's MegatronTraining): `parallel_state` groups, a
+`GPTModel` from `spartron_block_spec`, Megatron's `DistributedDataParallel`, its optimizer (plain or
+distributed), `Float16Module` for bf16, `get_forward_backward_func` over several micro-batches and
 `finalize_model_grads` (which also updates the routers' expert bias). The reference is Spartron's own
-`Trainer` on the same config, seed and data (its synthetic loader, drawn again for Megatron), so both
-start from the same weights (layout-invariant init; the embedding and output layer are copied by name)
-and must give the same loss at every step. megatron-core's CUDA-named bookkeeping tensors go to the CPU
-through the test-only `cpu_shim` (what it replaces is in its docstring).
+`Trainer` on the same config, seed and data (its synthetic loader, drawn again for Megatron): both start
+from the same weights (layout-invariant init; the embedding and output layer drawn under the reference
+model's names) and must give the same loss at every step. megatron-core's CUDA-named bookkeeping tensors
+go to the CPU through the test-only `cpu_shim` (what it replaces is in its docstring).
+dist_checkpointing forks writer processes, which these (daemonic) ranks may not: its save / resume /
+load-under-another-EP tests run the example as a program (test_megatron_example.py).
 """
 
 from __future__ import annotations
@@ -18,16 +21,10 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install megatron-core==0.16.1)")
 
-import torch.distributed as dist  # noqa: E402
-
-from spartron.interop.megatron import SideChannel, megatron_config_from_spartron, spartron_block_spec  # noqa: E402
-from spartron.layers.init import init_tensor_  # noqa: E402
+from examples.megatron_gpt import MegatronTraining  # noqa: E402 - the README's example: what users run
 from spartron.runtime.config import RunConfig, load_config  # noqa: E402
-from spartron.runtime.data import build_train_loader  # noqa: E402
-from spartron.runtime.optim import lr_at  # noqa: E402
 from spartron.runtime.trainer import Trainer  # noqa: E402
 from spartron.testing import run_distributed  # noqa: E402
-from cpu_shim import cpu_megatron  # noqa: E402 - next to this file
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
 STEPS = 4
@@ -53,83 +50,10 @@ def spartron_losses(cfg: RunConfig) -> list[float]:
     return losses
 
 
-class MegatronRun:
-    """A Megatron-core training set-up around Spartron's layers, as a Megatron user writes it."""
-
-    def __init__(self, cfg: RunConfig, *, bf16: bool = False):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.models.gpt.gpt_model import GPTModel
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        self.cfg, m, t = cfg, cfg.model, cfg.train
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.parallel.ep)
-        self.pgc = ProcessGroupCollection.use_mpu_process_groups()
-        tcfg = megatron_config_from_spartron(m, use_cpu_initialization=True)
-        self.side = SideChannel()
-        gpt = GPTModel(tcfg, spartron_block_spec(tcfg, self.side, base_config=m, pg_collection=self.pgc,
-                                                 init_seed=t.seed),
-                       vocab_size=m.vocab_size, max_sequence_length=m.max_seq_len, position_embedding_type="none",
-                       share_embeddings_and_output_weights=m.tie_embeddings, pg_collection=self.pgc)
-        with torch.no_grad():  # Megatron-owned weights: Spartron's init under the reference model's names
-            init_tensor_(gpt.embedding.word_embeddings.weight, "embed.weight", t.seed, m.init_std)
-            if not m.tie_embeddings:
-                init_tensor_(gpt.output_layer.weight, "head.weight", t.seed, m.init_std)
-        with cpu_megatron():
-            self.model = DistributedDataParallel(
-                tcfg, DistributedDataParallelConfig(use_distributed_optimizer=False), gpt, pg_collection=self.pgc)
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.beta1,
-                                adam_beta2=t.beta2, adam_eps=1e-8, clip_grad=0.0, bf16=bf16),
-                [self.model], use_gloo_process_groups=False, pg_collection=self.pgc)
-        tcfg.finalize_model_grads_func = finalize_model_grads
-        tcfg.no_sync_func = self.model.no_sync
-        dp_rank, dp = dist.get_rank(self.pgc.dp), dist.get_world_size(self.pgc.dp)
-        self.loader = build_train_loader(cfg, dp_rank, dp)  # the Trainer's data, drawn again
-        self.n_micro = t.micro_steps(dp)
-
-    def forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        self.side.reset()
-        per_token = model(batch.tokens, None, None, labels=batch.labels)
-
-        def loss_func(output):
-            loss = output.float().mean() + self.side.loss()
-            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
-
-        return per_token, loss_func
-
-    def batches(self):
-        while True:
-            yield self.loader.next(self.cfg.train.micro_batch_size)
-
-    def step(self, step: int) -> float:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        t = self.cfg.train
-        with cpu_megatron():
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            out = get_forward_backward_func()(
-                forward_step_func=self.forward_step, data_iterator=self.batches(), model=[self.model],
-                num_microbatches=self.n_micro, seq_length=t.seq_len, micro_batch_size=t.micro_batch_size)
-            for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler sets,
-                group["lr"] = lr_at(step, t) * group["lr_mult"]  # on the Trainer's schedule
-                group["weight_decay"] = t.weight_decay * group["wd_mult"]  # 0 for vectors, as Spartron's
-            ok, _, _ = self.optimizer.step()
-        assert ok, "the Megatron optimizer skipped a step"
-        loss = torch.stack([o["loss"] for o in out]).mean()
-        dist.all_reduce(loss, group=self.pgc.dp_cp)
-        return loss.item() / dist.get_world_size(self.pgc.dp_cp)
-
-
-def _parity(rank, world, run_dir, ep):
-    cfg = run_config(run_dir, ep)
+def _parity(rank, world, run_dir, ep, *extra):
+    cfg = run_config(run_dir, ep, f"train.global_batch_size={2 * world}", *extra)
     ours = spartron_losses(cfg)
-    run = MegatronRun(cfg)
+    run = MegatronTraining(cfg, ep)
     theirs = [run.step(s) for s in range(1, STEPS + 1)]
     return ours, theirs
 
@@ -141,3 +65,35 @@ def test_megatron_ddp_schedule_matches_spartron_trainer(tmp_path, world):
     assert all(r == results[0] for r in results), results
     diffs = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
     assert max(diffs) < 1e-6, (ours, theirs)
+
+
+def _bf16(rank, world, run_dir, *extra):
+    cfg = run_config(run_dir, 2, *extra)
+    fp32 = MegatronTraining(cfg, 2)
+    fp32_losses = [fp32.step(s) for s in range(1, STEPS + 1)]
+    bf16 = MegatronTraining(cfg, 2, bf16=True)
+    bf16_losses = [bf16.step(s) for s in range(1, STEPS + 1)]
+    dtypes = sorted({str(p.dtype) for p in bf16.gpt.parameters()})
+    bias = [str(r.expert_bias.dtype) for r in bf16.gpt.modules() if hasattr(r, "expert_bias")]
+    return fp32_losses, bf16_losses, dtypes, bias
+
+
+def test_float16_module_bf16_follows_the_fp32_run(tmp_path):
+    fp32, bf16, dtypes, bias = run_distributed(_bf16, 2, tmp_path / "run", timeout=120)[0]
+    assert dtypes == ["torch.bfloat16"]
+    assert bias and set(bias) == {"torch.float32"}  # the routers' expert bias stays fp32 under Float16Module
+    diffs = [abs(a - b) for a, b in zip(fp32, bf16, strict=True)]
+    assert max(diffs) < 5e-3, (fp32, bf16)  # bf16 matmuls, fp32 loss and master weights: 3.3e-4 measured
+
+
+def _distributed_optimizer(rank, world, run_dir, *extra):
+    cfg = run_config(run_dir, 2, *extra)
+    ours = spartron_losses(cfg)
+    run = MegatronTraining(cfg, 2, distributed_optimizer=True)
+    return ours, [run.step(s) for s in range(1, STEPS + 1)]
+
+
+def test_megatron_distributed_optimizer_matches_spartron_trainer(tmp_path):
+    """Megatron's distributed optimizer (sharded fp32 state, reduce-scatter / all-gather of the buffers)."""
+    ours, theirs = run_distributed(_distributed_optimizer, 2, tmp_path / "run", timeout=120)[0]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-6, (ours, theirs)
