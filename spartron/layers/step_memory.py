@@ -165,7 +165,8 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
         local = {f: s for f, s in shapes.items() if f.startswith(prefix)}
         params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in local.items())
         work = tokens * m.dim * a * 4 + 2 * widest * a
-        blocks.append(_Block(saved, mm, attn, work, params, absorb))
+        blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn, work=work, kept_absorb=absorb,
+                             params=params))
     return blocks
 
 
