@@ -212,7 +212,10 @@ class PendingSave:
         """This rank's part of a DCP write failure, in one line (None: another rank failed)."""
         fs_errors = self.writer.fs.errors
         if isinstance(err, CheckpointException):  # raised on every rank, with every failing rank's exception
-            mine = fs_errors[0] if fs_errors else err.failures.get(self.rank, (None,))[0]
+            raised = err.failures.get(self.rank, (None,))[0]
+            if raised is not None and not isinstance(raised, Exception):  # Ctrl-C, a SIGTERM handler's exception:
+                raise raised  # a stop (DCP caught it mid-write), not a failed write
+            mine = fs_errors[0] if fs_errors else raised
             if mine is not None:
                 return f"rank {self.rank}: {_first_line(mine)}"
             return None if err.failures else f"rank {self.rank}: {_first_line(err)}"
