@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import subprocess
 import tempfile
@@ -48,10 +49,11 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
                 dist.barrier()
         except BaseException:  # noqa: BLE001
             status, payload = "error", traceback.format_exc()
-    try:
-        conn.send((status, payload))
+    try:  # by value: Connection.send would share a tensor's storage through this process, which exits next
+        message = pickle.dumps((status, payload))
     except Exception:  # noqa: BLE001 - unpicklable result
-        conn.send(("error", f"rank {rank} returned an unpicklable value:\n{traceback.format_exc()}"))
+        message = pickle.dumps(("error", f"rank {rank} returned an unpicklable value:\n{traceback.format_exc()}"))
+    conn.send_bytes(message)
     conn.close()
     try:
         if dist.is_initialized():
@@ -86,7 +88,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         continue
                     if conn.poll(0.01):
                         try:
-                            results[rank] = conn.recv()
+                            results[rank] = pickle.loads(conn.recv_bytes())
                         except EOFError:
                             results[rank] = ("error", f"rank {rank} died without a result "
                                                       f"(exit code {procs[rank].exitcode})")
@@ -100,7 +102,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         for rank, conn in enumerate(conns):
                             if rank not in results and conn.poll(0.05):
                                 try:
-                                    results[rank] = conn.recv()
+                                    results[rank] = pickle.loads(conn.recv_bytes())
                                 except EOFError:
                                     pass
                     break

@@ -276,6 +276,18 @@ def _raise_worker(rank, world):
     C.all_to_all(torch.zeros(3, 1), [1, 1], [1, 1])
 
 
+def _tensor_worker(rank, world):
+    return torch.full((3,), float(rank))
+
+
+def test_run_distributed_results_arrive_by_value():
+    """A rank exits right after sending its result: a tensor whose storage it shared (multiprocessing's
+    default for tensors) could no longer be fetched, and under load the parent got ConnectionResetError."""
+    results = run_distributed(_tensor_worker, 2)
+    assert [t.tolist() for t in results] == [[0.0] * 3, [1.0] * 3]
+    assert [t.is_shared() for t in results] == [False, False]
+
+
 def _checkpointed_dispatch_worker(rank, world):
     """All-to-all inside a checkpoint region: same grads as no AC; selective keeps the collective
     (no second exchange on replay), full replays it; tensor splits' host copy is always kept."""
