@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from spartron.layers.model import build_model
 from spartron.layers.parallelize import parallelize
 from spartron.runtime.config import load_config
+from spartron.runtime.preflight import inductor_compilers
 from spartron.testing import run_distributed
 
 SEQ = 32
@@ -280,7 +281,7 @@ def test_cuda_bf16_compiled_blocks_match_eager(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+@pytest.mark.skipif(not any(shutil.which(c) for c in inductor_compilers()),
                     reason="inductor on CPU needs a C++ compiler")
 def test_inductor_on_cpu_with_selective_ac_matches_eager():
     # one MoE block with a DSA source (one graph): inductor's C++ build dominates the time

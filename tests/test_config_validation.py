@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -447,16 +448,35 @@ def test_an_override_may_not_replace_a_whole_table():
 
 
 def test_inductor_on_cpu_needs_a_compiler(monkeypatch):
+    """The check looks for the compilers inductor itself tries: on Linux without CXX only g++, so a machine with
+    only clang++ is refused before the first compiled step would fail."""
+    from torch._inductor import config as inductor
+
     from spartron.runtime.preflight import check_compiler
 
-    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++"))  # torch's Linux default when CXX was unset at import
     cfg = load_config(TINY, ["ac.mode=none", "train.compile=true"])
-    with pytest.raises(ConfigError, match=r"^train.compile = true with compile_backend 'inductor' on CPU needs a C\+\+ "
-                                          r"compiler \(g\+\+ or clang\+\+ or c\+\+ on PATH\)"):
+    message = (r"^train.compile = true with compile_backend 'inductor' on CPU needs the C\+\+ compiler torch's "
+               r"inductor builds with \(g\+\+ on PATH, or another named by CXX\); install it or set "
+               r"train.compile_backend = 'aot_eager'$")
+    for found in (None, "clang++", "c++"):
+        with pytest.raises(ConfigError, match=message):
+            check_compiler(cfg, which=lambda name, found=found: "/usr/bin/" + name if name == found else None)
+    check_compiler(cfg, which=lambda name: "/usr/bin/" + name if name == "g++" else None)
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "/opt/llvm/bin/clang++"))  # CXX set when torch was imported
+    check_compiler(cfg, which=lambda name: name if name == "/opt/llvm/bin/clang++" else None)
+    with pytest.raises(ConfigError, match=r"\(/opt/llvm/bin/clang\+\+ on PATH, or another named by CXX\)"):
         check_compiler(cfg, which=lambda name: None)
-    check_compiler(cfg, which=lambda name: "/usr/bin/" + name if name == "c++" else None)
     check_compiler(load_config(TINY, ["ac.mode=none", "train.compile=true", "train.compile_backend=aot_eager"]),
                    which=lambda name: None)
+
+
+def test_inductor_compiler_is_g_plus_plus_on_linux_without_cxx():
+    """torch's own default, read when inductor's config is imported: pins what check_compiler relies on."""
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    code = "from spartron.runtime.preflight import inductor_compilers; print(inductor_compilers())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ("['clang++']" if sys.platform == "darwin" else "['g++']")
 
 
 def test_local_rank_count_is_bounded_by_the_machine():

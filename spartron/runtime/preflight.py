@@ -100,12 +100,21 @@ def check_compiler(cfg: RunConfig, which=shutil.which) -> None:
 
         if torch.cuda.is_available():
             return
-    # CXX is no Spartron switch: it is the compiler torch's inductor builds with (torch._inductor.config.cpp.cxx
-    # reads it), so the check looks for the one the first step will run
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    names = inductor_compilers()
     if not any(which(name) for name in names):
-        raise ConfigError(f"train.compile = true with compile_backend 'inductor' on CPU needs a C++ compiler "
-                          f"({' or '.join(names)} on PATH); install one or set train.compile_backend = 'aot_eager'")
+        raise ConfigError(f"train.compile = true with compile_backend 'inductor' on CPU needs the C++ compiler torch's "
+                          f"inductor builds with ({' or '.join(names)} on PATH, or another named by CXX); install it "
+                          f"or set train.compile_backend = 'aot_eager'")
+
+
+def inductor_compilers() -> list[str]:
+    """The compilers torch's inductor tries on this machine, in order: its own setting torch._inductor.config.cpp.cxx
+    (CXX when set, else g++ on Linux, clang++ on macOS; CXX is torch's, no Spartron switch). Its None entry, a gcc
+    that torch downloads through conda only on its own opt-in, is left out."""
+    from torch._inductor import config
+
+    cxx = config.cpp.cxx
+    return [name for name in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if name]
 
 
 def n_checkpoint_regions(cfg: RunConfig) -> int:
