@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -254,43 +253,40 @@ def test_an_output_folder_named_dot_is_filled_when_empty(tmp_path, tok, capfd, m
     assert (code, err) == (2, f"spartron: error: output folder {long!r} cannot be read: File name too long\n")
 
 
-def _big_corpus(root: Path) -> Path:
-    """About 2M tokens: a second or two of tokenizing, long enough to be stopped mid-write."""
+def _two_file_corpus(root: Path) -> Path:
+    """Two files of 200 documents: the command is stopped when it opens the second, with the first written."""
     line = json.dumps({"text": " ".join(["the cat sat on a mat"] * 40)}) + "\n"
     root.mkdir(parents=True)
     for f in range(2):
-        (root / f"part-{f}.jsonl").write_text(line * 4000)
+        (root / f"part-{f}.jsonl").write_text(line * 200)
     return root
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_an_interrupted_run_leaves_nothing_that_blocks_the_retry(tmp_path, tok, signum):
-    corpus, out = _big_corpus(tmp_path / "corpus"), tmp_path / "out"
-    command = [sys.executable, "-m", "spartron.launch.cli", "data", str(corpus), "--tokenizer", str(tok),
-               "--out", str(out), "--eos", "<eos>"]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.partial-*/tokens.bin")):  # mid-write
-        assert proc.poll() is None and time.monotonic() < deadline, "spartron data ended before it was stopped"
-        time.sleep(0.01)
-    proc.send_signal(signum)
-    err = proc.communicate(timeout=60)[1]
+def test_an_interrupted_run_leaves_nothing_that_blocks_the_retry(tmp_path, tok, signum, paused_cli):
+    corpus, out = _two_file_corpus(tmp_path / "corpus"), tmp_path / "out"
+    argv = ["data", str(corpus), "--tokenizer", str(tok), "--out", str(out), "--eos", "<eos>"]
+    paused = paused_cli(argv, at=str(corpus / "part-1.jsonl"))  # mid-write: waits until signalled
+    [partial] = list(tmp_path.glob(".out.partial-*"))
+    assert (partial / "tokens.bin").is_file() and not out.exists()
+    proc = paused.stop(signum)
     assert not out.exists()
     if signum == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
-        assert len(list(tmp_path.glob(".out.partial-*"))) == 1  # hidden beside it, in nobody's way
+        assert list(tmp_path.glob(".out.partial-*")) == [partial]  # hidden beside it, in nobody's way
     else:
         assert proc.returncode == 128 + signum
-        assert err == (f"spartron: data: stopped by {signal.Signals(signum).name}; removed the partial output "
-                       f"({out} is as it was: run the same command again)\n")
+        assert proc.stderr == (f"spartron: data: stopped by {signal.Signals(signum).name}; removed the partial output "
+                               f"({out} is as it was: run the same command again)\n")
         assert not list(tmp_path.glob(".out.partial-*"))
     left = list(tmp_path.glob(".out.partial-*"))
-    retry = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    retry = subprocess.run([sys.executable, "-m", "spartron.launch.cli", *argv], capture_output=True, text=True,
+                           timeout=120)
     assert retry.returncode == 0, retry.stderr
-    assert json.loads((out / "tokens.json").read_text())["n_documents"] == 2 * 4000
+    assert json.loads((out / "tokens.json").read_text())["n_documents"] == 2 * 200
     notes = [line for line in retry.stderr.splitlines() if line.startswith("spartron: note:")]
-    assert notes == [f"spartron: note: removed {path}, left by process {proc.pid} of this host, which is no longer "
-                     "running" for path in left]  # the killed run's folder, named with its host and pid
+    assert notes == [f"spartron: note: removed {path}, left by process {paused.proc.pid} of this "
+                     "host, which is no longer running" for path in left]  # the killed run's folder (host, pid)
     assert not list(tmp_path.glob(".out.partial-*"))
 
 
