@@ -222,23 +222,31 @@ def run(args: argparse.Namespace) -> dict:
         start = job.load(args.load, model_only=args.model_only)
         result["loaded_eval_loss"] = job.eval_loss()
         say(f"loaded step {start} from {args.load} under EP {args.ep}: eval loss {result['loaded_eval_loss']:.6f}")
+    save_at = args.save_at or args.steps
     for step in range(start + 1, args.steps + 1):
         result["losses"][step] = job.step(step)
         say(f"step {step}: loss {result['losses'][step]:.6f}")
+        if args.save and step == save_at:
+            save_and_reload(job, cfg, args.save, step, result, device, say)
     result["eval_loss"] = job.eval_loss()
-    if args.save:
-        job.save(args.save, args.steps)
-        other = MegatronTraining(cfg.model_copy(update={"train": cfg.train.model_copy(update={"seed": 1})}),
-                                 args.ep, device=device)  # another init: the load must replace every tensor
-        other.load(args.save)
-        mine = job.gpt.state_dict()
-        result["reload_differing"] = sorted(k for k, v in other.gpt.state_dict().items()
-                                            if isinstance(v, torch.Tensor) and not torch.equal(v, mine[k]))
-        result["reload_eval_loss"] = other.eval_loss()
-        say(f"saved step {args.steps} in {args.save}; a fresh model loaded it: eval loss "
-            f"{result['reload_eval_loss']:.6f} (trained model: {result['eval_loss']:.6f}), "
-            f"{len(result['reload_differing'])} tensors differ on rank 0")
+    say(f"eval loss after step {args.steps}: {result['eval_loss']:.6f}")
     return result
+
+
+def save_and_reload(job: MegatronTraining, cfg: RunConfig, path: Path, step: int, result: dict,
+                    device: torch.device, say: Callable) -> None:
+    """Save after `step`, then load the save into a freshly initialised set-up: every tensor must come back."""
+    job.save(path, step)
+    other = MegatronTraining(cfg.model_copy(update={"train": cfg.train.model_copy(update={"seed": 1})}),
+                             cfg.parallel.ep, device=device)  # another init: the load must replace every tensor
+    other.load(path)
+    mine = job.gpt.state_dict()
+    result["saved_eval_loss"], result["reload_eval_loss"] = job.eval_loss(), other.eval_loss()
+    result["reload_differing"] = sorted(k for k, v in other.gpt.state_dict().items()
+                                        if isinstance(v, torch.Tensor) and not torch.equal(v, mine[k]))
+    say(f"saved step {step} in {path}; a fresh model loaded it: eval loss {result['reload_eval_loss']:.6f} "
+        f"(saved model: {result['saved_eval_loss']:.6f}), {len(result['reload_differing'])} tensors differ on "
+        f"rank 0")
 
 
 def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
@@ -267,7 +275,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="train up to this optimizer step")
     p.add_argument("--schedule-steps", type=int, default=8, help="length of the lr schedule (train.steps)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank and step")
-    p.add_argument("--save", type=Path, default=None, help="dist_checkpointing folder to write after training")
+    p.add_argument("--save", type=Path, default=None, help="dist_checkpointing folder to write (and reload)")
+    p.add_argument("--save-at", type=int, default=None, help="the step after which to --save (default: --steps)")
     p.add_argument("--load", type=Path, default=None, help="dist_checkpointing folder to start from")
     p.add_argument("--model-only", action="store_true", help="--load only the weights (start at step 0)")
     p.add_argument("--out", type=Path, default=None, help="JSON of every rank's results")

@@ -31,8 +31,8 @@ STEPS = 4
 
 
 def run_config(run_dir: Path, ep: int, *extra: str) -> RunConfig:
-    """tiny.toml (DSA sources and consumers) without MTP (not adapted), aux-loss-free routing, 2 micro-batches
-    per rank, no clipping (Megatron clips expert and dense parameters by separate norms)."""
+    """tiny.toml (DSA sources and consumers) without MTP (not adapted), aux-loss-free routing with group-limited
+    routing and the expert bias, 2 micro-batches per rank, AdamW with weight decay on the matrices."""
     return load_config(TINY, [
         "device=cpu", "model.mtp.depth=0", "model.n_layers=3", f"parallel.ep={ep}",
         "ac.mode=none", "train.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=4",
@@ -87,13 +87,14 @@ def test_float16_module_bf16_follows_the_fp32_run(tmp_path):
 
 
 def _distributed_optimizer(rank, world, run_dir, *extra):
-    cfg = run_config(run_dir, 2, *extra)
+    cfg = run_config(run_dir, 2, "train.grad_clip=0.05", *extra)  # clips every step: one norm over all shards
     ours = spartron_losses(cfg)
     run = MegatronTraining(cfg, 2, distributed_optimizer=True)
     return ours, [run.step(s) for s in range(1, STEPS + 1)]
 
 
 def test_megatron_distributed_optimizer_matches_spartron_trainer(tmp_path):
-    """Megatron's distributed optimizer (sharded fp32 state, reduce-scatter / all-gather of the buffers)."""
+    """Megatron's distributed optimizer (sharded fp32 state, reduce-scatter / all-gather of the buffers) and its
+    gradient clipping (one norm over dense and expert shards, as Spartron's global_grad_norm)."""
     ours, theirs = run_distributed(_distributed_optimizer, 2, tmp_path / "run", timeout=120)[0]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-6, (ours, theirs)
