@@ -58,6 +58,16 @@ def _decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return decay, no_decay
 
 
+def vocab_size_of(model: nn.Module) -> int:
+    """The vocabulary size Muon leaves to AdamW: the model's nn.Embedding rows, else the largest first dim of its
+    2-D weights, frozen ones included (a stage training only some matrices must not make one of them the
+    'vocabulary': the largest trainable one was taken for it, and went to AdamW)."""
+    embeddings = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    if embeddings:
+        return max(embeddings)
+    return max((p.shape[0] for p in model.parameters() if p.ndim == 2), default=0)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (TritonAdamW for CUDA parameters unless train.adamw_kernel = 'torch', torch's fused kernel then;
     torch's AdamW on the CPU), or distributed Muon (spartron.runtime.muon) for hidden matrices and routed
@@ -81,9 +91,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             return TritonAdamW([g for g in groups if g["params"]], **adam_kwargs)
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)
     # Muon (spartron.runtime.muon) takes what muon_takes says: hidden matrices and routed-expert stacks;
-    # embeddings and the LM head stay on AdamW (as in the Muon paper), recognised by their vocabulary-sized
-    # dimension (the largest first dim of a 2-D weight).
-    vocab = max((p.shape[0] for p in decay if p.ndim == 2), default=0)
+    # embeddings and the LM head stay on AdamW (as in the Muon paper), recognised by their vocabulary-sized dim.
+    vocab = vocab_size_of(model)
     matrices = [p for p in decay if muon_takes(tuple(p.shape), vocab)]
     ids = {id(p) for p in matrices}
     rest_decay = [p for p in decay if id(p) not in ids]

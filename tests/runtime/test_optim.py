@@ -112,3 +112,17 @@ def test_clip_is_noop_when_disabled_or_below_max():
     clip_grads_([p], 0.0, torch.tensor(5.0))
     clip_grads_([p], 10.0, torch.tensor(5.0))
     assert p.grad.tolist() == [3.0, 4.0, 0.0]
+
+
+def test_muon_vocabulary_is_the_models_not_the_largest_trainable_matrix():
+    """A stage training one hidden matrix: it still goes to Muon (its first dim was once taken for the
+    vocabulary's, which sent the largest trainable matrix, e.g. an indexer's wq_b, to AdamW)."""
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(p is model[1].weight)
+    opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=0.02))
+    assert [(g["muon"], [p.shape for p in g["params"]]) for g in opt.param_groups] == [(True, [torch.Size([8, 8])])]
+    head_only = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 50))  # no embedding: the largest first dim
+    head_only[0].requires_grad_(False)
+    opt = build_optimizer(head_only, TrainConfig(optimizer="muon", lr=0.02))
+    assert [g["muon"] for g in opt.param_groups] == [False, False]  # the head [50, 8] and its bias: AdamW
