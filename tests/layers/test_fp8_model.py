@@ -1,0 +1,120 @@
+"""model.fp8 on the reference model (CPU, reference backend): validation, the module switch, AC parity
+and a short training run against bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spartron.checkpointing.config import ACConfig
+from spartron.layers.config import ModelConfig
+from spartron.layers.fp8 import apply_fp8
+from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+from spartron.layers.model import build_model
+from spartron.layers.parallelize import parallelize
+from spartron.runtime.config import load_config
+
+SEQ = 32
+FP8_SHAPE = ["model.dtype=bfloat16", "model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256"]
+
+
+def _cfg(*overrides: str):
+    return load_config("configs/tiny.toml", [f"train.seq_len={SEQ}", *FP8_SHAPE, *overrides])
+
+
+def _batch(cfg, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, cfg.model.vocab_size, (2, SEQ), generator=g) for _ in range(2))
+
+
+@pytest.mark.parametrize("fp8, message", [
+    ({}, "model.fp8 needs model.dtype = 'bfloat16'"),
+    ({"modules": []}, "model.fp8.modules is empty"),
+    ({"modules": ["dense", "dense"]}, "model.fp8.modules has duplicates"),
+    ({"recipe": "tensorwise"}, "recipe"),
+    ({"backend": "deepgemm"}, "backend"),
+    ({"scale": "e8m0"}, "scale"),
+])
+def test_invalid_fp8_options_name_the_key(fp8, message):
+    dtype = {} if not fp8 else {"dtype": "bfloat16", "dim": 128, "moe": {"moe_inter_dim": 128}}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(fp8=fp8, **dtype)
+
+
+def test_experts_need_128_multiples_naming_the_key():
+    with pytest.raises(ValueError, match="model.moe.moe_inter_dim 96 is not a multiple of 128"):
+        ModelConfig(dtype="bfloat16", dim=128, moe={"moe_inter_dim": 96}, fp8={})
+    ModelConfig(dtype="bfloat16", dim=128, moe={"moe_inter_dim": 96}, fp8={"modules": ["dense"]})  # fine
+
+
+def test_gpu_backend_on_cpu_is_one_error_naming_the_key():
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check")
+    cfg = _cfg("model.fp8.backend=triton")
+    model = build_model(cfg.model, seed=0)
+    with pytest.raises(ValueError, match="model.fp8.backend = 'triton' runs on a CUDA GPU"):
+        apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
+
+
+def test_apply_converts_experts_and_dense_linears_and_keeps_names_and_state():
+    cfg = _cfg("model.fp8.backend=reference")
+    model = build_model(cfg.model, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
+    assert names[:4] == ["0.ffn.w1", "0.ffn.w3", "0.ffn.w2", "1.ffn.experts"]
+    assert type(model.layers["1"].ffn.experts) is FP8GroupedExperts
+    assert type(model.layers["1"].ffn.shared_experts.w1) is FP8Linear
+    assert type(model.layers["1"].attn.wkv_a) is torch.nn.Linear  # 32 + 8 wide: not 128-tiled, stays bf16
+    assert type(model.head) is torch.nn.Linear  # the head is outside the blocks
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    experts_only = _cfg("model.fp8.backend=reference", 'model.fp8.modules=["experts"]')
+    assert all(n.endswith("experts") for n in apply_fp8([b.module for b in build_model(experts_only.model).blocks()],
+                                                         experts_only.model.fp8))
+
+
+def _grads(cfg, ac: ACConfig):
+    model = build_model(cfg.model, seed=0)
+    parallelize(model, None, ac, fp8=cfg.model.fp8)
+    out = model(*_batch(cfg))
+    out["loss"].backward()
+    return out["loss"].detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_fp8_gradients_as_none(mode):
+    cfg = _cfg("model.fp8.backend=reference")
+    loss, grads = _grads(cfg, ACConfig(mode="none"))
+    ac_loss, ac_grads = _grads(cfg, ACConfig(mode=mode))
+    assert torch.equal(loss, ac_loss)
+    assert grads.keys() == ac_grads.keys() and len(grads) > 10
+    for name, grad in grads.items():
+        assert torch.equal(grad, ac_grads[name]), name
+
+
+def _train(cfg, steps: int = 20) -> list[float]:
+    model = build_model(cfg.model, seed=0)
+    parallelize(model, None, ACConfig(mode="none"), fp8=cfg.model.fp8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        out = model(*_batch(cfg, seed=step % 4))
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out["loss"].item())
+    return losses
+
+
+def test_twenty_fp8_steps_track_bf16():
+    """Measured on CPU (reference backend, tiny model at dim 128, lr 3e-3 over 4 repeating batches): per-step
+    relative gap 0.01-0.33% over the first 5 steps, mean 1.6% over 20 (the trajectories drift apart as the
+    tiny model memorises), last-4-step mean 4.63 vs 4.70. Tolerances about twice those."""
+    bf16 = _train(_cfg())
+    fp8 = _train(_cfg("model.fp8.backend=reference"))
+    assert fp8 != bf16  # the FP8 path ran
+    assert fp8[-1] < 0.7 * fp8[0]  # it trains
+    gaps = [abs(a - b) / b for a, b in zip(fp8, bf16, strict=True)]
+    assert max(gaps[:5]) < 0.007, gaps
+    assert sum(gaps) / len(gaps) < 0.03, gaps
+    assert abs(sum(fp8[-4:]) / sum(bf16[-4:]) - 1) < 0.03, (bf16, fp8)
