@@ -40,10 +40,11 @@ def run_config(run_dir: Path, ep: int, *extra: str) -> RunConfig:
         "train.progress=false", "train.peak_tflops=1.0", f"train.run_dir={run_dir}", *extra])
 
 
-def spartron_losses(cfg: RunConfig) -> list[float]:
+def spartron_losses(cfg: RunConfig, key: str = "loss") -> list[float]:
+    """The Trainer's per-step `key` ("loss", or "lm_loss": without the aux loss, which Megatron tracks apart)."""
     trainer = Trainer(cfg).setup()
     try:
-        losses = [trainer.step()["loss"] for _ in range(cfg.train.steps)]
+        losses = [trainer.step()[key] for _ in range(cfg.train.steps)]
     finally:
         trainer.close()
         trainer.release_run_dir()
@@ -52,15 +53,18 @@ def spartron_losses(cfg: RunConfig) -> list[float]:
 
 def _parity(rank, world, run_dir, ep, *extra):
     cfg = run_config(run_dir, ep, f"train.global_batch_size={2 * world}", *extra)
-    ours = spartron_losses(cfg)
+    ours = spartron_losses(cfg, "lm_loss" if cfg.model.moe.aux_loss_coeff else "loss")
     run = MegatronTraining(cfg, ep)
     theirs = [run.step(s) for s in range(1, STEPS + 1)]
     return ours, theirs
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_megatron_ddp_schedule_matches_spartron_trainer(tmp_path, world):
-    results = run_distributed(_parity, world, tmp_path / "run", 2, timeout=120)
+@pytest.mark.parametrize(("world", "extra"), [
+    (2, ()), (4, ()),
+    (2, ("model.moe.aux_loss_coeff=0.01",)),  # its gradient through Megatron's MoEAuxLossAutoScaler
+], ids=["2-ranks", "4-ranks", "2-ranks-aux-loss"])
+def test_megatron_ddp_schedule_matches_spartron_trainer(tmp_path, world, extra):
+    results = run_distributed(_parity, world, tmp_path / "run", 2, *extra, timeout=120)
     ours, theirs = results[0]
     assert all(r == results[0] for r in results), results
     diffs = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
