@@ -1,0 +1,98 @@
+"""Routed experts of one MoE layer, forward + backward, blockwise FP8 vs bf16 (issue 38 item 2).
+
+The three grouped GEMMs (w1, w3, w2) with SwiGLU between them, as GroupedExperts runs them, on rows
+already grouped by expert (balanced counts): the part of the MoE layer FP8 changes; the router,
+dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (dim 7168, moe_inter
+2048, 8 local experts, 8k and 32k routed rows) and dsv3-12l on one GPU (dim 2048, moe_inter 1408,
+64 experts, 8192 tokens x top-6). Every timed step is in the JSON.
+
+GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
+CPU:  python benchmarks/fp8_moe.py --smoke --out /tmp/fp8_moe.json   (tiny shape, reference backend)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spartron.layers.fp8 import apply_fp8, check_backend  # noqa: E402
+from spartron.layers.config import FP8Config  # noqa: E402
+from spartron.layers.moe.experts import GroupedExperts  # noqa: E402
+
+SHAPES = {
+    "v3_8k": dict(dim=7168, inter=2048, experts=8, rows=8192),
+    "v3_32k": dict(dim=7168, inter=2048, experts=8, rows=32768),
+    "dsv3_12l": dict(dim=2048, inter=1408, experts=64, rows=8192 * 6),
+}
+SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup: int, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    experts = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
+    if mode == "fp8":
+        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"]))
+    counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
+    x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
+    times = []
+    for step in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        experts(x, counts).backward(grad)
+        _sync(device)
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+        x.grad = None
+        experts.zero_grad(set_to_none=True)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, reference backend")
+    parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "reference"])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    backend = "reference" if args.smoke else args.backend
+    check_backend(backend)
+    device = torch.device("cpu") if args.smoke else torch.device("cuda")
+    shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    steps = 2 if args.smoke else args.steps
+    warmup = 1 if args.smoke else args.warmup
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "commit": commit, "backend": backend, "warmup": warmup, "runs": {}}
+    for name, shape in shapes.items():
+        run = {"shape": shape}
+        flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
+        for mode in ("bf16", "fp8"):
+            times = time_mode(shape, mode, backend, device, warmup, steps)
+            median = sorted(times)[len(times) // 2]
+            run[mode] = {"step_ms": times, "median_ms": median, "tflops": flops / median / 1e9}
+        run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
+        result["runs"][name] = run
+        print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms, "
+              f"{run['speedup']:.2f}x", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
