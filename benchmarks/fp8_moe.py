@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spartron.layers.fp8 import apply_fp8, check_backend  # noqa: E402
 from spartron.layers.config import FP8Config  # noqa: E402
+from spartron.layers.fp8 import apply_fp8, check_backend  # noqa: E402
 from spartron.layers.moe.experts import GroupedExperts  # noqa: E402
 
 SHAPES = {

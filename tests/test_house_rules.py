@@ -46,7 +46,7 @@ def test_the_side_effect_check_finds_an_unused_import(tmp_path):
 
 def test_load_ops_registers_the_namespaces_ac_targets_may_name():
     namespaces = load_ops()
-    assert namespaces == {"spartron", "spartron_collectives", "spartron_symm", "spartron_deepep"}
+    assert namespaces == {"spartron", "spartron_fp8", "spartron_collectives", "spartron_symm", "spartron_deepep"}
     registered = {name.split("::", 1)[0] for name in torch._C._dispatch_get_all_op_names()}
     assert namespaces <= registered
     validate_targets(sorted(namespaces))

@@ -175,8 +175,9 @@ def _range_fsdp_pre_forward(module: nn.Module) -> None:
 def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
                 compile_backend: str | None = None, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype = torch.float32, fp8: FP8Config | None = None) -> nn.Module:
-    """Apply FP8 compute (model.fp8: spartron.layers.fp8.apply_fp8), AC, compile (when `compile_backend` is given: train.compile) and FSDP2 to a
-    ParallelizableModel; returns the same model. FSDP2 runs when `groups` span more than one rank, or
+    """Apply FP8 compute (model.fp8: spartron.layers.fp8.apply_fp8), AC, compile (when `compile_backend`
+    is given: train.compile) and FSDP2 to a ParallelizableModel; returns the same model. FSDP2 runs when
+    `groups` span more than one rank, or
     when `param_dtype` (the compute dtype, model.dtype under model.master_dtype with model.master_weights =
     "fsdp") is given: the cast of the sharded masters to it is FSDP's, so it applies on one rank too. Under
     model.master_weights = "optimizer" no param_dtype is given: one rank runs without FSDP2 and the

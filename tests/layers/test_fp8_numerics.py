@@ -6,8 +6,14 @@ from __future__ import annotations
 import torch
 
 from spartron.layers.fp8 import grouped_mm, linear
-from spartron.layers.fp8.quant import (FP8, dequantize_blocks, dequantize_rows, quantize_blocks, quantize_cols_grouped,
-                                       quantize_rows)
+from spartron.layers.fp8.quant import (
+    FP8,
+    dequantize_blocks,
+    dequantize_rows,
+    quantize_blocks,
+    quantize_cols_grouped,
+    quantize_rows,
+)
 
 
 def _hand_quantize(values: torch.Tensor) -> torch.Tensor:

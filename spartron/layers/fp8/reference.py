@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spartron.layers.fp8.quant import (dequantize_blocks, dequantize_cols_grouped, dequantize_rows,
-                                       quantize_blocks, quantize_cols_grouped, quantize_rows)
+from spartron.layers.fp8.quant import (
+    dequantize_blocks,
+    dequantize_cols_grouped,
+    dequantize_rows,
+    quantize_blocks,
+    quantize_cols_grouped,
+    quantize_rows,
+)
 
 
 def _segments(counts: Tensor) -> list[tuple[int, int]]:

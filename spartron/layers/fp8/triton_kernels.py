@@ -89,7 +89,8 @@ def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, M, C, T, N_GROUPS: tl.
 
 
 @triton.jit
-def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr, N_GROUPS: tl.constexpr,
+def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr,
+                        N_GROUPS: tl.constexpr,
                         stride_bg, stride_bn, stride_sbg, stride_sbn, stride_sbk,
                         BN: tl.constexpr, num_stages_k: tl.constexpr):
     """out[rows of g] = A[rows of g] @ B[g]^T: A [M, KC] (scales [KC/128, M]), B [G, NOUT, KC] with the
