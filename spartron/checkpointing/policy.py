@@ -30,6 +30,7 @@ import torch
 MANDATORY: tuple[tuple[str, str], ...] = (
     ("spartron::record_routing_stats", "adds per-expert counts into a caller-owned buffer in place"),
     ("spartron::moe_topk", "routing decision: the replay must use the experts chosen in forward"),
+    ("spartron::kl_dense", "kl_dense's top-k ids, and a walk over all S x S_kv keys never run twice"),
     ("spartron_collectives::splits_to_host", "device->host copy of all-to-all split sizes (sync)"),
     ("spartron_deepep", "DeepEP dispatch/combine hold communication state that cannot be replayed"),
     ("spartron_symm", "copy-engine exchange: barriers and peer writes on a shared buffer, never run twice"),

@@ -60,6 +60,9 @@ class DSAConfig(ConfigSection):
     `deterministic_dkv`: the sparse-attention backward (and kl_sparse's indexer key gradient) adds key
     gradients in 64-bit fixed point, so they are bitwise reproducible
     (spartron/layers/attention/sparse_mla_triton.py: its range and cost).
+    `kl_dense_chunk`: query rows per chunk of kl_dense's / a dense warm-up's KL over all keys (peak temporaries
+    about B x chunk x S_kv x (3 x heads + 4 x index heads) float32); 0 derives it from a 1 GiB budget
+    (spartron/layers/attention/indexer_kl_dense.py).
     """
 
     n_index_heads: int = Field(32, ge=1)
@@ -72,6 +75,7 @@ class DSAConfig(ConfigSection):
     share_indexer_across_mtp: bool = True
     indexer_fp8: bool = False
     deterministic_dkv: bool = False
+    kl_dense_chunk: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _loss_needs_training(self) -> DSAConfig:

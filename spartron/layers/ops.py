@@ -12,7 +12,13 @@ from __future__ import annotations
 def load_ops() -> frozenset[str]:
     """Register every operator library of Spartron's layers and comm; returns their namespaces."""
     from spartron.comm import collectives, copy_engine, deepep
-    from spartron.layers.attention import absorb, indexer_kl, indexer_topk, sparse_mla  # noqa: F401 (each defines spartron:: ops)
+    from spartron.layers.attention import (  # noqa: F401 (each defines spartron:: ops)
+        absorb,
+        indexer_kl,
+        indexer_kl_dense,
+        indexer_topk,
+        sparse_mla,
+    )
     from spartron.layers.fp8 import ops as fp8_ops  # noqa: F401 (defines spartron_fp8:: ops)
     from spartron.layers.moe import telemetry, topk  # noqa: F401 (each defines spartron:: ops)
 

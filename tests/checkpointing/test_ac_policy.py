@@ -98,8 +98,8 @@ def run_step(r, fn, *args) -> None:
 
 def test_mandatory_table_and_defaults_are_the_documented_ones():
     assert [entry for entry, _ in MANDATORY] == ["spartron::record_routing_stats", "spartron::moe_topk",
-                                                "spartron_collectives::splits_to_host", "spartron_deepep",
-                                                "spartron_symm", "spartron_ac::reused"]
+                                                "spartron::kl_dense", "spartron_collectives::splits_to_host",
+                                                "spartron_deepep", "spartron_symm", "spartron_ac::reused"]
     for name in ["aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "spartron::sparse_mla",
                  "spartron::kl_sparse_target", "spartron::kl_selected_scores", "spartron_collectives"]:

@@ -12,7 +12,8 @@ Conventions (DeepSeek-V3.2 reference):
   axis, which is the global position when positions start at 0.
 Training (`model.dsa.indexer_mode`): `frozen` computes ids under no_grad through
 `reuse_during_recompute` (a checkpoint replay never reruns it); `kl_dense` / `kl_sparse` train the
-indexer with KL(main-attention distribution || softmax(I)) over all visible keys (S x S: a short warm-up) /
+indexer with KL(main-attention distribution || softmax(I)) over all visible keys (in query chunks, nothing
+[S, S] kept: indexer_kl_dense) /
 the top-k only (ids from `indexer_topk`, the loss in O(S x K): indexer_kl).
 The indexer input is detached in both KL modes (like Megatron-core: the KL loss trains the indexer
 only) and the main attention target is detached. Attention is top-k sparse, except in a training stage's
@@ -22,20 +23,20 @@ only) and the main attention target is detached. Attention is top-k sparse, exce
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.attention.context_parallel import gather_sequence
-from spartron.layers.attention.indexer_kl import head_summed_distribution, kl_rows, sparse_indexer_kl
-from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids, visible_keys
+from spartron.layers.attention.indexer_kl import sparse_indexer_kl
+from spartron.layers.attention.indexer_kl_dense import dense_indexer_kl
+from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
 from spartron.layers.attention.rope import apply_rope
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
 
 DSARole = str | None  # None (dense attention), "source" (computes ids), "consumer" (reuses ids)
 
 __all__ = ["DSARole", "LightningIndexer", "causal_visible", "dsa_schedule", "ids_for_layer", "index_scores",
-           "indexer_kl_loss", "main_attention_target", "topk_ids", "trained_indexer_ids_and_loss", "validate_dsa"]
+           "topk_ids", "trained_indexer_ids_and_loss", "validate_dsa"]
 
 
 def validate_dsa(cfg: ModelConfig) -> None:
@@ -88,6 +89,7 @@ class LightningIndexer(nn.Module):
         self.topk = dsa.index_topk
         self.fp8 = dsa.indexer_fp8  # the frozen selection's dot in float8 e4m3 (model.dsa.indexer_fp8)
         self.deterministic = dsa.deterministic_dkv  # kl_sparse's key gradient in fixed point too (indexer_kl)
+        self.kl_dense_chunk = dsa.kl_dense_chunk or None  # query rows per kl_dense chunk; None: derived
         self.cp_group = cp_group
         q_in = cfg.mla.q_lora_rank or cfg.dim
         self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
@@ -117,24 +119,6 @@ class LightningIndexer(nn.Module):
             return indexer_topk(q, weights, k, q_positions, k_positions, self.topk, self.fp8, q_starts)
 
 
-def main_attention_target(q: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
-    """Detached [B,S,S_kv]: head-summed, L1-normalised main attention distribution over the visible keys
-    (kl_dense; absorbed form, q [B,S,H,D], kv [B,S_kv,D]). The sparse target: indexer_kl."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    with torch.no_grad():
-        scores = torch.einsum("bthd,bsd->bhts", q.to(acc), kv.to(acc)) * scale
-        scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
-        return head_summed_distribution(scores)
-
-
-def indexer_kl_loss(scores: Tensor, target: Tensor) -> Tensor:
-    """Mean over local queries of KL(target || softmax(I)) over all visible keys (kl_dense).
-
-    scores [B,S,S_kv] (-inf where not visible); target from `main_attention_target`.
-    """
-    return kl_rows(target, F.log_softmax(scores, dim=-1)).mean()
-
-
 def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor,
                                  q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, q_abs: Tensor,
                                  kv: Tensor, scale: float, sparse: bool, coeff: float) -> tuple[Tensor, Tensor]:
@@ -142,9 +126,9 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
 
     Inputs are detached so the loss trains only the indexer; positions and `q_starts` (packed documents) as
     for `indexer_topk`. kl_sparse (V3.2's sparse stage): ids from `spartron::indexer_topk` (the Triton kernel
-    on CUDA), then the loss over those ids in O(S x K) memory (indexer_kl). kl_dense (the dense warm-up)
-    is a distribution over ALL visible keys, so it materialises [B,S,H_idx,S_kv] logits and [B,S,S_kv]
-    scores by definition: meant for short warm-up sequences.
+    on CUDA), then the loss over those ids in O(S x K) memory (indexer_kl). kl_dense (the dense warm-up) is
+    a distribution over ALL visible keys: `spartron::kl_dense` walks it in query chunks (model.dsa.kl_dense_chunk)
+    and picks the ids from the same scores, nothing [S, S_kv] kept (indexer_kl_dense).
     """
     q, weights, k = indexer(x.detach(), q_in.detach(), cos, sin)
     if sparse:
@@ -152,7 +136,6 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
                                      k_positions, indexer.topk, indexer.fp8, q_starts)
         return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale,
                                               deterministic=indexer.deterministic)
-    visible = visible_keys(q_positions, k_positions, q_starts)
-    scores = index_scores(q, weights, k, visible)
-    ids = reuse_during_recompute(topk_ids, scores.detach(), indexer.topk)
-    return ids, coeff * indexer_kl_loss(scores, main_attention_target(q_abs, kv, scale, visible))
+    ids, loss = dense_indexer_kl(q, weights, k, q_abs, kv, scale, q_positions, k_positions, q_starts, indexer.topk,
+                                 indexer.kl_dense_chunk)
+    return ids, coeff * loss
