@@ -75,6 +75,7 @@ class _Block:
     kept_attention: int
     work: int
     kept_absorb: int  # DSA's absorbed query and output projections (kept only when ac.targets names them)
+    kept_replay: int  # held by replay frames (checkpointing.replay) in every AC mode: a DSA source's top-k ids
     params: int  # elements (its FSDP unit: all-gathered in the compute dtype)
 
 
@@ -83,18 +84,29 @@ def _norm(tokens: int, width: int, a: int) -> int:
     return tokens * (3 * width * a + 4)
 
 
-def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int,
-                     a: int) -> tuple[int, int, int, int]:
-    """(saved, kept by matmul targets, kept by attention targets, kept by the absorb targets) of one MLA layer's
-    attention. A DSA layer keeps its sparse attention's output [T, H, kv_lora] and lse; a source also its
-    indexer's projections, the top-k ids [T, K] (int32, reused on replay in every AC mode) and, with
-    kl_sparse, the KL target and selected scores ([T, K] float32 each); kl_dense / a dense warm-up's KL runs
-    in query chunks, nothing [T, S] kept (attention.indexer_kl_dense)."""
+@dataclass(frozen=True)
+class _Attention:
+    """Bytes of one MLA layer's attention per micro-batch (built by keyword: five ints)."""
+
+    saved: int
+    kept_matmul: int  # kept by matmul targets
+    kept_attention: int  # kept by attention targets
+    kept_absorb: int  # kept by the absorb targets
+    kept_replay: int  # held by replay frames in every AC mode
+
+
+def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int, a: int) -> _Attention:
+    """One MLA layer's attention. A DSA layer keeps its sparse attention's output [T, H, kv_lora] and lse; a
+    source also its indexer's projections, the top-k ids [T, K] (int32) and, with kl_sparse, the KL target and
+    selected scores ([T, K] float32 each). Frozen / kl_sparse ids come from `reuse_during_recompute`: its frame
+    holds them from the forward to the replay in every AC mode, full included; kl_dense's come out of its
+    chunked KL op like any kept output. kl_dense / a dense warm-up's KL runs in query chunks, nothing [T, S]
+    kept (attention.indexer_kl_dense)."""
     x, h = m.mla, m.n_heads
     qk, kv = x.qk_nope_head_dim + x.qk_rope_head_dim, x.kv_lora_rank + x.qk_rope_head_dim
     keys = tokens * cp  # CP gathers the compressed keys of the whole sequence
     saved = _norm(tokens, m.dim, a)
-    mm = absorb = 0
+    mm = absorb = replay = 0
     if x.q_lora_rank:
         saved += _norm(tokens, x.q_lora_rank, a)  # wq_a's output is q_norm's input
         mm += tokens * x.q_lora_rank * a
@@ -124,10 +136,14 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
             saved += index + ids + kl + (tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)  # + log_softmax
             mm += index
             kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
-            attn += ids + (kl if kl_listed else 0)
+            attn += kl if kl_listed else 0
+            if d.indexer_mode == "kl_dense":
+                attn += ids
+            else:
+                replay += ids
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
-    return saved, mm, attn, absorb
+    return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay)
 
 
 def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int, int]:
@@ -155,9 +171,9 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
     n_mtp = m.mtp.depth
     for i in range(m.n_layers + n_mtp):
         moe = i >= m.first_k_dense
-        s_attn, mm_attn, attn, absorb = _attention_block(m, tokens, step, roles[i], dims.cp, a)
+        attn = _attention_block(m, tokens, step, roles[i], dims.cp, a)
         s_ffn, mm_ffn, widest = _ffn_block(m, tokens, moe, a)
-        saved, mm = s_attn + s_ffn, mm_attn + mm_ffn
+        saved, mm = attn.saved + s_ffn, attn.kept_matmul + mm_ffn
         if i >= m.n_layers:  # MTP depth: its two norms, the embedding and the projection's input and output
             saved += 2 * _norm(tokens, m.dim, a) + tokens * m.dim * a * 4
             mm += tokens * m.dim * a
@@ -165,8 +181,8 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
         local = {f: s for f, s in shapes.items() if f.startswith(prefix)}
         params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in local.items())
         work = tokens * m.dim * a * 4 + 2 * widest * a
-        blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn, work=work, kept_absorb=absorb,
-                             params=params))
+        blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn.kept_attention, work=work,
+                             kept_absorb=attn.kept_absorb, kept_replay=attn.kept_replay, params=params))
     return blocks
 
 
@@ -235,7 +251,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
             saved.append(b.saved)
             recompute.append(0)
             continue
-        kept = block_input
+        kept = block_input + b.kept_replay
         if step.ac_mode == "selective":
             kept += (b.kept_matmul if keeps_mm else 0) + (b.kept_attention if keeps_attn else 0)
             kept += b.kept_absorb if keeps_absorb else 0

@@ -112,3 +112,23 @@ def test_the_memory_plan_drops_the_sparse_attention_output_when_ac_targets_leave
     kept = plan_memory(load_config(config, base), 1, 0).parts["activations"]
     recomputed = plan_memory(load_config(config, [*base, f"ac.targets={without}"]), 1, 0).parts["activations"]
     assert kept - recomputed == 3 * 65536 * 128 * (512 * 2 + 4)  # 3 DSA layers: output [T, H, 512] bf16 + lse
+
+
+@pytest.mark.parametrize("mode, held", [("frozen", True), ("kl_sparse", True), ("kl_dense", False)])
+def test_the_memory_plan_counts_the_replayed_top_k_ids_under_full_ac(mode, held):
+    """A frozen / kl_sparse source's ids sit in a replay frame (reuse_during_recompute) from the forward to the
+    replay, full AC included; kl_dense's are an output of its KL op, recomputed under full AC."""
+    from pathlib import Path
+
+    from spartron.layers.attention.dsa import dsa_schedule
+    from spartron.runtime.config import load_config
+    from spartron.runtime.memory import plan_memory
+
+    tiny = Path(__file__).parents[2] / "configs" / "tiny.toml"
+    coeff = 0.0 if mode == "frozen" else 0.5
+    base = ["ac.mode=full", f"model.dsa.indexer_mode={mode}", f"model.dsa.indexer_loss_coeff={coeff}"]
+    plans = [load_config(tiny, [*base, f"model.dsa.index_topk={k}"]) for k in (16, 32)]
+    sources = sum(role == "source" for role in dsa_schedule(plans[0].model))
+    assert sources == 3  # layers 1 and 3, MTP depth 1 (depth 2 shares its block)
+    small, large = (plan_memory(cfg, 1, 0).parts["activations"] for cfg in plans)
+    assert large - small == (sources * 64 * (32 - 16) * 4 if held else 0)  # [T=64, K] int32 per source
