@@ -136,6 +136,8 @@ def config_cases() -> list[Case]:
         ("dsa-none", ["model.first_k_dense=4", "model.mtp.depth=0"], "model.dsa.layers"),
         ("dsa-range", ["model.dsa.layers=[7]"], "model.dsa.layers"),
         ("dsa-kl-coeff", ["model.dsa.indexer_mode=kl_dense"], "model.dsa.indexer_loss_coeff"),
+        ("dsa-kl-chunk-negative", ["model.dsa.kl_dense_chunk=-1"], "model.dsa.kl_dense_chunk"),
+        ("dsa-kl-chunk-float", ["model.dsa.kl_dense_chunk=2.5"], "model.dsa.kl_dense_chunk"),
         ("dsa-frozen-coeff", ["model.dsa.indexer_loss_coeff=1.0"], "model.dsa.indexer_loss_coeff"),
         ("transport-dispatcher", ["model.moe.dispatcher=deepep", "model.moe.all_to_all_transport=copy_engine"],
          "model.moe.all_to_all_transport"),
