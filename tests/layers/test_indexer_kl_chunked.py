@@ -146,6 +146,23 @@ def test_trained_indexer_parameters_get_the_materialising_gradients():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
+def test_compiled_equals_eager():
+    """torch.compile (fullgraph) traces the op through its fake kernels: the same loss, ids and gradients."""
+    q, w, k, q_abs, kv = make_inputs(1, 13, 13, seed=6)
+    pos = torch.arange(13)
+
+    def loss(q, w, k):
+        return dense_indexer_kl(q, w, k, q_abs, kv, 0.3, pos, pos, None, 5, 4)
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, w, k)]
+        ids, value = fn(*leaves)
+        results.append((ids, value.detach(), *torch.autograd.grad(value, leaves)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 class OpCalls(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
