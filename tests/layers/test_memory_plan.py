@@ -4,13 +4,11 @@ every AC mode, through the public Trainer)."""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from live_bytes import LiveStorageBytes  # tests/live_bytes.py (tests/ is on sys.path through its conftest)
 
 from spartron.launch.plan import plan_memory, render_plan
 from spartron.layers.costs import param_shapes, param_shards, state_bytes_per_rank
@@ -21,39 +19,6 @@ from spartron.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
-
-
-class LiveStorageBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages: those given when entered plus every storage an op creates while
-    the mode is on, each counted until its last reference dies."""
-
-    def __init__(self, initial) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        for t in initial:
-            self._add(t)
-
-    def _add(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        storage = getattr(t, "_local_tensor", t).untyped_storage()
-        key = storage._cdata
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self._add(t)
-        return out
 
 
 def test_the_tracker_counts_live_storages_once_until_freed():

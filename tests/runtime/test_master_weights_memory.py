@@ -3,13 +3,11 @@ no FSDP2 buffers, and the predicted peak of a tiny CPU step within 10% of the li
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from live_bytes import LiveStorageBytes  # tests/live_bytes.py (tests/ is on sys.path through its conftest)
 
 from spartron.layers.costs import count_parameters, state_bytes_per_rank
 from spartron.layers.step_memory import StepShape, memory_plan
@@ -43,36 +41,6 @@ def test_the_plan_drops_fsdp_buffers_and_keeps_bf16_gradients_of_one_micro_batch
     assert b.parts["unsharded_parameters"] == 0 < a.parts["unsharded_parameters"]  # no all-gathered bf16 copies
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of live storages: the given ones plus every storage an op makes, each until it dies."""
-
-    def __init__(self, initial) -> None:
-        super().__init__()
-        self.live, self.current, self.peak = {}, 0, 0
-        for t in initial:
-            self._add(t)
-
-    def _add(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        if storage._cdata in self.live or storage.nbytes() == 0:
-            return
-        self.live[storage._cdata] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, storage._cdata)
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self._add(t)
-        return out
-
-
 def _measured_and_planned(rank, world, run_dir: str, mode: str, micro: int):
     cfg = load_config(TINY, [*OPTIMIZER, f"ac.mode={mode}", "train.steps=2", "train.progress=false",
                              "train.peak_tflops=1", f"train.global_batch_size={micro}", f"train.run_dir={run_dir}"])
@@ -81,7 +49,7 @@ def _measured_and_planned(rank, world, run_dir: str, mode: str, micro: int):
     model = trainer.model
     live = [*model.state_dict().values(), *model.parameters(),  # masters and buffers; bf16 weights
             *(v for st in trainer.optimizer.state.values() for v in st.values())]
-    with _LiveBytes([t for t in live if isinstance(t, torch.Tensor)]) as tracker:
+    with LiveStorageBytes([t for t in live if isinstance(t, torch.Tensor)]) as tracker:
         trainer.step()
     trainer.close()
     return tracker.peak, plan_memory(cfg, world).peak
