@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mla_reference import per_head_scores  # tests/mla_reference.py
 
 from spartron.layers.attention.dsa import index_scores
 from spartron.layers.attention.indexer_recall import dense_distribution, indexer_quality, sampled_rows
 from spartron.layers.attention.mla import MLA, set_indexer_mode
-from spartron.layers.attention.rope import apply_rope, mla_softmax_scale, rope_cos_sin
 from spartron.layers.config import ModelConfig
 
 
@@ -33,18 +33,9 @@ def randomized(cfg, seed=0):
 def brute_force(m: MLA, x, pos):
     """Per query: head-summed, normalised dense attention (the non-absorbed per-head form, all S x S), the
     indexer's scores over all keys, its top-k by a full sort; -> recall [B,S], KL [B,S]."""
-    cfg = m.cfg.mla
     b, n, _ = x.shape
-    h, dn = m.n_heads, cfg.qk_nope_head_dim
-    cos, sin = rope_cos_sin(pos, cfg)
-    q = m.wq_b(m.q_norm(m.wq_a(x))).view(b, n, h, -1)
-    q = torch.cat([q[..., :dn], apply_rope(q[..., dn:], cos, sin, True)], -1)
-    kv_a = m.wkv_a(x)
-    k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, True)
-    k_nope = m.wkv_b(m.kv_norm(kv_a[..., :cfg.kv_lora_rank])).view(b, n, h, -1)[..., :dn]
-    k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, h, -1)], -1)
+    scores, cos, sin = per_head_scores(m, x, pos)
     causal = pos[None] <= pos[:, None]
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * mla_softmax_scale(cfg)
     p = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).sum(1)
     p = p / p.sum(-1, keepdim=True)
     qi, w, ki = m.indexer(x, m.q_norm(m.wq_a(x)), cos, sin)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mla_reference import per_head_scores  # tests/mla_reference.py
 from torch import nn
 
 from spartron.checkpointing import checkpoint
 from spartron.layers.attention.dsa import LightningIndexer, dsa_schedule, ids_for_layer, index_scores, topk_ids
 from spartron.layers.attention.mla import MLA
-from spartron.layers.attention.rope import mla_softmax_scale, rope_cos_sin
+from spartron.layers.attention.rope import rope_cos_sin
 from spartron.layers.config import ModelConfig
 
 DSA = dict(n_index_heads=3, index_head_dim=8, index_topk=4, topk_freq=2)
@@ -175,19 +176,9 @@ def test_frozen_indexer_runs_once_per_step_under_full_ac():
 
 def literal_kl(m: MLA, x, pos, ids, sparse):
     """KL(head-summed normalised main attention || softmax(I)), per-head non-absorbed form."""
-    cfg = m.cfg.mla
     with torch.no_grad():
         b, n, _ = x.shape
-        h, dn = m.n_heads, cfg.qk_nope_head_dim
-        cos, sin = rope_cos_sin(pos, cfg)
-        from spartron.layers.attention.rope import apply_rope
-        q = m.wq_b(m.q_norm(m.wq_a(x))).view(b, n, h, -1)
-        q = torch.cat([q[..., :dn], apply_rope(q[..., dn:], cos, sin, True)], -1)
-        kv_a = m.wkv_a(x)
-        k_pe = apply_rope(kv_a[..., cfg.kv_lora_rank:], cos, sin, True)
-        k_nope = m.wkv_b(m.kv_norm(kv_a[..., : cfg.kv_lora_rank])).view(b, n, h, -1)[..., :dn]
-        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, h, -1)], -1)
-        scores = torch.einsum("bthd,bshd->bhts", q, k) * mla_softmax_scale(cfg)
+        scores, cos, sin = per_head_scores(m, x, pos)
         allowed = torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n).clone()
         if sparse:
             allowed = torch.zeros(b, n, n + 1, dtype=torch.bool).scatter_(
