@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from spartron.comm.copy_engine import GROWTH_QUANTUM
 from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
+from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_rows
 from spartron.layers.config import ModelConfig
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, optimizer_masters, param_shapes, state_bytes_per_rank
 from spartron.parallel.dims import ParallelDims
@@ -99,9 +100,10 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
     """One MLA layer's attention. A DSA layer keeps its sparse attention's output [T, H, kv_lora] and lse; a
     source also its indexer's projections, the top-k ids [T, K] (int32) and, with kl_sparse, the KL target and
     selected scores ([T, K] float32 each). Frozen / kl_sparse ids come from `reuse_during_recompute`: its frame
-    holds them from the forward to the replay in every AC mode, full included; kl_dense's come out of its
-    chunked KL op like any kept output. kl_dense / a dense warm-up's KL runs in query chunks, nothing [T, S]
-    kept (attention.indexer_kl_dense)."""
+    holds them from the forward to the replay in every AC mode, full included; kl_dense's ids and per-row KL are
+    the outputs of its chunked op, MANDATORY in the AC policy, so kept in every mode too. kl_dense / a dense
+    warm-up's KL runs in query chunks, nothing [T, S] kept (attention.indexer_kl_dense; its chunk's
+    temporaries: `_kl_dense_work`)."""
     x, h = m.mla, m.n_heads
     qk, kv = x.qk_nope_head_dim + x.qk_rope_head_dim, x.kv_lora_rank + x.qk_rope_head_dim
     keys = tokens * cp  # CP gathers the compressed keys of the whole sequence
@@ -137,13 +139,19 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
             mm += index
             kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
             attn += kl if kl_listed else 0
-            if d.indexer_mode == "kl_dense":
-                attn += ids
-            else:
-                replay += ids
+            replay += ids + (tokens * 4 if d.indexer_mode == "kl_dense" else 0)  # kl_dense: its MANDATORY op's outputs
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
     return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay)
+
+
+def _kl_dense_work(m: ModelConfig, step: StepShape, cp: int) -> int:
+    """Bytes of one kl_dense chunk's float32 temporaries (attention.indexer_kl_dense), live in its forward and
+    in its backward's recompute: B x rows x S_kv x chunk_elements."""
+    keys, d = step.seq_len, m.dsa
+    rows = chunk_rows(d.kl_dense_chunk or None, step.micro_batch_size, keys, m.n_heads, d.n_index_heads)
+    return 4 * step.micro_batch_size * min(rows, step.seq_len // cp) * keys * chunk_elements(m.n_heads,
+                                                                                              d.n_index_heads)
 
 
 def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int, int]:
@@ -300,12 +308,14 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         grads_always = unsharded_params * a
     head_grad = 0 if grads_always else head * (a if masters else stored)  # the first gradient backward makes
     last = blocks[-1]
+    # a kl_dense source's chunk temporaries, counted at the backward's peak (an upper bound: they live in its layer)
+    kl_work = _kl_dense_work(m, step, dims.cp) if m.dsa is not None and m.dsa.indexer_mode == "kl_dense" else 0
     comm = comm_buffer_bytes(m, dims, tokens)
     static += comm
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
-        + last.work + root + unsharded + reduction + accumulate,
+        + last.work + kl_work + root + unsharded + reduction + accumulate,
         "optimizer": static + grads + reduction + update,
     }
     phase = max(phases, key=phases.get)

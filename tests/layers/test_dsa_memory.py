@@ -114,10 +114,11 @@ def test_the_memory_plan_drops_the_sparse_attention_output_when_ac_targets_leave
     assert kept - recomputed == 3 * 65536 * 128 * (512 * 2 + 4)  # 3 DSA layers: output [T, H, 512] bf16 + lse
 
 
-@pytest.mark.parametrize("mode, held", [("frozen", True), ("kl_sparse", True), ("kl_dense", False)])
+@pytest.mark.parametrize("mode, held", [("frozen", True), ("kl_sparse", True), ("kl_dense", True)])
 def test_the_memory_plan_counts_the_replayed_top_k_ids_under_full_ac(mode, held):
     """A frozen / kl_sparse source's ids sit in a replay frame (reuse_during_recompute) from the forward to the
-    replay, full AC included; kl_dense's are an output of its KL op, recomputed under full AC."""
+    replay, full AC included; kl_dense's are an output of its chunked KL op, MANDATORY in the AC policy: kept
+    under full AC too."""
     from pathlib import Path
 
     from spartron.layers.attention.dsa import dsa_schedule

@@ -217,6 +217,26 @@ def test_chunk_rows_config_and_derivation():
         make_cfg(kl_dense_chunk=-1)
 
 
+def test_the_memory_plan_counts_one_chunk_of_temporaries_at_the_backward_peak():
+    """step_memory: a kl_dense model's backward phase holds B x rows x S x chunk_elements float32 more than the
+    same model with kl_sparse's chunk-free accounting would for its work (rows from model.dsa.kl_dense_chunk);
+    its ids and per-row KL stay kept under full AC (the op is MANDATORY)."""
+    from pathlib import Path
+
+    from spartron.runtime.config import load_config
+    from spartron.runtime.memory import plan_memory
+
+    tiny = Path(__file__).parents[2] / "configs" / "tiny.toml"
+    base = ["ac.mode=full", "model.dsa.indexer_mode=kl_dense", "model.dsa.indexer_loss_coeff=0.5"]
+    plans = {c: plan_memory(load_config(tiny, [*base, f"model.dsa.kl_dense_chunk={c}"]), 1, 0) for c in (2, 6)}
+    cfg = load_config(tiny, base)
+    seq, mb, m = cfg.train.seq_len, cfg.train.micro_batch_size, cfg.model
+    per_row = 4 * mb * seq * chunk_elements(m.n_heads, m.dsa.n_index_heads)
+    assert plans[6].phases["backward"] - plans[2].phases["backward"] == 4 * per_row
+    derived = plan_memory(cfg, 1, 0).phases["backward"] - plans[2].phases["backward"]
+    assert derived == (min(chunk_rows(None, mb, seq, m.n_heads, m.dsa.n_index_heads), seq) - 2) * per_row
+
+
 def saved_bytes(s, chunk, fn=dense_indexer_kl):
     """Bytes autograd saves for backward (saved_tensors_hooks) for forward(S) of the op, or the materialising."""
     q, w, k, q_abs, kv = (t.requires_grad_(i < 3) for i, t in enumerate(make_inputs(1, s, s, seed=s)))
