@@ -20,8 +20,10 @@ A rehearsal (`spartron rehearse`) then measures the chosen layout's compute and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from spartron.launch.rehearse_report import HGX_GPUS
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, config_from_dict
@@ -30,7 +32,6 @@ from spartron.runtime.memory import plan_memory
 
 AC_MODES = ("none", "selective", "full")
 CP_SIZES = (1, 2, 4, 8)
-HGX_GPUS = 8
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     compute = flops / (mfu * peak_tflops * 1e12)
 
     shapes = param_shapes(m)
-    dense = sum(_numel(s) for f, s in shapes.items() if not is_routed_expert(f))
-    experts = sum(_numel(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
+    dense = sum(math.prod(s) for f, s in shapes.items() if not is_routed_expert(f))
+    experts = sum(math.prod(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
     width, reduce = PARAM_BYTES[m.dtype], PARAM_BYTES[m.reduce_dtype or m.dtype]
     syncs = n_micro if t.grad_sync == "every_micro_batch" else 1
     moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
@@ -121,13 +122,6 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     return compute, comm, max(compute, overlapped) + exposed
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
 def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfig, mfu: float,
             peak_tflops: float) -> list[Suggestion]:
     """Every valid layout of `cfg` on `world` GPUs, those that fit `device_bytes` first, fastest first."""
@@ -147,7 +141,9 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfi
                 peak = plan_memory(lcfg, world).peak
                 compute, comm, step = modelled_step(lcfg, world, cluster, mfu, peak_tflops, gpus)
                 tps = lcfg.train.global_batch_size * lcfg.train.seq_len / world / step
-                out.append(Suggestion(ep, cp, dims.fsdp, mode, peak, peak <= device_bytes, compute, comm, step, tps))
+                out.append(Suggestion(ep=ep, cp=cp, fsdp=dims.fsdp, ac_mode=mode, peak_bytes=peak,
+                                      fits=peak <= device_bytes, compute_s=compute, comm_s=comm, step_s=step,
+                                      tokens_per_s_per_gpu=tps))
     return sorted(out, key=lambda s: (not s.fits, -s.tokens_per_s_per_gpu, s.peak_bytes))
 
 
