@@ -219,16 +219,17 @@ def carry_optimizer_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer
 def fsdp_dtype_refresher() -> Callable[[object], None]:
     """torch's private FSDP2 `FSDPParamGroup._init_mp_dtypes` (no public hook re-derives a unit's gradient dtypes);
     its behaviour pinned by tests/runtime/test_stage_fsdp_dtypes.py on the torch that runs the tests. A torch
-    without it is a RuntimeError naming it, raised when a staged run starts (StageRunner), not at a boundary."""
+    without it is a ConfigError naming train.stages (one line, every rank), raised when a staged run starts
+    (StageRunner), not at a boundary."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup  # noqa: PLC2701
     except ImportError:
         FSDPParamGroup = None  # noqa: N806 - the class, when this torch has it
     refresh = getattr(FSDPParamGroup, "_init_mp_dtypes", None)
     if refresh is None:
-        raise RuntimeError(f"spartron: error: torch {torch.__version__}'s FSDP2 FSDPParamGroup has no _init_mp_dtypes, "
-                           "which train.stages needs to re-derive gradient dtypes at a stage change; run the stages "
-                           "on a torch that has it (2.13 is tested) or drop train.stages")
+        raise ConfigError(f"train.stages: torch {torch.__version__}'s FSDP2 FSDPParamGroup has no _init_mp_dtypes, "
+                          "which the stages need to re-derive gradient dtypes at a stage change; run them on a torch "
+                          "that has it (2.13 is tested) or drop train.stages")
     return refresh
 
 
