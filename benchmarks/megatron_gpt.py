@@ -1,23 +1,35 @@
-"""A megatron-core GPTModel built from Spartron's layer specs, trained for a few steps.
+"""Megatron-core's training machinery around Spartron's layers on one GPU: parity, then step time and memory.
 
     python benchmarks/megatron_gpt.py --out benchmarks/results/megatron_gpt/megatron_gpt.json   # CUDA, one GPU
     python benchmarks/megatron_gpt.py --smoke                                       # tiny, CPU, seconds
 
-What it shows: Megatron's GPTModel (embedding, TransformerBlock, output layer, vocab-parallel loss)
-runs Spartron MLA / DSA attention and Spartron MoE through `spartron.interop.megatron`, with the aux
-and indexer losses taken from the SideChannel and the expert bias updated once per step. Each case
-trains on one fixed batch, so the loss must fall; per-step losses, median step time (after
---warmup steps), tokens/s and peak memory go to the JSON. A case that fails records its error and
-the others still run.
+Everything trains through Megatron as examples/megatron_gpt.py does (GPTModel, DistributedDataParallel,
+Megatron's optimizer, get_forward_backward_func, finalize_model_grads; bf16 under Float16Module on the GPU):
 
-The GPU machine has no megatron-core: install the wheel first, without dependencies
-(`pip install --no-deps .whl/megatron_core-0.16.1-*.whl`; megatron-core 0.16.1 needs only torch,
-numpy and packaging).
+1. parity: configs/tiny.toml's model (DSA, MoE with expert bias; no MTP) in fp32 for --parity-steps
+   steps, Spartron's own Trainer against the Megatron GPTModel built from Spartron's specs, on the same
+   device, weights and data; the per-step losses and their largest difference go to the JSON.
+2. cases at configs/dsv3-12l.toml's layer shapes (--layers of its 12: Megatron keeps fp32 master weights,
+   Adam states and an fp32 gradient buffer, 18 bytes per parameter, which for 12 layers leave no room for
+   activations on one H200; the router has no expert bias: Megatron's needs sigmoid scores):
+   - "spartron-layers": Spartron MLA attention and Spartron MoE;
+   - "spartron-mla+megatron-moe": the same attention, Megatron's own MoELayer (top-k router, alltoall
+     dispatcher, SequentialMLP experts: its grouped experts need Transformer Engine or grouped_gemm);
+   - "megatron-mla+megatron-moe": Megatron's own MLA too, where megatron-core builds it without
+     Transformer Engine (0.16.1 does not: the case records the error).
+   Per case: every step's time and loss, the median after --warmup steps (>= 10 timed steps by default),
+   tokens/s and peak allocated memory. A case that fails records its error and the others still run.
+
+--smoke runs the parity and the "spartron-layers" case at tiny shapes on CPU (Megatron's MoE needs CUDA:
+its alltoall dispatcher creates a CUDA stream), through the test-only tests/interop/megatron/cpu_shim.py.
+The GPU machine has no megatron-core: install its wheel first, without dependencies
+(`pip install --no-deps .whl/megatron_core-0.16.1-*.whl`; it needs only torch, numpy and packaging).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -34,31 +46,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also unde
 
 from common import device_name, write_report  # noqa: E402
 
-from spartron.interop.megatron import (  # noqa: E402
-    SideChannel,
-    megatron_config_from_spartron,
-    moe_adapters,
-    spartron_block_spec,
-)
-from spartron.interop.megatron.groups import to_process_group_collection  # noqa: E402
-from spartron.layers.config import ModelConfig  # noqa: E402
-from spartron.parallel.dims import ParallelDims  # noqa: E402
-from spartron.parallel.groups import ParallelGroups  # noqa: E402
-from spartron.runtime.config import load_config  # noqa: E402
+from examples.megatron_gpt import DEFAULTS, MegatronTraining  # noqa: E402
+from spartron.runtime.config import RunConfig, load_config  # noqa: E402
 from spartron.runtime.metrics import git_commit  # noqa: E402
+from spartron.runtime.trainer import Trainer  # noqa: E402
 
-PRESET = REPO / "configs" / "megatron-gpt-bench.toml"  # the model; its DSA section is the "dsa-moe" case's
-# --smoke: the tiny preset's model, without MTP (GPTModel has none), on the router the GPU preset uses
-SMOKE = ["model.mtp.depth=0", "model.moe.dispatcher='local'", "model.moe.aux_loss_coeff=1e-4",
-         "model.moe.n_groups=1", "model.moe.topk_groups=1"]
+TINY, SHAPE = REPO / "configs" / "tiny.toml", REPO / "configs" / "dsv3-12l.toml"
+NO_TE_MLA = "megatron-mla+megatron-moe"
 
 
-def init_single_rank(device: torch.device):
-    """One-rank process group, Spartron groups, Megatron's ProcessGroupCollection and parallel_state.
+class MegatronMoETraining(MegatronTraining):
+    """The same set-up with Megatron's own MoE layer in the MoE layers' mlp slot (and, with `native_mla`,
+    Megatron's own MLA in every attention slot): the comparison cases."""
 
-    parallel_state is initialised because GPTModel's vocab-parallel cross-entropy reads its TP group.
-    """
-    from megatron.core import parallel_state
+    def __init__(self, *args, native_mla: bool = False, **kwargs):
+        self.native_mla = native_mla
+        super().__init__(*args, **kwargs)
+
+    def block_spec(self, tcfg, m):  # noqa: ANN001, ANN201
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        ours = super().block_spec(tcfg, m)
+        theirs = get_gpt_layer_local_spec(num_experts=m.moe.n_routed_experts, moe_grouped_gemm=False,
+                                          qk_layernorm=True, multi_latent_attention=self.native_mla,
+                                          normalization="RMSNorm").submodules
+        layers = []
+        for i, spec in enumerate(ours.layer_specs):
+            sub = spec.submodules
+            if i >= m.first_k_dense:
+                sub = dataclasses.replace(sub, mlp=theirs.mlp)
+            if self.native_mla:
+                sub = dataclasses.replace(sub, self_attention=theirs.self_attention)
+            layers.append(dataclasses.replace(spec, submodules=sub))
+        return dataclasses.replace(ours, layer_specs=layers)
+
+
+def init_single_rank(device: torch.device) -> None:
+    """One-rank process group, Megatron's parallel_state and its RNG tracker (its own attention forks it)."""
+    from megatron.core import parallel_state, tensor_parallel
 
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -66,80 +91,90 @@ def init_single_rank(device: torch.device):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{tempfile.mktemp(prefix='spartron_mgpt_')}",
                                 rank=0, world_size=1)
-    groups = ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), device.type)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    return to_process_group_collection(groups)
-
-
-def build_model(cfg: ModelConfig, pgc, device: torch.device):
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True)
-    side = SideChannel()
-    model = GPTModel(tcfg, spartron_block_spec(tcfg, side, base_config=cfg, pg_collection=pgc),
-                     vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
-                     position_embedding_type="none", share_embeddings_and_output_weights=cfg.tie_embeddings,
-                     pg_collection=pgc)
-    return model.to(device), side
-
-
-def run_case(name: str, cfg: ModelConfig, args, pgc, device: torch.device, autocast: bool) -> dict:
-    torch.manual_seed(0)
-    model, side = build_model(cfg, pgc, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
-                            fused=device.type == "cuda")
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    losses, times = [], []
     if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def parity(args, device: torch.device) -> dict:
+    """Spartron's Trainer and the Megatron GPTModel from Spartron's specs, fp32, same device and data."""
+    with tempfile.TemporaryDirectory(prefix="megatron_gpt_parity_") as tmp:
+        cfg = load_config(TINY, [*DEFAULTS, f"device={device.type}", "model.dtype=float32",
+                                 f"train.steps={args.parity_steps}", "train.save_every=0", "train.peak_tflops=1.0",
+                                 f"train.run_dir={tmp}/run"])
+        trainer = Trainer(cfg).setup()
+        try:
+            ours = [trainer.step()["loss"] for _ in range(cfg.train.steps)]
+        finally:
+            trainer.close()
+            trainer.release_run_dir()
+        job = MegatronTraining(cfg, 1, device=device)
+        theirs = [job.step(s) for s in range(1, cfg.train.steps + 1)]
+    diff = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    print(f"parity over {len(ours)} steps: max |loss difference| {diff:.3g}", flush=True)
+    return {"spartron_trainer_losses": ours, "megatron_losses": theirs, "max_abs_diff": diff,
+            "model": cfg.model.model_dump(), "config": "configs/tiny.toml + " + " ".join(DEFAULTS)}
+
+
+def case_config(args, device: torch.device) -> RunConfig:
+    if args.smoke:
+        return load_config(TINY, [*DEFAULTS, "device=cpu", f"train.steps={args.steps}"])
+    return load_config(SHAPE, [f"model.n_layers={args.layers}", "model.moe.bias_update_rate=0",
+                               f"train.steps={args.steps}", f"train.seq_len={args.seq}",
+                               f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
+                               "train.warmup_steps=0", "train.grad_clip=1.0", "ac.mode=none"])
+
+
+def run_case(name: str, cfg: RunConfig, args, device: torch.device) -> dict:
+    bf16 = device.type == "cuda"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        side.reset()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            lm = model(inputs, None, None, labels=labels).float().mean()
-            loss = lm + side.loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        for adapter in moe_adapters(model):  # aux-loss-free balancing: once per optimizer step
-            adapter.moe.update_expert_bias()
+    if name == "spartron-layers":
+        job = MegatronTraining(cfg, 1, bf16=bf16, device=device)
+    else:
+        job = MegatronMoETraining(cfg, 1, bf16=bf16, device=device, native_mla=name == NO_TE_MLA)
+    losses, times = [], []
+    for step in range(1, args.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(job.step(step))  # .item() of the loss: the step's work has finished
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
         print(f"  {name} step {step}: loss {losses[-1]:.4f} ({times[-1] * 1e3:.1f} ms)", flush=True)
     timed = times[args.warmup:] or times
     step_s = statistics.median(timed)
-    return {"case": name, "losses": losses, "step_times_s": times, "step_time_s": step_s,
-            "tokens_per_s": args.batch * args.seq / step_s, "autocast_bf16": autocast,
-            "params": sum(p.numel() for p in model.parameters()),
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    return {"case": name, "bf16_float16module": bf16, "losses": losses, "step_times_s": times,
+            "timed_steps": len(timed), "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+            "params": sum(p.numel() for p in job.gpt.parameters()),
             "peak_memory_allocated_gib": (torch.cuda.max_memory_allocated() / 2**30
                                           if device.type == "cuda" else None),
             "loss_decreased": losses[-1] < losses[0]}
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'case':<22}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'loss first':>12}{'loss last':>11}")
+    print(f"{'case':<28}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'loss first':>12}{'loss last':>11}")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:<22}  error: {r['error'].splitlines()[-1][:90]}")
+            print(f"{r['case']:<28}  error: {r['error'].strip().splitlines()[-1][:90]}")
             continue
         peak = "-" if r["peak_memory_allocated_gib"] is None else f"{r['peak_memory_allocated_gib']:.2f}"
-        print(f"{r['case']:<22}{r['step_time_s'] * 1e3:>10.1f}{r['tokens_per_s']:>12.0f}{peak:>10}"
+        print(f"{r['case']:<28}{r['step_time_s'] * 1e3:>10.1f}{r['tokens_per_s']:>12.0f}{peak:>10}"
               f"{r['losses'][0]:>12.4f}{r['losses'][-1]:>11.4f}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
+    p.add_argument("--steps", type=int, default=None, help="steps per case (default 13; --smoke 3)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps per case")
+    p.add_argument("--layers", type=int, default=4, help="layers of dsv3-12l's 12 (first dense)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--parity-steps", type=int, default=4)
     args = p.parse_args()
     import megatron.core
 
@@ -147,40 +182,39 @@ def main() -> int:
     if device.type == "cpu" and not args.smoke:
         print("no CUDA device: use --smoke for the CPU version", file=sys.stderr)
         return 2
-    run_cfg = load_config(REPO / "configs" / "tiny.toml", SMOKE) if args.smoke else load_config(PRESET)
-    with_dsa = run_cfg.model
-    model = with_dsa.model_copy(update={"dsa": None})
-    args.steps = args.steps or (4 if args.smoke else 10)
-    args.seq = args.seq or (32 if args.smoke else run_cfg.train.seq_len)
-    args.batch = args.batch or (2 if args.smoke else run_cfg.train.micro_batch_size)
-    args.lr = args.lr if not args.smoke else 1e-2
-    pgc = init_single_rank(device)
-    cases = {"mla-moe": (model, False), "dsa-moe": (with_dsa, False)}
-    if device.type == "cuda":
-        cases["mla-moe-bf16-autocast"] = (model, True)
+    args.steps = args.steps or (3 if args.smoke else 13)
+    args.warmup = min(args.warmup, args.steps - 1)
+    init_single_rank(device)
+    result = {"benchmark": "megatron_gpt", "device": device_name(device.type == "cuda"), "torch": torch.__version__,
+              "megatron_core": getattr(megatron.core, "__version__", None), "commit": git_commit(),
+              "smoke": args.smoke}
+    try:
+        result["parity"] = parity(args, device)
+    except Exception:  # record and continue
+        result["parity"] = {"error": traceback.format_exc()}
+        print(result["parity"]["error"], file=sys.stderr)
+    cfg = case_config(args, device)
+    result["shapes"] = {"config": str((TINY if args.smoke else SHAPE).relative_to(REPO)), "layers": cfg.model.n_layers,
+                        "batch": cfg.train.global_batch_size, "seq": cfg.train.seq_len, "steps": args.steps,
+                        "warmup": args.warmup, "model": cfg.model.model_dump()}
+    names = ["spartron-layers"] + ([] if device.type == "cpu" else ["spartron-mla+megatron-moe", NO_TE_MLA])
     rows = []
-    for name, (cfg, autocast) in cases.items():
+    for name in names:
         try:
-            rows.append(run_case(name, cfg, args, pgc, device, autocast))
-        except Exception:  # record and continue: one failing case must not hide the others
+            rows.append(run_case(name, cfg, args, device))
+        except Exception:  # one failing case must not hide the others
             rows.append({"case": name, "error": traceback.format_exc()})
             print(rows[-1]["error"], file=sys.stderr)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print_table(rows)
-    result = {
-        "benchmark": "megatron_gpt",
-        "device": device_name(device.type == "cuda"),
-        "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", None),
-        "commit": git_commit(), "smoke": args.smoke,
-        "shapes": {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-                   "model": model.model_dump(), "dsa": with_dsa.dsa.model_dump(), "config": str(
-                       (REPO / "configs" / "tiny.toml" if args.smoke else PRESET).relative_to(REPO))},
-        "cases": rows,
-    }
+    if device.type == "cpu":
+        rows.append({"case": "spartron-mla+megatron-moe", "skipped": "CPU: Megatron's alltoall dispatcher "
+                     "creates a torch.cuda.Stream"})
+    print_table([r for r in rows if "skipped" not in r])
+    result["cases"] = rows
     write_report(args.out, result)
     dist.destroy_process_group()
-    return 0 if all("error" not in r and r["loss_decreased"] for r in rows) else 1
+    ours = rows[0]  # spartron-layers: must run and learn; the Megatron-layer cases only record what they do
+    parity_ok = "error" not in result["parity"] and result["parity"]["max_abs_diff"] < 1e-5
+    return 0 if parity_ok and "error" not in ours and ours["loss_decreased"] else 1
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "matrix": lambda d: (f"{sum(c['rc'] == 0 for c in d['cells'])} of {len(d['cells'])} cells ran; "
                          f"{sum(c.get('regression', {}).get('passed') is True for c in d['cells'])} passed the "
                          "regression check"),
-    "megatron_gpt": lambda d: "; ".join(f"{c['case']} {_ms(c['step_time_s'])}" for c in d["cases"]),
+    "megatron_gpt": lambda d: "; ".join(f"{c['case']} {_ms(c['step_time_s'])}" if "step_time_s" in c
+                                        else f"{c['case']} failed" for c in d["cases"]),
     "memory_plan": lambda d: "; ".join(f"{r['mode']} planned {r['predicted_peak_gib']:.1f} vs measured "
                                        f"{r['measured_peak_gib']:.1f} GiB" for r in d["results"]),
     "moe_layer": lambda d: (f"EP1 layer fwd+bwd {d['ep1_layer']['fwd_bwd_ms']:.1f} ms; grouped GEMM "

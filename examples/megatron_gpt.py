@@ -92,9 +92,8 @@ class MegatronTraining:
             parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()  # the groups every Megatron module uses
         tcfg = megatron_config_from_spartron(m, use_cpu_initialization=True, expert_model_parallel_size=ep)
-        self.side = SideChannel()  # aux / indexer losses and router counts of one forward
-        gpt = GPTModel(tcfg, spartron_block_spec(tcfg, self.side, base_config=m, pg_collection=self.pgc,
-                                                 init_seed=t.seed),
+        self.side = SideChannel()  # DSA ids, indexer loss and router counts of one forward
+        gpt = GPTModel(tcfg, self.block_spec(tcfg, m),
                        vocab_size=m.vocab_size, max_sequence_length=m.max_seq_len, position_embedding_type="none",
                        share_embeddings_and_output_weights=m.tie_embeddings, pg_collection=self.pgc)
         with torch.no_grad():  # Megatron-owned weights drawn as Spartron's model draws them: the same model
@@ -117,6 +116,11 @@ class MegatronTraining:
         dp_rank, dp = dist.get_rank(self.pgc.dp), dist.get_world_size(self.pgc.dp)
         self.loader = build_train_loader(cfg, dp_rank, dp)
         self.n_micro = t.micro_steps(dp)
+
+    def block_spec(self, tcfg, m):  # noqa: ANN001, ANN201 - Megatron's config and Spartron's ModelConfig
+        """The TransformerBlock spec: Spartron's layers (benchmarks swap in Megatron's MoE here)."""
+        return spartron_block_spec(tcfg, self.side, base_config=m, pg_collection=self.pgc,
+                                   init_seed=self.cfg.train.seed)
 
     def forward_step(self, data_iterator: Iterator, model: torch.nn.Module):
         """Megatron's forward_step_func: the LM loss per token, plus the SideChannel's aux / indexer losses."""
