@@ -77,7 +77,9 @@ def test_every_megatron_field_is_in_exactly_one_table():
                    "deepep_num_sms": 8, "aux_loss_coeff": 0.001, "aux_loss_type": "seq"}),
     small_cfg(dsa={**DSA_SMALL, "layers": "moe", "indexer_mode": "kl_sparse", "indexer_loss_coeff": 0.5}),
     small_cfg(dsa={**DSA_SMALL, "indexer_fp8": True, "deterministic_dkv": True}),
-], ids=["moe", "dense", "yarn-bf16-noqlora", "softmax-groups-aux", "sigmoid-groups-deepep", "dsa", "dsa-fp8-det"])
+    small_cfg(dsa={**DSA_SMALL, "indexer_mode": "kl_dense", "indexer_loss_coeff": 0.5, "kl_dense_chunk": 7}),
+], ids=["moe", "dense", "yarn-bf16-noqlora", "softmax-groups-aux", "sigmoid-groups-deepep", "dsa", "dsa-fp8-det",
+        "dsa-kl-dense-chunk"])
 def test_round_trip_spartron_megatron_spartron(cfg):
     tcfg = megatron_config_from_spartron(cfg)
     assert spartron_config_from_megatron(tcfg, base=cfg) == cfg
