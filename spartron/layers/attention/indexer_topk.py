@@ -16,8 +16,9 @@ The PyTorch reference (`reference_indexer_topk`, chunked over queries so [chunk,
 bounded) is the CPU path and the test oracle; on CUDA (indexer_triton.py) a Triton kernel scores tiles
 without the per-head logits, skipping tiles no query of them sees, and a Triton selection kernel
 (topk_triton_kernels) takes each row's exact top-k from its visible keys only, with `topk_ids`'s rule.
-kl_dense (the dense warm-up) needs differentiable scores over every visible key and keeps
-`index_scores`; kl_sparse selects through this op and scores its top-k only (attention.indexer_kl).
+kl_dense (the dense warm-up) selects inside its chunked KL op from the same differentiable scores, with
+`topk_ids` (attention.indexer_kl_dense); kl_sparse selects through this op and scores its top-k only
+(attention.indexer_kl).
 """
 
 from __future__ import annotations
