@@ -65,4 +65,6 @@ def cases() -> list[Case]:
     add("stages-not-a-list", ["{tiny}", *sets("train.stages=5")], ["train.stages"], category="dtypes")
     add("indexer-queries-zero", ["{tiny}", *sets("train.indexer_metrics.queries=0")],
         ["train.indexer_metrics.queries"], category="sizes")
+    add("indexer-metrics-compiled", ["{tiny}", *sets("train.indexer_metrics.every=1", "train.compile=true")],
+        ["train.indexer_metrics.every", "train.compile"])
     return out

@@ -8,7 +8,7 @@ first micro-batch of a step by forward hooks on the source layers (through `reus
 checkpoint replay gets the result back, the region's recorded operators stay those of the model), averaged
 over the dp x cp ranks; a step record gets `indexer_recall_per_layer`,
 `indexer_kl_per_layer` (the order of `indexer_metric_layers`) and their means `indexer_recall`, `indexer_kl`.
-Off under train.compile (a hook in a compiled block would break its graph).
+Refused with train.compile (TrainConfig: a hook in a compiled block would break its graph).
 """
 
 from __future__ import annotations
@@ -41,11 +41,6 @@ class IndexerMetricsConfig(ConfigSection):
     every: int = Field(0, ge=0)  # measure every n-th step; 0 (the default): never
 
 
-def measured_every(train) -> int:  # noqa: ANN001 - TrainConfig
-    """How often the run measures: train.indexer_metrics.every, 0 under train.compile."""
-    return 0 if train.compile else train.indexer_metrics.every
-
-
 class IndexerProbe:
     """Hooks the DSA source layers of a model for the steps that measure; `None` from `for_model` when none."""
 
@@ -55,7 +50,7 @@ class IndexerProbe:
     @classmethod
     def for_model(cls, model: nn.Module, train, group) -> IndexerProbe | None:  # noqa: ANN001
         layers = [m for m in model.modules() if isinstance(m, MLA) and m.indexer is not None]
-        every = measured_every(train)
+        every = train.indexer_metrics.every
         return cls(layers, train.indexer_metrics.queries, every, group) if layers and every else None
 
     @contextlib.contextmanager

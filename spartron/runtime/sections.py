@@ -280,6 +280,14 @@ class TrainConfig(ConfigSection):
         return self
 
     @model_validator(mode="after")
+    def _indexer_metrics(self) -> TrainConfig:
+        if self.indexer_metrics.every and self.compile:  # its forward hooks would break a compiled block's graph
+            raise ValueError(f"train.indexer_metrics.every = {self.indexer_metrics.every} needs train.compile = false "
+                             "(the metric hooks the DSA layers, which a compiled block cannot run); set "
+                             "train.indexer_metrics.every = 0 to train compiled")
+        return self
+
+    @model_validator(mode="after")
     def _overwrite(self) -> TrainConfig:
         if self.overwrite and self.resume:  # a resume keeps the saved steps: overwrite would be ignored
             raise ValueError("train.overwrite = true replaces the saved steps of an earlier run with a new run; "

@@ -6,6 +6,9 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from spartron.configbase import ConfigError
 from spartron.layers.attention.mla import MLA
 from spartron.layers.model import build_model
 from spartron.runtime.config import config_from_dict
@@ -35,3 +38,14 @@ def test_the_metric_is_off_unless_asked_and_hooks_the_sources_when_asked():
     assert (probe.every, probe.queries, [m.layer_idx for m in probe.layers]) == (2, 3, sources)
     assert sources  # the preset has DSA sources: the None above is the default's doing
     assert tomllib.loads(PRESET.read_text())["train"]["indexer_metrics"]["every"] == 1  # the recipe measures
+
+
+def test_the_metric_under_compile_is_an_error_naming_both_keys():
+    data = tomllib.loads(PRESET.read_text())
+    data["train"]["compile"] = True
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert ("train.indexer_metrics.every = 1 needs train.compile = false (the metric hooks the DSA layers, which a "
+            "compiled block cannot run); set train.indexer_metrics.every = 0 to train compiled") in str(err.value)
+    data["train"]["indexer_metrics"]["every"] = 0
+    assert config_from_dict(data).train.compile  # off, compiled training is fine
