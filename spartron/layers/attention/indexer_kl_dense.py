@@ -52,9 +52,9 @@ def _visible(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, 
 
 def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
     """p [B, c, S_kv] of one chunk: the materialising dsa.main_attention_target's formula on these rows."""
-    scores = torch.einsum("bthd,bsd->bhts", q_abs, kv) * scale
-    return head_summed_distribution(scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible),
-                                                       float("-inf")))
+    scores = torch.einsum("bthd,bsd->bhts", q_abs, kv) * scale  # masked in place: one [B, Hm, c, S_kv] fewer
+    return head_summed_distribution(scores.masked_fill_(~(visible[:, None] if visible.dim() == 3 else visible),
+                                                        float("-inf")))
 
 
 def _logits(q: Tensor, k: Tensor) -> Tensor:
