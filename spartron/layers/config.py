@@ -245,6 +245,25 @@ class ModelConfig(ConfigSection):
                              "use model.reduce_dtype = 'float32'")
 
 
+def master_layout_refusal(master_weights: str, world: int) -> str | None:
+    """Why model.master_weights = "optimizer" cannot run on `world` ranks (None: it can). One rank only: its
+    parameters are not sharded, and under FSDP2 the gradients would come back in the parameters' bf16 dtype
+    after an fp32 reduce-scatter. The launch (spartron.runtime.master_weights) and the memory plan ask here."""
+    if master_weights == "optimizer" and world > 1:
+        return (f"model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); this "
+                f"layout has {world} ranks: set model.master_weights = 'fsdp'")
+    return None
+
+
+def master_optimizer_refusal(master_weights: str, optimizer: str) -> str | None:
+    """Why model.master_weights = "optimizer" cannot run with train.optimizer `optimizer` (None: it can): the fp32
+    masters are AdamW's state. The run config and the optimizer's builder ask here."""
+    if master_weights == "optimizer" and optimizer != "adamw":
+        return (f"model.master_weights = 'optimizer' is AdamW over fp32 masters; train.optimizer = {optimizer!r} "
+                "keeps its own state: set model.master_weights = 'fsdp'")
+    return None
+
+
 def dsa_layers(cfg: ModelConfig) -> list[int]:
     """The decoder layers that run DSA (MTP depths aside), in order."""
     layers = cfg.dsa.layers

@@ -12,7 +12,7 @@ from spartron.comm.copy_engine import GROWTH_QUANTUM
 from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_rows
-from spartron.layers.config import ModelConfig
+from spartron.layers.config import ModelConfig, master_layout_refusal
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, optimizer_masters, param_shapes, state_bytes_per_rank
 from spartron.parallel.dims import ParallelDims
 
@@ -280,9 +280,9 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     biggest = max(blocks, key=lambda b: b.params)
     reduce = PARAM_BYTES[m.reduce_dtype]
     masters = optimizer_masters(m)
-    if masters and dims.world_size > 1:
-        raise ValueError(f"model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); "
-                         f"this plan has {dims.world_size} ranks: set model.master_weights = 'fsdp'")
+    refusal = master_layout_refusal(m.master_weights, dims.world_size) if masters else None
+    if refusal:
+        raise ValueError(refusal)
     fsdp = dims.world_size > 1 or (m.master_dtype is not None and not masters)  # spartron.layers.parallelize
     head = m.vocab_size * m.dim
     # FSDP2: the block in use and the prefetched one all-gathered in the compute dtype, the root's

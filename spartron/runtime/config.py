@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigError, ConfigSection
-from spartron.layers.config import ModelConfig
+from spartron.layers.config import ModelConfig, master_optimizer_refusal
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.layers.ops import load_ops
 from spartron.runtime.debug import DebugConfig
@@ -124,9 +124,9 @@ class RunConfig(ConfigSection):
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len {self.train.seq_len} is above model.max_seq_len "
                              f"{self.model.max_seq_len} (the longest sequence the model is configured for)")
-        if self.model.master_weights == "optimizer" and self.train.optimizer != "adamw":
-            raise ValueError(f"model.master_weights = 'optimizer' is AdamW over fp32 masters; train.optimizer = "
-                             f"{self.train.optimizer!r} keeps its own state: set model.master_weights = 'fsdp'")
+        refusal = master_optimizer_refusal(self.model.master_weights, self.train.optimizer)
+        if refusal:
+            raise ValueError(refusal)
         self._check_intra_layer_micro_batches()
         check_stages(self.train, self.model)
         if self.observe.memory_snapshot_on_oom and self.device == "cpu":

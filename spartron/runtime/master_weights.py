@@ -26,7 +26,8 @@ cost ~78 ms of a 310 ms dsv3-12l step on the H200, issue 38). The math needs non
   the masters.
 
 One rank only: under FSDP2 the gradients would come back in the parameters' bf16 dtype after an fp32
-reduce-scatter (`check_layout` refuses a larger world, naming the key).
+reduce-scatter (spartron.layers.config.master_layout_refusal: the launch and the plan refuse a larger world,
+naming the key).
 """
 
 from __future__ import annotations
@@ -39,14 +40,6 @@ import torch
 from torch import Tensor, nn
 
 from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
-
-
-def check_layout(master_weights: str, world: int) -> str | None:
-    """The refusal of model.master_weights = "optimizer" on more than one rank (None: this layout runs it)."""
-    if master_weights == "optimizer" and world > 1:
-        return (f"model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); this "
-                f"launch has {world} ranks: set model.master_weights = 'fsdp'")
-    return None
 
 
 def has_master(p: Tensor) -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.layers.config import master_optimizer_refusal
 from spartron.layers.costs import muon_takes
 from spartron.runtime.adamw_triton import TritonAdamW
 from spartron.runtime.config import TrainConfig
@@ -106,9 +107,9 @@ def _master_adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: 
                   on_cuda: bool) -> MasterAdamW:
     """AdamW over the fp32 masters of spartron.runtime.master_weights: the Triton kernel on CUDA (train.adamw_kernel
     'auto' or 'triton'), the torch reference otherwise."""
-    if cfg.optimizer != "adamw":
-        raise ValueError(f"model.master_weights = 'optimizer' is AdamW's (train.optimizer = {cfg.optimizer!r}): set "
-                         "train.optimizer = 'adamw' or model.master_weights = 'fsdp'")
+    refusal = master_optimizer_refusal("optimizer", cfg.optimizer)
+    if refusal:
+        raise ValueError(refusal)
     if not all(has_master(p) for p in decay + no_decay):
         raise ValueError("model.master_weights = 'optimizer': some trainable parameters have no fp32 master")
     if cfg.adamw_kernel == "triton" and not on_cuda:

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spartron.layers.config import master_layout_refusal
 from spartron.parallel.dims import ParallelDims
 from spartron.parallel.groups import ParallelGroups
 from spartron.runtime.config import ConfigError, RunConfig
-from spartron.runtime.master_weights import attach_master_weights, check_layout
+from spartron.runtime.master_weights import attach_master_weights
 from spartron.runtime.optim import build_optimizer
 from spartron.runtime.state_layout import expert_mesh
 
@@ -114,7 +115,7 @@ class RankModel:
         # The reference model's init depends on train.seed and names only (spartron.layers.init); this is
         # for custom factories that draw from the global RNG: the same state on every rank.
         torch.manual_seed(cfg.train.seed)
-        refusal = check_layout(cfg.model.master_weights, place.world)
+        refusal = master_layout_refusal(cfg.model.master_weights, place.world)
         if refusal:
             raise ConfigError(refusal)
         with place.device:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from spartron.layers.config import master_layout_refusal
 from spartron.runtime.config import ConfigError, TrainConfig, load_config
-from spartron.runtime.master_weights import MasterAdamW, attach_master_weights, check_layout
+from spartron.runtime.master_weights import MasterAdamW, attach_master_weights
 from spartron.runtime.optim import build_optimizer, global_grad_norm
 from spartron.runtime.trainer import StepProbe, Trainer, train
 from spartron.testing import run_distributed
@@ -193,7 +194,17 @@ def test_contradictory_master_weight_settings_are_errors_naming_the_key(override
 
 
 def test_more_than_one_rank_is_refused_naming_the_key():
-    assert check_layout("optimizer", 1) is None and check_layout("fsdp", 8) is None
-    assert check_layout("optimizer", 2) == ("model.master_weights = 'optimizer' runs on one rank (its parameters "
-                                            "are not sharded); this launch has 2 ranks: set model.master_weights = "
-                                            "'fsdp'")
+    assert master_layout_refusal("optimizer", 1) is None and master_layout_refusal("fsdp", 8) is None
+    assert master_layout_refusal("optimizer", 2) == ("model.master_weights = 'optimizer' runs on one rank (its "
+                                                     "parameters are not sharded); this layout has 2 ranks: set "
+                                                     "model.master_weights = 'fsdp'")
+
+
+def test_the_optimizer_builder_refuses_muon_over_masters_with_the_config_rule():
+    """One rule, one text: the builder (a caller that skips RunConfig) says what the config says."""
+    with pytest.raises(ConfigError) as config_err:
+        load_config(TINY, [*PATHS["optimizer"], "train.optimizer=muon"])
+    model = _tiny_linear()
+    with pytest.raises(ValueError) as builder_err:
+        build_optimizer(model, TrainConfig(optimizer="muon"))
+    assert str(config_err.value) == f"invalid config: {builder_err.value}"

@@ -66,4 +66,4 @@ def test_a_plan_of_more_than_one_rank_is_refused_naming_the_key():
     with pytest.raises(ValueError) as err:
         memory_plan(cfg.model, cfg.parallel.dims(2), StepShape(seq_len=64, micro_batch_size=1))
     assert str(err.value) == ("model.master_weights = 'optimizer' runs on one rank (its parameters are not sharded); "
-                              "this plan has 2 ranks: set model.master_weights = 'fsdp'")
+                              "this layout has 2 ranks: set model.master_weights = 'fsdp'")
