@@ -33,3 +33,36 @@ def test_benchmark_smoke_records_parity_and_every_step(tmp_path):
     assert ours["loss_decreased"] and ours["peak_memory_allocated_gib"] is None
     assert megatron_moe == {"case": "spartron-mla+megatron-moe",
                             "skipped": "CPU: Megatron's alltoall dispatcher creates a torch.cuda.Stream"}
+
+
+def _comparison_models(rank, world):
+    """The benchmark's comparison set-ups as far as a CPU builds them (Megatron's MoE needs CUDA at build)."""
+    from cpu_shim import cpu_megatron  # next to this file
+    from megatron.core import parallel_state
+
+    from benchmarks.megatron_gpt import MegatronMoETraining
+    from examples.megatron_gpt import DEFAULTS, TINY
+    from spartron.runtime.config import load_config
+
+    parallel_state.initialize_model_parallel()
+    cfg = load_config(TINY, [*DEFAULTS, "train.steps=1"])
+    errors = {}
+    for native_mla in (False, True):
+        try:
+            with cpu_megatron():  # past Megatron's CUDA-named placements, to the first real need of CUDA / TE
+                MegatronMoETraining(cfg, 1, native_mla=native_mla)
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            errors[native_mla] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+def test_benchmark_comparison_cases_fail_on_cpu_where_megatron_needs_cuda_or_te():
+    from spartron.testing import run_distributed
+
+    (errors,) = run_distributed(_comparison_models, 1, timeout=120)
+    # Spartron MLA + Megatron's MoELayer: built up to Megatron's alltoall dispatcher (a CUDA stream)
+    assert errors[False].startswith("RuntimeError: torch.cuda.Stream requires CUDA support when instantiating "
+                                    "MoELayer"), errors[False]
+    # Megatron's own MLA without Transformer Engine: megatron-core 0.16.1 cannot build it at all
+    assert "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels' when instantiating " \
+           "DotProductAttention when instantiating MLASelfAttention" in errors[True], errors[True]
