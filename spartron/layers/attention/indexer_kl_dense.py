@@ -13,7 +13,9 @@ B x chunk x S_kv x (3 x heads + 4 x index heads) float32 (`chunk_rows` derives c
 model.dsa.kl_dense_chunk is 0). No gradient reaches the main attention (its queries and rows are
 detached: the target is a label, as in the materialising form this replaces). Under activation
 checkpointing the op is MANDATORY (checkpointing.policy): the replay reuses its ids and never redoes the
-S x S_kv walk. Plain PyTorch on every device (kl_sparse's Triton kernels serve the top-k slots only).
+S x S_kv walk. Plain PyTorch on every device (kl_sparse's Triton kernels serve the top-k slots only); at 128k x
+128 heads the 1 GiB budget is 3 rows a chunk, so a long warm-up wants a larger kl_dense_chunk where memory
+allows (or a fused kernel: not written).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ CHUNK_BYTES = 1 << 30
 
 
 def chunk_elements(heads: int, index_heads: int) -> int:
-    """float32 temporaries per (query row, key) of one chunk: the main scores and their softmax (2 x heads,
-    + the head sum), the index logits, their gradient and einsum copies (3 x index heads), scores, p, log q
-    and their gradient."""
+    """float32 temporaries per (query row, key) of one chunk: the main scores, their softmax and its NaN-free
+    copy (3 x heads), the index logits, their gradient and einsum copies (4 x index heads), scores, p, log q,
+    their gradients and the head sum."""
     return 3 * heads + 4 * index_heads + 8
 
 
@@ -51,7 +53,8 @@ def _visible(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, 
 
 
 def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
-    """p [B, c, S_kv] of one chunk: the materialising dsa.main_attention_target's formula on these rows."""
+    """p [B, c, S_kv] of one chunk: the materialising target's formula (dsa.main_attention_target until the
+    chunked op replaced it) on these rows."""
     scores = torch.einsum("bthd,bsd->bhts", q_abs, kv) * scale  # masked in place: one [B, Hm, c, S_kv] fewer
     return head_summed_distribution(scores.masked_fill_(~(visible[:, None] if visible.dim() == 3 else visible),
                                                         float("-inf")))
