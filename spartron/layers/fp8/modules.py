@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from spartron.layers.ffn import swiglu
-from spartron.layers.fp8.ops import grouped_mm, linear
+from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
+from spartron.layers.fp8.ops import linear
 from spartron.layers.moe.experts import GroupedExperts
 
 
@@ -23,7 +23,9 @@ class FP8Linear(nn.Linear):
 
 
 class FP8GroupedExperts(GroupedExperts):
-    """GroupedExperts whose three grouped GEMMs (and their dgrad / wgrad) run blockwise FP8."""
+    """GroupedExperts whose three grouped GEMMs (and their dgrad / wgrad) run blockwise FP8: w1 and w3
+    on one quantisation of x, w2 on SwiGLU's product quantised where it is produced
+    (spartron.layers.fp8.expert_ops)."""
 
     fp8_backend: str
     fp8_pow2: bool
@@ -35,6 +37,8 @@ class FP8GroupedExperts(GroupedExperts):
         if x.dtype != self.w1.dtype:
             raise ValueError(f"FP8 GroupedExperts: input dtype {x.dtype} differs from expert weights {self.w1.dtype}")
         counts = torch.as_tensor(tokens_per_expert, device=x.device).to(torch.int32)
+        if self.fp8_backend != "reference":  # the kernels trust the counts (the reference checks them on the host)
+            torch._assert_async(counts.sum() == x.shape[0], "FP8 GroupedExperts: tokens_per_expert sum != rows")
         gemm = (self.fp8_backend, self.fp8_pow2)
-        h = swiglu(grouped_mm(x, self.w1, counts, *gemm), grouped_mm(x, self.w3, counts, *gemm))
-        return grouped_mm(h, self.w2, counts, *gemm)
+        gate, up = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm)
+        return swiglu_grouped_mm(gate, up, self.w2, counts, *gemm)

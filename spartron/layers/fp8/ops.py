@@ -18,10 +18,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spartron.layers.fp8 import gemms
+
 BACKENDS = ("reference", "triton", "torch_scaled_mm")
 
 
-def _grouped_impl(backend: str):
+def backend_impl(backend: str):
+    """The primitives module of `backend` (grouped GEMMs: torch_scaled_mm runs them on the Triton kernels)."""
     if backend == "reference":
         from spartron.layers.fp8 import reference as impl
     elif backend in ("triton", "torch_scaled_mm"):
@@ -40,7 +43,7 @@ def _one_group(x2d: Tensor) -> Tensor:
 @torch.library.custom_op("spartron_fp8::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool) -> Tensor:
     """x [M, K] grouped by `counts` [E] (int32), w [E, N, K] -> [M, N] in x's dtype."""
-    return _grouped_impl(backend).grouped_forward(x, w, counts, pow2)
+    return gemms.forward(backend_impl(backend), x, w, counts, pow2)
 
 
 @grouped_mm.register_fake
@@ -51,7 +54,7 @@ def _(x, w, counts, backend, pow2):
 @torch.library.custom_op("spartron_fp8::grouped_mm_backward", mutates_args=())
 def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, backend: str,
                         pow2: bool) -> tuple[Tensor, Tensor]:
-    return _grouped_impl(backend).grouped_backward(grad.contiguous(), x, w, counts, pow2)
+    return gemms.backward(backend_impl(backend), grad.contiguous(), x, w, counts, pow2)
 
 
 @grouped_mm_backward.register_fake
@@ -80,14 +83,14 @@ def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
     if backend == "torch_scaled_mm":
         from spartron.layers.fp8 import scaled_mm_backend
         return scaled_mm_backend.linear_forward(x2d, w, pow2)
-    return _grouped_impl(backend).grouped_forward(x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+    return gemms.forward(backend_impl(backend), x2d, w.unsqueeze(0), _one_group(x2d), pow2)
 
 
 def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
     if backend == "torch_scaled_mm":
         from spartron.layers.fp8 import scaled_mm_backend
         return scaled_mm_backend.linear_backward(g2d, x2d, w, pow2)
-    dx, dw = _grouped_impl(backend).grouped_backward(g2d, x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+    dx, dw = gemms.backward(backend_impl(backend), g2d, x2d, w.unsqueeze(0), _one_group(x2d), pow2)
     return dx, dw.squeeze(0)
 
 

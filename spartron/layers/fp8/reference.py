@@ -1,15 +1,16 @@
-"""The "reference" backend: quantise, dequantise to fp32, multiply in fp32, round to the compute dtype.
+"""The "reference" backend's primitives: quantise (spartron.layers.fp8.quant), then dequantise to
+fp32, multiply in fp32 and round to the output dtype.
 
 An exact model of the blockwise recipe's quantisation error (the GPU kernels differ from it only by
 the order of fp32 accumulation), on any device. Slow by design: it is the CPU path and the yardstick
-the GPU kernels are tested against. Reads the expert counts on the host.
-
-Every GEMM is a grouped one: a dense linear is one group of all rows.
+the GPU kernels are tested against. Reads the expert counts on the host. The GEMM sequences over
+these primitives are spartron.layers.fp8.gemms'.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from spartron.layers.fp8.quant import (
@@ -21,35 +22,49 @@ from spartron.layers.fp8.quant import (
     quantize_rows,
 )
 
+__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows",
+           "wgrad"]
 
-def _segments(counts: Tensor) -> list[tuple[int, int]]:
+
+def _segments(counts: Tensor, rows: int) -> list[tuple[int, int]]:
     out, start = [], 0
     for count in counts.tolist():
         out.append((start, start + count))
         start += count
+    if start != rows:
+        raise ValueError(f"fp8 blockwise: tokens_per_expert sums to {start}, x has {rows} rows")
     return out
 
 
-def grouped_forward(x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
-    """out[rows of e] = x[rows of e] @ w[e]^T; x [M, K] (1x128), w [E, N, K] (128x128)."""
-    xd = dequantize_rows(*quantize_rows(x, pow2))
-    wd = dequantize_blocks(*quantize_blocks(w, pow2))
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
-    for e, (lo, hi) in enumerate(_segments(counts)):
+def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """out[rows of e] = x[rows of e] @ w[e]^T: x [M, K] 1x128 (scales [K/128, M]), w [E, N, K] 128x128."""
+    xd, wd = dequantize_rows(xq, xs), dequantize_blocks(wq, ws)
+    out = torch.zeros(xq.shape[0], wq.shape[1], dtype=torch.float32, device=xq.device)
+    for e, (lo, hi) in enumerate(_segments(counts, xq.shape[0])):
         out[lo:hi] = xd[lo:hi] @ wd[e].t()
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
-def grouped_backward(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    """dgrad: grad (1x128 along N) @ w (the same 128x128 blocks); wgrad: grad^T @ x, both 128x1 along
-    the tokens of each expert."""
-    gd = dequantize_rows(*quantize_rows(grad, pow2))
-    wd = dequantize_blocks(*quantize_blocks(w, pow2))
-    gt = dequantize_cols_grouped(*quantize_cols_grouped(grad, counts, pow2), counts)  # [N, M]
-    xt = dequantize_cols_grouped(*quantize_cols_grouped(x, counts, pow2), counts)  # [K, M]
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
-    for e, (lo, hi) in enumerate(_segments(counts)):
-        dx[lo:hi] = gd[lo:hi] @ wd[e]
-        dw[e] = gt[:, lo:hi] @ xt[:, lo:hi].t()
-    return dx.to(x.dtype), dw.to(w.dtype)
+def dgrad(gq: Tensor, gs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """dx[rows of e] = grad[rows of e] @ w[e]: grad [M, N] 1x128 along N, w the forward's blocks."""
+    gd, wd = dequantize_rows(gq, gs), dequantize_blocks(wq, ws)
+    out = torch.zeros(gq.shape[0], wq.shape[2], dtype=torch.float32, device=gq.device)
+    for e, (lo, hi) in enumerate(_segments(counts, gq.shape[0])):
+        out[lo:hi] = gd[lo:hi] @ wd[e]
+    return out.to(dtype)
+
+
+def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """dw[e] = grad^T[:, rows of e] @ x[rows of e]: grad^T [N, M], x^T [K, M], both 128x1 along the
+    tokens of each expert -> [E, N, K]."""
+    gd, xd = dequantize_cols_grouped(gt, gts, counts), dequantize_cols_grouped(xt, xts, counts)
+    out = torch.zeros(len(counts), gt.shape[0], xt.shape[0], dtype=torch.float32, device=gt.device)
+    for e, (lo, hi) in enumerate(_segments(counts, gt.shape[1])):
+        out[e] = gd[:, lo:hi] @ xd[:, lo:hi].t()
+    return out.to(dtype)
+
+
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of silu(gate) * up, computed as spartron.layers.ffn.swiglu computes it (the
+    value the unfused path quantises); h is a temporary, never kept."""
+    return quantize_rows(F.silu(gate) * up, pow2)

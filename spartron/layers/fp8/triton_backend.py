@@ -1,8 +1,13 @@
-"""The "triton" backend: Spartron's blockwise quantisation and grouped GEMM kernels (Hopper).
+"""The "triton" backend's primitives: Spartron's blockwise quantisation and grouped GEMM kernels
+(Hopper; spartron.layers.fp8.triton_kernels).
 
-Same layouts, tilings and results (up to fp32 accumulation order) as the reference backend; the
-expert counts stay on the device (tile slots are a static bound: no host sync). A dense linear is
-one group.
+Same layouts, tilings and quantised values as the reference backend (GEMM results up to the order of
+fp32 accumulation); the expert counts stay on the device (tile slots are a static bound: no host
+sync). What compiles when: a kernel compiles once per distinct set of its constexpr arguments — the
+contraction dim KC and the group count N_GROUPS (model dims: fixed per model), POW2, the block
+sizes — and per Triton's specialisation of the runtime ints (a value of 1, or divisible by 16). The
+routed-row count M and the slot count T are runtime arguments: a new row count each step reuses the
+compiled kernel (at most the "M % 16 == 0 or not" variants; tested on the GPU).
 """
 
 from __future__ import annotations
@@ -14,13 +19,29 @@ from spartron.layers.fp8 import triton_kernels as k
 from spartron.layers.fp8.quant import FP8, TILE, check_tiled, tile_slots
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def quantize_rows(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     m, kc = x.shape
     check_tiled("contraction dim", kc)
     x = x.contiguous()
     q = torch.empty(m, kc, dtype=FP8, device=x.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=x.device)
-    k.quantize_rows_kernel[(triton_cdiv(m, 32), kc // TILE)](x, q, s, m, kc, POW2=pow2, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, q, s, m, kc, POW2=pow2, SWIGLU=False, BM=32)
+    return q, s
+
+
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of silu(gate) * up in one pass: h (rounded to gate's dtype as torch's eager
+    SwiGLU rounds it) is never written."""
+    m, kc = gate.shape
+    check_tiled("contraction dim", kc)
+    gate, up = gate.contiguous(), up.contiguous()
+    q = torch.empty(m, kc, dtype=FP8, device=gate.device)
+    s = torch.empty(kc // TILE, m, dtype=torch.float32, device=gate.device)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, q, s, m, kc, POW2=pow2, SWIGLU=True, BM=32)
     return q, s
 
 
@@ -58,25 +79,18 @@ def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: t
     return out
 
 
-def grouped_forward(x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
-    xq, xs = quantize_rows(x, pow2)
-    wq, ws = quantize_blocks(w, pow2)
-    return _gemm(xq, xs, wq, ws, counts, x.dtype)
+def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    return _gemm(xq, xs, wq, ws, counts, dtype)
 
 
-def grouped_backward(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    gq, gs = quantize_rows(grad, pow2)
-    wq, ws = quantize_blocks(w, pow2)
+def dgrad(gq: Tensor, gs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
     # dgrad contracts over N: the transposed FP8 weight (same 128x128 blocks, one byte per value to copy)
-    dx = _gemm(gq, gs, wq.transpose(-2, -1).contiguous(), ws.transpose(-2, -1), counts, x.dtype)
-    gt, gts = quantize_cols_grouped(grad, counts, pow2)
-    xt, xts = quantize_cols_grouped(x, counts, pow2)
-    groups, n, kc = w.shape
-    dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, x.shape[0], n, kc,
-                                                          gts.shape[1], groups, BN=128, BK=128, num_warps=8)
-    return dx, dw
+    return _gemm(gq, gs, wq.transpose(-2, -1).contiguous(), ws.transpose(-2, -1), counts, dtype)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    (n, m), kc, groups = gt.shape, xt.shape[0], counts.numel()
+    dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
+    k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, m, n, kc, gts.shape[1],
+                                                          groups, BN=128, BK=128, num_warps=8)
+    return dw

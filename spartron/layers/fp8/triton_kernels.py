@@ -10,19 +10,33 @@ of spartron.layers.fp8.quant (the reference they are tested against). Imported o
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FP8_MAX: tl.constexpr = 448.0
 
 
 @triton.jit
+def _div(x, y):
+    """x / y rounded to nearest, as torch divides: Triton's `/` on fp32 is div.full.f32 (2 ulp), which
+    can move a power-of-two scale by a factor 2 and a quantised value by one e4m3 step."""
+    x, y = tl.broadcast(x, y)
+    return tl.math.div_rn(x, y)
+
+
+@triton.jit
 def _scale(amax, POW2: tl.constexpr):
-    scale = amax / FP8_MAX
+    scale = _div(amax, tl.zeros_like(amax) + FP8_MAX)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
         exponent = bits & 0x7F800000
         exponent = tl.where((bits & 0x007FFFFF) != 0, exponent + 0x00800000, exponent)
         scale = exponent.to(tl.float32, bitcast=True)
     return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _cast(x, scale):
+    return tl.clamp(_div(x, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -47,15 +61,25 @@ def _group_of_slot(slot, counts_ptr, N_GROUPS: tl.constexpr, TILE: tl.constexpr)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, BM: tl.constexpr):
+def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, SWIGLU: tl.constexpr,
+                         BM: tl.constexpr):
+    """1x128 tiles of x [M, K] (SWIGLU: of silu(x) * up, each factor rounded to x's dtype as torch's
+    eager silu and mul round them: expf and a correctly rounded division, as CUDA's expf and `/`)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     mask = rows[:, None] < M
-    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SWIGLU:
+        dtype = x_ptr.dtype.element_ty
+        g = x.to(tl.float32)
+        silu = _div(g, 1.0 + libdevice.exp(-g)).to(dtype)
+        up = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    x = x.to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), axis=1), POW2)
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(q_ptr + offs, _cast(x, scale[:, None]), mask=mask)
     tl.store(s_ptr + kb * M + rows, scale, mask=rows < M)
 
 
@@ -68,7 +92,7 @@ def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, POW2: tl.constexpr):
     offs = rows[:, None] * K + cols[None, :]
     w = tl.load(w_ptr + offs).to(tl.float32)
     scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    tl.store(q_ptr + offs, tl.clamp(w / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv))
+    tl.store(q_ptr + offs, _cast(w, scale))
     tl.store(s_ptr + row_block * (K // 128) + kb, scale)
 
 
@@ -83,7 +107,7 @@ def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, M, C, T, N_GROUPS: tl.
         mask = rows[:, None] < row_hi
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = _scale(tl.max(tl.abs(x), axis=0), POW2)  # [BC]
-        q = tl.clamp(x / scale[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        q = _cast(x, scale[None, :])
         tl.store(q_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
         tl.store(s_ptr + cols * T + slot, scale)
 

@@ -1,0 +1,107 @@
+"""The experts' fused FP8 ops equal the unfused path bitwise (reference backend, CPU), the experts
+module runs them, torch_scaled_mm's scale layouts pass torch's own checks (meta device), and counts
+that do not cover the rows are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spartron.layers.ffn import swiglu
+from spartron.layers.fp8 import grouped_mm, scaled_mm_backend
+from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
+from spartron.layers.fp8.modules import FP8GroupedExperts
+from spartron.layers.moe.experts import GroupedExperts
+
+COUNTS = [130, 0, 254]
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(384, 256, generator=g).bfloat16()
+    w1, w3 = ((torch.randn(3, 128, 256, generator=g) * 0.05).bfloat16() for _ in range(2))
+    w2 = (torch.randn(3, 256, 128, generator=g) * 0.05).bfloat16()
+    grad = torch.randn(384, 256, generator=g).bfloat16()
+    return x, w1, w3, w2, grad
+
+
+def _run(x, w1, w3, w2, grad, fused: bool, pow2: bool = True):
+    x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    if fused:
+        gate, up = grouped_mm_pair(x, w1, w3, counts, "reference", pow2)
+        out = swiglu_grouped_mm(gate, up, w2, counts, "reference", pow2)
+    else:
+        h = swiglu(grouped_mm(x, w1, counts, "reference", pow2), grouped_mm(x, w3, counts, "reference", pow2))
+        out = grouped_mm(h, w2, counts, "reference", pow2)
+    out.backward(grad)
+    return out, x.grad, w1.grad, w3.grad, w2.grad
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_fused_expert_ops_equal_the_unfused_path_bitwise(pow2):
+    inputs = _inputs(0)
+    fused, unfused = _run(*inputs, fused=True, pow2=pow2), _run(*inputs, fused=False, pow2=pow2)
+    for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), fused, unfused, strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(fused[2][1], torch.zeros(128, 256, dtype=torch.bfloat16))  # the empty expert
+    assert fused[0].abs().sum() > 0 and fused[1].abs().sum() > 0
+
+
+def test_fp8_experts_module_runs_the_fused_ops_and_matches_their_composition():
+    x = _inputs(1)[0]
+    experts = GroupedExperts(3, 256, 128, mode="loop", dtype=torch.bfloat16)
+    experts.__class__ = FP8GroupedExperts
+    experts.fp8_backend, experts.fp8_pow2 = "reference", True
+    out = experts(x, COUNTS)
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    h = swiglu(*(grouped_mm(x, w, counts, "reference", True) for w in (experts.w1, experts.w3)))
+    assert torch.equal(out, grouped_mm(h, experts.w2, counts, "reference", True))
+    with pytest.raises(ValueError, match="tokens_per_expert sums to 383, x has 384 rows"):
+        experts(x, [130, 0, 253])
+
+
+def test_the_swiglu_backward_is_swiglus():
+    """The fused op's gate / up gradients are spartron.layers.ffn.swiglu's on the same dh."""
+    g = torch.Generator().manual_seed(2)
+    gate, up = (torch.randn(256, 128, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    w = (torch.randn(1, 128, 128, generator=g) * 0.05).bfloat16()
+    counts = torch.tensor([256], dtype=torch.int32)
+    grad = torch.randn(256, 128, generator=g).bfloat16()
+    swiglu_grouped_mm(gate, up, w, counts, "reference", True).backward(grad)
+    h = swiglu(gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_())
+    dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True), h, grad)[0]
+    ref_gate = torch.ops.aten.silu_backward(dh * up.detach(), gate.detach())
+    assert torch.equal(gate.grad, ref_gate) and torch.equal(up.grad, dh * F.silu(gate.detach()))
+
+
+@pytest.mark.parametrize("m, k, n", [(256, 384, 640), (384, 512, 256), (128, 128, 128)])
+def test_scaled_mm_scale_layouts_pass_torchs_checks(m, k, n):
+    """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks: K/128 = 3 needs
+    the 128x128 scales padded to 4 rows, and the wgrad's right-hand 1x128 scales are [K, tiles]
+    outer-dim-major (both were wrong: every such GEMM raised on the GPU)."""
+    fp8 = torch.float8_e4m3fn
+
+    def q(*shape):
+        return torch.empty(*shape, dtype=fp8, device="meta")
+
+    def s(*shape):
+        return torch.empty(*shape, device="meta")
+
+    assert scaled_mm_backend.fprop(q(m, k), s(k // 128, m), q(n, k), s(n // 128, k // 128), torch.bfloat16).shape \
+        == (m, n)
+    assert scaled_mm_backend.dgrad(q(m, n), s(n // 128, m), q(n, k), s(n // 128, k // 128), torch.bfloat16).shape \
+        == (m, k)
+    assert scaled_mm_backend.wgrad(q(n, m), s(n, m // 128 + 1), q(k, m), s(k, m // 128 + 1), torch.bfloat16).shape \
+        == (n, k)
+
+
+def test_block_scale_pads_to_four_rows_column_major():
+    s = torch.arange(6.0).reshape(3, 2)  # [K/128 = 3, N/128 = 2]
+    out = scaled_mm_backend.block_scale(s)
+    assert out.shape == (4, 2) and out.stride() == (1, 4)
+    assert torch.equal(out[:3], s) and torch.equal(out[3], torch.zeros(2))
+    cols = torch.arange(12.0).reshape(3, 4)  # [C = 3, T = 4 slots], 2 used
+    picked = scaled_mm_backend.cols_scale(cols, 2)
+    assert picked.stride() == (1, 3) and torch.equal(picked, cols[:, :2])
