@@ -53,6 +53,8 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::_scaled_mm",
     "spartron_fp8::linear",  # blockwise FP8 GEMMs (spartron.layers.fp8.ops): kept like the GEMMs they replace
     "spartron_fp8::grouped_mm",
+    "spartron_fp8::grouped_mm_pair",  # the experts' w1 / w3 on one quantisation of x (spartron.layers.fp8.expert_ops)
+    "spartron_fp8::swiglu_grouped_mm",  # the experts' w2 on SwiGLU's product quantised where produced
     # Not DSA's absorbed per-head projections (spartron::absorb_query / absorb_output): their outputs are
     # [B, S, H, 576] and [B, S, H, 128] (at 128 heads 9 GiB and 2 GiB per layer at 64k) for a batched product of
     # ~0.15 GFLOP per token to recompute; kept, they made DSA hold more than dense MLA (issue 39).
