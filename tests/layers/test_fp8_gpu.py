@@ -1,0 +1,107 @@
+"""The Triton and torch_scaled_mm backends on the GPU: quantisation bitwise equal to the reference
+(both scale modes), GEMMs within accumulation-order error of it, the fused expert ops bitwise equal
+to the unfused path, and a new routed-row count reusing the compiled kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spartron.layers.fp8 import gemms, grouped_mm, linear, quant, reference
+from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Hopper)")]
+
+
+def _inputs(m: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(3, 384, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    grad = torch.randn(m, 384, device="cuda", generator=g).bfloat16()
+    return x, w, grad
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("counts", [[130, 0, 382], [512, 0, 0]])
+def test_triton_primitives_match_the_reference(counts, pow2):
+    from spartron.layers.fp8 import triton_backend as tb
+
+    c = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    x, w, grad = _inputs(512)
+    for fn, arg in (("quantize_rows", x), ("quantize_blocks", w)):
+        (q, s), (rq, rs) = getattr(tb, fn)(arg, pow2), getattr(quant, fn)(arg, pow2)
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), fn
+    (q, s), (rq, rs) = tb.quantize_cols_grouped(x, c, pow2), quant.quantize_cols_grouped(x, c, pow2)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    gate, up = grad[:, :256].contiguous(), x.flip(0).contiguous()
+    (q, s), (rq, rs) = tb.swiglu_quantize_rows(gate, up, pow2), reference.swiglu_quantize_rows(gate, up, pow2)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu"
+    out, ref = gemms.forward(tb, x, w, c, pow2), gemms.forward(reference, x, w, c, pow2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    (dx, dw), (rdx, rdw) = gemms.backward(tb, grad, x, w, c, pow2), gemms.backward(reference, grad, x, w, c, pow2)
+    torch.testing.assert_close(dx.float(), rdx.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dw.float(), rdw.float(), rtol=1e-2, atol=5e-2)
+
+
+def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():
+    from spartron.layers.ffn import swiglu
+
+    c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
+    x, w, grad = _inputs(512, seed=1)
+    w1, w3 = w[:, :256], w[:, 128:]
+    w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()  # [3, 256, 256]
+    results = []
+    for fused in (True, False):
+        leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
+        xl, w1l, w3l, w2l = leaves
+        if fused:
+            out = swiglu_grouped_mm(*grouped_mm_pair(xl, w1l, w3l, c, "triton", True), w2l, c, "triton", True)
+        else:
+            h = swiglu(grouped_mm(xl, w1l, c, "triton", True), grouped_mm(xl, w3l, c, "triton", True))
+            out = grouped_mm(h, w2l, c, "triton", True)
+        out.backward(grad[:, :256])
+        results.append([out] + [t.grad for t in leaves])
+    for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):
+        assert torch.equal(a, b), name
+
+
+def _compiled(fn) -> int:
+    caches = getattr(fn, "device_caches", None)  # triton >= 3.2: {device: (kernel cache, ...)}
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(entry) for entry in fn.cache.values())
+
+
+def test_a_new_routed_row_count_reuses_the_compiled_kernels():
+    from spartron.layers.fp8 import triton_kernels as k
+
+    kernels = (k.quantize_rows_kernel, k.quantize_blocks_kernel, k.quantize_cols_kernel, k.grouped_gemm_kernel,
+               k.grouped_wgrad_kernel)
+    x, w, grad = _inputs(1024, seed=2)
+    x.requires_grad_(True)
+    counts = ([256, 0, 256], [300, 12, 200], [0, 640, 144], [128, 128, 768])  # rows 512, 512, 784, 1024
+    for i, cs in enumerate(counts):
+        rows = sum(cs)
+        c = torch.tensor(cs, dtype=torch.int32, device="cuda")
+        grouped_mm(x[:rows], w, c, "triton", True).backward(grad[:rows])
+        torch.cuda.synchronize()
+        if i == 0:
+            first = [_compiled(f) for f in kernels]
+    assert [_compiled(f) for f in kernels] == first  # rows 512 / 784 / 1024: all multiples of 16, no compile
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+@pytest.mark.parametrize("k", [384, 512])
+def test_torch_scaled_mm_dense_linear_matches_the_reference(k):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(256, k, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(640, k, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    grad = torch.randn(256, 640, device="cuda", generator=g).bfloat16()
+    out = linear(x, w, "torch_scaled_mm", True)
+    out.backward(grad)
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = linear(ref_x, ref_w, "reference", True)
+    ref.backward(grad)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad.float(), ref_w.grad.float(), rtol=1e-2, atol=5e-2)
