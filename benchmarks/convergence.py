@@ -1,0 +1,263 @@
+"""Loss curves on real text, Spartron against torchtitan 0.2.2 (issue 38 item 4): the same Hugging Face initial
+weights, the same data in the same order, the same schedule, at a DeepSeek-V3-like shape
+(configs/converge-dsv3.toml) on one GPU, bf16 and fp32 masters, compiled, selective AC.
+
+    python benchmarks/convergence.py --case spartron-bf16 --steps-to 500     # one piece of one case
+    python benchmarks/convergence.py --report --out benchmarks/results/convergence/convergence.json
+    python benchmarks/convergence.py --smoke --out /tmp/c.json               # CPU, tiny, seconds
+
+Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron's order (train.seed);
+titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band.
+Everything lives under --root (default runs/converge): the corpus, tokenizer and token folder
+(converge_corpus.py), the initial weights (init-hf/, from Spartron's initialisation at train.seed) and one
+folder per case. A case resumes from its last saved step: Spartron from its run directory (train.resume),
+torchtitan from titan-state.pt; each invocation trains up to --steps-to (default: train.steps), so a
+case runs in pieces that fit a time limit. --report reads every case's metrics (train loss every step,
+val_loss every train.eval_every on the same held-out batches) and writes the JSON and a PNG beside it.
+torchtitan absent (or no CUDA): the torchtitan cases are recorded as not run, with the reason, and no
+comparison is claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import converge_corpus  # noqa: E402
+import converge_titan  # noqa: E402
+
+CASES = {name: (side, precision, seed) for precision in ("bf16", "fp32") for name, side, seed in (
+    (f"spartron-{precision}", "spartron", 0), (f"titan-{precision}", "torchtitan", 0),
+    (f"titan-{precision}-seed1", "torchtitan", 1))}
+PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16"', 'model.master_dtype="float32"']}
+AC = {"selective": "selective", "full": "full", "none": "none"}  # Spartron ac.mode -> torchtitan's mode
+# --smoke: the DeepSeek-V3 architecture at the tiny preset's sizes, on CPU, 4 steps
+SMOKE = ["device=cpu", "model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+         "model.dense_inter_dim=128", "model.max_seq_len=64", "model.mla.kv_lora_rank=32",
+         "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
+         "model.moe.n_routed_experts=8", "model.moe.top_k=2", "model.moe.moe_inter_dim=32", "model.moe.n_groups=2",
+         "model.moe.topk_groups=1", "train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=4",
+         "train.steps=4", "train.warmup_steps=1", "train.eval_every=2", "train.eval_steps=1", "train.compile=false",
+         "train.data.val_fraction=0.2"]
+
+
+def load_run_config(args: argparse.Namespace, extra: list[str] = ()):  # noqa: ANN201 - RunConfig
+    from spartron.runtime.config import load_config
+
+    overrides = [*(SMOKE if args.smoke else ()), *args.set, f'train.data.path="{args.root / "tok"}"', *extra]
+    return load_config(args.config, overrides)
+
+
+def init_weights(cfg, root: Path) -> Path:  # noqa: ANN001
+    """root/init-hf: Spartron's initialisation at train.seed in float32, exported in the Hugging Face layout (once)."""
+    from spartron.interop.hf import export_hf
+    from spartron.layers.model import build_model
+
+    out = root / "init-hf"
+    if not (out / "config.json").is_file():
+        m = cfg.model.model_copy(update={"dtype": "float32", "master_dtype": None})
+        export_hf(build_model(m, seed=cfg.train.seed, device="cpu"), out)
+    return out
+
+
+def run_spartron(cfg, case_dir: Path, hf_dir: Path, steps_to: int) -> None:  # noqa: ANN001
+    """Spartron's Trainer from the initial weights (or its newest saved step) to steps_to, saving there."""
+    import torch.distributed as dist
+
+    from spartron.runtime.preemption import StopOnSigterm
+    from spartron.runtime.rank_setup import init_process_group
+    from spartron.runtime.trainer import Trainer
+
+    t = cfg.train
+    own = init_process_group(cfg)
+    trainer = Trainer(cfg, stop=StopOnSigterm())
+    try:
+        trainer.setup()
+        while not trainer.done and trainer.step_no < steps_to:
+            if trainer.step_no + 1 == steps_to < t.steps:
+                trainer.stop.request()  # this step saves, the next invocation resumes from it
+            trainer.step()
+        trainer.close()
+    finally:
+        trainer.release_run_dir()
+    if own:
+        dist.destroy_process_group()
+
+
+def run_case(args: argparse.Namespace, name: str) -> None:
+    side, precision, seed = CASES[name]
+    case_dir = args.root / name
+    probe = load_run_config(args)
+    info = converge_corpus.prepare(args.root, probe.model.vocab_size, args.max_bytes)
+    print(f"corpus: {info['documents']} files, {info['text_bytes']} bytes, {info['tokens']['n_tokens']} tokens")
+    problems = converge_titan.comparable_problems(probe.model)
+    if problems:
+        raise SystemExit("spartron: error: torchtitan cannot compute this [model]: " + "; ".join(problems))
+    hf_dir = init_weights(probe, args.root)
+    steps_to = args.steps_to or probe.train.steps
+    if side == "spartron":
+        cfg = load_run_config(args, [*PRECISION[precision], f'train.run_dir="{case_dir}"', f'train.init_from="hf:{hf_dir}"',
+                                     f"train.save_every={probe.train.steps}", "train.resume=true"])
+        run_spartron(cfg, case_dir, hf_dir, steps_to)
+        return
+    why = converge_titan.unavailable()
+    if why:
+        raise SystemExit(f"spartron: error: case {name}: torchtitan cannot run here: {why}")
+    cfg = load_run_config(args, PRECISION[precision])
+    converge_titan.run(cfg, case_dir, hf_dir, precision, cfg.train.seed + seed, steps_to, AC[cfg.ac.mode])
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """Step records by step (the last one written wins: a piece that died after logging is re-run)."""
+    out: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("type", "step") == "step" and "step" in record:
+                out[int(record["step"])] = record
+    return out
+
+
+def curves(case_dir: Path, side: str) -> dict:
+    records = read_metrics(case_dir / "metrics.jsonl")
+    steps = sorted(records)
+    key = "lm_loss" if side == "spartron" else "loss"
+    return {"steps": steps, "loss": [records[s][key] for s in steps],
+            "val_steps": [s for s in steps if records[s].get("val_loss") is not None],
+            "val_loss": [records[s]["val_loss"] for s in steps if records[s].get("val_loss") is not None],
+            "median_step_time_s": (sorted(records[s]["step_time_s"] for s in steps)[len(steps) // 2] if steps else None),
+            "peak_memory_allocated_gib": max((records[s].get("peak_memory_allocated_bytes") or 0 for s in steps),
+                                             default=0) / 2**30}
+
+
+def window_means(c: dict, width: int) -> dict[int, float]:
+    """Mean training loss over each full window of `width` steps, keyed by the window's last step."""
+    by_step = dict(zip(c["steps"], c["loss"], strict=True))
+    out = {}
+    for end in range(width, max(c["steps"], default=0) + 1, width):
+        window = [by_step[s] for s in range(end - width + 1, end + 1) if s in by_step]
+        if len(window) == width:
+            out[end] = sum(window) / width
+    return out
+
+
+def band(ours: dict[int, float], ref: dict[int, float], other: dict[int, float]) -> dict | None:
+    """|ours - ref| against the reference's own |ref - other| (two data orders) over the second half of the
+    points all three have: max and root-mean-square of each, and whether ours is within (rms <= the band's)."""
+    common = sorted(set(ours) & set(ref) & set(other))
+    tail = common[len(common) // 2:]
+    if not tail:
+        return None
+    rms = lambda xs: (sum(x * x for x in xs) / len(xs)) ** 0.5  # noqa: E731
+    diff = [ours[s] - ref[s] for s in tail]
+    noise = [ref[s] - other[s] for s in tail]
+    return {"points": tail, "diff": diff, "noise": noise, "diff_max": max(map(abs, diff)),
+            "noise_max": max(map(abs, noise)), "diff_rms": rms(diff), "noise_rms": rms(noise),
+            "within_noise_band": rms(diff) <= rms(noise)}
+
+
+def report(args: argparse.Namespace) -> dict:
+    cfg = load_run_config(args)
+    corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
+    t = cfg.train
+    tokens_read = t.steps * t.global_batch_size * t.seq_len
+    out = {"benchmark": "convergence", "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
+           "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode, "compile": t.compile,
+           "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
+           "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
+           "cases": {}, "comparisons": {}}
+    for name, (side, precision, seed) in CASES.items():
+        case_dir = args.root / name
+        if not (case_dir / "metrics.jsonl").is_file():
+            out["cases"][name] = {"side": side, "precision": precision, "status": "not run"}
+            continue
+        c = curves(case_dir, side)
+        done = "complete" if c["steps"] and c["steps"][-1] >= t.steps else f"partial (to step {c['steps'][-1]})"
+        out["cases"][name] = {"side": side, "precision": precision, "data_seed": t.seed + seed, "status": done, **c}
+    for precision in PRECISION:
+        names = [f"spartron-{precision}", f"titan-{precision}", f"titan-{precision}-seed1"]
+        cases = [out["cases"][n] for n in names]
+        if any(c["status"] == "not run" for c in cases):
+            out["comparisons"][precision] = {"status": "not compared: " + ", ".join(
+                n for n, c in zip(names, cases, strict=True) if c["status"] == "not run") + " not run"}
+            continue
+        val = [dict(zip(c["val_steps"], c["val_loss"], strict=True)) for c in cases]
+        train = [window_means(c, t.eval_every or 50) for c in cases]
+        out["comparisons"][precision] = {"val_loss": band(*val), "train_loss_windows": band(*train)}
+    write(out, args.out)
+    return out
+
+
+def write(out: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        plot(out, path.with_suffix(".png"))
+        out["plot"] = str(path.with_suffix(".png").name)
+    except ImportError as err:
+        out["plot"] = f"not drawn: {err}"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def plot(out: dict, path: Path) -> None:
+    """Training loss (window means) and validation loss per precision, every case that ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(PRECISION), figsize=(6 * len(PRECISION), 8), squeeze=False)
+    for col, precision in enumerate(PRECISION):
+        for name, case in out["cases"].items():
+            if case["precision"] != precision or case["status"] == "not run":
+                continue
+            means = window_means(case, out["eval_every"] or 1)
+            axes[0][col].plot(list(means), list(means.values()), label=name)
+            axes[1][col].plot(case["val_steps"], case["val_loss"], marker=".", label=name)
+        axes[0][col].set_title(f"{precision}: training loss (mean of {out['eval_every']} steps)")
+        axes[1][col].set_title(f"{precision}: validation loss")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("step")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "converge-dsv3.toml")
+    parser.add_argument("--root", type=Path, default=REPO / "runs" / "converge")
+    parser.add_argument("--case", choices=sorted(CASES), action="append", default=[], help="run this case (repeatable)")
+    parser.add_argument("--steps-to", type=int, default=None, help="train each case up to this step (default: all)")
+    parser.add_argument("--report", action="store_true", help="write the JSON (and PNG) from the cases' metrics")
+    parser.add_argument("--max-bytes", type=int, default=128 << 20, help="corpus text at most (bytes)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--out", type=Path, default=None, help="the report's JSON (default ROOT/convergence.json)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the Spartron cases, then --report")
+    args = parser.parse_args()
+    if args.steps_to is not None and args.steps_to < 1:
+        parser.error(f"--steps-to must be >= 1, got {args.steps_to}")
+    args.root = args.root.resolve()
+    args.out = args.out or args.root / "convergence.json"
+    if args.smoke:
+        args.max_bytes = min(args.max_bytes, 1_000_000)
+        args.case = args.case or [n for n, (side, _, _) in CASES.items() if side == "spartron"]
+        args.report = True
+    if not args.case and not args.report:
+        parser.error("give --case NAME (repeatable), --report or --smoke")
+    for name in args.case:
+        run_case(args, name)
+    if args.report:
+        report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
