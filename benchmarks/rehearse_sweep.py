@@ -7,6 +7,7 @@ memory the layout is reported with the planner's answer and "not rehearsed"; oth
 seconds, the communication bytes and modelled seconds by category (fsdp, ep, cp, other), the predicted step
 time and tokens/s per GPU (headline: the runtime's overlaps) and MFU, and planner vs measured peak.
 
+The layouts run one after another in this process (each in its own mirrored world: spartron.comm.mirror).
 Each invocation adds its entries to --out (entries of the same case, world and seq_len are replaced) and
 redraws the PNG, so the sweep can be split over several calls of a few minutes each:
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,15 +71,6 @@ def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int
             "comm": h["comm"], "step_s": {k: h[k]["seconds"] for k in ("compute_only", "headline", "no_overlap")},
             "tokens_per_s_per_gpu": h["headline"]["tokens_per_s_per_gpu"], "mfu": h["headline"]["mfu"],
             "micro_batches": report["micro_batches"], "setup_s": report["setup_s"]}
-
-
-def isolated_entry(*args: object) -> dict:
-    """`entry` in a fresh Python process: each rehearsal gets its own torch.distributed world, device-mesh state
-    and device memory (two mirrored worlds one after the other in one process have mis-sharded a parameter)."""
-    done = subprocess.run([sys.executable, __file__, "--entry", json.dumps(args)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"rehearsal {args[:2]} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _empty_cache() -> None:
@@ -134,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, help="device memory (default: the local GPU's)")
     p.add_argument("--smoke", action="store_true", help="the tiny preset at 1, 8, 16 ranks on CPU")
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--entry", help=argparse.SUPPRESS)  # one entry's arguments as JSON (isolated_entry)
     args = p.parse_args(argv)
-    if args.entry is not None:
-        print(json.dumps(entry(*json.loads(args.entry))))
-        return 0
     import torch
 
     if args.gpu_memory_gib is not None:
@@ -153,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
-            e = isolated_entry(name, config, world, overrides, seq, device_bytes, args.steps, args.balanced_routing)
+            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.balanced_routing)
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",

@@ -27,8 +27,18 @@ sense) so the rehearsal can model what the collectives would cost on a real clus
 and DeepEP's / the copy-engine exchange's peer-memory buffers have no mirrored meaning: they are
 refused (spartron.comm.transport checks `is_mirrored`).
 
-The backend is registered through torch.distributed's public `Backend.register_backend`; a Python
-subclass of `ProcessGroup` is returned as the group itself (no C++ backend).
+The backend is registered once per process through torch.distributed's public `Backend.register_backend`; a
+Python subclass of `ProcessGroup` is returned as the group itself (no C++ backend). Its creator holds no world:
+the default group of a world makes the world's ledger (and takes `balanced` from its `MirrorOptions`), every
+later group of that world shares the default group's.
+
+Several worlds in one process (rehearsals one after another): DTensor caches its sharding propagation and
+redistribution plans by DeviceMesh equality, which compares the mesh's ranks and names but not which rank this
+process is, nor its groups. A second world whose mesh equals the first one's got the first world's DeviceMesh
+back from those caches (through `to_empty`'s DTensor op): rank 0 of a second 16-rank world held a mesh whose
+coordinate was the first world's rank 13, so `materialize_` sliced a [0, 64] chunk for its [1, 64] shard, and
+its collectives went to the first world's destroyed groups. `mirrored_world` clears those caches as it starts
+and ends (what torch's own DTensor tests do between worlds).
 """
 
 from __future__ import annotations
@@ -304,6 +314,41 @@ def is_mirrored(group: dist.ProcessGroup | None) -> bool:
     return isinstance(group, MirroredProcessGroup)
 
 
+@dataclass(frozen=True)
+class MirrorOptions:
+    """The default group's options (init_process_group's pg_options): how the world's all-to-alls answer."""
+
+    balanced: bool = False
+
+
+def _create(opts: object, pg_options: object) -> MirroredProcessGroup:
+    """The backend's creator: the default group starts the world's ledger, later groups share it."""
+    ranks = opts.global_ranks_in_group or range(opts.group_size)
+    if not dist.is_initialized():  # the default group of a new world
+        balanced = pg_options.balanced if isinstance(pg_options, MirrorOptions) else False
+        return MirroredProcessGroup(opts.group_rank, opts.group_size, CommLedger(), ranks, balanced)
+    world = dist.group.WORLD
+    if not isinstance(world, MirroredProcessGroup):
+        raise MirrorError(f"a {BACKEND} group needs a mirrored world (spartron.comm.mirror.mirrored_world)")
+    return MirroredProcessGroup(opts.group_rank, opts.group_size, world.ledger, ranks, world.balanced)
+
+
+def _forget_dtensor_caches() -> None:
+    """Drop DTensor's caches keyed by DeviceMesh equality, which ignores this process's rank and groups (module
+    docstring): the sharding propagation (Python and, where this torch has one, C++ fast path; torch's debug
+    helper clears both) and, where this torch caches them, the redistribution plans."""
+    from torch.distributed.tensor import _redistribute as redistribute
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()
+    transforms = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
+    planners = getattr(redistribute, "clear_redistribute_planner_cache", None)
+    if planners is not None:
+        planners()
+
+
 @contextmanager
 def mirrored_world(rank: int, world_size: int, balanced: bool = False,
                    timeout: timedelta = timedelta(minutes=30)) -> Iterator[CommLedger]:
@@ -313,15 +358,13 @@ def mirrored_world(rank: int, world_size: int, balanced: bool = False,
         raise MirrorError("mirrored_world: torch.distributed is already initialised in this process")
     if not 0 <= rank < world_size:
         raise MirrorError(f"rank {rank} is outside a world of {world_size}")
-    ledger = CommLedger()
-
-    def create(opts: object, pg_options: object) -> MirroredProcessGroup:  # noqa: ARG001
-        return MirroredProcessGroup(opts.group_rank, opts.group_size, ledger, opts.global_ranks_in_group or
-                                    range(opts.group_size), balanced)
-
-    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
-    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size, timeout=timeout)
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    _forget_dtensor_caches()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size, timeout=timeout,
+                            pg_options=MirrorOptions(balanced))
     try:
-        yield ledger
+        yield dist.group.WORLD.ledger
     finally:
         dist.destroy_process_group()
+        _forget_dtensor_caches()

@@ -7,6 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 from spartron.comm import EPTransport, all_gather, all_to_all, exchange_split_sizes, reduce_scatter
 from spartron.comm.mirror import MirrorError, mirrored_world
@@ -95,3 +98,37 @@ def test_a_mirrored_world_needs_a_free_process_and_a_rank_inside_it():
             with mirrored_world(0, 2):
                 pass
     assert not dist.is_initialized()
+
+
+def _shards(rank: int, world: int, balanced: bool) -> tuple:
+    """An [8, 64] weight FSDP2-sharded over a mirrored world, built on meta and given storage (materialize_'s
+    path): this rank's shard shape, its mesh's coordinate, the shard DTensor slices from that mesh, and what
+    one all-gather of it recorded, with the world's group and ledger."""
+    with mirrored_world(rank, world, balanced=balanced) as ledger:
+        with torch.device("meta"):
+            model = torch.nn.Linear(64, 8, bias=False)
+        fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        model.to_empty(device="cpu")
+        p = model.weight
+        sliced = distribute_tensor(torch.zeros(8, 64), p.device_mesh, p.placements, src_data_rank=None)
+        ledger.take()
+        p.full_tensor()
+        records = [(r.kind, r.size, r.calls, r.bytes) for r in ledger.take()]
+        return (tuple(p.to_local().shape), p.device_mesh.get_coordinate(), tuple(sliced.to_local().shape),
+                records, dist.group.WORLD.balanced), ledger
+
+
+def test_two_mirrored_worlds_in_one_process_shard_as_fresh_ones():
+    """A second world whose mesh equals the first's got the first's DeviceMesh (rank 13) back from DTensor's
+    caches: rank 0 sliced a [0, 64] chunk for its [1, 64] shard. Each world now shards and records alone."""
+    first, first_ledger = _shards(13, 16, balanced=True)
+    registered = dist.Backend.register_backend
+    calls = []
+    dist.Backend.register_backend = lambda *a, **k: calls.append(a)  # the backend is registered once
+    try:
+        second, second_ledger = _shards(0, 16, balanced=False)
+    finally:
+        dist.Backend.register_backend = registered
+    assert first == ((0, 64), (13,), (0, 64), [("all_gather", 16, 1, 16 * 64 * 4)], True)  # rows 0-7: ranks 0-7
+    assert second == ((1, 64), (0,), (1, 64), [("all_gather", 16, 1, 16 * 64 * 4)], False)
+    assert calls == [] and second_ledger is not first_ledger and first_ledger.take() == []

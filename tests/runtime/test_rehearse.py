@@ -1,10 +1,13 @@
 """`spartron rehearse` on CPU: the tiny preset's rank 3 of 8 (FSDP 8, EP 2) holds the planner's parameter bytes
 and reports finite, modelled communication by group; a mirrored rank's forward equals a real gloo run's
 (FSDP 2 and FSDP 4, 2 and 4 ranks) whose ranks hold identical shards and tokens; what a mirrored rank cannot
-run is refused by key."""
+run is refused by key; two rehearsals in one process give what two fresh processes give."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +123,31 @@ def test_mirrored_forward_equals_a_real_identical_data_run(world):
     with mirrored_world(0, world):
         mirrored = _shard0_forward(0, world, overrides)
     assert mirrored == pytest.approx(real[0], rel=1e-6, abs=1e-6)
+
+
+WORLD16 = ["parallel.ep=2", "train.global_batch_size=16", "train.seq_len=32", "train.peak_tflops=1.0"]
+
+
+def _rehearsed(world: int, rank: int) -> dict:
+    """What a one-step rehearsal of the tiny preset measures that must not depend on the process's history."""
+    out = run_rehearsal(load_config(TINY, WORLD16), world, rank, 1, balanced=False)
+    (step,) = out["steps"]
+    comm = [[s.name, [[r.kind, r.group, r.size, r.calls, r.bytes] for r in s.records]] for s in step["segments"]]
+    return {"param_bytes": out["param_bytes"], "loss": step["record"]["loss"],
+            "grad_norm": step["record"]["grad_norm"], "comm": comm}
+
+
+def test_two_rehearsals_in_one_process_equal_fresh_processes():
+    """Rank 13 then rank 0 of 16 (FSDP 16: rank 0 holds a row of the router's [8, 64] weight, rank 13 none) in this
+    process; the second once picked up the first's DeviceMesh and failed ([1, 64] vs [0, 64] in materialize_)."""
+    here = [_rehearsed(16, 13), _rehearsed(16, 0)]
+    fresh = [json.loads(subprocess.run([sys.executable, __file__, "16", str(rank)], capture_output=True, text=True,
+                                       check=True, timeout=600).stdout.splitlines()[-1]) for rank in (13, 0)]
+    assert here == fresh
+    assert [h["param_bytes"] for h in here] == [state_bytes_per_rank(load_config(TINY, WORLD16).model,
+                                                                    load_config(TINY, WORLD16).parallel.dims(16),
+                                                                    "adamw", r)["parameters"] for r in (13, 0)]
+
+
+if __name__ == "__main__":  # one rehearsal in a fresh process (the test above)
+    print(json.dumps(_rehearsed(int(sys.argv[1]), int(sys.argv[2]))))
