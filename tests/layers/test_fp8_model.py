@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spartron.checkpointing.config import ACConfig
+from spartron.configbase import ConfigError
 from spartron.layers.config import ModelConfig
 from spartron.layers.fp8 import apply_fp8
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
@@ -52,7 +53,14 @@ def test_gpu_backend_on_cpu_is_one_error_naming_the_key():
         pytest.skip("a CPU-only check")
     cfg = _cfg("model.fp8.backend=triton")
     model = build_model(cfg.model, seed=0)
-    with pytest.raises(ValueError, match="model.fp8.backend = 'triton' runs on a CUDA GPU"):
+    with pytest.raises(ConfigError, match="model.fp8.backend = 'triton' runs on a CUDA GPU"):
+        apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
+
+
+def test_fp8_that_converts_nothing_is_one_error_naming_the_modules_key():
+    cfg = _cfg("model.dim=64", "model.fp8.backend=reference", 'model.fp8.modules=["dense"]')  # no 128-wide linear
+    model = build_model(cfg.model, seed=0)
+    with pytest.raises(ConfigError, match=r"model.fp8.modules = \['dense'\] converts nothing in these blocks"):
         apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spartron.configbase import ConfigError
 from spartron.layers.config import FP8Config
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
 from spartron.layers.moe.experts import GroupedExperts
@@ -19,28 +20,28 @@ from spartron.layers.moe.router import Router
 
 
 def check_backend(backend: str) -> None:
-    """Raise ValueError naming model.fp8.backend when this machine cannot run it (no fallback)."""
+    """Raise ConfigError naming model.fp8.backend when this machine cannot run it (no fallback)."""
     if backend == "reference":
         return
     if not torch.cuda.is_available():
-        raise ValueError(f"model.fp8.backend = {backend!r} runs on a CUDA GPU (Hopper) and torch.cuda is not "
+        raise ConfigError(f"model.fp8.backend = {backend!r} runs on a CUDA GPU (Hopper) and torch.cuda is not "
                          "available: use backend 'reference' on CPU")
     major, minor = torch.cuda.get_device_capability()
     try:
         import triton  # noqa: F401
     except ImportError as err:
-        raise ValueError(f"model.fp8.backend = {backend!r} needs triton (pip install triton): {err}") from err
+        raise ConfigError(f"model.fp8.backend = {backend!r} needs triton (pip install triton): {err}") from None
     if backend == "triton" and major < 9:
-        raise ValueError(f"model.fp8.backend = 'triton' needs FP8 tensor cores (compute capability >= 9.0), "
+        raise ConfigError(f"model.fp8.backend = 'triton' needs FP8 tensor cores (compute capability >= 9.0), "
                          f"this GPU is {major}.{minor}")
     if backend == "torch_scaled_mm":
         import torch.nn.functional as F
         if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
-            raise ValueError("model.fp8.backend = 'torch_scaled_mm' needs torch.nn.functional.scaled_mm with "
+            raise ConfigError("model.fp8.backend = 'torch_scaled_mm' needs torch.nn.functional.scaled_mm with "
                              f"ScalingType.BlockWise128x128 (torch >= 2.9), this is torch {torch.__version__}: "
                              "install a newer torch or use backend 'triton'")
         if (major, minor) != (9, 0):
-            raise ValueError("model.fp8.backend = 'torch_scaled_mm': cuBLASLt's blockwise scaling runs on sm90 "
+            raise ConfigError("model.fp8.backend = 'torch_scaled_mm': cuBLASLt's blockwise scaling runs on sm90 "
                              f"(Hopper) only, this GPU is {major}.{minor}: use backend 'triton'")
 
 
@@ -51,7 +52,8 @@ def dense_eligible(module: nn.Module) -> bool:
 
 def apply_fp8(blocks: list[nn.Module], cfg: FP8Config) -> list[str]:
     """Convert the chosen modules inside `blocks` (nn.Modules); returns their qualified names
-    (block index, then the module path), in order."""
+    (block index, then the module path), in order. Converting nothing is an error naming
+    model.fp8.modules (a pipeline stage of dense layers with modules = ["experts"] included)."""
     check_backend(cfg.backend)
     converted = []
     for index, block in enumerate(blocks):
@@ -68,4 +70,8 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config) -> list[str]:
                 continue
             module.fp8_backend, module.fp8_pow2 = cfg.backend, cfg.power_of_two_scales
             converted.append(f"{index}.{name}")
+    if not converted:  # FP8 asked for and nothing in FP8: a run that is bf16 while it claims FP8
+        raise ConfigError(f"model.fp8.modules = {cfg.modules} converts nothing in these blocks: no routed experts "
+                         "and no bias-free nn.Linear with both dims multiples of 128 (model.dim, "
+                         "model.dense_inter_dim, the MLA ranks and head dims)")
     return converted

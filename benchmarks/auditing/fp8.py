@@ -1,0 +1,46 @@
+"""model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
+divide, a compute dtype FP8 cannot sit in, a GPU backend on a CPU machine, and FP8 beside the other precision
+and optimizer options (`spartron train` and `spartron plan`)."""
+
+from __future__ import annotations
+
+from benchmarks.auditing.core import Case, plan, train
+
+SHAPE = ('model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256")
+FP8 = (*SHAPE, 'model.fp8.backend="reference"')
+
+
+def cases() -> list[Case]:
+    out: list[Case] = []
+
+    def add(cid, argv, names, category="values", **kw):
+        out.append(Case(f"fp8-{cid}", "config", argv, tuple(names), category=category,
+                        timeout=kw.pop("timeout", 120.0), **kw))
+
+    add("recipe-unknown", train(*FP8, 'model.fp8.recipe="tensorwise"'), ("model.fp8.recipe",), quick=True)
+    add("backend-unknown", train(*SHAPE, 'model.fp8.backend="deepgemm"'), ("model.fp8.backend",))
+    add("backend-int", train(*SHAPE, "model.fp8.backend=1"), ("model.fp8.backend",), category="dtypes")
+    add("modules-empty", train(*FP8, "model.fp8.modules=[]"), ("model.fp8.modules",))
+    add("modules-unknown", train(*FP8, 'model.fp8.modules=["attention"]'), ("model.fp8.modules",))
+    add("modules-duplicate", train(*FP8, 'model.fp8.modules=["dense","dense"]'), ("model.fp8.modules",))
+    add("modules-string", train(*FP8, 'model.fp8.modules="experts"'), ("model.fp8.modules",), category="dtypes")
+    add("pow2-string", train(*FP8, 'model.fp8.power_of_two_scales="yes"'), ("model.fp8.power_of_two_scales",),
+        category="dtypes")
+    add("unknown-key", train(*FP8, 'model.fp8.scale="e8m0"'), ("model.fp8.scale",))
+    add("section-not-table", train(*SHAPE, "model.fp8=1"), ("model.fp8",), category="dtypes")
+    add("float32-dtype", train("model.dim=128", "model.moe.moe_inter_dim=128", 'model.fp8.backend="reference"'),
+        ("model.fp8", "model.dtype"))
+    add("dim-not-128", train('model.dtype="bfloat16"', "model.moe.moe_inter_dim=128", 'model.fp8.backend="reference"'),
+        ("model.dim",), category="sizes")
+    add("inter-not-128", train('model.dtype="bfloat16"', "model.dim=128", 'model.fp8.backend="reference"'),
+        ("model.moe.moe_inter_dim",), category="sizes")
+    add("dense-none-eligible", train('model.dtype="bfloat16"', 'model.fp8.backend="reference"',
+                                     'model.fp8.modules=["dense"]'), ("model.fp8.modules",), category="sizes")
+    add("gpu-backend-on-cpu", train(*SHAPE, 'model.fp8.backend="triton"'), ("model.fp8.backend",))
+    add("scaled-mm-on-cpu", train(*SHAPE, 'model.fp8.backend="torch_scaled_mm"'), ("model.fp8.backend",))
+    add("plan", plan(*FP8), (), accept_ok=True)
+    add("step", train(*FP8), (), accept_ok=True, timeout=240.0)
+    add("step-master-weights", train(*FP8, 'model.master_dtype="float32"', 'model.master_weights="optimizer"'), (),
+        accept_ok=True, timeout=240.0)
+    add("step-muon", train(*FP8, 'train.optimizer="muon"'), (), accept_ok=True, timeout=240.0)
+    return out
