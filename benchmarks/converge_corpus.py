@@ -77,7 +77,8 @@ def build_corpus(doc_root: Path, out_dir: Path, max_bytes: int) -> dict:
             used.append([str(path.relative_to(doc_root)), size])
             total += size
     if not used:
-        raise SystemExit(f"spartron: error: no readable documentation file under {doc_root}")
+        print(f"spartron: error: no readable documentation file under {doc_root}", file=sys.stderr)
+        raise SystemExit(2)
     return {"doc_root": str(doc_root), "candidates": len(files), "documents": len(used), "text_bytes": total,
             "max_bytes": max_bytes, "skipped": skipped, "sha256": digest.hexdigest(), "files": used}
 

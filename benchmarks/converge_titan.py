@@ -150,7 +150,9 @@ class TitanCase:
         from torchtitan.models.deepseek_v3.model.state_dict_adapter import DeepSeekV3StateDictAdapter
         from torchtitan.tools import utils as tt_utils
 
-        self.cfg, self.dir, self.device = cfg, case_dir, torch.device("cuda", torch.cuda.current_device())
+        cuda = torch.cuda.is_available()
+        self.cfg, self.dir = cfg, case_dir
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         jc = job_config(cfg, precision, compile_, ac)
         pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
         args = model_args(cfg.model, cfg.train.seq_len)
@@ -159,7 +161,7 @@ class TitanCase:
             model = DeepSeekV3Model(args)
         model.norm.eps = args.norm_eps
         model = parallelize_deepseekv3(model, pd, jc)
-        model.to_empty(device="cuda")
+        model.to_empty(device=self.device.type)
         with torch.no_grad():
             model.init_weights(buffer_device=None)  # freqs_cis; every parameter is overwritten next
         state = DeepSeekV3StateDictAdapter(args, None).from_hf(read_hf(hf_dir))
@@ -168,7 +170,7 @@ class TitanCase:
         self.model, self.loss_fn = model, build_cross_entropy_loss(jc)
         self.optimizers = build_optimizers_with_moe_load_balancing([model], jc.optimizer, pd)
         split_decay_groups(self.optimizers, cfg.train.weight_decay)
-        self.amp = dist_utils.maybe_enable_amp(pd, jc.training.mixed_precision_param, "cuda")
+        self.amp = dist_utils.maybe_enable_amp(pd, jc.training.mixed_precision_param, self.device.type)
         self.clip = lambda: dist_utils.clip_grad_norm_(list(model.parameters()), jc.training.max_norm, foreach=True,
                                                        pp_mesh=None, ep_enabled=False)
         self.step_no = 0
@@ -204,7 +206,8 @@ class TitanCase:
 
     def step(self, batch, lr: float) -> dict:  # noqa: ANN001 - spartron.runtime.data.Batch
         """torchtitan's train_step for one micro-batch, at learning rate `lr`."""
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
         start = time.perf_counter()
         for opt in self.optimizers.optimizers:
             for group in opt.param_groups:
@@ -216,7 +219,7 @@ class TitanCase:
         self.optimizers.step()  # its pre-hook updates the expert biases from the step's counts
         self.step_no += 1
         record = {"step": self.step_no, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr}
-        torch.cuda.synchronize()
+        sync()
         record["step_time_s"] = time.perf_counter() - start
         return record
 
@@ -258,7 +261,7 @@ def run(cfg, case_dir: Path, hf_dir: Path, precision: str, data_seed: int, steps
                 raise SystemExit(f"spartron: error: torchtitan's loss is {record['loss']} at step {record['step']}")
             if t.eval_every and (case.step_no % t.eval_every == 0 or case.step_no == t.steps):
                 record["val_loss"] = case.evaluate(evaluator, t.eval_steps, t.global_batch_size)
-            record["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            record["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
             log.write(json.dumps(record) + "\n")
             log.flush()
     with contextlib.suppress(FileNotFoundError):

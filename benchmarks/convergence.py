@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +40,18 @@ PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16
 AC = {"selective": "selective", "full": "full", "none": "none"}  # Spartron ac.mode -> torchtitan's mode
 # --smoke: the DeepSeek-V3 architecture at the tiny preset's sizes, on CPU, 4 steps
 SMOKE = ["device=cpu", "model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
-         "model.dense_inter_dim=128", "model.max_seq_len=64", "model.mla.kv_lora_rank=32",
+         "model.dense_inter_dim=128", "model.max_seq_len=64", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
          "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
          "model.moe.n_routed_experts=8", "model.moe.top_k=2", "model.moe.moe_inter_dim=32", "model.moe.n_groups=2",
          "model.moe.topk_groups=1", "train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=4",
          "train.steps=4", "train.warmup_steps=1", "train.eval_every=2", "train.eval_steps=1", "train.compile=false",
          "train.data.val_fraction=0.2"]
+
+
+def fail(message: str) -> None:
+    """One line `spartron: error: ...`, exit status 2 (the project's refusal)."""
+    print(f"spartron: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def load_run_config(args: argparse.Namespace, extra: list[str] = ()):  # noqa: ANN201 - RunConfig
@@ -66,8 +73,9 @@ def init_weights(cfg, root: Path) -> Path:  # noqa: ANN001
     return out
 
 
-def run_spartron(cfg, case_dir: Path, hf_dir: Path, steps_to: int) -> None:  # noqa: ANN001
-    """Spartron's Trainer from the initial weights (or its newest saved step) to steps_to, saving there."""
+def run_spartron(cfg, steps_to: int, stop_when: Callable[[dict], bool] | None = None) -> None:  # noqa: ANN001
+    """Spartron's Trainer from train.init_from (or its newest saved step) to steps_to, saving there; or, when
+    `stop_when(record)` says so after a step, through one more step that saves (dsa_stages' plateau rule)."""
     import torch.distributed as dist
 
     from spartron.runtime.preemption import StopOnSigterm
@@ -79,10 +87,12 @@ def run_spartron(cfg, case_dir: Path, hf_dir: Path, steps_to: int) -> None:  # n
     trainer = Trainer(cfg, stop=StopOnSigterm())
     try:
         trainer.setup()
+        stop = False
         while not trainer.done and trainer.step_no < steps_to:
-            if trainer.step_no + 1 == steps_to < t.steps:
+            if stop or trainer.step_no + 1 == steps_to < t.steps:
                 trainer.stop.request()  # this step saves, the next invocation resumes from it
-            trainer.step()
+            record = trainer.step()
+            stop = stop_when is not None and stop_when(record)
         trainer.close()
     finally:
         trainer.release_run_dir()
@@ -98,17 +108,17 @@ def run_case(args: argparse.Namespace, name: str) -> None:
     print(f"corpus: {info['documents']} files, {info['text_bytes']} bytes, {info['tokens']['n_tokens']} tokens")
     problems = converge_titan.comparable_problems(probe.model)
     if problems:
-        raise SystemExit("spartron: error: torchtitan cannot compute this [model]: " + "; ".join(problems))
+        fail("torchtitan cannot compute this [model]: " + "; ".join(problems))
     hf_dir = init_weights(probe, args.root)
     steps_to = args.steps_to or probe.train.steps
     if side == "spartron":
         cfg = load_run_config(args, [*PRECISION[precision], f'train.run_dir="{case_dir}"', f'train.init_from="hf:{hf_dir}"',
                                      f"train.save_every={probe.train.steps}", "train.resume=true"])
-        run_spartron(cfg, case_dir, hf_dir, steps_to)
+        run_spartron(cfg, steps_to)
         return
     why = converge_titan.unavailable()
     if why:
-        raise SystemExit(f"spartron: error: case {name}: torchtitan cannot run here: {why}")
+        fail(f"case {name}: torchtitan cannot run here: {why}")
     cfg = load_run_config(args, PRECISION[precision])
     converge_titan.run(cfg, case_dir, hf_dir, precision, cfg.train.seed + seed, steps_to, AC[cfg.ac.mode])
 
