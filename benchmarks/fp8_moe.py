@@ -1,6 +1,7 @@
 """Routed experts of one MoE layer, forward + backward, blockwise FP8 vs bf16 (issue 38 item 2).
 
-The three grouped GEMMs (w1, w3, w2) with SwiGLU between them, as GroupedExperts runs them, on rows
+The three grouped GEMMs (w1, w3, w2) with SwiGLU between them, as GroupedExperts runs them (FP8: the fused
+spartron_fp8::grouped_mm_pair and swiglu_grouped_mm), on rows
 already grouped by expert (balanced counts): the part of the MoE layer FP8 changes; the router,
 dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (dim 7168, moe_inter
 2048, 8 local experts, 8k and 32k routed rows) and dsv3-12l on one GPU (dim 2048, moe_inter 1408,
@@ -40,7 +41,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup: int, steps: int) -> list[float]:
+def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup: int,
+              steps: int) -> tuple[list[float], float | None]:
+    """Step times (ms) and the peak memory of the timed steps (GiB; None on CPU)."""
     torch.manual_seed(0)
     experts = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
     if mode == "fp8":
@@ -51,6 +54,8 @@ def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup
     times = []
     for step in range(warmup + steps):
         _sync(device)
+        if step == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         experts(x, counts).backward(grad)
         _sync(device)
@@ -58,7 +63,7 @@ def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup
             times.append((time.perf_counter() - start) * 1e3)
         x.grad = None
         experts.zero_grad(set_to_none=True)
-    return times
+    return times, (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,9 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"shape": shape}
         flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
         for mode in ("bf16", "fp8"):
-            times = time_mode(shape, mode, backend, device, warmup, steps)
+            times, peak = time_mode(shape, mode, backend, device, warmup, steps)
             median = sorted(times)[len(times) // 2]
-            run[mode] = {"step_ms": times, "median_ms": median, "tflops": flops / median / 1e9}
+            run[mode] = {"step_ms": times, "median_ms": median, "tflops": flops / median / 1e9, "peak_gib": peak}
         run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
         result["runs"][name] = run
         print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms, "
