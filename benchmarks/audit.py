@@ -79,8 +79,19 @@ def legacy_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    from benchmarks.auditing import (evaluation, fp8, hf_export, hf_import, plans, precision, regress, rehearsals,
-                                     rundir, runs, tokenize)
+    from benchmarks.auditing import (
+        evaluation,
+        fp8,
+        hf_export,
+        hf_import,
+        plans,
+        precision,
+        regress,
+        rehearsals,
+        rundir,
+        runs,
+        tokenize,
+    )
 
     return (legacy_cases() + plans.cases() + tokenize.cases() + hf_import.cases() + hf_export.cases()
             + rundir.cases() + runs.cases() + evaluation.cases() + regress.cases() + rehearsals.cases()

@@ -3,9 +3,9 @@
 One pass per element: read param, grad, exp_avg, exp_avg_sq, compute in fp32 registers, write param, exp_avg,
 exp_avg_sq in their own dtypes (the gradient is only read). With HAS_COPY the parameter is an fp32 master
 (spartron.runtime.master_weights) and the pass also writes its copy in the compute dtype (`w`, rounded to
-nearest even as torch's `.to(torch.bfloat16)` rounds): the bf16 weight costs no pass of its own. The math follows torch.optim.AdamW's single-tensor
-update operation by operation (decoupled decay, lerp, mul/addcmul, sqrt / sqrt(bc2) + eps, addcdiv), with
-correctly rounded sqrt and division as torch's kernels use.
+nearest even as torch's `.to(torch.bfloat16)` rounds): the bf16 weight costs no pass of its own. The math follows
+torch.optim.AdamW's single-tensor update operation by operation (decoupled decay, lerp, mul/addcmul,
+sqrt / sqrt(bc2) + eps, addcdiv), with correctly rounded sqrt and division as torch's kernels use.
 
 `adamw_table_kernel` serves many tensors in one launch: a program reads its tensor from the block map, and that
 tensor's addresses and size from an int64 table, cast to pointers here. Pointers loaded from memory carry no

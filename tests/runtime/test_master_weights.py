@@ -58,7 +58,8 @@ def _run(path: str, run_dir: str, micro: int) -> dict:
     out = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records], masters=masters,
                moments=moments, grads=grads, rounded=rounded,
                param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-               state_dtypes=sorted({str(v.dtype) for v in moments.values()}), optimizer=type(trainer.optimizer).__name__)
+               state_dtypes=sorted({str(v.dtype) for v in moments.values()}),
+               optimizer=type(trainer.optimizer).__name__)
     trainer.close()
     return out
 

@@ -242,7 +242,8 @@ HF_FIELD_OF = {
 
 # ModelConfig keys a checkpoint does not determine: how Spartron runs and trains the same function.
 SPARTRON_ONLY_KEYS = frozenset({
-    "dtype", "master_dtype", "master_weights", "reduce_dtype", "init_std", "loss_chunk_size", "moe.router_fp32", "moe.bias_update_rate",
+    "dtype", "master_dtype", "master_weights", "reduce_dtype", "init_std", "loss_chunk_size", "moe.router_fp32",
+    "moe.bias_update_rate",
     "moe.aux_loss_coeff",
     "moe.aux_loss_type", "moe.dispatcher", "moe.all_to_all_transport", "moe.copy_engine_sync", "moe.deepep_num_sms",
     "moe.grouped_mm", "mtp.share_weights", "mtp.loss_scale", "dsa.indexer_mode", "dsa.indexer_loss_coeff",
