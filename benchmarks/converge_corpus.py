@@ -88,7 +88,7 @@ def cli(*args: str) -> None:
     done = subprocess.run([sys.executable, "-m", "spartron.launch.cli", *args], cwd=REPO, capture_output=True,
                           text=True)
     if done.returncode:
-        raise SystemExit(f"spartron {' '.join(args[:1])} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise SystemExit(f"spartron {args[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
 
 
 def prepare(root: Path, vocab_size: int, max_bytes: int, doc_root: Path = Path("/usr/share/doc")) -> dict:

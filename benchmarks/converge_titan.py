@@ -261,7 +261,8 @@ def run(cfg, case_dir: Path, hf_dir: Path, precision: str, data_seed: int, steps
                 raise SystemExit(f"spartron: error: torchtitan's loss is {record['loss']} at step {record['step']}")
             if t.eval_every and (case.step_no % t.eval_every == 0 or case.step_no == t.steps):
                 record["val_loss"] = case.evaluate(evaluator, t.eval_steps, t.global_batch_size)
-            record["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+            cuda = torch.cuda.is_available()
+            record["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated() if cuda else 0
             log.write(json.dumps(record) + "\n")
             log.flush()
     with contextlib.suppress(FileNotFoundError):

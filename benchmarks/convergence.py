@@ -112,8 +112,9 @@ def run_case(args: argparse.Namespace, name: str) -> None:
     hf_dir = init_weights(probe, args.root)
     steps_to = args.steps_to or probe.train.steps
     if side == "spartron":
-        cfg = load_run_config(args, [*PRECISION[precision], f'train.run_dir="{case_dir}"', f'train.init_from="hf:{hf_dir}"',
-                                     f"train.save_every={probe.train.steps}", "train.resume=true"])
+        cfg = load_run_config(args, [*PRECISION[precision], f'train.run_dir="{case_dir}"',
+                                     f'train.init_from="hf:{hf_dir}"', f"train.save_every={probe.train.steps}",
+                                     "train.resume=true"])
         run_spartron(cfg, steps_to)
         return
     why = converge_titan.unavailable()
@@ -141,7 +142,7 @@ def curves(case_dir: Path, side: str) -> dict:
     return {"steps": steps, "loss": [records[s][key] for s in steps],
             "val_steps": [s for s in steps if records[s].get("val_loss") is not None],
             "val_loss": [records[s]["val_loss"] for s in steps if records[s].get("val_loss") is not None],
-            "median_step_time_s": (sorted(records[s]["step_time_s"] for s in steps)[len(steps) // 2] if steps else None),
+            "median_step_time_s": sorted(records[s]["step_time_s"] for s in steps)[len(steps) // 2] if steps else None,
             "peak_memory_allocated_gib": max((records[s].get("peak_memory_allocated_bytes") or 0 for s in steps),
                                              default=0) / 2**30}
 

@@ -165,7 +165,7 @@ def run_phase(args: argparse.Namespace, phase: str) -> None:
             if recall is None:
                 return False
             recalls.append(recall)
-            if plateau(recalls, args.plateau_window, args.plateau_tol):
+            if not found.is_file() and plateau(recalls, args.plateau_window, args.plateau_tol):  # the first one
                 found.write_text(json.dumps({"step": record["step"], "recall": recall}) + "\n")
                 return True
             return False

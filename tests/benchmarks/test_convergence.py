@@ -1,0 +1,147 @@
+"""benchmarks/convergence.py and benchmarks/dsa_stages.py: their CPU smoke modes (the Spartron side; torchtitan is
+not installed here, which the report must say rather than claim a comparison), resuming a case in pieces, the
+corpus reader, the noise-band arithmetic and the plateau rule."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import converge_corpus  # noqa: E402
+import convergence  # noqa: E402
+import dsa_stages  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp_path):
+    pytest.importorskip("tokenizers")
+    whole, pieces = tmp_path / "whole", tmp_path / "pieces"
+    done = bench("convergence.py", "--smoke", "--root", str(whole), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = bench("convergence.py", "--smoke", "--root", str(pieces), "--case", "spartron-bf16", "--steps-to", "2",
+                  cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(convergence.read_metrics(pieces / "spartron-bf16" / "metrics.jsonl")) == [1, 2]
+    rest = bench("convergence.py", "--smoke", "--root", str(pieces), "--case", "spartron-bf16", cwd=tmp_path)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    report = json.loads((pieces / "convergence.json").read_text())
+    uninterrupted = json.loads((whole / "convergence.json").read_text())
+    case, ref = report["cases"]["spartron-bf16"], uninterrupted["cases"]["spartron-bf16"]
+    assert case["status"] == "complete" and case["steps"] == [1, 2, 3, 4] and case["val_steps"] == [2, 4]
+    assert case["loss"] == ref["loss"] and case["val_loss"] == ref["val_loss"]  # two pieces = one run, bitwise
+    assert uninterrupted["cases"]["spartron-fp32"]["status"] == "complete"
+    corpus = uninterrupted["corpus"]
+    assert corpus["documents"] == len(corpus["files"]) > 0
+    assert corpus["text_bytes"] == sum(size for _, size in corpus["files"]) <= 1_000_000
+    if uninterrupted["torchtitan_unavailable"]:  # this machine: no torchtitan, so nothing is compared
+        assert all(uninterrupted["cases"][n]["status"] == "not run" for n in convergence.CASES if "titan" in n)
+        assert uninterrupted["comparisons"]["bf16"] == {
+            "status": "not compared: titan-bf16, titan-bf16-seed1 not run"}
+    assert (whole / "convergence.png").stat().st_size > 0
+
+
+def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
+    if convergence.converge_titan.unavailable() is None:
+        pytest.skip("torchtitan runs here")
+    done = bench("convergence.py", "--smoke", "--root", str(tmp_path / "r"), "--case", "titan-bf16", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("spartron: error: case titan-bf16: torchtitan cannot run here: ")
+    assert "Traceback" not in done.stderr
+
+
+def test_dsa_stages_smoke(tmp_path):
+    pytest.importorskip("tokenizers")
+    done = bench("dsa_stages.py", "--smoke", "--root", str(tmp_path / "r"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "r" / "dsa_stages.json").read_text())
+    phases = report["phases"]
+    assert phases["dense"]["steps"] == [1, 2, 3, 4]
+    # smoke plateau rule (window 2, tolerance 1.0): plateaued at the 4th measurement, one more step saved
+    assert report["warmup"]["plateau"]["step"] == 4 and phases["warmup"]["steps"] == [1, 2, 3, 4, 5]
+    assert phases["warmup"]["metric_steps"] == [1, 2, 3, 4, 5]
+    assert all(0.0 <= r <= 1.0 for r in phases["warmup"]["mean_recall"])
+    assert report["warmup"]["backbone_equals_dense"]["identical"] is True
+    # only the indexers train in the warm-up, with dense attention: the LM is the dense model's, bitwise
+    assert set(phases["warmup"]["val_loss"]) == {phases["dense"]["val_loss"][-1]}
+    assert phases["sparse"]["steps"] == phases["dense-baseline"]["steps"] == [1, 2, 3, 4]
+    diff = report["sparse_vs_dense"]["val_diff"]
+    assert diff == {str(s): a - b for s, a, b in zip(phases["sparse"]["val_steps"], phases["sparse"]["val_loss"],
+                                                     phases["dense-baseline"]["val_loss"], strict=True)}
+
+
+def test_dsa_phase_before_dense_is_one_error_line(tmp_path):
+    pytest.importorskip("tokenizers")
+    done = bench("dsa_stages.py", "--smoke", "--root", str(tmp_path / "r"), "--phase", "sparse", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("spartron: error: --phase sparse needs the dense phase trained "
+                                                    "to its 4 steps first (--phase dense)")
+
+
+def test_corpus_reads_docs_by_path_hash_and_records_them(tmp_path):
+    docs = tmp_path / "doc"
+    for pkg, name, data in [("a", "copyright", b"alpha"), ("b", "README", b"beta text"),
+                            ("c", "changelog.Debian.gz", gzip.compress(b"gamma")), ("d", "copyright", b"\xff\xfe"),
+                            ("e", "index.html", b"<p>not read</p>"), ("f", "NEWS", b"")]:
+        (docs / pkg).mkdir(parents=True)
+        (docs / pkg / name).write_bytes(data)
+    (docs / "g").mkdir()
+    (docs / "g" / "copyright").symlink_to(docs / "a" / "copyright")
+    info = converge_corpus.build_corpus(docs, tmp_path / "out", max_bytes=1000)
+    import hashlib
+
+    expect = sorted(["a/copyright", "b/README", "c/changelog.Debian.gz"],
+                    key=lambda p: hashlib.sha256(p.encode()).hexdigest())
+    assert [f for f, _ in info["files"]] == expect
+    assert info["text_bytes"] == 5 + 9 + 5 and info["candidates"] == 5
+    assert info["skipped"] == {"not_utf8_or_unreadable": 1, "empty": 1, "over_max_bytes": 0}
+    texts = [json.loads(line)["text"] for line in (tmp_path / "out" / "corpus.jsonl").read_text().splitlines()]
+    assert texts == [{"a/copyright": "alpha", "b/README": "beta text", "c/changelog.Debian.gz": "gamma"}[f]
+                     for f in expect]
+    capped = converge_corpus.build_corpus(docs, tmp_path / "capped", max_bytes=10)
+    sizes = {"a/copyright": 5, "b/README": 9, "c/changelog.Debian.gz": 5}
+    kept, total = [], 0
+    for f in expect:
+        if total + sizes[f] > 10:
+            break
+        kept.append(f)
+        total += sizes[f]
+    assert [f for f, _ in capped["files"]] == kept and capped["skipped"]["over_max_bytes"] > 0
+
+
+def test_noise_band_and_windows():
+    c = {"steps": [1, 2, 3, 4, 5], "loss": [5.0, 3.0, 2.0, 2.0, 9.0]}
+    assert convergence.window_means(c, 2) == {2: 4.0, 4: 2.0}
+    ours, ref = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}, {1: 1.0, 2: 2.5, 3: 3.1, 4: 3.8}
+    other = {1: 0.0, 2: 0.0, 3: 3.5, 4: 4.4}
+    b = convergence.band(ours, ref, other)
+    assert b["points"] == [3, 4]
+    assert b["diff"] == pytest.approx([-0.1, 0.2]) and b["noise"] == pytest.approx([-0.4, -0.6])
+    assert b["diff_rms"] == pytest.approx((0.05 / 2) ** 0.5) and b["noise_rms"] == pytest.approx((0.52 / 2) ** 0.5)
+    assert b["within_noise_band"] is True
+    assert b["diff_max"] == pytest.approx(0.2) and b["noise_max"] == pytest.approx(0.6)
+    assert convergence.band(ours, ref, {}) is None
+    assert convergence.band({3: 3.0}, {3: 3.5}, {3: 3.4})["within_noise_band"] is False
+
+
+def test_plateau_rule():
+    assert dsa_stages.plateau([0.1, 0.2, 0.3], 2, 0.01) is False  # fewer than two windows
+    assert dsa_stages.plateau([0.1, 0.2, 0.30, 0.31], 2, 0.01) is False  # gained 0.155
+    assert dsa_stages.plateau([0.50, 0.52, 0.515, 0.52], 2, 0.01) is True  # gained 0.0025
+    assert dsa_stages.mean_recall({"indexer_recall_per_layer": [0.5, 0.7]}) == pytest.approx(0.6)
+    assert dsa_stages.mean_recall({}) is None
