@@ -12,12 +12,23 @@ from __future__ import annotations
 from spartron.layers.costs import count_parameters, state_bytes_per_rank
 from spartron.parallel.dims import GROUP_DIMS
 from spartron.runtime.config import RunConfig, dump_config
-from spartron.runtime.memory import plan_memory, step_shape  # noqa: F401 (this module's API too)
+from spartron.runtime.memory import plan_memory, stage_plans, step_shape  # noqa: F401 (this module's API too)
 from spartron.runtime.stages import planned_stage_table
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
+
+
+def _stage_memory(cfg: RunConfig, world_size: int) -> list[str]:
+    """One line per stage: its predicted peak on rank 0 and what makes it up (spartron.runtime.memory)."""
+    try:
+        plans = stage_plans(cfg, world_size)
+    except Exception as err:  # noqa: BLE001 - as the peak below: the table is still worth printing
+        return [f"predicted peak per stage: not computed ({err})"]
+    return [f"stage {i} {name!r} predicted peak {_gib(p.peak)} at {p.phase}: "
+            + ", ".join(f"{key} {_gib(value)}" for key, value in p.parts.items())
+            for i, (name, p) in enumerate(plans, 1)]
 
 
 def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
@@ -32,6 +43,7 @@ def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
     stages = planned_stage_table(cfg)  # a pattern matching no parameter: a ConfigError naming it
     if stages:
         out += ["", f"# training stages ({len(stages)}, [[train.stages]])", *(line.strip() for line in stages)]
+        out += _stage_memory(cfg, world_size)
     params = count_parameters(cfg.model)
     mem = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)
     out += ["", f"# state per rank ({cfg.model.stored_dtype} parameters, gradients and optimizer state): "
@@ -42,7 +54,8 @@ def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
     except Exception as err:  # noqa: BLE001 - e.g. a batch that does not divide: the layout is still worth printing
         out += ["", f"# predicted peak per rank: not computed ({err})"]
     else:
+        worst = next((f", stage {name!r}" for name, p in stage_plans(cfg, world_size) if p == plan), "")
         out += ["", f"# predicted peak allocated memory per rank (rank 0, eager step, ac.mode = {cfg.ac.mode!r}"
-                    f"{', offload' if cfg.offload.enabled else ''}): {_gib(plan.peak)} at {plan.phase}"]
+                    f"{', offload' if cfg.offload.enabled else ''}{worst}): {_gib(plan.peak)} at {plan.phase}"]
         out += [f"{key:<22} {_gib(value)}" for key, value in plan.parts.items()]
     return "\n".join(out) + "\n"

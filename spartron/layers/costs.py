@@ -276,12 +276,12 @@ def muon_takes(shape: tuple[int, ...], vocab_size: int) -> bool:
     return len(shape) in (2, 3) and vocab_size not in tuple(shape)[-2:]
 
 
-def _optimizer_state_elements(m: ModelConfig, shards: dict[str, tuple[int, ...]], optimizer: str) -> int:
+def optimizer_state_elements(m: ModelConfig, shards: dict[str, tuple[int, ...]], optimizer: str) -> int:
     """AdamW: exp_avg + exp_avg_sq per element. Muon: one momentum for what `muon_takes`, AdamW's two for the rest."""
-    total = 0
-    for fqn, shape in param_shapes(m).items():
-        muon = optimizer == "muon" and muon_takes(shape, m.vocab_size)
-        total += _numel(shards[fqn]) * (1 if muon else 2)
+    total, shapes = 0, param_shapes(m)
+    for fqn, shard in shards.items():  # every parameter's, or (a training stage's) those that train
+        muon = optimizer == "muon" and muon_takes(shapes[fqn], m.vocab_size)
+        total += _numel(shard) * (1 if muon else 2)
     return total
 
 
@@ -301,6 +301,6 @@ def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, ran
     local = sum(_numel(s) for s in shards.values())
     weights = width + (PARAM_BYTES[m.dtype] if optimizer_masters(m) else 0)
     out = {"parameters": local * weights, "gradients": local * width,
-           "optimizer_state": _optimizer_state_elements(m, shards, optimizer) * width}
+           "optimizer_state": optimizer_state_elements(m, shards, optimizer) * width}
     out["total"] = sum(out.values())
     return out

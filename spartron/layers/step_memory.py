@@ -13,7 +13,15 @@ from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_rows
 from spartron.layers.config import ModelConfig, master_layout_refusal
-from spartron.layers.costs import PARAM_BYTES, is_routed_expert, optimizer_masters, param_shapes, state_bytes_per_rank
+from spartron.layers.costs import (
+    PARAM_BYTES,
+    is_routed_expert,
+    optimizer_masters,
+    optimizer_state_elements,
+    param_shapes,
+    param_shards,
+    state_bytes_per_rank,
+)
 from spartron.parallel.dims import ParallelDims
 
 
@@ -35,6 +43,12 @@ class StepShape:
     keep_grad_buffers: bool = False
     device: str = "cuda"  # cpu: SDPA's math path keeps the [B, H, S, S] probabilities
     grad_sync: str = "last_micro_batch"  # train.grad_sync; "every_micro_batch": no unsharded grads accumulate
+    # A training stage ([[train.stages]], planned per stage by spartron.runtime.memory): the DSA mode its layers
+    # run in (None: model.dsa.indexer_mode; "dense_warmup": dense attention, the indexer trained by kl_dense's
+    # loss) and the names of the parameters it trains (None: all). Frozen ones have no gradient, no optimizer
+    # state, no gradient reduction; their activations are planned as if they trained (an upper bound).
+    dsa_mode: str | None = None
+    trainable: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class _Block:
     kept_absorb: int  # DSA's absorbed query and output projections (kept only when ac.targets names them)
     kept_replay: int  # held by replay frames (checkpointing.replay) in every AC mode: a DSA source's top-k ids
     params: int  # elements (its FSDP unit: all-gathered in the compute dtype)
+    trained: int  # elements of those that train (gradients made and reduce-scattered)
 
 
 def _norm(tokens: int, width: int, a: int) -> int:
@@ -107,6 +122,7 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
     x, h = m.mla, m.n_heads
     qk, kv = x.qk_nope_head_dim + x.qk_rope_head_dim, x.kv_lora_rank + x.qk_rope_head_dim
     keys = tokens * cp  # CP gathers the compressed keys of the whole sequence
+    mode = _dsa_mode(m, step)
     saved = _norm(tokens, m.dim, a)
     mm = absorb = replay = 0
     if x.q_lora_rank:
@@ -114,7 +130,7 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         mm += tokens * x.q_lora_rank * a
     mm += tokens * h * qk * a + tokens * kv * a  # wq (wq_b), wkv_a outputs
     saved += tokens * kv * a + tokens * x.kv_lora_rank * a + keys * kv * a  # wkv_a out, kv_norm, compressed (+rope)
-    if role is None:  # dense SDPA: q, k (cat with the rope part), v (a view of wkv_b's output on CUDA)
+    if role is None or mode == "dense_warmup":  # dense SDPA: q, k (cat with the rope part), v (a view on CUDA)
         wkv_b = keys * h * (x.qk_nope_head_dim + x.v_head_dim) * a
         v = wkv_b if step.device == "cuda" else keys * h * x.v_head_dim * a
         scores = tokens * h * 4 if step.device == "cuda" else tokens * h * keys // step.micro_batch_size * a
@@ -122,8 +138,7 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         saved += tokens * h * qk * a + keys * h * qk * a + v + scores + out
         mm += wkv_b
         attn = out + tokens * h * 4
-    else:  # absorbed sparse attention over the selected keys
-        k = min(m.dsa.index_topk, keys)
+    if role is not None and mode != "dense_warmup":  # absorbed sparse attention over the selected keys
         q_abs = tokens * h * kv * a
         out = tokens * h * x.kv_lora_rank * a
         saved += q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
@@ -131,18 +146,27 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         # ac.targets naming other ops than sparse_mla / the KL ops (a list without them): recomputed in the replay
         listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
         attn = out + tokens * h * 4 if listed & {"spartron", "spartron::sparse_mla"} else 0
-        if role == "source":
-            d = m.dsa
-            index = tokens * (d.n_index_heads * d.index_head_dim + d.index_head_dim + d.n_index_heads) * a
-            ids, kl = tokens * k * 4, (2 * tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)
-            saved += index + ids + kl + (tokens * k * 4 if d.indexer_mode == "kl_sparse" else 0)  # + log_softmax
-            mm += index
-            kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
-            attn += kl if kl_listed else 0
-            replay += ids + (tokens * 4 if d.indexer_mode == "kl_dense" else 0)  # kl_dense: its MANDATORY op's outputs
+    if role == "source":  # the indexer: its projections, the top-k ids, the KL's (dense warm-up: kl_dense's)
+        d, k = m.dsa, min(m.dsa.index_topk, keys)
+        listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
+        index = tokens * (d.n_index_heads * d.index_head_dim + d.index_head_dim + d.n_index_heads) * a
+        ids, kl = tokens * k * 4, (2 * tokens * k * 4 if mode == "kl_sparse" else 0)
+        saved += index + ids + kl + (tokens * k * 4 if mode == "kl_sparse" else 0)  # + log_softmax
+        mm += index
+        kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
+        attn += kl if kl_listed else 0
+        replay += ids + (tokens * 4 if mode in _KL_DENSE else 0)  # kl_dense: its MANDATORY op's outputs
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
     return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay)
+
+
+_KL_DENSE = ("kl_dense", "dense_warmup")  # the DSA modes whose KL runs spartron::kl_dense in query chunks
+
+
+def _dsa_mode(m: ModelConfig, step: StepShape) -> str | None:
+    """The DSA mode the step's layers run in: the stage's, else model.dsa.indexer_mode (None: no DSA)."""
+    return None if m.dsa is None else step.dsa_mode or m.dsa.indexer_mode
 
 
 def _kl_dense_work(m: ModelConfig, step: StepShape, cp: int) -> int:
@@ -172,6 +196,23 @@ def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int
     return saved, mm, max(routed * e.moe_inter_dim, tokens * si)
 
 
+def _trains(step: StepShape, fqn: str) -> bool:
+    return step.trainable is None or fqn in step.trainable
+
+
+def trained_state_bytes(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> dict[str, int]:
+    """state_bytes_per_rank with the gradients and optimizer state of the parameters the step trains only (a
+    stage's frozen parameters have neither); the parameters themselves all stay."""
+    state = state_bytes_per_rank(m, dims, step.optimizer, rank)
+    if step.trainable is None:
+        return state
+    shards = {f: s for f, s in param_shards(m, dims, rank).items() if f in step.trainable}
+    width = PARAM_BYTES[m.stored_dtype]
+    out = {"parameters": state["parameters"], "gradients": sum(math.prod(s) for s in shards.values()) * width,
+           "optimizer_state": optimizer_state_elements(m, shards, step.optimizer) * width}
+    return out | {"total": sum(out.values())}
+
+
 def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list[_Block]:
     tokens = step.micro_batch_size * step.seq_len // dims.cp
     roles, shapes = dsa_schedule(m), param_shapes(m)
@@ -186,11 +227,13 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
             saved += 2 * _norm(tokens, m.dim, a) + tokens * m.dim * a * 4
             mm += tokens * m.dim * a
         prefix = f"layers.{i}." if i < m.n_layers else f"mtp.blocks.{0 if m.mtp.share_weights else i - m.n_layers}."
-        local = {f: s for f, s in shapes.items() if f.startswith(prefix)}
-        params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in local.items())
+        local = {f: math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items()
+                 if f.startswith(prefix)}
+        params, trained = sum(local.values()), sum(n for f, n in local.items() if _trains(step, f))
         work = tokens * m.dim * a * 4 + 2 * widest * a
         blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn.kept_attention, work=work,
-                             kept_absorb=attn.kept_absorb, kept_replay=attn.kept_replay, params=params))
+                             kept_absorb=attn.kept_absorb, kept_replay=attn.kept_replay, params=params,
+                             trained=trained))
     return blocks
 
 
@@ -239,11 +282,13 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     a single micro-batch's gradients stay in the compute dtype, several sum into fp32 main gradients (live
     through the step, plus the largest parameter's compute-dtype gradient and its first fp32 copy in flight);
     the CPU's torch reference update holds three fp32 temporaries of the largest parameter.
+    A training stage (`step.dsa_mode`, `step.trainable`): its DSA layers' attention and KL terms, gradients,
+    optimizer state, gradient reduction and accumulation of the parameters that train only.
     """
     a = PARAM_BYTES[m.dtype]
     stored = PARAM_BYTES[m.stored_dtype]
     shapes = param_shapes(m)
-    state = state_bytes_per_rank(m, dims, step.optimizer, rank)
+    state = trained_state_bytes(m, dims, step, rank)
     static = state["parameters"] + state["optimizer_state"]
     grads = state["gradients"]
     tokens = step.micro_batch_size * step.seq_len // dims.cp
@@ -278,6 +323,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     embed = tokens * m.dim * a
     acts = sum(saved) + n_losses * loss_saved + embed
     biggest = max(blocks, key=lambda b: b.params)
+    trained = max(b.trained for b in blocks)  # the largest unit's gradients that are made and reduce-scattered
     reduce = PARAM_BYTES[m.reduce_dtype]
     masters = optimizer_masters(m)
     refusal = master_layout_refusal(m.master_weights, dims.world_size) if masters else None
@@ -289,11 +335,11 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     # embedding + head for the whole forward, one block's gradients reduce-scattered in reduce_dtype.
     unsharded = 2 * biggest.params * a if fsdp else 0
     root = head * (1 if m.tie_embeddings else 2) * a if fsdp else 0
-    reduction = biggest.params * (a + reduce) if fsdp else 0
+    reduction = trained * (a + reduce) if fsdp else 0
     if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
-        reduction += biggest.params * reduce
+        reduction += trained * reduce
     grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
-    largest = max(math.prod(s) for s in shapes.values())
+    largest = max((math.prod(s) for f, s in shapes.items() if _trains(step, f)), default=0)
     accumulate = update = 0
     if masters:
         if step.micro_steps == 1:  # autograd's compute-dtype gradients, dropped after the step
@@ -304,12 +350,14 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     if fsdp and step.micro_steps > 1 and not step.keep_grad_buffers and step.grad_sync == "last_micro_batch":
         # the trainer turns FSDP2's gradient sync off for all but the last micro-batch: until then every
         # block's UNSHARDED gradients accumulate (compute dtype); sharded ones appear only when reduced
-        unsharded_params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items())
+        unsharded_params = sum(math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items()
+                               if _trains(step, f))
         grads_always = unsharded_params * a
-    head_grad = 0 if grads_always else head * (a if masters else stored)  # the first gradient backward makes
+    head_trains = _trains(step, "embed.weight" if m.tie_embeddings else "head.weight")
+    head_grad = 0 if grads_always or not head_trains else head * (a if masters else stored)  # backward's first
     last = blocks[-1]
     # a kl_dense source's chunk temporaries, counted at the backward's peak (an upper bound: they live in its layer)
-    kl_work = _kl_dense_work(m, step, dims.cp) if m.dsa is not None and m.dsa.indexer_mode == "kl_dense" else 0
+    kl_work = _kl_dense_work(m, step, dims.cp) if _dsa_mode(m, step) in _KL_DENSE else 0
     comm = comm_buffer_bytes(m, dims, tokens)
     static += comm
     phases = {
