@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FACES = ["spartron.parallel", "spartron.comm", "spartron.checkpointing", "spartron.layers", "spartron.layers.attention",
-         "spartron.layers.moe", "spartron.data", "spartron.interop", "spartron.interop.megatron",
+         "spartron.layers.moe", "spartron.layers.fp8", "spartron.data", "spartron.interop", "spartron.interop.megatron",
          "spartron.interop.hf", "spartron.runtime", "spartron.launch"]
 
 
