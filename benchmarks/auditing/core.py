@@ -28,7 +28,7 @@ TINY_HF = str(ROOT / "configs" / "tiny-hf.toml")
 CLASSES = ("clear", "accepted safely", "unclear", "traceback", "silent harmful", "silent harmless", "hang", "escape")
 GOOD = ("clear", "accepted safely")
 SURFACES = ("config", "cli", "plan", "data", "tokenize", "hf-import", "hf-export", "convert", "rundir", "state",
-            "eval", "regress", "launch", "slurm")
+            "eval", "regress", "launch", "slurm", "rehearse")
 CATEGORIES = ("paths", "concurrent", "dtypes", "sizes", "nonfinite", "corrupt", "partial", "signals", "values",
               "injection")
 CATEGORY_TITLES = {"paths": "hostile paths and symlinks", "concurrent": "concurrent runs",

@@ -35,7 +35,7 @@ def cases() -> list[Case]:
 
     add("tiny-8", [*W8, "--rank", "3", "--steps", "1", "--out", "{dir}/r.json"], (), accept_ok=True,
         expect_out="planner: predicted peak", timeout=400.0, note="rank 3 of 8 on CPU, JSON report written")
-    add("world-0", ["--world-size", "0"], ["--world-size"])
+    add("world-0", ["--world-size", "0"], ["--world-size"], quick=True)
     add("world-neg", ["--world-size", "-8"], ["--world-size"])
     add("world-2-63", ["--world-size", str(2**63)], ["--world-size"], category="sizes")
     add("world-float", ["--world-size", "2.5"], ["--world-size"], category="dtypes")
@@ -53,7 +53,7 @@ def cases() -> list[Case]:
     add("out-dir", ["--world-size", "8", "--out", "{dir}"], ["--out"], category="paths")
     add("out-link", ["--world-size", "8", "--out", "{dir}/report.json"], ["--out", "report.json"],
         category="paths", setup=_link, note="a link to a file elsewhere is not followed")
-    add("deepep", [*W8, *sets("model.moe.dispatcher='deepep'")], ["model.moe.dispatcher"])
+    add("deepep", [*W8, *sets("model.moe.dispatcher='deepep'")], ["model.moe.dispatcher"], quick=True)
     add("layout", ["--world-size", "6", *sets("parallel.ep=4")], ["parallel", "world"])
     add("cluster-unknown-link", ["--world-size", "8", *sets("cluster.infiniband.busbw_gbps=50.0")],
         ["cluster.infiniband"])
