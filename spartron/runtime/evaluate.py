@@ -156,6 +156,7 @@ class Evaluator:
                     total += out["lm_loss"].detach().double()
         finally:
             model.train(was_training)
+            reshard(model)
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
@@ -167,3 +168,14 @@ class Evaluator:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
                 "val_tokens": t.eval_steps * t.global_batch_size * t.seq_len,
                 "eval_time_s": time.perf_counter() - start}
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 unit of `model` back in its sharded state. A forward without backward leaves the root's
+    parameters unsharded (FSDP2 does not reshard the root after forward), so `model.parameters()` would
+    return the unsharded tensors, not the sharded ones the optimizer and the gradient clipping hold."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
