@@ -29,9 +29,18 @@ def test_all_gather_fills_every_slot_and_is_recorded():
         assert ledger.take() == []
 
 
-@pytest.mark.parametrize(("op", "scale"), [(dist.ReduceOp.SUM, 4.0), (dist.ReduceOp.AVG, 1.0),
-                                           (dist.ReduceOp.PREMUL_SUM(0.125), 0.5), (dist.ReduceOp.MAX, 1.0)])
+def _premul_sum(factor: float):
+    """PREMUL_SUM(factor) as FSDP2 builds it: torch 2.13 calls ReduceOp.PREMUL_SUM; in torch 2.11 (the GPU
+    image) that enum member is not callable and FSDP2 uses torch.distributed._make_nccl_premul_sum."""
+    try:
+        return dist.ReduceOp.PREMUL_SUM(factor)
+    except TypeError:
+        return dist._make_nccl_premul_sum(factor)  # noqa: SLF001 - what FSDP2 itself calls on this torch
+
+
+@pytest.mark.parametrize(("op", "scale"), [("sum", 4.0), ("avg", 1.0), ("premul", 0.5), ("max", 1.0)])
 def test_reduce_scatter_keeps_this_ranks_chunk(op, scale):
+    op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}.get(op) or _premul_sum(0.125)
     with mirrored_world(1, 4):
         x = torch.arange(16.0).view(8, 2)
         out = torch.empty(2, 2)
