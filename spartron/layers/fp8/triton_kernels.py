@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-FP8_MAX: tl.constexpr = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a global a @triton.jit function reads must be a constexpr instance
 
 
 @triton.jit
