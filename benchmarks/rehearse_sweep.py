@@ -43,7 +43,7 @@ CASES = {  # name: (config, world, overrides)
 }
 SMOKE = {f"tiny-{w}": (TINY, w, ["parallel.ep=2" if w > 1 else "parallel.ep=1", "train.global_batch_size=16",
                                  "train.seq_len=32", "train.peak_tflops=1.0"]) for w in (1, 8, 16)}
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "rehearse" / "rehearse_sweep.json"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "rehearse_sweep" / "rehearse_sweep.json"
 
 
 def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int | None, device_bytes: int,

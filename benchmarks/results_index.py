@@ -37,6 +37,9 @@ def _ms(seconds: float) -> str:
 
 
 def _e2e(d: dict) -> str:
+    if "ratios" in d:  # a same-call comparison of two commits
+        return "; ".join(f"mb{r['micro_batches']} {r['mode']} {r['head_ms']:.1f} vs {r['base_ms']:.1f} ms "
+                         f"({r['head_over_base']:.3f}x)" for r in d["ratios"])
     if "rows" in d:  # a summary over several runs
         return "; ".join(f"{r['targets'].split(' (')[0]} {r['step_ms']:.1f} ms" for r in d["rows"])
     if "results" not in d:
@@ -91,6 +94,18 @@ def _doc_mask(d: dict) -> str:
     return f"block mask build {best['median_ms']:.2f} ms ({name})"
 
 
+def _rehearse(d: dict) -> str:
+    return "; ".join(f"{e['case']} N={e['world_size']}: planner {e['planner_peak_bytes'] / 2**30:.1f} GiB, "
+                     + (f"measured {e['measured_peak_allocated_bytes'] / 2**30:.1f} GiB, "
+                        f"{e['tokens_per_s_per_gpu']:.0f} tokens/s/GPU" if e.get("rehearsed") else "not rehearsed")
+                     for e in d["entries"])
+
+
+def _muon(d: dict) -> str:
+    return "; ".join(f"{r['optimizer']} optimizer step {r['median_optimizer_step_ms']:.1f} ms"
+                     if "median_optimizer_step_ms" in r else f"{r['optimizer']} error" for r in d["rows"])
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "ac_block": lambda d: (f"selective AC block step "
                            f"{d['results']['spartron_selective_nonreentrant']['step_ms']:.2f} ms vs torch SAC "
@@ -108,6 +123,8 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "doc_mask": _doc_mask,
     "dsa_e2e": lambda d: f"DSA / dense step time {d['dsa_over_dense_step_time']:.2f}x (target {d['target']})",
     "dsa_id_overlap": _dsa_id_overlap,
+    "muon": _muon,
+    "rehearse_sweep": _rehearse,
     "e2e": _e2e,
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "
                                    f"logged value: {d['eval_equals_logged']}"),
