@@ -13,10 +13,13 @@ Megatron's optimizer, get_forward_backward_func, finalize_model_grads; bf16 unde
    Adam states and an fp32 gradient buffer, 18 bytes per parameter, which for 12 layers leave no room for
    activations on one H200; the router has no expert bias: Megatron's needs sigmoid scores):
    - "spartron-layers": Spartron MLA attention and Spartron MoE;
-   - "spartron-mla+megatron-moe": the same attention, Megatron's own MoELayer (top-k router, alltoall
-     dispatcher, SequentialMLP experts: its grouped experts need Transformer Engine or grouped_gemm);
-   - "megatron-mla+megatron-moe": Megatron's own MLA too, where megatron-core builds it without
-     Transformer Engine (0.16.1 does not: the case records the error).
+   - "spartron-mla+megatron-moe": the same attention, Megatron's own MoELayer from its local (no Transformer
+     Engine) spec: top-k router, alltoall dispatcher, SequentialMLP experts (its grouped experts need TE or
+     grouped_gemm). The router is TopKRouter with its gating as the plain matmul megatron-core's non-TE
+     branch computes: 0.16.1's router_gating_linear names te_general_gemm, which is undefined without TE;
+   - "megatron-mla+megatron-moe": Megatron's own MLA too. megatron-core 0.16.1 builds its MLA only with
+     Transformer Engine (the local spec's DotProductAttention takes no k_channels), so without TE the case
+     is recorded as refused (its reason in the JSON), not run.
    Per case: every step's time and loss, the median after --warmup steps (>= 10 timed steps by default),
    tokens/s and peak allocated memory. A case that fails records its error and the others still run.
 
@@ -53,6 +56,49 @@ from spartron.runtime.trainer import Trainer  # noqa: E402
 
 TINY, SHAPE = REPO / "configs" / "tiny.toml", REPO / "configs" / "dsv3-12l.toml"
 NO_TE_MLA = "megatron-mla+megatron-moe"
+MLA_NEEDS_TE = ("megatron-core 0.16.1 builds its MLA only with Transformer Engine (the local spec's "
+                "DotProductAttention takes no k_channels) and Transformer Engine is not installed")
+
+
+def have_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def planned_cases(device_type: str, have_te: bool) -> tuple[list[str], list[dict]]:
+    """The cases to run and the ones recorded without running (with why): Megatron's MoE needs CUDA,
+    Megatron's MLA needs Transformer Engine."""
+    if device_type == "cpu":
+        return ["spartron-layers"], [{"case": "spartron-mla+megatron-moe", "skipped": "CPU: Megatron's alltoall "
+                                      "dispatcher creates a torch.cuda.Stream"}]
+    run = ["spartron-layers", "spartron-mla+megatron-moe"]
+    return (run + [NO_TE_MLA], []) if have_te else (run, [{"case": NO_TE_MLA, "refused": MLA_NEEDS_TE}])
+
+
+def torch_gating_router():  # noqa: ANN201 - a megatron class, imported late
+    """Megatron's TopKRouter whose gating is the matmul in the router dtype that its non-TE branch computes
+    (0.16.1's router_gating_linear reads te_general_gemm, undefined when Transformer Engine is missing)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class TorchGatingRouter(TopKRouter):
+        def gating(self, input):  # noqa: A002, ANN001, ANN202 - Megatron's signature
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    return TorchGatingRouter
+
+
+def megatron_local_layer(n_experts: int, native_mla: bool):  # noqa: ANN201 - Megatron's TransformerLayerSubmodules
+    """Megatron's local (no Transformer Engine) layer spec: SequentialMLP experts, and its router with the
+    TE-free gating."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    theirs = get_gpt_layer_local_spec(num_experts=n_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                      multi_latent_attention=native_mla, normalization="RMSNorm").submodules
+    router = dataclasses.replace(theirs.mlp.submodules, router=torch_gating_router())
+    return dataclasses.replace(theirs, mlp=dataclasses.replace(theirs.mlp, submodules=router))
 
 
 class MegatronMoETraining(MegatronTraining):
@@ -64,17 +110,14 @@ class MegatronMoETraining(MegatronTraining):
         super().__init__(*args, **kwargs)
 
     def block_spec(self, tcfg, m):  # noqa: ANN001, ANN201
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         ours = super().block_spec(tcfg, m)
-        theirs = get_gpt_layer_local_spec(num_experts=m.moe.n_routed_experts, moe_grouped_gemm=False,
-                                          qk_layernorm=True, multi_latent_attention=self.native_mla,
-                                          normalization="RMSNorm").submodules
+        theirs = megatron_local_layer(m.moe.n_routed_experts, self.native_mla)
+        moe = theirs.mlp
         layers = []
         for i, spec in enumerate(ours.layer_specs):
             sub = spec.submodules
             if i >= m.first_k_dense:
-                sub = dataclasses.replace(sub, mlp=theirs.mlp)
+                sub = dataclasses.replace(sub, mlp=moe)
             if self.native_mla:
                 sub = dataclasses.replace(sub, self_attention=theirs.self_attention)
             layers.append(dataclasses.replace(spec, submodules=sub))
@@ -197,7 +240,7 @@ def main() -> int:
     result["shapes"] = {"config": str((TINY if args.smoke else SHAPE).relative_to(REPO)), "layers": cfg.model.n_layers,
                         "batch": cfg.train.global_batch_size, "seq": cfg.train.seq_len, "steps": args.steps,
                         "warmup": args.warmup, "model": cfg.model.model_dump()}
-    names = ["spartron-layers"] + ([] if device.type == "cpu" else ["spartron-mla+megatron-moe", NO_TE_MLA])
+    names, recorded = planned_cases(device.type, have_transformer_engine())
     rows = []
     for name in names:
         try:
@@ -205,10 +248,10 @@ def main() -> int:
         except Exception:  # one failing case must not hide the others
             rows.append({"case": name, "error": traceback.format_exc()})
             print(rows[-1]["error"], file=sys.stderr)
-    if device.type == "cpu":
-        rows.append({"case": "spartron-mla+megatron-moe", "skipped": "CPU: Megatron's alltoall dispatcher "
-                     "creates a torch.cuda.Stream"})
-    print_table([r for r in rows if "skipped" not in r])
+    rows += recorded
+    for r in recorded:
+        print(f"{r['case']}: {r.get('refused') or r['skipped']}", flush=True)
+    print_table([r for r in rows if "skipped" not in r and "refused" not in r])
     result["cases"] = rows
     write_report(args.out, result)
     dist.destroy_process_group()

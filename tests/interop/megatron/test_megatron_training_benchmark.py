@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install megatron-core==0.16.1)")
 
@@ -66,3 +67,35 @@ def test_benchmark_comparison_cases_fail_on_cpu_where_megatron_needs_cuda_or_te(
     # Megatron's own MLA without Transformer Engine: megatron-core 0.16.1 cannot build it at all
     assert "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels' when instantiating " \
            "DotProductAttention when instantiating MLASelfAttention" in errors[True], errors[True]
+
+
+def test_megatron_mla_is_a_recorded_refusal_without_transformer_engine():
+    from benchmarks.megatron_gpt import MLA_NEEDS_TE, NO_TE_MLA, planned_cases
+
+    moe = "spartron-mla+megatron-moe"
+    assert planned_cases("cuda", False) == (["spartron-layers", moe], [{"case": NO_TE_MLA, "refused": MLA_NEEDS_TE}])
+    assert planned_cases("cuda", True) == (["spartron-layers", moe, NO_TE_MLA], [])
+    assert planned_cases("cpu", False)[0] == ["spartron-layers"]
+    assert "Transformer Engine is not installed" in MLA_NEEDS_TE
+
+
+def test_megatron_moe_router_gating_is_the_plain_matmul_in_the_router_dtype():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from benchmarks.megatron_gpt import megatron_local_layer
+
+    moe = megatron_local_layer(4, native_mla=False).mlp.submodules  # what the Megatron-MoE case builds
+    router = moe.router
+    assert issubclass(router, TopKRouter) and router is not TopKRouter and moe.experts.module is SequentialMLP
+    x = torch.arange(12, dtype=torch.bfloat16).view(2, 2, 3) / 7
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], dtype=torch.bfloat16)
+    fake = SimpleNamespace(weight=w, bias=None, config=SimpleNamespace(moe_router_dtype="fp32"))
+    out = router.gating(fake, x)
+    assert out.dtype == torch.float32 and out.shape == (2, 2, 2)
+    assert torch.equal(out, x.float() @ w.float().T)
+    fake.config.moe_router_dtype, fake.bias = None, torch.tensor([1.0, -1.0], dtype=torch.bfloat16)
+    assert torch.equal(router.gating(fake, x), torch.nn.functional.linear(x, w, fake.bias))
