@@ -82,9 +82,8 @@ def test_megatron_mla_is_a_recorded_refusal_without_transformer_engine():
 def test_megatron_moe_router_gating_is_the_plain_matmul_in_the_router_dtype():
     from types import SimpleNamespace
 
-    from megatron.core.transformer.moe.router import TopKRouter
-
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
 
     from benchmarks.megatron_gpt import megatron_local_layer
 
