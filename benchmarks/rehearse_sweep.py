@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable (default: all)")
     p.add_argument("--seq-lens", default="8192,16384,32768,65536", help="V3.2's sequence lengths (comma-separated)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--balanced-routing", action="store_true")
+    p.add_argument("--routing", choices=("balanced", "model"), default="balanced", help="as spartron rehearse")
     p.add_argument("--gpu-memory-gib", type=float, help="device memory (default: the local GPU's)")
     p.add_argument("--smoke", action="store_true", help="the tiny preset at 1, 8, 16 ranks on CPU")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
-            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.balanced_routing)
+            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.routing == "balanced")
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",

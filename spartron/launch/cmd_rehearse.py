@@ -59,7 +59,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
-    measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.balanced_routing)
+    measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.routing == "balanced")
     report = build_report(measured, cfg.cluster)
     sys.stdout.write(render(report))
     if args.out is not None:
@@ -77,8 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, required=True, help="ranks of the run rehearsed")
     p.add_argument("--rank", type=int, default=0, help="the rank rehearsed (default 0)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps rehearsed (default 3; the last is reported)")
-    p.add_argument("--balanced-routing", action="store_true",
-                   help="every expert slot receives the mean of what this rank sends (default: the model's routing)")
+    p.add_argument("--routing", choices=("balanced", "model"), default="balanced",
+                   help="balanced (default): every expert slot receives the mean of what this rank sends; model: the "
+                        "model's own router, whose all-gathered weight rows are copies of this rank's shard (the "
+                        "mirror has no other), so experts tie and the first ones take the tokens: a worst case")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--suggest", action="store_true",
                    help="rehearse nothing: list the layouts (EP, CP, FSDP, AC) the planner fits in --gpu-memory-gib "

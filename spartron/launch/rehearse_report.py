@@ -100,7 +100,8 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
         "config": cfg.name, "world_size": world, "rank": rank, "layout": dims.describe(),
         "device": measured["device"], "gpus_per_node": gpus, "setup_s": measured["setup_s"],
         "routing": ("balanced: every expert slot receives the mean of what this rank sends" if measured["balanced"]
-                    else "the model's own, every rank routing as this one (identical data)"),
+                    else "the model's own, every rank routing as this one; its gathered router rows are copies of "
+                         "this rank's shard, so experts tie and the first ones take the tokens (a worst case)"),
         "micro_batches": {"per_step": measured["n_micro"], "rehearsed": measured["rehearsed_micro"]},
         "measured": ["compute time", "peak allocated / reserved memory", "bytes of every collective"],
         "modelled": ["communication time (link table)", "step time with communication", "tokens/s per GPU",
