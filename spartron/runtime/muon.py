@@ -21,6 +21,12 @@ Each matrix is orthogonalised once per data-parallel replica, never on every ran
   its shard group, assigned largest-first to the least-loaded rank. Per bucket (shard group, dtype) one
   all-to-all brings every owned tensor's shards to its owner, which orthogonalises the whole tensors
   (same-shape matrices batched), and one all-to-all sends each rank the rows of its shards.
+Bounded temporaries (`ns_batch_bytes`): a step's working set is sized by the cap, not by the model. The
+momentum updates are formed per run of tensors, a sharded bucket is exchanged in rounds of whole tensors of
+at most the cap (by their full size; every rank splits alike), and Newton-Schulz runs on batches of at most
+the cap of input matrices (a tensor larger than the cap alone; experts of one stack in slices); its
+temporaries are a few times its input. Each matrix's result is the same as in one batch: every matrix is
+orthogonalised by itself (its own norm, batched matmuls), only the batching changes.
 Shard sizes come from the shapes (torch.chunk's split, checked against each local shard): the step makes
 no host sync and branches on no tensor value; AdamW's bias corrections use a per-parameter step tensor.
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_BATCH_BYTES = 512 * 2**20  # default cap of one Newton-Schulz batch's input / one exchange round
 
 
 def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
@@ -58,6 +66,24 @@ def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Pending(NamedTuple):
+    """A Muon parameter's step after weight decay and the momentum buffer's update: its Nesterov update
+    grad + momentum * buf is formed when its run of tensors is orthogonalised."""
+
+    grad: Tensor
+    buf: Tensor
+    momentum: float
+    lr: float
+    ns_steps: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.result_type(self.grad, self.buf)
+
+    def update(self) -> Tensor:
+        return torch.add(self.grad, self.buf, alpha=self.momentum)
 
 
 @dataclass
@@ -93,6 +119,41 @@ class _Bucket:
     size: int
     rank: int
     items: list[_Item] = field(default_factory=list)
+
+
+def split_by_bytes(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive runs of indices whose sizes sum to at most `cap` (one larger than `cap` alone)."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not runs or total + size > cap:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += size
+    return runs
+
+
+def _spans(counts: list[int], per: int) -> list[list[tuple[int, int, int]]]:
+    """Batches of at most `per` matrices over stacks of `counts` matrices, in order: (stack, start, stop)."""
+    batches: list[list[tuple[int, int, int]]] = []
+    room = 0
+    for k, n in enumerate(counts):
+        a = 0
+        while a < n:
+            if room == 0:
+                batches.append([])
+                room = per
+            b = min(n, a + room)
+            batches[-1].append((k, a, b))
+            room -= b - a
+            a = b
+    return batches
+
+
+def _nbytes(item: _Item) -> int:
+    """The whole tensor's bytes (the same on every rank): what sizes its exchange round and batch."""
+    return item.param.numel() * _local(item.param).element_size()
 
 
 def _chunk_sizes(length: int, n: int) -> list[int]:
@@ -153,14 +214,20 @@ def _plan(params: list[Tensor]) -> tuple[list[_Item], list[_Bucket]]:
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on groups with ``muon=True`` (see the module docstring), AdamW on the others; one standard
     optimizer, so its state dict is the usual per-parameter one. `orthogonalized`: the matrices this
-    rank orthogonalised in its last step (an expert stack counts its experts)."""
+    rank orthogonalised in its last step (an expert stack counts its experts); `exchanges`: the all-to-all
+    rounds of sharded tensors it took part in (two all-to-alls each); `ns_batch_bytes`: the byte cap
+    of a Newton-Schulz batch and of an exchange round (see the module docstring)."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8,
-                 momentum: float = 0.95, ns_steps: int = 5) -> None:
+                 momentum: float = 0.95, ns_steps: int = 5, ns_batch_bytes: int = NS_BATCH_BYTES) -> None:
+        if ns_batch_bytes < 1:
+            raise ValueError(f"Muon: ns_batch_bytes must be positive, got {ns_batch_bytes}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
                         muon=False)
         super().__init__(param_groups, defaults)
+        self.ns_batch_bytes = ns_batch_bytes
         self.orthogonalized = 0
+        self.exchanges = 0
         self._layout: tuple[tuple[int, ...], list[_Item], list[_Bucket]] | None = None
 
     def _muon_layout(self) -> tuple[list[_Item], list[_Bucket]]:
@@ -176,8 +243,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.orthogonalized = 0
-        updates: dict[int, tuple[Tensor, float, int]] = {}  # id(param) -> (momentum update, lr, ns_steps)
+        self.orthogonalized = self.exchanges = 0
+        updates: dict[int, _Pending] = {}
         for group in self.param_groups:
             if group["muon"]:
                 updates.update(self._momentum(group))
@@ -186,12 +253,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         local, buckets = self._muon_layout()
         self._orthogonalize_whole([it for it in local if id(it.param) in updates], updates)
         for bucket in buckets:
+            # the same on every rank of the group: FSDP2 gives all or none of them a gradient; full sizes
             active = [it for it in bucket.items if id(it.param) in updates]
-            if active:  # the same on every rank of the group: FSDP2 gives all or none of them a gradient
-                self._orthogonalize_sharded(bucket, active, updates)
+            owned = self._groups([it for it in active if it.owner == bucket.rank], updates)
+            lone = {id(g[0].param) for g in owned if len(g) == 1 and g[0].param.ndim == 2}
+            for run in split_by_bytes([_nbytes(it) for it in active], self.ns_batch_bytes):
+                self._orthogonalize_sharded(bucket, [active[i] for i in run], updates, lone)
         return loss
 
-    def _momentum(self, group: dict) -> dict[int, tuple[Tensor, float, int]]:
+    def _momentum(self, group: dict) -> dict[int, _Pending]:
         """Weight decay and the Nesterov momentum update of the group's parameters with a gradient."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -207,53 +277,96 @@ class MuonWithAdamW(torch.optim.Optimizer):
             torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
-        new = torch._foreach_add(grads, bufs, alpha=mu)
-        return {id(p): (u, lr, group["ns_steps"]) for p, u in zip(params, new, strict=True)}
+        return {id(p): _Pending(g, b, mu, lr, group["ns_steps"]) for p, g, b in zip(params, grads, bufs, strict=True)}
 
     def _apply(self, item: _Item, ortho: Tensor, updates: dict) -> None:
-        _local(item.param).add_(ortho.view(_local(item.param).shape), alpha=-updates[id(item.param)][1] * item.scale)
+        _local(item.param).add_(ortho.view(_local(item.param).shape), alpha=-updates[id(item.param)].lr * item.scale)
 
-    def _batched(self, mats: list[Tensor], ns_steps: int) -> list[Tensor]:
-        """Orthogonalise matrices / expert stacks of one [out, in] shape together; returns each one's result."""
-        if len(mats) == 1:
-            batch = mats[0]
-        else:
-            batch = torch.cat([m.reshape(-1, *m.shape[-2:]) for m in mats])
-        self.orthogonalized += batch.numel() // (batch.shape[-2] * batch.shape[-1]) if batch.numel() else 0
-        out = newton_schulz_orthogonalize(batch, ns_steps)
-        if len(mats) == 1:
-            return [out]
-        sizes = [m.numel() // (m.shape[-2] * m.shape[-1]) for m in mats]
-        return [o.view(m.shape) for o, m in zip(out.split(sizes), mats, strict=True)]
+    def _per_batch(self, item: _Item, updates: dict) -> int:
+        """Matrices of the item's shape in one Newton-Schulz batch: the byte cap of input in its working dtype."""
+        working = 2 if updates[id(item.param)].dtype == torch.bfloat16 else 4
+        return max(1, self.ns_batch_bytes // max(1, item.rows * item.cols * working))
 
-    def _by_shape(self, items: list[_Item], mats: list[Tensor], updates: dict) -> list[Tensor]:
-        """NS of every (item, whole tensor): 2-D ones of a shape batched together, each 3-D stack one batch."""
-        results: list[Tensor | None] = [None] * len(items)
-        groups: dict[tuple, list[int]] = {}
-        for i, (item, m) in enumerate(zip(items, mats, strict=True)):
-            key = (tuple(m.shape), m.dtype, updates[id(item.param)][2]) if m.ndim == 2 else (i,)
-            groups.setdefault(key, []).append(i)
-        for members in groups.values():
-            ns_steps = updates[id(items[members[0]].param)][2]
-            for i, out in zip(members, self._batched([mats[i] for i in members], ns_steps), strict=True):
-                results[i] = out
-        return results  # type: ignore[return-value]
+    def _groups(self, items: list[_Item], updates: dict) -> list[list[_Item]]:
+        """Tensors orthogonalised together: 2-D ones of one shape, dtype and ns_steps; each 3-D stack alone."""
+        groups: dict[tuple, list[_Item]] = {}
+        for i, it in enumerate(items):
+            pending = updates[id(it.param)]
+            key = (tuple(it.param.shape), pending.dtype, pending.ns_steps) if it.param.ndim == 2 else (i,)
+            groups.setdefault(key, []).append(it)
+        return list(groups.values())
+
+    def _ns(self, parts: list[Tensor], ns_steps: int) -> list[Tensor]:
+        """One Newton-Schulz batch over `parts` ([k, rows, cols] each); each part's result."""
+        out = newton_schulz_orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), ns_steps)
+        self.orthogonalized += len(out)
+        return list(out.split([len(p) for p in parts])) if len(parts) > 1 else [out]
+
+    def _lone(self, item: _Item, full: Tensor, updates: dict) -> Tensor:
+        """A matrix alone in its group: orthogonalised as a 2-D tensor (as it always was)."""
+        self.orthogonalized += 1
+        return newton_schulz_orthogonalize(full, updates[id(item.param)].ns_steps)
 
     def _orthogonalize_whole(self, items: list[_Item], updates: dict) -> None:
-        outs = self._by_shape(items, [updates[id(it.param)][0] for it in items], updates)
-        for item, out in zip(items, outs, strict=True):
-            self._apply(item, out, updates)
+        """Tensors whole here, in capped batches. A tensor's update is formed when its first batch needs it and
+        applied whole after its last (whole-tensor elementwise ops: CPU bfloat16 kernels round slices apart)."""
+        for members in self._groups(items, updates):
+            if len(members) == 1 and members[0].param.ndim == 2:
+                self._apply(members[0], self._lone(members[0], updates[id(members[0].param)].update(), updates),
+                            updates)
+                continue
+            rows, cols = members[0].rows, members[0].cols
+            counts = [it.param.numel() // max(1, rows * cols) for it in members]
+            ns_steps = updates[id(members[0].param)].ns_steps
+            formed: dict[int, Tensor] = {}
+            results: dict[int, Tensor] = {}
+            for batch in _spans(counts, self._per_batch(members[0], updates)):
+                for k, _, _ in batch:
+                    if k not in formed:
+                        formed[k] = updates[id(members[k].param)].update().reshape(-1, rows, cols)
+                for (k, a, b), out in zip(batch, self._ns([formed[k][a:b] for k, a, b in batch], ns_steps),
+                                          strict=True):
+                    if a > 0 or b < counts[k]:  # a stack split over batches: gathered, applied after its last
+                        results.setdefault(k, torch.empty_like(formed[k]))[a:b].copy_(out)
+                        out = results[k]
+                    if b == counts[k]:
+                        self._apply(members[k], out, updates)
+                        del formed[k]
+                        results.pop(k, None)
 
-    def _orthogonalize_sharded(self, bucket: _Bucket, active: list[_Item], updates: dict) -> None:
-        """Shards to owners (one all-to-all), NS on the owners, owners' rows back (one all-to-all)."""
+    def _orthogonalize_fulls(self, mine: list[_Item], fulls: list[Tensor], updates: dict,
+                             lone: set[int]) -> list[Tensor]:
+        """NS of the gathered tensors this rank owns in a round, in capped batches; `lone`: the 2-D ones alone
+        in their group over the whole bucket (2-D as ever, whichever round they fall in)."""
+        outs: list[Tensor | None] = [None] * len(mine)
+        index = {id(it.param): i for i, it in enumerate(mine)}
+        for members in self._groups(mine, updates):
+            if id(members[0].param) in lone:
+                i = index[id(members[0].param)]
+                outs[i] = self._lone(members[0], fulls[i], updates)
+                continue
+            rows, cols = members[0].rows, members[0].cols
+            stacks = [fulls[index[id(it.param)]].view(-1, rows, cols) for it in members]
+            results = [torch.empty_like(st) for st in stacks]
+            ns_steps = updates[id(members[0].param)].ns_steps
+            for batch in _spans([len(st) for st in stacks], self._per_batch(members[0], updates)):
+                for (k, a, b), out in zip(batch, self._ns([stacks[k][a:b] for k, a, b in batch], ns_steps),
+                                          strict=True):
+                    results[k][a:b].copy_(out)
+            for it, res in zip(members, results, strict=True):
+                outs[index[id(it.param)]] = res.view(it.param.shape)
+        return outs  # type: ignore[return-value]
+
+    def _orthogonalize_sharded(self, bucket: _Bucket, active: list[_Item], updates: dict, lone: set[int]) -> None:
+        """One round: shards to owners (one all-to-all), NS on the owners, owners' rows back (one all-to-all)."""
         n, me = bucket.size, bucket.rank
         sent = sorted(active, key=lambda it: (it.owner, it.index))  # by destination, then item
         mine = [it for it in sent if it.owner == me]
         in_splits = [sum(it.numel_at(me) for it in sent if it.owner == k) for k in range(n)]
         out_splits = [sum(it.numel_at(k) for it in mine) for k in range(n)]
-        like = updates[id(sent[0].param)][0]
-        send = torch.cat([updates[id(it.param)][0].reshape(-1) for it in sent])
+        send = torch.cat([updates[id(it.param)].update().reshape(-1) for it in sent])
         recv = send.new_empty(sum(out_splits))
+        self.exchanges += 1
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=bucket.group)
         by_source = list(recv.split(out_splits))
         fulls = []
@@ -264,11 +377,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 pieces.append(by_source[k][:size].view(item.shape_at(k)))
                 by_source[k] = by_source[k][size:]
             fulls.append(torch.cat(pieces, dim=item.dim))
-        outs = self._by_shape(mine, fulls, updates)
+        outs = self._orthogonalize_fulls(mine, fulls, updates, lone)
         back = [o.narrow(it.dim, it.start_at(k), it.sizes[k]).reshape(-1)
                 for k in range(n) for it, o in zip(mine, outs, strict=True)]
-        send_back = torch.cat(back) if back else like.new_empty(0)
-        got = like.new_empty(sum(in_splits))
+        send_back = torch.cat(back) if back else send.new_empty(0)
+        got = send.new_empty(sum(in_splits))
         dist.all_to_all_single(got, send_back, in_splits, out_splits, group=bucket.group)
         offset = 0
         for item in sent:
