@@ -18,6 +18,7 @@ and their time at --peak-tflops, divided over the ranks that share them (one dat
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -62,6 +63,7 @@ def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
     overrides = [f'train.optimizer="{name}"', f"train.steps={args.steps}", "train.save_every=0",
                  "train.resume=false", "train.progress=false", f"train.run_dir={run_root / name}", *args.set]
     cfg = load_config(args.config, overrides)
+    gc.collect()  # the previous run's trainer (model, grads, optimizer state) sits in reference cycles until now
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     trainer = Trainer(cfg).setup()
@@ -91,6 +93,7 @@ def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
             records.append(trainer.step(StepProbe(on_phase=mark)))
             phase_ms.append((marks["end"] - marks["optimizer"]) * 1e3)
     finally:
+        del optimizer.step  # the class's step again (timed_step -> inner -> optimizer is one of those cycles)
         trainer.close()
     w = args.warmup if len(records) > args.warmup else 0
     return {"optimizer": name, "overrides": overrides, "steps": len(records), "timed_steps": len(records) - w,
