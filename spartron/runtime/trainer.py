@@ -243,7 +243,7 @@ class Trainer:
                                                                     built.ep_state)
         # [[train.stages]]: the stage of the first step to train, or of the saved step it resumes from
         self.stages = StageRunner(self.model, t, default_indexer_mode(self.model))
-        self._enter_stage(plan.resume_step or 1)
+        self._enter_stage(plan.resume_step or 1, first=True)
         self.indexer_probe = IndexerProbe.for_model(self.model, t, groups.dp_cp)
         self.offloader = ActivationOffloader.for_model(self.model, cfg.offload, device) if cfg.offload.enabled else None
         self.async_save_group = AsyncSaveGroup() if t.async_save else None
@@ -275,11 +275,13 @@ class Trainer:
                   file=sys.stderr, flush=True)
         return self
 
-    def _enter_stage(self, step: int) -> None:
-        """Step `step`'s stage in force (trainable parameters, DSA mode, optimizer: spartron.runtime.stages)."""
+    def _enter_stage(self, step: int, first: bool = False) -> None:
+        """Step `step`'s stage in force (trainable parameters, DSA mode, optimizer: spartron.runtime.stages).
+        The trainable-parameter list is read only at set-up (`first`) and when the stage changes."""
         before = self.stages.current
         self.optimizer = self.stages.enter(step, self.optimizer, lambda m: build_optimizer(m, self.cfg.train))
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        if first or self.stages.current is not before:
+            self.params = [q for q in self.model.parameters() if q.requires_grad]
         if self.stages.current is not before and self.place.rank == 0:
             print(self.stages.describe(), file=sys.stderr, flush=True)
 
