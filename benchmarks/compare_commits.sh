@@ -7,10 +7,7 @@ set -uo pipefail
 out=$(realpath -m "${1:?OUTDIR}"); base=${2:?BASE_SHA}; head=${3:?HEAD_SHA}; tag=${4:?TAG}; shift 4
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$out/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-fi
+source benchmarks/install_wheels.sh "$out"
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 for which in base head; do
   if [ $which = base ]; then sha=$base; else sha=$head; fi

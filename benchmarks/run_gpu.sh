@@ -13,10 +13,7 @@ set -uo pipefail
 out=${1:?usage: run_gpu.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$out/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-fi
+source benchmarks/install_wheels.sh "$out"
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"  # the wheels and a DeepEP build land in /tmp/site
 summary=()
 for step in "$@"; do
