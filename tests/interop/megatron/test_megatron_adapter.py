@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
+from megatron_configs import DSA_SMALL, MLA_SMALL, MOE_SMALL, small_cfg  # noqa: E402 - next to this file
 
 from spartron.comm.transport import EPTransport  # noqa: E402
 from spartron.interop.megatron import (  # noqa: E402
@@ -33,27 +34,12 @@ from spartron.interop.megatron import (  # noqa: E402
 )
 from spartron.interop.megatron.groups import to_process_group_collection  # noqa: E402
 from spartron.layers.attention.context_parallel import local_positions, shard_sequence  # noqa: E402
-from spartron.layers.config import ModelConfig  # noqa: E402
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
 from spartron.layers.init import init_parameters_, init_tensor_  # noqa: E402
 from spartron.layers.norms import RMSNorm  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
 from spartron.testing import run_distributed  # noqa: E402
-
-MLA_SMALL = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-MOE_SMALL = dict(n_routed_experts=4, n_shared_experts=1, top_k=2, moe_inter_dim=16, score_func="sigmoid",
-                 dispatcher="all_to_all")
-
-
-def small_cfg(**kw) -> ModelConfig:
-    base = dict(dim=32, n_layers=3, n_heads=2, first_k_dense=1, dense_inter_dim=48, mla=MLA_SMALL,
-                moe=MOE_SMALL)
-    return ModelConfig(**{**base, **kw})
-
-
-DSA_SMALL = dict(n_index_heads=2, index_head_dim=8, index_topk=4, topk_freq=2, layers="all")
-
 
 # ---------------------------------------------------------------- config mapping
 
@@ -353,7 +339,7 @@ def _gpt_model_train_step(rank, world):
     from megatron.core import parallel_state
 
     torch.manual_seed(0)
-    cfg = small_cfg(vocab_size=64, dsa=DSA_SMALL)
+    cfg = small_cfg(dsa=DSA_SMALL)
     pgc = to_process_group_collection(ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), "cpu"))
     parallel_state.initialize_model_parallel()  # GPTModel's vocab-parallel loss reads Megatron's tp group
     tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True)

@@ -23,6 +23,7 @@ from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
 )
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron_configs import DSA_SMALL, MOE_SMALL, small_cfg  # noqa: E402 - next to this file
 from pydantic import ValidationError  # noqa: E402
 
 from spartron.checkpointing import ACConfig, CheckpointReplayError, apply_activation_checkpointing  # noqa: E402
@@ -42,11 +43,7 @@ from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
 from spartron.testing import run_distributed  # noqa: E402
 
-MLA_SMALL = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-MOE_SMALL = dict(n_routed_experts=4, n_shared_experts=1, top_k=2, moe_inter_dim=16, score_func="sigmoid",
-                 dispatcher="all_to_all")
-DSA_KL = dict(n_index_heads=2, index_head_dim=8, index_topk=4, topk_freq=2, layers="all",
-              indexer_mode="kl_dense", indexer_loss_coeff=0.5)
+DSA_KL = {**DSA_SMALL, "indexer_mode": "kl_dense", "indexer_loss_coeff": 0.5}
 CONFIGS = {
     # aux loss and the expert bias's step counts: both must be counted once per forward
     "moe": dict(moe={**MOE_SMALL, "aux_loss_coeff": 0.01, "bias_update_rate": 1e-3}),
@@ -66,12 +63,6 @@ CASES = {  # name -> (ac, offload)
                                                                             what="inputs_and_dsa_ids")),
     "none": (dict(mode="none"), None),
 }
-
-
-def small_cfg(**kw) -> ModelConfig:
-    base = dict(dim=32, n_layers=3, n_heads=2, first_k_dense=1, dense_inter_dim=48, mla=MLA_SMALL,
-                moe=MOE_SMALL, vocab_size=64)
-    return ModelConfig(**{**base, **kw})
 
 
 def _gpt(cfg: ModelConfig, pgc, side: SideChannel) -> GPTModel:

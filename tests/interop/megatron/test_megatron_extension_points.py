@@ -10,6 +10,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install me
 
 import torch.distributed as dist  # noqa: E402
 from cpu_shim import cpu_megatron  # noqa: E402 - next to this file
+from megatron_configs import MOE_SMALL, small_cfg  # noqa: E402 - next to this file
 
 from spartron.interop.megatron import (  # noqa: E402
     SideChannel,
@@ -24,15 +25,6 @@ from spartron.layers.moe.router import Router  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
 from spartron.testing import run_distributed  # noqa: E402
-
-MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-MOE = dict(n_routed_experts=4, n_shared_experts=1, top_k=2, moe_inter_dim=16, score_func="sigmoid",
-           dispatcher="all_to_all")
-
-
-def small_cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**dict(dim=32, n_layers=2, n_heads=2, first_k_dense=1, dense_inter_dim=48, mla=MLA,
-                                 moe=MOE, vocab_size=64), **kw})
 
 
 def _attrs(param) -> tuple[str, ...]:
@@ -131,7 +123,7 @@ def test_groups_default_to_parallel_state(two_ranks):
 
 
 def test_ep_without_any_groups_is_an_error():
-    cfg = small_cfg()
+    cfg = small_cfg(n_layers=2)
     tcfg = megatron_config_from_spartron(cfg, expert_model_parallel_size=2)
     with pytest.raises(ValueError) as info:
         spartron_block_spec(tcfg, SideChannel(), base_config=cfg)
@@ -234,7 +226,7 @@ def _bf16_step_and_finalize(rank, world):
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
-    cfg = small_cfg(n_layers=3, dtype="bfloat16", moe={**MOE, "bias_update_rate": 0.01})
+    cfg = small_cfg(n_layers=3, dtype="bfloat16", moe={**MOE_SMALL, "bias_update_rate": 0.01})
     tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True, expert_model_parallel_size=2)
     side = SideChannel()
     torch.manual_seed(0)
@@ -292,8 +284,8 @@ def _aux_definitions(rank, world):
     )
     from megatron.core.transformer.spec_utils import build_module
 
-    cfg = small_cfg(first_k_dense=0, n_layers=1, moe={**MOE, "n_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01,
-                                                      "aux_loss_type": "batch"})
+    cfg = small_cfg(first_k_dense=0, n_layers=1, moe={**MOE_SMALL, "n_groups": 2, "topk_groups": 1,
+                                                      "aux_loss_coeff": 0.01, "aux_loss_type": "batch"})
     pgc = to_process_group_collection(ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), "cpu"))
     tcfg = megatron_config_from_spartron(cfg)
     x = torch.randn(6, 2, cfg.dim)
