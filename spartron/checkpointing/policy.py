@@ -66,6 +66,7 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "spartron::sparse_mla",
+    "spartron::sparse_mla_absorbed",  # DSA's query-chunked attention: its output is wo's input, as SDPA's is
     # kl_sparse's per-slot KL target and index scores ([B, S, K] float32 each): attention-sized outputs
     # whose recompute costs a walk over every selected key row
     "spartron::kl_sparse_target",

@@ -63,6 +63,9 @@ class DSAConfig(ConfigSection):
     `kl_dense_chunk`: query rows per chunk of kl_dense's / a dense warm-up's KL over all keys (peak temporaries
     about B x chunk x S_kv x (3 x heads + 4 x index heads) float32); 0 derives it from a 1 GiB budget
     (spartron/layers/attention/indexer_kl_dense.py).
+    `attention_chunk`: query rows per chunk of the sparse layers' absorbed attention (0: unchunked). Chunked,
+    nothing [S, heads, 576]-wide outlives a chunk and selective AC keeps [S, heads x v_head_dim] per layer as for
+    dense attention; the backward recomputes the sparse forward (spartron/layers/attention/sparse_mla_absorbed.py).
     """
 
     n_index_heads: int = Field(32, ge=1)
@@ -76,6 +79,7 @@ class DSAConfig(ConfigSection):
     indexer_fp8: bool = False
     deterministic_dkv: bool = False
     kl_dense_chunk: int = Field(0, ge=0)
+    attention_chunk: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _loss_needs_training(self) -> DSAConfig:

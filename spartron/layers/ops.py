@@ -18,6 +18,7 @@ def load_ops() -> frozenset[str]:
         indexer_kl_dense,
         indexer_topk,
         sparse_mla,
+        sparse_mla_absorbed,
     )
     from spartron.layers.fp8 import ops as fp8_ops  # noqa: F401 (defines spartron_fp8:: ops)
     from spartron.layers.moe import telemetry, topk  # noqa: F401 (each defines spartron:: ops)

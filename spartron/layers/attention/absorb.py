@@ -43,17 +43,25 @@ def _query_setup(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.save_for_backward(q_nope, w_uk)
 
 
-def _query_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
-    q_nope, w_uk = ctx.saved_tensors
+def query_grads(grad: Tensor, q_nope: Tensor, w_uk: Tensor, need_nope: bool = True,
+                need_w: bool = True) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """absorb_query's backward: (d q_nope, d q_pe (a view of grad), d w_uk) for grad [B, S, H, c + r]; shared
+    with the query-chunked sparse attention (sparse_mla_absorbed), which runs it chunk by chunk."""
     c = w_uk.shape[-1]
     g_lat = _heads_first(grad[..., :c])  # [H, B*S, c]
     d_nope = d_w = None
-    if ctx.needs_input_grad[0]:
+    if need_nope:
         d_nope = q_nope.new_empty(q_nope.shape)
         torch.bmm(g_lat, w_uk.transpose(1, 2), out=_heads_first(d_nope))
-    if ctx.needs_input_grad[2]:
+    if need_w:
         d_w = torch.bmm(_heads_first(q_nope).transpose(1, 2), g_lat)
-    return d_nope, grad[..., c:] if ctx.needs_input_grad[1] else None, d_w
+    return d_nope, grad[..., c:], d_w
+
+
+def _query_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+    q_nope, w_uk = ctx.saved_tensors
+    d_nope, d_pe, d_w = query_grads(grad, q_nope, w_uk, ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+    return d_nope, d_pe if ctx.needs_input_grad[1] else None, d_w
 
 
 absorb_query.register_autograd(_query_backward, setup_context=_query_setup)
@@ -78,16 +86,22 @@ def _output_setup(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.save_for_backward(*inputs)
 
 
-def _output_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
-    out_latent, w_uv = ctx.saved_tensors
+def output_grads(grad: Tensor, out_latent: Tensor, w_uv: Tensor, need_lat: bool = True,
+                 need_w: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """absorb_output's backward: (d out_latent, d w_uv) for grad [B, S, H * v]; shared like query_grads."""
     g = _heads_first(grad.unflatten(-1, (w_uv.shape[0], w_uv.shape[1])))  # [H, B*S, v]
     d_lat = d_w = None
-    if ctx.needs_input_grad[0]:
+    if need_lat:
         d_lat = out_latent.new_empty(out_latent.shape)
         torch.bmm(g, w_uv, out=_heads_first(d_lat))
-    if ctx.needs_input_grad[1]:
+    if need_w:
         d_w = torch.bmm(g.transpose(1, 2), _heads_first(out_latent))
     return d_lat, d_w
+
+
+def _output_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+    out_latent, w_uv = ctx.saved_tensors
+    return output_grads(grad, out_latent, w_uv, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
 
 
 absorb_output.register_autograd(_output_backward, setup_context=_output_setup)

@@ -31,6 +31,7 @@ from spartron.layers.attention.indexer_kl import sparse_indexer_kl
 from spartron.layers.attention.indexer_kl_dense import dense_indexer_kl
 from spartron.layers.attention.indexer_topk import causal_visible, index_scores, indexer_topk, topk_ids
 from spartron.layers.attention.rope import apply_rope
+from spartron.layers.attention.sparse_mla_absorbed import AbsorbedQuery
 from spartron.layers.config import ModelConfig, check_dsa, dsa_layers
 
 DSARole = str | None  # None (dense attention), "source" (computes ids), "consumer" (reuses ids)
@@ -120,7 +121,8 @@ class LightningIndexer(nn.Module):
 
 
 def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor,
-                                 q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, q_abs: Tensor,
+                                 q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None,
+                                 q_abs: Tensor | AbsorbedQuery,
                                  kv: Tensor, scale: float, sparse: bool, coeff: float) -> tuple[Tensor, Tensor]:
     """KL-trained indexer: ids (the selection reused on replay) and coeff * KL loss.
 
@@ -128,7 +130,8 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
     for `indexer_topk`. kl_sparse (V3.2's sparse stage): ids from `spartron::indexer_topk` (the Triton kernel
     on CUDA), then the loss over those ids in O(S x K) memory (indexer_kl). kl_dense (the dense warm-up) is
     a distribution over ALL visible keys: `spartron::kl_dense` walks it in query chunks (model.dsa.kl_dense_chunk)
-    and picks the ids from the same scores, nothing [S, S_kv] kept (indexer_kl_dense).
+    and picks the ids from the same scores, nothing [S, S_kv] kept (indexer_kl_dense). `q_abs`: the absorbed
+    queries, or an AbsorbedQuery when the attention runs in query chunks (model.dsa.attention_chunk).
     """
     q, weights, k = indexer(x.detach(), q_in.detach(), cos, sin)
     if sparse:
@@ -136,6 +139,8 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
                                      k_positions, indexer.topk, indexer.fp8, q_starts)
         return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale,
                                               deterministic=indexer.deterministic)
+    if isinstance(q_abs, AbsorbedQuery):  # chunked attention: kl_dense reads every row at once
+        q_abs = q_abs.full()
     ids, loss = dense_indexer_kl(q, weights, k, q_abs, kv, scale, q_positions, k_positions, q_starts, indexer.topk,
                                  indexer.kl_dense_chunk)
     return ids, coeff * loss

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spartron.layers.attention.sparse_mla_absorbed import AbsorbedQuery
+
 # Bytes of per-chunk temporaries (gathered key rows and [chunk, H, K] logits).
 _CHUNK_BYTES = 1 << 29
 
@@ -198,9 +200,14 @@ def _(q, kv, ids, scale, chunk):
     return q.new_empty(ids.shape, dtype=_acc(q.dtype))
 
 
-def sparse_attention_target(q: Tensor, kv: Tensor, scale: float, ids: Tensor, chunk: int | None = None) -> Tensor:
+def sparse_attention_target(q: Tensor | AbsorbedQuery, kv: Tensor, scale: float, ids: Tensor,
+                            chunk: int | None = None) -> Tensor:
     """Detached [B,S,K]: sum over heads of softmax(scale * q . kv[ids]) over the valid slots, L1-normalised;
-    0 at -1 slots. q [B,S,H,D] (absorbed queries), kv [B,S_kv,D] (latent rows). On CUDA the Triton kernel."""
+    0 at -1 slots. q [B,S,H,D] (absorbed queries), kv [B,S_kv,D] (latent rows). On CUDA the Triton kernel.
+    An AbsorbedQuery (chunked attention): one op call per chunk of its rows, each row's value the same."""
+    if isinstance(q, AbsorbedQuery):
+        return torch.cat([sparse_attention_target(q.at(r), kv, scale, ids[:, r].contiguous(), chunk)
+                          for r in q.rows()], dim=1)
     b, _, h, d = q.shape
     rows = _rows(chunk, b, ids.shape[-1], 4 * (d + 3 * h))  # gathered rows, scores, probabilities
     return _sparse_target(q.detach(), kv.detach(), ids, scale, rows)
@@ -214,8 +221,8 @@ def kl_rows(target: Tensor, log_pred: Tensor) -> Tensor:
     return (target * (log_target - safe_pred)).sum(-1)
 
 
-def sparse_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, q_abs: Tensor, kv: Tensor, scale: float,
-                      chunk: int | None = None, deterministic: bool = False) -> Tensor:
+def sparse_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, q_abs: Tensor | AbsorbedQuery, kv: Tensor,
+                      scale: float, chunk: int | None = None, deterministic: bool = False) -> Tensor:
     """Mean over the B x S query rows of KL(main attention over the ids || softmax(I_sel)); gradient into the
     indexer's q, weights and k only."""
     target = sparse_attention_target(q_abs, kv, scale, ids, chunk)

@@ -36,6 +36,7 @@ from spartron.layers.attention.dsa import (
 from spartron.layers.attention.indexer_topk import visible_keys
 from spartron.layers.attention.rope import apply_rope, mla_softmax_scale, rope_cos_sin
 from spartron.layers.attention.sparse_mla import sparse_mla
+from spartron.layers.attention.sparse_mla_absorbed import AbsorbedQuery, sparse_mla_absorbed
 from spartron.layers.config import ModelConfig
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import AttentionOutput
@@ -232,8 +233,11 @@ class MLA(nn.Module):
                                             coeff=self.cfg.dsa.indexer_loss_coeff)
 
     def _sparse(self, x, q_in, q_nope, q_pe, kv, cos, sin, positions, k_positions, ids) -> AttentionOutput:
+        """Top-k sparse attention in the absorbed form; model.dsa.attention_chunk > 0: in query chunks
+        (sparse_mla_absorbed), the absorbed query never whole (the KL target reads it chunk by chunk)."""
         w_uk, w_uv = self._absorbed_weights()
-        q_abs = absorb_query(q_nope, q_pe, w_uk)
+        chunk = self.cfg.dsa.attention_chunk
+        q_abs = AbsorbedQuery(q_nope, q_pe, w_uk, chunk) if chunk else absorb_query(q_nope, q_pe, w_uk)
         loss = None
         if ids is None:  # a source computing its ids
             q_pos, q_starts = self._query_positions(positions, k_positions)
@@ -245,7 +249,11 @@ class MLA(nn.Module):
                     self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs, kv,
                     self.softmax_scale, sparse=self.indexer_mode == "kl_sparse",
                     coeff=self.cfg.dsa.indexer_loss_coeff)
-        out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
-                                   deterministic=self.cfg.dsa.deterministic_dkv)
-        return AttentionOutput(hidden_states=self.wo(absorb_output(out_latent, w_uv)), dsa_topk_ids=ids,
-                               indexer_loss=loss)
+        deterministic = self.cfg.dsa.deterministic_dkv
+        if chunk:
+            heads = sparse_mla_absorbed(q_nope, q_pe, kv, ids, w_uk, w_uv, self.softmax_scale, chunk, deterministic)
+        else:
+            out_latent, _ = sparse_mla(q_abs, kv, ids, self.softmax_scale, self.kv_lora_rank,
+                                       deterministic=deterministic)
+            heads = absorb_output(out_latent, w_uv)
+        return AttentionOutput(hidden_states=self.wo(heads), dsa_topk_ids=ids, indexer_loss=loss)

@@ -1,0 +1,132 @@
+"""DSA's query-chunked absorbed attention (model.dsa.attention_chunk, attention.sparse_mla_absorbed; issue 39):
+one chunk covering every row is the unchunked path bitwise; several chunks give the unchunked output and query
+gradients bitwise and the summed (weight, latent-row) gradients to rounding; selective AC keeps the op's
+[S, H * v] output instead of the [S, H, kv_lora] latent, and replaying it changes no bit; the planner puts
+chunked DSA below dense attention from 64k to 128k at 128 heads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spartron.layers.attention.absorb import absorb_output, absorb_query
+from spartron.layers.attention.sparse_mla import sparse_mla
+from spartron.layers.attention.sparse_mla_absorbed import sparse_mla_absorbed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_dsa_memory import DIM, LORA, ROPE, H, K, V, make_layer, region_call  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+B, S, N, R, C, VD, KK = 2, 40, 8, 8, 16, 8, 6
+
+
+def _inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, 4, N + R, dtype=dtype, generator=g).requires_grad_()
+    kv = torch.randn(B, S, C + R, dtype=dtype, generator=g).requires_grad_()
+    w = torch.randn(4, N + VD, C, dtype=dtype, generator=g).requires_grad_()
+    rows = []
+    for t in range(S):  # causal ids, -1 past a row's visible keys
+        picked = torch.randperm(t + 1, generator=g)[:KK]
+        rows.append(torch.cat([picked, -torch.ones(KK - len(picked), dtype=torch.long)]))
+    ids = torch.stack(rows)[None].expand(B, -1, -1).int().contiguous()
+    return q, kv, w, ids, torch.randn(B, S, 4 * VD, dtype=dtype, generator=g)
+
+
+def _run(dtype: torch.dtype, chunk: int | None) -> list[torch.Tensor]:
+    q, kv, w, ids, grad = _inputs(dtype)
+    q_nope, q_pe = q.split([N, R], -1)
+    w_uk, w_uv = w[:, :N], w[:, N:]
+    if chunk is None:  # the unchunked path, as mla.MLA._sparse runs it
+        out = absorb_output(sparse_mla(absorb_query(q_nope, q_pe, w_uk), kv, ids, 0.3, C)[0], w_uv)
+    else:
+        out = sparse_mla_absorbed(q_nope, q_pe, kv, ids, w_uk, w_uv, 0.3, chunk)
+    out.backward(grad)
+    return [out.detach(), q.grad, kv.grad, w.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [S, 1000])
+def test_one_chunk_is_the_unchunked_path_bitwise(dtype, chunk):
+    for a, b in zip(_run(dtype, None), _run(dtype, chunk), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_chunks_keep_the_output_and_query_gradient_bitwise_and_sums_to_rounding(dtype, tol):
+    ref = _run(dtype, None)
+    out, dq, dkv, dw = _run(dtype, 7)
+    assert torch.equal(out, ref[0]) and torch.equal(dq, ref[1])
+    for got, want in ((dkv, ref[2]), (dw, ref[3])):
+        assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
+
+
+def test_a_chunk_below_one_row_is_refused():
+    q, kv, w, ids, _ = _inputs(torch.float64)
+    with pytest.raises(ValueError, match="sparse_mla_absorbed: chunk must be >= 1 query row, got 0"):
+        sparse_mla_absorbed(q[..., :N], q[..., N:], kv, ids, w[:, :N], w[:, N:], 0.3, 0)
+
+
+def _layer_grads(mode: str, chunk: int, ac: bool) -> list[torch.Tensor]:
+    layer = make_layer(mode)
+    layer.cfg.dsa.attention_chunk = chunk  # the layer reads it at each forward
+    if ac:
+        out, region, x = region_call(layer, 48)
+    else:
+        x = torch.randn(1, 48, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(48),
+                        requires_grad=True)
+        out = layer(x, torch.arange(48))
+    loss = out["hidden_states"].square().sum() + (out["indexer_loss"] if out["indexer_loss"] is not None else 0)
+    loss.backward()
+    return [loss.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize("mode", ["kl_sparse", "frozen", "kl_dense"])
+def test_a_dsa_layer_chunked_equals_unchunked_and_its_ac_replay_changes_no_bit(mode):
+    unchunked, whole, chunked = (_layer_grads(mode, c, ac=False) for c in (0, 48, 11))
+    assert len(unchunked) == (7 if mode == "frozen" else 12)
+    for a, b in zip(unchunked, whole, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(unchunked[0], chunked[0])  # the loss: per-row outputs, and the KL target per row
+    for a, b in zip(unchunked, chunked, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
+    for a, b in zip(chunked, _layer_grads(mode, 11, ac=True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_selective_ac_keeps_the_chunked_output_not_the_latent():
+    layer = make_layer()
+    layer.cfg.dsa.attention_chunk = 16
+    _, region, _ = region_call(layer, 64)
+    stats = region.last_stats
+    assert dict(stats.saved_by_op) == {"aten::mm": 6, "spartron::sparse_mla_absorbed": 1,
+                                       "spartron::kl_sparse_target": 4, "spartron::kl_selected_scores": 1}
+    per_token = 8 * (H * (8 + ROPE) + LORA + ROPE + DIM  # wq, wkv_a, wo outputs
+                     + 2 * 16 + 16 + 2  # the indexer's wq_b, wk, weights_proj outputs
+                     + H * V  # the attention's output [S, H * v] (wo's input), no latent, no lse
+                     + 2 * K)  # the KL target (4 chunks) and selected scores, [S, K] each
+    assert stats.bytes_saved == 64 * per_token
+
+
+def _plan(config: str, seq: int, extra: list[str]) -> float:
+    from spartron.runtime.config import load_config
+    from spartron.runtime.memory import plan_memory
+
+    base = ["model.mtp.depth=0", "model.n_heads=128", f"train.seq_len={seq}", f"model.max_seq_len={seq}"]
+    return plan_memory(load_config(ROOT / "configs" / config, [*base, *extra]), 1, 0)
+
+
+def test_the_plan_puts_chunked_dsa_below_dense_and_128k_on_one_h200():
+    kl = ["model.dsa.indexer_mode=kl_sparse", "model.dsa.indexer_loss_coeff=0.01"]
+    chunked = [*kl, "model.dsa.attention_chunk=8192"]
+    gib = 2**30
+    for seq in (65536, 131072):
+        dense, dsa, small = (_plan(c, seq, e) for c, e in (("dsa-4l-dense.toml", []), ("dsa-4l.toml", kl),
+                                                           ("dsa-4l.toml", chunked)))
+        assert small.peak < 0.85 * dense.peak < dense.peak < dsa.peak
+        # the three DSA layers keep [T, H * v] bf16 instead of the latent [T, H, 512] bf16 + lse [T, H] fp32
+        assert dsa.parts["activations"] - small.parts["activations"] == 3 * seq * 128 * (2 * 512 + 4 - 2 * 128)
+    assert small.peak < 130 * gib  # 128k: fits an H200 (about 139 GiB)
