@@ -109,6 +109,30 @@ class _Attention:
     kept_attention: int  # kept by attention targets
     kept_absorb: int  # kept by the absorb targets
     kept_replay: int  # held by replay frames in every AC mode
+    work: int = 0  # a DSA layer's backward temporaries beyond its saved tensors (the absorbed form's gradients)
+
+
+def _sparse_attention(m: ModelConfig, tokens: int, keys: int, step: StepShape, a: int) -> tuple[int, int, int, int]:
+    """(saved, kept by attention targets, kept by absorb targets, backward work) of a DSA layer's absorbed sparse
+    attention. Unchunked: the absorbed query [T, H, c + r] and latent output [T, H, c] (+ lse) are saved, the
+    latent output kept under selective AC, and the backward makes their gradients, as large. Query-chunked
+    (model.dsa.attention_chunk, attention.sparse_mla_absorbed): saved are q_nope (a view of wq's output) and the
+    roped q_pe, kept its output [T, H * v] (wo's input, counted by the caller); the backward holds one chunk's
+    absorbed query, latent output and their gradients, a float32 latent-row gradient and the query gradients."""
+    x, h = m.mla, m.n_heads
+    c, r = x.kv_lora_rank, x.qk_rope_head_dim
+    listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
+    chunk = m.dsa.attention_chunk
+    if chunk:
+        rows = min(chunk, tokens)
+        saved = tokens * h * (x.qk_nope_head_dim + 2 * r) * a
+        kept = tokens * h * x.v_head_dim * a if listed & {"spartron", "spartron::sparse_mla_absorbed"} else 0
+        work = rows * h * 2 * (2 * c + r) * a + keys * (c + r) * 4 + tokens * h * (x.qk_nope_head_dim + r) * a
+        return saved, kept, 0, work
+    q_abs, out = tokens * h * (c + r) * a, tokens * h * c * a
+    saved = q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
+    kept = out + tokens * h * 4 if listed & {"spartron", "spartron::sparse_mla"} else 0
+    return saved, kept, q_abs + tokens * h * x.v_head_dim * a, out + q_abs
 
 
 def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int, a: int) -> _Attention:
@@ -138,14 +162,11 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         saved += tokens * h * qk * a + keys * h * qk * a + v + scores + out
         mm += wkv_b
         attn = out + tokens * h * 4
+    work = 0
     if role is not None and mode != "dense_warmup":  # absorbed sparse attention over the selected keys
-        q_abs = tokens * h * kv * a
-        out = tokens * h * x.kv_lora_rank * a
-        saved += q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
-        absorb = q_abs + tokens * h * x.v_head_dim * a
         # ac.targets naming other ops than sparse_mla / the KL ops (a list without them): recomputed in the replay
-        listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
-        attn = out + tokens * h * 4 if listed & {"spartron", "spartron::sparse_mla"} else 0
+        sparse_saved, attn, absorb, work = _sparse_attention(m, tokens, keys, step, a)
+        saved += sparse_saved
     if role == "source":  # the indexer: its projections, the top-k ids, the KL's (dense warm-up: kl_dense's)
         d, k = m.dsa, min(m.dsa.index_topk, keys)
         listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
@@ -158,7 +179,8 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         replay += ids + (tokens * 4 if mode in _KL_DENSE else 0)  # kl_dense: its MANDATORY op's outputs
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
-    return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay)
+    return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay,
+                      work=work)
 
 
 _KL_DENSE = ("kl_dense", "dense_warmup")  # the DSA modes whose KL runs spartron::kl_dense in query chunks
@@ -230,7 +252,8 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
         local = {f: math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items()
                  if f.startswith(prefix)}
         params, trained = sum(local.values()), sum(n for f, n in local.items() if _trains(step, f))
-        work = tokens * m.dim * a * 4 + 2 * widest * a
+        # a DSA layer's attention backward runs after its FFN's, whose saved tensors are gone by then
+        work = max(tokens * m.dim * a * 4 + 2 * widest * a, attn.work + tokens * m.dim * a * 2 - s_ffn)
         blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn.kept_attention, work=work,
                              kept_absorb=attn.kept_absorb, kept_replay=attn.kept_replay, params=params,
                              trained=trained))
