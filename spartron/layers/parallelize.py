@@ -33,6 +33,7 @@ from torch import nn
 
 from spartron.checkpointing import apply_ac_to_blocks, compile_block
 from spartron.checkpointing.config import ACConfig
+from spartron.comm.mirror import is_mirrored
 from spartron.layers.config import FP8Config
 from spartron.layers.fp8 import apply_fp8
 from spartron.parallel.groups import ParallelGroups
@@ -88,14 +89,15 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], groups: ParallelGroups, pa
 
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     grad_world = groups.size("dp_cp")
-    sum_only = dist.get_backend(groups.world) == "gloo"
+    # gloo has no PREMUL_SUM, and the mirrored group of a rehearsal cannot read its factor on torch 2.11
+    sum_only = dist.get_backend(groups.world) == "gloo" or is_mirrored(groups.world)
     shards = groups.size("expert_fsdp")
     for block in blocks:
         if block.experts is not None:
             fully_shard(block.experts, mesh=groups.expert_fsdp_mesh, reshard_after_forward=True,
                         shard_placement_fn=lambda p: Shard(expert_shard_dim(p.shape, shards)), **kw)
             block.experts.set_gradient_divide_factor(float(grad_world))
-            # gloo has no PREMUL_SUM: reduce with SUM, then divide by the factor. Not with a 1-rank shard
+            # Without PREMUL_SUM: reduce with SUM, then divide by the factor. Not with a 1-rank shard
             # group: there FSDP2 (torch 2.13) already divides while copying and would divide twice.
             if sum_only and groups.size("expert_fsdp") > 1:
                 block.experts.set_force_sum_reduction_for_comms(True)
