@@ -22,14 +22,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("script", ["e2e", "profile_step", "offload", "ac_block", "moe_layer", "collectives",
                                     "deepep", "overhead_cpu", "sparse_mla", "megatron_gpt", "matrix",
                                     "doc_mask", "precision", "memory_plan", "ac_validation_cost", "adamw", "indexer",
-                                    "dsa_e2e", "kl_sparse", "dsa_id_overlap"])
+                                    "dsa_e2e", "kl_sparse", "dsa_id_overlap", "dsa_saved"])
 def test_smoke_mode_runs(script, tmp_path):
     if script == "megatron_gpt":
         pytest.importorskip("megatron.core", reason="needs megatron-core")
     out = tmp_path / f"{script}.json"
     args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
                                              "ac_validation_cost", "dsa_e2e", "kl_sparse",
-                                             "dsa_id_overlap") else []
+                                             "dsa_id_overlap", "dsa_saved") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
@@ -42,6 +42,7 @@ def test_smoke_mode_runs(script, tmp_path):
         rows = {name: run["results"][0] for name, run in report["runs"].items()}
         assert sorted(rows) == ["dense", "dsa"] and not any("error" in r for r in rows.values())
         assert report["dsa_over_dense_step_time"] == rows["dsa"]["step_time_s"] / rows["dense"]["step_time_s"]
+        assert all(0 < run["predicted_peak_gib"] < 0.1 for run in report["runs"].values())  # spartron plan's
     if script == "dsa_id_overlap":  # the tiny model's one source layer, measured at steps 1 and 2
         rows = report["results"]
         assert [(r["step"], r["source"]) for r in rows] == [(1, 0), (2, 0)]

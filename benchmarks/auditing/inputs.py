@@ -138,6 +138,8 @@ def config_cases() -> list[Case]:
         ("dsa-kl-coeff", ["model.dsa.indexer_mode=kl_dense"], "model.dsa.indexer_loss_coeff"),
         ("dsa-kl-chunk-negative", ["model.dsa.kl_dense_chunk=-1"], "model.dsa.kl_dense_chunk"),
         ("dsa-kl-chunk-float", ["model.dsa.kl_dense_chunk=2.5"], "model.dsa.kl_dense_chunk"),
+        ("dsa-attn-chunk-negative", ["model.dsa.attention_chunk=-8"], "model.dsa.attention_chunk"),
+        ("dsa-attn-chunk-string", ["model.dsa.attention_chunk='all'"], "model.dsa.attention_chunk"),
         ("dsa-frozen-coeff", ["model.dsa.indexer_loss_coeff=1.0"], "model.dsa.indexer_loss_coeff"),
         ("transport-dispatcher", ["model.moe.dispatcher=deepep", "model.moe.all_to_all_transport=copy_engine"],
          "model.moe.all_to_all_transport"),
