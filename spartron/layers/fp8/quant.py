@@ -31,7 +31,9 @@ TILE = 128
 def tile_scales(amax: Tensor, pow2: bool) -> Tensor:
     """Dequantisation scales from per-tile amax (fp32)."""
     amax = amax.float()
-    scale = amax / FP8_MAX
+    # tensor / tensor: on CUDA, torch divides by a Python scalar as a multiply by its reciprocal (not correctly
+    # rounded); the Triton kernels divide correctly rounded (div_rn), as this does on every device
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if pow2:  # round the exponent up when any mantissa bit is set: exact, no log2 (the kernels do the same)
         bits = scale.view(torch.int32)
         exponent = bits & 0x7F800000
