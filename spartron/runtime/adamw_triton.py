@@ -4,7 +4,8 @@ that same pass (`train.adamw_kernel = "triton"`).
 `TritonAdamW` is a torch.optim.AdamW built with fused=True of which only `step` is replaced: its parameter groups
 and per-parameter state (``step`` a float32 0-dim tensor on the parameter's device, ``exp_avg`` / ``exp_avg_sq``
 like the parameter) are torch's fused AdamW's, so state_dict, load_state_dict and saved states are the same
-whichever kernel wrote them. The update is torch's AdamW formula in fp32 registers (adamw_triton_kernels.py);
+whichever kernel wrote them. The update is torch's AdamW formula in fp32 registers, every rounding written in the
+source and none added by the compiler (adamw_triton_kernels.py, compiled with enable_fp_fusion=False);
 `step(grad_scale=c)` multiplies each gradient by the 0-dim tensor c as it is read (the clip coefficient: one
 read of the gradients instead of a clip pass plus the update's). The gradients themselves are left unscaled.
 
@@ -156,7 +157,7 @@ class TritonAdamW(torch.optim.AdamW):
         self._triton.adamw_tensor_kernel[grid](
             p, g, m, v, p if copy is None else copy, p.numel(), coefs, coefs if scale is None else scale,
             HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=k.block, ITERS=k.iters,
-            num_warps=k.num_warps, **scalars)
+            num_warps=k.num_warps, enable_fp_fusion=False, **scalars)
 
     def _launch_table(self, device: torch.device, members: list[tuple[Tensor, ...]], coefs: Tensor,
                       scale: Tensor | None, aligned: bool, scalars: dict) -> None:
@@ -177,7 +178,7 @@ class TritonAdamW(torch.optim.AdamW):
         kern.adamw_table_kernel[(first,)](
             table, self._block_maps[map_key], coefs, coefs if scale is None else scale, P_DTYPE=p, G_DTYPE=g,
             M_DTYPE=m, V_DTYPE=v, W_DTYPE=w[0] if w else p, HAS_SCALE=scale is not None, HAS_COPY=bool(w),
-            ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, **scalars)
+            ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, enable_fp_fusion=False, **scalars)
 
 
 def _coefficients(steps: list[Tensor], lr: float, beta1: float, beta2: float) -> Tensor:

@@ -4,8 +4,16 @@ One pass per element: read param, grad, exp_avg, exp_avg_sq, compute in fp32 reg
 exp_avg_sq in their own dtypes (the gradient is only read). With HAS_COPY the parameter is an fp32 master
 (spartron.runtime.master_weights) and the pass also writes its copy in the compute dtype (`w`, rounded to
 nearest even as torch's `.to(torch.bfloat16)` rounds): the bf16 weight costs no pass of its own. The math follows
-torch.optim.AdamW's single-tensor update operation by operation (decoupled decay, lerp, mul/addcmul,
-sqrt / sqrt(bc2) + eps, addcdiv), with correctly rounded sqrt and division as torch's kernels use.
+torch.optim.AdamW's single-tensor update operation by operation on the clipped gradient (decoupled decay, lerp,
+mul/addcmul, sqrt / sqrt(bc2) + eps, addcdiv), with correctly rounded sqrt and division as torch's kernels use.
+
+Every rounding is written in the source: the launchers pass ``enable_fp_fusion=False`` (no multiply-add the
+compiler contracts on its own), and `tl.fma` stands where torch's CUDA kernels contract a multiply-add (lerp's
+``self + w * (end - self)``, addcmul's ``a + value * b * c``, addcdiv's ``a + value * (b / c)``). Why: with fusion
+on, the compiler folded the clip multiply ``g * scale`` into lerp's ``g - m`` (one rounding fewer than torch, which
+stores the clipped gradient before the update). lerp cancels where ``m`` turns sign, so that half-ulp of ``g``
+showed as up to 7.6e-5 relative difference in ``exp_avg`` on a few elements on the H100 (issue 38). Now the
+compiled kernel computes exactly what Triton's interpreter computes from this source (IEEE fp32, no flush to zero).
 
 `adamw_table_kernel` serves many tensors in one launch: a program reads its tensor from the block map, and that
 tensor's addresses and size from an int64 table, cast to pointers here. Pointers loaded from memory carry no
@@ -32,16 +40,16 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, scale, decay, w1, bet
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
     if HAS_SCALE:
-        g = g * scale
+        g = g * scale  # the clipped gradient, rounded to fp32 as torch's clip stores it
     if HAS_DECAY:
-        p = p * decay
-    if LERP_SMALL:  # torch.lerp's two forms (weight < 0.5 or not)
-        m = m + w1 * (g - m)
+        p = p * decay  # param.mul_(1 - lr * wd)
+    if LERP_SMALL:  # exp_avg.lerp_(g, w1): torch.lerp's two forms (weight < 0.5 or not)
+        m = tl.fma(w1, g - m, m)
     else:
-        m = g - (g - m) * (1.0 - w1)
-    v = v * beta2 + w2 * g * g
+        m = tl.fma(m - g, 1.0 - w1, g)
+    v = tl.fma(w2 * g, g, v * beta2)  # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=w2)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p + tl.div_rn(neg_step_size * m, denom)
+    p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)  # param.addcdiv_(exp_avg, denom, value=-step_size)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
