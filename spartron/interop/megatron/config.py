@@ -12,9 +12,9 @@ A field in no table (a newer megatron-core) is a problem unless it still has its
 
 Spartron-only settings (vocab_size, max_seq_len, tie_embeddings, loss_chunk_size, dsa.layers,
 dsa.topk_freq, dsa.share_indexer_across_mtp, dsa.indexer_fp8, dsa.deterministic_dkv, dsa.kl_dense_chunk,
-moe.aux_loss_type when there is no aux loss, the dispatcher's "local" vs "all_to_all" choice, grouped_mm "auto"
-vs "grouped", moe.deepep_num_sms without DeepEP) have no Megatron field: they come from `base` (or ModelConfig's
-defaults).
+dsa.attention_chunk, moe.aux_loss_type when there is no aux loss, the dispatcher's "local" vs "all_to_all"
+choice, grouped_mm "auto" vs "grouped", moe.deepep_num_sms without DeepEP) have no Megatron field: they come
+from `base` (or ModelConfig's defaults).
 """
 
 from __future__ import annotations
@@ -315,7 +315,8 @@ def _dsa_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
     mode = "frozen" if coeff == 0 else ("kl_sparse" if tcfg.dsa_indexer_use_sparse_loss else "kl_dense")
     spartron_only = ({"layers": "all", "topk_freq": 1} if base.dsa is None else
                      {k: getattr(base.dsa, k) for k in ("layers", "topk_freq", "share_indexer_across_mtp",
-                                                          "indexer_fp8", "deterministic_dkv", "kl_dense_chunk")})
+                                                          "indexer_fp8", "deterministic_dkv", "kl_dense_chunk",
+                                                          "attention_chunk")})
     return {"n_index_heads": tcfg.dsa_indexer_n_heads, "index_head_dim": tcfg.dsa_indexer_head_dim,
             "index_topk": tcfg.dsa_indexer_topk, "indexer_mode": mode, "indexer_loss_coeff": coeff,
             **spartron_only}

@@ -96,7 +96,7 @@ def test_handwritten_megatron_config_maps_to_spartron():
     assert cfg.dsa.model_dump() == dict(n_index_heads=4, index_head_dim=16, index_topk=8, topk_freq=1,
                                         layers="all", indexer_mode="frozen", indexer_loss_coeff=0.0,
                                         share_indexer_across_mtp=True, indexer_fp8=False, deterministic_dkv=False,
-                                        kl_dense_chunk=0)
+                                        kl_dense_chunk=0, attention_chunk=0)
     assert cfg.norm_eps == 1e-6 and cfg.dtype == "float32"
 
 
