@@ -74,8 +74,8 @@ _MATMUL_TARGETS = {"aten", "aten::mm", "aten::addmm", "aten::bmm", "aten::_group
 _ATTENTION_TARGETS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
                       "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
                       "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                      "aten", "spartron", "spartron::sparse_mla", "spartron::kl_sparse_target",
-                      "spartron::kl_selected_scores"}
+                      "aten", "spartron", "spartron::sparse_mla", "spartron::sparse_mla_absorbed",
+                      "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
 # DSA's absorbed projections: not default targets (checkpointing.policy), kept only when ac.targets lists them
 _ABSORB_TARGETS = {"spartron", "spartron::absorb_query", "spartron::absorb_output"}
 

@@ -93,7 +93,8 @@ def test_predicted_peak_is_within_10_percent_of_the_tracked_peak(mode, tmp_path)
 @pytest.mark.parametrize(("mode", "extra"), [
     ("full", ("offload.enabled=true",)), ("selective", ("ac.freq=2",)), ("selective", ('ac.targets=["aten::mm"]',)),
     ("none", ("train.micro_batch_size=2", "train.intra_layer_micro_batches=2")),
-], ids=["offload", "freq2", "targets-mm", "intra-layer-micro-batches"])
+    ("selective", ("model.dsa.attention_chunk=16",)), ("none", ("model.dsa.attention_chunk=16",)),
+], ids=["offload", "freq2", "targets-mm", "intra-layer-micro-batches", "dsa-chunked", "dsa-chunked-no-ac"])
 def test_predicted_peak_of_ac_and_offload_variants_is_within_10_percent(mode, extra, tmp_path):
     measured, planned = run_distributed(_measured_and_planned, 1, mode, str(tmp_path), extra, timeout=120)[0]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
