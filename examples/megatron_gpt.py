@@ -93,14 +93,17 @@ class MegatronTraining:
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()  # the groups every Megatron module uses
         tcfg = megatron_config_from_spartron(m, use_cpu_initialization=True, expert_model_parallel_size=ep)
         self.side = SideChannel()  # DSA ids, indexer loss and router counts of one forward
-        gpt = GPTModel(tcfg, self.block_spec(tcfg, m),
-                       vocab_size=m.vocab_size, max_sequence_length=m.max_seq_len, position_embedding_type="none",
-                       share_embeddings_and_output_weights=m.tie_embeddings, pg_collection=self.pgc)
+        # Built under the training device: Spartron's layers draw their initial values there, with that
+        # device's generator, as Spartron's Trainer does (CPU and CUDA generators give different values)
+        with torch.device(self.device):
+            gpt = GPTModel(tcfg, self.block_spec(tcfg, m),
+                           vocab_size=m.vocab_size, max_sequence_length=m.max_seq_len, position_embedding_type="none",
+                           share_embeddings_and_output_weights=m.tie_embeddings, pg_collection=self.pgc)
+        self.gpt = gpt.to(self.device)
         with torch.no_grad():  # Megatron-owned weights drawn as Spartron's model draws them: the same model
             init_tensor_(gpt.embedding.word_embeddings.weight, "embed.weight", t.seed, m.init_std)
             if not m.tie_embeddings:
                 init_tensor_(gpt.output_layer.weight, "head.weight", t.seed, m.init_std)
-        self.gpt = gpt.to(self.device)
         wrapped = Float16Module(tcfg, self.gpt) if bf16 else self.gpt  # how Megatron trains in bf16
         with self.megatron_device():
             self.model = DistributedDataParallel(
