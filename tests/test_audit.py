@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def test_the_audit_has_at_least_700_distinct_cases_on_every_surface_and_category
     assert max(plain.values()) == 1  # no two cases without a setup run the same command the same way
 
 
+@pytest.mark.slow
 def test_quick_subset_covers_every_surface_and_is_clear_or_safe(tmp_path):
     from benchmarks.auditing.core import SURFACES
 
