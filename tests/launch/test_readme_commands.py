@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
 
@@ -50,6 +52,7 @@ def test_sh_blocks_are_found_and_split_into_commands():
     assert commands(block) == ["spartron x --y 1", 'python -c " import os "']
 
 
+@pytest.mark.slow
 def test_every_cpu_command_of_the_readme_runs_as_printed(tmp_path):
     blocks = sh_blocks((ROOT / "README.md").read_text())
     printed = [c.split()[:2] for b in blocks for c in commands(b)]
