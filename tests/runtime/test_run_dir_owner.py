@@ -168,6 +168,7 @@ def _wait_stopped(proc: subprocess.Popen, marker: Path, timeout: float = 240.0) 
     raise AssertionError("the first run did not reach its stop")
 
 
+@pytest.mark.slow
 def test_cli_a_second_train_an_overwrite_and_an_eval_of_a_live_run_are_refused_until_it_is_killed(tmp_path):
     run = tmp_path / "run"
     # The first run saves step 1, then stops itself (SIGSTOP) at step 2 holding the directory: a slow run.

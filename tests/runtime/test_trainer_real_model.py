@@ -76,6 +76,7 @@ def run_and_kill_after_save(command: list[str], run_dir: Path) -> None:
     sigkill_when_exists(proc, step_dir(run_dir, SAVE_EVERY) / COMPLETE, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     pytest.param((), id="preset-selective-ac"),
     pytest.param(("ac.mode=full", "offload.enabled=true"), id="full-ac-offload"),
@@ -107,6 +108,7 @@ def _train_ranks(rank, world, run_dir: str):
     return result.resumed_from, trace(result.records)
 
 
+@pytest.mark.slow
 def test_four_ranks_ep2_cp2_resume_in_a_fresh_process_group_matches_bitwise(tmp_path):
     reference, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
     full = run_distributed(_train_ranks, 4, str(reference), timeout=180)
