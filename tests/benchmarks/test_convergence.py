@@ -28,6 +28,7 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp_path):
     pytest.importorskip("tokenizers")
     whole, pieces = tmp_path / "whole", tmp_path / "pieces"
@@ -65,6 +66,7 @@ def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_dsa_stages_smoke(tmp_path):
     pytest.importorskip("tokenizers")
     done = bench("dsa_stages.py", "--smoke", "--root", str(tmp_path / "r"), cwd=tmp_path)
