@@ -33,6 +33,7 @@ from spartron.checkpointing import CheckpointOptions, CheckpointRegion, build_po
 from spartron.checkpointing.policy import op_packet_name  # noqa: E402
 from spartron.layers.attention.mla import MLA  # noqa: E402
 from spartron.layers.config import ModelConfig  # noqa: E402
+from spartron.runtime.metrics import git_commit  # noqa: E402
 
 
 class OpStorages(TorchDispatchMode):
@@ -135,7 +136,8 @@ def main() -> int:
         print(f"{name:12s} no AC {r['no_ac_bytes_per_token'] / 1024:8.1f} KiB/token, selective kept "
               f"{r['selective_kept_bytes_per_token'] / 1024:8.1f} KiB/token, backward peak "
               f"{r['backward_peak_bytes_per_token'] / 1024:8.1f} KiB/token", flush=True)
-    write_report(args.out, {"benchmark": "dsa_saved", "device": "cpu", "seq_len": args.seq, "heads": args.heads,
+    write_report(args.out, {"benchmark": "dsa_saved", "device": "cpu", "commit": git_commit(),
+                            "seq_len": args.seq, "heads": args.heads,
                             "dim": args.dim, "kv_lora_rank": args.lora, "topk": args.topk, "variants": rows})
     return 0
 

@@ -121,6 +121,9 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "dkv_atomics_floor": lambda d: "; ".join(f"{kind} {min(r['ms'] for r in d['results'] if r['kind'] == kind):.2f} ms"
                                              for kind in dict.fromkeys(r["kind"] for r in d["results"])),
     "doc_mask": _doc_mask,
+    "dsa_saved": lambda d: ("attention layer kept under selective AC, KiB/token: dense "
+                            + ", ".join(f"{k} {v['selective_kept_bytes_per_token'] / 1024:.1f}"
+                                        for k, v in d["variants"].items()) + f" (CPU, S {d['seq_len']})"),
     "dsa_e2e": lambda d: f"DSA / dense step time {d['dsa_over_dense_step_time']:.2f}x (target {d['target']})",
     "dsa_id_overlap": _dsa_id_overlap,
     "muon": _muon,
