@@ -124,7 +124,9 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "dsa_saved": lambda d: ("attention layer kept under selective AC, KiB/token: dense "
                             + ", ".join(f"{k} {v['selective_kept_bytes_per_token'] / 1024:.1f}"
                                         for k, v in d["variants"].items()) + f" (CPU, S {d['seq_len']})"),
-    "dsa_e2e": lambda d: f"DSA / dense step time {d['dsa_over_dense_step_time']:.2f}x (target {d['target']})",
+    "dsa_e2e": lambda d: (f"DSA / dense step time {d['dsa_over_dense_step_time']:.2f}x (target {d['target']})"
+                          if d["dsa_over_dense_step_time"] is not None
+                          else f"{' and '.join(d['runs'])} alone at seq {d['seq_len']} (no ratio)"),
     "dsa_id_overlap": _dsa_id_overlap,
     "muon": _muon,
     "rehearse_sweep": _rehearse,
