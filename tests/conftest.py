@@ -20,6 +20,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from xdist_groups import (  # noqa: F401 - hooks: --dist loadgroup that groups under pytest 9 (next to this file)
+    pytest_configure_node,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+    write_groups,
+)
 
 # The child: `spartron ARGV`, plus a stdlib audit hook that, at the first `open` of a path holding AT, says
 # "paused" on stdout and reads its stdin, which the test holds open and never writes: it waits there until
@@ -120,3 +126,4 @@ def pytest_collection_modifyitems(config, items):
 
     slow = {unit(item) for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: unit(item) not in slow)
+    write_groups(config, items)  # on an xdist worker: the groups, for the controller (tests/xdist_groups.py)
