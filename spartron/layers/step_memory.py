@@ -124,7 +124,7 @@ def _sparse_attention(m: ModelConfig, tokens: int, keys: int, step: StepShape, a
     listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
     chunk = m.dsa.attention_chunk
     if chunk:
-        rows = min(chunk, tokens)
+        rows = min(chunk, tokens // step.micro_batch_size) * step.micro_batch_size  # a chunk of each sequence
         saved = tokens * h * (x.qk_nope_head_dim + 2 * r) * a
         kept = tokens * h * x.v_head_dim * a if listed & {"spartron", "spartron::sparse_mla_absorbed"} else 0
         work = rows * h * 2 * (2 * c + r) * a + keys * (c + r) * 4 + tokens * h * (x.qk_nope_head_dim + r) * a

@@ -132,6 +132,17 @@ def test_the_plan_puts_chunked_dsa_below_dense_and_128k_on_one_h200():
     assert small.peak < 130 * gib  # 128k: fits an H200 (about 139 GiB)
 
 
+def test_the_plan_holds_one_chunk_of_every_sequence_of_the_micro_batch():
+    """The chunk is query rows of each sequence: two sequences double one chunk's backward temporaries."""
+    from spartron.layers.step_memory import StepShape, _sparse_attention
+    from spartron.runtime.config import load_config
+
+    m = load_config(ROOT / "configs" / "dsa-4l.toml", ["model.dsa.attention_chunk=64"]).model
+    one = _sparse_attention(m, 256, 256, StepShape(seq_len=256, micro_batch_size=1), 2)
+    two = _sparse_attention(m, 512, 512, StepShape(seq_len=256, micro_batch_size=2), 2)
+    assert two == tuple(2 * n for n in one)
+
+
 def _cuda_case(chunk: int | None, deterministic: bool) -> list[torch.Tensor]:
     """V3 shapes on the Triton kernels: 64 heads, nope / v 128, rope 64, kv_lora 512, 1024 rows, top-256."""
     g = torch.Generator(device="cuda").manual_seed(0)
