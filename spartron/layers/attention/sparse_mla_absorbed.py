@@ -13,8 +13,9 @@ formulas (absorb.output_grads, spartron::sparse_mla_backward, absorb.query_grads
 Numerics: each chunk makes the unchunked path's calls on its rows. The output and the query gradients are per
 query row: bitwise the unchunked path's when the kernels' per-row results do not depend on the rows in a call (the
 sparse kernels run one program per query; one chunk covering every row is the unchunked path bitwise, tested).
-The w_uk / w_uv and latent-row (kv) gradients sum over rows: chunk partials are added in float32 (or the inputs'
-wider dtype) and rounded once, so with several chunks their last bits can differ from one product over all rows.
+The w_uk / w_uv and latent-row (kv) gradients sum over rows: each chunk's partial comes rounded to the inputs' dtype
+(the unchunked backward's calls return them so), the partials are added in float32 (float64 inputs: float64) and
+the sum rounded once: with n chunks in bf16 up to about n roundings of a partial apart from one sum over all rows.
 """
 
 from __future__ import annotations
