@@ -5,11 +5,12 @@ exp_avg_sq in their own dtypes (the gradient is only read). With HAS_COPY the pa
 (spartron.runtime.master_weights) and the pass also writes its copy in the compute dtype (`w`, rounded to
 nearest even as torch's `.to(torch.bfloat16)` rounds): the bf16 weight costs no pass of its own. The math follows
 torch.optim.AdamW's single-tensor update operation by operation on the clipped gradient (decoupled decay, lerp,
-mul/addcmul, sqrt / sqrt(bc2) + eps, addcdiv), with correctly rounded sqrt and division as torch's kernels use.
+mul/addcmul, sqrt / sqrt(bc2) + eps, addcdiv), with correctly rounded sqrt and division (torch's CUDA division by
+the Python float sqrt(bc2) multiplies by its fp32 reciprocal: a rounding apart, within the tests' bound).
 
 Every rounding is written in the source: the launchers pass ``enable_fp_fusion=False`` (no multiply-add the
 compiler contracts on its own), and `tl.fma` stands where torch's CUDA kernels contract a multiply-add (lerp's
-``self + w * (end - self)``, addcmul's ``a + value * b * c``, addcdiv's ``a + value * (b / c)``). Why: with fusion
+``self + w * (end - self)``, addcmul's ``a + value * (b * c)``, addcdiv's ``a + value * (b / c)``). Why: with fusion
 on, the compiler may fold the clip multiply ``g * scale`` into lerp's ``g - m`` (one rounding fewer than torch, which
 stores the clipped gradient before the update); lerp cancels where ``m`` turns sign, so that half-ulp of ``g`` is a
 large relative difference of a small ``exp_avg`` (up to 7.6e-5 on 2 of 2112 elements on the H100, issue 38). Now
@@ -47,7 +48,7 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, scale, decay, w1, bet
         m = tl.fma(w1, g - m, m)
     else:
         m = tl.fma(m - g, 1.0 - w1, g)
-    v = tl.fma(w2 * g, g, v * beta2)  # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=w2)
+    v = tl.fma(w2, g * g, v * beta2)  # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=w2): torch squares g first
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)  # param.addcdiv_(exp_avg, denom, value=-step_size)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)

@@ -87,7 +87,7 @@ def _replay(state: dict, grad: Tensor, scale: float, wd: float, step: int, fused
     w1 = _f32(1 - BETAS[0])
     assert w1 < 0.5  # lerp's small-weight form, the only one these betas take
     m = _fma32(w1, _fma32(g0, c, -m) if fused_clip else _op(torch.sub, g, m), m)
-    v = _fma32(_op(torch.mul, _f32(1 - BETAS[1]), g), g, _op(torch.mul, v, _f32(BETAS[1])))
+    v = _fma32(_f32(1 - BETAS[1]), _op(torch.mul, g, g), _op(torch.mul, v, _f32(BETAS[1])))
     neg_step, c2 = _coefficients(step)
     denom = _op(torch.add, _op(torch.div, _op(torch.sqrt, v), c2), _f32(EPS))
     p = _fma32(neg_step, _op(torch.div, m, denom), p)
