@@ -97,6 +97,26 @@ def test_a_dsa_layer_chunked_equals_unchunked_and_its_ac_replay_changes_no_bit(m
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["kl_sparse", "frozen", "kl_dense"])
+def test_packed_documents_chunked_equal_unchunked(mode):
+    """Block-causal ids (2-D positions, documents of 10 + 14 and 7 + 17 tokens) across chunk boundaries of 5."""
+    positions = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]),
+                             torch.cat([torch.arange(7), torch.arange(17)])])
+    runs = []
+    for chunk in (0, 5):
+        layer = make_layer(mode)
+        layer.cfg.dsa.attention_chunk = chunk
+        x = torch.randn(2, 24, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        out = layer(x, positions)
+        loss = out["hidden_states"].square().sum() + (out["indexer_loss"] if out["indexer_loss"] is not None else 0)
+        loss.backward()
+        runs.append([loss.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(*runs, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
+
+
 def test_selective_ac_keeps_the_chunked_output_not_the_latent():
     layer = make_layer()
     layer.cfg.dsa.attention_chunk = 16
