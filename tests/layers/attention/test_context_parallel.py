@@ -43,6 +43,8 @@ MODES = {
     "frozen": DSA,
     "kl_dense": {**DSA, "indexer_mode": "kl_dense", "indexer_loss_coeff": 0.5},
     "kl_sparse": {**DSA, "indexer_mode": "kl_sparse", "indexer_loss_coeff": 0.5},
+    # the query-chunked attention over a rank's local rows (8 or 4 of them: chunks of 3 end mid-shard)
+    "kl_sparse_chunked": {**DSA, "indexer_mode": "kl_sparse", "indexer_loss_coeff": 0.5, "attention_chunk": 3},
 }
 
 
