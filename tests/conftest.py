@@ -4,8 +4,7 @@ Tests marked `slurm` share one single-machine Slurm of 2 nodes (scripts/slurm.sh
 (`-n 2 --dist loadgroup`, as scripts/test.sh runs the suite) they all go to one worker, so their jobs never
 queue behind each other's and their timings hold. The tests of a module that share one of its module-scoped
 fixtures (a training run, a saved checkpoint) go to one worker too: spread over both, each worker would
-compute the fixture again. Tests marked `slow` are handed out first, so the two workers do not end with one
-of them running a long test alone.
+compute the fixture again. (xdist 3.8 under pytest 9 ignores the groups by itself: tests/xdist_groups.py.)
 
 `paused_cli` starts a real `spartron` command that waits, before it opens the first file whose path holds a
 given text, until the test lets it go: a test signals it in a state the command cannot leave by itself, so
@@ -118,12 +117,4 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif shared_module_fixture(item) is not None:  # one group per module: its fixtures computed once
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    # Longest first: a group holding a slow test or a slow test alone before the rest (a stable sort: a
-    # group's tests stay together, in the collection's order). xdist hands out groups by size first, then
-    # the single tests in this order.
-    def unit(item: pytest.Item) -> str:
-        return next((m.args[0] for m in item.iter_markers("xdist_group")), item.nodeid)
-
-    slow = {unit(item) for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: unit(item) not in slow)
     write_groups(config, items)  # on an xdist worker: the groups, for the controller (tests/xdist_groups.py)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-SLOW = pytest.mark.slow  # over ~20 s on the 2-core CI machine: handed out first (tests/conftest.py)
+SLOW = pytest.mark.slow  # over ~20 s on the 2-core CI machine (pyproject.toml)
 
 
 @pytest.mark.parametrize("script", [
