@@ -132,6 +132,14 @@ def _split(entries: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(names), frozenset(namespaces)
 
 
+def keeps_output(op: str, targets: Sequence[str] | None = None) -> bool:
+    """Whether selective AC with `targets` (None: DEFAULT_TARGETS) keeps what operator `op` ('ns::op')
+    returns: its exact name or its namespace is listed, the rule `OpPolicy.decide` applies. The memory
+    planner asks this instead of matching target lists itself."""
+    names, namespaces = _split(DEFAULT_TARGETS if targets is None else targets)
+    return op in names or op.split("::", 1)[0] in namespaces
+
+
 @dataclass(frozen=True)
 class OpPolicy:
     """What a region saves: mandatory entries plus targets (names or namespaces).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from spartron.checkpointing.policy import keeps_output
 from spartron.comm.copy_engine import GROWTH_QUANTUM
 from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
@@ -69,15 +70,21 @@ class MemoryPlan:
         return self.peak <= device_bytes
 
 
-_MATMUL_TARGETS = {"aten", "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_addmm_activation",
-                   "aten::baddbmm"}
-_ATTENTION_TARGETS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-                      "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
-                      "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                      "aten", "spartron", "spartron::sparse_mla", "spartron::sparse_mla_absorbed",
-                      "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
+# The operators whose outputs the planner counts as kept matmul / attention outputs under selective AC; whether
+# a target list keeps each is checkpointing.policy's rule (keeps_output)
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_addmm_activation",
+               "aten::baddbmm")
+_ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+                  "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
+                  "aten::_efficient_attention_forward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "spartron::sparse_mla", "spartron::sparse_mla_absorbed", "spartron::kl_sparse_target",
+                  "spartron::kl_selected_scores")
 # DSA's absorbed projections: not default targets (checkpointing.policy), kept only when ac.targets lists them
-_ABSORB_TARGETS = {"spartron", "spartron::absorb_query", "spartron::absorb_output"}
+_ABSORB_OPS = ("spartron::absorb_query", "spartron::absorb_output")
+
+
+def _keeps_any(ops: tuple[str, ...], targets: list[str] | None) -> bool:
+    return any(keeps_output(op, targets) for op in ops)
 
 
 @dataclass(frozen=True)
@@ -121,17 +128,16 @@ def _sparse_attention(m: ModelConfig, tokens: int, keys: int, step: StepShape, a
     absorbed query, latent output and their gradients, a float32 latent-row gradient and the query gradients."""
     x, h = m.mla, m.n_heads
     c, r = x.kv_lora_rank, x.qk_rope_head_dim
-    listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
     chunk = m.dsa.attention_chunk
     if chunk:
         rows = min(chunk, tokens // step.micro_batch_size) * step.micro_batch_size  # a chunk of each sequence
         saved = tokens * h * (x.qk_nope_head_dim + 2 * r) * a
-        kept = tokens * h * x.v_head_dim * a if listed & {"spartron", "spartron::sparse_mla_absorbed"} else 0
+        kept = tokens * h * x.v_head_dim * a if keeps_output("spartron::sparse_mla_absorbed", step.ac_targets) else 0
         work = rows * h * 2 * (2 * c + r) * a + keys * (c + r) * 4 + tokens * h * (x.qk_nope_head_dim + r) * a
         return saved, kept, 0, work
     q_abs, out = tokens * h * (c + r) * a, tokens * h * c * a
     saved = q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4
-    kept = out + tokens * h * 4 if listed & {"spartron", "spartron::sparse_mla"} else 0
+    kept = out + tokens * h * 4 if keeps_output("spartron::sparse_mla", step.ac_targets) else 0
     return saved, kept, q_abs + tokens * h * x.v_head_dim * a, out + q_abs
 
 
@@ -169,13 +175,11 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         saved += sparse_saved
     if role == "source":  # the indexer: its projections, the top-k ids, the KL's (dense warm-up: kl_dense's)
         d, k = m.dsa, min(m.dsa.index_topk, keys)
-        listed = set(step.ac_targets) if step.ac_targets is not None else {"spartron"}
         index = tokens * (d.n_index_heads * d.index_head_dim + d.index_head_dim + d.n_index_heads) * a
         ids, kl = tokens * k * 4, (2 * tokens * k * 4 if mode == "kl_sparse" else 0)
         saved += index + ids + kl + (tokens * k * 4 if mode == "kl_sparse" else 0)  # + log_softmax
         mm += index
-        kl_listed = listed & {"spartron", "spartron::kl_sparse_target", "spartron::kl_selected_scores"}
-        attn += kl if kl_listed else 0
+        attn += kl if _keeps_any(("spartron::kl_sparse_target", "spartron::kl_selected_scores"), step.ac_targets) else 0
         replay += ids + (tokens * 4 if mode in _KL_DENSE else 0)  # kl_dense: its MANDATORY op's outputs
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
@@ -316,9 +320,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     grads = state["gradients"]
     tokens = step.micro_batch_size * step.seq_len // dims.cp
     blocks = _blocks(m, dims, step, a)
-    targets = set(step.ac_targets) if step.ac_targets is not None else _MATMUL_TARGETS | _ATTENTION_TARGETS
-    keeps_mm, keeps_attn = bool(targets & _MATMUL_TARGETS), bool(targets & _ATTENTION_TARGETS)
-    keeps_absorb = step.ac_targets is not None and bool(targets & _ABSORB_TARGETS)
+    keeps_mm, keeps_attn = _keeps_any(_MATMUL_OPS, step.ac_targets), _keeps_any(_ATTENTION_OPS, step.ac_targets)
+    keeps_absorb = _keeps_any(_ABSORB_OPS, step.ac_targets)
     block_input = tokens * m.dim * a
     saved, recompute = [], []
     for i, b in enumerate(blocks):

@@ -367,3 +367,13 @@ def test_saved_attention_ops_compute_their_logsumexp_even_without_grad():
         assert kwargs["compute_log_sumexp"] is True
     untouched = (q, q)
     assert with_backward_outputs(torch.ops.aten.mm.default, untouched, {}) == (untouched, {})
+
+
+def test_keeps_output_answers_by_name_or_namespace_as_decide_does():
+    from spartron.checkpointing.policy import keeps_output
+
+    assert keeps_output("aten::mm") and keeps_output("spartron::sparse_mla_absorbed")  # default targets
+    assert not keeps_output("spartron::absorb_query")  # not a default target
+    assert keeps_output("spartron::absorb_query", ["spartron"])  # a namespace keeps all its ops
+    assert keeps_output("aten::mm", ["aten::mm.default"])  # an overload suffix names the op
+    assert not keeps_output("aten::bmm", ["aten::mm"]) and not keeps_output("aten::mm", [])
