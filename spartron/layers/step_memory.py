@@ -181,6 +181,8 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
         mm += index
         attn += kl if _keeps_any(("spartron::kl_sparse_target", "spartron::kl_selected_scores"), step.ac_targets) else 0
         replay += ids + (tokens * 4 if mode in _KL_DENSE else 0)  # kl_dense: its MANDATORY op's outputs
+        if mode == "dense_warmup":  # kl_dense's saved target query: absorbed [T, H, c + r], or (chunked) roped q_pe
+            saved += tokens * h * ((0 if m.dsa.attention_chunk else x.kv_lora_rank) + x.qk_rope_head_dim) * a
     saved += tokens * h * x.v_head_dim * a  # wo's input
     mm += tokens * m.dim * a  # wo's output
     return _Attention(saved=saved, kept_matmul=mm, kept_attention=attn, kept_absorb=absorb, kept_replay=replay,
@@ -196,12 +198,16 @@ def _dsa_mode(m: ModelConfig, step: StepShape) -> str | None:
 
 
 def _kl_dense_work(m: ModelConfig, step: StepShape, cp: int) -> int:
-    """Bytes of one kl_dense chunk's float32 temporaries (attention.indexer_kl_dense), live in its forward and
-    in its backward's recompute: B x rows x S_kv x chunk_elements."""
-    keys, d = step.seq_len, m.dsa
+    """Bytes of one kl_dense chunk's temporaries (attention.indexer_kl_dense), live in its forward and in its
+    backward's recompute: B x rows x S_kv x chunk_elements float32, and the chunk's rows of the absorbed query
+    [B, rows, H, c + r] in float32 (a copy unless the compute dtype is that wide) and, when the attention runs in
+    query chunks (no [T, H, c + r] query exists then), absorbed from q_nope in the compute dtype first."""
+    keys, d, a = step.seq_len, m.dsa, PARAM_BYTES[m.dtype]
     rows = chunk_rows(d.kl_dense_chunk or None, step.micro_batch_size, keys, m.n_heads, d.n_index_heads)
-    return 4 * step.micro_batch_size * min(rows, step.seq_len // cp) * keys * chunk_elements(m.n_heads,
-                                                                                              d.n_index_heads)
+    rows = step.micro_batch_size * min(rows, step.seq_len // cp)
+    query = rows * m.n_heads * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim)
+    return 4 * rows * keys * chunk_elements(m.n_heads, d.n_index_heads) + query * (
+        (0 if a >= 4 else 4) + (a if d.attention_chunk else 0))
 
 
 def _ffn_block(m: ModelConfig, tokens: int, moe: bool, a: int) -> tuple[int, int, int]:

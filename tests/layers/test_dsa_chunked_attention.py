@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spartron.layers.attention.absorb import absorb_output, absorb_query
 from spartron.layers.attention.sparse_mla import sparse_mla
@@ -117,6 +118,50 @@ def test_packed_documents_chunked_equal_unchunked(mode):
         assert torch.allclose(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
 
 
+class _Shapes(TorchDispatchMode):
+    """Shapes of every tensor an op makes outside the project's custom ops (whose bodies the mode does not see:
+    what they make lives a chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["kl_dense", "dense_warmup"])
+def test_chunked_kl_dense_never_makes_the_whole_absorbed_query(mode):
+    """kl_dense / dense_warmup with attention_chunk: the KL op absorbs its query chunk by chunk, so no [S, H, c + r]
+    tensor is made (it was: AbsorbedQuery.full); the unchunked layer makes it (the check can fail). The loss and
+    the indexer's gradients (the KL's alone) equal the unchunked layer's bitwise; the attention's too under dense
+    attention (dense_warmup), to the chunked sums' rounding under sparse (kl_dense)."""
+    runs, whole = [], (1, 48, H, LORA + ROPE)
+    for chunk in (0, 11):
+        layer = make_layer("kl_dense")
+        layer.indexer_mode = mode
+        layer.cfg.dsa.attention_chunk, layer.cfg.dsa.kl_dense_chunk = chunk, 5
+        x = torch.randn(1, 48, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3),
+                        requires_grad=True)
+        with _Shapes() as seen:
+            out = layer(x, torch.arange(48))
+            loss = out["hidden_states"].square().sum() + out["indexer_loss"]
+            loss.backward()
+        runs.append({"loss": loss.detach(), "x": x.grad} | {n: p.grad for n, p in layer.named_parameters()})
+        assert (whole in seen.shapes) == (chunk == 0)
+    assert len(runs[0]) == 12
+    for name, a in runs[0].items():
+        b = runs[1][name]
+        if name == "loss" or name.startswith("indexer.") or mode == "dense_warmup":
+            assert torch.equal(a, b), name
+        else:
+            assert torch.allclose(a, b, rtol=0, atol=1e-12 * b.abs().max().item()), name
+
+
 def test_selective_ac_keeps_the_chunked_output_not_the_latent():
     layer = make_layer()
     layer.cfg.dsa.attention_chunk = 16
@@ -161,6 +206,26 @@ def test_the_plan_holds_one_chunk_of_every_sequence_of_the_micro_batch():
     one = _sparse_attention(m, 256, 256, StepShape(seq_len=256, micro_batch_size=1), 2)
     two = _sparse_attention(m, 512, 512, StepShape(seq_len=256, micro_batch_size=2), 2)
     assert two == tuple(2 * n for n in one)
+
+
+def test_the_plan_counts_kl_dense_absorbing_one_chunk_of_rows():
+    """With attention_chunk, kl_dense's work holds its chunk's absorbed rows [B, rows, H, c + r] (bf16, and their
+    float32 copy as before) and no [T, H, c + r] query exists; the dense warm-up's KL saves the roped q_pe
+    [T, H, r] instead of the absorbed query [T, H, c + r]."""
+    from spartron.layers.step_memory import StepShape, _attention_block, _kl_dense_work
+    from spartron.runtime.config import load_config
+
+    base = ["model.dsa.indexer_mode=kl_dense", "model.dsa.indexer_loss_coeff=0.5", "model.dsa.kl_dense_chunk=32"]
+    step = StepShape(seq_len=256, micro_batch_size=2)
+    plans = {}
+    for chunk in (0, 64):
+        m = load_config(ROOT / "configs" / "dsa-4l.toml", [*base, f"model.dsa.attention_chunk={chunk}"]).model
+        warm = _attention_block(m, 512, StepShape(seq_len=256, micro_batch_size=2, dsa_mode="dense_warmup"),
+                                "source", 1, 2)
+        plans[chunk] = (_kl_dense_work(m, step, 1), warm.saved)
+    h, c, r = m.n_heads, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
+    assert plans[64][0] - plans[0][0] == 2 * 32 * h * (c + r) * 2
+    assert plans[0][1] - plans[64][1] == 512 * h * c * 2
 
 
 def _cuda_case(chunk: int | None, deterministic: bool) -> list[torch.Tensor]:

@@ -131,7 +131,8 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
     on CUDA), then the loss over those ids in O(S x K) memory (indexer_kl). kl_dense (the dense warm-up) is
     a distribution over ALL visible keys: `spartron::kl_dense` walks it in query chunks (model.dsa.kl_dense_chunk)
     and picks the ids from the same scores, nothing [S, S_kv] kept (indexer_kl_dense). `q_abs`: the absorbed
-    queries, or an AbsorbedQuery when the attention runs in query chunks (model.dsa.attention_chunk).
+    queries, or an AbsorbedQuery when the attention runs in query chunks (model.dsa.attention_chunk): both KL forms
+    then absorb one chunk of rows at a time, nothing [S, H, c + r] made.
     """
     q, weights, k = indexer(x.detach(), q_in.detach(), cos, sin)
     if sparse:
@@ -139,8 +140,6 @@ def trained_indexer_ids_and_loss(indexer: LightningIndexer, x: Tensor, q_in: Ten
                                      k_positions, indexer.topk, indexer.fp8, q_starts)
         return ids, coeff * sparse_indexer_kl(q, weights, k, ids, q_abs, kv, scale,
                                               deterministic=indexer.deterministic)
-    if isinstance(q_abs, AbsorbedQuery):  # chunked attention: kl_dense reads every row at once
-        q_abs = q_abs.full()
     ids, loss = dense_indexer_kl(q, weights, k, q_abs, kv, scale, q_positions, k_positions, q_starts, indexer.topk,
                                  indexer.kl_dense_chunk)
     return ids, coeff * loss

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spartron.layers.attention.absorb import absorb_query
 from spartron.layers.attention.indexer_kl import head_summed_distribution, kl_rows
 from spartron.layers.attention.indexer_topk import topk_ids, visible_keys
+from spartron.layers.attention.sparse_mla_absorbed import AbsorbedQuery
 
 # Bytes of one chunk's temporaries when model.dsa.kl_dense_chunk = 0 (derived).
 CHUNK_BYTES = 1 << 30
@@ -60,6 +62,15 @@ def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
                                                         float("-inf")))
 
 
+def _main_rows(q_main: Tensor, q_pe: Tensor | None, w_uk: Tensor | None, rows: slice, acc: torch.dtype) -> Tensor:
+    """One chunk's absorbed query in `acc`: rows of `q_main` (the absorbed query), or, with `w_uk` (the attention
+    runs in query chunks: an AbsorbedQuery), absorb_query of these rows of q_nope and q_pe, so nothing [S, H, c + r]
+    exists (each row's value the whole absorb's: per-row products)."""
+    if w_uk is None:
+        return q_main[:, rows].to(acc)
+    return absorb_query(q_main[:, rows], q_pe[:, rows], w_uk).to(acc)
+
+
 def _logits(q: Tensor, k: Tensor) -> Tensor:
     return torch.einsum("bthd,bsd->bths", q, k)
 
@@ -76,8 +87,9 @@ def _acc_keys(q: Tensor, k: Tensor, kv: Tensor) -> tuple[torch.dtype, Tensor, Te
 
 def reference_forward(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor, q_positions: Tensor,
                       k_positions: Tensor, q_starts: Tensor | None, scale: float, topk: int,
-                      chunk: int) -> tuple[Tensor, Tensor]:
-    """(KL per row [B, S] in float32 or wider, ids [B, S, min(topk, S_kv)] int32), chunk by chunk."""
+                      chunk: int, q_pe: Tensor | None = None, w_uk: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(KL per row [B, S] in float32 or wider, ids [B, S, min(topk, S_kv)] int32), chunk by chunk. With q_pe and
+    w_uk, `q_abs` is q_nope and each chunk absorbs its rows (`_main_rows`)."""
     acc, k_acc, kv_acc = _acc_keys(q, k, kv)
     b, s = q.shape[:2]
     kl = torch.empty(b, s, dtype=acc, device=q.device)
@@ -85,7 +97,7 @@ def reference_forward(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: 
     for c0 in range(0, s, chunk):
         rows = slice(c0, c0 + chunk)
         visible = _visible(q_positions, k_positions, q_starts, rows)
-        p = _target(q_abs[:, rows].to(acc), kv_acc, scale, visible)
+        p = _target(_main_rows(q_abs, q_pe, w_uk, rows, acc), kv_acc, scale, visible)
         scores = _scores(_logits(q[:, rows].to(acc), k_acc).relu_(), weights[:, rows].to(acc), visible)
         ids[:, rows] = topk_ids(scores, topk)
         kl[:, rows] = kl_rows(p, F.log_softmax(scores, dim=-1))
@@ -94,9 +106,10 @@ def reference_forward(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: 
 
 def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor,
                        q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, scale: float,
-                       chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+                       chunk: int, q_pe: Tensor | None = None, w_uk: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dw, dk) of the per-row KL for its gradient `grad` [B, S], each chunk recomputed: dI = -g p + g
-    softmax(I) sum(p) over the keys where p > 0 (kl_rows' terms; log_softmax's backward)."""
+    softmax(I) sum(p) over the keys where p > 0 (kl_rows' terms; log_softmax's backward). q_pe, w_uk: as for
+    reference_forward."""
     acc, k_acc, kv_acc = _acc_keys(q, k, kv)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dw = torch.empty(weights.shape, dtype=acc, device=q.device)
@@ -105,7 +118,7 @@ def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_ab
     for c0 in range(0, q.shape[1], chunk):
         rows = slice(c0, c0 + chunk)
         visible = _visible(q_positions, k_positions, q_starts, rows)
-        p = _target(q_abs[:, rows].to(acc), kv_acc, scale, visible)
+        p = _target(_main_rows(q_abs, q_pe, w_uk, rows, acc), kv_acc, scale, visible)
         qc, wc = q[:, rows].to(acc), weights[:, rows].to(acc)
         relu = _logits(qc, k_acc).relu_()  # relu(x) <= 0 exactly where x <= 0: ReLU's backward mask
         log_q = F.log_softmax(_scores(relu, wc, visible), dim=-1)
@@ -124,13 +137,14 @@ def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_ab
 @torch.library.custom_op("spartron::kl_dense", mutates_args=())
 def _kl_dense(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor, q_positions: Tensor,
               k_positions: Tensor, q_starts: Tensor | None, scale: float, topk: int,
-              chunk: int) -> tuple[Tensor, Tensor]:
+              chunk: int, q_pe: Tensor | None, w_uk: Tensor | None) -> tuple[Tensor, Tensor]:
     """Saves the inputs only (module docstring); the ids are the op's second output, no gradient."""
-    return reference_forward(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, topk, chunk)
+    return reference_forward(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, topk, chunk,
+                             q_pe, w_uk)
 
 
 @_kl_dense.register_fake
-def _(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, topk, chunk):
+def _(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, topk, chunk, q_pe, w_uk):
     acc = torch.promote_types(q.dtype, torch.float32)
     return (q.new_empty(q.shape[:2], dtype=acc),
             q.new_empty(*q.shape[:2], min(topk, k.shape[1]), dtype=torch.int32))
@@ -139,41 +153,47 @@ def _(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, topk,
 @torch.library.custom_op("spartron::kl_dense_backward", mutates_args=())
 def _kl_dense_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor,
                        q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, scale: float,
-                       chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    return reference_backward(grad, q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, chunk)
+                       chunk: int, q_pe: Tensor | None, w_uk: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return reference_backward(grad, q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, chunk,
+                              q_pe, w_uk)
 
 
 @_kl_dense_backward.register_fake
-def _(grad, q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, chunk):
+def _(grad, q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, chunk, q_pe, w_uk):
     return torch.empty_like(q), torch.empty_like(weights), torch.empty_like(k)
 
 
 def _setup_context(ctx, inputs, output):
-    q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, _, chunk = inputs
-    ctx.save_for_backward(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts)
+    q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, scale, _, chunk, q_pe, w_uk = inputs
+    ctx.save_for_backward(q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, q_pe, w_uk)
     ctx.args = (scale, chunk)
     ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_kl, _grad_ids):
-    q, weights, k, q_abs, kv, q_positions, k_positions, q_starts = ctx.saved_tensors
+    q, weights, k, q_abs, kv, q_positions, k_positions, q_starts, q_pe, w_uk = ctx.saved_tensors
     dq, dw, dk = _kl_dense_backward(grad_kl.contiguous(), q, weights, k, q_abs, kv, q_positions, k_positions,
-                                    q_starts, *ctx.args)
-    return dq, dw, dk, None, None, None, None, None, None, None, None
+                                    q_starts, *ctx.args, q_pe, w_uk)
+    return dq, dw, dk, None, None, None, None, None, None, None, None, None, None
 
 
 _kl_dense.register_autograd(_backward, setup_context=_setup_context)
 
 
-def dense_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor, scale: float,
+def dense_indexer_kl(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor | AbsorbedQuery, kv: Tensor, scale: float,
                      q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, topk: int,
                      chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """(ids [B, S, min(topk, S_kv)] int32, mean over the B x S rows of KL(p || softmax(I))) over all visible keys;
     gradient into the indexer's q [B,S,H,d], weights [B,S,H] and k [B,S_kv,d] only. q_abs [B,S,Hm,D] / kv
-    [B,S_kv,D]: the main attention's absorbed queries and latent rows (detached here). Positions and q_starts
-    as for indexer_topk; `chunk`: query rows per chunk (None: `chunk_rows` derives it)."""
-    rows = chunk_rows(chunk, q.shape[0], k.shape[1], q_abs.shape[2], q.shape[2])
-    kl, ids = _kl_dense(q.contiguous(), weights.contiguous(), k.contiguous(), q_abs.detach().contiguous(),
-                        kv.detach().contiguous(), q_positions.contiguous(), k_positions.contiguous(),
-                        None if q_starts is None else q_starts.contiguous(), float(scale), int(topk), rows)
+    [B,S_kv,D]: the main attention's absorbed queries and latent rows (detached here), or an AbsorbedQuery (the
+    attention runs in query chunks): each chunk absorbs its own rows, nothing [S, H, D] made. Positions and
+    q_starts as for indexer_topk; `chunk`: query rows per chunk (None: `chunk_rows` derives it)."""
+    if isinstance(q_abs, AbsorbedQuery):
+        main, q_pe, w_uk = (t.detach() for t in (q_abs.q_nope, q_abs.q_pe, q_abs.w_uk))  # views: no copy saved
+    else:
+        main, q_pe, w_uk = q_abs.detach().contiguous(), None, None
+    rows = chunk_rows(chunk, q.shape[0], k.shape[1], main.shape[2], q.shape[2])
+    kl, ids = _kl_dense(q.contiguous(), weights.contiguous(), k.contiguous(), main, kv.detach().contiguous(),
+                        q_positions.contiguous(), k_positions.contiguous(),
+                        None if q_starts is None else q_starts.contiguous(), float(scale), int(topk), rows, q_pe, w_uk)
     return ids, kl.mean()

@@ -226,8 +226,9 @@ class MLA(nn.Module):
         """The KL-trained indexer's ids and loss (dsa.trained_indexer_ids_and_loss): sparse over its top-k, or
         dense over all visible keys, towards the main attention, which the absorbed queries compute."""
         q_pos, q_starts = self._query_positions(positions, k_positions)
+        w_uk, chunk = self._absorbed_weights()[0], self.cfg.dsa.attention_chunk
         with torch.no_grad():  # the target is detached: no graph through the absorbed queries
-            q_abs = absorb_query(q_nope, q_pe, self._absorbed_weights()[0])
+            q_abs = AbsorbedQuery(q_nope, q_pe, w_uk, chunk) if chunk else absorb_query(q_nope, q_pe, w_uk)
         return trained_indexer_ids_and_loss(self.indexer, x, q_in, cos, sin, q_pos, k_positions, q_starts, q_abs,
                                             kv, self.softmax_scale, sparse=sparse,
                                             coeff=self.cfg.dsa.indexer_loss_coeff)

@@ -43,8 +43,8 @@ def chunk_rows(s: int, chunk: int) -> Iterator[slice]:
 
 @dataclass(frozen=True)
 class AbsorbedQuery:
-    """The absorbed query cat(q_nope W_uk, q_pe) [B, S, H, c + r] without materialising it: what kl_sparse's KL
-    target reads chunk by chunk when the attention runs chunked (indexer_kl.sparse_attention_target)."""
+    """The absorbed query cat(q_nope W_uk, q_pe) [B, S, H, c + r] without materialising it: what both KL forms read
+    chunk by chunk when the attention runs chunked (indexer_kl.sparse_attention_target, indexer_kl_dense)."""
 
     q_nope: Tensor
     q_pe: Tensor
@@ -58,10 +58,6 @@ class AbsorbedQuery:
         """Rows `rows` of the absorbed query, detached (the KL target is detached)."""
         with torch.no_grad():
             return absorb_query(self.q_nope[:, rows], self.q_pe[:, rows], self.w_uk)
-
-    def full(self) -> Tensor:
-        """Every row at once (kl_dense's dense KL reads all of them)."""
-        return self.at(slice(None))
 
 
 def _latent(q_nope: Tensor, q_pe: Tensor, kv: Tensor, ids: Tensor, w_uk: Tensor, scale: float,
