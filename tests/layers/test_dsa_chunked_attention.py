@@ -71,6 +71,36 @@ def test_a_chunk_below_one_row_is_refused():
         sparse_mla_absorbed(q[..., :N], q[..., N:], kv, ids, w[:, :N], w[:, N:], 0.3, 0)
 
 
+def _backward_calls(chunk: int, q_grad: bool, kv_grad: bool, uk_grad: bool, uv_grad: bool):
+    """(the gradients, aten::bmm and spartron::sparse_mla_backward calls of the op's backward) with the inputs
+    that need a gradient as given (a frozen weight, or a frozen layer's inputs, need none)."""
+    q, kv, w, ids, grad = _inputs(torch.float64)
+    q_nope, q_pe = (t.detach().requires_grad_(q_grad) for t in q.split([N, R], -1))
+    kv = kv.detach().requires_grad_(kv_grad)
+    w_uk, w_uv = w[:, :N].detach().requires_grad_(uk_grad), w[:, N:].detach().requires_grad_(uv_grad)
+    out = sparse_mla_absorbed(q_nope, q_pe, kv, ids, w_uk, w_uv, 0.3, chunk)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(grad)
+    names = [e.name for e in prof.events()]
+    grads = [t.grad for t in (q_nope, q_pe, kv, w_uk, w_uv)]
+    return grads, names.count("aten::bmm"), names.count("spartron::sparse_mla_backward")
+
+
+def test_the_backward_computes_only_the_gradients_its_inputs_need():
+    """ctx.needs_input_grad: frozen w_uk / w_uv (a stage's trainable globs leave wkv_b out) skip their two products
+    per chunk; with only w_uv trained no sparse backward runs; the gradients that are computed are bitwise the
+    all-trained ones (it computed every gradient, the check can fail)."""
+    everything, bmm_all, sparse_all = _backward_calls(7, True, True, True, True)
+    assert sparse_all == 6  # one per chunk of 7 rows (40 rows)
+    frozen_w, bmm_frozen, _ = _backward_calls(7, True, True, False, False)
+    assert bmm_all - bmm_frozen == 2 * 6 and frozen_w[3:] == [None, None]
+    for a, b in zip(everything[:3], frozen_w[:3], strict=True):
+        assert torch.equal(a, b)
+    only_uv, bmm_uv, sparse_uv = _backward_calls(7, False, False, False, True)
+    assert sparse_uv == 0 and only_uv[:4] == [None] * 4 and torch.equal(only_uv[4], everything[4])
+    assert bmm_uv <= bmm_frozen - 2 * 6  # per chunk at least d_lat's and d_nope's products skipped too
+
+
 def _layer_grads(mode: str, chunk: int, ac: bool) -> list[torch.Tensor]:
     layer = make_layer(mode)
     layer.cfg.dsa.attention_chunk = chunk  # the layer reads it at each forward

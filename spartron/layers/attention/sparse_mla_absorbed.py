@@ -91,33 +91,43 @@ def _(q_nope, q_pe, kv, ids, w_uk, w_uv, scale, chunk, deterministic):
 
 @torch.library.custom_op("spartron::sparse_mla_absorbed_backward", mutates_args=())
 def _absorbed_backward(grad: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, ids: Tensor, w_uk: Tensor,
-                       w_uv: Tensor, scale: float, chunk: int,
-                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       w_uv: Tensor, scale: float, chunk: int, deterministic: bool,
+                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of (q_nope, q_pe, kv, w_uk, w_uv) that `needs` asks for (a frozen weight's, or a frozen
+    layer's inputs', are never computed: an empty tensor stands in); the sparse backward runs only when a query or
+    latent-row gradient, or w_uk's, is needed."""
+    n_nope, n_pe, n_kv, n_uk, n_uv = needs
     acc = _acc(q_nope.dtype)
-    d_nope, d_pe = torch.empty_like(q_nope), torch.empty_like(q_pe)
-    d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-    d_w_uk = torch.zeros(w_uk.shape, dtype=acc, device=w_uk.device)
-    d_w_uv = torch.zeros(w_uv.shape, dtype=acc, device=w_uv.device)
+    d_nope, d_pe = (torch.empty_like(t) if n else t.new_empty(0) for t, n in ((q_nope, n_nope), (q_pe, n_pe)))
+    d_kv, d_w_uk, d_w_uv = (torch.zeros(t.shape, dtype=acc, device=t.device) if n else t.new_empty(0)
+                            for t, n in ((kv, n_kv), (w_uk, n_uk), (w_uv, n_uv)))
+    need_lat = n_nope or n_pe or n_kv or n_uk
     for rows in chunk_rows(q_nope.shape[1], chunk):
         q_abs, ids_c, lat, lse = _latent(q_nope[:, rows], q_pe[:, rows], kv, ids[:, rows], w_uk, scale,
                                          deterministic)
-        d_lat, dw_uv = output_grads(grad[:, rows], lat, w_uv)
-        dq, dkv = torch.ops.spartron.sparse_mla_backward(
-            d_lat.contiguous(), torch.zeros_like(lse), q_abs, kv, ids_c, lat, lse, scale, w_uk.shape[-1],
-            default_chunk_size(q_abs, kv, ids_c), deterministic)
-        del q_abs, lat, d_lat
-        dn, dp, dw_uk = query_grads(dq, q_nope[:, rows], w_uk)
-        d_nope[:, rows], d_pe[:, rows] = dn, dp
-        d_kv += dkv
-        d_w_uk += dw_uk
-        d_w_uv += dw_uv
+        d_lat, dw_uv = output_grads(grad[:, rows], lat, w_uv, need_lat, n_uv)
+        if n_uv:
+            d_w_uv += dw_uv
+        if need_lat:
+            dq, dkv = torch.ops.spartron.sparse_mla_backward(
+                d_lat.contiguous(), torch.zeros_like(lse), q_abs, kv, ids_c, lat, lse, scale, w_uk.shape[-1],
+                default_chunk_size(q_abs, kv, ids_c), deterministic)
+            del q_abs, lat, d_lat
+            dn, dp, dw_uk = query_grads(dq, q_nope[:, rows], w_uk, n_nope, n_uk)
+            if n_nope:
+                d_nope[:, rows] = dn
+            if n_pe:
+                d_pe[:, rows] = dp
+            if n_kv:
+                d_kv += dkv
+            if n_uk:
+                d_w_uk += dw_uk
     return d_nope, d_pe, d_kv.to(kv.dtype), d_w_uk.to(w_uk.dtype), d_w_uv.to(w_uv.dtype)
 
 
 @_absorbed_backward.register_fake
-def _(grad, q_nope, q_pe, kv, ids, w_uk, w_uv, scale, chunk, deterministic):
-    return (torch.empty_like(q_nope), torch.empty_like(q_pe), torch.empty_like(kv), torch.empty_like(w_uk),
-            torch.empty_like(w_uv))
+def _(grad, q_nope, q_pe, kv, ids, w_uk, w_uv, scale, chunk, deterministic, needs):
+    return tuple(torch.empty_like(t) if n else t.new_empty(0) for t, n in zip((q_nope, q_pe, kv, w_uk, w_uv), needs))
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
@@ -128,8 +138,10 @@ def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
 
 def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
     q_nope, q_pe, kv, ids, w_uk, w_uv = ctx.saved_tensors
-    d_nope, d_pe, d_kv, d_w_uk, d_w_uv = _absorbed_backward(grad.contiguous(), q_nope, q_pe, kv, ids, w_uk, w_uv,
-                                                            *ctx.args)
+    n = ctx.needs_input_grad
+    needs = [n[0], n[1], n[2], n[4], n[5]]
+    grads = _absorbed_backward(grad.contiguous(), q_nope, q_pe, kv, ids, w_uk, w_uv, *ctx.args, needs)
+    d_nope, d_pe, d_kv, d_w_uk, d_w_uv = (g if need else None for g, need in zip(grads, needs, strict=True))
     return d_nope, d_pe, d_kv, None, d_w_uk, d_w_uv, None, None, None
 
 
