@@ -125,7 +125,10 @@ def _sparse_attention(m: ModelConfig, tokens: int, keys: int, step: StepShape, a
     latent output kept under selective AC, and the backward makes their gradients, as large. Query-chunked
     (model.dsa.attention_chunk, attention.sparse_mla_absorbed): saved are q_nope (a view of wq's output) and the
     roped q_pe, kept its output [T, H * v] (wo's input, counted by the caller); the backward holds one chunk's
-    absorbed query, latent output and their gradients, a float32 latent-row gradient and the query gradients."""
+    absorbed query, latent output and their gradients, a float32 latent-row gradient and the query gradients, and
+    what each chunk's sparse backward allocates over all latent rows (sparse_mla_triton.backward): its dkv
+    accumulator, float32 then cast to a kv-dtype partial, or with model.dsa.deterministic_dkv int64 fixed point
+    scaled in float64 (the int64, the float64 copy and the scaled float64 live at once) before the cast."""
     x, h = m.mla, m.n_heads
     c, r = x.kv_lora_rank, x.qk_rope_head_dim
     chunk = m.dsa.attention_chunk
@@ -133,7 +136,9 @@ def _sparse_attention(m: ModelConfig, tokens: int, keys: int, step: StepShape, a
         rows = min(chunk, tokens // step.micro_batch_size) * step.micro_batch_size  # a chunk of each sequence
         saved = tokens * h * (x.qk_nope_head_dim + 2 * r) * a
         kept = tokens * h * x.v_head_dim * a if keeps_output("spartron::sparse_mla_absorbed", step.ac_targets) else 0
-        work = rows * h * 2 * (2 * c + r) * a + keys * (c + r) * 4 + tokens * h * (x.qk_nope_head_dim + r) * a
+        per_call = keys * (c + r) * (3 * 8 if m.dsa.deterministic_dkv else 4 + a)  # one chunk's dkv accumulator
+        work = (rows * h * 2 * (2 * c + r) * a + keys * (c + r) * 4 + tokens * h * (x.qk_nope_head_dim + r) * a
+                + per_call)
         return saved, kept, 0, work
     q_abs, out = tokens * h * (c + r) * a, tokens * h * c * a
     saved = q_abs + out + tokens * h * x.v_head_dim * a + tokens * h * 4

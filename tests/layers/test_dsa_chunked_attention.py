@@ -238,6 +238,24 @@ def test_the_plan_holds_one_chunk_of_every_sequence_of_the_micro_batch():
     assert two == tuple(2 * n for n in one)
 
 
+def test_the_plan_counts_each_chunks_dkv_accumulator():
+    """Each chunk's sparse backward allocates a dkv accumulator over all B x S_kv latent rows: float32 and its
+    bf16 partial, or (deterministic_dkv) int64, its float64 copy and the scaled float64 at once; the plan's chunked
+    work holds one beside the float32 total over chunks and one chunk's [rows, H, .] tensors."""
+    from spartron.layers.step_memory import StepShape, _sparse_attention
+    from spartron.runtime.config import load_config
+
+    step, work = StepShape(seq_len=256, micro_batch_size=2), {}
+    for det in (False, True):
+        m = load_config(ROOT / "configs" / "dsa-4l.toml",
+                        ["model.dsa.attention_chunk=64", f"model.dsa.deterministic_dkv={str(det).lower()}"]).model
+        work[det] = _sparse_attention(m, 512, 512, step, 2)[3]
+    h, n, c, r = m.n_heads, m.mla.qk_nope_head_dim, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
+    chunk_rows = 2 * 64 * h * 2 * (2 * c + r) * 2
+    assert work[False] == chunk_rows + 512 * (c + r) * 4 + 512 * h * (n + r) * 2 + 512 * (c + r) * (4 + 2)
+    assert work[True] - work[False] == 512 * (c + r) * (24 - 6)
+
+
 def test_the_plan_counts_kl_dense_absorbing_one_chunk_of_rows():
     """With attention_chunk, kl_dense's work holds its chunk's absorbed rows [B, rows, H, c + r] (bf16, and their
     float32 copy as before) and no [T, H, c + r] query exists; the dense warm-up's KL saves the roped q_pe
