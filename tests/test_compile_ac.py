@@ -137,6 +137,21 @@ def test_dense_mla_compiled_matches_eager_bitwise(mode):
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 2
 
 
+def test_query_chunked_dsa_with_kl_sparse_compiled_matches_eager_bitwise():
+    """model.dsa.attention_chunk (spartron::sparse_mla_absorbed, chunks of 11 rows ending mid-sequence) with the
+    indexer trained by kl_sparse under selective AC: compiled (aot_eager) loss and gradients equal eager's
+    bitwise, no graph break; the op and its backward are in the graphs, opaque."""
+    cfg = small("ac.mode=selective", "ac.reentrant=false", "model.dsa.indexer_mode=kl_sparse",
+                "model.dsa.indexer_loss_coeff=0.5", "model.dsa.attention_chunk=11", "train.compile=true",
+                "train.compile_backend=aot_eager")
+    rec = Recorder()
+    counters.clear()
+    _compiled_and_eager(cfg, rec.backend)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 2
+    assert rec.count("forward", "spartron.sparse_mla_absorbed.") == 1
+    assert rec.count("backward", "spartron.sparse_mla_absorbed_backward") == 1
+
+
 def test_compile_with_a_reentrant_region_is_refused_naming_the_fix():
     from spartron.checkpointing import ACConfig, apply_activation_checkpointing, compile_block
 
