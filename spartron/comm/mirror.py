@@ -71,6 +71,7 @@ class CollectiveRecord:
     ranks: tuple[int, ...]
     calls: int = 0
     bytes: int = 0
+    reduce_ops: tuple[str, ...] = ()  # the reductions asked for (SUM, AVG, PREMUL_SUM, ...), in first-seen order
 
 
 @dataclass
@@ -81,7 +82,7 @@ class CommLedger:
     records: dict[tuple[str, str], CollectiveRecord] = field(default_factory=dict)
     enabled: bool = True
 
-    def add(self, kind: str, pg: MirroredProcessGroup, nbytes: int) -> None:
+    def add(self, kind: str, pg: MirroredProcessGroup, nbytes: int, op: ReduceOp | None = None) -> None:
         if not self.enabled:
             return
         key = (kind, pg.description)
@@ -90,6 +91,9 @@ class CommLedger:
             rec = self.records[key] = CollectiveRecord(kind, pg.description, pg.size(), pg.global_ranks)
         rec.calls += 1
         rec.bytes += int(nbytes)
+        name = _op_name(op) if op is not None else None
+        if name is not None and name not in rec.reduce_ops:
+            rec.reduce_ops += (name,)
 
     def take(self) -> list[CollectiveRecord]:
         """The records so far, and a fresh start (one step's records at a time)."""
@@ -100,6 +104,10 @@ class CommLedger:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _op_name(op: ReduceOp) -> str:
+    return getattr(op, "op", op).name  # a ReduceOp (options carry one) or its RedOpType
 
 
 def _reduced(x: Tensor, op: ReduceOp, n: int) -> Tensor:
@@ -204,7 +212,7 @@ class MirroredProcessGroup(dist.ProcessGroup):
 
     # ---- reductions ----------------------------------------------------------------------------
     def _scatter_into(self, out: Tensor, x: Tensor, op: ReduceOp) -> None:
-        self.ledger.add("reduce_scatter", self, _nbytes(x))
+        self.ledger.add("reduce_scatter", self, _nbytes(x), op)
         out.copy_(_reduced(x.reshape(self._size, -1)[self._rank].view(out.shape), op, self._size))
 
     def _reduce_scatter_base(self, out: Tensor, x: Tensor, opts: dist.ReduceScatterOptions) -> _Done:
@@ -226,14 +234,14 @@ class MirroredProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outs: list[Tensor], in_lists: list[list[Tensor]],
                        opts: dist.ReduceScatterOptions) -> _Done:
         for out, ins in zip(outs, in_lists, strict=True):
-            self.ledger.add("reduce_scatter", self, sum(_nbytes(t) for t in ins))
+            self.ledger.add("reduce_scatter", self, sum(_nbytes(t) for t in ins), opts.reduceOp)
             out.copy_(_reduced(ins[self._rank], opts.reduceOp, self._size))
         return _Done(outs)
 
     def allreduce(self, xs: list[Tensor], opts: object = None) -> _Done:
         op = getattr(opts, "reduceOp", ReduceOp.SUM)
         for x in xs:
-            self.ledger.add("all_reduce", self, _nbytes(x))
+            self.ledger.add("all_reduce", self, _nbytes(x), op)
             x.copy_(_reduced(x, op, self._size))
         return _Done(xs)
 

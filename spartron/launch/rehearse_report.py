@@ -62,7 +62,8 @@ def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_nod
             comm[cat]["calls"] += w * r.calls
             row = detail.setdefault((r.kind, r.group), {"kind": r.kind, "group": r.group, "group_size": r.size,
                                                          "category": cat, "link": t.link, "calls": 0.0,
-                                                         "bytes": 0.0, "seconds": 0.0})
+                                                         "bytes": 0.0, "seconds": 0.0, "reduce_ops": []})
+            row["reduce_ops"] += [op for op in r.reduce_ops if op not in row["reduce_ops"]]
             row["calls"] += w * r.calls
             row["bytes"] += w * r.bytes
             row["seconds"] += w * t.seconds

@@ -45,6 +45,9 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     assert {d["link"] for d in head["comm_detail"]} == {"nvlink"}
     ep = [d for d in head["comm_detail"] if d["kind"] == "all_to_all"]
     assert [(d["group"], d["group_size"], d["category"]) for d in ep] == [("ep", 2, "ep")]
+    # the experts reduce with SUM then divide: torch 2.11's PREMUL_SUM hides its factor from the mirror
+    ops = {(d["kind"], d["group"]): d["reduce_ops"] for d in head["comm_detail"]}
+    assert ops[("reduce_scatter", "expert_fsdp")] == ["SUM"] and ops[("reduce_scatter", "default_pg")] == ["AVG"]
     # the headline hides FSDP under compute (no intra-layer micro-batches: the all-to-alls stay exposed)
     comm = sum(c["seconds"] for c in head["comm"].values())
     assert head["no_overlap"]["seconds"] == pytest.approx(head["compute_s"] + comm)
