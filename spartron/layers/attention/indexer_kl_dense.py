@@ -106,7 +106,8 @@ def reference_forward(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: 
 
 def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: Tensor,
                        q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, scale: float,
-                       chunk: int, q_pe: Tensor | None = None, w_uk: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       chunk: int, q_pe: Tensor | None = None,
+                       w_uk: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dw, dk) of the per-row KL for its gradient `grad` [B, S], each chunk recomputed: dI = -g p + g
     softmax(I) sum(p) over the keys where p > 0 (kl_rows' terms; log_softmax's backward). q_pe, w_uk: as for
     reference_forward."""

@@ -127,7 +127,8 @@ def _absorbed_backward(grad: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, i
 
 @_absorbed_backward.register_fake
 def _(grad, q_nope, q_pe, kv, ids, w_uk, w_uv, scale, chunk, deterministic, needs):
-    return tuple(torch.empty_like(t) if n else t.new_empty(0) for t, n in zip((q_nope, q_pe, kv, w_uk, w_uv), needs))
+    inputs = (q_nope, q_pe, kv, w_uk, w_uv)
+    return tuple(torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(inputs, needs, strict=True))
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
