@@ -91,9 +91,8 @@ class CommLedger:
             rec = self.records[key] = CollectiveRecord(kind, pg.description, pg.size(), pg.global_ranks)
         rec.calls += 1
         rec.bytes += int(nbytes)
-        name = _op_name(op) if op is not None else None
-        if name is not None and name not in rec.reduce_ops:
-            rec.reduce_ops += (name,)
+        if op is not None and _kind(op).name not in rec.reduce_ops:
+            rec.reduce_ops += (_kind(op).name,)
 
     def take(self) -> list[CollectiveRecord]:
         """The records so far, and a fresh start (one step's records at a time)."""
@@ -106,13 +105,15 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _op_name(op: ReduceOp) -> str:
-    return getattr(op, "op", op).name  # a ReduceOp (options carry one) or its RedOpType
+def _kind(op: ReduceOp) -> ReduceOp.RedOpType:
+    """The RedOpType of a ReduceOp (what options carry) or of a bare RedOpType (ReduceOp.SUM is one: it passes
+    isinstance(..., ReduceOp) but has no `.op`)."""
+    return getattr(op, "op", op)
 
 
 def _reduced(x: Tensor, op: ReduceOp, n: int) -> Tensor:
     """What reducing n identical copies of x gives (finite for finite x)."""
-    kind = op.op if isinstance(op, ReduceOp) else op
+    kind = _kind(op)
     if kind == ReduceOp.RedOpType.SUM:
         return x * n
     if kind == ReduceOp.RedOpType.PREMUL_SUM:

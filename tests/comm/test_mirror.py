@@ -48,6 +48,14 @@ def test_reduce_scatter_keeps_this_ranks_chunk(op, scale):
         assert torch.equal(out, x[2:4] * scale)
 
 
+def test_all_reduce_without_options_sums():
+    with mirrored_world(0, 8) as ledger:
+        z = torch.tensor([0.5, -1.0])
+        dist.group.WORLD.allreduce([z])  # no options: the group's default, a bare RedOpType SUM
+        assert torch.equal(z, torch.tensor([4.0, -8.0]))
+        assert [r.reduce_ops for r in ledger.take()] == [("SUM",)]
+
+
 def test_reduce_scatter_op_and_all_reduce_broadcast_barrier():
     with mirrored_world(0, 8) as ledger:
         assert torch.equal(reduce_scatter(torch.ones(16, 3)), torch.full((2, 3), 8.0))
