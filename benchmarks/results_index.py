@@ -129,6 +129,9 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                           else f"{' and '.join(d['runs'])} alone at seq {d['seq_len']} (no ratio)"),
     "dsa_id_overlap": _dsa_id_overlap,
     "muon": _muon,
+    "fp8_moe": lambda d: f"{d['backend']} " + "; ".join(
+        f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
+        for name, r in d["runs"].items()),
     "rehearse_sweep": _rehearse,
     "e2e": _e2e,
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "

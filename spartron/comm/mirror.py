@@ -260,31 +260,39 @@ class MirroredProcessGroup(dist.ProcessGroup):
         return _Done()
 
     # ---- all-to-all ----------------------------------------------------------------------------
-    def _received(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
-        """The rows every source sends here (module docstring), concatenated in source order."""
+    def _fill_received(self, out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """Write into ``out`` the rows every source sends here (module docstring), in source order.
+
+        Filled in place, slice by slice: a mirrored all-to-all of the dispatch rows must cost no more
+        memory than the real one, whose only buffer is ``out`` (a rehearsal must not die of its own copies).
+        """
         chunks = list(torch.split(x, in_splits)) if in_splits else list(x.chunk(self._size))
         mine = chunks[self._rank]
         if self.balanced and not x.is_floating_point():  # per-expert counts: the mean in every slot
             total = torch.stack(list(x.view(self._size, -1))).sum(dim=0)
             base, rest = total // self._size, total % self._size
             slot = torch.arange(self._size, device=x.device).view(-1, 1)
-            return (base.unsqueeze(0) + (slot < rest.unsqueeze(0)).to(x.dtype)).reshape(-1)
+            out.copy_((base.unsqueeze(0) + (slot < rest.unsqueeze(0)).to(x.dtype)).reshape(out.shape))
+            return
         source = mine if mine.shape[0] else x
-        parts = []
+        rows = out.view(-1, *x.shape[1:])
+        start = 0
         for n in out_splits:
+            part = rows[start:start + n]
             if source.shape[0] == 0:
-                parts.append(x.new_zeros(n, *x.shape[1:]))
+                part.zero_()
             else:
-                reps = -(-n // source.shape[0])
-                parts.append(source.repeat(reps, *([1] * (x.dim() - 1)))[:n])
-        return torch.cat(parts) if parts else x[:0]
+                for offset in range(0, n, source.shape[0]):  # the source's rows repeated to fill n
+                    take = min(source.shape[0], n - offset)
+                    part[offset:offset + take].copy_(source[:take])
+            start += n
 
     def alltoall_base(self, out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int],
                       opts: object = None) -> _Done:  # noqa: ARG002
         self.ledger.add("all_to_all", self, _nbytes(x))
         out_splits = list(out_splits) or [out.shape[0] // self._size] * self._size
         in_splits = list(in_splits) or [x.shape[0] // self._size] * self._size
-        out.copy_(self._received(x, out_splits, in_splits).view(out.shape))
+        self._fill_received(out, x, out_splits, in_splits)
         return _Done([out])
 
     all_to_all_single = alltoall_base
