@@ -80,12 +80,13 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def merge(path: Path, entries: list[dict], device: str) -> dict:
-    """`path`'s entries with `entries` added (same case, world and seq_len replaced)."""
+def merge(path: Path, entries: list[dict], device: str, commit: str | None) -> dict:
+    """`path`'s entries with `entries` added (same case, world and seq_len replaced); each entry keeps the
+    commit it measured, the top-level commit is this run's."""
     old = json.loads(path.read_text()) if path.is_file() else {"benchmark": "rehearse_sweep", "entries": []}
     keys = {(e["case"], e["world_size"], e["seq_len"]) for e in entries}
     kept = [e for e in old["entries"] if (e["case"], e["world_size"], e["seq_len"]) not in keys]
-    return {**old, "device": device, "entries": kept + entries}
+    return {**old, "device": device, "commit": commit, "entries": kept + entries}
 
 
 def plot(data: dict, png: Path) -> None:
@@ -125,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, help="device memory (default: the local GPU's)")
     p.add_argument("--smoke", action="store_true", help="the tiny preset at 1, 8, 16 ranks on CPU")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--commit", default=None, help="the commit measured (default: this checkout's)")
     args = p.parse_args(argv)
     import torch
+
+    from spartron.runtime.metrics import git_commit
+
+    commit = args.commit or git_commit()
 
     if args.gpu_memory_gib is not None:
         device_bytes = int(args.gpu_memory_gib * 2**30)
@@ -141,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
             e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.routing == "balanced")
+            e.update(commit=commit, torch=torch.__version__)
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",
                                                     "rehearsed")}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = merge(out, entries, device)
+    data = merge(out, entries, device, commit)
     out.write_text(json.dumps(data, indent=1) + "\n")
     plot(data, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
