@@ -47,7 +47,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "rehearse_sweep" / "rehearse_swe
 
 
 def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int | None, device_bytes: int,
-          steps: int, balanced: bool) -> dict:
+          steps: int, balanced: bool, profile: bool = False) -> dict:
     """One layout: the planner's answer, and the rehearsal's report when the planner fits it on the device."""
     sets = overrides + ([f"train.seq_len={seq_len}"] if seq_len else [])
     cfg = load_config(config, sets)
@@ -59,7 +59,7 @@ def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int
         return {**out, "rehearsed": False,
                 "note": f"not rehearsed: the planner puts rank 0 at {plan.peak / 2**30:.1f} GiB, above the device's "
                         f"{device_bytes / 2**30:.1f} GiB"}
-    report = build_report(run_rehearsal(cfg, world, 0, steps, balanced), cfg.cluster)
+    report = build_report(run_rehearsal(cfg, world, 0, steps, balanced, profile), cfg.cluster)
     h = report["headline"]
     gc.collect()
     _empty_cache()
@@ -70,7 +70,8 @@ def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int
             "parameter_bytes": report["planner"]["measured_parameter_bytes"], "compute_s": h["compute_s"],
             "comm": h["comm"], "step_s": {k: h[k]["seconds"] for k in ("compute_only", "headline", "no_overlap")},
             "tokens_per_s_per_gpu": h["headline"]["tokens_per_s_per_gpu"], "mfu": h["headline"]["mfu"],
-            "micro_batches": report["micro_batches"], "setup_s": report["setup_s"]}
+            "micro_batches": report["micro_batches"], "setup_s": report["setup_s"],
+            **({"kernels": report["kernels"]} if profile else {})}
 
 
 def _empty_cache() -> None:
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, help="device memory (default: the local GPU's)")
     p.add_argument("--smoke", action="store_true", help="the tiny preset at 1, 8, 16 ranks on CPU")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler (kernels)")
     p.add_argument("--commit", default=None, help="the commit measured (default: this checkout's)")
     args = p.parse_args(argv)
     import torch
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
-            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.routing == "balanced")
+            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.routing == "balanced",
+                      args.profile)
             e.update(commit=commit, torch=torch.__version__)
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",

@@ -59,7 +59,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
-    measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.routing == "balanced")
+    measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.routing == "balanced", args.profile)
     report = build_report(measured, cfg.cluster)
     sys.stdout.write(render(report))
     if args.out is not None:
@@ -82,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "model's own router, whose all-gathered weight rows are copies of this rank's shard (the "
                         "mirror has no other), so experts tie and the first ones take the tokens: a worst case")
     p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--profile", action="store_true",
+                   help="after the reported steps, one more under torch.profiler: its kernels by time (where the "
+                        "rank's compute goes) in the table and the JSON")
     p.add_argument("--suggest", action="store_true",
                    help="rehearse nothing: list the layouts (EP, CP, FSDP, AC) the planner fits in --gpu-memory-gib "
                         "on --world-size GPUs, with predicted peak and modelled tokens/s")

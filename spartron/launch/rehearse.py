@@ -109,15 +109,45 @@ class _Marks:
         self._last = (phase, now)
 
 
-def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: bool) -> dict[str, Any]:
+PROFILED_KERNELS = 25  # kernels listed by a profiled rehearsal, by total device time
+
+
+def _kernel_table(prof: Any, device: torch.device) -> dict[str, Any]:
+    """The profiled step's kernels (CUDA; CPU ops on a CPU run) by total time: where a rank's compute goes."""
+    on_cuda = device.type == "cuda"
+    rows = []
+    for evt in prof.key_averages():
+        ms = (evt.self_device_time_total if on_cuda else evt.self_cpu_time_total) / 1e3
+        if ms > 0 and (not on_cuda or evt.device_type == torch.autograd.DeviceType.CUDA):
+            rows.append({"name": evt.key, "ms": ms, "calls": evt.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"device_ms": sum(r["ms"] for r in rows), "top": rows[:PROFILED_KERNELS],
+            "what": "CUDA kernels" if on_cuda else "CPU ops (self time)"}
+
+
+def _profiled_step(trainer: Any, StepProbe: type) -> dict[str, Any]:
+    """One more step under torch.profiler (not a reported step: profiling slows it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = trainer.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]) as prof:
+        trainer.step(StepProbe())
+        if on_cuda:
+            torch.cuda.synchronize(trainer.device)
+    return _kernel_table(prof, trainer.device)
+
+
+def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: bool,
+                  profile: bool = False) -> dict[str, Any]:
     """Rank `rank` of `world` running `steps` rehearsed steps of `cfg`; the measured part of the report
-    (spartron.launch.rehearse_report models the rest)."""
+    (spartron.launch.rehearse_report models the rest). `profile`: one more step under torch.profiler,
+    its kernels by time in the result."""
     from spartron.runtime.trainer import StepProbe, Trainer
 
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} must be in [0, {world}) for --world-size {world}")
     with tempfile.TemporaryDirectory(prefix="spartron-rehearse-") as tmp:
-        rcfg, n_micro, notes = rehearsal_config(cfg, world, steps, tmp)
+        rcfg, n_micro, notes = rehearsal_config(cfg, world, steps + int(profile), tmp)
         started = time.perf_counter()
         with mirrored_world(rank, world, balanced=balanced) as ledger:
             trainer = Trainer(rcfg)
@@ -131,10 +161,12 @@ def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: b
                 marks = _Marks(ledger, trainer.device)
                 record = trainer.step(StepProbe(on_phase=marks))
                 out_steps.append({"record": record, "segments": marks.segments})
+            kernels = _profiled_step(trainer, StepProbe) if profile else None
             param_bytes = local_parameter_bytes(trainer.model)
             peak_flops, flops_per_token = trainer.peak_flops, trainer.flops_per_token
             trainer.close()
     return {"config": cfg, "world": world, "rank": rank, "balanced": balanced, "n_micro": n_micro,
             "rehearsed_micro": min(n_micro, REHEARSED_MICRO_BATCHES), "notes": notes, "setup_s": setup_s,
             "steps": out_steps, "param_bytes": param_bytes, "group_ranks": group_ranks,
-            "peak_flops": peak_flops, "flops_per_token": flops_per_token, "device": str(rcfg.device)}
+            "peak_flops": peak_flops, "flops_per_token": flops_per_token, "device": str(rcfg.device),
+            "kernels": kernels}

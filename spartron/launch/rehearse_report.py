@@ -115,6 +115,7 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
                     "measured_parameter_bytes": measured["param_bytes"]},
         "link_table": cluster.model_dump(), "peak_tflops": measured["peak_flops"] / 1e12,
         "notes": measured["notes"],
+        "kernels": measured.get("kernels"),
     }
 
 
@@ -156,6 +157,14 @@ def render(report: dict[str, Any]) -> str:
     console.print(f"planner: predicted peak {_gb(p['predicted_peak_bytes'])} at {p['phase']}, measured "
                   f"{_gb(p['measured_peak_bytes'])} ({diff}); parameter shards {_gb(p['parameter_bytes'])} planned, "
                   f"{_gb(p['measured_parameter_bytes'])} held")
+    if report.get("kernels"):
+        k = report["kernels"]
+        top = Table(title=f"profiled step (one more, not reported): {k['what']}, {k['device_ms']:.1f} ms in all")
+        for col in ("name", "ms", "share", "calls"):
+            top.add_column(col, justify="left" if col == "name" else "right")
+        for r in k["top"]:
+            top.add_row(r["name"][:70], f"{r['ms']:.2f}", f"{100 * r['ms'] / k['device_ms']:.1f}%", str(r["calls"]))
+        console.print(top)
     for note in report["notes"]:
         console.print(f"note: {note}")
     return console.export_text()

@@ -57,6 +57,22 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text
 
 
+def test_profiled_rehearsal_lists_the_ops_of_one_more_step_and_reports_only_the_rehearsed_ones():
+    cfg = load_config(TINY, WORLD8)
+    measured = run_rehearsal(cfg, 8, 3, 1, balanced=True, profile=True)
+    report = build_report(measured, ClusterConfig())
+    assert [s["step"] for s in report["steps"]] == [1]  # the profiled step is not a reported one
+    kernels = report["kernels"]
+    assert kernels["what"] == "CPU ops (self time)"
+    names = [r["name"] for r in kernels["top"]]
+    assert len(names) == len(set(names)) > 0 and any(n in names for n in ("aten::mm", "aten::addmm", "aten::bmm"))
+    ms = [r["ms"] for r in kernels["top"]]
+    assert ms == sorted(ms, reverse=True) and 0 < sum(ms) <= kernels["device_ms"] + 1e-9
+    assert all(r["calls"] >= 1 for r in kernels["top"])
+    assert "profiled step (one more, not reported)" in render(report)
+    assert build_report(run_rehearsal(cfg, 8, 3, 1, balanced=True), ClusterConfig())["kernels"] is None
+
+
 def test_link_table_classes_and_factors():
     c = ClusterConfig(nvlink=LinkConfig(busbw_gbps=100.0, latency_us=0.0),
                       network=LinkConfig(busbw_gbps=10.0, latency_us=0.0),
