@@ -91,10 +91,13 @@ def test_scaled_mm_scale_layouts_pass_torchs_checks(m, k, n):
 
     assert scaled_mm_backend.fprop(q(m, k), s(k // 128, m), q(n, k), s(n // 128, k // 128), torch.bfloat16).shape \
         == (m, n)
-    assert scaled_mm_backend.dgrad(q(m, n), s(n // 128, m), q(n, k), s(n // 128, k // 128), torch.bfloat16).shape \
+    # dgrad's weight as quantize_blocks_t writes it: w^T [K, N], scales [K/128, N/128]
+    assert scaled_mm_backend.dgrad(q(m, n), s(n // 128, m), q(k, n), s(k // 128, n // 128), torch.bfloat16).shape \
         == (m, k)
-    assert scaled_mm_backend.wgrad(q(n, m), s(n, m // 128 + 1), q(k, m), s(k, m // 128 + 1), torch.bfloat16).shape \
-        == (n, k)
+    # wgrad's operands in the slot-aligned layout of one group: [C, (M/128 + 1) * 128], scales slot-major
+    slots = m // 128 + 1
+    assert scaled_mm_backend.wgrad(q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t(),
+                                   torch.bfloat16).shape == (n, k)
 
 
 def test_block_scale_pads_to_four_rows_column_major():
@@ -102,6 +105,7 @@ def test_block_scale_pads_to_four_rows_column_major():
     out = scaled_mm_backend.block_scale(s)
     assert out.shape == (4, 2) and out.stride() == (1, 4)
     assert torch.equal(out[:3], s) and torch.equal(out[3], torch.zeros(2))
-    cols = torch.arange(12.0).reshape(3, 4)  # [C = 3, T = 4 slots], 2 used
+    cols = torch.arange(12.0).reshape(4, 3).t()  # [C = 3, T = 4 slots] slot-major, 2 used
     picked = scaled_mm_backend.cols_scale(cols, 2)
     assert picked.stride() == (1, 3) and torch.equal(picked, cols[:, :2])
+    assert picked.data_ptr() == cols.data_ptr()  # a view: no copy

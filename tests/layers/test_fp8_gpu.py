@@ -1,6 +1,7 @@
 """The Triton and torch_scaled_mm backends on the GPU: quantisation bitwise equal to the reference
-(both scale modes), GEMMs within accumulation-order error of it, the fused expert ops bitwise equal
-to the unfused path, and a new routed-row count reusing the compiled kernels."""
+(both scale modes; the slot-aligned column layout with its zero padding, the transposed weight
+blocks), GEMMs within accumulation-order error of it, the fused expert ops bitwise equal to the
+unfused path, and a new routed-row count reusing the compiled kernels."""
 
 from __future__ import annotations
 
@@ -28,11 +29,16 @@ def test_triton_primitives_match_the_reference(counts, pow2):
 
     c = torch.tensor(counts, dtype=torch.int32, device="cuda")
     x, w, grad = _inputs(512)
-    for fn, arg in (("quantize_rows", x), ("quantize_blocks", w)):
+    for fn, arg in (("quantize_rows", x), ("quantize_blocks", w), ("quantize_blocks_t", w)):
         (q, s), (rq, rs) = getattr(tb, fn)(arg, pow2), getattr(quant, fn)(arg, pow2)
+        assert q.shape == rq.shape and q.is_contiguous(), fn
         assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), fn
-    (q, s), (rq, rs) = tb.quantize_cols_grouped(x, c, pow2), quant.quantize_cols_grouped(x, c, pow2)
-    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    for cols in (x, grad):  # the kernel writes every slot (no memset): padding and unused slots must be zero
+        junk = torch.full((1 << 22,), 0x7E, dtype=torch.uint8, device="cuda")  # a freed block for q_t to reuse
+        del junk
+        (q, s), (rq, rs) = tb.quantize_cols_grouped(cols, c, pow2), quant.quantize_cols_grouped(cols, c, pow2)
+        assert q.shape == rq.shape == (cols.shape[1], (512 // 128 + 3) * 128) and s.stride() == rs.stride()
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     gate, up = grad[:, :256].contiguous(), x.flip(0).contiguous()
     (q, s), (rq, rs) = tb.swiglu_quantize_rows(gate, up, pow2), reference.swiglu_quantize_rows(gate, up, pow2)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu"
@@ -41,6 +47,7 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     (dx, dw), (rdx, rdw) = gemms.backward(tb, grad, x, w, c, pow2), gemms.backward(reference, grad, x, w, c, pow2)
     torch.testing.assert_close(dx.float(), rdx.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(dw.float(), rdw.float(), rtol=1e-2, atol=5e-2)
+    assert torch.equal(dw[c == 0], torch.zeros_like(dw[c == 0]))  # an empty expert reads no slot
 
 
 def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():

@@ -9,10 +9,13 @@ from spartron.layers.fp8 import grouped_mm, linear
 from spartron.layers.fp8.quant import (
     FP8,
     dequantize_blocks,
+    dequantize_cols_grouped,
     dequantize_rows,
     quantize_blocks,
+    quantize_blocks_t,
     quantize_cols_grouped,
     quantize_rows,
+    token_columns,
 )
 
 
@@ -85,11 +88,50 @@ def test_column_tiles_restart_at_each_expert_and_unused_slots_are_zero():
     x[129, 7] = 1000.0  # in group 0's second tile (rows 128..129): only that tile's scale grows
     counts = torch.tensor([130, 0, 170])
     q_t, s = quantize_cols_grouped(x, counts)
-    assert q_t.shape == (128, 300) and s.shape == (128, 300 // 128 + 3)
+    assert q_t.shape == (128, 5 * 128) and s.shape == (128, 300 // 128 + 3)  # 5 slots of 128 columns
+    assert s.stride() == (1, 128)  # slot-major: one slot's scales contiguous
     assert s[7, 1].item() == 4.0  # 1000 / 448 -> 2^2
     assert s[7, 0].item() < 1 and s[7, 2].item() < 1  # tiles 0 (rows 0..127) and group 2's first tile
     assert torch.equal(s[:, 4], torch.zeros(128))  # 2 + 2 tiles used of 5 slots
-    assert torch.equal(q_t.float() * s[:, [0] * 128 + [1] * 2 + [2] * 128 + [3] * 42], _hand_cols(x, [130, 0, 170]))
+    # slot-aligned: group 0 rows 0..129 at columns 0..129, group 2 rows 130..299 at columns 256..425
+    cols = torch.cat([torch.arange(0, 130), torch.arange(256, 426)])
+    assert torch.equal(token_columns(counts), cols)
+    values = q_t.float() * s.repeat_interleave(128, dim=1)
+    assert torch.equal(values[:, cols], _hand_cols(x, [130, 0, 170]))
+    padding = torch.ones(640, dtype=torch.bool)
+    padding[cols] = False  # rows past each group's count (130..255, 426..511) and the unused slot (512..639)
+    assert torch.equal(q_t.view(torch.uint8)[:, padding], torch.zeros(128, 640 - 300, dtype=torch.uint8))
+    assert torch.equal(dequantize_cols_grouped(q_t, s, counts), values[:, cols])
+
+
+def test_token_columns_start_every_group_at_a_multiple_of_128():
+    counts = torch.tensor([0, 1, 128, 129, 0, 3], dtype=torch.int32)
+    cols = token_columns(counts)
+    starts = [0, 128, 256, 512]  # groups 1, 2, 3, 5: slot starts 0, 1, 2, 4 (group 3 takes two slots)
+    assert cols[0].item() == starts[0] and cols[1].item() == starts[1] and cols[129].item() == starts[2]
+    assert cols[257].item() == 384  # group 3's 129th row: its second slot
+    assert cols[258].item() == starts[3] and cols.tolist()[-3:] == [512, 513, 514]
+    assert len(cols) == 261 and 514 < 128 * (261 // 128 + 6)  # within the static tile_slots bound
+
+
+def test_counts_that_do_not_cover_the_rows_are_refused_by_the_column_quantiser():
+    x = torch.zeros(256, 128)
+    try:
+        quantize_cols_grouped(x, torch.tensor([128, 127]))
+    except ValueError as err:
+        assert str(err) == "fp8 blockwise: tokens_per_expert sums to 255, x has 256 rows"
+    else:
+        raise AssertionError("not refused")
+
+
+def test_transposed_blocks_are_the_blocks_transposed():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(2, 256, 384, generator=g) * torch.logspace(-2, 1, 384)
+    (q, s), (qt, st) = quantize_blocks(w), quantize_blocks_t(w)
+    assert qt.shape == (2, 384, 256) and qt.is_contiguous() and st.shape == (2, 3, 2)
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+    assert torch.equal(st, s.transpose(1, 2))
+    assert torch.equal(dequantize_blocks(qt, st), dequantize_blocks(q, s).transpose(1, 2))
 
 
 def test_grouped_mm_forward_and_gradients_equal_dequantise_then_matmul():

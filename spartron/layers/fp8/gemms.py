@@ -1,8 +1,9 @@
 """The blockwise recipe's GEMM sequences, over a backend's primitives (spartron.layers.fp8.reference
-or .triton_backend: quantize_rows / quantize_blocks / quantize_cols_grouped, fprop / dgrad / wgrad,
-swiglu_quantize_rows).
+or .triton_backend: quantize_rows / quantize_blocks / quantize_blocks_t / quantize_cols_grouped,
+fprop / dgrad / wgrad, swiglu_quantize_rows).
 
-Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks; wgrad
+Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks (quantised
+straight into the transposed layout dgrad reads); wgrad
 grad^T and x^T both 128x1 along the tokens, tiles restarting at each expert. A dense linear is one
 group. `pair_*` run the experts' w1 and w3 GEMMs on one quantisation of x (forward: its 1x128
 tiles; backward: its 128x1 tiles); `swiglu_*` run w2 on silu(gate) * up quantised where it is
@@ -27,7 +28,7 @@ def _wgrad(impl, grad: Tensor, xcols: tuple[Tensor, Tensor], counts: Tensor, pow
 
 
 def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    dx = impl.dgrad(*impl.quantize_rows(grad, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
+    dx = impl.dgrad(*impl.quantize_rows(grad, pow2), *impl.quantize_blocks_t(w, pow2), counts, x.dtype)
     return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
 
 
@@ -38,7 +39,7 @@ def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: 
 
 def pair_backward(impl, g1: Tensor, g3: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
                   pow2: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx1, dx3 = (impl.dgrad(*impl.quantize_rows(g, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
+    dx1, dx3 = (impl.dgrad(*impl.quantize_rows(g, pow2), *impl.quantize_blocks_t(w, pow2), counts, x.dtype)
                 for g, w in ((g1, w1), (g3, w3)))
     xcols = impl.quantize_cols_grouped(x, counts, pow2)
     return dx1 + dx3, _wgrad(impl, g1, xcols, counts, pow2, w1.dtype), _wgrad(impl, g3, xcols, counts, pow2, w3.dtype)

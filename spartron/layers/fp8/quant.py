@@ -9,9 +9,15 @@ the form cuBLAS, DeepGEMM and torch's `scaled_mm` take. Three tilings:
   is the same block of the transposed weight, so dgrad reuses fprop's quantised weight.
 - columns per group, 128x1 (wgrad): the operands of `grad_w = grad_out^T @ x` are scaled along the
   tokens, in tiles of 128 rows that restart at each expert's first row (a tile never mixes experts).
-  Stored transposed ([C, M], the tokens contiguous: the contraction dim of wgrad) with scales
-  [C, T] where T = M // 128 + E tile slots (a static bound, no host sync): tile b of group g is slot
-  `slot_start[g] + b`, slot_start the exclusive cumsum of ceil(count / 128). Unused slots hold 0.
+  Stored transposed and slot-aligned: q_t [C, T*128] (the tokens contiguous: the contraction dim of
+  wgrad), T = M // 128 + E tile slots (a static bound, no host sync); tile b of group g fills columns
+  (slot_start[g] + b) * 128 ... + 128, slot_start the exclusive cumsum of ceil(count / 128). Rows past
+  a group's count and unused slots are zero, so a GEMM over a group's slots reads whole, 128-aligned
+  tiles without masks (zeros add nothing). Scales [C, T] (slot t of column c), stored slot-major
+  (strides (1, C): one slot's scales contiguous, the layout torch's 1x128 `scaled_mm` scales take);
+  unused slots hold 0.
+- blocks transposed (dgrad): q^T [..., K, N] of the same 128x128 blocks and the transposed scale grid
+  [..., K/128, N/128], so dgrad reads the weight contraction-contiguous with no transposing copy.
 
 Scales: amax / 448, or with `pow2` the next power of two at or above it (exact scaling, Megatron /
 TransformerEngine's default for this recipe). An all-zero tile gets scale 1. Values are clamped to
@@ -93,35 +99,41 @@ def slot_starts(counts: Tensor) -> Tensor:
     return torch.cumsum(tiles, 0) - tiles
 
 
+def quantize_blocks_t(w: Tensor, pow2: bool = True) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> (q^T [..., K, N] e4m3, scales [..., K/128, N/128]): quantize_blocks' values and
+    scales, transposed (dgrad's operand)."""
+    q, s = quantize_blocks(w, pow2)
+    return q.transpose(-2, -1).contiguous(), s.transpose(-2, -1)
+
+
+def token_columns(counts: Tensor) -> Tensor:
+    """The column of each token (row of x) in the slot-aligned column layout: token p of group g sits
+    at slot_start[g] * 128 + p."""
+    counts = counts.long().cpu()
+    groups = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    row_start = torch.cumsum(counts, 0) - counts
+    return torch.arange(int(counts.sum())) - row_start[groups] + slot_starts(counts)[groups] * TILE
+
+
 def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool = True) -> tuple[Tensor, Tensor]:
-    """x [M, C] with rows grouped by `counts` -> (q_t [C, M] e4m3, scales [C, T] fp32): 128x1 tiles
-    along M restarting at every group (reads the counts on the host: the reference backend)."""
+    """x [M, C] with rows grouped by `counts` -> (q_t [C, T*128] e4m3, scales [C, T] fp32): 128x1 tiles
+    along M restarting at every group, slot-aligned (reads the counts on the host: the reference backend)."""
     m, c = x.shape
-    q_t = torch.empty(c, m, dtype=FP8, device=x.device)
-    scales = torch.zeros(c, tile_slots(m, len(counts)), dtype=torch.float32, device=x.device)
-    start, slot = 0, 0
-    for count in counts.tolist():
-        for lo in range(start, start + count, TILE):
-            hi = min(lo + TILE, start + count)
-            tile = x[lo:hi].t()  # [C, rows]
-            scale = tile_scales(tile.abs().amax(dim=1), pow2)
-            q_t[:, lo:hi] = _cast(tile, scale[:, None])
-            scales[:, slot] = scale
-            slot += 1
-        start += count
-    if start != m:
-        raise ValueError(f"fp8 blockwise: tokens_per_expert sums to {start}, x has {m} rows")
-    return q_t, scales
+    slots = tile_slots(m, len(counts))
+    if int(counts.sum()) != m:
+        raise ValueError(f"fp8 blockwise: tokens_per_expert sums to {int(counts.sum())}, x has {m} rows")
+    padded = torch.zeros(slots * TILE, c, dtype=x.dtype, device=x.device)
+    padded[token_columns(counts).to(x.device)] = x
+    tiles = padded.t().reshape(c, slots, TILE)
+    scales = tile_scales(tiles.abs().amax(dim=-1), pow2)  # [C, T]; an all-zero (unused) slot gets 1 here
+    q_t = _cast(tiles, scales[..., None]).reshape(c, slots * TILE)
+    used = torch.arange(slots) < int(((counts.long() + TILE - 1) // TILE).sum())
+    scales = torch.where(used.to(x.device), scales, torch.zeros_like(scales))
+    return q_t, scales.t().contiguous().t()
 
 
 def dequantize_cols_grouped(q_t: Tensor, scales: Tensor, counts: Tensor) -> Tensor:
-    """The [C, M] fp32 values of quantize_cols_grouped's output."""
-    out = q_t.float()
-    start, slot = 0, 0
-    for count in counts.tolist():
-        for lo in range(start, start + count, TILE):
-            hi = min(lo + TILE, start + count)
-            out[:, lo:hi] *= scales[:, slot:slot + 1]
-            slot += 1
-        start += count
-    return out
+    """The [C, M] fp32 values of quantize_cols_grouped's output, in token order."""
+    c, width = q_t.shape
+    values = q_t.float().reshape(c, width // TILE, TILE) * scales[..., None]
+    return values.reshape(c, width)[:, token_columns(counts).to(q_t.device)]

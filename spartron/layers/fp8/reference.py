@@ -18,12 +18,13 @@ from spartron.layers.fp8.quant import (
     dequantize_cols_grouped,
     dequantize_rows,
     quantize_blocks,
+    quantize_blocks_t,
     quantize_cols_grouped,
     quantize_rows,
 )
 
-__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows",
-           "wgrad"]
+__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows",
+           "swiglu_quantize_rows", "wgrad"]
 
 
 def _segments(counts: Tensor, rows: int) -> list[tuple[int, int]]:
@@ -45,21 +46,22 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
     return out.to(dtype)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """dx[rows of e] = grad[rows of e] @ w[e]: grad [M, N] 1x128 along N, w the forward's blocks."""
-    gd, wd = dequantize_rows(gq, gs), dequantize_blocks(wq, ws)
-    out = torch.zeros(gq.shape[0], wq.shape[2], dtype=torch.float32, device=gq.device)
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """dx[rows of e] = grad[rows of e] @ w[e]: grad [M, N] 1x128 along N, w^T [E, K, N] the forward's
+    blocks transposed (quantize_blocks_t)."""
+    gd, wd = dequantize_rows(gq, gs), dequantize_blocks(wtq, wts).transpose(-2, -1).contiguous()
+    out = torch.zeros(gq.shape[0], wtq.shape[1], dtype=torch.float32, device=gq.device)
     for e, (lo, hi) in enumerate(_segments(counts, gq.shape[0])):
         out[lo:hi] = gd[lo:hi] @ wd[e]
     return out.to(dtype)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """dw[e] = grad^T[:, rows of e] @ x[rows of e]: grad^T [N, M], x^T [K, M], both 128x1 along the
-    tokens of each expert -> [E, N, K]."""
-    gd, xd = dequantize_cols_grouped(gt, gts, counts), dequantize_cols_grouped(xt, xts, counts)
+    """dw[e] = grad^T[:, rows of e] @ x[rows of e]: grad^T and x^T in the slot-aligned column layout
+    ([N, T*128] and [K, T*128], 128x1 along the tokens of each expert) -> [E, N, K]."""
+    gd, xd = dequantize_cols_grouped(gt, gts, counts), dequantize_cols_grouped(xt, xts, counts)  # token order
     out = torch.zeros(len(counts), gt.shape[0], xt.shape[0], dtype=torch.float32, device=gt.device)
-    for e, (lo, hi) in enumerate(_segments(counts, gt.shape[1])):
+    for e, (lo, hi) in enumerate(_segments(counts, gd.shape[1])):
         out[e] = gd[:, lo:hi] @ xd[:, lo:hi].t()
     return out.to(dtype)
 

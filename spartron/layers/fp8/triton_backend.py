@@ -45,27 +45,37 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, 
     return q, s
 
 
-def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+def _quantize_blocks(w: Tensor, pow2: bool, transpose: bool) -> tuple[Tensor, Tensor]:
     *lead, n, kc = w.shape
     check_tiled("weight rows", n)
     check_tiled("weight columns", kc)
     w = w.contiguous()
-    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    q = torch.empty(*lead, *((kc, n) if transpose else (n, kc)), dtype=FP8, device=w.device)
     s = torch.empty(*lead, n // TILE, kc // TILE, dtype=torch.float32, device=w.device)
-    k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q, s, n, kc, POW2=pow2)
-    return q, s
+    k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q, s, n, kc, TRANSPOSE=transpose, POW2=pow2)
+    return q, (s.transpose(-2, -1) if transpose else s)
+
+
+def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    return _quantize_blocks(w, pow2, transpose=False)
+
+
+def quantize_blocks_t(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """q^T [..., K, N] written by the quantisation kernel itself (dgrad's contraction-contiguous operand)."""
+    return _quantize_blocks(w, pow2, transpose=True)
 
 
 def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """The slot-aligned column layout (spartron.layers.fp8.quant): q_t [C, T*128], scales [C, T] slot-major."""
     m, c = x.shape
     check_tiled("columns", c)
     x = x.contiguous()
     slots = tile_slots(m, counts.numel())
-    q_t = torch.empty(c, m, dtype=FP8, device=x.device)
-    s = torch.zeros(c, slots, dtype=torch.float32, device=x.device)
-    k.quantize_cols_kernel[(slots, c // 64)](x, counts, q_t, s, m, c, slots, N_GROUPS=counts.numel(), POW2=pow2,
-                                                 BC=64)
-    return q_t, s
+    q_t = torch.empty(c, slots * TILE, dtype=FP8, device=x.device)
+    s = torch.empty(slots, c, dtype=torch.float32, device=x.device)
+    k.quantize_cols_kernel[(slots, c // 64)](x, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(), POW2=pow2,
+                                             BC=64)
+    return q_t, s.t()
 
 
 def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
@@ -75,7 +85,7 @@ def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: t
     out = torch.empty(m, nout, dtype=dtype, device=a.device)
     grid = (tile_slots(m, groups), nout // 128)
     k.grouped_gemm_kernel[grid](a, sa, b, sb, out, counts, m, nout, kc, groups, b.stride(0), b.stride(1),
-                                sb.stride(0), sb.stride(1), sb.stride(2), BN=128, num_stages_k=3, num_warps=8)
+                                sb.stride(0), sb.stride(1), sb.stride(2), BN=128, num_stages_k=4, num_warps=8)
     return out
 
 
@@ -83,14 +93,18 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
     return _gemm(xq, xs, wq, ws, counts, dtype)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    # dgrad contracts over N: the transposed FP8 weight (same 128x128 blocks, one byte per value to copy)
-    return _gemm(gq, gs, wq.transpose(-2, -1).contiguous(), ws.transpose(-2, -1), counts, dtype)
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view)."""
+    return _gemm(gq, gs, wtq, wts, counts, dtype)
 
 
-def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    (n, m), kc, groups = gt.shape, xt.shape[0], counts.numel()
+def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,
+          num_stages: int = 3) -> Tensor:
+    """grad^T [N, L] and x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major -> dw [G, N, K]."""
+    (n, width), kc, groups = gt.shape, xt.shape[0], counts.numel()
+    if gts.stride(0) != 1 or xts.stride(0) != 1:
+        raise ValueError("fp8 wgrad: the column scales must be slot-major (as quantize_cols_grouped stores them)")
     dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
-    k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, m, n, kc, gts.shape[1],
-                                                          groups, BN=128, BK=128, num_warps=8)
+    k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, width, n, kc, groups,
+                                                          BN=128, BK=128, num_stages_t=num_stages, num_warps=8)
     return dw

@@ -84,32 +84,45 @@ def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, 
 
 
 @triton.jit
-def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, POW2: tl.constexpr):
+def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
+    """128x128 blocks of w [G, N, K] -> q [G, N, K] or (TRANSPOSE) q^T [G, K, N], scales [G, N/128, K/128]
+    either way (the caller views them transposed): dgrad's operand without a transposing copy."""
     row_block = tl.program_id(0)  # over groups x N/128
     kb = tl.program_id(1)
     rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
     cols = kb * 128 + tl.arange(0, 128)
-    offs = rows[:, None] * K + cols[None, :]
+    offs = rows[:, None].to(tl.int64) * K + cols[None, :]
     w = tl.load(w_ptr + offs).to(tl.float32)
     scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    tl.store(q_ptr + offs, _cast(w, scale))
+    q = _cast(w, scale)
+    if TRANSPOSE:
+        nblocks = N // 128
+        group = (row_block // nblocks).to(tl.int64)
+        n = (row_block % nblocks) * 128 + tl.arange(0, 128)
+        tl.store(q_ptr + group * N * K + cols[:, None].to(tl.int64) * N + n[None, :], tl.trans(q))
+    else:
+        tl.store(q_ptr + offs, q)
     tl.store(s_ptr + row_block * (K // 128) + kb, scale)
 
 
 @triton.jit
-def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, M, C, T, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
+def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
                          BC: tl.constexpr):
+    """128x1 tiles of x [M, C] into the slot-aligned layout: q_t [C, L = T*128] (slot s at columns
+    s*128 ...), scales slot-major (slot s of column c at s*C + c). Every slot is written: rows past a
+    group's count and unused slots are zeros (scale 0 for an unused slot), so no memset is needed."""
     slot = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
-    if row_lo >= 0:
-        rows = row_lo + tl.arange(0, 128)
-        mask = rows[:, None] < row_hi
-        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = _scale(tl.max(tl.abs(x), axis=0), POW2)  # [BC]
-        q = _cast(x, scale[None, :])
-        tl.store(q_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
-        tl.store(s_ptr + cols * T + slot, scale)
+    ts = tl.arange(0, 128)
+    row_lo, row_hi, _ = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
+    rows = row_lo + ts
+    mask = rows[:, None] < row_hi  # all false for an unused slot (row_lo = row_hi = -1)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(tl.abs(x), axis=0), POW2)  # [BC]
+    q = _cast(x, scale[None, :])
+    col0 = tl.multiple_of(slot * 128, 128)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * L + col0 + ts[:, None], q)
+    tl.store(s_ptr + slot * C + cols, tl.where(row_lo >= 0, scale, 0.0))
 
 
 @triton.jit
@@ -141,29 +154,30 @@ def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NO
 
 
 @triton.jit
-def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, N, K, T, N_GROUPS: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr):
-    """out[g] = A[:, rows of g] @ B[:, rows of g]^T: A = grad_out^T [N, M], B = x^T [K, M] (tokens
-    contiguous), scales [N, T] and [K, T] per 128-token tile slot of the group."""
+def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N, K, N_GROUPS: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, num_stages_t: tl.constexpr):
+    """out[g] = A[:, slots of g] @ B[:, slots of g]^T: A = grad_out^T [N, L], B = x^T [K, L] in the
+    slot-aligned column layout (L = T*128, tokens contiguous), scales slot-major ([T, N] / [T, K] in
+    memory). Every tile is 128-aligned and whole (zeros past a group's count): unmasked, vectorised
+    loads, pipelined over the group's slots."""
     g = tl.program_id(0)
     ns = tl.program_id(1) * BN + tl.arange(0, BN)
     ks = tl.program_id(2) * BK + tl.arange(0, BK)
-    start = 0
     slot0 = 0
     for i in range(N_GROUPS):
-        cnt_i = tl.where(i < g, tl.load(counts_ptr + i), 0)
-        start += cnt_i
-        slot0 += (cnt_i + 127) // 128
-    cnt = tl.load(counts_ptr + g)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
+        slot0 += tl.where(i < g, (tl.load(counts_ptr + i) + 127) // 128, 0)
+    n_tiles = (tl.load(counts_ptr + g) + 127) // 128
     ts = tl.arange(0, 128)
-    for t in range(0, (cnt + 127) // 128):
-        rows = start + t * 128 + ts
-        rmask = rows < start + cnt
-        a = tl.load(a_ptr + ns[:, None].to(tl.int64) * M + rows[None, :], mask=rmask[None, :], other=0.0)
-        b = tl.load(b_ptr + ks[None, :].to(tl.int64) * M + rows[:, None], mask=rmask[:, None], other=0.0)
-        sa = tl.load(sa_ptr + ns * T + slot0 + t)
-        sb = tl.load(sb_ptr + ks * T + slot0 + t)
+    a_rows = a_ptr + ns[:, None].to(tl.int64) * L + ts[None, :]
+    b_rows = b_ptr + ks[None, :].to(tl.int64) * L + ts[:, None]
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for t in tl.range(0, n_tiles, num_stages=num_stages_t):
+        slot = slot0 + t
+        col0 = tl.multiple_of(slot * 128, 128)
+        a = tl.load(a_rows + col0)
+        b = tl.load(b_rows + col0)
+        sa = tl.load(sa_ptr + slot * N + ns)
+        sb = tl.load(sb_ptr + slot * K + ks)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-    out = out_ptr + g.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+    out = out_ptr + g.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty))
