@@ -89,7 +89,7 @@ def test_column_tiles_restart_at_each_expert_and_unused_slots_are_zero():
     counts = torch.tensor([130, 0, 170])
     q_t, s = quantize_cols_grouped(x, counts)
     assert q_t.shape == (128, 5 * 128) and s.shape == (128, 300 // 128 + 3)  # 5 slots of 128 columns
-    assert s.stride() == (1, 128)  # slot-major: one slot's scales contiguous
+    assert s.stride() == (1, 128) and q_t.is_contiguous()  # scales slot-major; q_t row-major as the kernels read it
     assert s[7, 1].item() == 4.0  # 1000 / 448 -> 2^2
     assert s[7, 0].item() < 1 and s[7, 2].item() < 1  # tiles 0 (rows 0..127) and group 2's first tile
     assert torch.equal(s[:, 4], torch.zeros(128))  # 2 + 2 tiles used of 5 slots

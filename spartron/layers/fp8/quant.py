@@ -126,7 +126,7 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool = True) -> tuple
     padded[token_columns(counts).to(x.device)] = x
     tiles = padded.t().reshape(c, slots, TILE)
     scales = tile_scales(tiles.abs().amax(dim=-1), pow2)  # [C, T]; an all-zero (unused) slot gets 1 here
-    q_t = _cast(tiles, scales[..., None]).reshape(c, slots * TILE)
+    q_t = _cast(tiles, scales[..., None]).reshape(c, slots * TILE).contiguous()  # row-major, as the kernels'
     used = torch.arange(slots) < int(((counts.long() + TILE - 1) // TILE).sum())
     scales = torch.where(used.to(x.device), scales, torch.zeros_like(scales))
     return q_t, scales.t().contiguous().t()
