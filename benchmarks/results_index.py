@@ -129,6 +129,10 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                           else f"{' and '.join(d['runs'])} alone at seq {d['seq_len']} (no ratio)"),
     "dsa_id_overlap": _dsa_id_overlap,
     "muon": _muon,
+    "fp8_gemms": lambda d: f"{d['backend']} " + "; ".join(
+        f"{name} expert GEMMs fp8 {r['summary']['fp8_gemms_ms']:.2f} ms vs bf16 {r['summary']['bf16_gemms_ms']:.2f} ms "
+        f"({r['summary']['speedup']:.2f}x), wgrad {r['results']['up.wgrad.fp8']['tflops']:.0f} TFLOP/s"
+        for name, r in d["runs"].items()),
     "fp8_moe": lambda d: f"{d['backend']} " + "; ".join(
         f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
         for name, r in d["runs"].items()),

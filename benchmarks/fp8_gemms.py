@@ -1,0 +1,182 @@
+"""Per-primitive times of the blockwise FP8 expert path (issue 38 item 2): each quantisation kernel and
+each grouped GEMM (fprop, dgrad, wgrad) of the routed experts, with bf16 `torch._grouped_mm` of the same
+GEMMs beside them, so a slow step of benchmarks/fp8_moe.py can be pinned on one kernel.
+
+Per shape (balanced expert counts): quantize_rows (x [rows, dim]), swiglu_quantize_rows (gate, up
+[rows, inter]), quantize_blocks and quantize_blocks_t (w1 [E, inter, dim]), quantize_cols_grouped
+(x); then two GEMM problems, "up" (w1 / w3: K = dim, N = inter) and "down" (w2: K = inter, N = dim),
+each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
+[E, N, K], on inputs quantised once before timing. On the triton backend the wgrad is also timed at 2,
+3 and 4 pipeline stages (`wgrad_stages`). Every rep is timed alone (CUDA events, L2 flushed before
+each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
+
+GPU:  python benchmarks/fp8_gemms.py --out benchmarks/results/fp8_gemms/fp8_gemms_<commit>_h200.json
+CPU:  python benchmarks/fp8_gemms.py --smoke --out /tmp/fp8_gemms.json   (tiny shape, reference backend)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spartron.layers.fp8 import check_backend  # noqa: E402
+from spartron.layers.fp8.ops import backend_impl  # noqa: E402
+
+SHAPES = {
+    "v3_8k": dict(dim=7168, inter=2048, experts=8, rows=8192),
+    "dsv3_12l": dict(dim=2048, inter=1408, experts=64, rows=8192 * 6),
+}
+SMOKE = {"smoke": dict(dim=256, inter=128, experts=2, rows=256)}
+GEMMS = ("fprop", "dgrad", "wgrad")
+QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped")
+
+
+def time_ms(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
+    """Each rep's time in ms; on CUDA by events around the call alone, L2 flushed before it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _entry(times: list[float], flops: float | None = None, nbytes: float | None = None) -> dict:
+    median = sorted(times)[len(times) // 2]
+    out = {"ms": times, "median_ms": median}
+    if flops is not None:
+        out["tflops"] = flops / median / 1e9
+    if nbytes is not None:
+        out["gbps"] = nbytes / median / 1e6
+    return out
+
+
+def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: bool, sweep: bool) -> dict:
+    """fn per (kind, precision) of one GEMM problem: x [rows, k], w [E, n, k], grad [rows, n]."""
+    rows, experts = shape["rows"], shape["experts"]
+    counts = torch.full((experts,), rows // experts, dtype=torch.int32, device=device)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
+    w = torch.randn(experts, n, k, dtype=torch.bfloat16, device=device) * 0.02
+    grad = torch.randn(rows, n, dtype=torch.bfloat16, device=device)
+    xq, wq = impl.quantize_rows(x, pow2), impl.quantize_blocks(w, pow2)
+    gq, wtq = impl.quantize_rows(grad, pow2), impl.quantize_blocks_t(w, pow2)
+    gt, xt = impl.quantize_cols_grouped(grad, counts, pow2), impl.quantize_cols_grouped(x, counts, pow2)
+    bf16 = torch.bfloat16
+    cases = {
+        ("fprop", "fp8"): lambda: impl.fprop(*xq, *wq, counts, bf16),
+        ("fprop", "bf16"): lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+        ("dgrad", "fp8"): lambda: impl.dgrad(*gq, *wtq, counts, bf16),
+        ("dgrad", "bf16"): lambda: torch._grouped_mm(grad, w, offs=offs),
+        ("wgrad", "fp8"): lambda: impl.wgrad(*gt, *xt, counts, bf16),
+        ("wgrad", "bf16"): lambda: torch._grouped_mm(grad.t(), x, offs=offs),
+    }
+    stages = {}
+    if sweep:  # the Triton wgrad's pipeline depth
+        stages = {s: (lambda s=s: impl.wgrad(*gt, *xt, counts, bf16, num_stages=s)) for s in (2, 3, 4)}
+    return {"cases": cases, "stages": stages}
+
+
+def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
+    """(fn, bytes read + written) per quantisation primitive."""
+    rows, dim, inter, experts = shape["rows"], shape["dim"], shape["inter"], shape["experts"]
+    counts = torch.full((experts,), rows // experts, dtype=torch.int32, device=device)
+    x = torch.randn(rows, dim, dtype=torch.bfloat16, device=device)
+    gate, up = (torch.randn(rows, inter, dtype=torch.bfloat16, device=device) for _ in range(2))
+    w = torch.randn(experts, inter, dim, dtype=torch.bfloat16, device=device) * 0.02
+    slots = rows // 128 + experts
+    return {
+        "quantize_rows": (lambda: impl.quantize_rows(x, pow2), rows * dim * (2 + 1) + rows * dim // 32),
+        "swiglu_quantize_rows": (lambda: impl.swiglu_quantize_rows(gate, up, pow2),
+                                 rows * inter * (2 + 2 + 1) + rows * inter // 32),
+        "quantize_blocks": (lambda: impl.quantize_blocks(w, pow2), w.numel() * 3),
+        "quantize_blocks_t": (lambda: impl.quantize_blocks_t(w, pow2), w.numel() * 3),
+        "quantize_cols_grouped": (lambda: impl.quantize_cols_grouped(x, counts, pow2),
+                                  rows * dim * 2 + slots * 128 * dim + slots * dim * 4),
+    }
+
+
+def run_shape(impl, shape: dict, device: torch.device, warmup: int, reps: int, pow2: bool, sweep: bool) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for name, (fn, nbytes) in _quant_cases(impl, shape, device, pow2).items():
+        results[name] = _entry(time_ms(fn, device, warmup, reps), nbytes=nbytes)
+    summary = {"fp8_gemms_ms": 0.0, "bf16_gemms_ms": 0.0}
+    for problem, (k, n) in (("up", (shape["dim"], shape["inter"])), ("down", (shape["inter"], shape["dim"]))):
+        flops = 2 * shape["rows"] * k * n
+        built = _gemm_cases(impl, shape, k, n, device, pow2, sweep)
+        for (kind, precision), fn in built["cases"].items():
+            entry = _entry(time_ms(fn, device, warmup, reps), flops=flops)
+            results[f"{problem}.{kind}.{precision}"] = entry
+            summary[f"{precision}_gemms_ms"] += entry["median_ms"]
+        for kind in GEMMS:
+            results[f"{problem}.{kind}.speedup"] = (results[f"{problem}.{kind}.bf16"]["median_ms"]
+                                                    / results[f"{problem}.{kind}.fp8"]["median_ms"])
+        for stages, fn in built["stages"].items():
+            results[f"{problem}.wgrad_stages{stages}.fp8"] = _entry(time_ms(fn, device, warmup, reps), flops=flops)
+        del built
+    summary["speedup"] = summary["bf16_gemms_ms"] / summary["fp8_gemms_ms"]
+    return {"shape": shape, "results": results, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, reference backend")
+    parser.add_argument("--backend", default="triton", choices=["triton", "reference"])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    backend = "reference" if args.smoke else args.backend
+    check_backend(backend)
+    device = torch.device("cpu") if args.smoke else torch.device("cuda")
+    shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    warmup, reps = (1, 2) if args.smoke else (args.warmup, max(args.reps, 10))
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "triton": triton_version, "commit": commit, "backend": backend, "pow2": True, "warmup": warmup,
+              "reps": reps, "shapes": shapes, "runs": {}}
+    impl = backend_impl(backend)
+    for name, shape in shapes.items():
+        run = run_shape(impl, shape, device, warmup, reps, pow2=True, sweep=backend == "triton")
+        result["runs"][name] = run
+        r, s = run["results"], run["summary"]
+        print(f"{name}: GEMMs fp8 {s['fp8_gemms_ms']:.3f} vs bf16 {s['bf16_gemms_ms']:.3f} ms ({s['speedup']:.2f}x); "
+              + ", ".join(
+                  f"{p}.{g} {r[f'{p}.{g}.fp8']['tflops']:.0f}/{r[f'{p}.{g}.bf16']['tflops']:.0f}"
+                  for p in ("up", "down") for g in GEMMS) + " TFLOP/s fp8/bf16; " + ", ".join(
+                  f"{q} {r[q]['median_ms']:.3f} ms" for q in QUANT), flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))  # after every shape: a later OOM loses nothing
+    return result
+
+
+if __name__ == "__main__":
+    main()
