@@ -6,9 +6,10 @@ Per shape (balanced expert counts): quantize_rows (x [rows, dim]), swiglu_quanti
 [rows, inter]), quantize_blocks and quantize_blocks_t (w1 [E, inter, dim]), quantize_cols_grouped
 (x); then two GEMM problems, "up" (w1 / w3: K = dim, N = inter) and "down" (w2: K = inter, N = dim),
 each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
-[E, N, K], on inputs quantised once before timing. On the triton backend the wgrad is also timed at 2,
-3 and 4 pipeline stages (`wgrad_stages`). Every rep is timed alone (CUDA events, L2 flushed before
-each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
+[E, N, K], on inputs quantised once before timing. On the triton backend each GEMM kernel is also
+timed at a few configs (fprop / dgrad: BM 128 or 64 rows per slot, warps, pipeline stages; wgrad:
+warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is timed alone (CUDA events, L2 flushed
+before each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
 
 GPU:  python benchmarks/fp8_gemms.py --out benchmarks/results/fp8_gemms/fp8_gemms_<commit>_h200.json
 CPU:  python benchmarks/fp8_gemms.py --smoke --out /tmp/fp8_gemms.json   (tiny shape, reference backend)
@@ -36,6 +37,8 @@ SHAPES = {
 }
 SMOKE = {"smoke": dict(dim=256, inter=128, experts=2, rows=256)}
 GEMMS = ("fprop", "dgrad", "wgrad")
+GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 4), (64, 4, 6))  # (BM, warps, stages)
+WGRAD_CONFIGS = ((8, 2), (8, 3), (8, 4), (4, 3))  # (warps, stages)
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped")
 
 
@@ -91,10 +94,16 @@ def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: b
         ("wgrad", "fp8"): lambda: impl.wgrad(*gt, *xt, counts, bf16),
         ("wgrad", "bf16"): lambda: torch._grouped_mm(grad.t(), x, offs=offs),
     }
-    stages = {}
-    if sweep:  # the Triton wgrad's pipeline depth
-        stages = {s: (lambda s=s: impl.wgrad(*gt, *xt, counts, bf16, num_stages=s)) for s in (2, 3, 4)}
-    return {"cases": cases, "stages": stages}
+    configs = {}
+    if sweep:  # the Triton kernels' block / warp / pipeline configs (the defaults are among them)
+        for bm, warps, stages in GEMM_CONFIGS:
+            kw = dict(block_m=bm, num_warps=warps, num_stages=stages)
+            configs[f"fprop_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.fprop(*xq, *wq, counts, bf16, **kw)
+            configs[f"dgrad_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.dgrad(*gq, *wtq, counts, bf16, **kw)
+        for warps, stages in WGRAD_CONFIGS:
+            kw = dict(num_warps=warps, num_stages=stages)
+            configs[f"wgrad_w{warps}s{stages}"] = lambda kw=kw: impl.wgrad(*gt, *xt, counts, bf16, **kw)
+    return {"cases": cases, "configs": configs}
 
 
 def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
@@ -132,8 +141,8 @@ def run_shape(impl, shape: dict, device: torch.device, warmup: int, reps: int, p
         for kind in GEMMS:
             results[f"{problem}.{kind}.speedup"] = (results[f"{problem}.{kind}.bf16"]["median_ms"]
                                                     / results[f"{problem}.{kind}.fp8"]["median_ms"])
-        for stages, fn in built["stages"].items():
-            results[f"{problem}.wgrad_stages{stages}.fp8"] = _entry(time_ms(fn, device, warmup, reps), flops=flops)
+        for config, fn in built["configs"].items():
+            results[f"{problem}.{config}.fp8"] = _entry(time_ms(fn, device, warmup, reps), flops=flops)
         del built
     summary["speedup"] = summary["bf16_gemms_ms"] / summary["fp8_gemms_ms"]
     return {"shape": shape, "results": results, "summary": summary}

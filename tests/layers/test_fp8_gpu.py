@@ -50,6 +50,29 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     assert torch.equal(dw[c == 0], torch.zeros_like(dw[c == 0]))  # an empty expert reads no slot
 
 
+@pytest.mark.parametrize("block_m, num_warps", [(64, 4), (128, 8)])
+def test_grouped_gemm_configs_match_the_reference_on_ragged_groups(block_m, num_warps):
+    """The sweep's configs of benchmarks/fp8_gemms.py (BM 64 slots: a group of 65 rows takes two)."""
+    from spartron.layers.fp8 import triton_backend as tb
+
+    c = torch.tensor([1, 0, 63, 64, 65, 0, 319], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(7, 384, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    grad = torch.randn(512, 384, device="cuda", generator=g).bfloat16()
+    kw = dict(block_m=block_m, num_warps=num_warps, num_stages=4)
+    xq, wq = quant.quantize_rows(x, True), quant.quantize_blocks(w, True)
+    out, ref = tb.fprop(*xq, *wq, c, torch.float32, **kw), reference.fprop(*xq, *wq, c, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    gq, wt = quant.quantize_rows(grad, True), quant.quantize_blocks_t(w, True)
+    out, ref = tb.dgrad(*gq, *wt, c, torch.float32, **kw), reference.dgrad(*gq, *wt, c, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    gt, xt = quant.quantize_cols_grouped(grad, c, True), quant.quantize_cols_grouped(x, c, True)
+    for warps, stages in ((8, 2), (4, 3)):
+        out = tb.wgrad(*gt, *xt, c, torch.float32, num_warps=warps, num_stages=stages)
+        torch.testing.assert_close(out, reference.wgrad(*gt, *xt, c, torch.float32), rtol=1e-5, atol=1e-3)
+
+
 def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():
     from spartron.layers.ffn import swiglu
 

@@ -78,33 +78,40 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor
     return q_t, s.t()
 
 
-def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int,
+          num_warps: int, num_stages: int) -> Tensor:
     m, kc = a.shape
     groups, nout, _ = b.shape
     check_tiled("output dim", nout)
     out = torch.empty(m, nout, dtype=dtype, device=a.device)
-    grid = (tile_slots(m, groups), nout // 128)
+    grid = (m // block_m + groups, nout // 128)  # BM-row slots: a static bound, as tile_slots for 128
     k.grouped_gemm_kernel[grid](a, sa, b, sb, out, counts, m, nout, kc, groups, b.stride(0), b.stride(1),
-                                sb.stride(0), sb.stride(1), sb.stride(2), BN=128, num_stages_k=4, num_warps=8)
+                                sb.stride(0), sb.stride(1), sb.stride(2), BM=block_m, BN=128,
+                                num_stages_k=num_stages, num_warps=num_warps)
     return out
 
 
-def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    return _gemm(xq, xs, wq, ws, counts, dtype)
+def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int = 128,
+          num_warps: int = 8, num_stages: int = 4) -> Tensor:
+    """Defaults measured on the H100 at 62cf2cd (v3_8k: BN 128, 8 warps, 4 stages 760 TFLOP/s; 3 stages 692);
+    the keywords are benchmarks/fp8_gemms.py's sweep."""
+    return _gemm(xq, xs, wq, ws, counts, dtype, block_m, num_warps, num_stages)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int = 128,
+          num_warps: int = 8, num_stages: int = 4) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view)."""
-    return _gemm(gq, gs, wtq, wts, counts, dtype)
+    return _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,
-          num_stages: int = 3) -> Tensor:
-    """grad^T [N, L] and x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major -> dw [G, N, K]."""
+          num_warps: int = 8, num_stages: int = 3) -> Tensor:
+    """grad^T [N, L] and x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major -> dw [G, N, K]
+    (the keywords are benchmarks/fp8_gemms.py's sweep)."""
     (n, width), kc, groups = gt.shape, xt.shape[0], counts.numel()
     if gts.stride(0) != 1 or xts.stride(0) != 1:
         raise ValueError("fp8 wgrad: the column scales must be slot-major (as quantize_cols_grouped stores them)")
     dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
     k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, width, n, kc, groups,
-                                                          BN=128, BK=128, num_stages_t=num_stages, num_warps=8)
+                                                          BN=128, BK=128, num_stages_t=num_stages, num_warps=num_warps)
     return dw

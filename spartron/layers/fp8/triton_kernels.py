@@ -129,18 +129,19 @@ def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.con
 def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr,
                         N_GROUPS: tl.constexpr,
                         stride_bg, stride_bn, stride_sbg, stride_sbn, stride_sbk,
-                        BN: tl.constexpr, num_stages_k: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, num_stages_k: tl.constexpr):
     """out[rows of g] = A[rows of g] @ B[g]^T: A [M, KC] (scales [KC/128, M]), B [G, NOUT, KC] with the
-    contraction contiguous (scales [G, NOUT/128, KC/128] by strides). BM = BK = 128, BN = 128."""
+    contraction contiguous (scales [G, NOUT/128, KC/128] by strides). BK = 128 (one scale block), BN =
+    128, BM 128 or 64 (a slot is BM rows of one group: smaller groups waste less of the last tile)."""
     slot = tl.program_id(0)
     nb = tl.program_id(1)
-    row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
+    row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, BM)
     if row_lo >= 0:
-        rows = row_lo + tl.arange(0, 128)
+        rows = row_lo + tl.arange(0, BM)
         rmask = rows < row_hi
         cols = nb * BN + tl.arange(0, BN)
         ks = tl.arange(0, 128)
-        acc = tl.zeros((128, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         b_base = b_ptr + group.to(tl.int64) * stride_bg
         for kb in tl.range(0, KC // 128, num_stages=num_stages_k):
             k0 = kb * 128
