@@ -8,7 +8,7 @@ Per shape (balanced expert counts): quantize_rows (x [rows, dim]), swiglu_quanti
 each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
 [E, N, K], on inputs quantised once before timing. On the triton backend each GEMM kernel is also
 timed at a few configs (fprop / dgrad: BM 128 or 64 rows per slot, warps, pipeline stages; wgrad:
-warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is timed alone (CUDA events, L2 flushed
+BN 128 or 64, warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is timed alone (CUDA events, L2 flushed
 before each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
 
 GPU:  python benchmarks/fp8_gemms.py --out benchmarks/results/fp8_gemms/fp8_gemms_<commit>_h200.json
@@ -41,7 +41,8 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # 8 warps runs one CTA an SM, BM 64 / 4 warps two (3-4 stages: 74-99 KB of shared memory each): one CTA's
 # scaling of its partial product can overlap the other's wgmma (each 128-deep wgmma is waited on before its scales).
 GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
-WGRAD_CONFIGS = ((8, 2), (8, 3), (8, 4))  # (warps, stages); 4 warps spill (255 registers)
+# (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
+WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped")
 
 
@@ -103,9 +104,9 @@ def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: b
             kw = dict(block_m=bm, num_warps=warps, num_stages=stages)
             configs[f"fprop_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.fprop(*xq, *wq, counts, bf16, **kw)
             configs[f"dgrad_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.dgrad(*gq, *wtq, counts, bf16, **kw)
-        for warps, stages in WGRAD_CONFIGS:
-            kw = dict(num_warps=warps, num_stages=stages)
-            configs[f"wgrad_w{warps}s{stages}"] = lambda kw=kw: impl.wgrad(*gt, *xt, counts, bf16, **kw)
+        for bn, warps, stages in WGRAD_CONFIGS:
+            kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
+            configs[f"wgrad_bn{bn}w{warps}s{stages}"] = lambda kw=kw: impl.wgrad(*gt, *xt, counts, bf16, **kw)
     return {"cases": cases, "configs": configs}
 
 

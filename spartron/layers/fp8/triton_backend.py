@@ -105,13 +105,14 @@ def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtyp
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,
-          num_warps: int = 8, num_stages: int = 3) -> Tensor:
+          block_n: int = 128, num_warps: int = 8, num_stages: int = 3) -> Tensor:
     """grad^T [N, L] and x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major -> dw [G, N, K]
     (the keywords are benchmarks/fp8_gemms.py's sweep)."""
     (n, width), kc, groups = gt.shape, xt.shape[0], counts.numel()
     if gts.stride(0) != 1 or xts.stride(0) != 1:
         raise ValueError("fp8 wgrad: the column scales must be slot-major (as quantize_cols_grouped stores them)")
     dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
-    k.grouped_wgrad_kernel[(groups, n // 128, kc // 128)](gt, gts, xt, xts, dw, counts, width, n, kc, groups,
-                                                          BN=128, BK=128, num_stages_t=num_stages, num_warps=num_warps)
+    k.grouped_wgrad_kernel[(groups, n // block_n, kc // 128)](gt, gts, xt, xts, dw, counts, width, n, kc, groups,
+                                                              BN=block_n, BK=128, num_stages_t=num_stages,
+                                                              num_warps=num_warps)
     return dw

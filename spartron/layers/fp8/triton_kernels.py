@@ -179,6 +179,6 @@ def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N
         b = tl.load(b_rows + col0)
         sa = tl.load(sa_ptr + slot * N + ns)
         sb = tl.load(sb_ptr + slot * K + ks)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        acc += (tl.dot(a, b) * sa[:, None]) * sb[None, :]
     out = out_ptr + g.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty))
