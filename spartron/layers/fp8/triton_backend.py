@@ -84,7 +84,7 @@ def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: t
     groups, nout, _ = b.shape
     check_tiled("output dim", nout)
     out = torch.empty(m, nout, dtype=dtype, device=a.device)
-    grid = (m // block_m + groups, nout // 128)  # BM-row slots: a static bound, as tile_slots for 128
+    grid = ((m // block_m + groups) * (nout // 128),)  # BM-row slots (a static bound, as tile_slots) x column blocks
     k.grouped_gemm_kernel[grid](a, sa, b, sb, out, counts, m, nout, kc, groups, b.stride(0), b.stride(1),
                                 sb.stride(0), sb.stride(1), sb.stride(2), BM=block_m, BN=128,
                                 num_stages_k=num_stages, num_warps=num_warps)
@@ -112,7 +112,7 @@ def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtyp
     if gts.stride(0) != 1 or xts.stride(0) != 1:
         raise ValueError("fp8 wgrad: the column scales must be slot-major (as quantize_cols_grouped stores them)")
     dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
-    k.grouped_wgrad_kernel[(groups, n // block_n, kc // 128)](gt, gts, xt, xts, dw, counts, width, n, kc, groups,
-                                                              BN=block_n, BK=128, num_stages_t=num_stages,
-                                                              num_warps=num_warps)
+    k.grouped_wgrad_kernel[(groups * (n // block_n) * (kc // 128),)](gt, gts, xt, xts, dw, counts, width, n, kc,
+                                                                     groups, BN=block_n, BK=128,
+                                                                     num_stages_t=num_stages, num_warps=num_warps)
     return dw

@@ -132,9 +132,12 @@ def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NO
                         BM: tl.constexpr, BN: tl.constexpr, num_stages_k: tl.constexpr):
     """out[rows of g] = A[rows of g] @ B[g]^T: A [M, KC] (scales [KC/128, M]), B [G, NOUT, KC] with the
     contraction contiguous (scales [G, NOUT/128, KC/128] by strides). BK = 128 (one scale block), BN =
-    128, BM 128 or 64 (a slot is BM rows of one group: smaller groups waste less of the last tile)."""
-    slot = tl.program_id(0)
-    nb = tl.program_id(1)
+    128, BM 128 or 64 (a slot is BM rows of one group: smaller groups waste less of the last tile).
+    A 1-D grid, the output column block fastest: the CTAs running together share their A rows and
+    their group's B, so A is read from memory about once (slot-fastest order re-read it per column block)."""
+    n_blocks = NOUT // BN
+    slot = tl.program_id(0) // n_blocks
+    nb = tl.program_id(0) % n_blocks
     row_lo, row_hi, group = _group_of_slot(slot, counts_ptr, N_GROUPS, BM)
     if row_lo >= 0:
         rows = row_lo + tl.arange(0, BM)
@@ -160,10 +163,13 @@ def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N
     """out[g] = A[:, slots of g] @ B[:, slots of g]^T: A = grad_out^T [N, L], B = x^T [K, L] in the
     slot-aligned column layout (L = T*128, tokens contiguous), scales slot-major ([T, N] / [T, K] in
     memory). Every tile is 128-aligned and whole (zeros past a group's count): unmasked, vectorised
-    loads, pipelined over the group's slots."""
-    g = tl.program_id(0)
-    ns = tl.program_id(1) * BN + tl.arange(0, BN)
-    ks = tl.program_id(2) * BK + tl.arange(0, BK)
+    loads, pipelined over the group's slots. A 1-D grid, one group at a time (its column blocks of x^T
+    fastest): the CTAs running together read one group's operands, which stay in L2."""
+    k_blocks = K // BK
+    n_blocks = N // BN
+    g = tl.program_id(0) // (k_blocks * n_blocks)
+    ns = (tl.program_id(0) // k_blocks % n_blocks) * BN + tl.arange(0, BN)
+    ks = (tl.program_id(0) % k_blocks) * BK + tl.arange(0, BK)
     slot0 = 0
     for i in range(N_GROUPS):
         slot0 += tl.where(i < g, (tl.load(counts_ptr + i) + 127) // 128, 0)
