@@ -6,7 +6,8 @@ the form cuBLAS, DeepGEMM and torch's `scaled_mm` take. Three tilings:
   gradients of fprop and dgrad). Scales are stored [K/128, M] (column-major, as DeepGEMM and cuBLAS
   read them): `scale[k // 128, m]`.
 - blocks, 128x128: one scale per 128x128 block of a weight [..., N, K] -> [..., N/128, K/128]. A block
-  is the same block of the transposed weight, so dgrad reuses fprop's quantised weight.
+  is the same block of the transposed weight, so dgrad's operand is fprop's quantised weight
+  transposed (below).
 - columns per group, 128x1 (wgrad): the operands of `grad_w = grad_out^T @ x` are scaled along the
   tokens, in tiles of 128 rows that restart at each expert's first row (a tile never mixes experts).
   Stored transposed and slot-aligned: q_t [C, T*128] (the tokens contiguous: the contraction dim of
