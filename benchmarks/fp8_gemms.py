@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None, help="the commit measured (default: this checkout's)")
     args = parser.parse_args(argv)
     backend = "reference" if args.smoke else args.backend
     check_backend(backend)
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "triton": triton_version, "commit": commit, "backend": backend, "pow2": True, "warmup": warmup,
               "reps": reps, "shapes": shapes, "runs": {}}
