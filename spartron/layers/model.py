@@ -183,7 +183,10 @@ def build_model(cfg: ModelConfig, groups=None, seed: int = 0, transport: EPTrans
         if groups is None:
             model = SparseMoEModel(cfg, **kw)
         else:
-            model = SparseMoEModel(cfg, cp_group=groups.cp, loss_group=groups.dp_cp, **kw)
+            # a 1-rank CP group is no CP: None keeps process-group queries out of the forward (dynamo in torch
+            # 2.11 cannot trace dist.get_world_size on a Python group such as a rehearsal's mirror)
+            cp_group = groups.cp if groups.size("cp") > 1 else None
+            model = SparseMoEModel(cfg, cp_group=cp_group, loss_group=groups.dp_cp, **kw)
     dtype = getattr(torch, cfg.stored_dtype)
     for p in model.parameters():
         if p.dtype != dtype:  # torch's default-dtype modules (MoE layers make theirs in the stored dtype)

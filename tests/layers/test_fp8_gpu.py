@@ -50,9 +50,17 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     assert torch.equal(dw[c == 0], torch.zeros_like(dw[c == 0]))  # an empty expert reads no slot
 
 
+def _close_at_fp8_mma_precision(out, ref):
+    """Hopper's FP8 MMA adds its products with a truncated accumulator (about 14 bits, DeepSeek-V3
+    section 3.3.2; the H100 measured up to 1.4e-3 of the output's scale at 128-deep blocks): the bound
+    is relative to the output's magnitude; a wrong row, group or scale is off by the output itself."""
+    torch.testing.assert_close(out, ref, rtol=0, atol=4e-3 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("block_m, num_warps", [(64, 4), (128, 8)])
 def test_grouped_gemm_configs_match_the_reference_on_ragged_groups(block_m, num_warps):
-    """The sweep's configs of benchmarks/fp8_gemms.py (BM 64 slots: a group of 65 rows takes two)."""
+    """The sweep's configs of benchmarks/fp8_gemms.py (BM 64 slots: a group of 65 rows takes two); every
+    config gives the default config's result bitwise (the same MMAs over the same 128-deep blocks)."""
     from spartron.layers.fp8 import triton_backend as tb
 
     c = torch.tensor([1, 0, 63, 64, 65, 0, 319], dtype=torch.int32, device="cuda")
@@ -63,14 +71,18 @@ def test_grouped_gemm_configs_match_the_reference_on_ragged_groups(block_m, num_
     kw = dict(block_m=block_m, num_warps=num_warps, num_stages=4)
     xq, wq = quant.quantize_rows(x, True), quant.quantize_blocks(w, True)
     out, ref = tb.fprop(*xq, *wq, c, torch.float32, **kw), reference.fprop(*xq, *wq, c, torch.float32)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    _close_at_fp8_mma_precision(out, ref)
+    assert torch.equal(out, tb.fprop(*xq, *wq, c, torch.float32))
     gq, wt = quant.quantize_rows(grad, True), quant.quantize_blocks_t(w, True)
     out, ref = tb.dgrad(*gq, *wt, c, torch.float32, **kw), reference.dgrad(*gq, *wt, c, torch.float32)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    _close_at_fp8_mma_precision(out, ref)
+    assert torch.equal(out, tb.dgrad(*gq, *wt, c, torch.float32))
     gt, xt = quant.quantize_cols_grouped(grad, c, True), quant.quantize_cols_grouped(x, c, True)
+    ref = reference.wgrad(*gt, *xt, c, torch.float32)
     for bn, warps, stages in ((128, 8, 2), (64, 4, 4)):
         out = tb.wgrad(*gt, *xt, c, torch.float32, block_n=bn, num_warps=warps, num_stages=stages)
-        torch.testing.assert_close(out, reference.wgrad(*gt, *xt, c, torch.float32), rtol=1e-5, atol=1e-3)
+        _close_at_fp8_mma_precision(out, ref)
+        assert torch.equal(out, tb.wgrad(*gt, *xt, c, torch.float32))
 
 
 def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():
