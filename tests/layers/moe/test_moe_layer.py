@@ -128,8 +128,8 @@ def test_bad_ep_configs_fail_on_every_rank():
                           "'all_to_all' or 'deepep'"]
 
 
-def test_permute_rows_matches_indexing_exactly_with_a_scatter_backward():
-    from spartron.layers.moe.dispatch import permute_rows
+def test_permute_rows_matches_indexing_exactly_with_a_gather_backward():
+    from spartron.layers.moe.dispatch import inverse_permutation, permute_rows
 
     torch.manual_seed(0)
     order = torch.randperm(9)
@@ -138,7 +138,9 @@ def test_permute_rows_matches_indexing_exactly_with_a_scatter_backward():
     with torch.no_grad():
         ref.copy_(x)
     g = torch.randn(9, 5)
-    out, out_ref = permute_rows(x, order), ref[order]
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(9)) and torch.equal(inverse[order], torch.arange(9))
+    out, out_ref = permute_rows(x, order, inverse), ref[order]
     assert torch.equal(out, out_ref)
     (out * g).sum().backward()
     (out_ref * g).sum().backward()
