@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     args = parser.parse_args(argv)
     backend = "reference" if args.smoke else args.backend
     check_backend(backend)
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in args.shapes}
     steps = 2 if args.smoke else args.steps
     warmup = 1 if args.smoke else args.warmup
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "commit": commit, "backend": backend, "warmup": warmup, "runs": {}}
     for name, shape in shapes.items():
