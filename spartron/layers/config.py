@@ -156,12 +156,16 @@ class FP8Config(ConfigSection):
     experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (dense GEMMs by
     torch's blockwise scaled_mm, sm90; experts by the Triton kernels), "reference" (dequantise + fp32
     matmul: the exact numerics on any device, slow). `power_of_two_scales`: scales rounded up to a
-    power of two (exact rescaling; TransformerEngine's default for this recipe). See docs/FP8.md."""
+    power of two (exact rescaling; TransformerEngine's default for this recipe). `weight_cache`: the
+    routed experts' weights quantised once per optimizer step instead of at every GEMM call
+    (spartron.layers.fp8.weight_cache; 2 bytes a local expert weight element more); "auto": on where
+    every rank holds its experts whole (expert_fsdp = 1) and the blocks are not compiled. See docs/FP8.md."""
 
     recipe: Literal["blockwise"] = "blockwise"
     backend: Literal["triton", "torch_scaled_mm", "reference"] = "triton"
     modules: list[Literal["experts", "dense"]] = Field(default_factory=lambda: ["experts", "dense"])
     power_of_two_scales: bool = True
+    weight_cache: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> FP8Config:

@@ -189,7 +189,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
                         f"{type(model).__name__} has none")
     if fp8 is not None:
-        apply_fp8([b.module for b in model.blocks()], fp8)
+        apply_fp8([b.module for b in model.blocks()], fp8, compiled=compile_backend is not None,
+                  expert_shards=groups.size("expert_fsdp") if groups is not None else 1)
     apply_ac(model, ac)
     blocks = model.blocks()
     if compile_backend is not None:

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from spartron.checkpointing.offload import ActivationOffloader, OffloadSession
 from spartron.layers.costs import training_flops_per_token
+from spartron.layers.fp8 import invalidate_weight_caches
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
@@ -289,6 +290,7 @@ class Trainer:
         path = step_dir(self.run_dir, self.resumed_from)
         meta, rank_state = load_state(path, self.model, self.optimizer, self.device, config=self.state_shape,
                                       verify_checksums=self.cfg.train.verify_checksums, **self.ep_state)
+        invalidate_weight_caches(self.model)
         self.step_no, self.counters, self.run_id = meta["step"], meta["counters"], meta["run_id"] or self.run_id
         try:  # the global sample count, re-split over this run's dp ranks (a no-op on the saved layout)
             self.loader.load_state_dict(resplit_data_position(rank_state["data"], self.loader.dp_rank,
@@ -408,6 +410,7 @@ class Trainer:
         # before the optimizer step: the state stays the last good one
         check_loss_limits(t, step, loss, self.counters.get("first_loss"))
         clip_and_step_(optimizer, self.params, t.grad_clip, grad_norm, norm)  # TritonAdamW clips inside its pass
+        invalidate_weight_caches(model)  # model.fp8.weight_cache: the next forward re-quantises the new weights
         optimizer.zero_grad(set_to_none=not t.keep_grad_buffers)
         if isinstance(model, ExpertBiasModel):  # not while the routers are frozen (stages)
             self.stages.update_expert_bias(model, self.groups.dp_cp)

@@ -30,8 +30,8 @@ def _run(x, w1, w3, w2, grad, fused: bool, pow2: bool = True):
     x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     if fused:
-        gate, up = grouped_mm_pair(x, w1, w3, counts, "reference", pow2)
-        out = swiglu_grouped_mm(gate, up, w2, counts, "reference", pow2)
+        gate, up = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, [])
+        out = swiglu_grouped_mm(gate, up, w2, counts, "reference", pow2, [])
     else:
         h = swiglu(grouped_mm(x, w1, counts, "reference", pow2), grouped_mm(x, w3, counts, "reference", pow2))
         out = grouped_mm(h, w2, counts, "reference", pow2)
@@ -69,7 +69,7 @@ def test_the_swiglu_backward_is_swiglus():
     w = (torch.randn(1, 128, 128, generator=g) * 0.05).bfloat16()
     counts = torch.tensor([256], dtype=torch.int32)
     grad = torch.randn(256, 128, generator=g).bfloat16()
-    swiglu_grouped_mm(gate, up, w, counts, "reference", True).backward(grad)
+    swiglu_grouped_mm(gate, up, w, counts, "reference", True, []).backward(grad)
     h = swiglu(gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_())
     dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True), h, grad)[0]
     ref_gate = torch.ops.aten.silu_backward(dh * up.detach(), gate.detach())

@@ -97,7 +97,7 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         if fused:
-            out = swiglu_grouped_mm(*grouped_mm_pair(xl, w1l, w3l, c, "triton", True), w2l, c, "triton", True)
+            out = swiglu_grouped_mm(*grouped_mm_pair(xl, w1l, w3l, c, "triton", True, []), w2l, c, "triton", True, [])
         else:
             h = swiglu(grouped_mm(xl, w1l, c, "triton", True), grouped_mm(xl, w3l, c, "triton", True))
             out = grouped_mm(h, w2l, c, "triton", True)

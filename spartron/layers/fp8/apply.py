@@ -15,6 +15,7 @@ from torch import nn
 from spartron.configbase import ConfigError
 from spartron.layers.config import FP8Config
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+from spartron.layers.fp8.weight_cache import WeightCache, clear_after_load
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 
@@ -50,11 +51,25 @@ def dense_eligible(module: nn.Module) -> bool:
             and module.out_features % 128 == 0)
 
 
-def apply_fp8(blocks: list[nn.Module], cfg: FP8Config) -> list[str]:
+def weight_cache_on(cfg: FP8Config, compiled: bool, expert_shards: int) -> bool:
+    """model.fp8.weight_cache resolved. "auto" caches where it costs a bf16 copy's bytes at most and
+    saves re-quantising: experts whole on the rank (expert_shards = expert_fsdp = 1; sharded, the
+    cache would hold every unsharded expert of every layer between steps, which FSDP2 frees after
+    use) and eager blocks (the cache is Python state a compiled graph would specialise on)."""
+    if cfg.weight_cache == "on" and compiled:
+        raise ConfigError("model.fp8.weight_cache = 'on' with train.compile = true: the cache is not traced "
+                          "into compiled blocks; use 'auto' or 'off'")
+    return cfg.weight_cache == "on" or (cfg.weight_cache == "auto" and not compiled and expert_shards == 1)
+
+
+def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, expert_shards: int = 1) -> list[str]:
     """Convert the chosen modules inside `blocks` (nn.Modules); returns their qualified names
     (block index, then the module path), in order. Converting nothing is an error naming
-    model.fp8.modules (a pipeline stage of dense layers with modules = ["experts"] included)."""
+    model.fp8.modules (a pipeline stage of dense layers with modules = ["experts"] included).
+    `compiled` (train.compile) and `expert_shards` (the expert_fsdp size) resolve model.fp8.weight_cache;
+    a cached module's owner must call weight_cache.invalidate_weight_caches after each optimizer step."""
     check_backend(cfg.backend)
+    cache = weight_cache_on(cfg, compiled, expert_shards)
     converted = []
     for index, block in enumerate(blocks):
         routers = [m for m in block.modules() if isinstance(m, Router)]
@@ -64,6 +79,9 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config) -> list[str]:
                 continue
             if "experts" in cfg.modules and type(module) is GroupedExperts:
                 module.__class__ = FP8GroupedExperts
+                if cache:
+                    module.fp8_cache = WeightCache()
+                    module.register_load_state_dict_post_hook(clear_after_load)
             elif "dense" in cfg.modules and dense_eligible(module):
                 module.__class__ = FP8Linear
             else:

@@ -10,6 +10,11 @@
 Both equal `grouped_mm` / `swiglu` / `grouped_mm` bitwise (tested) and save only bf16 tensors (x,
 gate, up and the weights), so AC replays and offload see what they see for the bf16 GEMMs. They are
 GEMM targets of the checkpoint policy like `spartron_fp8::grouped_mm`.
+
+`cached`: the weights' quantisation from the experts' weight cache (gemms.weight_blocks' list;
+empty: quantise inside, as without the cache). It is held on the autograd context as an attribute,
+not saved for backward: the cache keeps those tensors alive anyway, and the saved-tensor hooks of
+AC and offload must not copy them per call.
 """
 
 from __future__ import annotations
@@ -23,74 +28,76 @@ from spartron.layers.fp8.ops import backend_impl
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair", mutates_args=())
 def grouped_mm_pair(x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, backend: str,
-                    pow2: bool) -> tuple[Tensor, Tensor]:
+                    pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
     """x [M, K] grouped by `counts` [E]; w1, w3 [E, N, K] -> two [M, N] in x's dtype."""
-    return gemms.pair_forward(backend_impl(backend), x, w1, w3, counts, pow2)
+    return gemms.pair_forward(backend_impl(backend), x, w1, w3, counts, pow2, cached)
 
 
 @grouped_mm_pair.register_fake
-def _(x, w1, w3, counts, backend, pow2):
+def _(x, w1, w3, counts, backend, pow2, cached):
     return x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w3.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair_backward", mutates_args=())
 def grouped_mm_pair_backward(g1: Tensor, g3: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
-                             backend: str, pow2: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return gemms.pair_backward(backend_impl(backend), g1.contiguous(), g3.contiguous(), x, w1, w3, counts, pow2)
+                             backend: str, pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return gemms.pair_backward(backend_impl(backend), g1.contiguous(), g3.contiguous(), x, w1, w3, counts, pow2,
+                               cached)
 
 
 @grouped_mm_pair_backward.register_fake
-def _(g1, g3, x, w1, w3, counts, backend, pow2):
+def _(g1, g3, x, w1, w3, counts, backend, pow2, cached):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3)
 
 
 def _pair_setup(ctx, inputs, output):
-    x, w1, w3, counts, backend, pow2 = inputs
+    x, w1, w3, counts, backend, pow2, cached = inputs
     ctx.save_for_backward(x, w1, w3, counts)
-    ctx.backend, ctx.pow2 = backend, pow2
+    ctx.backend, ctx.pow2, ctx.cached = backend, pow2, cached
 
 
 def _pair_backward(ctx, g1, g3):
     x, w1, w3, counts = ctx.saved_tensors
-    dx, dw1, dw3 = grouped_mm_pair_backward(g1, g3, x, w1, w3, counts, ctx.backend, ctx.pow2)
-    return dx, dw1, dw3, None, None, None
+    dx, dw1, dw3 = grouped_mm_pair_backward(g1, g3, x, w1, w3, counts, ctx.backend, ctx.pow2, ctx.cached)
+    return dx, dw1, dw3, None, None, None, [None] * len(ctx.cached)
 
 
 grouped_mm_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
 
 
 @torch.library.custom_op("spartron_fp8::swiglu_grouped_mm", mutates_args=())
-def swiglu_grouped_mm(gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool) -> Tensor:
+def swiglu_grouped_mm(gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool,
+                      cached: list[Tensor]) -> Tensor:
     """gate, up [M, I] grouped by `counts` [E]; w [E, N, I] -> (silu(gate) * up) @ w^T [M, N]."""
-    return gemms.swiglu_forward(backend_impl(backend), gate, up, w, counts, pow2)
+    return gemms.swiglu_forward(backend_impl(backend), gate, up, w, counts, pow2, cached)
 
 
 @swiglu_grouped_mm.register_fake
-def _(gate, up, w, counts, backend, pow2):
+def _(gate, up, w, counts, backend, pow2, cached):
     return gate.new_empty(gate.shape[0], w.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::swiglu_grouped_mm_backward", mutates_args=())
 def swiglu_grouped_mm_backward(grad: Tensor, gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, backend: str,
-                               pow2: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return gemms.swiglu_backward(backend_impl(backend), grad.contiguous(), gate, up, w, counts, pow2)
+                               pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return gemms.swiglu_backward(backend_impl(backend), grad.contiguous(), gate, up, w, counts, pow2, cached)
 
 
 @swiglu_grouped_mm_backward.register_fake
-def _(grad, gate, up, w, counts, backend, pow2):
+def _(grad, gate, up, w, counts, backend, pow2, cached):
     return torch.empty_like(gate), torch.empty_like(up), torch.empty_like(w)
 
 
 def _swiglu_setup(ctx, inputs, output):
-    gate, up, w, counts, backend, pow2 = inputs
+    gate, up, w, counts, backend, pow2, cached = inputs
     ctx.save_for_backward(gate, up, w, counts)
-    ctx.backend, ctx.pow2 = backend, pow2
+    ctx.backend, ctx.pow2, ctx.cached = backend, pow2, cached
 
 
 def _swiglu_backward(ctx, grad):
     gate, up, w, counts = ctx.saved_tensors
-    dgate, dup, dw = swiglu_grouped_mm_backward(grad, gate, up, w, counts, ctx.backend, ctx.pow2)
-    return dgate, dup, dw, None, None, None
+    dgate, dup, dw = swiglu_grouped_mm_backward(grad, gate, up, w, counts, ctx.backend, ctx.pow2, ctx.cached)
+    return dgate, dup, dw, None, None, None, [None] * len(ctx.cached)
 
 
 swiglu_grouped_mm.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.layers.fp8 import gemms
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
-from spartron.layers.fp8.ops import linear
+from spartron.layers.fp8.ops import backend_impl, linear
+from spartron.layers.fp8.weight_cache import WeightCache
 from spartron.layers.moe.experts import GroupedExperts
 
 
@@ -25,10 +28,20 @@ class FP8Linear(nn.Linear):
 class FP8GroupedExperts(GroupedExperts):
     """GroupedExperts whose three grouped GEMMs (and their dgrad / wgrad) run blockwise FP8: w1 and w3
     on one quantisation of x, w2 on SwiGLU's product quantised where it is produced
-    (spartron.layers.fp8.expert_ops)."""
+    (spartron.layers.fp8.expert_ops). `fp8_cache`: a WeightCache (model.fp8.weight_cache on) that
+    keeps the weights' quantisation until invalidated, or None (quantised at every GEMM call)."""
 
     fp8_backend: str
     fp8_pow2: bool
+    fp8_cache: WeightCache | None = None
+
+    def quantised_weights(self) -> list[Tensor]:
+        """gemms.weight_blocks of (w1, w3, w2) from the cache; [] when the cache is off."""
+        if self.fp8_cache is None:
+            return []
+        weights = (self.w1, self.w3, self.w2)
+        return self.fp8_cache.get(weights, self.fp8_backend, self.fp8_pow2, lambda: gemms.weight_blocks(
+            backend_impl(self.fp8_backend), tuple(w.detach() for w in weights), self.fp8_pow2))
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int]) -> Tensor:
         if len(tokens_per_expert) != self.n_local_experts:
@@ -40,5 +53,7 @@ class FP8GroupedExperts(GroupedExperts):
         if self.fp8_backend != "reference":  # the kernels trust the counts (the reference checks them on the host)
             torch._assert_async(counts.sum() == x.shape[0], "FP8 GroupedExperts: tokens_per_expert sum != rows")
         gemm = (self.fp8_backend, self.fp8_pow2)
-        gate, up = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm)
-        return swiglu_grouped_mm(gate, up, self.w2, counts, *gemm)
+        # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
+        cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
+        gate, up = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:8])
+        return swiglu_grouped_mm(gate, up, self.w2, counts, *gemm, cached[8:])

@@ -1,0 +1,146 @@
+"""model.fp8.weight_cache (spartron.layers.fp8.weight_cache) on CPU, reference backend: a cached step
+equals an uncached one bitwise, the cache refreshes after an optimizer step (explicitly: a write the
+version counter cannot see leaves it stale otherwise), AC replays reuse it, and the option resolves
+and validates as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spartron.checkpointing.config import ACConfig
+from spartron.configbase import ConfigError
+from spartron.layers.config import FP8Config
+from spartron.layers.fp8 import apply_fp8, invalidate_on_step, invalidate_weight_caches
+from spartron.layers.fp8.apply import weight_cache_on
+from spartron.layers.model import build_model
+from spartron.layers.moe.experts import GroupedExperts
+from spartron.layers.parallelize import parallelize
+from spartron.runtime.config import load_config
+
+COUNTS = [130, 0, 254]
+
+
+def _experts(cache: str, seed: int = 0) -> GroupedExperts:
+    torch.manual_seed(seed)
+    experts = GroupedExperts(3, 256, 128, mode="loop", dtype=torch.bfloat16)
+    apply_fp8([experts], FP8Config(backend="reference", modules=["experts"], weight_cache=cache))
+    return experts
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(384, 256, generator=g).bfloat16(), torch.randn(384, 256, generator=g).bfloat16()
+
+
+def _step(experts, seed: int):
+    x, grad = _batch(seed)
+    x.requires_grad_()
+    out = experts(x, COUNTS)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def _new_weights(experts) -> dict[str, torch.Tensor]:
+    return {n: (p.detach() * 1.5 + 0.01).bfloat16() for n, p in experts.named_parameters()}
+
+
+def test_cached_micro_batches_equal_uncached_bitwise_and_quantise_once():
+    cached, plain = _experts("on"), _experts("off")
+    assert plain.fp8_cache is None
+    for seed in (1, 2):  # two micro-batches of one step: forward, backward, forward, backward
+        for a, b in zip(_step(cached, seed), _step(plain, seed), strict=True):
+            assert torch.equal(a, b)
+    for name in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(cached, name).grad, getattr(plain, name).grad), name
+    assert cached.fp8_cache.refreshes == 1
+    # the cache holds q, s, q^T, s^T of w1, w3, w2: 1 byte an element twice, plus fp32 scales
+    weights = 3 * 3 * 128 * 256
+    assert cached.fp8_cache.nbytes == 2 * weights + 2 * 4 * weights // (128 * 128)
+
+
+def test_a_write_the_version_counter_misses_needs_the_explicit_invalidation():
+    """FSDP2's all-gather (version preserved) and TritonAdamW (a kernel) write weights without a version
+    bump; `.data` does the same here. Without invalidation the cache would be stale: a silent numerics bug."""
+    cached, plain = _experts("on"), _experts("off")
+    before = _step(cached, 1)[0]
+    new = _new_weights(cached)
+    for module in (cached, plain):
+        for name, p in module.named_parameters():
+            p.data.copy_(new[name])
+    stale = _step(cached, 1)[0]
+    assert torch.equal(stale, before)  # the key did not see it: this is why invalidation is explicit
+    assert invalidate_weight_caches(cached) == 1
+    fresh = _step(cached, 1)[0]
+    assert torch.equal(fresh, _step(plain, 1)[0]) and not torch.equal(fresh, before)
+    assert cached.fp8_cache.refreshes == 2
+
+
+def test_the_step_hook_refreshes_after_an_optimizer_that_writes_through_a_kernel():
+    class KernelLikeSGD(torch.optim.SGD):  # writes as a Triton kernel does: no version bump
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.copy_(p.data - group["lr"] * p.grad)
+
+    cached, plain = _experts("on"), _experts("off")
+    opts = [KernelLikeSGD(m.parameters(), lr=0.5) for m in (cached, plain)]
+    invalidate_on_step(opts[0], cached)
+    for module, opt in zip((cached, plain), opts, strict=True):
+        _step(module, 1)
+        opt.step()
+    assert torch.equal(cached.w1, plain.w1) and not torch.equal(cached.w1, _experts("off").w1)
+    assert torch.equal(_step(cached, 2)[0], _step(plain, 2)[0])
+    assert cached.fp8_cache.refreshes == 2
+
+
+def test_an_in_place_torch_write_or_a_load_refreshes_by_itself():
+    cached, plain = _experts("on"), _experts("off")
+    _step(cached, 1)
+    with torch.no_grad():  # a version bump: the key sees it
+        for module in (cached, plain):
+            module.w2.mul_(2)
+    assert torch.equal(_step(cached, 1)[0], _step(plain, 1)[0])
+    assert cached.fp8_cache.refreshes == 2
+    state = {k: v * 0.5 for k, v in plain.state_dict().items()}
+    cached.load_state_dict(state)
+    assert cached.fp8_cache.nbytes == 0  # the load hook dropped it
+    plain.load_state_dict(state)
+    assert torch.equal(_step(cached, 3)[0], _step(plain, 3)[0])
+
+
+def _model_grads(cache: str, ac: ACConfig):
+    cfg = load_config("configs/tiny.toml", ["train.seq_len=32", "model.dtype=bfloat16", "model.dim=128",
+                                            "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256",
+                                            "model.fp8.backend=reference", f"model.fp8.weight_cache={cache}"])
+    model = build_model(cfg.model, seed=0)
+    parallelize(model, None, ac, fp8=cfg.model.fp8)
+    g = torch.Generator().manual_seed(1)
+    out = model(*(torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g) for _ in range(2)))
+    out["loss"].backward()
+    refreshes = [m.fp8_cache.refreshes for m in model.modules() if getattr(m, "fp8_cache", None) is not None]
+    return out["loss"].detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, refreshes
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_ac_replays_reuse_the_cache_and_give_the_uncached_gradients(mode):
+    loss, grads, none = _model_grads("off", ACConfig(mode="none"))
+    ac_loss, ac_grads, refreshes = _model_grads("on", ACConfig(mode=mode))
+    assert none == [] and len(refreshes) >= 1 and set(refreshes) == {1}  # the replay quantised nothing again
+    assert torch.equal(loss, ac_loss) and grads.keys() == ac_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, ac_grads[name]), name
+
+
+def test_the_option_resolves_and_refuses_on_with_compile():
+    auto = FP8Config(backend="reference")
+    assert weight_cache_on(auto, compiled=False, expert_shards=1)
+    assert not weight_cache_on(auto, compiled=False, expert_shards=2)  # FSDP-sharded experts: off
+    assert not weight_cache_on(auto, compiled=True, expert_shards=1)
+    assert weight_cache_on(FP8Config(backend="reference", weight_cache="on"), compiled=False, expert_shards=4)
+    assert not weight_cache_on(FP8Config(backend="reference", weight_cache="off"), compiled=False, expert_shards=1)
+    with pytest.raises(ConfigError, match=r"model.fp8.weight_cache = 'on' with train.compile = true"):
+        weight_cache_on(FP8Config(backend="reference", weight_cache="on"), compiled=True, expert_shards=1)
+    with pytest.raises(ValueError, match="weight_cache"):
+        FP8Config(weight_cache="yes")
