@@ -14,6 +14,7 @@ from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_rows
 from spartron.layers.config import ModelConfig, master_layout_refusal
+from spartron.layers.fp8.apply import weight_cache_on
 from spartron.layers.costs import (
     PARAM_BYTES,
     is_routed_expert,
@@ -303,6 +304,16 @@ def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
     return 0
 
 
+def fp8_weight_cache_bytes(m: ModelConfig, dims: ParallelDims) -> int:
+    """model.fp8.weight_cache as an eager step resolves it (spartron.layers.fp8.weight_cache): every local
+    routed expert weight's FP8 blocks and transposed blocks (1 byte an element each) and their fp32 scales,
+    from the first forward to the optimizer step (unsharded: on with expert_fsdp > 1 it holds whole experts)."""
+    if m.fp8 is None or "experts" not in m.fp8.modules or not weight_cache_on(m.fp8, False, dims.expert_fsdp):
+        return 0
+    elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items() if is_routed_expert(f))
+    return 2 * elements + 2 * 4 * elements // (128 * 128)
+
+
 def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> MemoryPlan:
     """Predicted peak allocated bytes of one training step on `rank` (eager, as the trainer runs it).
 
@@ -320,6 +331,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     a single micro-batch's gradients stay in the compute dtype, several sum into fp32 main gradients (live
     through the step, plus the largest parameter's compute-dtype gradient and its first fp32 copy in flight);
     the CPU's torch reference update holds three fp32 temporaries of the largest parameter.
+    model.fp8.weight_cache: the routed experts' quantised weights, through the whole step.
     A training stage (`step.dsa_mode`, `step.trainable`): its DSA layers' attention and KL terms, gradients,
     optimizer state, gradient reduction and accumulation of the parameters that train only.
     """
@@ -396,7 +408,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     # a kl_dense source's chunk temporaries, counted at the backward's peak (an upper bound: they live in its layer)
     kl_work = _kl_dense_work(m, step, dims.cp) if _dsa_mode(m, step) in _KL_DENSE else 0
     comm = comm_buffer_bytes(m, dims, tokens)
-    static += comm
+    fp8_cache = fp8_weight_cache_bytes(m, dims)
+    static += comm + fp8_cache
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
@@ -406,6 +419,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     phase = max(phases, key=phases.get)
     parts = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
              "communication_buffers": comm}
+    if fp8_cache:
+        parts["fp8_weight_cache"] = fp8_cache
     if phase == "optimizer":
         parts |= {"gradients": grads, "gradient_reduction": phases[phase] - static - grads}
     else:

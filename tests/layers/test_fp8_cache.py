@@ -144,3 +144,22 @@ def test_the_option_resolves_and_refuses_on_with_compile():
         weight_cache_on(FP8Config(backend="reference", weight_cache="on"), compiled=True, expert_shards=1)
     with pytest.raises(ValueError, match="weight_cache"):
         FP8Config(weight_cache="yes")
+
+
+def test_the_memory_plan_counts_the_cache_where_it_resolves_on():
+    from spartron.layers.step_memory import StepShape, fp8_weight_cache_bytes, memory_plan
+    from spartron.parallel.dims import ParallelDims
+
+    def model(cache: str):
+        return load_config("configs/tiny.toml", ["model.dtype=bfloat16", "model.dim=128", "model.moe.moe_inter_dim=128",
+                                                 "model.dense_inter_dim=256", f"model.fp8.weight_cache={cache}"]).model
+
+    m, one, step = model("auto"), ParallelDims(world_size=1, fsdp=1), StepShape(seq_len=32, micro_batch_size=2)
+    elements = 4 * 8 * 3 * 128 * 128  # 3 MoE decoder layers + the shared MTP block, 8 experts, w1 / w3 / w2
+    assert fp8_weight_cache_bytes(m, one) == 2 * elements + 8 * elements // (128 * 128)
+    on, off = memory_plan(m, one, step), memory_plan(model("off"), one, step)
+    assert on.parts["fp8_weight_cache"] == fp8_weight_cache_bytes(m, one) and "fp8_weight_cache" not in off.parts
+    assert on.peak - off.peak == fp8_weight_cache_bytes(m, one)
+    sharded = ParallelDims(world_size=2, fsdp=2)  # experts sharded over expert_fsdp 2: auto is off
+    assert fp8_weight_cache_bytes(m, sharded) == 0 and fp8_weight_cache_bytes(model("on"), sharded) == 2 * (
+        2 * elements + 8 * elements // (128 * 128)) // 2
