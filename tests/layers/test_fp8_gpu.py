@@ -85,26 +85,63 @@ def test_grouped_gemm_configs_match_the_reference_on_ragged_groups(block_m, num_
         assert torch.equal(out, tb.wgrad(*gt, *xt, c, torch.float32))
 
 
-def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise():
+def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_contraction():
+    """As tests/layers/test_fp8_fused.py on the reference: the w1|w3 GEMM and the swiglu quantisation of
+    h13's halves (read in place) give the two-GEMM path's out / dw bitwise; dx is one dgrad over 2I."""
     from spartron.layers.ffn import swiglu
 
     c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
     x, w, grad = _inputs(512, seed=1)
     w1, w3 = w[:, :256], w[:, 128:]
     w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()  # [3, 256, 256]
-    results = []
-    for fused in (True, False):
+    results = {}
+    for path in ("fused", "w13", "unfused"):
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
-        if fused:
-            out = swiglu_grouped_mm(*grouped_mm_pair(xl, w1l, w3l, c, "triton", True, []), w2l, c, "triton", True, [])
+        if path == "fused":
+            out = swiglu_grouped_mm(grouped_mm_pair(xl, w1l, w3l, c, "triton", True, []), w2l, c, "triton", True, [])
+        elif path == "w13":
+            gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True).split(256, dim=1)
+            out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True)
         else:
             h = swiglu(grouped_mm(xl, w1l, c, "triton", True), grouped_mm(xl, w3l, c, "triton", True))
             out = grouped_mm(h, w2l, c, "triton", True)
         out.backward(grad[:, :256])
-        results.append([out] + [t.grad for t in leaves])
-    for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):
-        assert torch.equal(a, b), name
+        results[path] = [out] + [t.grad for t in leaves]
+    for i, name in enumerate(("out", "dx", "dw1", "dw3", "dw2")):
+        assert torch.equal(results["fused"][i], results["w13"][i]), name
+        if name != "dx":
+            assert torch.equal(results["fused"][i], results["unfused"][i]), name
+    torch.testing.assert_close(results["fused"][1], results["unfused"][1], rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_triton_concatenated_blocks_and_cached_experts_match(pow2):
+    """quantize_blocks_cat writes each weight's blocks into its rows of one buffer (the reference's
+    blocks of the concatenation, bitwise); experts with the weight cache equal them without it bitwise."""
+    from spartron.layers.config import FP8Config
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.fp8 import triton_backend as tb
+    from spartron.layers.moe.experts import GroupedExperts
+
+    _, w, _ = _inputs(128, seed=2)
+    w1, w3 = w[:, :256].contiguous(), w[:, 128:].contiguous() * 3
+    for t in (False, True):
+        (q, s), (rq, rs) = tb.quantize_blocks_cat((w1, w3), pow2, t), reference.quantize_blocks_cat((w1, w3), pow2, t)
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), t
+    grads = []
+    for cache in ("on", "off"):
+        torch.manual_seed(0)
+        experts = GroupedExperts(3, 256, 256, dtype=torch.bfloat16, device="cuda")
+        apply_fp8([experts], FP8Config(backend="triton", modules=["experts"], weight_cache=cache,
+                                       power_of_two_scales=pow2))
+        x = _inputs(512, seed=3)[0].requires_grad_()
+        for _ in range(2):
+            out = experts(x, [130, 0, 382])
+            out.backward(torch.ones_like(out))
+        grads.append([out, x.grad, experts.w1.grad, experts.w3.grad, experts.w2.grad])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def _compiled(fn) -> int:

@@ -1,14 +1,15 @@
 """The routed experts' FP8 GEMMs as two ops (spartron.layers.fp8.gemms: the sequences):
 
-- `spartron_fp8::grouped_mm_pair(x, w1, w3)` -> (x @ w1^T, x @ w3^T) per expert, x quantised once
-  (1x128 in forward, 128x1 in backward) where two `grouped_mm` calls quantised it twice each.
-- `spartron_fp8::swiglu_grouped_mm(gate, up, w2)` -> (silu(gate) * up) @ w2^T per expert: SwiGLU's
+- `spartron_fp8::grouped_mm_pair(x, w1, w3)` -> h13 = x @ w1^T | x @ w3^T [M, 2I] per expert: ONE
+  GEMM over [w1; w3] (N = 2I), x quantised once; its dgrad one GEMM contracting over 2I.
+- `spartron_fp8::swiglu_grouped_mm(h13, w2)` -> (silu(gate) * up) @ w2^T per expert: SwiGLU's
   product is quantised where it is produced (the Triton backend's fused kernel) and recomputed in
   backward, so neither it nor its FP8 copy is kept: per MoE layer one [routed rows, moe_inter_dim]
   bf16 tensor less alive from forward to backward than swiglu + grouped_mm.
 
-Both equal `grouped_mm` / `swiglu` / `grouped_mm` bitwise (tested) and save only bf16 tensors (x,
-gate, up and the weights), so AC replays and offload see what they see for the bf16 GEMMs. They are
+Both equal `grouped_mm` / `swiglu` / `grouped_mm` bitwise (tested) except the pair's dx (one fp32
+contraction over 2I where the unfused path adds two bf16 results: gemms.pair_backward), and save
+only bf16 tensors (x, h13 and the weights), so AC replays and offload see what they see for the bf16 GEMMs. They are
 GEMM targets of the checkpoint policy like `spartron_fp8::grouped_mm`.
 
 `cached`: the weights' quantisation from the experts' weight cache (gemms.weight_blocks' list;
@@ -28,25 +29,24 @@ from spartron.layers.fp8.ops import backend_impl
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair", mutates_args=())
 def grouped_mm_pair(x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, backend: str,
-                    pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """x [M, K] grouped by `counts` [E]; w1, w3 [E, N, K] -> two [M, N] in x's dtype."""
+                    pow2: bool, cached: list[Tensor]) -> Tensor:
+    """x [M, K] grouped by `counts` [E]; w1, w3 [E, I, K] -> h13 [M, 2I] = x @ w1^T | x @ w3^T in x's dtype."""
     return gemms.pair_forward(backend_impl(backend), x, w1, w3, counts, pow2, cached)
 
 
 @grouped_mm_pair.register_fake
 def _(x, w1, w3, counts, backend, pow2, cached):
-    return x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w3.shape[1])
+    return x.new_empty(x.shape[0], w1.shape[1] + w3.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair_backward", mutates_args=())
-def grouped_mm_pair_backward(g1: Tensor, g3: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
+def grouped_mm_pair_backward(g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
                              backend: str, pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return gemms.pair_backward(backend_impl(backend), g1.contiguous(), g3.contiguous(), x, w1, w3, counts, pow2,
-                               cached)
+    return gemms.pair_backward(backend_impl(backend), g13.contiguous(), x, w1, w3, counts, pow2, cached)
 
 
 @grouped_mm_pair_backward.register_fake
-def _(g1, g3, x, w1, w3, counts, backend, pow2, cached):
+def _(g13, x, w1, w3, counts, backend, pow2, cached):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3)
 
 
@@ -56,9 +56,9 @@ def _pair_setup(ctx, inputs, output):
     ctx.backend, ctx.pow2, ctx.cached = backend, pow2, cached
 
 
-def _pair_backward(ctx, g1, g3):
+def _pair_backward(ctx, g13):
     x, w1, w3, counts = ctx.saved_tensors
-    dx, dw1, dw3 = grouped_mm_pair_backward(g1, g3, x, w1, w3, counts, ctx.backend, ctx.pow2, ctx.cached)
+    dx, dw1, dw3 = grouped_mm_pair_backward(g13, x, w1, w3, counts, ctx.backend, ctx.pow2, ctx.cached)
     return dx, dw1, dw3, None, None, None, [None] * len(ctx.cached)
 
 
@@ -66,38 +66,38 @@ grouped_mm_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
 
 
 @torch.library.custom_op("spartron_fp8::swiglu_grouped_mm", mutates_args=())
-def swiglu_grouped_mm(gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool,
+def swiglu_grouped_mm(h13: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool,
                       cached: list[Tensor]) -> Tensor:
-    """gate, up [M, I] grouped by `counts` [E]; w [E, N, I] -> (silu(gate) * up) @ w^T [M, N]."""
-    return gemms.swiglu_forward(backend_impl(backend), gate, up, w, counts, pow2, cached)
+    """h13 = gate | up [M, 2I] grouped by `counts` [E]; w [E, N, I] -> (silu(gate) * up) @ w^T [M, N]."""
+    return gemms.swiglu_forward(backend_impl(backend), h13, w, counts, pow2, cached)
 
 
 @swiglu_grouped_mm.register_fake
-def _(gate, up, w, counts, backend, pow2, cached):
-    return gate.new_empty(gate.shape[0], w.shape[1])
+def _(h13, w, counts, backend, pow2, cached):
+    return h13.new_empty(h13.shape[0], w.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::swiglu_grouped_mm_backward", mutates_args=())
-def swiglu_grouped_mm_backward(grad: Tensor, gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, backend: str,
-                               pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return gemms.swiglu_backward(backend_impl(backend), grad.contiguous(), gate, up, w, counts, pow2, cached)
+def swiglu_grouped_mm_backward(grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor, backend: str,
+                               pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return gemms.swiglu_backward(backend_impl(backend), grad.contiguous(), h13, w, counts, pow2, cached)
 
 
 @swiglu_grouped_mm_backward.register_fake
-def _(grad, gate, up, w, counts, backend, pow2, cached):
-    return torch.empty_like(gate), torch.empty_like(up), torch.empty_like(w)
+def _(grad, h13, w, counts, backend, pow2, cached):
+    return torch.empty_like(h13), torch.empty_like(w)
 
 
 def _swiglu_setup(ctx, inputs, output):
-    gate, up, w, counts, backend, pow2, cached = inputs
-    ctx.save_for_backward(gate, up, w, counts)
+    h13, w, counts, backend, pow2, cached = inputs
+    ctx.save_for_backward(h13, w, counts)
     ctx.backend, ctx.pow2, ctx.cached = backend, pow2, cached
 
 
 def _swiglu_backward(ctx, grad):
-    gate, up, w, counts = ctx.saved_tensors
-    dgate, dup, dw = swiglu_grouped_mm_backward(grad, gate, up, w, counts, ctx.backend, ctx.pow2, ctx.cached)
-    return dgate, dup, dw, None, None, None, [None] * len(ctx.cached)
+    h13, w, counts = ctx.saved_tensors
+    d13, dw = swiglu_grouped_mm_backward(grad, h13, w, counts, ctx.backend, ctx.pow2, ctx.cached)
+    return d13, dw, None, None, None, [None] * len(ctx.cached)
 
 
 swiglu_grouped_mm.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)

@@ -5,11 +5,12 @@ fprop / dgrad / wgrad, swiglu_quantize_rows).
 Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks (quantised
 straight into the transposed layout dgrad reads); wgrad
 grad^T and x^T both 128x1 along the tokens, tiles restarting at each expert. A dense linear is one
-group. `pair_*` run the experts' w1 and w3 GEMMs on one quantisation of x (forward: its 1x128
-tiles; backward: its 128x1 tiles); `swiglu_*` run w2 on silu(gate) * up quantised where it is
-produced, and recompute that product in backward instead of keeping it. Both equal the unfused
-sequence bitwise: the same quantised values reach the same GEMMs, and dx of the pair is the bf16 sum
-autograd forms when x feeds two GEMMs. The experts' sequences take their weights' quantisation from
+group. `pair_*` run the experts' w1 and w3 as ONE GEMM over [w1; w3] (N = 2I forward, K = 2I in
+dgrad; x quantised once); `swiglu_*` run w2 on silu(gate) * up quantised where it is produced, and
+recompute that product in backward instead of keeping it. They equal the unfused sequence bitwise
+(the same quantised values reach the same GEMMs: 1x128 / 128x128 / 128x1 tiles never straddle the
+w1 | w3 boundary, I being a multiple of 128) except dx of the pair: one fp32 contraction over 2I
+rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/layers/test_fp8_fused.py). The experts' sequences take their weights' quantisation from
 the weight cache when it is on (`cached`: weight_blocks' list; spartron.layers.fp8.weight_cache).
 """
 
@@ -37,41 +38,51 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
-                 cached: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """`cached`: weight_blocks((w1, w3)) from the experts' weight cache (None: quantise here)."""
-    q1, q3 = (cached[0:2], cached[4:6]) if cached else (impl.quantize_blocks(w, pow2) for w in (w1, w3))
-    xq = impl.quantize_rows(x, pow2)
-    return impl.fprop(*xq, *q1, counts, x.dtype), impl.fprop(*xq, *q3, counts, x.dtype)
+                 cached: list[Tensor]) -> Tensor:
+    """x @ [w1; w3]^T per expert: one GEMM of N = 2I -> h13 [M, 2I] (gate | up). `cached`: the
+    weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here)."""
+    q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
+    return impl.fprop(*impl.quantize_rows(x, pow2), *q, counts, x.dtype)
 
 
-def pair_backward(impl, g1: Tensor, g3: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
-                  pow2: bool, cached: list[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    wt1, wt3 = (cached[2:4], cached[6:8]) if cached else (impl.quantize_blocks_t(w, pow2) for w in (w1, w3))
-    dx1 = impl.dgrad(*impl.quantize_rows(g1, pow2), *wt1, counts, x.dtype)
-    dx3 = impl.dgrad(*impl.quantize_rows(g3, pow2), *wt3, counts, x.dtype)
+def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
+                  pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """dx = g13 @ [w1; w3]: ONE dgrad contracting over 2I (fp32 over both halves, rounded once: the
+    recipe's definition, Megatron's fused fc1 alike; not the bf16 sum dx1 + dx3 of two GEMMs). dw1, dw3:
+    the wgrad over each half of g13's columns (128x1 tiles are per column: the halves' quantisation is
+    each half's own)."""
+    wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
+    dx = impl.dgrad(*impl.quantize_rows(g13, pow2), *wt, counts, x.dtype)
+    gq, gs = impl.quantize_cols_grouped(g13, counts, pow2)
     xcols = impl.quantize_cols_grouped(x, counts, pow2)
-    return dx1 + dx3, _wgrad(impl, g1, xcols, counts, pow2, w1.dtype), _wgrad(impl, g3, xcols, counts, pow2, w3.dtype)
+    i = w1.shape[1]
+    return (dx, impl.wgrad(gq[:i], gs[:i], *xcols, counts, w1.dtype),
+            impl.wgrad(gq[i:], gs[i:], *xcols, counts, w3.dtype))
 
 
-def swiglu_forward(impl, gate: Tensor, up: Tensor, w: Tensor, counts: Tensor, pow2: bool,
-                   cached: list[Tensor] | None = None) -> Tensor:
-    q = cached or impl.quantize_blocks(w, pow2)
-    return impl.fprop(*impl.swiglu_quantize_rows(gate, up, pow2), q[0], q[1], counts, gate.dtype)
+def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cached: list[Tensor]) -> Tensor:
+    """silu(gate) * up of h13 = gate | up (read in place), quantised where produced, @ w^T."""
+    i = h13.shape[1] // 2
+    q = cached[0:2] if cached else impl.quantize_blocks(w, pow2)
+    return impl.fprop(*impl.swiglu_quantize_rows(h13[:, :i], h13[:, i:], pow2), *q, counts, h13.dtype)
 
 
-def swiglu_backward(impl, grad: Tensor, gate: Tensor, up: Tensor, w: Tensor, counts: Tensor,
-                    pow2: bool, cached: list[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
+                    pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
     """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as
-    spartron.layers.ffn.swiglu runs it (the same kernels on the same values)."""
+    spartron.layers.ffn.swiglu runs it (the same kernels on the same values), written into the two
+    halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
+    i = h13.shape[1] // 2
+    gate, up = h13[:, :i], h13[:, i:]
     silu = F.silu(gate)
     dh, dw = backward(impl, grad, silu * up, w, counts, pow2, cached[2:4] if cached else None)
-    return torch.ops.aten.silu_backward(dh * up, gate), dh * silu, dw
+    d13 = torch.empty_like(h13)
+    torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d13[:, :i])
+    torch.mul(dh, silu, out=d13[:, i:])
+    return d13, dw
 
 
-def weight_blocks(impl, weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor]:
-    """Each weight's 128x128 blocks and transposed blocks: [q, s, q^T, s^T] per weight, in order (the
-    experts' weight cache holds this list)."""
-    out = []
-    for w in weights:
-        out += [*impl.quantize_blocks(w, pow2), *impl.quantize_blocks_t(w, pow2)]
-    return out
+def weight_blocks(impl, w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Tensor]:
+    """The experts' weight cache: [q13, s13, q13^T, s13^T] of [w1; w3] and [q2, s2, q2^T, s2^T] of w2."""
+    return [*impl.quantize_blocks_cat((w1, w3), pow2), *impl.quantize_blocks_cat((w1, w3), pow2, transpose=True),
+            *impl.quantize_blocks(w2, pow2), *impl.quantize_blocks_t(w2, pow2)]

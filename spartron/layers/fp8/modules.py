@@ -26,8 +26,8 @@ class FP8Linear(nn.Linear):
 
 
 class FP8GroupedExperts(GroupedExperts):
-    """GroupedExperts whose three grouped GEMMs (and their dgrad / wgrad) run blockwise FP8: w1 and w3
-    on one quantisation of x, w2 on SwiGLU's product quantised where it is produced
+    """GroupedExperts whose grouped GEMMs (and their dgrad / wgrad) run blockwise FP8: w1 and w3 as one
+    GEMM over [w1; w3] on one quantisation of x, w2 on SwiGLU's product quantised where it is produced
     (spartron.layers.fp8.expert_ops). `fp8_cache`: a WeightCache (model.fp8.weight_cache on) that
     keeps the weights' quantisation until invalidated, or None (quantised at every GEMM call)."""
 
@@ -41,7 +41,7 @@ class FP8GroupedExperts(GroupedExperts):
             return []
         weights = (self.w1, self.w3, self.w2)
         return self.fp8_cache.get(weights, self.fp8_backend, self.fp8_pow2, lambda: gemms.weight_blocks(
-            backend_impl(self.fp8_backend), tuple(w.detach() for w in weights), self.fp8_pow2))
+            backend_impl(self.fp8_backend), *(w.detach() for w in weights), self.fp8_pow2))
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int]) -> Tensor:
         if len(tokens_per_expert) != self.n_local_experts:
@@ -55,5 +55,5 @@ class FP8GroupedExperts(GroupedExperts):
         gemm = (self.fp8_backend, self.fp8_pow2)
         # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
         cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
-        gate, up = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:8])
-        return swiglu_grouped_mm(gate, up, self.w2, counts, *gemm, cached[8:])
+        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4])
+        return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:])

@@ -23,8 +23,8 @@ from spartron.layers.fp8.quant import (
     quantize_rows,
 )
 
-__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows",
-           "swiglu_quantize_rows", "wgrad"]
+__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped",
+           "quantize_rows", "swiglu_quantize_rows", "wgrad"]
 
 
 def _segments(counts: Tensor, rows: int) -> list[tuple[int, int]]:
@@ -70,3 +70,10 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, 
     """1x128 quantisation of silu(gate) * up, computed as spartron.layers.ffn.swiglu computes it (the
     value the unfused path quantises); h is a temporary, never kept."""
     return quantize_rows(F.silu(gate) * up, pow2)
+
+
+def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """The 128x128 blocks (or transposed blocks) of the weights concatenated along N (the experts'
+    [w1; w3]): every N is a multiple of 128, so no block mixes two weights."""
+    w = torch.cat(weights, dim=-2)
+    return quantize_blocks_t(w, pow2) if transpose else quantize_blocks(w, pow2)

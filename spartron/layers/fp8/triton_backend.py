@@ -29,40 +29,58 @@ def quantize_rows(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     x = x.contiguous()
     q = torch.empty(m, kc, dtype=FP8, device=x.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=x.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, q, s, m, kc, POW2=pow2, SWIGLU=False, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, q, s, m, kc, kc, POW2=pow2, SWIGLU=False, BM=32)
     return q, s
 
 
 def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     """1x128 quantisation of silu(gate) * up in one pass: h (rounded to gate's dtype as torch's eager
-    SwiGLU rounds it) is never written."""
+    SwiGLU rounds it) is never written. gate and up may be the two halves of one [M, 2I] tensor (the
+    experts' w1|w3 output): read in place, by their row stride."""
     m, kc = gate.shape
     check_tiled("contraction dim", kc)
-    gate, up = gate.contiguous(), up.contiguous()
+    if gate.stride(1) != 1 or up.stride() != gate.stride():
+        gate, up = gate.contiguous(), up.contiguous()
     q = torch.empty(m, kc, dtype=FP8, device=gate.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=gate.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, q, s, m, kc, POW2=pow2, SWIGLU=True, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, q, s, m, kc, gate.stride(0), POW2=pow2, SWIGLU=True,
+                                                       BM=32)
     return q, s
 
 
-def _quantize_blocks(w: Tensor, pow2: bool, transpose: bool) -> tuple[Tensor, Tensor]:
-    *lead, n, kc = w.shape
-    check_tiled("weight rows", n)
+def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, transpose: bool) -> tuple[Tensor, Tensor]:
+    """The weights [..., N_i, K] quantised into one buffer concatenated along N (one kernel launch each,
+    each writing its rows of the output: no concatenating copy)."""
+    *lead, _, kc = weights[0].shape
+    rows = [w.shape[-2] for w in weights]
+    for n in rows:
+        check_tiled("weight rows", n)
     check_tiled("weight columns", kc)
-    w = w.contiguous()
-    q = torch.empty(*lead, *((kc, n) if transpose else (n, kc)), dtype=FP8, device=w.device)
-    s = torch.empty(*lead, n // TILE, kc // TILE, dtype=torch.float32, device=w.device)
-    k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q, s, n, kc, TRANSPOSE=transpose, POW2=pow2)
+    n_out = sum(rows)
+    q = torch.empty(*lead, *((kc, n_out) if transpose else (n_out, kc)), dtype=FP8, device=weights[0].device)
+    s = torch.empty(*lead, n_out // TILE, kc // TILE, dtype=torch.float32, device=weights[0].device)
+    row0 = 0
+    for w, n in zip(weights, rows, strict=True):
+        w = w.contiguous()
+        q_part = q[..., :, row0:] if transpose else q[..., row0:, :]  # the kernel indexes from its first element
+        k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, s[..., row0 // TILE:, :], n, kc,
+                                                                         n_out, TRANSPOSE=transpose, POW2=pow2)
+        row0 += n
     return q, (s.transpose(-2, -1) if transpose else s)
 
 
 def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    return _quantize_blocks(w, pow2, transpose=False)
+    return _quantize_blocks((w,), pow2, transpose=False)
 
 
 def quantize_blocks_t(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     """q^T [..., K, N] written by the quantisation kernel itself (dgrad's contraction-contiguous operand)."""
-    return _quantize_blocks(w, pow2, transpose=True)
+    return _quantize_blocks((w,), pow2, transpose=True)
+
+
+def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """quantize_blocks (or _t) of the weights concatenated along N, without concatenating them."""
+    return _quantize_blocks(weights, pow2, transpose)
 
 
 def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -109,10 +127,13 @@ def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtyp
     """grad^T [N, L] and x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major -> dw [G, N, K]
     (the keywords are benchmarks/fp8_gemms.py's sweep)."""
     (n, width), kc, groups = gt.shape, xt.shape[0], counts.numel()
-    if gts.stride(0) != 1 or xts.stride(0) != 1:
+    if gts.stride(0) != 1 or xts.stride(0) != 1 or gt.stride(1) != 1 or xt.stride(1) != 1:
         raise ValueError("fp8 wgrad: the column scales must be slot-major (as quantize_cols_grouped stores them)")
+    if gt.stride(0) != width or xt.stride(0) != width:
+        raise ValueError("fp8 wgrad: the operands' rows must be whole slot-aligned rows (row stride T*128)")
     dw = torch.empty(groups, n, kc, dtype=dtype, device=gt.device)
     k.grouped_wgrad_kernel[(groups * (n // block_n) * (kc // 128),)](gt, gts, xt, xts, dw, counts, width, n, kc,
+                                                                     gts.stride(1), xts.stride(1),
                                                                      groups, BN=block_n, BK=128,
                                                                      num_stages_t=num_stages, num_warps=num_warps)
     return dw

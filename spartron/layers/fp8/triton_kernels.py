@@ -61,21 +61,23 @@ def _group_of_slot(slot, counts_ptr, N_GROUPS: tl.constexpr, TILE: tl.constexpr)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, SWIGLU: tl.constexpr,
+def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, SX, POW2: tl.constexpr, SWIGLU: tl.constexpr,
                          BM: tl.constexpr):
     """1x128 tiles of x [M, K] (SWIGLU: of silu(x) * up, each factor rounded to x's dtype as torch's
-    eager silu and mul round them: expf and a correctly rounded division, as CUDA's expf and `/`)."""
+    eager silu and mul round them: expf and a correctly rounded division, as CUDA's expf and `/`).
+    SX: the row stride of x and up (K, or 2K for the gate and up halves of the experts' [M, 2K] w1|w3 output)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     mask = rows[:, None] < M
     offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x_offs = rows[:, None].to(tl.int64) * SX + cols[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     if SWIGLU:
         dtype = x_ptr.dtype.element_ty
         g = x.to(tl.float32)
         silu = _div(g, 1.0 + libdevice.exp(-g)).to(dtype)
-        up = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        up = tl.load(up_ptr + x_offs, mask=mask, other=0.0)
         x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
     x = x.to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), axis=1), POW2)
@@ -84,9 +86,11 @@ def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, POW2: tl.constexpr, 
 
 
 @triton.jit
-def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
+def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, N_OUT, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
     """128x128 blocks of w [G, N, K] -> q [G, N, K] or (TRANSPOSE) q^T [G, K, N], scales [G, N/128, K/128]
-    either way (the caller views them transposed): dgrad's operand without a transposing copy."""
+    either way (the caller views them transposed): dgrad's operand without a transposing copy. N_OUT:
+    the output's N per group (N, or 2N when w is one half of the experts' w1|w3 buffer, q_ptr and s_ptr
+    pointing at that half)."""
     row_block = tl.program_id(0)  # over groups x N/128
     kb = tl.program_id(1)
     rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
@@ -95,14 +99,15 @@ def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANSPOSE: tl.constexpr, P
     w = tl.load(w_ptr + offs).to(tl.float32)
     scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = _cast(w, scale)
+    nblocks = N // 128
+    group = (row_block // nblocks).to(tl.int64)
+    nb = row_block % nblocks
+    n = nb * 128 + tl.arange(0, 128)
     if TRANSPOSE:
-        nblocks = N // 128
-        group = (row_block // nblocks).to(tl.int64)
-        n = (row_block % nblocks) * 128 + tl.arange(0, 128)
-        tl.store(q_ptr + group * N * K + cols[:, None].to(tl.int64) * N + n[None, :], tl.trans(q))
+        tl.store(q_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
     else:
-        tl.store(q_ptr + offs, q)
-    tl.store(s_ptr + row_block * (K // 128) + kb, scale)
+        tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
+    tl.store(s_ptr + (group * (N_OUT // 128) + nb) * (K // 128) + kb, scale)
 
 
 @triton.jit
@@ -158,11 +163,11 @@ def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NO
 
 
 @triton.jit
-def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N, K, N_GROUPS: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, num_stages_t: tl.constexpr):
+def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N, K, SA_SLOT, SB_SLOT,
+                         N_GROUPS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, num_stages_t: tl.constexpr):
     """out[g] = A[:, slots of g] @ B[:, slots of g]^T: A = grad_out^T [N, L], B = x^T [K, L] in the
-    slot-aligned column layout (L = T*128, tokens contiguous), scales slot-major ([T, N] / [T, K] in
-    memory). Every tile is 128-aligned and whole (zeros past a group's count): unmasked, vectorised
+    slot-aligned column layout (L = T*128, tokens contiguous), scales slot-major (slot t of A's row n
+    at t * SA_SLOT + n: SA_SLOT = N, or 2N for one half of the experts' w1|w3 gradient; B's likewise). Every tile is 128-aligned and whole (zeros past a group's count): unmasked, vectorised
     loads, pipelined over the group's slots. A 1-D grid, one group at a time (its column blocks of x^T
     fastest): the CTAs running together read one group's operands, which stay in L2."""
     k_blocks = K // BK
@@ -183,8 +188,8 @@ def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N
         col0 = tl.multiple_of(slot * 128, 128)
         a = tl.load(a_rows + col0)
         b = tl.load(b_rows + col0)
-        sa = tl.load(sa_ptr + slot * N + ns)
-        sb = tl.load(sb_ptr + slot * K + ks)
+        sa = tl.load(sa_ptr + slot * SA_SLOT + ns)
+        sb = tl.load(sb_ptr + slot * SB_SLOT + ks)
         acc += (tl.dot(a, b) * sa[:, None]) * sb[None, :]
     out = out_ptr + g.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty))
