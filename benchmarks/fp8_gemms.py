@@ -4,7 +4,9 @@ GEMMs beside them, so a slow step of benchmarks/fp8_moe.py can be pinned on one 
 
 Per shape (balanced expert counts): quantize_rows (x [rows, dim]), swiglu_quantize_rows (gate, up
 [rows, inter]), quantize_blocks and quantize_blocks_t (w1 [E, inter, dim]), quantize_cols_grouped
-(x); then two GEMM problems, "up" (w1 / w3: K = dim, N = inter) and "down" (w2: K = inter, N = dim),
+(x), quantize_blocks_cat ([w1; w3] into one buffer, as the experts' weight cache fills it); then
+three GEMM problems, "up" (w1 or w3 alone: K = dim, N = inter), "up13" (the experts' one GEMM over
+[w1; w3]: N = 2 inter; its dgrad contracts over 2 inter) and "down" (w2: K = inter, N = dim),
 each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
 [E, N, K], on inputs quantised once before timing. On the triton backend each GEMM kernel is also
 timed at a few configs (fprop / dgrad: BM 128 or 64 rows per slot, warps, pipeline stages; wgrad:
@@ -43,7 +45,8 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
 # (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
 WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
-QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped")
+QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped",
+         "quantize_blocks_cat")
 
 
 def time_ms(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
@@ -126,6 +129,7 @@ def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
         "quantize_blocks_t": (lambda: impl.quantize_blocks_t(w, pow2), w.numel() * 3),
         "quantize_cols_grouped": (lambda: impl.quantize_cols_grouped(x, counts, pow2),
                                   rows * dim * 2 + slots * 128 * dim + slots * dim * 4),
+        "quantize_blocks_cat": (lambda: impl.quantize_blocks_cat((w, w), pow2), 2 * w.numel() * 3),
     }
 
 
@@ -134,14 +138,17 @@ def run_shape(impl, shape: dict, device: torch.device, warmup: int, reps: int, p
     results = {}
     for name, (fn, nbytes) in _quant_cases(impl, shape, device, pow2).items():
         results[name] = _entry(time_ms(fn, device, warmup, reps), nbytes=nbytes)
-    summary = {"fp8_gemms_ms": 0.0, "bf16_gemms_ms": 0.0}
-    for problem, (k, n) in (("up", (shape["dim"], shape["inter"])), ("down", (shape["inter"], shape["dim"]))):
+    summary = {"fp8_gemms_ms": 0.0, "bf16_gemms_ms": 0.0}  # "up" + "down" (one of w1 / w3), as before "up13"
+    problems = (("up", (shape["dim"], shape["inter"])), ("down", (shape["inter"], shape["dim"])),
+                ("up13", (shape["dim"], 2 * shape["inter"])))
+    for problem, (k, n) in problems:
         flops = 2 * shape["rows"] * k * n
         built = _gemm_cases(impl, shape, k, n, device, pow2, sweep)
         for (kind, precision), fn in built["cases"].items():
             entry = _entry(time_ms(fn, device, warmup, reps), flops=flops)
             results[f"{problem}.{kind}.{precision}"] = entry
-            summary[f"{precision}_gemms_ms"] += entry["median_ms"]
+            if problem != "up13":
+                summary[f"{precision}_gemms_ms"] += entry["median_ms"]
         for kind in GEMMS:
             results[f"{problem}.{kind}.speedup"] = (results[f"{problem}.{kind}.bf16"]["median_ms"]
                                                     / results[f"{problem}.{kind}.fp8"]["median_ms"])
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: GEMMs fp8 {s['fp8_gemms_ms']:.3f} vs bf16 {s['bf16_gemms_ms']:.3f} ms ({s['speedup']:.2f}x); "
               + ", ".join(
                   f"{p}.{g} {r[f'{p}.{g}.fp8']['tflops']:.0f}/{r[f'{p}.{g}.bf16']['tflops']:.0f}"
-                  for p in ("up", "down") for g in GEMMS) + " TFLOP/s fp8/bf16; " + ", ".join(
+                  for p in ("up", "down", "up13") for g in GEMMS) + " TFLOP/s fp8/bf16; " + ", ".join(
                   f"{q} {r[q]['median_ms']:.3f} ms" for q in QUANT), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))  # after every shape: a later OOM loses nothing

@@ -7,6 +7,12 @@ dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (d
 2048, 8 local experts, 8k and 32k routed rows) and dsv3-12l on one GPU (dim 2048, moe_inter 1408,
 64 experts, 8192 tokens x top-6). Every timed step is in the JSON.
 
+Modes: "bf16"; "fp8" (model.fp8.weight_cache on, invalidated before every step as the Trainer does
+after each optimizer step: one micro-batch per step, the weights quantised once per step: 6 kernel
+launches, [w1; w3] and w2, each in blocks and transposed blocks); "fp8_nocache" (weight_cache off:
+quantised at every GEMM call); "fp8_mb4" (the cache invalidated every 4th step: 4 micro-batches per
+optimizer step; its `mean_ms` over whole 4-step cycles is the per-micro-batch cost).
+
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
 CPU:  python benchmarks/fp8_moe.py --smoke --out /tmp/fp8_moe.json   (tiny shape, reference backend)
 """
@@ -25,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spartron.layers.config import FP8Config  # noqa: E402
-from spartron.layers.fp8 import apply_fp8, check_backend  # noqa: E402
+from spartron.layers.fp8 import apply_fp8, check_backend, invalidate_weight_caches  # noqa: E402
 from spartron.layers.moe.experts import GroupedExperts  # noqa: E402
 
 SHAPES = {
@@ -34,6 +40,7 @@ SHAPES = {
     "dsv3_12l": dict(dim=2048, inter=1408, experts=64, rows=8192 * 6),
 }
 SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256)}
+MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}  # (weight_cache, micro-batches)
 
 
 def _sync(device: torch.device) -> None:
@@ -46,8 +53,9 @@ def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup
     """Step times (ms) and the peak memory of the timed steps (GiB; None on CPU)."""
     torch.manual_seed(0)
     experts = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
-    if mode == "fp8":
-        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"]))
+    cache, micro = MODES[mode] or ("off", 1)
+    if MODES[mode] is not None:
+        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"], weight_cache=cache))
     counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
@@ -57,6 +65,8 @@ def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup
         if step == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
+        if step % micro == 0:  # an optimizer step before this micro-batch: the weights are new
+            invalidate_weight_caches(experts)
         experts(x, counts).backward(grad)
         _sync(device)
         if step >= warmup:
@@ -89,14 +99,22 @@ def main(argv: list[str] | None = None) -> dict:
     for name, shape in shapes.items():
         run = {"shape": shape}
         flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
-        for mode in ("bf16", "fp8"):
-            times, peak = time_mode(shape, mode, backend, device, warmup, steps)
+        for mode, setting in MODES.items():
+            micro = setting[1] if setting else 1
+            # whole cycles of `micro` steps, warm-up included (a cycle starts with the cache's refresh)
+            times, peak = time_mode(shape, mode, backend, device, -(-warmup // micro) * micro,
+                                    -(-steps // micro) * micro)
             median = sorted(times)[len(times) // 2]
-            run[mode] = {"step_ms": times, "median_ms": median, "tflops": flops / median / 1e9, "peak_gib": peak}
+            run[mode] = {"step_ms": times, "median_ms": median, "mean_ms": sum(times) / len(times),
+                         "tflops": flops / median / 1e9, "peak_gib": peak}
         run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
+        run["speedup_nocache"] = run["bf16"]["median_ms"] / run["fp8_nocache"]["median_ms"]
+        run["speedup_mb4"] = run["bf16"]["mean_ms"] / run["fp8_mb4"]["mean_ms"]
         result["runs"][name] = run
-        print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms, "
-              f"{run['speedup']:.2f}x", flush=True)
+        print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms "
+              f"({run['speedup']:.2f}x), no cache {run['fp8_nocache']['median_ms']:.2f} ms "
+              f"({run['speedup_nocache']:.2f}x), 4 micro-batches a step {run['fp8_mb4']['mean_ms']:.2f} ms mean "
+              f"({run['speedup_mb4']:.2f}x)", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 

@@ -21,5 +21,9 @@ def test_fp8_moe_benchmark_smoke_writes_every_step(tmp_path):
     assert result["backend"] == "reference" and result["device"] == "cpu"
     assert run["shape"] == {"dim": 128, "inter": 128, "experts": 2, "rows": 256}
     assert len(run["bf16"]["step_ms"]) == 2 and len(run["fp8"]["step_ms"]) == 2
+    assert len(run["fp8_nocache"]["step_ms"]) == 2 and len(run["fp8_mb4"]["step_ms"]) == 4  # whole 4-step cycles
     assert run["speedup"] == run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
+    assert run["speedup_nocache"] == run["bf16"]["median_ms"] / run["fp8_nocache"]["median_ms"]
+    assert run["speedup_mb4"] == run["bf16"]["mean_ms"] / run["fp8_mb4"]["mean_ms"]
+    assert run["fp8_mb4"]["mean_ms"] == sum(run["fp8_mb4"]["step_ms"]) / 4
     assert run["fp8"]["peak_gib"] is None  # measured on CUDA only

@@ -23,16 +23,18 @@ def test_fp8_gemms_benchmark_smoke_records_every_primitive(tmp_path):
     assert run["shape"] == {"dim": 256, "inter": 128, "experts": 2, "rows": 256}
     r = run["results"]
     gemms = [f"{p}.{g}.{prec}" for p in ("up", "down") for g in ("fprop", "dgrad", "wgrad") for prec in ("fp8", "bf16")]
-    assert sorted(k for k in r if not k.endswith(".speedup")) == sorted(list(bench.QUANT) + gemms)  # no stage sweep
-    for name in gemms:
+    up13 = [f"up13.{g}.{prec}" for g in ("fprop", "dgrad", "wgrad") for prec in ("fp8", "bf16")]
+    assert sorted(k for k in r if not k.endswith(".speedup")) == sorted(list(bench.QUANT) + gemms + up13)  # no sweep
+    assert "quantize_blocks_cat" in bench.QUANT
+    for name in gemms + up13:
         assert len(r[name]["ms"]) == 2 and r[name]["median_ms"] == sorted(r[name]["ms"])[1]
-        flops = 2 * 256 * 256 * 128  # rows x dim x inter, either problem
+        flops = 2 * 256 * 256 * 128 * (2 if name.startswith("up13") else 1)  # rows x dim x inter (x 2: [w1; w3])
         assert r[name]["tflops"] == flops / r[name]["median_ms"] / 1e9
     assert r["up.wgrad.speedup"] == r["up.wgrad.bf16"]["median_ms"] / r["up.wgrad.fp8"]["median_ms"]
     nbytes = 256 * 256 * 3 + 256 * 256 // 32  # bf16 in, fp8 out, one fp32 scale per 128
     assert r["quantize_rows"]["gbps"] == nbytes / r["quantize_rows"]["median_ms"] / 1e6
     s = run["summary"]
-    assert s["fp8_gemms_ms"] == sum(r[g]["median_ms"] for g in gemms if g.endswith("fp8"))
+    assert s["fp8_gemms_ms"] == sum(r[g]["median_ms"] for g in gemms if g.endswith("fp8"))  # up + down, not up13
     assert s["speedup"] == s["bf16_gemms_ms"] / s["fp8_gemms_ms"]
 
 
