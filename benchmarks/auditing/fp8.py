@@ -1,5 +1,6 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
-divide, a compute dtype FP8 cannot sit in, a GPU backend on a CPU machine, and FP8 beside the other precision
+divide, a compute dtype FP8 cannot sit in, a GPU backend on a CPU machine, weight_cache values (and 'on' with
+train.compile), and FP8 beside the other precision
 and optimizer options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ def cases() -> list[Case]:
                                      'model.fp8.modules=["dense"]'), ("model.fp8.modules",), category="sizes")
     add("gpu-backend-on-cpu", train(*SHAPE, 'model.fp8.backend="triton"'), ("model.fp8.backend",))
     add("scaled-mm-on-cpu", train(*SHAPE, 'model.fp8.backend="torch_scaled_mm"'), ("model.fp8.backend",))
+    add("weight-cache-unknown", train(*FP8, 'model.fp8.weight_cache="always"'), ("model.fp8.weight_cache",))
+    add("weight-cache-bool", train(*FP8, "model.fp8.weight_cache=true"), ("model.fp8.weight_cache",),
+        category="dtypes")
+    add("weight-cache-on-compiled", train(*FP8, 'model.fp8.weight_cache="on"', "train.compile=true"),
+        ("model.fp8.weight_cache", "train.compile"))
     add("plan", plan(*FP8), (), accept_ok=True)
+    add("plan-weight-cache-on", plan(*FP8, 'model.fp8.weight_cache="on"'), (), accept_ok=True)
+    add("step-weight-cache-on", train(*FP8, 'model.fp8.weight_cache="on"'), (), accept_ok=True, timeout=240.0)
     add("step", train(*FP8), (), accept_ok=True, timeout=240.0)
     add("step-master-weights", train(*FP8, 'model.master_dtype="float32"', 'model.master_weights="optimizer"'), (),
         accept_ok=True, timeout=240.0)
