@@ -69,6 +69,10 @@ def cases() -> list[Case]:
         ["cluster.nvlink.bandwidth"])
     add("suggest", ["--world-size", "8", "--suggest", "--gpu-memory-gib", "80"], (), accept_ok=True,
         expect_out="rehearse the first: --set parallel.ep=")
+    add("profile-tiny-8", [*W8, "--steps", "1", "--profile"], (), accept_ok=True, expect_out="profiled step",
+        timeout=400.0, note="one more step under torch.profiler: its ops by time in the table")
+    add("suggest-profile", ["--world-size", "8", "--suggest", "--gpu-memory-gib", "80", "--profile"],
+        ["--profile", "--suggest"], note="a profile of nothing rehearsed is refused, not ignored")
     add("suggest-no-memory", ["--world-size", "8", "--suggest"], ["--gpu-memory-gib"])
     add("suggest-memory-inf", ["--world-size", "8", "--suggest", "--gpu-memory-gib", "inf"], ["--gpu-memory-gib"],
         category="nonfinite")

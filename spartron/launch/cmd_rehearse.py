@@ -45,6 +45,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     if not 1 <= args.world_size <= MAX_REHEARSE_WORLD:
         raise UsageError(f"--world-size must be in [1, {MAX_REHEARSE_WORLD}], got {args.world_size}")
     if args.suggest:
+        if args.profile:
+            raise UsageError("--profile profiles a rehearsed step; --suggest rehearses nothing")
         return cmd_suggest(args)
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")

@@ -51,6 +51,9 @@ def test_suggest_command_prints_the_table_and_refuses_without_memory(capsys):
     out = capsys.readouterr().out
     assert out.startswith("spartron rehearse --suggest: 8 GPUs of 64.0 GiB; compute modelled at 40% MFU")
     assert "rehearse the first: --set parallel.ep=" in out
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "64", "--profile"]) == 2
+    assert capsys.readouterr().err == ("spartron: error: --profile profiles a rehearsed step; --suggest rehearses "
+                                       "nothing\n")
     assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest"]) == 2
     assert capsys.readouterr().err == ("spartron: error: --suggest needs --gpu-memory-gib in (0, 1048576] (the "
                                       "memory of one GPU), got None\n")
