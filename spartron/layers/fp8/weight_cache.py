@@ -9,7 +9,8 @@ When the cache refreshes, and why two rules:
   load_state_dict post-hook on each cached module. This is what makes it correct: the weights
   change only there, and neither rule below can see every write. FSDP2 all-gathers into the same
   unsharded parameter under `_unsafe_preserve_version_counter` (same tensor, same version, new
-  values), and Spartron's TritonAdamW writes parameters from a kernel (no version bump).
+  values; whether its storage moves is the allocator's business), and Spartron's TritonAdamW writes
+  parameters from a kernel (no version bump).
 - by key: an entry remembers each weight's (data_ptr, _version, shape, strides, dtype, device) and
   the recipe (backend, pow2); any difference re-quantises. This catches in-place writes through
   torch ops outside the optimizer (a `copy_`, a test's `add_`) in the non-FSDP case.
