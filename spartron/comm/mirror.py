@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import groupby
 
 import torch
 import torch.distributed as dist
@@ -263,8 +264,10 @@ class MirroredProcessGroup(dist.ProcessGroup):
     def _fill_received(self, out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         """Write into ``out`` the rows every source sends here (module docstring), in source order.
 
-        Filled in place, slice by slice: a mirrored all-to-all of the dispatch rows must cost no more
-        memory than the real one, whose only buffer is ``out`` (a rehearsal must not die of its own copies).
+        Filled in place: a mirrored all-to-all of the dispatch rows must cost no more memory than the real one,
+        whose only buffer is ``out`` (a rehearsal must not die of its own copies), and few kernels, since the
+        rehearsal counts its time as compute: one copy per run of sources with equal counts (balanced routing
+        gives a handful of runs for EP 64, not 64 copies).
         """
         chunks = list(torch.split(x, in_splits)) if in_splits else list(x.chunk(self._size))
         mine = chunks[self._rank]
@@ -277,15 +280,16 @@ class MirroredProcessGroup(dist.ProcessGroup):
         source = mine if mine.shape[0] else x
         rows = out.view(-1, *x.shape[1:])
         start = 0
-        for n in out_splits:
-            part = rows[start:start + n]
+        for n, run in groupby(out_splits):  # sources sending equally many rows: one copy per run, not per source
+            count = len(list(run))
+            parts = rows[start:start + count * n].view(count, n, *x.shape[1:])
             if source.shape[0] == 0:
-                part.zero_()
+                parts.zero_()
             else:
                 for offset in range(0, n, source.shape[0]):  # the source's rows repeated to fill n
                     take = min(source.shape[0], n - offset)
-                    part[offset:offset + take].copy_(source[:take])
-            start += n
+                    parts[:, offset:offset + take].copy_(source[:take].unsqueeze(0).expand(count, *source[:take].shape))
+            start += count * n
 
     def alltoall_base(self, out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int],
                       opts: object = None) -> _Done:  # noqa: ARG002

@@ -92,7 +92,17 @@ def test_balanced_all_to_all_evens_the_counts_and_keeps_totals():
         recv = all_to_all(counts, [2, 2], [2, 2])
         assert recv.tolist() == [4, 1, 3, 0] and recv.sum() == counts.sum()  # slot means (7, 1) / 2, remainder first
         rows = all_to_all(torch.arange(6.0).view(6, 1), [3, 5], [5, 1])
-        assert rows.shape == (8, 1) and torch.isfinite(rows).all()
+        assert rows.flatten().tolist() == [0, 1, 2, 0, 1, 2, 3, 4]  # each source: this rank's own chunk, cut
+
+
+def test_all_to_all_fills_runs_of_equal_sources_cyclically_from_this_ranks_chunk():
+    with mirrored_world(0, 3) as ledger:
+        x = torch.tensor([[1.0, 10.0], [2.0, 20.0]])  # both rows to myself (rank 0)
+        recv = all_to_all(x, [3, 3, 2], [2, 0, 0])
+        assert recv[:, 0].tolist() == [1, 2, 1, 1, 2, 1, 1, 2] and torch.equal(recv[:, 1], 10 * recv[:, 0])
+        empty = all_to_all(x[:0], [2, 2, 0], [0, 0, 0])  # nothing anywhere: zeros of the right shape
+        assert empty.shape == (4, 2) and not empty.any()
+        assert [r.calls for r in ledger.take()] == [2]
 
 
 def test_point_to_point_and_peer_memory_transports_are_refused():
