@@ -4,7 +4,8 @@ GEMMs beside them, so a slow step of benchmarks/fp8_moe.py can be pinned on one 
 
 Per shape (balanced expert counts): quantize_rows (x [rows, dim]), swiglu_quantize_rows (gate, up
 [rows, inter]), quantize_blocks and quantize_blocks_t (w1 [E, inter, dim]), quantize_cols_grouped
-(x), quantize_blocks_cat ([w1; w3] into one buffer, as the experts' weight cache fills it); then
+(x), quantize_blocks_cat ([w1; w3] into one buffer), quantize_blocks_both (w1's blocks and
+transposed blocks from one read, as the experts' weight cache fills itself); then
 three GEMM problems, "up" (w1 or w3 alone: K = dim, N = inter), "up13" (the experts' one GEMM over
 [w1; w3]: N = 2 inter; its dgrad contracts over 2 inter) and "down" (w2: K = inter, N = dim),
 each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
@@ -46,7 +47,7 @@ GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
 # (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
 WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped",
-         "quantize_blocks_cat")
+         "quantize_blocks_cat", "quantize_blocks_both")
 
 
 def time_ms(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
@@ -130,6 +131,7 @@ def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
         "quantize_cols_grouped": (lambda: impl.quantize_cols_grouped(x, counts, pow2),
                                   rows * dim * 2 + slots * 128 * dim + slots * dim * 4),
         "quantize_blocks_cat": (lambda: impl.quantize_blocks_cat((w, w), pow2), 2 * w.numel() * 3),
+        "quantize_blocks_both": (lambda: impl.quantize_blocks_both((w,), pow2), w.numel() * 4),
     }
 
 

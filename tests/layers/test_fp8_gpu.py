@@ -117,7 +117,7 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
 
 @pytest.mark.parametrize("pow2", [True, False])
 def test_triton_concatenated_blocks_and_cached_experts_match(pow2):
-    """quantize_blocks_cat writes each weight's blocks into its rows of one buffer (the reference's
+    """quantize_blocks_cat / _both write each weight's blocks into its rows of one buffer (the reference's
     blocks of the concatenation, bitwise); experts with the weight cache equal them without it bitwise."""
     from spartron.layers.config import FP8Config
     from spartron.layers.fp8 import apply_fp8
@@ -126,9 +126,11 @@ def test_triton_concatenated_blocks_and_cached_experts_match(pow2):
 
     _, w, _ = _inputs(128, seed=2)
     w1, w3 = w[:, :256].contiguous(), w[:, 128:].contiguous() * 3
+    both = tb.quantize_blocks_both((w1, w3), pow2)  # q, s, q^T, s^T from one read of each weight
     for t in (False, True):
         (q, s), (rq, rs) = tb.quantize_blocks_cat((w1, w3), pow2, t), reference.quantize_blocks_cat((w1, w3), pow2, t)
         assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), t
+        assert torch.equal(both[2 * t + 1], rs) and torch.equal(both[2 * t].view(torch.uint8), rq.view(torch.uint8)), t
     grads = []
     for cache in ("on", "off"):
         torch.manual_seed(0)

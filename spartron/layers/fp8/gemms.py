@@ -83,6 +83,6 @@ def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
 
 
 def weight_blocks(impl, w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Tensor]:
-    """The experts' weight cache: [q13, s13, q13^T, s13^T] of [w1; w3] and [q2, s2, q2^T, s2^T] of w2."""
-    return [*impl.quantize_blocks_cat((w1, w3), pow2), *impl.quantize_blocks_cat((w1, w3), pow2, transpose=True),
-            *impl.quantize_blocks(w2, pow2), *impl.quantize_blocks_t(w2, pow2)]
+    """The experts' weight cache: [q13, s13, q13^T, s13^T] of [w1; w3] and [q2, s2, q2^T, s2^T] of w2,
+    blocks and transposed blocks from one read of each weight."""
+    return [*impl.quantize_blocks_both((w1, w3), pow2), *impl.quantize_blocks_both((w2,), pow2)]

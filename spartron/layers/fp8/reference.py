@@ -23,7 +23,7 @@ from spartron.layers.fp8.quant import (
     quantize_rows,
 )
 
-__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped",
+__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped",
            "quantize_rows", "swiglu_quantize_rows", "wgrad"]
 
 
@@ -77,3 +77,8 @@ def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool
     [w1; w3]): every N is a multiple of 128, so no block mixes two weights."""
     w = torch.cat(weights, dim=-2)
     return quantize_blocks_t(w, pow2) if transpose else quantize_blocks(w, pow2)
+
+
+def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor]:
+    """[q, s, q^T, s^T] of the weights concatenated along N (quantize_blocks_cat both ways)."""
+    return [*quantize_blocks_cat(weights, pow2), *quantize_blocks_cat(weights, pow2, transpose=True)]

@@ -48,39 +48,50 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, 
     return q, s
 
 
-def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, transpose: bool) -> tuple[Tensor, Tensor]:
-    """The weights [..., N_i, K] quantised into one buffer concatenated along N (one kernel launch each,
-    each writing its rows of the output: no concatenating copy)."""
+def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: bool) -> list[Tensor]:
+    """The weights [..., N_i, K] quantised into buffers concatenated along N (one kernel launch per
+    weight, each writing its rows of the outputs: no concatenating copy): [q, s] (rows), [q^T, s^T]
+    (cols) or [q, s, q^T, s^T] (both, from one read of each weight; s^T a view of s)."""
     *lead, _, kc = weights[0].shape
-    rows = [w.shape[-2] for w in weights]
-    for n in rows:
+    sizes = [w.shape[-2] for w in weights]
+    for n in sizes:
         check_tiled("weight rows", n)
     check_tiled("weight columns", kc)
-    n_out = sum(rows)
-    q = torch.empty(*lead, *((kc, n_out) if transpose else (n_out, kc)), dtype=FP8, device=weights[0].device)
-    s = torch.empty(*lead, n_out // TILE, kc // TILE, dtype=torch.float32, device=weights[0].device)
+    n_out, device = sum(sizes), weights[0].device
+    q = torch.empty(*lead, n_out, kc, dtype=FP8, device=device) if rows else None
+    qt = torch.empty(*lead, kc, n_out, dtype=FP8, device=device) if cols else None
+    s = torch.empty(*lead, n_out // TILE, kc // TILE, dtype=torch.float32, device=device)
     row0 = 0
-    for w, n in zip(weights, rows, strict=True):
+    for w, n in zip(weights, sizes, strict=True):
         w = w.contiguous()
-        q_part = q[..., :, row0:] if transpose else q[..., row0:, :]  # the kernel indexes from its first element
-        k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, s[..., row0 // TILE:, :], n, kc,
-                                                                         n_out, TRANSPOSE=transpose, POW2=pow2)
+        # each output from this weight's first element on (the kernel indexes from there)
+        q_part = q[..., row0:, :] if rows else None
+        qt_part = qt[..., :, row0:] if cols else None
+        q_part, qt_part = (q_part if rows else qt_part), (qt_part if cols else q_part)  # an unwritten one: the other
+        k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, qt_part, s[..., row0 // TILE:, :],
+                                                                         n, kc, n_out, ROWS=rows, COLS=cols,
+                                                                         POW2=pow2)
         row0 += n
-    return q, (s.transpose(-2, -1) if transpose else s)
+    return ([q, s] if rows else []) + ([qt, s.transpose(-2, -1)] if cols else [])
 
 
 def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    return _quantize_blocks((w,), pow2, transpose=False)
+    return tuple(_quantize_blocks((w,), pow2, rows=True, cols=False))
 
 
 def quantize_blocks_t(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     """q^T [..., K, N] written by the quantisation kernel itself (dgrad's contraction-contiguous operand)."""
-    return _quantize_blocks((w,), pow2, transpose=True)
+    return tuple(_quantize_blocks((w,), pow2, rows=False, cols=True))
 
 
 def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
     """quantize_blocks (or _t) of the weights concatenated along N, without concatenating them."""
-    return _quantize_blocks(weights, pow2, transpose)
+    return tuple(_quantize_blocks(weights, pow2, rows=not transpose, cols=transpose))
+
+
+def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor]:
+    """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once."""
+    return _quantize_blocks(weights, pow2, rows=True, cols=True)
 
 
 def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:

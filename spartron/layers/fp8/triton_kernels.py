@@ -86,11 +86,13 @@ def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, SX, POW2: tl.constex
 
 
 @triton.jit
-def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, N_OUT, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
-    """128x128 blocks of w [G, N, K] -> q [G, N, K] or (TRANSPOSE) q^T [G, K, N], scales [G, N/128, K/128]
-    either way (the caller views them transposed): dgrad's operand without a transposing copy. N_OUT:
-    the output's N per group (N, or 2N when w is one half of the experts' w1|w3 buffer, q_ptr and s_ptr
-    pointing at that half)."""
+def quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, N_OUT, ROWS: tl.constexpr, COLS: tl.constexpr,
+                           POW2: tl.constexpr):
+    """128x128 blocks of w [G, N, K] -> (ROWS) q [G, N, K] and/or (COLS) q^T [G, K, N], scales
+    [G, N/128, K/128] either way (the caller views them transposed for q^T): dgrad's operand without a
+    transposing copy, both from one read of w when both are wanted (the experts' weight cache). N_OUT:
+    the outputs' N per group (N, or 2N when w is one half of the experts' w1|w3 buffers, the pointers
+    at that half)."""
     row_block = tl.program_id(0)  # over groups x N/128
     kb = tl.program_id(1)
     rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
@@ -103,9 +105,9 @@ def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, N_OUT, TRANSPOSE: tl.const
     group = (row_block // nblocks).to(tl.int64)
     nb = row_block % nblocks
     n = nb * 128 + tl.arange(0, 128)
-    if TRANSPOSE:
-        tl.store(q_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
-    else:
+    if COLS:
+        tl.store(qt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
+    if ROWS:
         tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
     tl.store(s_ptr + (group * (N_OUT // 128) + nb) * (K // 128) + kb, scale)
 
