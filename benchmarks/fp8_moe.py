@@ -8,9 +8,9 @@ dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (d
 64 experts, 8192 tokens x top-6). Every timed step is in the JSON.
 
 Modes: "bf16"; "fp8" (model.fp8.weight_cache on, invalidated before every step as the Trainer does
-after each optimizer step: one micro-batch per step, the weights quantised once per step: 6 kernel
-launches, [w1; w3] and w2, each in blocks and transposed blocks); "fp8_nocache" (weight_cache off:
-quantised at every GEMM call); "fp8_mb4" (the cache invalidated every 4th step: 4 micro-batches per
+after each optimizer step: one micro-batch per step, the weights quantised once per step: 3 kernel
+launches, w1 and w3 into [w1; w3] and w2, blocks and transposed blocks from one read); "fp8_nocache"
+(weight_cache off: quantised at every GEMM call, 6 launches); "fp8_mb4" (the cache invalidated every 4th step: 4 micro-batches per
 optimizer step; its `mean_ms` over whole 4-step cycles is the per-micro-batch cost).
 
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
