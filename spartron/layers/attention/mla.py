@@ -164,7 +164,8 @@ class MLA(nn.Module):
             if positions.dtype != torch.int64 or positions.shape != (x.shape[1],):
                 raise ValueError(f"MLA expects positions int64 [{x.shape[1]}], got {positions.dtype} "
                                  f"{tuple(positions.shape)}")
-            check_local_positions(positions, self.cp_group)
+            if not torch.compiler.is_compiling():  # its torch.equal is data-dependent: a compiled region (fed
+                check_local_positions(positions, self.cp_group)  # by the model's own cp_positions) skips it
         if ids is None:
             if self.dsa_role == "consumer":
                 raise ValueError(f"layer {self.layer_idx} is a DSA consumer: pass the source layer's "

@@ -132,6 +132,23 @@ def test_cp_rejects_positions_that_are_not_the_balanced_shard():
     assert all("must hold positions" in m for m in messages)
 
 
+def _compiled_layer_under_cp(rank, world):
+    """A compiled region (fullgraph, as train.compile traces a block) over MLA with a CP group: the position
+    check's torch.equal is data-dependent, so it runs only eagerly; the compiled forward equals eager."""
+    from spartron.layers.attention.context_parallel import cp_positions
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    layer = MLA(_cfg(None), 0, cp_group=group)
+    x, positions = torch.randn(1, 4, 16), cp_positions(4 * world, group)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    return torch.equal(compiled(x, positions)["hidden_states"], layer(x, positions)["hidden_states"])
+
+
+def test_a_compiled_mla_under_cp_traces_and_equals_eager():
+    assert run_distributed(_compiled_layer_under_cp, 2, timeout=120) == [True, True]
+
+
 def test_group_wrappers_are_identity_without_cp():
     from spartron.layers.attention.context_parallel import cp_positions, cp_shard
 
