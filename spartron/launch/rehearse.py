@@ -40,8 +40,17 @@ class Segment:
     records: list[CollectiveRecord] = field(default_factory=list)
 
 
-def check_rehearsable(cfg: RunConfig) -> None:
-    """Refuse, naming the key, what a mirrored rank cannot run: peer-memory token exchanges."""
+COMPILED_REHEARSAL_TORCH = (2, 13)  # the first torch whose dynamo traces a mirrored (Python) process group
+
+
+def check_rehearsable(cfg: RunConfig, torch_version: str = torch.__version__) -> None:
+    """Refuse, naming the key, what a mirrored rank cannot run: peer-memory token exchanges, and compiled
+    blocks on a torch whose dynamo cannot query a Python process group (size, rank) inside a graph."""
+    if cfg.train.compile and torch.torch_version.TorchVersion(torch_version) < COMPILED_REHEARSAL_TORCH:
+        need = ".".join(map(str, COMPILED_REHEARSAL_TORCH))
+        raise ConfigError(f"train.compile = true cannot be rehearsed on torch {torch_version}: its dynamo cannot "
+                          f"trace the mirrored process group's size/rank in a compiled block (torch >= {need} "
+                          "can); rehearse with --set train.compile=false")
     moe = cfg.model.moe
     if moe.dispatcher == "deepep":
         raise ConfigError("model.moe.dispatcher = 'deepep' cannot be rehearsed: DeepEP's buffers map peer GPUs' "

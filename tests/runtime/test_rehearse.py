@@ -73,6 +73,18 @@ def test_profiled_rehearsal_lists_the_ops_of_one_more_step_and_reports_only_the_
     assert build_report(run_rehearsal(cfg, 8, 3, 1, balanced=True), ClusterConfig())["kernels"] is None
 
 
+def test_compiled_rehearsal_is_refused_on_a_torch_whose_dynamo_cannot_trace_the_mirror():
+    from spartron.launch.rehearse import check_rehearsable
+
+    cfg = load_config(TINY, [*WORLD8, "train.compile=true"])
+    with pytest.raises(ConfigError, match=r"^train.compile = true cannot be rehearsed on torch 2.11.0\+cu130: its "
+                                          r"dynamo cannot trace .* \(torch >= 2.13 can\); rehearse with --set "
+                                          r"train.compile=false$"):
+        check_rehearsable(cfg, "2.11.0+cu130")
+    check_rehearsable(cfg, "2.13.0")  # compiled rehearsals run there (the tiny rank of 8, CP 1 and 2, on CPU)
+    check_rehearsable(load_config(TINY, WORLD8), "2.11.0")  # eager rehearsals run on any supported torch
+
+
 def test_link_table_classes_and_factors():
     c = ClusterConfig(nvlink=LinkConfig(busbw_gbps=100.0, latency_us=0.0),
                       network=LinkConfig(busbw_gbps=10.0, latency_us=0.0),
