@@ -112,7 +112,11 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
         assert torch.equal(results["fused"][i], results["w13"][i]), name
         if name != "dx":
             assert torch.equal(results["fused"][i], results["unfused"][i]), name
-    torch.testing.assert_close(results["fused"][1], results["unfused"][1], rtol=2 ** -7, atol=0)
+    # one contraction over 2I (FP8 MMA, fp32, rounded once) against two bf16 results added: where dx1 and dx3
+    # cancel, the difference is a rounding of the TERMS, not of their sum (the H100: one bf16 ulp at the
+    # largest gradient), so the bound is relative to the gradient's scale
+    unfused = results["unfused"][1]
+    torch.testing.assert_close(results["fused"][1], unfused, rtol=0, atol=2 ** -7 * unfused.abs().max().item())
 
 
 @pytest.mark.parametrize("pow2", [True, False])
