@@ -10,7 +10,8 @@ dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (d
 Modes: "bf16"; "fp8" (model.fp8.weight_cache on, invalidated before every step as the Trainer does
 after each optimizer step: one micro-batch per step, the weights quantised once per step: 3 kernel
 launches, w1 and w3 into [w1; w3] and w2, blocks and transposed blocks from one read); "fp8_nocache"
-(weight_cache off: quantised at every GEMM call, 6 launches); "fp8_mb4" (the cache invalidated every 4th step: 4 micro-batches per
+(weight_cache off: quantised at every GEMM call, 6 launches); "fp8_mb4" (the cache invalidated every 4th step: 4
+micro-batches per
 optimizer step; its `mean_ms` over whole 4-step cycles is the per-micro-batch cost).
 
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
@@ -40,7 +41,8 @@ SHAPES = {
     "dsv3_12l": dict(dim=2048, inter=1408, experts=64, rows=8192 * 6),
 }
 SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256)}
-MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}  # (weight_cache, micro-batches)
+# mode: (model.fp8.weight_cache, micro-batches per optimizer step)
+MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}
 
 
 def _sync(device: torch.device) -> None:

@@ -95,7 +95,8 @@ def _doc_mask(d: dict) -> str:
 
 
 def _rehearse(d: dict) -> str:
-    return "; ".join(f"{e['case']} N={e['world_size']} seq {e['seq_len']}: planner {e['planner_peak_bytes'] / 2**30:.1f} GiB, "
+    return "; ".join(f"{e['case']} N={e['world_size']} seq {e['seq_len']}: "
+                     f"planner {e['planner_peak_bytes'] / 2**30:.1f} GiB, "
                      + (f"measured {e['measured_peak_allocated_bytes'] / 2**30:.1f} GiB, "
                         f"{e['tokens_per_s_per_gpu']:.0f} tokens/s/GPU" if e.get("rehearsed") else "not rehearsed")
                      for e in d["entries"])

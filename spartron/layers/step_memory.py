@@ -14,7 +14,6 @@ from spartron.comm.deepep_buffer import nvl_buffer_bytes
 from spartron.layers.attention.dsa import dsa_schedule
 from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_rows
 from spartron.layers.config import ModelConfig, master_layout_refusal
-from spartron.layers.fp8.apply import weight_cache_on
 from spartron.layers.costs import (
     PARAM_BYTES,
     is_routed_expert,
@@ -24,6 +23,7 @@ from spartron.layers.costs import (
     param_shards,
     state_bytes_per_rank,
 )
+from spartron.layers.fp8.apply import weight_cache_on
 from spartron.parallel.dims import ParallelDims
 
 

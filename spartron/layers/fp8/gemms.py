@@ -10,7 +10,8 @@ dgrad; x quantised once); `swiglu_*` run w2 on silu(gate) * up quantised where i
 recompute that product in backward instead of keeping it. They equal the unfused sequence bitwise
 (the same quantised values reach the same GEMMs: 1x128 / 128x128 / 128x1 tiles never straddle the
 w1 | w3 boundary, I being a multiple of 128) except dx of the pair: one fp32 contraction over 2I
-rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/layers/test_fp8_fused.py). The experts' sequences take their weights' quantisation from
+rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/layers/test_fp8_fused.py). The experts'
+sequences take their weights' quantisation from
 the weight cache when it is on (`cached`: weight_blocks' list; spartron.layers.fp8.weight_cache).
 """
 

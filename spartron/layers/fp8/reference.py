@@ -23,8 +23,8 @@ from spartron.layers.fp8.quant import (
     quantize_rows,
 )
 
-__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped",
-           "quantize_rows", "swiglu_quantize_rows", "wgrad"]
+__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
+           "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows", "wgrad"]
 
 
 def _segments(counts: Tensor, rows: int) -> list[tuple[int, int]]:

@@ -169,7 +169,8 @@ def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, L, N
                          N_GROUPS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, num_stages_t: tl.constexpr):
     """out[g] = A[:, slots of g] @ B[:, slots of g]^T: A = grad_out^T [N, L], B = x^T [K, L] in the
     slot-aligned column layout (L = T*128, tokens contiguous), scales slot-major (slot t of A's row n
-    at t * SA_SLOT + n: SA_SLOT = N, or 2N for one half of the experts' w1|w3 gradient; B's likewise). Every tile is 128-aligned and whole (zeros past a group's count): unmasked, vectorised
+    at t * SA_SLOT + n: SA_SLOT = N, or 2N for one half of the experts' w1|w3 gradient; B's likewise). Every tile is
+    128-aligned and whole (zeros past a group's count): unmasked, vectorised
     loads, pipelined over the group's slots. A 1-D grid, one group at a time (its column blocks of x^T
     fastest): the CTAs running together read one group's operands, which stay in L2."""
     k_blocks = K // BK
