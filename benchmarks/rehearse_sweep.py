@@ -70,6 +70,7 @@ def entry(name: str, config: str, world: int, overrides: list[str], seq_len: int
             "parameter_bytes": report["planner"]["measured_parameter_bytes"], "compute_s": h["compute_s"],
             "comm": h["comm"], "step_s": {k: h[k]["seconds"] for k in ("compute_only", "headline", "no_overlap")},
             "tokens_per_s_per_gpu": h["headline"]["tokens_per_s_per_gpu"], "mfu": h["headline"]["mfu"],
+            "mfu_compute_only": h["compute_only"]["mfu"],
             "micro_batches": report["micro_batches"], "setup_s": report["setup_s"],
             **({"kernels": report["kernels"]} if profile else {})}
 

@@ -128,7 +128,7 @@ def render(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(record=True, width=120, file=io.StringIO())  # recorded, returned as text
+    console = Console(record=True, width=132, file=io.StringIO())  # recorded, returned as text
     h, p = report["headline"], report["planner"]
     console.print(f"spartron rehearse: {report['config']} rank {report['rank']} of {report['world_size']} "
                   f"({report['layout']}) on {report['device']}; routing: {report['routing']}; "
@@ -136,14 +136,14 @@ def render(report: dict[str, Any]) -> str:
                   f"run per step; set-up {report['setup_s']:.1f} s")
     steps = Table(title="per step (compute and memory measured, communication modelled)")
     for col in ("step", "loss", "compute s", "peak alloc", "peak reserved", "comm s", "step s (headline)",
-                "step s (no overlap)", "tok/s/GPU", "MFU"):
+                "step s (no overlap)", "tok/s/GPU", "MFU", "MFU (compute)"):
         steps.add_column(col, justify="right")
     for s in report["steps"]:
         comm = sum(c["seconds"] for c in s["comm"].values())
         steps.add_row(str(s["step"]), f"{s['loss']:.4f}", f"{s['compute_s']:.3f}", _gb(s["peak_allocated_bytes"]),
                       _gb(s["peak_reserved_bytes"]), f"{comm:.3f}", f"{s['headline']['seconds']:.3f}",
                       f"{s['no_overlap']['seconds']:.3f}", f"{s['headline']['tokens_per_s_per_gpu']:.1f}",
-                      f"{100 * s['headline']['mfu']:.1f}%")
+                      f"{100 * s['headline']['mfu']:.1f}%", f"{100 * s['compute_only']['mfu']:.1f}%")
     console.print(steps)
     hidden = ", ".join(report["overlaps_in_headline"])
     comm = Table(title=f"communication per step (last step; hidden under compute in the headline: {hidden})")

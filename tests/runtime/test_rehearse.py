@@ -53,8 +53,10 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     assert head["no_overlap"]["seconds"] == pytest.approx(head["compute_s"] + comm)
     assert head["headline"]["seconds"] == pytest.approx(max(head["compute_s"], head["comm"]["fsdp"]["seconds"])
                                                         + comm - head["comm"]["fsdp"]["seconds"])
+    assert head["compute_only"]["mfu"] == pytest.approx(head["headline"]["mfu"] * head["headline"]["seconds"]
+                                                        / head["compute_s"])
     text = render(report)
-    assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text
+    assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text and "(compute)" in text
 
 
 def test_profiled_rehearsal_lists_the_ops_of_one_more_step_and_reports_only_the_rehearsed_ones():
