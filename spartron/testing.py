@@ -38,6 +38,10 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        # every pair connected before any rank can fail and close its side: a peer still connecting would
+        # report gloo's 'Connection closed by peer' instead of its own error (a test asserting every rank's
+        # message saw 3 of 4)
+        dist.barrier()
         payload = fn(rank, world_size, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         status, payload = "error", traceback.format_exc()
