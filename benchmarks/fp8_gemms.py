@@ -24,12 +24,14 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import elapsed_ms  # noqa: E402
 
 from spartron.layers.fp8 import check_backend  # noqa: E402
 from spartron.layers.fp8.ops import backend_impl  # noqa: E402
@@ -51,24 +53,15 @@ QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_b
 
 
 def time_ms(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
-    """Each rep's time in ms; on CUDA by events around the call alone, L2 flushed before it."""
+    """Each rep's time in ms (common.elapsed_ms of one call: CUDA events around it), L2 flushed before it."""
     for _ in range(warmup):
         fn()
-    times = []
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    times = []
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(elapsed_ms(fn, 1, device))
     return times
 
 

@@ -134,9 +134,11 @@ def _kernel_table(prof: Any, device: torch.device) -> dict[str, Any]:
             "what": "CUDA kernels" if on_cuda else "CPU ops (self time)"}
 
 
-def _profiled_step(trainer: Any, StepProbe: type) -> dict[str, Any]:
+def _profiled_step(trainer: Any) -> dict[str, Any]:
     """One more step under torch.profiler (not a reported step: profiling slows it)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from spartron.runtime.trainer import StepProbe
 
     on_cuda = trainer.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]) as prof:
@@ -170,7 +172,7 @@ def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: b
                 marks = _Marks(ledger, trainer.device)
                 record = trainer.step(StepProbe(on_phase=marks))
                 out_steps.append({"record": record, "segments": marks.segments})
-            kernels = _profiled_step(trainer, StepProbe) if profile else None
+            kernels = _profiled_step(trainer) if profile else None
             param_bytes = local_parameter_bytes(trainer.model)
             peak_flops, flops_per_token = trainer.peak_flops, trainer.flops_per_token
             trainer.close()
