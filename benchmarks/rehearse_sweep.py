@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler (kernels)")
     p.add_argument("--commit", default=None, help="the commit measured (default: this checkout's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for every case (e.g. a smaller train.global_batch_size: fewer micro-batches a "
+                        "step, the same per-micro-batch shapes and peak)")
     args = p.parse_args(argv)
     import torch
 
@@ -149,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
-            e = entry(name, config, world, overrides, seq, device_bytes, args.steps, args.routing == "balanced",
-                      args.profile)
+            e = entry(name, config, world, [*overrides, *args.set], seq, device_bytes, args.steps,
+                      args.routing == "balanced", args.profile)
             e.update(commit=commit, torch=torch.__version__)
             entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
