@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # What was set so torchtitan computes DeepSeek-V3's function as Spartron does, and what stays different.
 DIFFERENCES = {
@@ -245,10 +246,23 @@ def run(cfg, case_dir: Path, hf_dir: Path, precision: str, data_seed: int, steps
     """Train torchtitan from its saved step (or the initial weights) to `steps_to` on Spartron's data with the
     data-order seed `data_seed`; each step's record (and val_loss every train.eval_every) appended to
     case_dir/metrics.jsonl, the state saved at the end."""
+    case_dir.mkdir(parents=True, exist_ok=True)
+    own = not dist.is_initialized()
+    if own:  # torchtitan's expert-bias hook builds its device mesh, which needs a process group: one rank, in memory
+        dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    try:
+        train_titan(cfg, case_dir, hf_dir, precision, data_seed, steps_to, ac)
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def train_titan(cfg, case_dir: Path, hf_dir: Path, precision: str, data_seed: int, steps_to: int, ac: str) -> None:  # noqa: ANN001
+    """run()'s body, inside a process group."""
     from spartron.runtime.data import build_eval_loader, build_train_loader
     from spartron.runtime.optim import lr_at
 
-    case_dir.mkdir(parents=True, exist_ok=True)
     t = cfg.train
     seeded = cfg.model_copy(update={"train": t.model_copy(update={"seed": data_seed})})
     case = TitanCase(cfg, case_dir, hf_dir, precision, t.compile, ac)

@@ -7,7 +7,8 @@ weights, the same data in the same order, the same schedule, at a DeepSeek-V3-li
     python benchmarks/convergence.py --smoke --out /tmp/c.json               # CPU, tiny, seconds
 
 Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron's order (train.seed);
-titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band.
+titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band;
+spartron-fp8 (blockwise FP8 with fp32 masters, GPU only) against spartron-bf16 within DeepSeek's < 0.25% gap.
 Everything lives under --root (default runs/converge): the corpus, tokenizer and token folder
 (converge_corpus.py), the initial weights (init-hf/, from Spartron's initialisation at train.seed) and one
 folder per case. A case resumes from its last saved step: Spartron from its run directory (train.resume),
@@ -35,8 +36,10 @@ import converge_titan  # noqa: E402
 
 CASES = {name: (side, precision, seed) for precision in ("bf16", "fp32") for name, side, seed in (
     (f"spartron-{precision}", "spartron", 0), (f"titan-{precision}", "torchtitan", 0),
-    (f"titan-{precision}-seed1", "torchtitan", 1))}
-PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16"', 'model.master_dtype="float32"']}
+    (f"titan-{precision}-seed1", "torchtitan", 1))} | {"spartron-fp8": ("spartron", "fp8", 0)}
+PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16"', 'model.master_dtype="float32"'],
+             "fp8": ['model.dtype="bfloat16"', 'model.master_dtype="float32"', 'model.fp8.backend="triton"']}
+FP8_GAP = 0.0025  # DeepSeek-V3's reported FP8-vs-bf16 relative loss gap: below 0.25%
 AC = {"selective": "selective", "full": "full", "none": "none"}  # Spartron ac.mode -> torchtitan's mode
 # --smoke: the DeepSeek-V3 architecture at the tiny preset's sizes, on CPU, 4 steps
 SMOKE = ["device=cpu", "model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
@@ -173,6 +176,24 @@ def band(ours: dict[int, float], ref: dict[int, float], other: dict[int, float])
             "within_noise_band": rms(diff) <= rms(noise)}
 
 
+def fp8_gap(fp8: dict, bf16: dict, width: int) -> dict:
+    """FP8 against Spartron's bf16 curve: the relative difference of the training-loss window means over the
+    second half of the run, and of the validation losses there, against DeepSeek's < 0.25% (FP8_GAP)."""
+    if "not run" in (fp8["status"], bf16["status"]):
+        return {"status": "not compared: " + ", ".join(n for n, c in (("spartron-fp8", fp8), ("spartron-bf16", bf16))
+                                                        if c["status"] == "not run") + " not run"}
+    out = {"limit_relative": FP8_GAP}
+    for key, (a, b) in {"train_loss_windows": (window_means(fp8, width or 50), window_means(bf16, width or 50)),
+                        "val_loss": (dict(zip(fp8["val_steps"], fp8["val_loss"], strict=True)),
+                                     dict(zip(bf16["val_steps"], bf16["val_loss"], strict=True)))}.items():
+        common = sorted(set(a) & set(b))
+        tail = common[len(common) // 2:]
+        rel = [(a[s] - b[s]) / b[s] for s in tail]
+        out[key] = {"points": tail, "relative": rel, "mean_relative": sum(rel) / len(rel) if rel else None,
+                    "within": bool(rel) and abs(sum(rel) / len(rel)) < FP8_GAP}
+    return out
+
+
 def report(args: argparse.Namespace) -> dict:
     cfg = load_run_config(args)
     corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
@@ -189,9 +210,11 @@ def report(args: argparse.Namespace) -> dict:
             out["cases"][name] = {"side": side, "precision": precision, "status": "not run"}
             continue
         c = curves(case_dir, side)
-        done = "complete" if c["steps"] and c["steps"][-1] >= t.steps else f"partial (to step {c['steps'][-1]})"
+        last = c["steps"][-1] if c["steps"] else 0
+        done = "complete" if last >= t.steps else f"partial (to step {last})"
         out["cases"][name] = {"side": side, "precision": precision, "data_seed": t.seed + seed, "status": done, **c}
-    for precision in PRECISION:
+    out["comparisons"]["fp8"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-bf16"], t.eval_every)
+    for precision in ("bf16", "fp32"):
         names = [f"spartron-{precision}", f"titan-{precision}", f"titan-{precision}-seed1"]
         cases = [out["cases"][n] for n in names]
         if any(c["status"] == "not run" for c in cases):
@@ -226,7 +249,8 @@ def plot(out: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(PRECISION), figsize=(6 * len(PRECISION), 8), squeeze=False)
     for col, precision in enumerate(PRECISION):
         for name, case in out["cases"].items():
-            if case["precision"] != precision or case["status"] == "not run":
+            beside = precision == "fp8" and name == "spartron-bf16"  # FP8 is compared with Spartron's bf16 curve
+            if (case["precision"] != precision and not beside) or case["status"] == "not run":
                 continue
             means = window_means(case, out["eval_every"] or 1)
             axes[0][col].plot(list(means), list(means.values()), label=name)
@@ -259,7 +283,7 @@ def main() -> int:
     args.out = args.out or args.root / "convergence.json"
     if args.smoke:
         args.max_bytes = min(args.max_bytes, 1_000_000)
-        args.case = args.case or [n for n, (side, _, _) in CASES.items() if side == "spartron"]
+        args.case = args.case or [n for n, (side, p, _) in CASES.items() if side == "spartron" and p != "fp8"]
         args.report = True
     if not args.case and not args.report:
         parser.error("give --case NAME (repeatable), --report or --smoke")

@@ -141,6 +141,25 @@ def test_noise_band_and_windows():
     assert convergence.band({3: 3.0}, {3: 3.5}, {3: 3.4})["within_noise_band"] is False
 
 
+def test_fp8_gap_is_the_mean_relative_difference_over_the_second_half():
+    def case(losses, val):
+        steps = list(range(1, len(losses) + 1))
+        return {"status": "complete", "steps": steps, "loss": losses, "val_steps": [2, 4, 6, 8],
+                "val_loss": val}
+
+    bf16 = case([4.0] * 8, [4.0, 3.0, 2.0, 2.0])
+    fp8 = case([4.0] * 4 + [4.004] * 4, [4.0, 3.0, 2.0, 2.012])
+    gap = convergence.fp8_gap(fp8, bf16, width=2)
+    assert gap["train_loss_windows"]["points"] == [6, 8]  # window ends 2, 4, 6, 8: the second half
+    assert gap["train_loss_windows"]["mean_relative"] == pytest.approx(0.001)
+    assert gap["train_loss_windows"]["within"] is True
+    assert gap["val_loss"]["relative"] == pytest.approx([0.0, 0.006])
+    assert gap["val_loss"]["mean_relative"] == pytest.approx(0.003)
+    assert gap["val_loss"]["within"] is False  # 0.3%: above DeepSeek's 0.25%
+    missing = convergence.fp8_gap({"status": "not run"}, bf16, width=2)
+    assert missing == {"status": "not compared: spartron-fp8 not run"}
+
+
 def test_plateau_rule():
     assert dsa_stages.plateau([0.1, 0.2, 0.3], 2, 0.01) is False  # fewer than two windows
     assert dsa_stages.plateau([0.1, 0.2, 0.30, 0.31], 2, 0.01) is False  # gained 0.155
