@@ -37,6 +37,7 @@ from spartron.interop.hf import (
 )
 from spartron.interop.hf.convert import ModelSource
 from spartron.interop.hf.names import tensor_map
+from spartron.layers.config import FP8Config
 from spartron.layers.decoder import run_decoder_stack
 from spartron.layers.model import build_model
 from spartron.layers.mtp import shift_left
@@ -579,6 +580,8 @@ def test_a_run_config_that_computes_another_function_than_the_checkpoint_is_name
                                  "mla": cfg.mla.model_copy(update={"yarn": None})})
     check_config_matches(run.model_copy(update={"moe": cfg.moe.model_copy(update={"dispatcher": "deepep"}),
                                                 "mla": cfg.mla}), cfg)
+    # FP8 GEMMs and DSA's chunking are how the same function is computed: an FP8 run starts from bf16 HF weights
+    check_config_matches(cfg.model_copy(update={"fp8": FP8Config(backend="reference"), "master_dtype": "float32"}), cfg)
     with pytest.raises(HFConfigError) as err:
         check_config_matches(run, cfg)
     assert str(err.value) == (

@@ -247,6 +247,7 @@ SPARTRON_ONLY_KEYS = frozenset({
     "moe.aux_loss_coeff",
     "moe.aux_loss_type", "moe.dispatcher", "moe.all_to_all_transport", "moe.copy_engine_sync", "moe.deepep_num_sms",
     "moe.grouped_mm", "mtp.share_weights", "mtp.loss_scale", "dsa.indexer_mode", "dsa.indexer_loss_coeff",
+    "fp8", "dsa.indexer_fp8", "dsa.deterministic_dkv", "dsa.kl_dense_chunk", "dsa.attention_chunk",
 })
 
 
