@@ -199,7 +199,13 @@ def report(args: argparse.Namespace) -> dict:
     corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
     t = cfg.train
     tokens_read = t.steps * t.global_batch_size * t.seq_len
-    out = {"benchmark": "convergence", "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
+    import torch
+
+    from spartron.runtime.metrics import git_commit
+
+    out = {"benchmark": "convergence", "commit": args.commit or git_commit(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
            "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode, "compile": t.compile,
            "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
            "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
@@ -275,6 +281,7 @@ def main() -> int:
     parser.add_argument("--max-bytes", type=int, default=128 << 20, help="corpus text at most (bytes)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--out", type=Path, default=None, help="the report's JSON (default ROOT/convergence.json)")
+    parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the Spartron cases, then --report")
     args = parser.parse_args()
     if args.steps_to is not None and args.steps_to < 1:

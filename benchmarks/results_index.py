@@ -138,6 +138,13 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
         f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
         for name, r in d["runs"].items()),
     "rehearse_sweep": _rehearse,
+    "convergence": lambda d: "; ".join(
+        f"{p}: " + (c["status"] if "status" in c else
+                    f"val diff rms {c['val_loss']['diff_rms']:.4f} vs noise {c['val_loss']['noise_rms']:.4f}"
+                    if "diff_rms" in c["val_loss"] else
+                    f"train {c['train_loss_windows']['mean_relative']:+.2%}, val {c['val_loss']['mean_relative']:+.2%} "
+                    f"vs bf16")
+        for p, c in d["comparisons"].items()),
     "e2e": _e2e,
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "
                                    f"logged value: {d['eval_equals_logged']}"),
