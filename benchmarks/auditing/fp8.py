@@ -1,11 +1,11 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
 divide, a compute dtype FP8 cannot sit in, a GPU backend on a CPU machine, weight_cache values (and 'on' with
-train.compile), and FP8 beside the other precision
-and optimizer options (`spartron train` and `spartron plan`)."""
+train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank that does), and FP8
+beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 
-from benchmarks.auditing.core import Case, plan, train
+from benchmarks.auditing.core import Case, plan, sets, train
 
 SHAPE = ('model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256")
 FP8 = (*SHAPE, 'model.fp8.backend="reference"')
@@ -44,6 +44,20 @@ def cases() -> list[Case]:
         category="dtypes")
     add("weight-cache-on-compiled", train(*FP8, 'model.fp8.weight_cache="on"', "train.compile=true"),
         ("model.fp8.weight_cache", "train.compile"))
+    add("dispatch-one-ep-rank", train(*FP8, "model.fp8.dispatch=true"), ("model.fp8.dispatch", "parallel.ep"))
+    add("dispatch-string", train(*FP8, 'model.fp8.dispatch="yes"'), ("model.fp8.dispatch",), category="dtypes")
+    add("dispatch-copy-engine", train(*FP8, "model.fp8.dispatch=true", "parallel.ep=2",
+                                      'model.moe.all_to_all_transport="copy_engine"'),
+        ("model.fp8.dispatch", "all_to_all_transport"))
+    add("dispatch-not-pow2", train(*FP8, "model.fp8.dispatch=true", "model.fp8.power_of_two_scales=false"),
+        ("model.fp8.dispatch", "model.fp8.power_of_two_scales"))
+    add("dispatch-dense-only", train(*FP8, "model.fp8.dispatch=true", 'model.fp8.modules=["dense"]'),
+        ("model.fp8.dispatch", "model.fp8.modules"))
+    out.append(Case("fp8-dispatch-rehearse-ep2", "config",
+                    ["rehearse", "{tiny}", "--world-size", "4", "--steps", "1",
+                     *sets(*FP8, "model.fp8.dispatch=true", "parallel.ep=2", "train.global_batch_size=4",
+                           "train.peak_tflops=1.0")],
+                    (), category="values", timeout=240.0, accept_ok=True))
     add("plan", plan(*FP8), (), accept_ok=True)
     add("plan-weight-cache-on", plan(*FP8, 'model.fp8.weight_cache="on"'), (), accept_ok=True)
     add("step-weight-cache-on", train(*FP8, 'model.fp8.weight_cache="on"'), (), accept_ok=True, timeout=240.0)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from spartron.launch.rehearse_report import HGX_GPUS
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
+from spartron.layers.fp8.wire import wire_row_bytes
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, config_from_dict
 from spartron.runtime.linktable import ClusterConfig, collective_time
@@ -100,7 +101,10 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
     blocks = m.n_layers + m.mtp.depth + 1
     a2a_passes = 4 + 2 * replay  # dispatch + combine, forward and backward, the forward again under AC
-    a2a_bytes = tokens * m.moe.top_k * m.dim * width
+    dispatch_passes = 1 + replay  # the forward dispatches: FP8 rows with model.fp8.dispatch, the rest model.dtype
+    row = m.dim * width
+    wire = wire_row_bytes(m.dim) if m.fp8 is not None and m.fp8.dispatch else row
+    a2a_bytes = tokens * m.moe.top_k * ((a2a_passes - dispatch_passes) * row + dispatch_passes * wire) / a2a_passes
     kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
     a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + replay) * n_micro * m.n_layers
 

@@ -159,13 +159,18 @@ class FP8Config(ConfigSection):
     power of two (exact rescaling; TransformerEngine's default for this recipe). `weight_cache`: the
     routed experts' weights quantised once per optimizer step instead of at every GEMM call
     (spartron.layers.fp8.weight_cache; 2 bytes a local expert weight element more); "auto": on where
-    every rank holds its experts whole (expert_fsdp = 1) and the blocks are not compiled. See docs/FP8.md."""
+    every rank holds its experts whole (expert_fsdp = 1) and the blocks are not compiled. `dispatch`: the
+    MoE all-to-all sends the routed rows as E4M3 with their 1x128 scales (spartron.layers.fp8.wire: 0.52x
+    the bf16 bytes at dim 7168), as DeepSeek-V3 dispatches; the gradients go back in model.dtype. Needs
+    "experts", power-of-two scales (the experts' own quantisation of the received rows then gives the sent
+    FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank. See docs/FP8.md."""
 
     recipe: Literal["blockwise"] = "blockwise"
     backend: Literal["triton", "torch_scaled_mm", "reference"] = "triton"
     modules: list[Literal["experts", "dense"]] = Field(default_factory=lambda: ["experts", "dense"])
     power_of_two_scales: bool = True
     weight_cache: Literal["auto", "on", "off"] = "auto"
+    dispatch: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> FP8Config:
@@ -173,6 +178,12 @@ class FP8Config(ConfigSection):
             raise ValueError("model.fp8.modules is empty: list 'experts' and/or 'dense', or remove [model.fp8]")
         if len(set(self.modules)) != len(self.modules):
             raise ValueError(f"model.fp8.modules has duplicates: {self.modules}")
+        if self.dispatch and "experts" not in self.modules:
+            raise ValueError("model.fp8.dispatch = true sends the routed experts' FP8 input: it needs 'experts' in "
+                             f"model.fp8.modules, got {self.modules}")
+        if self.dispatch and not self.power_of_two_scales:
+            raise ValueError("model.fp8.dispatch = true needs model.fp8.power_of_two_scales = true (only then do the "
+                             "received rows, dequantised to model.dtype, quantise back to the same FP8 values)")
         return self
 
 

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigError, ConfigSection
 from spartron.layers.config import ModelConfig, master_optimizer_refusal
+from spartron.layers.fp8.wire import fp8_dispatch_refusal
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.layers.ops import load_ops
 from spartron.runtime.debug import DebugConfig
@@ -98,6 +99,11 @@ class RunConfig(ConfigSection):
             raise ValueError(f"model.moe.n_routed_experts {self.model.moe.n_routed_experts} must be "
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
+        if self.model.fp8 is not None and self.model.fp8.dispatch:
+            refusal = fp8_dispatch_refusal(self.model.moe.dispatcher, self.model.moe.all_to_all_transport,
+                                           self.parallel.ep)
+            if refusal:
+                raise ValueError(refusal)
         if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:  # set so: unset is resolved above
             raise ValueError(
                 f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "

@@ -59,3 +59,17 @@ def test_suggest_command_prints_the_table_and_refuses_without_memory(capsys):
                                       "memory of one GPU), got None\n")
     assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "inf"]) == 2
     assert "got inf" in capsys.readouterr().err
+
+
+def test_fp8_dispatch_models_the_forward_dispatches_in_fp8_bytes():
+    """Full AC: 6 all-to-alls a micro-batch per MoE layer, 2 of them forward dispatches; with model.fp8.dispatch
+    those move dim + 4 * dim / 128 bytes a row, the other four 2 * dim (bf16). No latency: time is bytes."""
+    flat = ClusterConfig.model_validate({k: {"latency_us": 0.0} for k in ("nvlink", "network", "nvlink_all_to_all",
+                                                                         "network_all_to_all")})
+    sets = [*SETS, 'model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128",
+            "model.dense_inter_dim=128", "model.fp8.backend=reference", 'model.fp8.modules=["experts"]']
+    bf16 = layout_config(load_config(TINY, sets), 2, 1, "full")
+    fp8 = layout_config(load_config(TINY, [*sets, "model.fp8.dispatch=true", "parallel.ep=2"]), 2, 1, "full")
+    ep_bf16 = modelled_step(bf16, 8, flat, 0.5, 10.0, 8)[1]["ep"]
+    ep_fp8 = modelled_step(fp8, 8, flat, 0.5, 10.0, 8)[1]["ep"]
+    assert ep_fp8 / ep_bf16 == pytest.approx((4 * 256 + 2 * (128 + 4)) / (6 * 256), rel=1e-6)

@@ -16,6 +16,8 @@ from spartron.configbase import ConfigError
 from spartron.layers.config import FP8Config
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
 from spartron.layers.fp8.weight_cache import WeightCache, clear_after_load
+from spartron.layers.fp8.wire import FP8Wire
+from spartron.layers.moe.dispatch import AllToAllDispatcher, CopyEngineDispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 
@@ -88,8 +90,25 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, e
                 continue
             module.fp8_backend, module.fp8_pow2 = cfg.backend, cfg.power_of_two_scales
             converted.append(f"{index}.{name}")
+    if cfg.dispatch:
+        install_wire(blocks, cfg.backend)
     if not converted:  # FP8 asked for and nothing in FP8: a run that is bf16 while it claims FP8
         raise ConfigError(f"model.fp8.modules = {cfg.modules} converts nothing in these blocks: no routed experts "
                          "and no bias-free nn.Linear with both dims multiples of 128 (model.dim, "
                          "model.dense_inter_dim, the MLA ranks and head dims)")
     return converted
+
+
+def install_wire(blocks: list[nn.Module], backend: str) -> None:
+    """model.fp8.dispatch: every MoE layer's dispatcher sends its rows as FP8 (spartron.layers.fp8.wire). A
+    dispatcher that cannot (one EP rank, DeepEP, the copy engines) is an error naming the key, on any path
+    that builds the layers (the run config refuses the same layouts when it loads)."""
+    for block in blocks:
+        for module in block.modules():
+            dispatcher = getattr(module, "dispatcher", None)
+            if dispatcher is None:
+                continue
+            if type(dispatcher) is not AllToAllDispatcher or isinstance(dispatcher, CopyEngineDispatcher):
+                raise ConfigError(f"model.fp8.dispatch = true needs the NCCL all-to-all dispatcher over more than one "
+                                  f"EP rank; this MoE layer has {type(dispatcher).__name__}")
+            dispatcher.wire = FP8Wire(backend)

@@ -189,7 +189,13 @@ class LocalDispatcher:
 
 
 class AllToAllDispatcher(LocalDispatcher):
-    """Expert parallelism over the transport's EP group with uneven all-to-alls (spartron_collectives ops)."""
+    """Expert parallelism over the transport's EP group with uneven all-to-alls (spartron_collectives ops).
+
+    `wire`: a hook the dispatch rows are sent through, or None (rows sent as they are). It gets the rows and
+    two functions: `send` (this dispatch's all-to-all of any [rows, ...] tensor) and `send_back` (the reverse,
+    for the gradient). model.fp8.dispatch installs spartron.layers.fp8.wire.FP8Wire (apply_fp8)."""
+
+    wire = None
 
     def __init__(self, n_experts: int, transport: EPTransport):
         super().__init__(n_experts)
@@ -225,6 +231,9 @@ class AllToAllDispatcher(LocalDispatcher):
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
         if state.input_splits is None:
             self.exchange_counts(*(state.exchanged_with or (state,)))
+        if self.wire is not None:
+            return self.wire.send(x, lambda rows: self._send(rows, state, reverse=False),
+                                  lambda grad: self._send(grad, state, reverse=True))
         return self._send(x, state, reverse=False)
 
     def _send(self, x: Tensor, state: DispatchState, reverse: bool) -> Tensor:
