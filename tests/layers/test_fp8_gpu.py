@@ -190,3 +190,32 @@ def test_torch_scaled_mm_dense_linear_matches_the_reference(k):
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(w.grad.float(), ref_w.grad.float(), rtol=1e-2, atol=5e-2)
+
+
+def test_fp8_dispatch_wire_on_the_gpu_equals_the_reference_and_keeps_the_forward():
+    """model.fp8.dispatch with the Triton quantiser: the wire bytes equal the reference's, and a mirrored EP-4
+    rank's FP8 MoE layer gives the bf16-dispatch layer's output and input gradient bitwise."""
+    import torch.distributed as dist
+
+    from spartron.comm.mirror import mirrored_world
+    from spartron.comm.transport import EPTransport
+    from spartron.layers.config import FP8Config, ModelConfig
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.fp8.wire import pack
+    from spartron.layers.moe import MoELayer
+
+    x, _, _ = _inputs(384)
+    assert torch.equal(pack(x, "triton"), pack(x, "reference"))
+    moe = {"n_routed_experts": 8, "n_shared_experts": 0, "top_k": 2, "moe_inter_dim": 256, "n_groups": 1,
+           "topk_groups": 1, "dispatcher": "all_to_all"}
+    cfg = ModelConfig.model_validate({"dim": 256, "init_std": 0.05, "dtype": "bfloat16", "moe": moe})
+    results = []
+    with mirrored_world(0, 4):
+        for dispatch in (False, True):
+            layer = MoELayer(cfg, EPTransport(dist.group.WORLD)).cuda()
+            apply_fp8([layer], FP8Config(backend="triton", modules=["experts"], dispatch=dispatch))
+            xin = x.view(2, 192, 256).clone().requires_grad_()
+            out = layer(xin)["hidden_states"]
+            out.float().square().sum().backward()
+            results.append((out.detach(), xin.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
