@@ -56,12 +56,17 @@ class Suggestion:
 
 
 def layout_config(cfg: RunConfig, ep: int, cp: int, ac_mode: str) -> RunConfig:
-    """`cfg` with EP `ep`, CP `cp`, FSDP filling the world and AC `ac_mode` (validated as a file would be)."""
+    """`cfg` with EP `ep`, CP `cp`, FSDP filling the world and AC `ac_mode` (validated as a file would be).
+    What only the config's own AC mode uses goes with it: `ac.targets` (selective only) and, without AC,
+    offload (it offloads checkpoint regions' inputs) - else every other mode of a preset that sets them
+    would be refused and silently missing from the suggestions."""
     data = cfg.model_dump(mode="json", exclude_none=True)
     data["parallel"].update(ep=ep, cp=cp, fsdp=-1)
     data["ac"]["mode"] = ac_mode
-    if ac_mode == "none":
+    if ac_mode != "selective":
         data["ac"].pop("targets", None)
+    if ac_mode == "none":
+        data["offload"]["enabled"] = False
     return config_from_dict(data)
 
 

@@ -73,3 +73,16 @@ def test_fp8_dispatch_models_the_forward_dispatches_in_fp8_bytes():
     ep_bf16 = modelled_step(bf16, 8, flat, 0.5, 10.0, 8)[1]["ep"]
     ep_fp8 = modelled_step(fp8, 8, flat, 0.5, 10.0, 8)[1]["ep"]
     assert ep_fp8 / ep_bf16 == pytest.approx((4 * 256 + 2 * (128 + 4)) / (6 * 256), rel=1e-6)
+
+
+def test_every_ac_mode_is_suggested_for_a_preset_with_selective_targets_and_offload():
+    """A preset's ac.targets (selective only) and offload (needs AC) must not make the other modes invalid
+    and silently absent (the V3 preset listed selective layouts only before layout_config dropped them)."""
+    cfg = load_config(TINY, [*SETS, 'ac.mode="selective"', 'ac.targets=["aten::mm"]', "offload.enabled=true"])
+    rows = suggest(cfg, 8, 64 << 30, ClusterConfig(), 0.5, 10.0)
+    assert {r.ac_mode for r in rows} == {"none", "selective", "full"}
+    none = layout_config(cfg, 2, 1, "none")
+    assert not none.offload.enabled and none.ac.targets is None
+    full = layout_config(cfg, 2, 1, "full")
+    assert full.offload.enabled and full.ac.targets is None
+    assert layout_config(cfg, 2, 1, "selective").ac.targets == ["aten::mm"]
