@@ -9,6 +9,8 @@ are one-line errors naming the key.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (custom ops import it lazily: 4 s in every forked rank otherwise)
@@ -26,6 +28,7 @@ from spartron.runtime.config import load_config
 from spartron.testing import run_distributed
 
 DIM, TOKENS = 256, 24
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 BF16 = ['model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=128"]
 
 
@@ -97,11 +100,11 @@ def test_the_dispatch_moves_fp8_bytes_on_a_mirrored_rank():
 
 def test_layouts_that_cannot_send_fp8_are_refused():
     with pytest.raises(ValueError, match="model.fp8.dispatch = true needs parallel.ep > 1"):
-        load_config("configs/tiny.toml", [*BF16, "model.fp8.backend=reference", "model.fp8.dispatch=true"])
+        load_config(TINY, [*BF16, "model.fp8.backend=reference", "model.fp8.dispatch=true"])
     with pytest.raises(ValueError, match="built for model.moe.dispatcher = 'all_to_all' with all_to_all_transport "
                                          "= 'nccl', got dispatcher 'all_to_all', transport 'copy_engine'"):
-        load_config("configs/tiny.toml", [*BF16, "model.fp8.backend=reference", "model.fp8.dispatch=true", "parallel.ep=2",
-                                          'model.moe.all_to_all_transport="copy_engine"'])
+        load_config(TINY, [*BF16, "model.fp8.backend=reference", "model.fp8.dispatch=true", "parallel.ep=2",
+                           'model.moe.all_to_all_transport="copy_engine"'])
     with pytest.raises(ValueError, match="needs model.fp8.power_of_two_scales = true"):
         FP8Config(dispatch=True, power_of_two_scales=False)
     with pytest.raises(ValueError, match=r"needs 'experts' in model.fp8.modules, got \['dense'\]"):
@@ -109,3 +112,30 @@ def test_layouts_that_cannot_send_fp8_are_refused():
     layer = MoELayer(_cfg())  # one EP rank: the local dispatcher
     with pytest.raises(ConfigError, match="needs the NCCL all-to-all dispatcher .* this MoE layer has LocalDispatcher"):
         apply_fp8([layer], FP8Config(backend="reference", modules=["experts"], dispatch=True))
+
+
+def _compiled_worker(rank, world):
+    from torch._dynamo.utils import counters
+
+    from spartron.checkpointing import ACConfig, apply_activation_checkpointing, compile_block
+
+    torch._dynamo.reset()
+    layers = []
+    for compiled in (False, True):
+        layer = MoELayer(_cfg(), EPTransport(dist.group.WORLD))
+        apply_fp8([layer], FP8Config(backend="reference", modules=["experts"], dispatch=True, weight_cache="off"))
+        apply_activation_checkpointing(layer, ACConfig(mode="selective", reentrant=False), name="moe")
+        if compiled:
+            compile_block(layer, "aot_eager")  # fullgraph: a graph break is an error
+        layers.append(layer)
+    counters.clear()
+    torch.manual_seed(rank)
+    x = torch.randn(2, TOKENS // 2, DIM, dtype=torch.bfloat16)
+    g = torch.randn(2, TOKENS // 2, DIM)
+    eager, compiled = _run(layers[0], x, g), _run(layers[1], x, g)
+    return [torch.equal(a, b) for a, b in zip(eager, compiled, strict=True)], sum(counters["graph_break"].values())
+
+
+def test_a_compiled_selective_ac_block_sends_fp8_and_equals_eager_on_two_ranks():
+    for equal, breaks in run_distributed(_compiled_worker, 2, timeout=300):
+        assert equal == [True] * 5 and breaks == 0
