@@ -176,16 +176,17 @@ def band(ours: dict[int, float], ref: dict[int, float], other: dict[int, float])
             "within_noise_band": rms(diff) <= rms(noise)}
 
 
-def fp8_gap(fp8: dict, bf16: dict, width: int) -> dict:
-    """FP8 against Spartron's bf16 curve: the relative difference of the training-loss window means over the
-    second half of the run, and of the validation losses there, against DeepSeek's < 0.25% (FP8_GAP)."""
-    if "not run" in (fp8["status"], bf16["status"]):
-        return {"status": "not compared: " + ", ".join(n for n, c in (("spartron-fp8", fp8), ("spartron-bf16", bf16))
+def fp8_gap(fp8: dict, base: dict, width: int, base_name: str = "spartron-bf16") -> dict:
+    """FP8 against another Spartron curve (the issue's: bf16; also fp32 masters, FP8's own master recipe): the
+    relative difference of the training-loss window means over the second half of the points both have, and
+    of the validation losses there, against DeepSeek's < 0.25% (FP8_GAP)."""
+    if "not run" in (fp8["status"], base["status"]):
+        return {"status": "not compared: " + ", ".join(n for n, c in (("spartron-fp8", fp8), (base_name, base))
                                                         if c["status"] == "not run") + " not run"}
-    out = {"limit_relative": FP8_GAP}
-    for key, (a, b) in {"train_loss_windows": (window_means(fp8, width or 50), window_means(bf16, width or 50)),
+    out = {"against": base_name, "limit_relative": FP8_GAP}
+    for key, (a, b) in {"train_loss_windows": (window_means(fp8, width or 50), window_means(base, width or 50)),
                         "val_loss": (dict(zip(fp8["val_steps"], fp8["val_loss"], strict=True)),
-                                     dict(zip(bf16["val_steps"], bf16["val_loss"], strict=True)))}.items():
+                                     dict(zip(base["val_steps"], base["val_loss"], strict=True)))}.items():
         common = sorted(set(a) & set(b))
         tail = common[len(common) // 2:]
         rel = [(a[s] - b[s]) / b[s] for s in tail]
@@ -220,6 +221,8 @@ def report(args: argparse.Namespace) -> dict:
         done = "complete" if last >= t.steps else f"partial (to step {last})"
         out["cases"][name] = {"side": side, "precision": precision, "data_seed": t.seed + seed, "status": done, **c}
     out["comparisons"]["fp8"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-bf16"], t.eval_every)
+    out["comparisons"]["fp8_vs_fp32"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-fp32"],
+                                                t.eval_every, "spartron-fp32")
     for precision in ("bf16", "fp32"):
         names = [f"spartron-{precision}", f"titan-{precision}", f"titan-{precision}-seed1"]
         cases = [out["cases"][n] for n in names]

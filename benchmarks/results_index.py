@@ -143,7 +143,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                     f"val diff rms {c['val_loss']['diff_rms']:.4f} vs noise {c['val_loss']['noise_rms']:.4f}"
                     if "diff_rms" in c["val_loss"] else
                     f"train {c['train_loss_windows']['mean_relative']:+.2%}, val {c['val_loss']['mean_relative']:+.2%} "
-                    f"vs bf16")
+                    f"vs {c.get('against', 'spartron-bf16')}")
         for p, c in d["comparisons"].items()),
     "e2e": _e2e,
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "

@@ -158,6 +158,9 @@ def test_fp8_gap_is_the_mean_relative_difference_over_the_second_half():
     assert gap["val_loss"]["within"] is False  # 0.3%: above DeepSeek's 0.25%
     missing = convergence.fp8_gap({"status": "not run"}, bf16, width=2)
     assert missing == {"status": "not compared: spartron-fp8 not run"}
+    assert gap["against"] == "spartron-bf16"
+    assert convergence.fp8_gap(fp8, {"status": "not run"}, 2, "spartron-fp32") == {
+        "status": "not compared: spartron-fp32 not run"}
 
 
 def test_plateau_rule():
