@@ -21,6 +21,8 @@ A rehearsal (`spartron rehearse`) then measures the chosen layout's compute and 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from spartron.launch.rehearse_report import HGX_GPUS
@@ -135,30 +137,53 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfi
             peak_tflops: float) -> list[Suggestion]:
     """Every valid layout of `cfg` on `world` GPUs, those that fit `device_bytes` first, fastest first."""
     gpus = cfg.launch.gpus_per_node or HGX_GPUS
-    n_experts = cfg.model.moe.n_routed_experts
-    eps = [e for e in range(1, min(world, n_experts) + 1) if n_experts % e == 0 and world % e == 0]
     out = []
-    for ep in eps:
+    for ep, cp, mode, lcfg in candidate_layouts(cfg, world):
+        if isinstance(lcfg, str):
+            continue  # not a layout of this world / batch (refused_layouts says why)
+        dims = lcfg.parallel.dims(world)
+        peak = plan_memory(lcfg, world).peak
+        compute, comm, step = modelled_step(lcfg, world, cluster, mfu, peak_tflops, gpus)
+        tps = lcfg.train.global_batch_size * lcfg.train.seq_len / world / step
+        out.append(Suggestion(ep=ep, cp=cp, fsdp=dims.fsdp, ac_mode=mode, peak_bytes=peak,
+                              fits=peak <= device_bytes, compute_s=compute, comm_s=comm, step_s=step,
+                              tokens_per_s_per_gpu=tps))
+    return sorted(out, key=lambda s: (not s.fits, -s.tokens_per_s_per_gpu, s.peak_bytes))
+
+
+def candidate_layouts(cfg: RunConfig, world: int) -> Iterator[tuple[int, int, str, RunConfig | str]]:
+    """(ep, cp, AC mode, the layout's validated config or why the config refuses it) for every EP dividing the
+    routed experts and the world, every CP of CP_SIZES and every AC mode."""
+    n_experts = cfg.model.moe.n_routed_experts
+    for ep in (e for e in range(1, min(world, n_experts) + 1) if n_experts % e == 0 and world % e == 0):
         for cp in CP_SIZES:
             for mode in AC_MODES:
                 try:
                     lcfg = layout_config(cfg, ep, cp, mode)
-                    dims = lcfg.parallel.dims(world)
-                    lcfg.train.micro_steps(dims.dp)
-                except (ConfigError, ParallelDimsError, ValueError):
-                    continue  # not a layout of this world / batch
-                peak = plan_memory(lcfg, world).peak
-                compute, comm, step = modelled_step(lcfg, world, cluster, mfu, peak_tflops, gpus)
-                tps = lcfg.train.global_batch_size * lcfg.train.seq_len / world / step
-                out.append(Suggestion(ep=ep, cp=cp, fsdp=dims.fsdp, ac_mode=mode, peak_bytes=peak,
-                                      fits=peak <= device_bytes, compute_s=compute, comm_s=comm, step_s=step,
-                                      tokens_per_s_per_gpu=tps))
-    return sorted(out, key=lambda s: (not s.fits, -s.tokens_per_s_per_gpu, s.peak_bytes))
+                    lcfg.train.micro_steps(lcfg.parallel.dims(world).dp)
+                except (ConfigError, ParallelDimsError, ValueError) as err:
+                    yield ep, cp, mode, str(err).removeprefix("invalid config: ")
+                    continue
+                yield ep, cp, mode, lcfg
+
+
+def refused_layouts(cfg: RunConfig, world: int) -> dict[str, int]:
+    """Why candidate layouts are not suggested: one reason per rule (the first layout's message; layouts whose
+    messages differ only in numbers count under it) and how many layouts it refused. The table says so
+    instead of leaving them out silently."""
+    first: dict[str, str] = {}
+    out: dict[str, int] = {}
+    for _, _, _, why in candidate_layouts(cfg, world):
+        if isinstance(why, str):
+            message = first.setdefault(re.sub(r"\d+", "N", why), why)
+            out[message] = out.get(message, 0) + 1
+    return out
 
 
 def render_suggestions(rows: list[Suggestion], world: int, device_bytes: int, mfu: float, peak_tflops: float,
-                       limit: int) -> str:
-    """The table `--suggest` prints: the `limit` best layouts (fitting ones first)."""
+                       limit: int, refused: dict[str, int] | None = None) -> str:
+    """The table `--suggest` prints: the `limit` best layouts (fitting ones first), then the layouts the config
+    refused, by reason (`refused`: refused_layouts)."""
     head = (f"spartron rehearse --suggest: {world} GPUs of {device_bytes / 2**30:.1f} GiB; compute modelled at "
             f"{100 * mfu:.0f}% MFU of {peak_tflops:.0f} TFLOP/s, communication from the link table; "
             f"{sum(r.fits for r in rows)} of {len(rows)} layouts fit")
@@ -172,4 +197,6 @@ def render_suggestions(rows: list[Suggestion], world: int, device_bytes: int, mf
         lines.append("rehearse the first: --set " + " --set ".join(rows[0].overrides))
     elif rows:
         lines.append("no layout fits: more GPUs, offload (offload.enabled) or a shorter train.seq_len")
+    for why, n in (refused or {}).items():
+        lines.append(f"not suggested, {n} layout{'s' if n > 1 else ''} refused like this one: {why}")
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spartron.launch.cli import main
-from spartron.launch.suggest import layout_config, modelled_step, replayed_flops, suggest
+from spartron.launch.suggest import layout_config, modelled_step, refused_layouts, replayed_flops, suggest
 from spartron.layers.costs import training_flop_parts
 from spartron.runtime.config import load_config
 from spartron.runtime.linktable import ClusterConfig
@@ -86,3 +86,25 @@ def test_every_ac_mode_is_suggested_for_a_preset_with_selective_targets_and_offl
     full = layout_config(cfg, 2, 1, "full")
     assert full.offload.enabled and full.ac.targets is None
     assert layout_config(cfg, 2, 1, "selective").ac.targets == ["aten::mm"]
+
+
+def test_layouts_the_config_refuses_are_counted_and_said_not_dropped(capsys):
+    """seq_len 24: CP 8 needs a multiple of 16, so every CP-8 layout (4 EPs x 3 AC modes) is refused; the table
+    says how many and why (the first layout's message), instead of leaving them out without a word."""
+    cfg = load_config(TINY, [*SETS, "train.seq_len=24"])
+    assert refused_layouts(cfg, 8) == {"train.seq_len 24 must be divisible by 2 * parallel.cp (16) for load-balanced "
+                                       "causal context parallelism": 12}
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "64",
+                 *(x for s in [*SETS, "train.seq_len=24"] for x in ("--set", s))]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "not suggested, 12 layouts refused like this one: train.seq_len 24 must be divisible by 2 * parallel.cp (16) "
+        "for load-balanced causal context parallelism")
+    assert refused_layouts(load_config(TINY, SETS), 8) == {}
+
+
+def test_no_layout_at_all_names_the_first_refusal(capsys):
+    assert main(["rehearse", str(TINY), "--world-size", "7", "--suggest", "--gpu-memory-gib", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["spartron: error: no layout of tiny on 7 GPUs: EP must divide model.moe.n_routed_experts and the "
+                   "world, and train.global_batch_size the data ranks; the first refusal: train.global_batch_size 4 "
+                   "must be divisible by dp size 7 x train.micro_batch_size 1 = 7"]
