@@ -17,7 +17,7 @@ from spartron.layers.config import FP8Config
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
 from spartron.layers.fp8.weight_cache import WeightCache, clear_after_load
 from spartron.layers.fp8.wire import FP8Wire
-from spartron.layers.moe.dispatch import AllToAllDispatcher, CopyEngineDispatcher
+from spartron.layers.moe.dispatch import AllToAllDispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 
@@ -108,7 +108,7 @@ def install_wire(blocks: list[nn.Module], backend: str) -> None:
             dispatcher = getattr(module, "dispatcher", None)
             if dispatcher is None:
                 continue
-            if type(dispatcher) is not AllToAllDispatcher or isinstance(dispatcher, CopyEngineDispatcher):
+            if type(dispatcher) is not AllToAllDispatcher:  # the copy-engine subclass too
                 raise ConfigError(f"model.fp8.dispatch = true needs the NCCL all-to-all dispatcher over more than one "
                                   f"EP rank; this MoE layer has {type(dispatcher).__name__}")
             dispatcher.wire = FP8Wire(backend)

@@ -195,10 +195,9 @@ class AllToAllDispatcher(LocalDispatcher):
     two functions: `send` (this dispatch's all-to-all of any [rows, ...] tensor) and `send_back` (the reverse,
     for the gradient). model.fp8.dispatch installs spartron.layers.fp8.wire.FP8Wire (apply_fp8)."""
 
-    wire = None
-
     def __init__(self, n_experts: int, transport: EPTransport):
         super().__init__(n_experts)
+        self.wire = None
         self.group = transport.group
         self.ep = dist.get_world_size(self.group)
         self.n_local_experts = n_experts // self.ep
