@@ -79,6 +79,14 @@ def test_pack_unpack_round_trip_and_row_bytes():
     q, s = quantize_rows(x.float())
     assert torch.equal(unpack(wire, DIM, torch.bfloat16), dequantize_rows(q, s).to(torch.bfloat16))
     assert pack(x[:0], "reference").shape == (0, DIM + 8)
+    hostile = torch.zeros(4, DIM, dtype=torch.bfloat16)  # a zero tile, bf16 subnormals, the largest bf16, a NaN
+    hostile[1, :3] = torch.tensor([1e-40, -2e-39, 9.2e-41])
+    hostile[2, 128:131] = torch.tensor([3.3e38, -1.0, 1e-30])
+    hostile[3, 5] = float("nan")
+    q, s = quantize_rows(hostile.float())
+    expected = dequantize_rows(q, s).to(torch.bfloat16)
+    assert torch.equal(unpack(pack(hostile, "reference"), DIM, torch.bfloat16).isnan(), expected.isnan())
+    assert torch.equal(unpack(pack(hostile, "reference"), DIM, torch.bfloat16).nan_to_num(), expected.nan_to_num())
     assert wire_row_bytes(7168) / (2 * 7168) == pytest.approx(0.515625)
 
 

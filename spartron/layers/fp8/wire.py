@@ -48,11 +48,12 @@ def pack(x: Tensor, backend: str) -> Tensor:
 
 
 def unpack(wire: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
-    """pack's rows back in `dtype` (values times their tile's scale)."""
+    """pack's rows back in `dtype` (values times their tile's scale), computed in `dtype`: an E4M3 value and a
+    power-of-two scale are both exact there, and so is their product (no fp32 intermediate to write)."""
     rows = wire.shape[0]
-    q = wire[:, :dim].contiguous().view(FP8).float().view(rows, dim // TILE, TILE)
-    scales = wire[:, dim:].contiguous().view(torch.float32).view(rows, dim // TILE, 1)
-    return (q * scales).view(rows, dim).to(dtype)
+    q = wire[:, :dim].contiguous().view(FP8).to(dtype).view(rows, dim // TILE, TILE)
+    scales = wire[:, dim:].contiguous().view(torch.float32).to(dtype).view(rows, dim // TILE, 1)
+    return (q * scales).view(rows, dim)
 
 
 class _FP8Send(torch.autograd.Function):
