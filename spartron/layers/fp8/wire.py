@@ -68,14 +68,6 @@ class _FP8Send(torch.autograd.Function):
         return ctx.send_back(grad.contiguous()), None, None, None
 
 
-def send_fp8(x: Tensor, backend: str, send: Callable[[Tensor], Tensor],
-             send_back: Callable[[Tensor], Tensor]) -> Tensor:
-    """x [rows, dim] sent by `send` (the dispatcher's all-to-all of a uint8 [rows, bytes] tensor) as FP8 with
-    scales, returned dequantised in x's dtype; the gradient goes back by `send_back` in that dtype."""
-    check_tiled("model.dim", x.shape[1])
-    return _FP8Send.apply(x, backend, send, send_back)
-
-
 class FP8Wire:
     """The hook an AllToAllDispatcher sends its dispatch rows through (apply_fp8 installs it)."""
 
@@ -83,4 +75,7 @@ class FP8Wire:
         self.backend = backend
 
     def send(self, x: Tensor, send: Callable[[Tensor], Tensor], send_back: Callable[[Tensor], Tensor]) -> Tensor:
-        return send_fp8(x, self.backend, send, send_back)
+        """x [rows, dim] sent by `send` (the dispatcher's all-to-all of a uint8 [rows, bytes] tensor) as FP8 with
+        scales, returned dequantised in x's dtype; the gradient goes back by `send_back` in that dtype."""
+        check_tiled("model.dim", x.shape[1])
+        return _FP8Send.apply(x, self.backend, send, send_back)
