@@ -102,6 +102,30 @@ def mean_recall(record: dict) -> float | None:
     return sum(per_layer) / len(per_layer) if per_layer else None
 
 
+class RecallHistory:
+    """The warm-up's captured-mass measurements by step, as the run being trained has them. A record at step
+    s replaces every measurement from step s on: a run that resumes from an earlier saved step, or starts
+    afresh because none was complete, re-trains those steps, so what an earlier invocation measured there
+    is not this run's (mixing them once stopped a restarted warm-up at step 30 on the first run's history)."""
+
+    def __init__(self, records: dict[int, dict] | None = None) -> None:
+        self._by_step: dict[int, float] = {}
+        for step in sorted(records or {}):
+            self.add(records[step])
+
+    def add(self, record: dict) -> bool:
+        """Take one step's record; True when it carried a measurement."""
+        step = record["step"]
+        self._by_step = {s: r for s, r in self._by_step.items() if s < step}
+        recall = mean_recall(record)
+        if recall is not None:
+            self._by_step[step] = recall
+        return recall is not None
+
+    def values(self) -> list[float]:
+        return [self._by_step[s] for s in sorted(self._by_step)]
+
+
 def plateau(recalls: list[float], window: int, tol: float) -> bool:
     """The mean of the last `window` measurements gained less than `tol` over the mean of the `window` before."""
     if len(recalls) < 2 * window:
@@ -154,19 +178,16 @@ def run_phase(args: argparse.Namespace, phase: str) -> None:
     if phase == "warmup":
         init = dsa_init(args, dense_hf)
         cfg = phase_config(args, "warmup", [f'train.init_from="hf:{init}"'])
-        recalls = [r for r in map(mean_recall, read_metrics(args.root / "warmup" / "metrics.jsonl").values())
-                   if r is not None]
         found = args.root / "warmup" / "plateau.json"
         if found.is_file():
             return
+        recalls = RecallHistory(read_metrics(args.root / "warmup" / "metrics.jsonl"))
 
         def stop_when(record: dict) -> bool:
-            recall = mean_recall(record)
-            if recall is None:
+            if not recalls.add(record):
                 return False
-            recalls.append(recall)
-            if not found.is_file() and plateau(recalls, args.plateau_window, args.plateau_tol):  # the first one
-                found.write_text(json.dumps({"step": record["step"], "recall": recall}) + "\n")
+            if not found.is_file() and plateau(recalls.values(), args.plateau_window, args.plateau_tol):
+                found.write_text(json.dumps({"step": record["step"], "recall": mean_recall(record)}) + "\n")
                 return True
             return False
 
@@ -200,7 +221,13 @@ def phase_curves(run_dir: Path) -> dict:
 
 
 def report(args: argparse.Namespace) -> dict:
-    out = {"benchmark": "dsa_stages", "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
+    import torch
+
+    from spartron.runtime.metrics import git_commit
+
+    out = {"benchmark": "dsa_stages", "commit": args.commit or git_commit(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
            "dsa": DSA_SMOKE if args.smoke else DSA_SHAPE, "dense_steps": args.dense_steps,
            "warmup": {"max_steps": args.warmup_max, "lr": args.warmup_lr, "plateau_window": args.plateau_window,
                       "plateau_tol": args.plateau_tol, "metric_every": args.metric_every},
@@ -284,6 +311,7 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (every phase)")
     p.add_argument("--report", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="the report's JSON (default ROOT/dsa_stages.json)")
+    p.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few steps: every phase, then --report")
     args = p.parse_args()
     for name in ("steps_to", "dense_steps", "warmup_max", "plateau_window", "metric_every", "sparse_steps"):

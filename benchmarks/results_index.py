@@ -129,6 +129,9 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                           if d["dsa_over_dense_step_time"] is not None
                           else f"{' and '.join(d['runs'])} alone at seq {d['seq_len']} (no ratio)"),
     "dsa_id_overlap": _dsa_id_overlap,
+    "dsa_stages": lambda d: (f"warm-up to step {d['warmup']['plateau']['step']} (captured mass "
+                             f"{d['warmup']['plateau']['recall']:.3f}); sparse vs dense val loss "
+                             f"{d['sparse_vs_dense']['final_val_relative']:+.2%} at step {d['sparse_steps']}"),
     "muon": _muon,
     "fp8_gemms": lambda d: f"{d['backend']} " + "; ".join(
         f"{name} expert GEMMs fp8 {r['summary']['fp8_gemms_ms']:.2f} ms vs bf16 {r['summary']['bf16_gemms_ms']:.2f} ms "
@@ -138,6 +141,10 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
         f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
         for name, r in d["runs"].items()),
     "rehearse_sweep": _rehearse,
+    "rehearse": lambda d: (f"{d['config']} N={d['world_size']}: {d['wall_s']:.0f} s wall, measured peak "
+                           f"{d['planner']['measured_peak_bytes'] / 2**30:.1f} GiB (planner "
+                           f"{d['planner']['difference_percent']:+.1f}%), "
+                           f"{d['headline']['headline']['tokens_per_s_per_gpu']:.0f} tokens/s/GPU predicted"),
     "convergence": lambda d: "; ".join(
         f"{p}: " + (c["status"] if "status" in c else
                     f"val diff rms {c['val_loss']['diff_rms']:.4f} vs noise {c['val_loss']['noise_rms']:.4f}"

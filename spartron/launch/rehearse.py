@@ -180,4 +180,10 @@ def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: b
             "rehearsed_micro": min(n_micro, REHEARSED_MICRO_BATCHES), "notes": notes, "setup_s": setup_s,
             "steps": out_steps, "param_bytes": param_bytes, "group_ranks": group_ranks,
             "peak_flops": peak_flops, "flops_per_token": flops_per_token, "device": str(rcfg.device),
-            "kernels": kernels}
+            "device_name": _device_name(rcfg.device), "torch": torch.__version__, "kernels": kernels}
+
+
+def _device_name(device: str) -> str:
+    """The accelerator's model ("NVIDIA H200"), which a report needs to be compared; "cpu" on the CPU."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type

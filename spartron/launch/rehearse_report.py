@@ -99,7 +99,8 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
     peak = max(s["peak_allocated_bytes"] for s in steps)
     return {
         "config": cfg.name, "world_size": world, "rank": rank, "layout": dims.describe(),
-        "device": measured["device"], "gpus_per_node": gpus, "setup_s": measured["setup_s"],
+        "device": measured["device"], "device_name": measured["device_name"], "torch": measured["torch"],
+        "gpus_per_node": gpus, "setup_s": measured["setup_s"],
         "routing": ("balanced: every expert slot receives the mean of what this rank sends" if measured["balanced"]
                     else "the model's own, every rank routing as this one; its gathered router rows are copies of "
                          "this rank's shard, so experts tie and the first ones take the tokens (a worst case)"),

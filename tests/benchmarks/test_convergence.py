@@ -169,3 +169,26 @@ def test_plateau_rule():
     assert dsa_stages.plateau([0.50, 0.52, 0.515, 0.52], 2, 0.01) is True  # gained 0.0025
     assert dsa_stages.mean_recall({"indexer_recall_per_layer": [0.5, 0.7]}) == pytest.approx(0.6)
     assert dsa_stages.mean_recall({}) is None
+
+
+def test_recall_history_follows_the_run_being_trained():
+    def rec(step, recall=None):
+        return {"step": step, **({"indexer_recall_per_layer": [recall]} if recall is not None else {})}
+
+    earlier = {s: rec(s, 0.5 + s / 100) for s in (10, 20, 30, 40, 50)} | {55: rec(55)}
+    history = dsa_stages.RecallHistory(earlier)
+    assert history.values() == pytest.approx([0.6, 0.7, 0.8, 0.9, 1.0])
+    assert history.add(rec(31)) is False  # resumed from step 30: steps 40 and 50 are re-trained
+    assert history.values() == pytest.approx([0.6, 0.7, 0.8])
+    assert history.add(rec(40, 0.2)) is True
+    assert history.values() == pytest.approx([0.6, 0.7, 0.8, 0.2])
+    assert history.add(rec(10, 0.3)) is True  # no complete save: a fresh run replaces all of it
+    assert history.values() == pytest.approx([0.3])
+    # the restarted warm-up of the first GPU run: its lower recalls after the earlier run's higher ones read
+    # as "no gain" to the plateau rule; with the history replaced it has too few measurements to decide
+    old = dsa_stages.RecallHistory({s: rec(s, 0.93) for s in range(10, 80, 10)})
+    for s, r in ((10, 0.906), (20, 0.920), (30, 0.928)):
+        old.add(rec(s, r))
+    assert dsa_stages.plateau(old.values(), 5, 0.005) is False
+    mixed = [0.93] * 7 + [0.906, 0.920, 0.928]
+    assert dsa_stages.plateau(mixed, 5, 0.005) is True

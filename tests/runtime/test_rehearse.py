@@ -38,6 +38,7 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     planned = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer, 3)["parameters"]
     assert report["planner"]["measured_parameter_bytes"] == planned == report["planner"]["parameter_bytes"]
     assert report["micro_batches"] == {"per_step": 4, "rehearsed": 2}
+    assert (report["device"], report["device_name"], report["torch"]) == ("cpu", "cpu", torch.__version__)
     head = report["headline"]
     assert torch.isfinite(torch.tensor(head["loss"]))
     # FSDP all-gathers and reduce-scatters, EP all-to-alls; a CPU run's 8 ranks sit in one HGX node
