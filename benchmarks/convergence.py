@@ -87,18 +87,19 @@ def run_spartron(cfg, steps_to: int, stop_when: Callable[[dict], bool] | None = 
 
     t = cfg.train
     own = init_process_group(cfg)
-    trainer = Trainer(cfg, stop=StopOnSigterm())
-    try:
-        trainer.setup()
-        stop = False
-        while not trainer.done and trainer.step_no < steps_to:
-            if stop or trainer.step_no + 1 == steps_to < t.steps:
-                trainer.stop.request()  # this step saves, the next invocation resumes from it
-            record = trainer.step()
-            stop = stop_when is not None and stop_when(record)
-        trainer.close()
-    finally:
-        trainer.release_run_dir()
+    with StopOnSigterm() as on_sigterm:  # installed: a time limit's SIGTERM saves the step, as `spartron train`
+        trainer = Trainer(cfg, stop=on_sigterm)
+        try:
+            trainer.setup()
+            stop = False
+            while not trainer.done and trainer.step_no < steps_to:
+                if stop or trainer.step_no + 1 == steps_to < t.steps:
+                    trainer.stop.request()  # this step saves, the next invocation resumes from it
+                record = trainer.step()
+                stop = stop_when is not None and stop_when(record)
+            trainer.close()
+        finally:
+            trainer.release_run_dir()
     if own:
         dist.destroy_process_group()
 

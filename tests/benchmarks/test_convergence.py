@@ -192,3 +192,29 @@ def test_recall_history_follows_the_run_being_trained():
     assert dsa_stages.plateau(old.values(), 5, 0.005) is False
     mixed = [0.93] * 7 + [0.906, 0.920, 0.928]
     assert dsa_stages.plateau(mixed, 5, 0.005) is True
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_case_saves_the_step_it_was_on(tmp_path):
+    """A call's time limit ends a case with SIGTERM: the step it was on is saved, as under `spartron train`
+    (the handler was constructed but never installed, so a killed warm-up restarted from step 0 on the GPU)."""
+    pytest.importorskip("tokenizers")
+    import signal
+    import time
+
+    root = tmp_path / "r"
+    args = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--root", str(root), "--case",
+            "spartron-bf16", "--set", "train.steps=100000", "--set", "train.eval_every=0"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = root / "spartron-bf16" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while len(convergence.read_metrics(metrics)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    saved = sorted(p.name for p in (root / "spartron-bf16").glob("step-*"))
+    assert len(saved) == 1, (saved, out[-2000:])
+    step = int(saved[0].split("-")[1])
+    assert step >= 3 and f"SIGTERM: saved step {step} of 100000" in out + err
+    assert max(convergence.read_metrics(metrics)) == step
