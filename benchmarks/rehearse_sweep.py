@@ -149,20 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.smoke else "cpu"
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     todo = SMOKE if args.smoke else {n: CASES[n] for n in (args.case or sorted(CASES))}
-    entries = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, (config, world, overrides) in todo.items():
         for seq in (seq_lens if name.startswith("v32") else [None]):
             e = entry(name, config, world, [*overrides, *args.set], seq, device_bytes, args.steps,
                       args.routing == "balanced", args.profile)
             e.update(commit=commit, torch=torch.__version__)
-            entries.append(e)
             print(json.dumps({k: e.get(k) for k in ("case", "world_size", "seq_len", "planner_peak_bytes",
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",
                                                     "rehearsed")}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = merge(out, entries, device, commit)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+            data = merge(out, [e], device, commit)  # written per entry: a sweep cut short keeps what it measured
+            part = out.with_name(out.name + ".part")
+            part.write_text(json.dumps(data, indent=1) + "\n")
+            part.replace(out)
     plot(data, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
