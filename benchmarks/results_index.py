@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUTS = ("benchmarks/results/LATEST.json", "benchmarks/results/README.md", "docs/RESULTS.md")
 TOP_LEVEL = {"LATEST.json", "README.md", "archive", "audit.json", "audit.md"}  # audit.*: benchmarks/audit.py's
-NON_SCRIPT_FOLDERS = {"gpu_pytest": "run_gpu.sh's pytest step", "eval_observe_gpu": "a by-hand GPU check"}
+NON_SCRIPT_FOLDERS = {"gpu_pytest": "run_gpu.sh's pytest step", "eval_observe_gpu": "a by-hand GPU check",
+                      "rehearse": "`spartron rehearse --out` (the command, not a script)"}
 COMMIT_IN_NAME = re.compile(r"_([0-9a-f]{7,40})(?=_|$)")
 
 
