@@ -6,8 +6,8 @@ any data-order seed) from the SAME Hugging Face initial weights (torchtitan's ow
 Not a copy of torchtitan: it imports it. Its settings that compute DeepSeek-V3's function are set
 (`DIFFERENCES` lists each one, with what stays different); the learning rate of each step is Spartron's
 schedule (`lr_at`) written into torchtitan's optimizer, so both follow one schedule by construction.
-torchtitan's state is saved at the end of each invocation (model and optimizer by their FQNs through
-torch.distributed.checkpoint.state_dict, loaded weights_only), so a case runs in pieces.
+torchtitan's state is saved at the end of each invocation, a SIGTERM's included (model and optimizer by their
+FQNs through torch.distributed.checkpoint.state_dict, loaded weights_only), so a case runs in pieces.
 Needs CUDA: torchtitan's MoE router counts tokens with torch.histc on int64, which has no CPU kernel.
 """
 
@@ -262,14 +262,16 @@ def train_titan(cfg, case_dir: Path, hf_dir: Path, precision: str, data_seed: in
     """run()'s body, inside a process group."""
     from spartron.runtime.data import build_eval_loader, build_train_loader
     from spartron.runtime.optim import lr_at
+    from spartron.runtime.preemption import StopOnSigterm
 
     t = cfg.train
     seeded = cfg.model_copy(update={"train": t.model_copy(update={"seed": data_seed})})
     case = TitanCase(cfg, case_dir, hf_dir, precision, t.compile, ac)
     loader, evaluator = build_train_loader(seeded, 0, 1), build_eval_loader(seeded, 0, 1)
     loader.position = case.step_no * t.global_batch_size
-    with (case_dir / "metrics.jsonl").open("a") as log:
-        while case.step_no < min(steps_to, t.steps):
+    # a SIGTERM (a call's time limit) ends the loop after the step under way, and the state is saved below
+    with StopOnSigterm() as stop, (case_dir / "metrics.jsonl").open("a") as log:
+        while case.step_no < min(steps_to, t.steps) and not stop.requested:
             record = case.step(loader.next(t.global_batch_size), lr_at(case.step_no + 1, t))
             if not math.isfinite(record["loss"]):
                 raise SystemExit(f"spartron: error: torchtitan's loss is {record['loss']} at step {record['step']}")
