@@ -8,7 +8,10 @@
 #          NAME_TAG.json / .log (e.g. offload@deepep). Wheels in .whl/ (pure-Python deps the image
 #          lacks) are installed first.
 # Every step writes OUTDIR/NAME.log and, for benchmarks, OUTDIR/NAME.json; a failing step does not
-# stop the others. A summary line per step is printed last.
+# stop the others. A summary line per step is printed last, and OUTDIR is packed into OUTDIR.tgz (the device
+# tool brings back only a few files a call: fetch that one). RUN_GPU_BUDGET=SECONDS (default: none) is the
+# call's time: each step's SECONDS is cut to what is left of it, and a step with under 20 s left is skipped,
+# so a call ends inside its limit with every finished step's output.
 set -uo pipefail
 out=${1:?usage: run_gpu.sh OUTDIR STEP...}; shift
 mkdir -p "$out"
@@ -16,8 +19,14 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 source benchmarks/install_wheels.sh "$out"
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"  # the wheels and a DeepEP build land in /tmp/site
 summary=()
+t0=$(date +%s)
 for step in "$@"; do
   name=${step%%:*}; secs=${step#*:}; [ "$secs" = "$step" ] && secs=300
+  if [ -n "${RUN_GPU_BUDGET:-}" ]; then
+    left=$(( RUN_GPU_BUDGET - ($(date +%s) - t0) ))
+    if (( left < 20 )); then summary+=("$name skipped: ${left}s of RUN_GPU_BUDGET left"); continue; fi
+    (( secs > left )) && secs=$left
+  fi
   file=${name//@/_}  # NAME@TAG -> NAME_TAG: its ARGS_ variable and its .json / .log
   case $name in
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
@@ -32,3 +41,4 @@ for step in "$@"; do
   echo "=== $name (rc=$rc)"; tail -n 15 "$out/$file.log"
 done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
+tar czf "${out%/}.tgz" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed ${out%/}.tgz"

@@ -1,0 +1,35 @@
+"""benchmarks/run_gpu.sh's call budget and its packed output (what a device call brings back)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_gpu(out: Path, *steps: str, budget: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RUN_GPU_BUDGET"}
+    if budget is not None:
+        env["RUN_GPU_BUDGET"] = budget
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), str(out), *steps], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_step_with_too_little_budget_left_is_skipped_and_the_output_is_packed(tmp_path):
+    done = run_gpu(tmp_path / "r", "env:5", budget="10")
+    assert done.returncode == 0, done.stderr
+    assert "env skipped: 10s of RUN_GPU_BUDGET left" in done.stdout
+    assert not (tmp_path / "r" / "env.log").exists()
+    with tarfile.open(tmp_path / "r.tgz") as packed:
+        assert "r" in packed.getnames()
+
+
+def test_without_a_budget_every_step_runs_and_its_log_is_packed(tmp_path):
+    done = run_gpu(tmp_path / "r", "env:30", budget=None)
+    assert done.returncode == 0, done.stderr
+    assert "=== env (rc=" in done.stdout and "skipped" not in done.stdout
+    with tarfile.open(tmp_path / "r.tgz") as packed:
+        assert "r/env.log" in packed.getnames()
