@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from spartron.launch.process import ERROR_PREFIX, USAGE_STATUS
+from spartron.optional import MissingDependencyError
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, load_config
 
@@ -54,8 +55,9 @@ def is_user_error(err: Exception) -> bool:
     """Mistakes in the config, the flags, the data, the disk or the launch environment (not bugs in a run),
     also when the trainer wrapped one in its "rank r failed at step s" TrainingError (a data sample found
     bad mid-run, a save refused for a full disk), and a loss guard's intended stop: their messages already
-    name the key, path or step and value."""
-    kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError)
+    name the key, path or step and value. A missing optional package (spartron.optional) is one too: its message
+    names the package and the command that installs it."""
+    kinds: tuple[type, ...] = (UsageError, ConfigError, ParallelDimsError, MissingDependencyError)
     for module, name in (("spartron.launch.slurm", "SlurmError"), ("spartron.parallel.env", "DistEnvError"),
                          ("spartron.runtime.rundir", "StateLoadError"),
                          ("spartron.runtime.safe_open", "UnsafeEntryError"),

@@ -313,3 +313,16 @@ def test_a_line_break_in_a_file_name_stays_one_line(tmp_path, tok, capfd):
     (tmp_path / "c" / "x\ny.jsonl").write_text('{"text": "the cat"}\n{broken\n')
     got = _refused(capfd, tmp_path / "c", tok, tmp_path / "out")
     assert got.startswith(f"{tmp_path / 'c'}/x\\ny.jsonl:2: not valid JSON: "), got
+
+
+def test_a_parquet_corpus_without_pyarrow_is_one_line_naming_the_install(tmp_path, tok, capfd, monkeypatch):
+    """An optional package missing is the user's environment, not a bug: one line, no traceback (it was one)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.parquet").write_bytes(b"not parquet")
+    for name in ("pyarrow", "pyarrow.parquet"):  # a None entry makes `import` fail, as on a machine without it
+        monkeypatch.setitem(sys.modules, name, None)
+    message = _refused(capfd, corpus, tok, tmp_path / "out")
+    assert message.startswith(f"reading the parquet corpus file {str(corpus / 'b.parquet')!r} needs the Python "
+                              "package 'pyarrow.parquet', which is not installed or failed to import")
+    assert message.endswith("Install it: pip install pyarrow")
