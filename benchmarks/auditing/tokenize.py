@@ -10,7 +10,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.auditing.core import Case, decoy, new_entry
+from benchmarks.auditing.core import ROOT, Case, decoy, new_entry
 
 BASE = ["data", "corpus", "--tokenizer", "tokenizer.json", "--eos", "<eos>", "--out", "o"]
 WORDS = "the cat sat on a mat".split()
@@ -132,6 +132,15 @@ def cases() -> list[Case]:
         pq.write_table(pa.table({"body": ["a", "b"]}), work / "corpus" / "b.parquet")
 
     add("parquet-no-text", parquet_no_text, ["b.parquet", "text"], "dtypes")
+
+    def without_pyarrow(work: Path) -> None:  # a machine without the optional package: its import fails
+        _corpus("b.parquet", b"PAR1" + os.urandom(100) + b"PAR1")(work)
+        shim = work / "no-pyarrow" / "pyarrow"
+        shim.mkdir(parents=True)
+        (shim / "__init__.py").write_text("raise ImportError('pyarrow is not installed (the audit hides it)')\n")
+
+    add("parquet-without-pyarrow", without_pyarrow, ["pyarrow", "pip install"], "paths",
+        env={"PYTHONPATH": os.pathsep.join(["no-pyarrow", str(ROOT)])})
     # paths
     add("corpus-fifo", lambda w: (corpus_and_tokenizer(w), os.mkfifo(w / "corpus" / "b.jsonl")), ["b.jsonl"],
         "paths", timeout=40.0)
