@@ -17,7 +17,7 @@ DEFAULT_PEAK_TFLOPS = 750.0  # the bf16 matmul ceiling measured on one H200 (iss
 
 def cmd_suggest(args: argparse.Namespace) -> int:
     """--suggest: the planner's layouts for --world-size GPUs of --gpu-memory-gib each (spartron.launch.suggest)."""
-    from spartron.launch.suggest import refused_layouts, render_suggestions, suggest
+    from spartron.launch.suggest import candidate_layouts, refused_layouts, render_suggestions, suggest
 
     memory = args.gpu_memory_gib
     if memory is None or not math.isfinite(memory) or not 0 < memory <= MAX_GPU_MEMORY_GIB:
@@ -30,8 +30,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     cfg = load(args)
     peak = cfg.train.peak_tflops or DEFAULT_PEAK_TFLOPS
     device_bytes = int(args.gpu_memory_gib * 2**30)
-    rows = suggest(cfg, args.world_size, device_bytes, cfg.cluster, args.mfu, peak)
-    refused = refused_layouts(cfg, args.world_size)
+    candidates = list(candidate_layouts(cfg, args.world_size))  # each layout validated once, for both lists
+    rows = suggest(cfg, args.world_size, device_bytes, cfg.cluster, args.mfu, peak, candidates)
+    refused = refused_layouts(cfg, args.world_size, candidates)
     if not rows:
         first = f"; the first refusal: {next(iter(refused))}" if refused else ""
         raise UsageError(f"no layout of {cfg.name} on {args.world_size} GPUs: EP must divide "

@@ -134,11 +134,12 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
 
 
 def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfig, mfu: float,
-            peak_tflops: float) -> list[Suggestion]:
-    """Every valid layout of `cfg` on `world` GPUs, those that fit `device_bytes` first, fastest first."""
+            peak_tflops: float, candidates: list | None = None) -> list[Suggestion]:
+    """Every valid layout of `cfg` on `world` GPUs, those that fit `device_bytes` first, fastest first.
+    `candidates`: candidate_layouts(cfg, world) when the caller has them (each is validated once)."""
     gpus = cfg.launch.gpus_per_node or HGX_GPUS
     out = []
-    for ep, cp, mode, lcfg in candidate_layouts(cfg, world):
+    for ep, cp, mode, lcfg in candidate_layouts(cfg, world) if candidates is None else candidates:
         if isinstance(lcfg, str):
             continue  # not a layout of this world / batch (refused_layouts says why)
         dims = lcfg.parallel.dims(world)
@@ -167,13 +168,13 @@ def candidate_layouts(cfg: RunConfig, world: int) -> Iterator[tuple[int, int, st
                 yield ep, cp, mode, lcfg
 
 
-def refused_layouts(cfg: RunConfig, world: int) -> dict[str, int]:
+def refused_layouts(cfg: RunConfig, world: int, candidates: list | None = None) -> dict[str, int]:
     """Why candidate layouts are not suggested: one reason per rule (the first layout's message; layouts whose
     messages differ only in numbers count under it) and how many layouts it refused. The table says so
-    instead of leaving them out silently."""
+    instead of leaving them out silently. `candidates` as in `suggest`."""
     first: dict[str, str] = {}
     out: dict[str, int] = {}
-    for _, _, _, why in candidate_layouts(cfg, world):
+    for _, _, _, why in candidate_layouts(cfg, world) if candidates is None else candidates:
         if isinstance(why, str):
             message = first.setdefault(re.sub(r"\d+", "N", why), why)
             out[message] = out.get(message, 0) + 1
