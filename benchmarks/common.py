@@ -35,12 +35,15 @@ def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, f
 def write_report(path: Path | None, report: dict) -> None:
     """Write the JSON report (indented, one trailing newline) where --out says; no --out: nothing.
 
-    One writer so every result file that run_gpu.sh brings back has the same form.
+    One writer so every result file that run_gpu.sh brings back has the same form. Written beside and renamed
+    over `path`: a call's time limit mid-write leaves the previous report whole, never a truncated one.
     """
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(report, indent=2) + "\n")
+    part.replace(path)
     print(f"wrote {path}")
 
 

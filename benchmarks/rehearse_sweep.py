@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+
+from common import write_report  # noqa: E402
 
 from spartron.launch.rehearse import run_rehearsal  # noqa: E402
 from spartron.launch.rehearse_report import build_report  # noqa: E402
@@ -160,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "measured_peak_allocated_bytes", "tokens_per_s_per_gpu",
                                                     "rehearsed")}), flush=True)
             data = merge(out, [e], device, commit)  # written per entry: a sweep cut short keeps what it measured
-            part = out.with_name(out.name + ".part")
-            part.write_text(json.dumps(data, indent=1) + "\n")
-            part.replace(out)
+            write_report(out, data)
     plot(data, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

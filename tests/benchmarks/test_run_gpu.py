@@ -1,4 +1,5 @@
-"""benchmarks/run_gpu.sh's call budget and its packed output (what a device call brings back)."""
+"""benchmarks/run_gpu.sh's call budget and its packed output (what a device call brings back), and the report
+writer every benchmark shares."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def test_without_a_budget_every_step_runs_and_its_log_is_packed(tmp_path):
     assert "=== env (rc=" in done.stdout and "skipped" not in done.stdout
     with tarfile.open(tmp_path / "r.tgz") as packed:
         assert "r/env.log" in packed.getnames()
+
+
+def test_a_report_replaces_the_previous_one_whole(tmp_path):
+    """benchmarks/common.write_report writes beside the report and renames over it: no partial file is ever the
+    report, and none is left behind."""
+    from benchmarks.common import write_report
+
+    out = tmp_path / "r" / "x.json"
+    write_report(out, {"a": 1})
+    write_report(out, {"a": 2, "b": [1, 2]})
+    assert out.read_text() == '{\n  "a": 2,\n  "b": [\n    1,\n    2\n  ]\n}\n'
+    assert sorted(p.name for p in out.parent.iterdir()) == ["x.json"]
