@@ -128,6 +128,17 @@ def run_case(args: argparse.Namespace, name: str) -> None:
     converge_titan.run(cfg, case_dir, hf_dir, precision, cfg.train.seed + seed, steps_to, AC[cfg.ac.mode])
 
 
+def measured_on(commit: str | None) -> dict:
+    """A report's commit (--commit, else this checkout's), torch version and device (common.device_name)."""
+    import torch
+    from common import device_name
+
+    from spartron.runtime.metrics import git_commit
+
+    return {"commit": commit or git_commit(), "torch": torch.__version__,
+            "device": device_name(torch.cuda.is_available())}
+
+
 def read_metrics(path: Path) -> dict[int, dict]:
     """Step records by step (the last one written wins: a piece that died after logging is re-run)."""
     out: dict[int, dict] = {}
@@ -201,15 +212,9 @@ def report(args: argparse.Namespace) -> dict:
     corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
     t = cfg.train
     tokens_read = t.steps * t.global_batch_size * t.seq_len
-    import torch
-
-    from spartron.runtime.metrics import git_commit
-
-    out = {"benchmark": "convergence", "commit": args.commit or git_commit(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
-           "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode, "compile": t.compile,
-           "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
+    out = {"benchmark": "convergence", **measured_on(args.commit), "config": str(args.config), "overrides": args.set,
+           "smoke": args.smoke, "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode,
+           "compile": t.compile, "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
            "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
            "cases": {}, "comparisons": {}}
     for name, (side, precision, seed) in CASES.items():

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import converge_corpus  # noqa: E402
-from convergence import SMOKE, fail, read_metrics, run_spartron, window_means  # noqa: E402
+from convergence import SMOKE, fail, measured_on, read_metrics, run_spartron, window_means  # noqa: E402
 
 PHASES = ("dense", "warmup", "sparse", "dense-baseline")
 DENSE = ["train.seq_len=4096", "model.max_seq_len=4096", "train.global_batch_size=8", "train.micro_batch_size=8",
@@ -221,14 +221,8 @@ def phase_curves(run_dir: Path) -> dict:
 
 
 def report(args: argparse.Namespace) -> dict:
-    import torch
-
-    from spartron.runtime.metrics import git_commit
-
-    out = {"benchmark": "dsa_stages", "commit": args.commit or git_commit(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "config": str(args.config), "overrides": args.set, "smoke": args.smoke,
-           "dsa": DSA_SMOKE if args.smoke else DSA_SHAPE, "dense_steps": args.dense_steps,
+    out = {"benchmark": "dsa_stages", **measured_on(args.commit), "config": str(args.config), "overrides": args.set,
+           "smoke": args.smoke, "dsa": DSA_SMOKE if args.smoke else DSA_SHAPE, "dense_steps": args.dense_steps,
            "warmup": {"max_steps": args.warmup_max, "lr": args.warmup_lr, "plateau_window": args.plateau_window,
                       "plateau_tol": args.plateau_tol, "metric_every": args.metric_every},
            "sparse_steps": args.sparse_steps, "sparse_lr": args.sparse_lr,

@@ -72,6 +72,8 @@ def test_dsa_stages_smoke(tmp_path):
     done = bench("dsa_stages.py", "--smoke", "--root", str(tmp_path / "r"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "r" / "dsa_stages.json").read_text())
+    assert report["device"] == "cpu" and report["torch"] == convergence.measured_on("x")["torch"]
+    assert report["commit"] == convergence.measured_on(None)["commit"]  # this checkout's, as convergence.py's
     phases = report["phases"]
     assert phases["dense"]["steps"] == [1, 2, 3, 4]
     # smoke plateau rule (window 2, tolerance 1.0): plateaued at the 4th measurement, one more step saved
