@@ -327,3 +327,28 @@ def test_cuda_op_equals_cpu_and_peaks_near_its_chunk_at_16k():
     cpu = both(*(t.float().cpu() for t in small), p1, p1, None, 64, 100)[0]
     for a, b in zip(got[1:], cpu[1:], strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_cuda_half_operands_take_the_tensor_core_path_with_the_upcast_values():
+    """GPU: bf16 inputs on CUDA reach the chunk's three key products as bf16 GEMMs with a float32 output
+    (`_by_keys`); the same inputs upcast to float32 take the float32 GEMMs. Every product is exact in float32
+    either way, so the KL per row agrees to float32 summation-order noise and the gradients to their bf16
+    rounding; the top-k ids agree on (almost) every row (a near-tie may order differently)."""
+    s, heads, width, h_idx, d, topk, chunk = 2048, 16, 576, 16, 128, 256, 128
+    dev = torch.device("cuda")
+    q, w, k, q_abs, kv = (t.to(dev, torch.bfloat16) for t in make_inputs(1, s, s, h_idx, d, heads, width))
+    pos = torch.arange(s, device=dev)
+    grad = torch.rand(1, s, device=dev)
+    half = (q, w, k, q_abs, kv)
+    full = tuple(t.float() for t in half)
+    kl_h, ids_h = reference_forward(*half, pos, pos, None, 0.04, topk, chunk)
+    kl_f, ids_f = reference_forward(*full, pos, pos, None, 0.04, topk, chunk)
+    assert kl_h.dtype == kl_f.dtype == torch.float32
+    torch.testing.assert_close(kl_h, kl_f, rtol=1e-5, atol=1e-6)
+    same_rows = (ids_h.sort(-1).values == ids_f.sort(-1).values).all(-1).float().mean().item()
+    assert same_rows > 0.99, same_rows
+    for a, b in zip(reference_backward(grad, *half, pos, pos, None, 0.04, chunk),
+                    reference_backward(grad, *full, pos, pos, None, 0.04, chunk), strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.to(torch.bfloat16).float(), rtol=2e-2, atol=1e-5)

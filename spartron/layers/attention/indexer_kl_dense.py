@@ -31,6 +31,8 @@ from spartron.layers.attention.sparse_mla_absorbed import AbsorbedQuery
 
 # Bytes of one chunk's temporaries when model.dsa.kl_dense_chunk = 0 (derived).
 CHUNK_BYTES = 1 << 30
+# Operand dtypes whose products `_by_keys` leaves to a CUDA GEMM with a float32 output.
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def chunk_elements(heads: int, index_heads: int) -> int:
@@ -54,34 +56,47 @@ def _visible(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, 
     return visible_keys(q_positions[rows], k_positions, None if q_starts is None else q_starts[:, rows])
 
 
-def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor) -> Tensor:
+def _by_keys(rows: Tensor, keys: Tensor, acc: torch.dtype) -> Tensor:
+    """rows [B, c, H, D] . keys [B, S_kv, D] -> [B, c, H, S_kv] in `acc`: one batched GEMM. bf16 / fp16
+    operands on CUDA go to the tensor cores with a float32 output (every product is exact in float32 and summed
+    in float32, as after an upcast: only the order of the sums differs); elsewhere both are upcast first (an
+    fp32 GEMM without TF32 runs at about a tenth of the bf16 rate)."""
+    b, c, h, d = rows.shape
+    flat, keys_t = rows.reshape(b, c * h, d), keys.transpose(1, 2)
+    if rows.is_cuda and acc == torch.float32 and rows.dtype == keys.dtype and rows.dtype in _HALF:
+        out = torch.bmm(flat, keys_t, out_dtype=acc)
+    else:
+        out = torch.bmm(flat.to(acc), keys_t.to(acc))
+    return out.view(b, c, h, keys.shape[1])
+
+
+def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor, acc: torch.dtype) -> Tensor:
     """p [B, c, S_kv] of one chunk: the materialising target's formula (dsa.main_attention_target until the
     chunked op replaced it) on these rows."""
-    scores = torch.einsum("bthd,bsd->bhts", q_abs, kv) * scale  # masked in place: one [B, Hm, c, S_kv] fewer
+    scores = _by_keys(q_abs, kv, acc).transpose(1, 2) * scale  # masked in place: one [B, Hm, c, S_kv] fewer
     return head_summed_distribution(scores.masked_fill_(~(visible[:, None] if visible.dim() == 3 else visible),
                                                         float("-inf")))
 
 
-def _main_rows(q_main: Tensor, q_pe: Tensor | None, w_uk: Tensor | None, rows: slice, acc: torch.dtype) -> Tensor:
-    """One chunk's absorbed query in `acc`: rows of `q_main` (the absorbed query), or, with `w_uk` (the attention
-    runs in query chunks: an AbsorbedQuery), absorb_query of these rows of q_nope and q_pe, so nothing [S, H, c + r]
+def _main_rows(q_main: Tensor, q_pe: Tensor | None, w_uk: Tensor | None, rows: slice) -> Tensor:
+    """One chunk's absorbed query: rows of `q_main` (the absorbed query), or, with `w_uk` (the attention runs in
+    query chunks: an AbsorbedQuery), absorb_query of these rows of q_nope and q_pe, so nothing [S, H, c + r]
     exists (each row's value the whole absorb's: per-row products)."""
     if w_uk is None:
-        return q_main[:, rows].to(acc)
-    return absorb_query(q_main[:, rows], q_pe[:, rows], w_uk).to(acc)
-
-
-def _logits(q: Tensor, k: Tensor) -> Tensor:
-    return torch.einsum("bthd,bsd->bths", q, k)
+        return q_main[:, rows]
+    return absorb_query(q_main[:, rows], q_pe[:, rows], w_uk)
 
 
 def _scores(relu_logits: Tensor, weights: Tensor, visible: Tensor) -> Tensor:
     return torch.einsum("bths,bth->bts", relu_logits, weights).masked_fill(~visible, float("-inf"))
 
 
-def _acc_keys(q: Tensor, k: Tensor, kv: Tensor) -> tuple[torch.dtype, Tensor, Tensor]:
-    """The accumulation dtype (float32 or wider) and both key sets in it, once per call."""
+def _product_keys(q: Tensor, k: Tensor, kv: Tensor) -> tuple[torch.dtype, Tensor, Tensor]:
+    """The accumulation dtype (float32 or wider) and both key sets as `_by_keys` takes them, once per call:
+    as they are where its GEMM takes them directly, else upcast (once, not per chunk)."""
     acc = torch.promote_types(q.dtype, torch.float32)
+    if q.is_cuda and acc == torch.float32 and q.dtype in _HALF and k.dtype == kv.dtype == q.dtype:
+        return acc, k, kv
     return acc, k.to(acc), kv.to(acc)
 
 
@@ -90,15 +105,15 @@ def reference_forward(q: Tensor, weights: Tensor, k: Tensor, q_abs: Tensor, kv: 
                       chunk: int, q_pe: Tensor | None = None, w_uk: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(KL per row [B, S] in float32 or wider, ids [B, S, min(topk, S_kv)] int32), chunk by chunk. With q_pe and
     w_uk, `q_abs` is q_nope and each chunk absorbs its rows (`_main_rows`)."""
-    acc, k_acc, kv_acc = _acc_keys(q, k, kv)
+    acc, k_x, kv_x = _product_keys(q, k, kv)
     b, s = q.shape[:2]
     kl = torch.empty(b, s, dtype=acc, device=q.device)
     ids = torch.empty(b, s, min(topk, k.shape[1]), dtype=torch.int32, device=q.device)
     for c0 in range(0, s, chunk):
         rows = slice(c0, c0 + chunk)
         visible = _visible(q_positions, k_positions, q_starts, rows)
-        p = _target(_main_rows(q_abs, q_pe, w_uk, rows, acc), kv_acc, scale, visible)
-        scores = _scores(_logits(q[:, rows].to(acc), k_acc).relu_(), weights[:, rows].to(acc), visible)
+        p = _target(_main_rows(q_abs, q_pe, w_uk, rows), kv_x, scale, visible, acc)
+        scores = _scores(_by_keys(q[:, rows], k_x, acc).relu_(), weights[:, rows].to(acc), visible)
         ids[:, rows] = topk_ids(scores, topk)
         kl[:, rows] = kl_rows(p, F.log_softmax(scores, dim=-1))
     return kl, ids
@@ -111,7 +126,8 @@ def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_ab
     """(dq, dw, dk) of the per-row KL for its gradient `grad` [B, S], each chunk recomputed: dI = -g p + g
     softmax(I) sum(p) over the keys where p > 0 (kl_rows' terms; log_softmax's backward). q_pe, w_uk: as for
     reference_forward."""
-    acc, k_acc, kv_acc = _acc_keys(q, k, kv)
+    acc, k_x, kv_x = _product_keys(q, k, kv)
+    k_acc = k.to(acc)  # dq's GEMM takes the float32 gradient: its keys in float32 too
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dw = torch.empty(weights.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -119,9 +135,9 @@ def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_ab
     for c0 in range(0, q.shape[1], chunk):
         rows = slice(c0, c0 + chunk)
         visible = _visible(q_positions, k_positions, q_starts, rows)
-        p = _target(_main_rows(q_abs, q_pe, w_uk, rows, acc), kv_acc, scale, visible)
+        p = _target(_main_rows(q_abs, q_pe, w_uk, rows), kv_x, scale, visible, acc)
         qc, wc = q[:, rows].to(acc), weights[:, rows].to(acc)
-        relu = _logits(qc, k_acc).relu_()  # relu(x) <= 0 exactly where x <= 0: ReLU's backward mask
+        relu = _by_keys(q[:, rows], k_x, acc).relu_()  # relu(x) <= 0 exactly where x <= 0: ReLU's backward mask
         log_q = F.log_softmax(_scores(relu, wc, visible), dim=-1)
         d_log_q = torch.where(p > 0, -p * grad[:, rows, None], 0.0)
         del p
