@@ -167,7 +167,7 @@ def selected_index_scores(q: Tensor, weights: Tensor, k: Tensor, ids: Tensor, ch
 def head_summed_distribution(scores: Tensor) -> Tensor:
     """scores [B, H, S, N] (-inf: not a key of the row) -> [B, S, N]: softmax per head, summed over heads,
     L1-normalised; 0 where a row has no key. The KL target's one form, dense (indexer_kl_dense) and sparse (here)."""
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).sum(1)  # in place: a target, never differentiated
     return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
 
 

@@ -73,7 +73,7 @@ def _by_keys(rows: Tensor, keys: Tensor, acc: torch.dtype) -> Tensor:
 def _target(q_abs: Tensor, kv: Tensor, scale: float, visible: Tensor, acc: torch.dtype) -> Tensor:
     """p [B, c, S_kv] of one chunk: the materialising target's formula (dsa.main_attention_target until the
     chunked op replaced it) on these rows."""
-    scores = _by_keys(q_abs, kv, acc).transpose(1, 2) * scale  # masked in place: one [B, Hm, c, S_kv] fewer
+    scores = _by_keys(q_abs, kv, acc).transpose(1, 2).mul_(scale)  # scaled and masked in place: no copies
     return head_summed_distribution(scores.masked_fill_(~(visible[:, None] if visible.dim() == 3 else visible),
                                                         float("-inf")))
 
