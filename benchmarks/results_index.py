@@ -157,6 +157,8 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "
                                    f"logged value: {d['eval_equals_logged']}"),
     "indexer": _indexer,
+    "kl_dense": lambda d: (f"dense-warm-up KL fwd+bwd {d['results']['bf16_inputs']['ms']:.1f} ms on bf16 inputs, "
+                           f"{d['float32_over_bf16']:.2f}x faster than on float32"),
     "kl_sparse": lambda d: (f"indexer KL target {d['results']['target']['op']['ms']:.1f} ms vs PyTorch "
                             f"{d['results']['target']['pytorch_path']['ms']:.1f} ms"),
     "matrix": lambda d: (f"{sum(c['rc'] == 0 for c in d['cells'])} of {len(d['cells'])} cells ran; "

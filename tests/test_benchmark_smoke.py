@@ -29,11 +29,12 @@ SLOW = pytest.mark.slow  # over ~20 s on the 2-core CI machine (pyproject.toml)
 @pytest.mark.parametrize("script", [
     "e2e", pytest.param("profile_step", marks=SLOW), pytest.param("offload", marks=SLOW), "ac_block", "moe_layer",
     "collectives", "deepep", "overhead_cpu", "sparse_mla", pytest.param("matrix", marks=SLOW), "doc_mask",
-    "precision", "memory_plan", "ac_validation_cost", "adamw", "dsa_e2e", "kl_sparse", "dsa_id_overlap", "dsa_saved"])
+    "precision", "memory_plan", "ac_validation_cost", "adamw", "dsa_e2e", "kl_sparse", "kl_dense", "dsa_id_overlap",
+    "dsa_saved"])
 def test_smoke_mode_runs(script, tmp_path):
     out = tmp_path / f"{script}.json"
     args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
-                                             "ac_validation_cost", "dsa_e2e", "kl_sparse",
+                                             "ac_validation_cost", "dsa_e2e", "kl_sparse", "kl_dense",
                                              "dsa_id_overlap", "dsa_saved") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
@@ -48,6 +49,9 @@ def test_smoke_mode_runs(script, tmp_path):
         assert sorted(rows) == ["dense", "dsa"] and not any("error" in r for r in rows.values())
         assert report["dsa_over_dense_step_time"] == rows["dsa"]["step_time_s"] / rows["dense"]["step_time_s"]
         assert all(0 < run["predicted_peak_gib"] < 0.1 for run in report["runs"].values())  # spartron plan's
+    if script == "kl_dense":  # on CPU both inputs take the float32 products: the same values, the grads rounded
+        assert report["rel_diff_bf16_vs_float32"] == {"kl": 0.0, "dq": 0.0, "dw": 0.0, "dk": 0.0}
+        assert len(report["results"]["bf16_inputs"]["steps_ms"]) == report["iters"] == 2
     if script == "dsa_id_overlap":  # the tiny model's one source layer, measured at steps 1 and 2
         rows = report["results"]
         assert [(r["step"], r["source"]) for r in rows] == [(1, 0), (2, 0)]
