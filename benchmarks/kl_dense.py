@@ -26,13 +26,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_name, write_report  # noqa: E402
+from kl_sparse import rel  # noqa: E402
 from sparse_mla import git_commit, timed  # noqa: E402
 
 from spartron.layers.attention.indexer_kl_dense import chunk_rows, reference_backward, reference_forward  # noqa: E402
-
-
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def main() -> None:

@@ -56,6 +56,13 @@ def _visible(q_positions: Tensor, k_positions: Tensor, q_starts: Tensor | None, 
     return visible_keys(q_positions[rows], k_positions, None if q_starts is None else q_starts[:, rows])
 
 
+def _tensor_core_products(*operands: Tensor, acc: torch.dtype) -> bool:
+    """Whether `_by_keys` multiplies these operands as they are: CUDA, one bf16 / fp16 dtype, float32 output."""
+    first = operands[0]
+    return (first.is_cuda and acc == torch.float32 and first.dtype in _HALF
+            and all(t.dtype == first.dtype for t in operands))
+
+
 def _by_keys(rows: Tensor, keys: Tensor, acc: torch.dtype) -> Tensor:
     """rows [B, c, H, D] . keys [B, S_kv, D] -> [B, c, H, S_kv] in `acc`: one batched GEMM. bf16 / fp16
     operands on CUDA go to the tensor cores with a float32 output (every product is exact in float32 and summed
@@ -63,7 +70,7 @@ def _by_keys(rows: Tensor, keys: Tensor, acc: torch.dtype) -> Tensor:
     fp32 GEMM without TF32 runs at about a tenth of the bf16 rate)."""
     b, c, h, d = rows.shape
     flat, keys_t = rows.reshape(b, c * h, d), keys.transpose(1, 2)
-    if rows.is_cuda and acc == torch.float32 and rows.dtype == keys.dtype and rows.dtype in _HALF:
+    if _tensor_core_products(rows, keys, acc=acc):
         out = torch.bmm(flat, keys_t, out_dtype=acc)
     else:
         out = torch.bmm(flat.to(acc), keys_t.to(acc))
@@ -95,7 +102,7 @@ def _product_keys(q: Tensor, k: Tensor, kv: Tensor) -> tuple[torch.dtype, Tensor
     """The accumulation dtype (float32 or wider) and both key sets as `_by_keys` takes them, once per call:
     as they are where its GEMM takes them directly, else upcast (once, not per chunk)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    if q.is_cuda and acc == torch.float32 and q.dtype in _HALF and k.dtype == kv.dtype == q.dtype:
+    if _tensor_core_products(q, k, kv, acc=acc):
         return acc, k, kv
     return acc, k.to(acc), kv.to(acc)
 
@@ -127,7 +134,7 @@ def reference_backward(grad: Tensor, q: Tensor, weights: Tensor, k: Tensor, q_ab
     softmax(I) sum(p) over the keys where p > 0 (kl_rows' terms; log_softmax's backward). q_pe, w_uk: as for
     reference_forward."""
     acc, k_x, kv_x = _product_keys(q, k, kv)
-    k_acc = k.to(acc)  # dq's GEMM takes the float32 gradient: its keys in float32 too
+    k_acc = k_x.to(acc)  # dq's GEMM takes the float32 gradient: its keys in float32 too (no copy if k_x is)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dw = torch.empty(weights.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
