@@ -196,8 +196,9 @@ def run_phase(args: argparse.Namespace, phase: str) -> None:
     if not (args.root / "warmup" / "plateau.json").is_file() and not _finished(args.root / "warmup", args.warmup_max):
         fail(f"--phase {phase} needs the warm-up done first (--phase warmup until it plateaus or reaches "
              f"{args.warmup_max} steps)")
-    warm_hf = export(args.root / "warmup", args.root / "warmup-hf")
-    init = warm_hf if phase == "sparse" else dense_hf
+    # only the sparse phase reads warmup-hf: dense-baseline exporting it too raced the sparse phase's export
+    # when the two ran side by side ("appeared or filled while exporting")
+    init = export(args.root / "warmup", args.root / "warmup-hf") if phase == "sparse" else dense_hf
     cfg = phase_config(args, phase, [f'train.init_from="hf:{init}"'])
     run_spartron(cfg, args.steps_to or cfg.train.steps)
 

@@ -69,8 +69,16 @@ def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
 @pytest.mark.slow
 def test_dsa_stages_smoke(tmp_path):
     pytest.importorskip("tokenizers")
-    done = bench("dsa_stages.py", "--smoke", "--root", str(tmp_path / "r"), cwd=tmp_path)
+    root = tmp_path / "r"
+    # dense-baseline before sparse: it starts from dense-hf and must not export warmup-hf (the sparse phase's,
+    # which it raced when the two ran side by side)
+    done = bench("dsa_stages.py", "--smoke", "--root", str(root), *[a for phase in ("dense", "warmup", "dense-baseline")
+                                                                   for a in ("--phase", phase)], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (root / "dense-hf" / "config.json").is_file() and not (root / "warmup-hf").exists()
+    done = bench("dsa_stages.py", "--smoke", "--root", str(root), "--phase", "sparse", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (root / "warmup-hf" / "config.json").is_file()
     report = json.loads((tmp_path / "r" / "dsa_stages.json").read_text())
     assert report["device"] == "cpu" and report["torch"] == convergence.measured_on("x")["torch"]
     assert report["commit"] == convergence.measured_on(None)["commit"]  # this checkout's, as convergence.py's
