@@ -29,7 +29,7 @@ from spartron.launch.rehearse_report import HGX_GPUS
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
 from spartron.layers.fp8.wire import wire_row_bytes
 from spartron.parallel.dims import ParallelDimsError
-from spartron.runtime.config import ConfigError, RunConfig, config_from_dict
+from spartron.runtime.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from spartron.runtime.linktable import ClusterConfig, collective_time
 from spartron.runtime.memory import plan_memory
 
@@ -51,25 +51,32 @@ class Suggestion:
     comm_s: dict[str, float]  # fsdp, ep, cp: modelled seconds per step
     step_s: float  # headline: the runtime's overlaps only
     tokens_per_s_per_gpu: float
+    overrides: tuple[str, ...] = ()  # layout_changes' --set values
+    removed: tuple[str, ...] = ()  # layout_changes' keys to delete from the file
 
-    @property
-    def overrides(self) -> list[str]:
-        return [f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", "parallel.fsdp=-1", f"ac.mode='{self.ac_mode}'"]
+
+def layout_changes(cfg: RunConfig, ep: int, cp: int, ac_mode: str) -> tuple[list[str], list[str]]:
+    """What turns `cfg` into the layout: (`--set` overrides, keys to delete from the config file). What only
+    the config's own AC mode uses goes with it: `ac.targets` (selective only; `--set` cannot delete a key)
+    and, without AC, offload (it offloads checkpoint regions' inputs) - else every other mode of a preset that
+    sets them would be refused and silently missing from the suggestions, and the printed command would not
+    run (it named only the parallel keys and ac.mode until the V3 preset's suggestion was rehearsed)."""
+    sets = [f"parallel.ep={ep}", f"parallel.cp={cp}", "parallel.fsdp=-1", f"ac.mode='{ac_mode}'"]
+    removed = ["ac.targets"] if ac_mode != "selective" and cfg.ac.targets is not None else []
+    if ac_mode == "none" and cfg.offload.enabled:
+        sets.append("offload.enabled=false")
+    return sets, removed
 
 
 def layout_config(cfg: RunConfig, ep: int, cp: int, ac_mode: str) -> RunConfig:
-    """`cfg` with EP `ep`, CP `cp`, FSDP filling the world and AC `ac_mode` (validated as a file would be).
-    What only the config's own AC mode uses goes with it: `ac.targets` (selective only) and, without AC,
-    offload (it offloads checkpoint regions' inputs) - else every other mode of a preset that sets them
-    would be refused and silently missing from the suggestions."""
+    """`cfg` with EP `ep`, CP `cp`, FSDP filling the world and AC `ac_mode` (layout_changes), validated as a
+    file would be."""
+    sets, removed = layout_changes(cfg, ep, cp, ac_mode)
     data = cfg.model_dump(mode="json", exclude_none=True)
-    data["parallel"].update(ep=ep, cp=cp, fsdp=-1)
-    data["ac"]["mode"] = ac_mode
-    if ac_mode != "selective":
-        data["ac"].pop("targets", None)
-    if ac_mode == "none":
-        data["offload"]["enabled"] = False
-    return config_from_dict(data)
+    for key in removed:
+        section, name = key.split(".")
+        data[section].pop(name, None)
+    return config_from_dict(apply_overrides(data, sets))
 
 
 def replayed_flops(cfg: RunConfig, parts) -> float:  # noqa: ANN001 - FlopParts
@@ -146,9 +153,10 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int, cluster: ClusterConfi
         peak = plan_memory(lcfg, world).peak
         compute, comm, step = modelled_step(lcfg, world, cluster, mfu, peak_tflops, gpus)
         tps = lcfg.train.global_batch_size * lcfg.train.seq_len / world / step
+        sets, removed = layout_changes(cfg, ep, cp, mode)
         out.append(Suggestion(ep=ep, cp=cp, fsdp=dims.fsdp, ac_mode=mode, peak_bytes=peak,
                               fits=peak <= device_bytes, compute_s=compute, comm_s=comm, step_s=step,
-                              tokens_per_s_per_gpu=tps))
+                              tokens_per_s_per_gpu=tps, overrides=tuple(sets), removed=tuple(removed)))
     return sorted(out, key=lambda s: (not s.fits, -s.tokens_per_s_per_gpu, s.peak_bytes))
 
 
@@ -195,7 +203,13 @@ def render_suggestions(rows: list[Suggestion], world: int, device_bytes: int, mf
                      f"{'yes' if r.fits else 'no':>4} {r.compute_s:>9.3f} {r.comm_s['fsdp']:>7.3f} "
                      f"{r.comm_s['ep']:>7.3f} {r.comm_s['cp']:>7.3f} {r.step_s:>7.3f} {r.tokens_per_s_per_gpu:>9.0f}")
     if rows and rows[0].fits:
-        lines.append("rehearse the first: --set " + " --set ".join(rows[0].overrides))
+        first = rows[0]
+        lines.append("rehearse the first: --set " + " --set ".join(first.overrides)
+                     + "".join(f" (after deleting {key} from the config: only ac.mode = 'selective' reads it)"
+                               for key in first.removed))
+    if rows:
+        lines.append(f"the ranking models every layout at {100 * mfu:.0f}% MFU: rehearse the first few before "
+                     "choosing (per-rank efficiency differs by layout: a CP rank runs more, shorter micro-batches)")
     elif rows:
         lines.append("no layout fits: more GPUs, offload (offload.enabled) or a shorter train.seq_len")
     for why, n in (refused or {}).items():

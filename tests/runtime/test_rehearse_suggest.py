@@ -4,6 +4,7 @@ missing device memory is one line."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from spartron.launch.cli import main
 from spartron.launch.suggest import layout_config, modelled_step, refused_layouts, replayed_flops, suggest
 from spartron.layers.costs import training_flop_parts
-from spartron.runtime.config import load_config
+from spartron.runtime.config import ConfigError, load_config
 from spartron.runtime.linktable import ClusterConfig
 from spartron.runtime.memory import plan_memory
 
@@ -86,6 +87,29 @@ def test_every_ac_mode_is_suggested_for_a_preset_with_selective_targets_and_offl
     full = layout_config(cfg, 2, 1, "full")
     assert full.offload.enabled and full.ac.targets is None
     assert layout_config(cfg, 2, 1, "selective").ac.targets == ["aten::mm"]
+
+
+def test_the_printed_suggestion_is_a_command_that_loads_the_layout(tmp_path, capsys):
+    """The line under the table must run as printed: for the V3 preset (selective targets, offload on) the top
+    layout at 256 H200s is AC none, which needs offload off and ac.targets deleted. Before, it printed only the
+    parallel keys and ac.mode, and the rehearsal it suggested was refused ("ac.targets is only used by ...")."""
+    preset = Path(__file__).resolve().parents[2] / "configs" / "deepseek-v3-671b.toml"
+    assert main(["rehearse", str(preset), "--world-size", "256", "--suggest", "--gpu-memory-gib", "141"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("rehearse the first: "))
+    assert line == ("rehearse the first: --set parallel.ep=256 --set parallel.cp=4 --set parallel.fsdp=-1 --set "
+                    "ac.mode='none' --set offload.enabled=false (after deleting ac.targets from the config: only "
+                    "ac.mode = 'selective' reads it)")
+    assert lines[-1].startswith("the ranking models every layout at 40% MFU: rehearse the first few")
+    sets = line.removeprefix("rehearse the first: --set ").split(" (")[0].split(" --set ")
+    with pytest.raises(ConfigError, match="ac.targets is only used by ac.mode = 'selective'"):
+        load_config(preset, sets)
+    text = preset.read_text()
+    edited = tmp_path / "v3.toml"
+    edited.write_text(re.sub(r"\ntargets = \[[^\]]*\]", "", text, count=1))
+    assert edited.read_text().count("targets") == text.count("targets") - 1
+    cfg = load_config(edited, sets)
+    assert cfg.model_dump() == layout_config(load_config(preset), 256, 4, "none").model_dump()
 
 
 def test_layouts_the_config_refuses_are_counted_and_said_not_dropped(capsys):
