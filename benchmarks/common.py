@@ -32,6 +32,15 @@ def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, f
     return merged
 
 
+def triton_version() -> str | None:
+    """Triton's version for a report, or None where it is not installed (the CPU smoke runs)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def write_report(path: Path | None, report: dict) -> None:
     """Write the JSON report (indented, one trailing newline) where --out says; no --out: nothing.
 

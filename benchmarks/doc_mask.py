@@ -30,7 +30,7 @@ from spartron.layers.attention.doc_mask import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also under `python -m benchmarks.NAME`
-from common import device_name, write_report  # noqa: E402
+from common import device_name, triton_version, write_report  # noqa: E402
 
 
 def document_positions(batch: int, seq: int, mean: int, seed: int = 0) -> torch.Tensor:
@@ -103,7 +103,7 @@ def main() -> None:
         results = {name: timed(fn, device, a.iters, a.warmup) for name, fn in builds.items()}
         print({name: round(r["median_ms"], 3) for name, r in results.items()}, "equal:", same)
         write_report(a.out, {"benchmark": "doc_mask --block-mask-only", "device": device_name(cuda),
-                             "torch": torch.__version__, "triton": _triton_version(), "commit": a.commit,
+                             "torch": torch.__version__, "triton": triton_version(), "commit": a.commit,
                              "shapes": {"batch": b, "seq": s, "mean_doc": a.mean_doc, "block": 128},
                              "iters": a.iters, "warmup": a.warmup, "equal": same, "builds": results})
         return
@@ -166,20 +166,12 @@ def main() -> None:
           f"first call {first_call_s:.1f} s")
     lengths = (docs == 0).sum().item()
     report = {"benchmark": "doc_mask", "device": device_name(cuda), "torch": torch.__version__,
-              "triton": _triton_version(), "commit": a.commit, "dtype": str(dtype),
+              "triton": triton_version(), "commit": a.commit, "dtype": str(dtype),
               "shapes": {"batch": b, "heads": h, "seq": s, "qk_dim": a.qk_dim, "v_dim": a.v_dim,
                          "mean_doc": a.mean_doc, "documents": lengths},
               "iters": a.iters, "warmup": a.warmup, "first_flex_call_s": first_call_s, "errors": errors,
               "cases": results}
     write_report(a.out, report)
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, write_report  # noqa: E402
+from common import device_name, triton_version, write_report  # noqa: E402
 from dsa_e2e import SMOKE  # noqa: E402
 
 from spartron.layers.attention.mla import MLA  # noqa: E402
@@ -117,17 +117,9 @@ def main() -> int:
     write_report(args.out, dict(benchmark="dsa_id_overlap", config=str(args.config.relative_to(REPO)),
                                 commit=args.commit or git_commit(), seq_len=args.seq, steps=args.steps,
                                 overrides=overrides, device=device, device_name=device_name(device.startswith("cuda")),
-                                torch=torch.__version__, triton=_triton_version(), group_sizes=list(GROUPS),
+                                torch=torch.__version__, triton=triton_version(), group_sizes=list(GROUPS),
                                 random_baseline=random_baseline(args.seq, topk), results=rows))
     return 0
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def measure(args: argparse.Namespace, at: set[int]) -> tuple[list[dict], list[str], str, int]:

@@ -25,11 +25,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, write_report  # noqa: E402
+from common import device_name, triton_version, write_report  # noqa: E402
 from kl_sparse import rel  # noqa: E402
-from sparse_mla import git_commit, timed  # noqa: E402
+from sparse_mla import git_commit, matmul_ceiling, timed  # noqa: E402
 
 from spartron.layers.attention.indexer_kl_dense import chunk_rows, reference_backward, reference_forward  # noqa: E402
+
+
+def gemm_flops(batch: int, seq: int, heads: int, width: int, index_heads: int, index_dim: int) -> dict:
+    """The op's GEMM FLOPs, forward + backward, at full S x S (each chunk multiplies every key; the causal mask
+    comes after): the forward's main and index products, the backward's recompute of both (bf16 operands on
+    the tensor-core path) and its dq / dk products (float32 operands)."""
+    pairs = batch * seq * seq
+    main, index = 2 * pairs * heads * width, 2 * pairs * index_heads * index_dim
+    return {"products": 2 * (main + index), "float32_products": 2 * index, "total": 2 * (main + index) + 2 * index}
 
 
 def main() -> None:
@@ -78,13 +87,20 @@ def main() -> None:
         results[name] = timed(lambda inputs=inputs: fwd_bwd(inputs), device, args.iters, args.warmup)
         print(f"{name:15s} forward + backward {results[name]['ms']:10.2f} ms", flush=True)
     cuda = device.type == "cuda"
+    flops = gemm_flops(b, s, h, args.width, hi, d)
+    for r in results.values():
+        r["gemm_tflops_per_s"] = flops["total"] / (r["ms"] * 1e-3) / 1e12
+    ceiling = matmul_ceiling(device, torch.bfloat16, 8192 if cuda else 256, 20 if cuda else 2)
     report = dict(benchmark="kl_dense", device=device_name(cuda), torch=torch.__version__,
+                  triton=triton_version(), gemm_flops=flops, bf16_matmul_ceiling_tflops=ceiling,
                   commit=args.commit or git_commit(), smoke=args.smoke, batch=b, seq=s, heads=h, width=args.width,
                   index_heads=hi, index_head_dim=d, topk=args.topk, chunk=chunk, iters=args.iters,
                   warmup=args.warmup, results=results,
                   float32_over_bf16=results["float32_inputs"]["ms"] / results["bf16_inputs"]["ms"],
                   rel_diff_bf16_vs_float32=errors)
-    print(f"float32 / bf16 inputs: {report['float32_over_bf16']:.2f}x; differences {errors}")
+    print(f"float32 / bf16 inputs: {report['float32_over_bf16']:.2f}x; differences {errors}; bf16 inputs at "
+          f"{results['bf16_inputs']['gemm_tflops_per_s']:.1f} TFLOP/s of GEMM work (bf16 matmul ceiling "
+          f"{ceiling:.0f})")
     write_report(args.out, report)
 
 

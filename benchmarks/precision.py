@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, start_trainer_benchmark, write_report  # noqa: E402
+from common import device_name, start_trainer_benchmark, triton_version, write_report  # noqa: E402
 
 from spartron.layers.costs import count_parameters  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -66,14 +66,6 @@ def run_mode(args: argparse.Namespace, mode: str, layers: int | None, root: Path
             "peak_memory_allocated_gib": max(r["peak_memory_allocated_bytes"] for r in records) / 2**30,
             "peak_memory_reserved_gib": max(r["peak_memory_reserved_bytes"] for r in records) / 2**30,
             "losses": [r["loss"] for r in records]}
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def _oom(err: BaseException) -> bool:
@@ -120,7 +112,7 @@ def main() -> int:
     write_report(args.out, {
         "benchmark": "precision", "device": device_name(torch.cuda.is_available() and not args.smoke),
         "world_size": world, "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "cuda": torch.version.cuda, "commit": args.commit or git_commit(),
         "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
         "overrides": args.set, "steps": args.steps, "warmup_steps_excluded": args.warmup,

@@ -52,6 +52,14 @@ def test_smoke_mode_runs(script, tmp_path):
     if script == "kl_dense":  # on CPU both inputs take the float32 products: the same values, the grads rounded
         assert report["rel_diff_bf16_vs_float32"] == {"kl": 0.0, "dq": 0.0, "dw": 0.0, "dk": 0.0}
         assert len(report["results"]["bf16_inputs"]["steps_ms"]) == report["iters"] == 2
+        # B 2, S 48: 4,608 query-key pairs x (4 heads x 24 + 3 index heads x 8) x 2, forward and recompute,
+        # and the backward's float32 dq / dk products over the index heads
+        main, index = 2 * 4608 * 4 * 24, 2 * 4608 * 3 * 8
+        assert report["gemm_flops"] == {"products": 2 * (main + index), "float32_products": 2 * index,
+                                        "total": 2 * (main + index) + 2 * index}
+        r = report["results"]["bf16_inputs"]
+        assert r["gemm_tflops_per_s"] == report["gemm_flops"]["total"] / (r["ms"] * 1e-3) / 1e12
+        assert "triton" in report and report["bf16_matmul_ceiling_tflops"] > 0
     if script == "dsa_id_overlap":  # the tiny model's one source layer, measured at steps 1 and 2
         rows = report["results"]
         assert [(r["step"], r["source"]) for r in rows] == [(1, 0), (2, 0)]
