@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 from spartron.launch.command import UsageError, add_config, load
+from spartron.runtime.metrics import git_commit
 
 MAX_REHEARSE_WORLD = 1 << 16
 MAX_GPU_MEMORY_GIB = 1 << 20
@@ -61,11 +63,15 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {args.out!r}: its folder does not exist")
         if out.is_symlink() or (out.exists() and not out.is_file()):
             raise UsageError(f"--out {args.out!r} exists and is not a regular file (the JSON report replaces a file)")
+    started = time.monotonic()
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
     measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.routing == "balanced", args.profile)
-    report = build_report(measured, cfg.cluster)
+    # what reproduces the report: the code's commit and the command's config file and overrides (a suggested
+    # layout is the preset plus --set values); wall_s is the command's time up to the report
+    report = {"commit": git_commit(), "config_path": str(args.config), "overrides": list(args.set),
+              **build_report(measured, cfg.cluster), "wall_s": time.monotonic() - started}
     sys.stdout.write(render(report))
     if args.out is not None:
         write_report(report, Path(args.out))

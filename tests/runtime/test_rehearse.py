@@ -60,6 +60,24 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text and "(compute)" in text
 
 
+def test_report_file_names_the_commit_the_config_file_and_overrides_and_the_wall_time(tmp_path, capsys):
+    """What reproduces a report travels in it: a suggested layout is the preset plus --set values, and its JSON
+    named only the config's name (the results filing added commit and wall time by hand)."""
+    from spartron.launch.cli import main
+    from spartron.runtime.metrics import git_commit
+
+    out = tmp_path / "r.json"
+    sets = [x for s in WORLD8 for x in ("--set", s)]
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--steps", "1", *sets, "--out", str(out)]) == 0
+    assert "tiny rank 0 of 8" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["commit"] == git_commit()
+    assert (report["config_path"], report["overrides"]) == (str(TINY), WORLD8)
+    assert report["setup_s"] < report["wall_s"] < 600
+    again = load_config(report["config_path"], report["overrides"])
+    assert again.model_dump() == load_config(TINY, WORLD8).model_dump()
+
+
 def test_profiled_rehearsal_lists_the_ops_of_one_more_step_and_reports_only_the_rehearsed_ones():
     cfg = load_config(TINY, WORLD8)
     measured = run_rehearsal(cfg, 8, 3, 1, balanced=True, profile=True)
