@@ -207,7 +207,6 @@ def render_suggestions(rows: list[Suggestion], world: int, device_bytes: int, mf
         lines.append("rehearse the first: --set " + " --set ".join(first.overrides)
                      + "".join(f" (after deleting {key} from the config: only ac.mode = 'selective' reads it)"
                                for key in first.removed))
-    if rows:
         lines.append(f"the ranking models every layout at {100 * mfu:.0f}% MFU: rehearse the first few before "
                      "choosing (per-rank efficiency differs by layout: a CP rank runs more, shorter micro-batches)")
     elif rows:

@@ -52,6 +52,11 @@ def test_suggest_command_prints_the_table_and_refuses_without_memory(capsys):
     out = capsys.readouterr().out
     assert out.startswith("spartron rehearse --suggest: 8 GPUs of 64.0 GiB; compute modelled at 40% MFU")
     assert "rehearse the first: --set parallel.ep=" in out
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "0.0001",
+                 *(x for s in SETS for x in ("--set", s))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "no layout fits: more GPUs, offload (offload.enabled) or a shorter train.seq_len"
+    assert not any(line.startswith(("rehearse the first", "the ranking models")) for line in out)
     assert main(["rehearse", str(TINY), "--world-size", "8", "--suggest", "--gpu-memory-gib", "64", "--profile"]) == 2
     assert capsys.readouterr().err == ("spartron: error: --profile profiles a rehearsed step; --suggest rehearses "
                                        "nothing\n")
