@@ -2,12 +2,15 @@
 weights, the same data in the same order, the same schedule, at a DeepSeek-V3-like shape
 (configs/converge-dsv3.toml) on one GPU, bf16 and fp32 masters, compiled, selective AC.
 
+    python benchmarks/convergence.py --prepare                               # corpus, tokens, initial weights
     python benchmarks/convergence.py --case spartron-bf16 --steps-to 500     # one piece of one case
     python benchmarks/convergence.py --report --out benchmarks/results/convergence/convergence.json
     python benchmarks/convergence.py --smoke --out /tmp/c.json               # CPU, tiny, seconds
 
 Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron's order (train.seed);
 titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band;
+spartron-fp32-optimizer (fp32 masters held by the optimizer, model.master_weights = "optimizer") against the
+same fp32 pair;
 spartron-fp8 (blockwise FP8 with fp32 masters, GPU only) against spartron-bf16 within DeepSeek's < 0.25% gap.
 Everything lives under --root (default runs/converge): the corpus, tokenizer and token folder
 (converge_corpus.py), the initial weights (init-hf/, from Spartron's initialisation at train.seed) and one
@@ -36,9 +39,12 @@ import converge_titan  # noqa: E402
 
 CASES = {name: (side, precision, seed) for precision in ("bf16", "fp32") for name, side, seed in (
     (f"spartron-{precision}", "spartron", 0), (f"titan-{precision}", "torchtitan", 0),
-    (f"titan-{precision}-seed1", "torchtitan", 1))} | {"spartron-fp8": ("spartron", "fp8", 0)}
+    (f"titan-{precision}-seed1", "torchtitan", 1))} | {"spartron-fp32-optimizer": ("spartron", "fp32", 0),
+                                                       "spartron-fp8": ("spartron", "fp8", 0)}
 PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16"', 'model.master_dtype="float32"'],
              "fp8": ['model.dtype="bfloat16"', 'model.master_dtype="float32"', 'model.fp8.backend="triton"']}
+# how a case holds its fp32 masters when not FSDP2's way: the optimizer's (the fast one-rank path)
+HOLDING = {"spartron-fp32-optimizer": ['model.master_weights="optimizer"']}
 FP8_GAP = 0.0025  # DeepSeek-V3's reported FP8-vs-bf16 relative loss gap: below 0.25%
 AC = {"selective": "selective", "full": "full", "none": "none"}  # Spartron ac.mode -> torchtitan's mode
 # --smoke: the DeepSeek-V3 architecture at the tiny preset's sizes, on CPU, 4 steps
@@ -104,19 +110,24 @@ def run_spartron(cfg, steps_to: int, stop_when: Callable[[dict], bool] | None = 
         dist.destroy_process_group()
 
 
-def run_case(args: argparse.Namespace, name: str) -> None:
-    side, precision, seed = CASES[name]
-    case_dir = args.root / name
+def prepare(args: argparse.Namespace):  # noqa: ANN201 - (RunConfig, the initial weights' folder)
+    """The corpus, its token folder and the initial weights under --root, each made once (what every case reads)."""
     probe = load_run_config(args)
     info = converge_corpus.prepare(args.root, probe.model.vocab_size, args.max_bytes)
     print(f"corpus: {info['documents']} files, {info['text_bytes']} bytes, {info['tokens']['n_tokens']} tokens")
     problems = converge_titan.comparable_problems(probe.model)
     if problems:
         fail("torchtitan cannot compute this [model]: " + "; ".join(problems))
-    hf_dir = init_weights(probe, args.root)
+    return probe, init_weights(probe, args.root)
+
+
+def run_case(args: argparse.Namespace, name: str) -> None:
+    side, precision, seed = CASES[name]
+    case_dir = args.root / name
+    probe, hf_dir = prepare(args)
     steps_to = args.steps_to or probe.train.steps
     if side == "spartron":
-        cfg = load_run_config(args, [*PRECISION[precision], f'train.run_dir="{case_dir}"',
+        cfg = load_run_config(args, [*PRECISION[precision], *HOLDING.get(name, ()), f'train.run_dir="{case_dir}"',
                                      f'train.init_from="hf:{hf_dir}"', f"train.save_every={probe.train.steps}",
                                      "train.resume=true"])
         run_spartron(cfg, steps_to)
@@ -229,16 +240,17 @@ def report(args: argparse.Namespace) -> dict:
     out["comparisons"]["fp8"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-bf16"], t.eval_every)
     out["comparisons"]["fp8_vs_fp32"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-fp32"],
                                                 t.eval_every, "spartron-fp32")
-    for precision in ("bf16", "fp32"):
-        names = [f"spartron-{precision}", f"titan-{precision}", f"titan-{precision}-seed1"]
+    against_reference = {p: [f"spartron-{p}", f"titan-{p}", f"titan-{p}-seed1"] for p in ("bf16", "fp32")}
+    against_reference |= {name: [name, "titan-fp32", "titan-fp32-seed1"] for name in HOLDING}
+    for key, names in against_reference.items():
         cases = [out["cases"][n] for n in names]
         if any(c["status"] == "not run" for c in cases):
-            out["comparisons"][precision] = {"status": "not compared: " + ", ".join(
+            out["comparisons"][key] = {"status": "not compared: " + ", ".join(
                 n for n, c in zip(names, cases, strict=True) if c["status"] == "not run") + " not run"}
             continue
         val = [dict(zip(c["val_steps"], c["val_loss"], strict=True)) for c in cases]
         train = [window_means(c, t.eval_every or 50) for c in cases]
-        out["comparisons"][precision] = {"val_loss": band(*val), "train_loss_windows": band(*train)}
+        out["comparisons"][key] = {"val_loss": band(*val), "train_loss_windows": band(*train)}
     write(out, args.out)
     return out
 
@@ -287,6 +299,8 @@ def main() -> int:
     parser.add_argument("--case", choices=sorted(CASES), action="append", default=[], help="run this case (repeatable)")
     parser.add_argument("--steps-to", type=int, default=None, help="train each case up to this step (default: all)")
     parser.add_argument("--report", action="store_true", help="write the JSON (and PNG) from the cases' metrics")
+    parser.add_argument("--prepare", action="store_true",
+                        help="make the corpus, tokens and initial weights, then stop (before cases run side by side)")
     parser.add_argument("--max-bytes", type=int, default=128 << 20, help="corpus text at most (bytes)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--out", type=Path, default=None, help="the report's JSON (default ROOT/convergence.json)")
@@ -301,8 +315,10 @@ def main() -> int:
         args.max_bytes = min(args.max_bytes, 1_000_000)
         args.case = args.case or [n for n, (side, p, _) in CASES.items() if side == "spartron" and p != "fp8"]
         args.report = True
-    if not args.case and not args.report:
-        parser.error("give --case NAME (repeatable), --report or --smoke")
+    if not args.case and not args.report and not args.prepare:
+        parser.error("give --case NAME (repeatable), --prepare, --report or --smoke")
+    if args.prepare:
+        prepare(args)
     for name in args.case:
         run_case(args, name)
     if args.report:
