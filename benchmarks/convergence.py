@@ -17,7 +17,9 @@ Everything lives under --root (default runs/converge): the corpus, tokenizer and
 folder per case. A case resumes from its last saved step: Spartron from its run directory (train.resume),
 torchtitan from titan-state.pt; each invocation trains up to --steps-to (default: train.steps), so a
 case runs in pieces that fit a time limit. --report reads every case's metrics (train loss every step,
-val_loss every train.eval_every on the same held-out batches) and writes the JSON and a PNG beside it.
+val_loss every train.eval_every on the same held-out batches) and writes the JSON and a PNG beside it;
+with --previous, the cases this root lacks come from an earlier report of the same corpus (cases run on
+other machines), each case's commit and device recorded.
 torchtitan absent (or no CUDA): the torchtitan cases are recorded as not run, with the reason, and no
 comparison is claimed.
 """
@@ -126,6 +128,10 @@ def run_case(args: argparse.Namespace, name: str) -> None:
     case_dir = args.root / name
     probe, hf_dir = prepare(args)
     steps_to = args.steps_to or probe.train.steps
+    reached = max(read_metrics(case_dir / "metrics.jsonl"), default=0)
+    if reached >= steps_to:  # a finished piece: a call that runs every case again resumes only the others
+        print(f"case {name}: already at step {reached} (asked: {steps_to}), nothing to run")
+        return
     if side == "spartron":
         cfg = load_run_config(args, [*PRECISION[precision], *HOLDING.get(name, ()), f'train.run_dir="{case_dir}"',
                                      f'train.init_from="hf:{hf_dir}"', f"train.save_every={probe.train.steps}",
@@ -227,12 +233,21 @@ def report(args: argparse.Namespace) -> dict:
            "smoke": args.smoke, "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode,
            "compile": t.compile, "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
            "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
-           "cases": {}, "comparisons": {}}
+           "cases": {}, "case_commits": {}, "case_devices": {}, "comparisons": {}}
+    previous = json.loads(args.previous.read_text()) if args.previous else {"cases": {}}
+    if args.previous and previous["corpus"]["sha256"] != corpus["sha256"]:
+        fail(f"--previous {args.previous} read another corpus (sha256 {previous['corpus']['sha256'][:12]}, "
+             f"this root's {corpus['sha256'][:12]}): its curves cannot be compared with these")
     for name, (side, precision, seed) in CASES.items():
         case_dir = args.root / name
         if not (case_dir / "metrics.jsonl").is_file():
-            out["cases"][name] = {"side": side, "precision": precision, "status": "not run"}
+            earlier = previous["cases"].get(name, {"status": "not run"})
+            out["cases"][name] = {"side": side, "precision": precision, **earlier}
+            if earlier["status"] != "not run":
+                out["case_commits"][name] = previous.get("case_commits", {}).get(name, previous["commit"])
+                out["case_devices"][name] = previous.get("case_devices", {}).get(name, previous["device"])
             continue
+        out["case_commits"][name], out["case_devices"][name] = out["commit"], out["device"]
         c = curves(case_dir, side)
         last = c["steps"][-1] if c["steps"] else 0
         done = "complete" if last >= t.steps else f"partial (to step {last})"
@@ -299,6 +314,8 @@ def main() -> int:
     parser.add_argument("--case", choices=sorted(CASES), action="append", default=[], help="run this case (repeatable)")
     parser.add_argument("--steps-to", type=int, default=None, help="train each case up to this step (default: all)")
     parser.add_argument("--report", action="store_true", help="write the JSON (and PNG) from the cases' metrics")
+    parser.add_argument("--previous", type=Path, default=None,
+                        help="--report: take the cases this root has not run from this earlier report (same corpus)")
     parser.add_argument("--prepare", action="store_true",
                         help="make the corpus, tokens and initial weights, then stop (before cases run side by side)")
     parser.add_argument("--max-bytes", type=int, default=128 << 20, help="corpus text at most (bytes)")

@@ -46,6 +46,9 @@ def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp
     assert case["status"] == "complete" and case["steps"] == [1, 2, 3, 4] and case["val_steps"] == [2, 4]
     assert case["loss"] == ref["loss"] and case["val_loss"] == ref["val_loss"]  # two pieces = one run, bitwise
     assert uninterrupted["cases"]["spartron-fp32"]["status"] == "complete"
+    # the optimizer-held fp32 masters compute what FSDP2's do (CPU: the torch reference update, bitwise)
+    held = uninterrupted["cases"]["spartron-fp32-optimizer"]
+    assert held["status"] == "complete" and held["loss"] == uninterrupted["cases"]["spartron-fp32"]["loss"]
     corpus = uninterrupted["corpus"]
     assert corpus["documents"] == len(corpus["files"]) > 0
     assert corpus["text_bytes"] == sum(size for _, size in corpus["files"]) <= 1_000_000
@@ -53,7 +56,32 @@ def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp
         assert all(uninterrupted["cases"][n]["status"] == "not run" for n in convergence.CASES if "titan" in n)
         assert uninterrupted["comparisons"]["bf16"] == {
             "status": "not compared: titan-bf16, titan-bf16-seed1 not run"}
+        assert uninterrupted["comparisons"]["spartron-fp32-optimizer"] == {
+            "status": "not compared: titan-fp32, titan-fp32-seed1 not run"}
     assert (whole / "convergence.png").stat().st_size > 0
+    ran = {n for n, c in uninterrupted["cases"].items() if c["status"] != "not run"}
+    assert set(uninterrupted["case_commits"]) == ran
+
+    # --previous: the cases this root has not run come from an earlier report of the same corpus, with its commit
+    earlier = json.loads(json.dumps(uninterrupted))
+    earlier["commit"], earlier["case_commits"], earlier["case_devices"] = "e4r1ier", {}, {}
+    earlier["cases"]["titan-bf16"] = {**ref, "side": "torchtitan", "data_seed": 0}
+    earlier["cases"]["titan-bf16-seed1"] = {**ref, "side": "torchtitan", "data_seed": 1}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    joined = bench("convergence.py", "--smoke", "--root", str(pieces), "--report", "--previous",
+                   str(tmp_path / "earlier.json"), "--out", str(tmp_path / "joined.json"), cwd=tmp_path)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    joined = json.loads((tmp_path / "joined.json").read_text())
+    assert joined["cases"]["titan-bf16"]["loss"] == ref["loss"] and joined["case_commits"]["titan-bf16"] == "e4r1ier"
+    assert joined["cases"]["spartron-fp32"]["loss"] == uninterrupted["cases"]["spartron-fp32"]["loss"]
+    assert joined["case_commits"]["spartron-bf16"] == joined["commit"] != "e4r1ier"  # run under this root
+    assert joined["comparisons"]["bf16"]["val_loss"]["diff_max"] == 0.0  # the same curve on both sides
+    earlier["corpus"]["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(earlier))
+    other = bench("convergence.py", "--smoke", "--root", str(pieces), "--report", "--previous",
+                  str(tmp_path / "other.json"), "--out", str(tmp_path / "o.json"), cwd=tmp_path)
+    assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(
+        f"spartron: error: --previous {tmp_path / 'other.json'} read another corpus (sha256 000000000000, ")
 
 
 def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
