@@ -224,6 +224,22 @@ def fp8_gap(fp8: dict, base: dict, width: int, base_name: str = "spartron-bf16")
     return out
 
 
+def read_previous(path: Path) -> dict:
+    """An earlier report (--previous): a regular JSON file with the fields a report has, or one error line."""
+    try:
+        if not path.is_file() or path.is_symlink():
+            raise ValueError("not a regular file")
+        out = json.loads(path.read_text())
+        if not isinstance(out, dict) or not isinstance(out.get("cases"), dict) or "commit" not in out \
+                or "device" not in out or not isinstance(out.get("corpus", {}).get("sha256"), str):
+            raise ValueError("no cases, corpus sha256, commit or device")
+        if any(not isinstance(c, dict) or "status" not in c for c in out["cases"].values()):
+            raise ValueError("a case without a status")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        fail(f"--previous {path}: not a convergence report ({err})")
+    return out
+
+
 def report(args: argparse.Namespace) -> dict:
     cfg = load_run_config(args)
     corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
@@ -234,7 +250,7 @@ def report(args: argparse.Namespace) -> dict:
            "compile": t.compile, "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
            "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
            "cases": {}, "case_commits": {}, "case_devices": {}, "comparisons": {}}
-    previous = json.loads(args.previous.read_text()) if args.previous else {"cases": {}}
+    previous = read_previous(args.previous) if args.previous else {"cases": {}}
     if args.previous and previous["corpus"]["sha256"] != corpus["sha256"]:
         fail(f"--previous {args.previous} read another corpus (sha256 {previous['corpus']['sha256'][:12]}, "
              f"this root's {corpus['sha256'][:12]}): its curves cannot be compared with these")

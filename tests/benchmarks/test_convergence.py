@@ -82,6 +82,15 @@ def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp
                   str(tmp_path / "other.json"), "--out", str(tmp_path / "o.json"), cwd=tmp_path)
     assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(
         f"spartron: error: --previous {tmp_path / 'other.json'} read another corpus (sha256 000000000000, ")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "link.json").symlink_to(tmp_path / "earlier.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    for name, why in (("list.json", "no cases, corpus sha256, commit or device"), ("link.json", "not a regular file"),
+                      ("fifo.json", "not a regular file"), ("absent.json", "not a regular file")):
+        bad = bench("convergence.py", "--smoke", "--root", str(pieces), "--report", "--previous",
+                    str(tmp_path / name), "--out", str(tmp_path / "o.json"), cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+            f"spartron: error: --previous {tmp_path / name}: not a convergence report ({why})"), bad.stderr[-2000:]
 
 
 def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
