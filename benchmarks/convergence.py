@@ -145,15 +145,23 @@ def run_case(args: argparse.Namespace, name: str) -> None:
     converge_titan.run(cfg, case_dir, hf_dir, precision, cfg.train.seed + seed, steps_to, AC[cfg.ac.mode])
 
 
-def measured_on(commit: str | None) -> dict:
-    """A report's commit (--commit, else this checkout's), torch version and device (common.device_name)."""
+def measured_on(commit: str | None, root: Path | None = None) -> dict:
+    """A report's commit (--commit, else this checkout's), torch version and device: those a Spartron run under
+    `root` recorded in its metrics header (the cases ran there, the report may be written on another machine),
+    else this machine's (common.device_name)."""
     import torch
     from common import device_name
 
     from spartron.runtime.metrics import git_commit
 
-    return {"commit": commit or git_commit(), "torch": torch.__version__,
-            "device": device_name(torch.cuda.is_available())}
+    out = {"commit": commit or git_commit(), "torch": torch.__version__,
+           "device": device_name(torch.cuda.is_available())}
+    for metrics in sorted(root.glob("*/metrics.jsonl")) if root is not None else ():
+        with metrics.open() as f:
+            header = json.loads(f.readline() or "{}")
+        if header.get("type") == "header" and header.get("hardware", {}).get("device_name"):
+            return out | {"torch": header["versions"]["torch"], "device": header["hardware"]["device_name"]}
+    return out
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
@@ -245,8 +253,9 @@ def report(args: argparse.Namespace) -> dict:
     corpus = json.loads((args.root / "corpus" / "corpus.json").read_text())
     t = cfg.train
     tokens_read = t.steps * t.global_batch_size * t.seq_len
-    out = {"benchmark": "convergence", **measured_on(args.commit), "config": str(args.config), "overrides": args.set,
-           "smoke": args.smoke, "steps": t.steps, "eval_every": t.eval_every, "ac_mode": cfg.ac.mode,
+    out = {"benchmark": "convergence", **measured_on(args.commit, args.root), "config": str(args.config),
+           "overrides": args.set, "smoke": args.smoke, "steps": t.steps, "eval_every": t.eval_every,
+           "ac_mode": cfg.ac.mode,
            "compile": t.compile, "corpus": corpus, "epochs": tokens_read / max(1, corpus["tokens"]["n_tokens"]),
            "torchtitan_unavailable": converge_titan.unavailable(), "torchtitan_settings": converge_titan.DIFFERENCES,
            "cases": {}, "case_commits": {}, "case_devices": {}, "comparisons": {}}
@@ -264,6 +273,8 @@ def report(args: argparse.Namespace) -> dict:
                 out["case_devices"][name] = previous.get("case_devices", {}).get(name, previous["device"])
             continue
         out["case_commits"][name], out["case_devices"][name] = out["commit"], out["device"]
+        if side == "torchtitan":  # it ran where the cases ran, whatever this machine has
+            out["torchtitan_unavailable"] = None
         c = curves(case_dir, side)
         last = c["steps"][-1] if c["steps"] else 0
         done = "complete" if last >= t.steps else f"partial (to step {last})"
@@ -304,8 +315,10 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(PRECISION), figsize=(6 * len(PRECISION), 8), squeeze=False)
-    for col, precision in enumerate(PRECISION):
+    ran = [p for p in PRECISION if any(c["precision"] == p and c["status"] != "not run" for c in out["cases"].values())]
+    columns = ran or list(PRECISION)  # a precision none of whose cases ran gets no empty panel
+    fig, axes = plt.subplots(2, len(columns), figsize=(6 * len(columns), 8), squeeze=False)
+    for col, precision in enumerate(columns):
         for name, case in out["cases"].items():
             beside = precision == "fp8" and name == "spartron-bf16"  # FP8 is compared with Spartron's bf16 curve
             if (case["precision"] != precision and not beside) or case["status"] == "not run":

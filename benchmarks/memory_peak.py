@@ -89,7 +89,8 @@ def blocks_before(snapshot: dict, trace: list[dict], device: int) -> dict[int, i
 
 
 def owners(trainer: Trainer) -> list[tuple[int, str]]:
-    """(data pointer, what it is) of every tensor the model and optimizer hold between steps, sorted."""
+    """(data pointer, what it is) of every tensor the model and optimizer hold now (gradients: before the
+    optimizer phase), sorted."""
     out = []
 
     def add(t: torch.Tensor | None, what: str) -> None:
@@ -152,13 +153,20 @@ def main() -> int:
             records.append(trainer.step())
         torch.cuda.synchronize()
         torch.cuda.memory._record_memory_history(max_entries=args.max_entries, stacks="python")
-        records.append(trainer.step(StepProbe(on_phase=lambda phase: marks.append((time.time() * 1e6, phase)))))
+        held: list[tuple[int, str]] = []
+
+        def mark(phase: str) -> None:
+            marks.append((time.time() * 1e6, phase))
+            if phase == "optimizer":  # every gradient exists now; the step drops them
+                held.extend(owners(trainer))
+
+        records.append(trainer.step(StepProbe(on_phase=mark)))
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         device = torch.cuda.current_device()
         trace = snapshot["device_traces"][device]
         peak, peak_at, peak_live = live_at_peak(trace, blocks_before(snapshot, trace, device))
-        by_owner = attribute(peak_live, owners(trainer))
+        by_owner = attribute(peak_live, sorted(dict(held + owners(trainer)).items()))
     finally:
         trainer.close()
     measured = records[-1]["peak_memory_allocated_bytes"]

@@ -152,7 +152,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                     if "diff_rms" in c["val_loss"] else
                     f"train {c['train_loss_windows']['mean_relative']:+.2%}, val {c['val_loss']['mean_relative']:+.2%} "
                     f"vs {c.get('against', 'spartron-bf16')}")
-        for p, c in d["comparisons"].items()),
+        for p, c in d["comparisons"].items() if not c.get("status", "").startswith("not compared")),
     "e2e": _e2e,
     "eval_observe_gpu": lambda d: (f"eval at step 8 val_loss {d['spartron_eval_step_8']['val_loss']:.4f}, equals the "
                                    f"logged value: {d['eval_equals_logged']}"),
@@ -166,6 +166,9 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                          "regression check"),
     "megatron_gpt": lambda d: "; ".join(f"{c['case']} {_ms(c['step_time_s'])}" if "step_time_s" in c
                                         else f"{c['case']} failed" for c in d["cases"]),
+    "memory_peak": lambda d: (f"peak {d['peak_memory_allocated_bytes'] / 2**30:.2f} GiB in the {d['phase_at_peak']}: "
+                              + ", ".join(f"{name} {row['bytes'] / 2**30:.2f}" for name, row
+                                          in list(d["by_owner_or_site"].items())[:4]) + " GiB"),
     "memory_plan": lambda d: "; ".join(f"{r['mode']} planned {r['predicted_peak_gib']:.1f} vs measured "
                                        f"{r['measured_peak_gib']:.1f} GiB" for r in d["results"]),
     "moe_layer": lambda d: (f"EP1 layer fwd+bwd {d['ep1_layer']['fwd_bwd_ms']:.1f} ms; grouped GEMM "
