@@ -238,12 +238,13 @@ def read_previous(path: Path) -> dict:
         if not path.is_file() or path.is_symlink():
             raise ValueError("not a regular file")
         out = json.loads(path.read_text())
+        corpus = out.get("corpus") if isinstance(out, dict) else None
         if not isinstance(out, dict) or not isinstance(out.get("cases"), dict) or "commit" not in out \
-                or "device" not in out or not isinstance(out.get("corpus", {}).get("sha256"), str):
+                or "device" not in out or not isinstance(corpus, dict) or not isinstance(corpus.get("sha256"), str):
             raise ValueError("no cases, corpus sha256, commit or device")
         if any(not isinstance(c, dict) or "status" not in c for c in out["cases"].values()):
             raise ValueError("a case without a status")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:
         fail(f"--previous {path}: not a convergence report ({err})")
     return out
 

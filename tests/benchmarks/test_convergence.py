@@ -82,15 +82,35 @@ def test_convergence_smoke_resumes_in_pieces_and_says_torchtitan_did_not_run(tmp
                   str(tmp_path / "other.json"), "--out", str(tmp_path / "o.json"), cwd=tmp_path)
     assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(
         f"spartron: error: --previous {tmp_path / 'other.json'} read another corpus (sha256 000000000000, ")
-    (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "link.json").symlink_to(tmp_path / "earlier.json")
-    os.mkfifo(tmp_path / "fifo.json")
-    for name, why in (("list.json", "no cases, corpus sha256, commit or device"), ("link.json", "not a regular file"),
-                      ("fifo.json", "not a regular file"), ("absent.json", "not a regular file")):
-        bad = bench("convergence.py", "--smoke", "--root", str(pieces), "--report", "--previous",
-                    str(tmp_path / name), "--out", str(tmp_path / "o.json"), cwd=tmp_path)
-        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
-            f"spartron: error: --previous {tmp_path / name}: not a convergence report ({why})"), bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name,why", [("list.json", "no cases, corpus sha256, commit or device"),
+                                      ("nocorpus.json", "no cases, corpus sha256, commit or device"),
+                                      ("nostatus.json", "a case without a status"),
+                                      ("binary.json", "'utf-8' codec can't decode byte 0xff in position 0: "
+                                                      "invalid start byte"),
+                                      ("link.json", "not a regular file"), ("fifo.json", "not a regular file"),
+                                      ("absent.json", "not a regular file")])
+def test_a_previous_report_that_is_not_one_is_one_error_line(tmp_path, capsys, name, why):
+    good = {"cases": {"spartron-bf16": {"status": "complete"}}, "corpus": {"sha256": "ab"}, "commit": "c",
+            "device": "d"}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert convergence.read_previous(tmp_path / "good.json") == good
+    files = {"list.json": "[1, 2]", "nocorpus.json": json.dumps({**good, "corpus": []}),
+             "nostatus.json": json.dumps({**good, "cases": {"spartron-bf16": {}}})}
+    if name in files:
+        (tmp_path / name).write_text(files[name])
+    elif name == "binary.json":
+        (tmp_path / name).write_bytes(b"\xff\xfe{")
+    elif name == "link.json":
+        (tmp_path / name).symlink_to(tmp_path / "good.json")
+    elif name == "fifo.json":
+        os.mkfifo(tmp_path / name)
+    with pytest.raises(SystemExit) as stop:
+        convergence.read_previous(tmp_path / name)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"spartron: error: --previous {tmp_path / name}: not a convergence report "
+                                       f"({why})\n")
 
 
 def test_a_torchtitan_case_without_torchtitan_is_one_error_line(tmp_path):
