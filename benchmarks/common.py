@@ -166,7 +166,8 @@ def _nccl_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, port:
 
 MOE_BENCH = Path(__file__).resolve().parents[1] / "configs" / "moe-layer-bench.toml"
 # --smoke: the preset shrunk to the tiny preset's MoE sizes (seconds on a CPU); what the layer scripts vary
-MOE_SMOKE = ("device=cpu", "model.dim=64", "model.moe.n_routed_experts=8", "model.moe.top_k=2",
+# model.dim 128: one FP8 tile, so deepep.py's smoke sends FP8 rows too
+MOE_SMOKE = ("device=cpu", "model.dim=128", "model.moe.n_routed_experts=8", "model.moe.top_k=2",
              "model.moe.moe_inter_dim=32", "model.moe.n_shared_experts=1", "train.seq_len=256")
 
 

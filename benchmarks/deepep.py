@@ -11,6 +11,11 @@ worst rank reported.
   uneven all-to-alls of the rows; DeepEP: the dispatch op incl. layout + the combine op), with the
   bytes each rank sends per direction and GB/s = 2 * bytes / time.
 - layer: MoELayer forward + backward, each dispatcher (goal: DeepEP >= 1.3x faster).
+- all_to_all_fp8: the all_to_all dispatcher with model.fp8.dispatch's wire (spartron.layers.fp8.wire: each
+  dispatched row as E4M3 bytes plus its 1x128 fp32 scales, quantised before and dequantised after the
+  exchange; the combine stays bf16), on the same bf16 experts: what FP8 dispatch costs and saves on the
+  wire alone, bytes per direction counted (issue 38: time it on 2 GPUs). Backend triton on CUDA,
+  reference on CPU.
 - replay dispatch: what a checkpoint replay of the dispatch would cost: `fresh` recomputes the layout
   + notify + exchange, `cached_handle` re-sends along the original handle, `saved_op` is Spartron's
   replay (the mandatory-save op's outputs handed back by the checkpoint policy, no communication).
@@ -33,6 +38,8 @@ from spartron.comm.collectives import all_to_all
 from spartron.comm.deepep import deepep_cached_dispatch, deepep_combine, deepep_dispatch
 from spartron.comm.deepep_buffer import load_deep_ep
 from spartron.comm.transport import EPTransport
+from spartron.layers.fp8.apply import install_wire
+from spartron.layers.fp8.wire import wire_row_bytes
 from spartron.layers.moe import MoELayer
 from spartron.runtime.metrics import git_commit
 
@@ -68,13 +75,14 @@ def _measure_all_to_all(layer, x, x3, g, routing, group, iters, warmup) -> dict:
         with torch.no_grad():
             all_to_all(d.dispatch(rows, state), state.input_splits, state.output_splits, group)
 
-    sent = rows.numel() * rows.element_size()
-    res = {"bytes_sent_per_direction": sent,
+    sent = rows.numel() * rows.element_size()  # the combine's bytes; the dispatch's too without a wire
+    dispatched = rows.shape[0] * wire_row_bytes(rows.shape[1]) if d.wire is not None else sent
+    res = {"bytes_sent_per_direction": sent, "dispatch_bytes": dispatched, "combine_bytes": sent,
            "token_path_ms": median_ms(lambda: _token_path(layer, x, routing), iters, warmup, dev),
            "exchanges_ms": median_ms(exchanges, iters, warmup, dev),
            "layer_fwd_bwd_ms": median_ms(lambda: _layer_fwd_bwd(layer, x3, g), iters, warmup, dev)}
-    res["exchanges_GBps"] = 2 * sent / res["exchanges_ms"] / 1e6
-    res["token_path_GBps"] = 2 * sent / res["token_path_ms"] / 1e6
+    res["exchanges_GBps"] = (dispatched + sent) / res["exchanges_ms"] / 1e6
+    res["token_path_GBps"] = (dispatched + sent) / res["token_path_ms"] / 1e6
     return res
 
 
@@ -141,6 +149,10 @@ def _rank_measure(rank: int, world: int, configs: dict, shape: dict, dtype: str,
     with torch.no_grad():
         routing = a2a.router(x3)
     res = {"rank": rank, "all_to_all": _measure_all_to_all(a2a, x, x3, g, routing, group, iters, warmup)}
+    fp8 = MoELayer(configs["all_to_all"], EPTransport(group), device=device)
+    fp8.load_state_dict(a2a.state_dict())
+    install_wire([fp8], "triton" if cuda else "reference")
+    res["all_to_all_fp8"] = _measure_all_to_all(fp8, x, x3, g, routing, group, iters, warmup)
     try:
         dep = MoELayer(configs["deepep"], EPTransport(group), device=device)
         dep.load_state_dict(a2a.state_dict())
@@ -187,9 +199,13 @@ def run(args) -> dict:
     measure_args = (configs, shape, dtype, iters, warmup)
     ranks = run_ranks(_rank_measure, WORLD, *measure_args, cuda=cuda)
     summary = {}
-    for name in ("all_to_all", "deepep"):
+    for name in ("all_to_all", "all_to_all_fp8", "deepep"):
         summary[name] = {k: _worst(ranks, (name, k)) for k in
                          ("token_path_ms", "exchanges_ms", "layer_fwd_bwd_ms")}
+    summary["all_to_all_fp8"]["dispatch_bytes_over_bf16"] = (
+        ranks[0]["all_to_all_fp8"]["dispatch_bytes"] / ranks[0]["all_to_all"]["dispatch_bytes"])
+    b, f = summary["all_to_all"]["exchanges_ms"], summary["all_to_all_fp8"]["exchanges_ms"]
+    summary["all_to_all_fp8"]["exchanges_speedup"] = b / f
     summary["deepep_replay_dispatch_ms"] = {k: _worst(ranks, ("deepep", "replay_dispatch_ms", k))
                                             for k in ("fresh", "cached_handle", "saved_op")}
     a, d = summary["all_to_all"]["layer_fwd_bwd_ms"], summary["deepep"]["layer_fwd_bwd_ms"]
@@ -212,10 +228,14 @@ def print_table(r: dict) -> None:
     s = r["summary"]
     print(f"DeepEP vs all_to_all on {r['device']} (torch {r['torch']}, {r['dtype']}, commit {r['commit'][:10]}, "
           f"{r['num_sms']} SMs): {r['shape']}")
-    print(f"  {'(worst rank)':28s} {'all_to_all':>12s} {'deepep':>12s}")
+    print(f"  {'(worst rank)':28s} {'all_to_all':>12s} {'+ fp8 wire':>12s} {'deepep':>12s}")
     for key, label in (("token_path_ms", "dispatch+combine path"), ("exchanges_ms", "exchanges only"),
                        ("layer_fwd_bwd_ms", "MoE layer fwd+bwd")):
-        print(f"  {label:28s} {_fmt(s['all_to_all'][key])} {_fmt(s['deepep'][key])}")
+        print(f"  {label:28s} {_fmt(s['all_to_all'][key])} {_fmt(s['all_to_all_fp8'][key])} "
+              f"{_fmt(s['deepep'][key])}")
+    f = s["all_to_all_fp8"]
+    print(f"  fp8 dispatch: {f['dispatch_bytes_over_bf16']:.3f}x the bf16 dispatch bytes, exchanges "
+          f"{f['exchanges_speedup']:.2f}x the bf16 ones")
     for rank in r["ranks"]:
         a, d = rank["all_to_all"], rank["deepep"]
         line = f"  rank {rank['rank']}: all_to_all {a['exchanges_GBps']:.1f} GB/s"

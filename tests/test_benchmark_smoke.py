@@ -35,7 +35,7 @@ def test_smoke_mode_runs(script, tmp_path):
     out = tmp_path / f"{script}.json"
     args = ["--out", str(out)] if script in ("e2e", "profile_step", "matrix", "precision", "memory_plan",
                                              "ac_validation_cost", "dsa_e2e", "kl_sparse", "kl_dense",
-                                             "dsa_id_overlap", "dsa_saved") else []
+                                             "dsa_id_overlap", "dsa_saved", "deepep") else []
     if script == "matrix":
         args += ["--runs", str(tmp_path / "runs")]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args], cwd=tmp_path,
@@ -49,6 +49,12 @@ def test_smoke_mode_runs(script, tmp_path):
         assert sorted(rows) == ["dense", "dsa"] and not any("error" in r for r in rows.values())
         assert report["dsa_over_dense_step_time"] == rows["dsa"]["step_time_s"] / rows["dense"]["step_time_s"]
         assert all(0 < run["predicted_peak_gib"] < 0.1 for run in report["runs"].values())  # spartron plan's
+    if script == "deepep":  # gloo: the all_to_all side with and without the FP8 wire (dim 128: 128 + 4 bytes a row)
+        for rank in report["ranks"]:
+            bf16, fp8 = rank["all_to_all"], rank["all_to_all_fp8"]
+            assert bf16["dispatch_bytes"] == bf16["combine_bytes"] == fp8["combine_bytes"]
+            assert fp8["dispatch_bytes"] * 256 == bf16["dispatch_bytes"] * 132
+        assert report["summary"]["all_to_all_fp8"]["dispatch_bytes_over_bf16"] == 132 / 256
     if script == "kl_dense":  # on CPU both inputs take the float32 products: the same values, the grads rounded
         assert report["rel_diff_bf16_vs_float32"] == {"kl": 0.0, "dq": 0.0, "dw": 0.0, "dk": 0.0}
         assert len(report["results"]["bf16_inputs"]["steps_ms"]) == report["iters"] == 2
