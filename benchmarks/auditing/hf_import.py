@@ -11,6 +11,9 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from benchmarks.auditing import stfile as st
 from benchmarks.auditing.core import Case, decoy, train
 
@@ -81,6 +84,30 @@ def _pickle_bin(work: Path) -> None:
     for path in (work / "hf").glob("*.safetensors*"):
         path.unlink()
     (work / "hf" / "pytorch_model.bin").write_bytes(pickle.dumps(Reduce(), protocol=4))
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def _fp8_store(damage: Callable[[dict], None] | None = None) -> Callable[[Path], None]:
+    """The checkpoint with one expert weight stored as DeepSeek's FP8 release stores it (E4M3 plus a 128 x 128
+    block scale_inv, config.json's quantization_config), then `damage` applied to its tensors."""
+    def setup(work: Path) -> None:
+        path = work / "hf" / st.SHARD
+        tensors = load_file(path)
+        w = tensors[st.EXPERT].float()
+        scale = (w.abs().amax() / 448).clamp(min=1e-12).reshape(1, 1)
+        tensors[st.EXPERT] = (w / scale).to(torch.float8_e4m3fn)
+        tensors[st.EXPERT + "_scale_inv"] = scale.expand(-(-w.shape[0] // 128), -(-w.shape[1] // 128)).contiguous()
+        if damage is not None:
+            damage(tensors)
+        save_file(tensors, str(path))
+        _set("quantization_config", FP8_CONFIG)(work)
+        if (work / "hf" / st.INDEX).is_file():  # the index maps what the shard now holds
+            st.json_edit(st.INDEX, lambda index: index.__setitem__("weight_map", {
+                **{n: f for n, f in index["weight_map"].items() if n in tensors or f != st.SHARD},
+                **{n: st.SHARD for n in tensors}}))(work)
+    return setup
 
 
 def _hostile() -> list[tuple]:
@@ -216,9 +243,27 @@ def _hostile() -> list[tuple]:
     add("config-model-type", _set("model_type", "llama"), ["model_type", "llama"], "values")
     add("config-architecture", _set("architectures", ["LlamaForCausalLM"]), ["architectures", "Llama"], "values")
     add("config-torch-dtype-int8", _set("torch_dtype", "int8"), ["torch_dtype", "int8"], "dtypes")
-    add("config-fp8-quantized", _set("quantization_config", {"quant_method": "fp8", "fmt": "e4m3",
-                                                             "weight_block_size": [128, 128]}),
-        ["quantization_config", "fp8"], "dtypes")
+    add("config-fp8-quantized", _set("quantization_config", FP8_CONFIG), (), "dtypes", accept_ok=True,
+        note="DeepSeek's quantization_config over float weights (fp8_cast_bf16 leaves it in config.json): no "
+             "E4M3 tensor, the floats are read as they are")
+    # DeepSeek's FP8 release format (spartron.interop.hf.fp8_storage): E4M3 weights with blockwise scale_inv
+    scale = st.EXPERT + "_scale_inv"
+    add("fp8-stored", _fp8_store(), (), "dtypes", accept_ok=True,
+        note="DeepSeek's FP8 release format: imported dequantised (fp8 x scale_inv in float32)")
+    add("fp8-scale-missing", _fp8_store(lambda t: t.pop(scale)), [st.EXPERT, "_scale_inv"], "corrupt")
+    add("fp8-scale-shape", _fp8_store(lambda t: t.__setitem__(scale, torch.ones(3, 3))), [scale, "[3, 3]"],
+        "dtypes")
+    add("fp8-scale-orphan", _fp8_store(lambda t: t.__setitem__(st.NORM + "_scale_inv", torch.ones(1, 1))),
+        [st.NORM + "_scale_inv"], "corrupt")
+    add("fp8-scale-nan", _fp8_store(lambda t: t[scale].__setitem__((0, 0), float("nan"))), [st.EXPERT, "non-finite"],
+        "nonfinite")
+    add("fp8-scale-inf", _fp8_store(lambda t: t[scale].fill_(float("inf"))), [st.EXPERT, "non-finite"], "nonfinite")
+    add("fp8-e5m2-config", lambda w: (_fp8_store()(w), _set("quantization_config", {**FP8_CONFIG, "fmt": "e5m2"})(w)),
+        ["quantization_config", "e5m2"], "dtypes")
+    add("fp8-block-zero", _set("quantization_config", {**FP8_CONFIG, "weight_block_size": [0, 128]}),
+        ["quantization_config", "weight_block_size"], "values")
+    add("fp8-block-huge", _set("quantization_config", {**FP8_CONFIG, "weight_block_size": [2**40, 128]}),
+        ["quantization_config", "weight_block_size"], "sizes")
     add("config-rope-scaling-bad", _set("rope_scaling", {"type": "yarn", "factor": -1.0}), ["rope_scaling", "factor"],
         "values")
     add("config-rope-scaling-kind", _set("rope_scaling", {"type": "dynamic", "factor": 2.0}),
@@ -245,7 +290,8 @@ INIT_TOO = ("dtype-i8-embed", "dtype-i32-expert", "dtype-bool-bias", "dtype-bf16
             "shape-", "nan-embed", "missing-tensor", "shard-lacks-indexed", "index-traversal", "config-fifo",
             "shard-fifo", "hf-cache-layout", "st-truncated-half", "st-offsets-past-end", "st-header-len-huge",
             "config-hidden_size", "config-num_hidden_layers", "config-vocab_size-huge", "config-rms_norm_eps",
-            "config-model-type", "config-fp8-quantized", "config-not-json", "dir-missing", "pickle-only")
+            "config-model-type", "config-fp8-quantized", "config-not-json", "dir-missing", "pickle-only",
+            "fp8-stored", "fp8-scale-missing", "fp8-scale-nan")
 
 
 def cases() -> list[Case]:

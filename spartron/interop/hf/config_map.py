@@ -17,7 +17,9 @@ logits); the differences that matter:
 - RoPE: Spartron rotates interleaved pairs (`rope_interleave = true`, the DeepSeek default);
 - MTP: `num_nextn_predict_layers` is honoured only when the checkpoint holds those layers
   (`model.layers.{num_hidden_layers + k}.*`); transformers' own `save_pretrained` writes none.
-- a float16 checkpoint is imported as float32 (exact); fp8 `quantization_config` is refused.
+- a float16 checkpoint is imported as float32 (exact); DeepSeek's blockwise FP8 (`quantization_config`
+  quant_method "fp8", fmt "e4m3") is imported dequantised (spartron.interop.hf.fp8_storage), any other
+  quantization refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from spartron.interop.hf.config_fields import cross_field_problems, field_problems
+from spartron.interop.hf.fp8_storage import storage_block
 from spartron.layers.config import ModelConfig
 
 V3, V32 = "deepseek_v3", "deepseek_v32"
@@ -164,7 +167,9 @@ def model_config_from_hf(hf: dict[str, Any], mtp_layers: int | None = None) -> M
     require("scoring_func", lambda v: v == "sigmoid", "DeepSeek-V3 routing is sigmoid")
     require("topk_method", lambda v: v == "noaux_tc", "Spartron routes with DeepSeek-V3's noaux_tc rule")
     require("moe_layer_freq", lambda v: v == 1, "every layer after first_k_dense_replace is MoE in Spartron")
-    require("quantization_config", lambda v: v is None, "quantized weights (dequantize to bf16 first)")
+    used.add("quantization_config")
+    if hf.get("quantization_config") is not None and isinstance(why := storage_block(hf["quantization_config"]), str):
+        problems.add("quantization_config", f"{hf['quantization_config']!r}: {why}")
     heads = get("num_attention_heads", 128)
     require("num_key_value_heads", lambda v: v in (None, heads),
             f"must equal num_attention_heads ({heads}): MLA has one KV head per attention head")

@@ -48,8 +48,10 @@ from spartron.interop.hf.folder import (
     read_json,
     weight_files,
 )
+from spartron.interop.hf.fp8_storage import SCALE_SUFFIX, scaled_weights
 from spartron.interop.hf.header import FLOAT_WEIGHTS
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
+from spartron.interop.hf.reader import BoxReader, box_index, storage_block_of
 from spartron.layers.config import ModelConfig
 from spartron.optional import require
 from spartron.temporaries import make_sibling, remove_stale
@@ -93,10 +95,6 @@ def _intersect(piece: Piece, local: Box) -> tuple[Box, Box] | None:
             s0 = piece.src[dim - drop][0] + (lo - a)
             src.append((s0, s0 + hi - lo))
     return tuple(dst), tuple(src)
-
-
-def _index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 @dataclass
@@ -149,32 +147,29 @@ def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[
                                 "num_nextn_predict_layers and q_lora_rank decide which tensors exist)")
 
 
-def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> TensorMap:
-    """Every tensor's name, dtype and shape against the config, from the shards' headers, before any is read."""
+def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> tuple[TensorMap, dict[str, str]]:
+    """Every tensor's name, dtype and shape against the config, from the shards' headers, before any is read.
+    Returns the tensor map and the FP8-stored weights' scale names (fp8_storage)."""
     first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
     tmap = tensor_map(cfg, stacked=first_moe in files)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
-    _check_names(hf_dir, set(files), tmap, optional)
+    block = storage_block_of(hf_dir)
+    scales = {n for n in files if n.endswith(SCALE_SUFFIX)} if block is not None else set()
+    _check_names(hf_dir, set(files) - scales, tmap, optional)
     infos = checked_headers(hf_dir, files)
+    fp8, why = scaled_weights(infos, block)
+    if why is not None:
+        raise HFCheckpointError(f"{hf_dir}: {why} (config.json's quantization_config stores blockwise FP8)")
     shapes = {**tmap.hf_shapes(), **{hf: tmap.shapes[ours] for hf, ours in optional.items()}}
-    for name in sorted((n for n in files if not ignored_tensor(n)), key=_hf_order):
+    for name in sorted((n for n in files if not ignored_tensor(n) and n not in scales), key=_hf_order):
         info, where = infos[name], hf_dir / files[name]
-        if info.dtype not in FLOAT_WEIGHTS:
+        if info.dtype not in FLOAT_WEIGHTS and name not in fp8:
             raise HFCheckpointError(f"{where}: {name} is {info.dtype}; Spartron imports float32, bfloat16 or "
                                     "float16 weights (dequantize or convert it first)")
         if info.shape != shapes[name]:
             raise HFCheckpointError(f"{where}: {name} has shape {list(info.shape)}, its config.json gives "
                                     f"{list(shapes[name])}")
-    return tmap
-
-
-def _finite_read(path: Path, name: str, t: Tensor) -> Tensor:
-    """`t` (the part of `name` this rank reads), refused if any value is NaN or Inf: a run would train into a
-    NaN loss at its first step, and a converted state would only be refused at save, naming Spartron's tensor."""
-    if not bool(torch.isfinite(t).all()):
-        raise HFCheckpointError(f"{path}: {name} holds non-finite values (NaN or Inf): nothing is imported "
-                                "from a checkpoint with them")
-    return t
+    return tmap, fp8
 
 
 def _read_error(path: Path, name: str, err: Exception) -> HFCheckpointError:
@@ -195,7 +190,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
     cfg = cfg or _config_of(hf_dir, files)
     if check_config and isinstance(getattr(model, "cfg", None), ModelConfig):
         check_config_matches(model.cfg, cfg)
-    tmap = _check_tensors(hf_dir, files, cfg)
+    tmap, fp8 = _check_tensors(hf_dir, files, cfg)
+    reader = BoxReader(hf_dir, files, fp8, _safetensors().safe_open)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
     targets = _targets(model, tmap)
     filled = {name: 0 for name in targets}
@@ -215,9 +211,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
                     if boxes is None:
                         continue
                     dst, src = boxes
-                    region = target.tensor[_index(dst)]
-                    region.copy_(_finite_read(hf_dir / file, p.hf, f.get_slice(p.hf)[_index(src)]).reshape(
-                        region.shape))
+                    region = target.tensor[box_index(dst)]
+                    region.copy_(reader.read(f, file, p.hf, src).reshape(region.shape))
                     filled[p.spartron] += region.numel()
         except HFCheckpointError:
             raise
@@ -227,7 +222,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
         target = targets[ours]
         try:
             with safe_open(str(hf_dir / files[hf_name]), framework="pt") as f:
-                theirs = _finite_read(hf_dir / files[hf_name], hf_name, f.get_slice(hf_name)[_index(target.box)])
+                theirs = reader.read(f, files[hf_name], hf_name, target.box)
         except HFCheckpointError:
             raise
         except Exception as err:  # noqa: BLE001 - as above
@@ -304,8 +299,8 @@ def _hf_tensor(hf_name: str, shape: tuple[int, ...], pieces: list[Piece], tensor
     source = tensors[pieces[0].spartron]
     out = torch.empty(shape, dtype=source.dtype)
     for p in pieces:
-        region = out[_index(p.src)]
-        region.copy_(tensors[p.spartron][_index(p.dst)].reshape(region.shape))
+        region = out[box_index(p.src)]
+        region.copy_(tensors[p.spartron][box_index(p.dst)].reshape(region.shape))
     return out
 
 
