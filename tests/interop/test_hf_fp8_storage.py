@@ -181,3 +181,30 @@ def test_a_scale_in_another_shard_than_its_weight_is_read_from_there(hf_dir, tmp
                   **{n: "model-00002-of-00002.safetensors" for n in second}}
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     assert torch.equal(loaded_model(path).layers["1"].attn.wq_a.weight, expected[WQ])
+
+
+def _fsdp_rank(rank, world, hf_dir: str, out: str):
+    from spartron.interop.hf import export_hf
+    from spartron.parallel.dims import ParallelDims
+    from spartron.parallel.groups import ParallelGroups
+    from spartron.runtime.config import config_from_dict
+    from spartron.runtime.trainer import default_model_factory
+
+    model_cfg, load = import_hf(hf_dir)
+    cfg = config_from_dict({"device": "cpu", "model": model_cfg.model_dump(mode="json"), "train": {"seq_len": 16}})
+    model = default_model_factory(cfg, ParallelGroups.build(ParallelDims(world, fsdp=world), "cpu"))
+    load(model)  # each rank reads its FSDP2 rows: boxes that start inside a scale block (12 of 24 rows, blocks of 16)
+    export_hf(model, out)
+    return model.layers["1"].attn.wq_a.weight.to_local().shape[0]
+
+
+def test_fsdp2_ranks_read_their_boxes_of_an_fp8_checkpoint(hf_dir, tmp_path):
+    from spartron.testing import run_distributed
+
+    expected = fp8_checkpoint(hf_dir, tmp_path / "fp8")
+    rows = run_distributed(_fsdp_rank, 2, str(tmp_path / "fp8"), str(tmp_path / "out"), timeout=180)
+    assert rows == [12, 12]
+    exported = {n: t for f in (tmp_path / "out").glob("*.safetensors") for n, t in load_file(f).items()}
+    assert set(exported) == set(expected)  # the weights, dequantised; no scale is exported
+    for name, t in exported.items():
+        assert torch.equal(t, expected[name]), name
