@@ -163,9 +163,10 @@ def _plain() -> list[str]:
 def interrupted_runs() -> list[Case]:
     """A run killed mid-training (or mid-save), then resumed: the resume must find a complete step and go on."""
     out: list[Case] = []
-    # long enough that the signal, sent once step 2 is logged, always lands mid-run (6 steps could finish first)
-    run = train("train.steps=20", "train.save_every=1", "name=k")
-    resume = train("train.steps=21", "train.save_every=10", "name=k")
+    # long enough that the signal, sent once step 2 is logged, lands mid-run: 6 steps could finish first, and so
+    # did 20 once under a full audit's load (session 17)
+    run = train("train.steps=60", "train.save_every=1", "name=k")
+    resume = train("train.steps=61", "train.save_every=10", "name=k")
     for signame in ("SIGTERM", "SIGINT", "SIGKILL"):
         for when, ready in (("after-step-2", has_records("runs/k/metrics.jsonl", 2)),
                             ("during-save", lambda w: any((w / "runs" / "k").glob("step-*")))):
