@@ -147,9 +147,10 @@ def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[
                                 "num_nextn_predict_layers and q_lora_rank decide which tensors exist)")
 
 
-def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> tuple[TensorMap, dict[str, str]]:
+def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> tuple[TensorMap, dict[str, str],
+                                                                                   tuple[int, int] | None]:
     """Every tensor's name, dtype and shape against the config, from the shards' headers, before any is read.
-    Returns the tensor map and the FP8-stored weights' scale names (fp8_storage)."""
+    Returns the tensor map, the FP8-stored weights' scale names and config.json's scale block (fp8_storage)."""
     first_moe = f"model.layers.{cfg.first_k_dense}.mlp.experts.gate_up_proj"
     tmap = tensor_map(cfg, stacked=first_moe in files)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
@@ -169,7 +170,7 @@ def _check_tensors(hf_dir: Path, files: dict[str, str], cfg: ModelConfig) -> tup
         if info.shape != shapes[name]:
             raise HFCheckpointError(f"{where}: {name} has shape {list(info.shape)}, its config.json gives "
                                     f"{list(shapes[name])}")
-    return tmap, fp8
+    return tmap, fp8, block
 
 
 def _read_error(path: Path, name: str, err: Exception) -> HFCheckpointError:
@@ -190,8 +191,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | Non
     cfg = cfg or _config_of(hf_dir, files)
     if check_config and isinstance(getattr(model, "cfg", None), ModelConfig):
         check_config_matches(model.cfg, cfg)
-    tmap, fp8 = _check_tensors(hf_dir, files, cfg)
-    reader = BoxReader(hf_dir, files, fp8, _safetensors().safe_open)
+    tmap, fp8, block = _check_tensors(hf_dir, files, cfg)
+    reader = BoxReader(hf_dir, files, fp8, block, _safetensors().safe_open)
     optional = {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
     targets = _targets(model, tmap)
     filled = {name: 0 for name in targets}

@@ -47,11 +47,10 @@ def storage_block(quantization: object) -> tuple[int, int] | str:
 def scaled_weights(infos: dict[str, TensorInfo], block: tuple[int, int] | None) -> tuple[dict[str, str], str | None]:
     """({E4M3 weight: its scale's name}, None) of a checkpoint's headers, or ({}, why they do not fit `block`: a
     scale without its E4M3 weight, an E4M3 weight without its scale, a scale of another shape or dtype)."""
-    scales = {name for name in infos if name.endswith(SCALE_SUFFIX)}
     if block is None:
         return {}, None  # no quantization_config: a scale is an unexpected tensor, an E4M3 weight a refused dtype
     out = {}
-    for scale in sorted(scales):
+    for scale in sorted(name for name in infos if name.endswith(SCALE_SUFFIX)):
         weight = scale.removesuffix(SCALE_SUFFIX)
         if weight not in infos or infos[weight].dtype != FP8:
             return {}, f"{scale} scales no {FP8} tensor {weight}"

@@ -37,12 +37,13 @@ def storage_block_of(hf_dir: Path) -> tuple[int, int] | None:
 
 
 class BoxReader:
-    """Boxes of a checkpoint's tensors; `fp8` maps each E4M3-stored weight to its scale's name (scaled_weights),
-    the scales read from whichever shard holds them (`safe_open`: safetensors')."""
+    """Boxes of a checkpoint's tensors; `fp8` maps each E4M3-stored weight to its scale's name (scaled_weights)
+    and `block` is config.json's scale block (storage_block_of), the scales read from whichever shard holds them
+    (`safe_open`: safetensors')."""
 
-    def __init__(self, hf_dir: Path, files: dict[str, str], fp8: dict[str, str], safe_open: Callable) -> None:
-        self.hf_dir, self.files, self.fp8, self.safe_open = hf_dir, files, fp8, safe_open
-        self.block = storage_block_of(hf_dir) if fp8 else None
+    def __init__(self, hf_dir: Path, files: dict[str, str], fp8: dict[str, str], block: tuple[int, int] | None,
+                 safe_open: Callable) -> None:
+        self.hf_dir, self.files, self.fp8, self.block, self.safe_open = hf_dir, files, fp8, block, safe_open
 
     def read(self, f, file: str, name: str, src: Box) -> Tensor:  # noqa: ANN001 - a safetensors safe_open handle
         values = f.get_slice(name)[box_index(src)]
