@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -142,9 +143,9 @@ def main() -> int:
         return 2
     start_trainer_benchmark(args)
     report = trainer_report_header("memory_peak", args, 1)
-    run_dir = Path(f"/tmp/spartron-memory-peak-{time.time_ns()}")
+    run_dir = tempfile.TemporaryDirectory(prefix="spartron-memory-peak-")  # as the other Trainer benchmarks
     overrides = [f"train.steps={args.steps}", "train.save_every=0", "train.resume=false", "train.progress=false",
-                 f"train.run_dir={run_dir}", *args.set]
+                 f"train.run_dir={Path(run_dir.name) / 'run'}", *args.set]
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg).setup()
     records, marks = [], []
@@ -169,6 +170,7 @@ def main() -> int:
         by_owner = attribute(peak_live, sorted(dict(held + owners(trainer)).items()))
     finally:
         trainer.close()
+        run_dir.cleanup()
     measured = records[-1]["peak_memory_allocated_bytes"]
     when = trace[peak_at].get("time_us") if peak_at >= 0 else None
     phase = max((m for m in marks if when is not None and m[0] <= when), default=(None, None))[1]
