@@ -86,12 +86,16 @@ def test_the_swiglu_backward_is_swiglus():
     assert torch.equal(h13.grad[:, 128:], dh * F.silu(gate))
 
 
-@pytest.mark.parametrize("m, k, n", [(256, 384, 640), (384, 512, 256), (128, 128, 128)])
-def test_scaled_mm_scale_layouts_pass_torchs_checks(m, k, n):
-    """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks: K/128 = 3 needs
-    the 128x128 scales padded to 4 rows, and the wgrad's right-hand 1x128 scales are [K, tiles]
-    outer-dim-major (both were wrong: every such GEMM raised on the GPU)."""
+@pytest.mark.parametrize("counts, k, n", [([256], 384, 640), ([384], 512, 256), ([128], 128, 128), ([5], 128, 256),
+                                          ([100, 0, 300, 17], 384, 640), ([0, 129, 1], 256, 128)])
+def test_scaled_mm_group_operands_pass_torchs_checks(counts, k, n):
+    """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks on every group's
+    arguments: K/128 = 3 needs the 128x128 scales padded to 4 rows, the wgrad's right-hand 1x128
+    scales are [K, tiles] outer-dim-major, a group's row scales are their own [rows, K/128] buffer
+    (a strided slice of all rows' scales is refused), and groups of any size (an empty one skipped)."""
     fp8 = torch.float8_e4m3fn
+    m, groups = sum(counts), len(counts)
+    gc = scaled_mm_backend.GroupCounts(torch.tensor(counts, dtype=torch.int32), counts)
 
     def q(*shape):
         return torch.empty(*shape, dtype=fp8, device="meta")
@@ -99,23 +103,33 @@ def test_scaled_mm_scale_layouts_pass_torchs_checks(m, k, n):
     def s(*shape):
         return torch.empty(*shape, device="meta")
 
-    assert scaled_mm_backend.fprop(q(m, k), s(k // 128, m), q(n, k), s(n // 128, k // 128), torch.bfloat16).shape \
-        == (m, n)
-    # dgrad's weight as quantize_blocks_t writes it: w^T [K, N], scales [K/128, N/128]
-    assert scaled_mm_backend.dgrad(q(m, n), s(n // 128, m), q(k, n), s(k // 128, n // 128), torch.bfloat16).shape \
-        == (m, k)
-    # wgrad's operands in the slot-aligned layout of one group: [C, (M/128 + 1) * 128], scales slot-major
-    slots = m // 128 + 1
-    assert scaled_mm_backend.wgrad(q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t(),
-                                   torch.bfloat16).shape == (n, k)
+    def run(kind, a, sa, b, sb):
+        ops = scaled_mm_backend.group_operands(kind, a, sa, b, sb, gc)
+        assert [g for g, _, _ in ops] == [g for g, c in enumerate(counts) if c]
+        return [(rows, F.scaled_mm(*args, output_dtype=torch.bfloat16).shape) for _, rows, args in ops]
+
+    starts = [sum(counts[:g]) for g in range(groups)]
+    rows = [(slice(r0, r0 + c), (c, n)) for r0, c in zip(starts, counts, strict=True) if c]
+    assert run("fprop", q(m, k), s(k // 128, m), q(groups, n, k), s(groups, n // 128, k // 128)) == rows
+    # dgrad's weight as quantize_blocks_t writes it: w^T [G, K, N], scales [G, K/128, N/128] (a view)
+    assert run("dgrad", q(m, n), s(n // 128, m), q(groups, k, n), s(groups, n // 128, k // 128).transpose(1, 2)) \
+        == [(r, (c, k)) for r, (c, _) in rows]
+    # wgrad's operands in the slot-aligned layout: [C, T * 128], scales [C, T] slot-major
+    slots = m // 128 + groups
+    assert run("wgrad", q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t()) \
+        == [(None, (n, k))] * len(rows)
 
 
-def test_block_scale_pads_to_four_rows_column_major():
-    s = torch.arange(6.0).reshape(3, 2)  # [K/128 = 3, N/128 = 2]
-    out = scaled_mm_backend.block_scale(s)
-    assert out.shape == (4, 2) and out.stride() == (1, 4)
-    assert torch.equal(out[:3], s) and torch.equal(out[3], torch.zeros(2))
-    cols = torch.arange(12.0).reshape(4, 3).t()  # [C = 3, T = 4 slots] slot-major, 2 used
-    picked = scaled_mm_backend.cols_scale(cols, 2)
-    assert picked.stride() == (1, 3) and torch.equal(picked, cols[:, :2])
-    assert picked.data_ptr() == cols.data_ptr()  # a view: no copy
+def test_group_ranges_follow_the_counts():
+    gc = scaled_mm_backend.GroupCounts(torch.tensor([300, 0, 128, 1]), [300, 0, 128, 1])
+    assert scaled_mm_backend._row_ranges(gc, 429) == [(0, 0, 300), (2, 300, 128), (3, 428, 1)]
+    assert scaled_mm_backend._slot_ranges(gc) == [(0, 0, 3), (2, 3, 1), (3, 4, 1)]
+    with pytest.raises(ValueError, match="tokens_per_expert sums to 429, x has 430 rows"):
+        scaled_mm_backend._row_ranges(gc, 430)
+
+
+def test_block_scales_pad_to_four_rows_column_major():
+    s = torch.arange(12.0).reshape(2, 2, 3)  # [G = 2, N/128 = 2, K/128 = 3]
+    out = scaled_mm_backend.block_scales(s)
+    assert out.shape == (2, 4, 2) and out[1].stride() == (1, 4)
+    assert torch.equal(out[:, :3], s.transpose(1, 2)) and torch.equal(out[:, 3], torch.zeros(2, 2))

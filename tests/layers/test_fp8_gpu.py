@@ -192,6 +192,48 @@ def test_torch_scaled_mm_dense_linear_matches_the_reference(k):
     torch.testing.assert_close(w.grad.float(), ref_w.grad.float(), rtol=1e-2, atol=5e-2)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
+    """One cuBLAS GEMM per group, each writing its rows (wgrad: its slots) in place: groups of 1, 63, 65,
+    319 rows and empty ones (an empty group's wgrad is zeros), at fp8 MMA precision of the reference."""
+    from spartron.layers.fp8 import scaled_mm_backend as sb
+
+    c = torch.tensor([1, 0, 63, 64, 65, 0, 319], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(7, 384, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    grad = torch.randn(512, 384, device="cuda", generator=g).bfloat16()
+    xq, wq = quant.quantize_rows(x, True), quant.quantize_blocks(w, True)
+    _close_at_fp8_mma_precision(sb.fprop(*xq, *wq, c, torch.float32), reference.fprop(*xq, *wq, c, torch.float32))
+    gq, wt = quant.quantize_rows(grad, True), quant.quantize_blocks_t(w, True)
+    _close_at_fp8_mma_precision(sb.dgrad(*gq, *wt, c, torch.float32), reference.dgrad(*gq, *wt, c, torch.float32))
+    gt, xt = quant.quantize_cols_grouped(grad, c, True), quant.quantize_cols_grouped(x, c, True)
+    out = sb.wgrad(*gt, *xt, c, torch.float32)
+    _close_at_fp8_mma_precision(out, reference.wgrad(*gt, *xt, c, torch.float32))
+    assert not out[1].any() and not out[5].any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+def test_torch_scaled_mm_experts_match_the_triton_experts():
+    """The routed experts' fused ops (w1|w3 pair, SwiGLU-quantised w2) on cuBLAS against the Triton
+    kernels: the same quantised operands, so only the fp32 accumulation order differs."""
+    c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
+    x, w, grad = _inputs(512, seed=2)
+    w1, w3 = w[:, :256], w[:, 128:]
+    w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()
+    results = {}
+    for backend in ("triton", "torch_scaled_mm"):
+        leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
+        xl, w1l, w3l, w2l = leaves
+        out = swiglu_grouped_mm(grouped_mm_pair(xl, w1l, w3l, c, backend, True, []), w2l, c, backend, True, [])
+        out.backward(grad[:, :256])
+        results[backend] = [out] + [t.grad for t in leaves]
+    for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["torch_scaled_mm"], results["triton"],
+                               strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -6 * want.abs().max().item(),
+                                   msg=name)
+
+
 def test_fp8_dispatch_wire_on_the_gpu_equals_the_reference_and_keeps_the_forward():
     """model.fp8.dispatch with the Triton quantiser: the wire bytes equal the reference's, and a mirrored EP-4
     rank's FP8 MoE layer gives the bf16-dispatch layer's output and input gradient bitwise."""

@@ -13,6 +13,8 @@ w1 | w3 boundary, I being a multiple of 128) except dx of the pair: one fp32 con
 rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/layers/test_fp8_fused.py). The experts'
 sequences take their weights' quantisation from
 the weight cache when it is on (`cached`: weight_blocks' list; spartron.layers.fp8.weight_cache).
+Each sequence takes its group counts through `impl.group_counts` once (a backend that loops over the
+groups on the host reads them there, one sync per op).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 
 def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
+    counts = impl.group_counts(counts)
     return impl.fprop(*impl.quantize_rows(x, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
 
 
@@ -33,6 +36,7 @@ def _wgrad(impl, grad: Tensor, xcols: tuple[Tensor, Tensor], counts: Tensor, pow
 def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool,
              wt: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """`wt`: w's transposed blocks [q^T, s^T] when cached (None: quantise here)."""
+    counts = impl.group_counts(counts)
     wt = wt or impl.quantize_blocks_t(w, pow2)
     dx = impl.dgrad(*impl.quantize_rows(grad, pow2), *wt, counts, x.dtype)
     return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
@@ -42,6 +46,7 @@ def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: 
                  cached: list[Tensor]) -> Tensor:
     """x @ [w1; w3]^T per expert: one GEMM of N = 2I -> h13 [M, 2I] (gate | up). `cached`: the
     weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here)."""
+    counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
     return impl.fprop(*impl.quantize_rows(x, pow2), *q, counts, x.dtype)
 
@@ -52,6 +57,7 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
     recipe's definition, Megatron's fused fc1 alike; not the bf16 sum dx1 + dx3 of two GEMMs). dw1, dw3:
     the wgrad over each half of g13's columns (128x1 tiles are per column: the halves' quantisation is
     each half's own)."""
+    counts = impl.group_counts(counts)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
     dx = impl.dgrad(*impl.quantize_rows(g13, pow2), *wt, counts, x.dtype)
     gq, gs = impl.quantize_cols_grouped(g13, counts, pow2)
@@ -64,6 +70,7 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
 def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cached: list[Tensor]) -> Tensor:
     """silu(gate) * up of h13 = gate | up (read in place), quantised where produced, @ w^T."""
     i = h13.shape[1] // 2
+    counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks(w, pow2)
     return impl.fprop(*impl.swiglu_quantize_rows(h13[:, :i], h13[:, i:], pow2), *q, counts, h13.dtype)
 
@@ -74,6 +81,7 @@ def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
     spartron.layers.ffn.swiglu runs it (the same kernels on the same values), written into the two
     halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
     i = h13.shape[1] // 2
+    counts = impl.group_counts(counts)
     gate, up = h13[:, :i], h13[:, i:]
     silu = F.silu(gate)
     dh, dw = backward(impl, grad, silu * up, w, counts, pow2, cached[2:4] if cached else None)

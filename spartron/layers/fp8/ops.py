@@ -9,8 +9,8 @@ quantisation from the same inputs (deterministic), and offload sees the same bf1
 As one op each, compile and the policy see one boundary per GEMM.
 
 `backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
-Hopper), "torch_scaled_mm" (dense GEMMs through torch's blockwise `scaled_mm`, grouped ones through
-Spartron's Triton kernels: torch has no sm90 blockwise grouped GEMM).
+Hopper), "torch_scaled_mm" (every GEMM through torch's blockwise `scaled_mm`, a grouped one as a loop
+over its groups: torch has no sm90 blockwise grouped GEMM).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ BACKENDS = ("reference", "triton", "torch_scaled_mm")
 
 
 def backend_impl(backend: str):
-    """The primitives module of `backend` (grouped GEMMs: torch_scaled_mm runs them on the Triton kernels)."""
+    """The primitives module of `backend`."""
     if backend == "reference":
         from spartron.layers.fp8 import reference as impl
-    elif backend in ("triton", "torch_scaled_mm"):
+    elif backend == "triton":
         from spartron.layers.fp8 import triton_backend as impl
+    elif backend == "torch_scaled_mm":
+        from spartron.layers.fp8 import scaled_mm_backend as impl
     else:
         raise ValueError(f"model.fp8.backend must be one of {BACKENDS}, got {backend!r}")
     return impl
-
-
-def _one_group(x2d: Tensor) -> Tensor:
-    return torch.tensor([x2d.shape[0]], dtype=torch.int32, device=x2d.device)
 
 
 # --- grouped ------------------------------------------------------------------------------------
@@ -80,17 +78,13 @@ grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 # --- dense --------------------------------------------------------------------------------------
 
 def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
-    if backend == "torch_scaled_mm":
-        from spartron.layers.fp8 import scaled_mm_backend
-        return scaled_mm_backend.linear_forward(x2d, w, pow2)
-    return gemms.forward(backend_impl(backend), x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+    impl = backend_impl(backend)
+    return gemms.forward(impl, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2)
 
 
 def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
-    if backend == "torch_scaled_mm":
-        from spartron.layers.fp8 import scaled_mm_backend
-        return scaled_mm_backend.linear_backward(g2d, x2d, w, pow2)
-    dx, dw = gemms.backward(backend_impl(backend), g2d, x2d, w.unsqueeze(0), _one_group(x2d), pow2)
+    impl = backend_impl(backend)
+    dx, dw = gemms.backward(impl, g2d, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2)
     return dx, dw.squeeze(0)
 
 

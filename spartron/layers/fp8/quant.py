@@ -89,6 +89,17 @@ def dequantize_blocks(q: Tensor, scale: Tensor) -> Tensor:
     return (blocks * scale[..., :, None, :, None]).reshape(q.shape)
 
 
+def group_counts(counts: Tensor) -> Tensor:
+    """The group counts as a backend's GEMMs take them: this device tensor (the "reference" and "triton"
+    backends; "torch_scaled_mm" reads them on the host once per op: its own group_counts)."""
+    return counts
+
+
+def one_group(x2d: Tensor) -> Tensor:
+    """The counts of a dense linear: one group of all rows."""
+    return torch.tensor([x2d.shape[0]], dtype=torch.int32, device=x2d.device)
+
+
 def tile_slots(rows: int, groups: int) -> int:
     """The static number of 128-row tile slots of `rows` rows split into `groups` groups."""
     return rows // TILE + groups

@@ -17,13 +17,16 @@ from spartron.layers.fp8.quant import (
     dequantize_blocks,
     dequantize_cols_grouped,
     dequantize_rows,
+    group_counts,
+    one_group,
     quantize_blocks,
     quantize_blocks_t,
     quantize_cols_grouped,
     quantize_rows,
 )
 
-__all__ = ["dgrad", "fprop", "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
+__all__ = ["dgrad", "fprop", "group_counts", "one_group",
+           "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
            "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows", "wgrad"]
 
 
