@@ -88,11 +88,11 @@ def test_the_swiglu_backward_is_swiglus():
 
 @pytest.mark.parametrize("counts, k, n", [([256], 384, 640), ([384], 512, 256), ([128], 128, 128), ([5], 128, 256),
                                           ([100, 0, 300, 17], 384, 640), ([0, 129, 1], 256, 128)])
-def test_scaled_mm_group_operands_pass_torchs_checks(counts, k, n):
-    """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks on every group's
-    arguments: K/128 = 3 needs the 128x128 scales padded to 4 rows, the wgrad's right-hand 1x128
-    scales are [K, tiles] outer-dim-major, a group's row scales are their own [rows, K/128] buffer
-    (a strided slice of all rows' scales is refused), and groups of any size (an empty one skipped)."""
+def test_scaled_mm_operands_pass_torchs_checks(counts, k, n):
+    """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks on the arguments of
+    every cuBLAS GEMM: K/128 = 3 needs the 128x128 scales padded to 4 rows, the wgrad's right-hand 1x128
+    scales are [K, tiles] outer-dim-major, one group's slots are views of any group count (an empty group
+    runs none), and the scales of half the rows of [w1; w3]'s gradient are copied to strides (1, N)."""
     fp8 = torch.float8_e4m3fn
     m, groups = sum(counts), len(counts)
     gc = scaled_mm_backend.GroupCounts(torch.tensor(counts, dtype=torch.int32), counts)
@@ -104,28 +104,30 @@ def test_scaled_mm_group_operands_pass_torchs_checks(counts, k, n):
         return torch.empty(*shape, device="meta")
 
     def run(kind, a, sa, b, sb):
-        ops = scaled_mm_backend.group_operands(kind, a, sa, b, sb, gc)
-        assert [g for g, _, _ in ops] == [g for g, c in enumerate(counts) if c]
-        return [(rows, F.scaled_mm(*args, output_dtype=torch.bfloat16).shape) for _, rows, args in ops]
+        return [(g, F.scaled_mm(*args, output_dtype=torch.bfloat16).shape)
+                for g, args in scaled_mm_backend.group_operands(kind, a, sa, b, sb, gc)]
 
-    starts = [sum(counts[:g]) for g in range(groups)]
-    rows = [(slice(r0, r0 + c), (c, n)) for r0, c in zip(starts, counts, strict=True) if c]
-    assert run("fprop", q(m, k), s(k // 128, m), q(groups, n, k), s(groups, n // 128, k // 128)) == rows
-    # dgrad's weight as quantize_blocks_t writes it: w^T [G, K, N], scales [G, K/128, N/128] (a view)
-    assert run("dgrad", q(m, n), s(n // 128, m), q(groups, k, n), s(groups, n // 128, k // 128).transpose(1, 2)) \
-        == [(r, (c, k)) for r, (c, _) in rows]
+    if groups == 1:
+        assert run("fprop", q(m, k), s(k // 128, m), q(1, n, k), s(1, n // 128, k // 128)) == [(0, (m, n))]
+        # dgrad's weight as quantize_blocks_t writes it: w^T [1, K, N], scales [1, K/128, N/128] (a view)
+        assert run("dgrad", q(m, n), s(n // 128, m), q(1, k, n), s(1, n // 128, k // 128).transpose(1, 2)) \
+            == [(0, (m, k))]
+    else:
+        with pytest.raises(ValueError, match=f"fprop on cuBLAS takes one group of all {m} rows"):
+            run("fprop", q(m, k), s(k // 128, m), q(groups, n, k), s(groups, n // 128, k // 128))
     # wgrad's operands in the slot-aligned layout: [C, T * 128], scales [C, T] slot-major
     slots = m // 128 + groups
-    assert run("wgrad", q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t()) \
-        == [(None, (n, k))] * len(rows)
+    expected = [(g, (n, k)) for g, c in enumerate(counts) if c]
+    assert run("wgrad", q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t()) == expected
+    half = s(slots, 2 * n).t()[:n]  # [w1; w3]'s gradient scales, w1's rows: strides (1, 2N)
+    assert run("wgrad", q(2 * n, slots * 128)[:n], half, q(k, slots * 128), s(slots, k).t()) == expected
 
 
-def test_group_ranges_follow_the_counts():
-    gc = scaled_mm_backend.GroupCounts(torch.tensor([300, 0, 128, 1]), [300, 0, 128, 1])
-    assert scaled_mm_backend._row_ranges(gc, 429) == [(0, 0, 300), (2, 300, 128), (3, 428, 1)]
+def test_group_counts_sync_only_when_read_and_slots_follow_the_counts():
+    gc = scaled_mm_backend.group_counts(torch.tensor([300, 0, 128, 1]))
+    assert gc._host is None  # nothing read on the host yet: a forward through the Triton kernels never syncs
     assert scaled_mm_backend._slot_ranges(gc) == [(0, 0, 3), (2, 3, 1), (3, 4, 1)]
-    with pytest.raises(ValueError, match="tokens_per_expert sums to 429, x has 430 rows"):
-        scaled_mm_backend._row_ranges(gc, 430)
+    assert gc.host == [300, 0, 128, 1] and scaled_mm_backend.group_counts(gc) is gc
 
 
 def test_block_scales_pad_to_four_rows_column_major():

@@ -194,8 +194,9 @@ def test_torch_scaled_mm_dense_linear_matches_the_reference(k):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
 def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
-    """One cuBLAS GEMM per group, each writing its rows (wgrad: its slots) in place: groups of 1, 63, 65,
-    319 rows and empty ones (an empty group's wgrad is zeros), at fp8 MMA precision of the reference."""
+    """fprop / dgrad on the Triton kernel, wgrad as one cuBLAS GEMM per group writing its gradient in place:
+    groups of 1, 63, 65, 319 rows and empty ones (an empty group's wgrad is zeros), at fp8 MMA precision of
+    the reference (bf16 outputs, as the experts' ops produce)."""
     from spartron.layers.fp8 import scaled_mm_backend as sb
 
     c = torch.tensor([1, 0, 63, 64, 65, 0, 319], dtype=torch.int32, device="cuda")
@@ -203,13 +204,14 @@ def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
     x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
     w = (torch.randn(7, 384, 256, device="cuda", generator=g) * 0.05).bfloat16()
     grad = torch.randn(512, 384, device="cuda", generator=g).bfloat16()
+    bf16 = torch.bfloat16
     xq, wq = quant.quantize_rows(x, True), quant.quantize_blocks(w, True)
-    _close_at_fp8_mma_precision(sb.fprop(*xq, *wq, c, torch.float32), reference.fprop(*xq, *wq, c, torch.float32))
+    _close_at_fp8_mma_precision(sb.fprop(*xq, *wq, c, bf16).float(), reference.fprop(*xq, *wq, c, torch.float32))
     gq, wt = quant.quantize_rows(grad, True), quant.quantize_blocks_t(w, True)
-    _close_at_fp8_mma_precision(sb.dgrad(*gq, *wt, c, torch.float32), reference.dgrad(*gq, *wt, c, torch.float32))
+    _close_at_fp8_mma_precision(sb.dgrad(*gq, *wt, c, bf16).float(), reference.dgrad(*gq, *wt, c, torch.float32))
     gt, xt = quant.quantize_cols_grouped(grad, c, True), quant.quantize_cols_grouped(x, c, True)
-    out = sb.wgrad(*gt, *xt, c, torch.float32)
-    _close_at_fp8_mma_precision(out, reference.wgrad(*gt, *xt, c, torch.float32))
+    out = sb.wgrad(*gt, *xt, c, bf16)
+    _close_at_fp8_mma_precision(out.float(), reference.wgrad(*gt, *xt, c, torch.float32))
     assert not out[1].any() and not out[5].any()
 
 

@@ -1,13 +1,17 @@
-"""The "torch_scaled_mm" backend's primitives: every FP8 GEMM through torch's blockwise `scaled_mm`
-(cuBLASLt's DeepSeek-style scaling, sm90), with Spartron's Triton quantisation (the same values as
-the "triton" backend: spartron.layers.fp8.triton_backend).
+"""The "torch_scaled_mm" backend's primitives: FP8 GEMMs through torch's blockwise `scaled_mm`
+(cuBLASLt's DeepSeek-style scaling, sm90) where it measured faster than the Triton kernels, with
+Spartron's Triton quantisation (the same values as the "triton" backend: spartron.layers.fp8.triton_backend).
 
-Grouped GEMMs run one cuBLAS GEMM per group (per local expert) on its rows, as TransformerEngine's
-GroupedLinear does: the group sizes are read on the host once per op (`group_counts`, one device
-sync), each GEMM writes its rows of the output in place (`_scaled_mm_v2.out`). cuBLASLt overlaps the
-block scaling with the next tile's MMAs, which the Triton kernel cannot (docs/FP8.md); the loop costs a
-launch per group, which pays for few large groups (DeepSeek-V3's 8 local experts), not for many small
-ones (64 experts at dim 2048: use "triton" there; benchmarks/fp8_moe.py measures both).
+Which GEMM runs where (H100, benchmarks/results/fp8_gemms/, DeepSeek-V3's per-rank 8k-row shape):
+- A dense linear (one group): fprop, dgrad and wgrad on cuBLAS.
+- The routed experts' wgrad: one cuBLAS GEMM per local expert over its 128-token slots (590-653
+  TFLOP/s against the Triton kernel's 455-514), each writing its expert's gradient in place
+  (`_scaled_mm_v2.out`); the group sizes are read on the host once per op (one device sync, as
+  TransformerEngine's GroupedLinear reads its split sizes).
+- The routed experts' fprop and dgrad: the Triton grouped kernel. One cuBLAS GEMM per expert measured
+  403-802 TFLOP/s there against Triton's 729-839 (1,024 rows an expert are small GEMMs for cuBLAS).
+With many small experts (64 at dim 2048) the per-expert wgrad loop costs more in launches than it
+gains: use "triton" there (benchmarks/fp8_moe.py measures both).
 
 `F.scaled_mm` (torch's `_scaled_mm_v2`) checks its scale layouts, and they are not Spartron's:
 - 1x128 scales of an [R, K] operand: [R, K/128] with strides (1, R) (outer-dim-major). Spartron's
@@ -17,13 +21,11 @@ ones (64 experts at dim 2048: use "triton" there; benchmarks/fp8_moe.py measures
   L4 = K/128 rounded up to a multiple of 4 (cuBLASLt's padding): one padded copy for all groups.
 - wgrad contracts over the tokens in the slot-aligned column layout: a group's slots are whole
   128-token tiles, zero past its count, so any group size works.
-`group_operands` builds each GEMM's arguments; it is pure torch, tested against torch's own shape and
+`group_operands` builds each cuBLAS GEMM's arguments; it is pure torch, tested against torch's own shape and
 stride checks on the meta device.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +36,24 @@ from spartron.layers.fp8.quant import TILE
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
 
 
-class GroupCounts(NamedTuple):
-    """The rows of each group on the device (what the quantisation kernels read) and on the host (what
-    the per-group GEMM loop slices by)."""
-    device: Tensor
-    host: list[int]
+class GroupCounts:
+    """The rows of each group on the device (what the kernels read) and, read at first use and kept, on the
+    host (what the per-group cuBLAS loop slices by): an op that runs no such loop (the experts' forward)
+    does not sync."""
+
+    def __init__(self, device: Tensor, host: list[int] | None = None):
+        self.device = device
+        self._host = host
+
+    @property
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.device.tolist()
+        return self._host
 
 
 def group_counts(counts: Tensor | GroupCounts) -> GroupCounts:
-    return counts if isinstance(counts, GroupCounts) else GroupCounts(counts, counts.tolist())
+    return counts if isinstance(counts, GroupCounts) else GroupCounts(counts)
 
 
 def one_group(x2d: Tensor) -> GroupCounts:
@@ -94,20 +105,14 @@ def block_scales(s: Tensor) -> Tensor:
     return out.transpose(-2, -1)
 
 
-def _rows_scale(s: Tensor, r0: int, rows: int) -> Tensor:
-    """Rows r0 ... r0 + rows of 1x128 scales [K/128, M] -> torch's [rows, K/128], strides exactly (1, rows)
-    (a fresh buffer: `.contiguous()` keeps a slice's strides when K/128 is 1, and torch refuses them)."""
-    out = torch.empty(s.shape[0], rows, dtype=s.dtype, device=s.device)
-    out.copy_(s[:, r0:r0 + rows])
+def _outer_major(s: Tensor) -> Tensor:
+    """1x128 scales [R, tiles] as torch takes them, strides exactly (1, R): `s` itself when it has them
+    (slot-major column scales), else a copy (the rows of one half of the experts' [w1; w3] gradient)."""
+    if s.stride() == (1, s.shape[0]):
+        return s
+    out = torch.empty(s.shape[1], s.shape[0], dtype=s.dtype, device=s.device)
+    out.copy_(s.t())
     return out.t()
-
-
-def _row_ranges(counts: GroupCounts, rows: int) -> list[tuple[int, int, int]]:
-    """(group, first row, row count) of every non-empty group."""
-    if sum(counts.host) != rows:
-        raise ValueError(f"fp8 blockwise: tokens_per_expert sums to {sum(counts.host)}, x has {rows} rows")
-    starts = [sum(counts.host[:g]) for g in range(len(counts.host))]
-    return [(g, r0, c) for g, (r0, c) in enumerate(zip(starts, counts.host, strict=True)) if c]
 
 
 def _slot_ranges(counts: GroupCounts) -> list[tuple[int, int, int]]:
@@ -118,23 +123,23 @@ def _slot_ranges(counts: GroupCounts) -> list[tuple[int, int, int]]:
 
 
 def group_operands(kind: str, a: Tensor, sa: Tensor, b: Tensor, sb: Tensor,
-                   counts: GroupCounts) -> list[tuple[int, slice, tuple]]:
-    """(group, its output rows or None for all, `F.scaled_mm`'s first six arguments) of each non-empty group.
+                   counts: GroupCounts) -> list[tuple[int, tuple]]:
+    """(group, `F.scaled_mm`'s first six arguments) of each GEMM cuBLAS runs.
 
-    fprop: a = x [M, K] (scales [K/128, M]), b = w [G, N, K] (scales [G, N/128, K/128]).
-    dgrad: a = grad [M, N] (scales [N/128, M]), b = w^T [G, K, N] as quantize_blocks_t wrote it
-    (scales [G, K/128, N/128], a view): b[g].t() is the column-major right operand, no copy.
-    wgrad: a = grad^T [N, L], b = x^T [K, L] in the slot-aligned layout, scales [*, T] slot-major.
+    fprop (one group): a = x [M, K] (scales [K/128, M]), b = w [1, N, K] (scales [1, N/128, K/128]).
+    dgrad (one group): a = grad [M, N] (scales [N/128, M]), b = w^T [1, K, N] as quantize_blocks_t wrote
+    it (scales [1, K/128, N/128], a view): b[0].t() is the column-major right operand, no copy.
+    wgrad (every non-empty group): a = grad^T [N, L], b = x^T [K, L] in the slot-aligned layout, scales
+    [*, T] slot-major.
     """
     if kind == "wgrad":
-        return [(g, None, (a[:, t0 * TILE:(t0 + t) * TILE], b[:, t0 * TILE:(t0 + t) * TILE].t(),
-                           sa[:, t0:t0 + t], ROW, sb[:, t0:t0 + t], ROW))
+        return [(g, (a[:, t0 * TILE:(t0 + t) * TILE], b[:, t0 * TILE:(t0 + t) * TILE].t(),
+                     _outer_major(sa[:, t0:t0 + t]), ROW, _outer_major(sb[:, t0:t0 + t]), ROW))
                 for g, t0, t in _slot_ranges(counts)]
-    whole = len(counts.host) == 1
-    scales_b = block_scales(sb)
-    return [(g, slice(r0, r0 + c), (a[r0:r0 + c], b[g].t(), sa.t() if whole else _rows_scale(sa, r0, c),
-                                    ROW, scales_b[g], BLOCK))
-            for g, r0, c in _row_ranges(counts, a.shape[0])]
+    if counts.host != [a.shape[0]]:
+        raise ValueError(f"fp8 torch_scaled_mm: {kind} on cuBLAS takes one group of all {a.shape[0]} rows, "
+                         f"got counts {counts.host}")
+    return [(0, (a, b[0].t(), sa.t(), ROW, block_scales(sb)[0], BLOCK))] if a.shape[0] else []
 
 
 def _scaled_mm_into(out: Tensor, a: Tensor, b: Tensor, sa: Tensor, ra, sb: Tensor, rb) -> None:
@@ -142,20 +147,25 @@ def _scaled_mm_into(out: Tensor, a: Tensor, b: Tensor, sa: Tensor, ra, sb: Tenso
                                      out=out)
 
 
-def _rows_gemm(kind: str, a, sa, b, sb, counts, dtype: torch.dtype) -> Tensor:
-    counts = group_counts(counts)
+def _dense_gemm(kind: str, a, sa, b, sb, counts, dtype: torch.dtype) -> Tensor:
     out = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)
-    for _, rows, args in group_operands(kind, a, sa, b, sb, counts):
-        _scaled_mm_into(out[rows], *args)
+    for _, args in group_operands(kind, a, sa, b, sb, group_counts(counts)):
+        _scaled_mm_into(out, *args)
     return out
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    return _rows_gemm("fprop", xq, xs, wq, ws, counts, dtype)
+    """One group: cuBLAS; several: the Triton grouped kernel (see the module's docstring)."""
+    if wq.shape[0] > 1:
+        return _triton().fprop(xq, xs, wq, ws, group_counts(counts).device, dtype)
+    return _dense_gemm("fprop", xq, xs, wq, ws, counts, dtype)
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    return _rows_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
+    """One group: cuBLAS; several: the Triton grouped kernel (see the module's docstring)."""
+    if wtq.shape[0] > 1:
+        return _triton().dgrad(gq, gs, wtq, wts, group_counts(counts).device, dtype)
+    return _dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:
@@ -163,6 +173,6 @@ def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch
     counts = group_counts(counts)
     dw = torch.zeros(len(counts.host), gt.shape[0], xt.shape[0], dtype=dtype, device=gt.device) \
         if 0 in counts.host else torch.empty(len(counts.host), gt.shape[0], xt.shape[0], dtype=dtype, device=gt.device)
-    for g, _, args in group_operands("wgrad", gt, gts, xt, xts, counts):
+    for g, args in group_operands("wgrad", gt, gts, xt, xts, counts):
         _scaled_mm_into(dw[g], *args)
     return dw
