@@ -86,7 +86,7 @@ def test_the_swiglu_backward_is_swiglus():
     assert torch.equal(h13.grad[:, 128:], dh * F.silu(gate))
 
 
-@pytest.mark.parametrize("counts, k, n", [([256], 384, 640), ([384], 512, 256), ([128], 128, 128), ([5], 128, 256),
+@pytest.mark.parametrize("counts, k, n", [([256], 384, 640), ([384], 512, 256), ([128], 128, 128), ([4], 128, 256),
                                           ([100, 0, 300, 17], 384, 640), ([0, 129, 1], 256, 128)])
 def test_scaled_mm_operands_pass_torchs_checks(counts, k, n):
     """torch's `_scaled_mm_v2` meta function runs the CUDA op's shape and stride checks on the arguments of
@@ -121,6 +121,19 @@ def test_scaled_mm_operands_pass_torchs_checks(counts, k, n):
     assert run("wgrad", q(n, slots * 128), s(slots, n).t(), q(k, slots * 128), s(slots, k).t()) == expected
     half = s(slots, 2 * n).t()[:n]  # [w1; w3]'s gradient scales, w1's rows: strides (1, 2N)
     assert run("wgrad", q(2 * n, slots * 128)[:n], half, q(k, slots * 128), s(slots, k).t()) == expected
+
+
+@pytest.mark.parametrize("rows", [1, 130])
+def test_scaled_mm_dense_rows_not_a_multiple_of_four_are_refused_naming_the_backend(rows):
+    """cuBLASLt's blockwise GEMM returned NOT_SUPPORTED for 1 and 130 rows on the GPU (4, 16, 136 ran): one
+    line naming the option instead."""
+    q = torch.empty(rows, 128, dtype=torch.float8_e4m3fn, device="meta")
+    gc = scaled_mm_backend.GroupCounts(torch.tensor([rows]), [rows])
+    w = torch.empty(1, 256, 128, dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(ValueError, match=rf"model.fp8.backend = 'torch_scaled_mm': .* multiple of 4 rows, this fprop "
+                                         rf"has {rows} \(use backend 'triton'\)"):
+        scaled_mm_backend.group_operands("fprop", q, torch.empty(1, rows, device="meta"), w,
+                                         torch.empty(1, 2, 1, device="meta"), gc)
 
 
 def test_group_counts_sync_only_when_read_and_slots_follow_the_counts():

@@ -139,6 +139,9 @@ def group_operands(kind: str, a: Tensor, sa: Tensor, b: Tensor, sb: Tensor,
     if counts.host != [a.shape[0]]:
         raise ValueError(f"fp8 torch_scaled_mm: {kind} on cuBLAS takes one group of all {a.shape[0]} rows, "
                          f"got counts {counts.host}")
+    if a.shape[0] % 4:  # cuBLASLt returns NOT_SUPPORTED for 1 or 130 rows, runs 4, 16, 136 (H100, torch 2.11)
+        raise ValueError(f"model.fp8.backend = 'torch_scaled_mm': cuBLASLt's blockwise GEMM takes a multiple of 4 "
+                         f"rows, this {kind} has {a.shape[0]} (use backend 'triton')")
     return [(0, (a, b[0].t(), sa.t(), ROW, block_scales(sb)[0], BLOCK))] if a.shape[0] else []
 
 
