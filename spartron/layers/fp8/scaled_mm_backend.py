@@ -6,8 +6,8 @@ Which GEMM runs where (H100, benchmarks/results/fp8_gemms/, DeepSeek-V3's per-ra
 - A dense linear (one group): fprop, dgrad and wgrad on cuBLAS.
 - The routed experts' wgrad: one cuBLAS GEMM per local expert over its 128-token slots (590-653
   TFLOP/s against the Triton kernel's 455-514), each writing its expert's gradient in place
-  (`_scaled_mm_v2.out`); the group sizes are read on the host once per op (one device sync, as
-  TransformerEngine's GroupedLinear reads its split sizes).
+  (`_scaled_mm_v2.out`); the group sizes are read on the host once per op (copied when the op starts,
+  waited for before the loop: TransformerEngine's GroupedLinear takes its split sizes on the host too).
 - The routed experts' fprop and dgrad: the Triton grouped kernel. One cuBLAS GEMM per expert measured
   403-802 TFLOP/s there against Triton's 729-839 (1,024 rows an expert are small GEMMs for cuBLAS).
 With many small experts (64 at dim 2048) the per-expert wgrad loop costs more in launches than it
@@ -37,18 +37,32 @@ ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
 
 
 class GroupCounts:
-    """The rows of each group on the device (what the kernels read) and, read at first use and kept, on the
-    host (what the per-group cuBLAS loop slices by): an op that runs no such loop (the experts' forward)
-    does not sync."""
+    """The rows of each group on the device (what the kernels read) and on the host (what the per-group
+    cuBLAS loop slices by). On CUDA the copy to the host starts when the op starts (pinned, asynchronous,
+    an event after it) and `host` waits for that event only: the host then waits for the work queued before
+    this op, not for the op's own dgrad and quantisation kernels, which keep the GPU busy while the host
+    launches the loop. An op that runs no loop (the experts' forward) never waits."""
 
     def __init__(self, device: Tensor, host: list[int] | None = None):
         self.device = device
         self._host = host
+        self._copy = None
+        if host is None and device.is_cuda:
+            pinned = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+            pinned.copy_(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copy = (pinned, event)
 
     @property
     def host(self) -> list[int]:
         if self._host is None:
-            self._host = self.device.tolist()
+            if self._copy is None:
+                self._host = self.device.tolist()
+            else:
+                pinned, event = self._copy
+                event.synchronize()
+                self._host = pinned.tolist()
         return self._host
 
 
