@@ -47,9 +47,7 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # (BM, warps, stages). sm90 ptxas (triton 3.6): 177-179 registers a thread in every config, no spills, so BM 128 /
 # 8 warps runs one CTA an SM, BM 64 / 4 warps two (3-4 stages: 74-99 KB of shared memory each): one CTA's
 # scaling of its partial product can overlap the other's wgmma (each 128-deep wgmma is waited on before its scales).
-# (BM, warps, stages, unroll): unroll 2 issues two 128-deep MMAs before scaling either (a stage then holds two blocks)
-GEMM_CONFIGS = ((128, 8, 3, 1), (128, 8, 4, 1), (128, 8, 5, 1), (64, 4, 3, 1), (64, 4, 4, 1), (128, 8, 2, 2),
-                (128, 8, 3, 2), (64, 4, 2, 2))
+GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
 # (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
 WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped",
@@ -102,11 +100,10 @@ def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: b
     }
     configs = {}
     if sweep:  # the Triton kernels' block / warp / pipeline configs (the defaults are among them)
-        for bm, warps, stages, unroll in GEMM_CONFIGS:
-            kw = dict(block_m=bm, num_warps=warps, num_stages=stages, unroll=unroll)
-            tag = f"bm{bm}w{warps}s{stages}" + (f"u{unroll}" if unroll > 1 else "")
-            configs[f"fprop_{tag}"] = lambda kw=kw: impl.fprop(*xq, *wq, counts, bf16, **kw)
-            configs[f"dgrad_{tag}"] = lambda kw=kw: impl.dgrad(*gq, *wtq, counts, bf16, **kw)
+        for bm, warps, stages in GEMM_CONFIGS:
+            kw = dict(block_m=bm, num_warps=warps, num_stages=stages)
+            configs[f"fprop_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.fprop(*xq, *wq, counts, bf16, **kw)
+            configs[f"dgrad_bm{bm}w{warps}s{stages}"] = lambda kw=kw: impl.dgrad(*gq, *wtq, counts, bf16, **kw)
         for bn, warps, stages in WGRAD_CONFIGS:
             kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
             configs[f"wgrad_bn{bn}w{warps}s{stages}"] = lambda kw=kw: impl.wgrad(*gt, *xt, counts, bf16, **kw)

@@ -112,32 +112,29 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor
 
 
 def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int,
-          num_warps: int, num_stages: int, unroll: int = 1) -> Tensor:
+          num_warps: int, num_stages: int) -> Tensor:
     m, kc = a.shape
-    if unroll not in (1, 2) or (kc // 128) % unroll:
-        raise ValueError(f"fp8 grouped GEMM: unroll {unroll} needs a contraction of a multiple of {unroll} x 128, "
-                         f"got {kc}")
     groups, nout, _ = b.shape
     check_tiled("output dim", nout)
     out = torch.empty(m, nout, dtype=dtype, device=a.device)
     grid = ((m // block_m + groups) * (nout // 128),)  # BM-row slots (a static bound, as tile_slots) x column blocks
     k.grouped_gemm_kernel[grid](a, sa, b, sb, out, counts, m, nout, kc, groups, b.stride(0), b.stride(1),
                                 sb.stride(0), sb.stride(1), sb.stride(2), BM=block_m, BN=128,
-                                num_stages_k=num_stages, UNROLL=unroll, num_warps=num_warps)
+                                num_stages_k=num_stages, num_warps=num_warps)
     return out
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int = 128,
-          num_warps: int = 8, num_stages: int = 4, unroll: int = 1) -> Tensor:
+          num_warps: int = 8, num_stages: int = 4) -> Tensor:
     """Defaults measured on the H100 at 62cf2cd (v3_8k: BN 128, 8 warps, 4 stages 760 TFLOP/s; 3 stages 692);
     the keywords are benchmarks/fp8_gemms.py's sweep."""
-    return _gemm(xq, xs, wq, ws, counts, dtype, block_m, num_warps, num_stages, unroll)
+    return _gemm(xq, xs, wq, ws, counts, dtype, block_m, num_warps, num_stages)
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int = 128,
-          num_warps: int = 8, num_stages: int = 4, unroll: int = 1) -> Tensor:
+          num_warps: int = 8, num_stages: int = 4) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view)."""
-    return _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages, unroll)
+    return _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,

@@ -136,8 +136,7 @@ def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.con
 def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr,
                         N_GROUPS: tl.constexpr,
                         stride_bg, stride_bn, stride_sbg, stride_sbn, stride_sbk,
-                        BM: tl.constexpr, BN: tl.constexpr, num_stages_k: tl.constexpr,
-                        UNROLL: tl.constexpr = 1):
+                        BM: tl.constexpr, BN: tl.constexpr, num_stages_k: tl.constexpr):
     """out[rows of g] = A[rows of g] @ B[g]^T: A [M, KC] (scales [KC/128, M]), B [G, NOUT, KC] with the
     contraction contiguous (scales [G, NOUT/128, KC/128] by strides). BK = 128 (one scale block), BN =
     128, BM 128 or 64 (a slot is BM rows of one group: smaller groups waste less of the last tile).
@@ -154,32 +153,13 @@ def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NO
         ks = tl.arange(0, 128)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         b_base = b_ptr + group.to(tl.int64) * stride_bg
-        if UNROLL == 1:
-            for kb in tl.range(0, KC // 128, num_stages=num_stages_k):
-                k0 = kb * 128
-                a = tl.load(a_ptr + rows[:, None].to(tl.int64) * KC + (k0 + ks)[None, :], mask=rmask[:, None],
-                            other=0.0)
-                b = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + (k0 + ks)[:, None])
-                sa = tl.load(sa_ptr + kb * M + rows, mask=rmask, other=0.0)
-                sb = tl.load(sb_ptr + group * stride_sbg + nb * stride_sbn + kb * stride_sbk)
-                acc += tl.dot(a, b) * (sa[:, None] * sb)
-        else:  # two 128-deep MMAs issued before either is scaled: the second runs while the first is scaled
-            for kp in tl.range(0, KC // 256, num_stages=num_stages_k):
-                k0 = kp * 256
-                a0 = tl.load(a_ptr + rows[:, None].to(tl.int64) * KC + (k0 + ks)[None, :], mask=rmask[:, None],
-                             other=0.0)
-                a1 = tl.load(a_ptr + rows[:, None].to(tl.int64) * KC + (k0 + 128 + ks)[None, :],
-                             mask=rmask[:, None], other=0.0)
-                b0 = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + (k0 + ks)[:, None])
-                b1 = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + (k0 + 128 + ks)[:, None])
-                sa0 = tl.load(sa_ptr + (2 * kp) * M + rows, mask=rmask, other=0.0)
-                sa1 = tl.load(sa_ptr + (2 * kp + 1) * M + rows, mask=rmask, other=0.0)
-                sb0 = tl.load(sb_ptr + group * stride_sbg + nb * stride_sbn + (2 * kp) * stride_sbk)
-                sb1 = tl.load(sb_ptr + group * stride_sbg + nb * stride_sbn + (2 * kp + 1) * stride_sbk)
-                p0 = tl.dot(a0, b0)
-                p1 = tl.dot(a1, b1)
-                acc += p0 * (sa0[:, None] * sb0)  # the same order of additions as UNROLL 1: bitwise equal
-                acc += p1 * (sa1[:, None] * sb1)
+        for kb in tl.range(0, KC // 128, num_stages=num_stages_k):
+            k0 = kb * 128
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * KC + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + (k0 + ks)[:, None])
+            sa = tl.load(sa_ptr + kb * M + rows, mask=rmask, other=0.0)
+            sb = tl.load(sb_ptr + group * stride_sbg + nb * stride_sbn + kb * stride_sbk)
+            acc += tl.dot(a, b) * (sa[:, None] * sb)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
