@@ -2,16 +2,16 @@
 (cuBLASLt's DeepSeek-style scaling, sm90) where it measured faster than the Triton kernels, with
 Spartron's Triton quantisation (the same values as the "triton" backend: spartron.layers.fp8.triton_backend).
 
-Which GEMM runs where (H100, benchmarks/results/fp8_gemms/, DeepSeek-V3's per-rank 8k-row shape):
+Which GEMM runs where (the measurements: docs/KERNEL_NOTES.md, "FP8 GEMMs"):
 - A dense linear (one group): fprop, dgrad and wgrad on cuBLAS.
-- The routed experts' wgrad: one cuBLAS GEMM per local expert over its 128-token slots (590-653
-  TFLOP/s against the Triton kernel's 455-514), each writing its expert's gradient in place
-  (`_scaled_mm_v2.out`); the group sizes are read on the host once per op (copied when the op starts,
-  waited for before the loop: TransformerEngine's GroupedLinear takes its split sizes on the host too).
-- The routed experts' fprop and dgrad: the Triton grouped kernel. One cuBLAS GEMM per expert measured
-  403-802 TFLOP/s there against Triton's 729-839 (1,024 rows an expert are small GEMMs for cuBLAS).
-With many small experts (64 at dim 2048) the per-expert wgrad loop costs more in launches than it
-gains: use "triton" there (benchmarks/fp8_moe.py measures both).
+- The routed experts' wgrad: one cuBLAS GEMM per local expert over its 128-token slots, each writing its
+  expert's gradient in place (`_scaled_mm_v2.out`); cuBLAS overlaps the block scaling with the next
+  MMA, which the Triton kernel cannot. The group sizes are read on the host once per op (copied when
+  the op starts, waited for before the loop: TransformerEngine's GroupedLinear takes its split sizes
+  on the host too).
+- The routed experts' fprop and dgrad: the Triton grouped kernel (one cuBLAS GEMM per expert of a
+  thousand rows is slower than it).
+With many small experts the per-expert wgrad loop costs more in launches than it gains: "triton" there.
 
 `F.scaled_mm` (torch's `_scaled_mm_v2`) checks its scale layouts, and they are not Spartron's:
 - 1x128 scales of an [R, K] operand: [R, K/128] with strides (1, R) (outer-dim-major). Spartron's
