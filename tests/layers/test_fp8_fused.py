@@ -30,8 +30,8 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
     x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     if path == "fused":
-        out = swiglu_grouped_mm(grouped_mm_pair(x, w1, w3, counts, "reference", pow2, []), w2, counts, "reference",
-                                pow2, [])
+        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, [], None, None)
+        out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, [])
     elif path == "w13":  # the recipe's definition: one grouped GEMM over the concatenated [w1; w3]
         gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2).split(128, dim=1)
         out = grouped_mm(swiglu(gate, up), w2, counts, "reference", pow2)
@@ -84,6 +84,38 @@ def test_the_swiglu_backward_is_swiglus():
     dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True), h, grad)[0]
     assert torch.equal(h13.grad[:, :128], torch.ops.aten.silu_backward(dh * up, gate))
     assert torch.equal(h13.grad[:, 128:], dh * F.silu(gate))
+
+
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_experts_read_a_gathered_plan_in_place_and_equal_the_permuted_rows_bitwise(cache):
+    """The EP regrouping as a GatheredRows plan: the FP8 experts quantise x[order] reading x through the
+    index (the permuted bf16 rows never written) and send x's gradient back through the inverse; output,
+    x's gradient and every weight gradient equal the experts on `permute_rows(x, order, inverse)` bitwise.
+    The bf16 experts write the plan out first: the same as before."""
+    from spartron.layers.config import FP8Config
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.moe.dispatch import GatheredRows, inverse_permutation, permute_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(384, 256, generator=g).bfloat16()
+    grad = torch.randn(384, 256, generator=g).bfloat16()
+    order = torch.randperm(384, generator=g)
+    inverse = inverse_permutation(order)
+    counts = torch.tensor(COUNTS)
+    for fp8 in (True, False):
+        results = []
+        for gathered in (True, False):
+            torch.manual_seed(0)
+            experts = GroupedExperts(3, 256, 128, dtype=torch.bfloat16, init_std=0.05)
+            if fp8:
+                apply_fp8([experts], FP8Config(backend="reference", modules=["experts"], weight_cache=cache))
+            source = x.clone().requires_grad_()
+            rows = GatheredRows(source, order, inverse) if gathered else permute_rows(source, order, inverse)
+            out = experts(rows, counts)
+            out.backward(grad)
+            results.append([out, source.grad, *(p.grad for p in experts.parameters())])
+        for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):
+            assert torch.equal(a, b), (fp8, name)
 
 
 @pytest.mark.parametrize("counts, k, n", [([256], 384, 640), ([384], 512, 256), ([128], 128, 128), ([4], 128, 256),

@@ -39,6 +39,11 @@ def test_triton_primitives_match_the_reference(counts, pow2):
         (q, s), (rq, rs) = tb.quantize_cols_grouped(cols, c, pow2), quant.quantize_cols_grouped(cols, c, pow2)
         assert q.shape == rq.shape == (cols.shape[1], (512 // 128 + 3) * 128) and s.stride() == rs.stride()
         assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    order = torch.randperm(512, device="cuda")  # gathered: x[order] read through the index, bitwise the same
+    (q, s), (rq, rs) = tb.quantize_rows(x, pow2, order), quant.quantize_rows(x[order], pow2)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "gathered rows"
+    (q, s), (rq, rs) = tb.quantize_cols_grouped(x, c, pow2, order), quant.quantize_cols_grouped(x[order], c, pow2)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "gathered columns"
     gate, up = grad[:, :256].contiguous(), x.flip(0).contiguous()
     (q, s), (rq, rs) = tb.swiglu_quantize_rows(gate, up, pow2), reference.swiglu_quantize_rows(gate, up, pow2)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu"
@@ -99,7 +104,8 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         if path == "fused":
-            out = swiglu_grouped_mm(grouped_mm_pair(xl, w1l, w3l, c, "triton", True, []), w2l, c, "triton", True, [])
+            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, [], None, None)
+            out = swiglu_grouped_mm(h13, w2l, c, "triton", True, [])
         elif path == "w13":
             gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True).split(256, dim=1)
             out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True)
@@ -227,7 +233,8 @@ def test_torch_scaled_mm_experts_match_the_triton_experts():
     for backend in ("triton", "torch_scaled_mm"):
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
-        out = swiglu_grouped_mm(grouped_mm_pair(xl, w1l, w3l, c, backend, True, []), w2l, c, backend, True, [])
+        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], None, None)
+        out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
         out.backward(grad[:, :256])
         results[backend] = [out] + [t.grad for t in leaves]
     for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["torch_scaled_mm"], results["triton"],

@@ -12,6 +12,7 @@ from spartron.layers.fp8 import gemms
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
 from spartron.layers.fp8.ops import backend_impl, linear
 from spartron.layers.fp8.weight_cache import WeightCache
+from spartron.layers.moe.dispatch import GatheredRows
 from spartron.layers.moe.experts import GroupedExperts
 
 
@@ -43,7 +44,11 @@ class FP8GroupedExperts(GroupedExperts):
         return self.fp8_cache.get(weights, self.fp8_backend, self.fp8_pow2, lambda: gemms.weight_blocks(
             backend_impl(self.fp8_backend), *(w.detach() for w in weights), self.fp8_pow2))
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int]) -> Tensor:
+    def forward(self, x: Tensor | GatheredRows, tokens_per_expert: Tensor | list[int]) -> Tensor:
+        """x: the rows grouped by expert, or a GatheredRows plan of them (read in place: no bf16 permutation)."""
+        order = inverse = None
+        if isinstance(x, GatheredRows):
+            x, order, inverse = x.source, x.order, x.inverse
         if len(tokens_per_expert) != self.n_local_experts:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(tokens_per_expert)} entries for "
                              f"{self.n_local_experts} local experts")
@@ -51,9 +56,10 @@ class FP8GroupedExperts(GroupedExperts):
             raise ValueError(f"FP8 GroupedExperts: input dtype {x.dtype} differs from expert weights {self.w1.dtype}")
         counts = torch.as_tensor(tokens_per_expert, device=x.device).to(torch.int32)
         if self.fp8_backend != "reference":  # the kernels trust the counts (the reference checks them on the host)
-            torch._assert_async(counts.sum() == x.shape[0], "FP8 GroupedExperts: tokens_per_expert sum != rows")
+            rows = x.shape[0] if order is None else order.shape[0]
+            torch._assert_async(counts.sum() == rows, "FP8 GroupedExperts: tokens_per_expert sum != rows")
         gemm = (self.fp8_backend, self.fp8_pow2)
         # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
         cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
-        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4])
+        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse)
         return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:])

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spartron.layers.fp8 import quant
 from spartron.layers.fp8.quant import (
     dequantize_blocks,
     dequantize_cols_grouped,
@@ -21,13 +22,21 @@ from spartron.layers.fp8.quant import (
     one_group,
     quantize_blocks,
     quantize_blocks_t,
-    quantize_cols_grouped,
-    quantize_rows,
 )
 
 __all__ = ["dgrad", "fprop", "group_counts", "one_group",
            "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
            "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows", "wgrad"]
+
+
+def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """quant.quantize_rows of x, or of x[index] (the rows in a gathered order)."""
+    return quant.quantize_rows(x if index is None else x.index_select(0, index), pow2)
+
+
+def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """quant.quantize_cols_grouped of x, or of x[index]."""
+    return quant.quantize_cols_grouped(x if index is None else x.index_select(0, index), counts, pow2)
 
 
 def _segments(counts: Tensor, rows: int) -> list[tuple[int, int]]:

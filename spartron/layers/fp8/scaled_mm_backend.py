@@ -82,8 +82,8 @@ def _triton():
     return triton_backend
 
 
-def quantize_rows(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    return _triton().quantize_rows(x, pow2)
+def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _triton().quantize_rows(x, pow2, index)
 
 
 def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -106,8 +106,9 @@ def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor
     return _triton().quantize_blocks_both(weights, pow2)
 
 
-def quantize_cols_grouped(x: Tensor, counts: Tensor | GroupCounts, pow2: bool) -> tuple[Tensor, Tensor]:
-    return _triton().quantize_cols_grouped(x, group_counts(counts).device, pow2)
+def quantize_cols_grouped(x: Tensor, counts: Tensor | GroupCounts, pow2: bool,
+                          index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _triton().quantize_cols_grouped(x, group_counts(counts).device, pow2, index)
 
 
 def block_scales(s: Tensor) -> Tensor:

@@ -27,13 +27,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize_rows(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    m, kc = x.shape
+def _gather_index(x: Tensor, index: Tensor | None) -> tuple[Tensor, int]:
+    """(the row index the kernels read x through, the rows they produce): `index` [M'] of x's rows, or x's own."""
+    if index is None:
+        return x, x.shape[0]
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"fp8 gathered quantisation: the row index must be 1-D int64, got {index.dtype} "
+                         f"{tuple(index.shape)}")
+    return index, index.numel()
+
+
+def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of x, or of x[index] read through the index (the gathered rows never written)."""
+    _, kc = x.shape
     check_tiled("contraction dim", kc)
     x = x.contiguous()
+    idx, m = _gather_index(x, index)
     q = torch.empty(m, kc, dtype=FP8, device=x.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=x.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, q, s, m, kc, kc, POW2=pow2, SWIGLU=False, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, idx, q, s, m, kc, kc, POW2=pow2, SWIGLU=False,
+                                                       GATHER=index is not None, BM=32)
     return q, s
 
 
@@ -47,8 +60,8 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, 
         gate, up = gate.contiguous(), up.contiguous()
     q = torch.empty(m, kc, dtype=FP8, device=gate.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=gate.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, q, s, m, kc, gate.stride(0), POW2=pow2, SWIGLU=True,
-                                                       BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, gate, q, s, m, kc, gate.stride(0), POW2=pow2,
+                                                       SWIGLU=True, GATHER=False, BM=32)
     return q, s
 
 
@@ -98,16 +111,18 @@ def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor
     return _quantize_blocks(weights, pow2, rows=True, cols=True)
 
 
-def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    """The slot-aligned column layout (spartron.layers.fp8.quant): q_t [C, T*128], scales [C, T] slot-major."""
-    m, c = x.shape
+def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The slot-aligned column layout (spartron.layers.fp8.quant) of x, or of x[index] read through the
+    index: q_t [C, T*128], scales [C, T] slot-major."""
+    _, c = x.shape
     check_tiled("columns", c)
     x = x.contiguous()
+    idx, m = _gather_index(x, index)
     slots = tile_slots(m, counts.numel())
     q_t = torch.empty(c, slots * TILE, dtype=FP8, device=x.device)
     s = torch.empty(slots, c, dtype=torch.float32, device=x.device)
-    k.quantize_cols_kernel[(slots, c // 64)](x, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(), POW2=pow2,
-                                             BC=64)
+    k.quantize_cols_kernel[(slots, c // 64)](x, idx, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(),
+                                             POW2=pow2, GATHER=index is not None, BC=64)
     return q_t, s.t()
 
 

@@ -61,17 +61,19 @@ def _group_of_slot(slot, counts_ptr, N_GROUPS: tl.constexpr, TILE: tl.constexpr)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, up_ptr, q_ptr, s_ptr, M, K, SX, POW2: tl.constexpr, SWIGLU: tl.constexpr,
-                         BM: tl.constexpr):
+def quantize_rows_kernel(x_ptr, up_ptr, idx_ptr, q_ptr, s_ptr, M, K, SX, POW2: tl.constexpr, SWIGLU: tl.constexpr,
+                         GATHER: tl.constexpr, BM: tl.constexpr):
     """1x128 tiles of x [M, K] (SWIGLU: of silu(x) * up, each factor rounded to x's dtype as torch's
     eager silu and mul round them: expf and a correctly rounded division, as CUDA's expf and `/`).
-    SX: the row stride of x and up (K, or 2K for the gate and up halves of the experts' [M, 2K] w1|w3 output)."""
+    SX: the row stride of x and up (K, or 2K for the gate and up halves of the experts' [M, 2K] w1|w3 output).
+    GATHER: output row r is x's row idx[r] (the experts' input in its regrouped order, never written)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     mask = rows[:, None] < M
     offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-    x_offs = rows[:, None].to(tl.int64) * SX + cols[None, :]
+    src = tl.load(idx_ptr + rows, mask=rows < M, other=0) if GATHER else rows
+    x_offs = src[:, None].to(tl.int64) * SX + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     if SWIGLU:
         dtype = x_ptr.dtype.element_ty
@@ -113,18 +115,20 @@ def quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, N_OUT, ROWS: tl.co
 
 
 @triton.jit
-def quantize_cols_kernel(x_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
-                         BC: tl.constexpr):
+def quantize_cols_kernel(x_ptr, idx_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
+                         GATHER: tl.constexpr, BC: tl.constexpr):
     """128x1 tiles of x [M, C] into the slot-aligned layout: q_t [C, L = T*128] (slot s at columns
     s*128 ...), scales slot-major (slot s of column c at s*C + c). Every slot is written: rows past a
-    group's count and unused slots are zeros (scale 0 for an unused slot), so no memset is needed."""
+    group's count and unused slots are zeros (scale 0 for an unused slot), so no memset is needed.
+    GATHER: row r is x's row idx[r]."""
     slot = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     ts = tl.arange(0, 128)
     row_lo, row_hi, _ = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
     rows = row_lo + ts
     mask = rows[:, None] < row_hi  # all false for an unused slot (row_lo = row_hi = -1)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    src = tl.load(idx_ptr + rows, mask=rows < row_hi, other=0) if GATHER else rows
+    x = tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), axis=0), POW2)  # [BC]
     q = _cast(x, scale[None, :])
     col0 = tl.multiple_of(slot * 128, 128)

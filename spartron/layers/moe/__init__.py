@@ -6,6 +6,7 @@ from spartron.layers.moe.dispatch import (
     CopyEngineDispatcher,
     DeepEPDispatcher,
     DispatchState,
+    GatheredRows,
     LocalDispatcher,
     build_dispatcher,
     check_dispatcher,
@@ -17,7 +18,7 @@ from spartron.layers.moe.telemetry import record_routing_stats
 from spartron.layers.moe.topk import moe_topk
 
 __all__ = [
-    "AllToAllDispatcher", "CopyEngineDispatcher", "DeepEPDispatcher", "DispatchState", "GroupedExperts",
+    "AllToAllDispatcher", "CopyEngineDispatcher", "DeepEPDispatcher", "DispatchState", "GatheredRows", "GroupedExperts",
     "LocalDispatcher", "MoELayer", "Router", "Routing", "build_dispatcher", "check_dispatcher", "load_balancing_loss",
     "moe_topk", "record_routing_stats",
 ]

@@ -4,6 +4,8 @@
     dispatch      (EP) exchange the counts and copy the split sizes to the host (`exchange_counts`),
                   then all-to-all the sorted rows to the ranks owning their experts
     post_dispatch (EP) regroup received rows by local expert -> rows ready for the grouped GEMM
+                  (`post_dispatch_gathered`: the regrouping as a `GatheredRows` plan, so FP8 experts
+                  quantise the received rows in that order without writing the bf16 permutation)
     experts       (caller) GroupedExperts(rows, tokens_per_local_expert)
     pre_combine   (EP) undo the regrouping (DeepEP: also weight by the gates, sum per token)
     combine       (EP) reverse all-to-all back to the source rank
@@ -110,6 +112,21 @@ class _ReplicateTokens(torch.autograd.Function):
         return per_slot.sum(dim=1), None, None, None
 
 
+@dataclass
+class GatheredRows:
+    """`source[order]`, not yet written: the experts' input as the EP regrouping leaves it (a permutation
+    of the received rows, `inverse` its inverse). `materialize()` writes it (`permute_rows`: the same
+    values and gradient); FP8 experts instead read `source` through `order` in their quantisation
+    kernels and send the gradient back through `inverse` (spartron.layers.fp8.expert_ops)."""
+
+    source: Tensor
+    order: Tensor
+    inverse: Tensor
+
+    def materialize(self) -> Tensor:
+        return permute_rows(self.source, self.order, self.inverse)
+
+
 def replicate_tokens(x: Tensor, slot_order: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
     """`x[slot_order // top_k]`: token rows [T, dim] -> one row per (token, k) slot in `slot_order`.
 
@@ -171,6 +188,10 @@ class LocalDispatcher:
     def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
         state.tokens_per_local_expert = state.tokens_per_expert
         return x, state.tokens_per_local_expert
+
+    def post_dispatch_gathered(self, x: Tensor, state: DispatchState) -> tuple[Tensor | GatheredRows, Tensor]:
+        """post_dispatch, the regrouping left as a GatheredRows plan where there is one (EP)."""
+        return self.post_dispatch(x, state)
 
     def exchange_counts_together(self, states: list[DispatchState]) -> None:
         """Nothing to exchange without expert parallelism."""
@@ -242,13 +263,17 @@ class AllToAllDispatcher(LocalDispatcher):
         return all_to_all(x, state.output_splits, state.input_splits, self.group)
 
     def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
+        rows, counts = self.post_dispatch_gathered(x, state)
+        return rows.materialize(), counts
+
+    def post_dispatch_gathered(self, x: Tensor, state: DispatchState) -> tuple[GatheredRows, Tensor]:
         local_expert = torch.arange(self.n_local_experts, device=x.device).repeat(self.ep)
         row_expert = torch.repeat_interleave(local_expert, state.recv_counts.reshape(-1),
                                              output_size=x.shape[0])
         state.recv_order = torch.argsort(row_expert, stable=True)
         state.recv_inverse = inverse_permutation(state.recv_order)
         state.tokens_per_local_expert = state.recv_counts.sum(dim=0)
-        return permute_rows(x, state.recv_order, state.recv_inverse), state.tokens_per_local_expert
+        return GatheredRows(x, state.recv_order, state.recv_inverse), state.tokens_per_local_expert
 
     def pre_combine(self, y: Tensor, state: DispatchState) -> Tensor:
         return permute_rows(y, state.recv_inverse, state.recv_order)  # back to the received order
@@ -350,6 +375,10 @@ class DeepEPDispatcher:
         rows = int(state.tokens_per_local_expert.sum())  # a host tensor: no device sync
         state.recv_order = torch.argsort(key, stable=True)[:rows]
         return x[state.recv_order // top_k], state.tokens_per_local_expert
+
+    def post_dispatch_gathered(self, x: Tensor, state: DeepEPDispatchState) -> tuple[Tensor, Tensor]:
+        """post_dispatch: DeepEP's regrouping replicates rows (top-k slots of a token), no permutation plan."""
+        return self.post_dispatch(x, state)
 
     def exchange_counts_together(self, states: list[DeepEPDispatchState]) -> None:
         """DeepEP's dispatch exchanges its counts itself (its notify step), per call."""

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from spartron.comm.collectives import splits_to_host
 from spartron.layers.ffn import swiglu
 from spartron.layers.init import init_parameters_
+from spartron.layers.moe.dispatch import GatheredRows
 
 
 def grouped_mm_available() -> bool:
@@ -61,8 +62,11 @@ class GroupedExperts(nn.Module):
             return self.mode
         return "grouped" if (grouped_mm_available() and x.is_cuda and x.dtype == torch.bfloat16) else "loop"
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int]) -> Tensor:
-        """x [N, dim] with rows grouped by local expert (counts `tokens_per_expert` [E_local])."""
+    def forward(self, x: Tensor | GatheredRows, tokens_per_expert: Tensor | list[int]) -> Tensor:
+        """x [N, dim] with rows grouped by local expert (counts `tokens_per_expert` [E_local]); a GatheredRows
+        plan is written out first (the FP8 experts read it in place instead)."""
+        if isinstance(x, GatheredRows):
+            x = x.materialize()
         if len(tokens_per_expert) != self.n_local_experts:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(tokens_per_expert)} entries for "
                              f"{self.n_local_experts} local experts")

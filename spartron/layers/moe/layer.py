@@ -136,7 +136,7 @@ class MoELayer(nn.Module):
 
     def run_experts(self, s: RoutedRows) -> RoutedRows:
         """The local experts over the rows they received, in the order the rows arrived."""
-        rows, tokens_per_local_expert = self.dispatcher.post_dispatch(s.rows, s.dispatch)
+        rows, tokens_per_local_expert = self.dispatcher.post_dispatch_gathered(s.rows, s.dispatch)
         s.rows = self.dispatcher.pre_combine(self.experts(rows, tokens_per_local_expert), s.dispatch)
         return s
 
