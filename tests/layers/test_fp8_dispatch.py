@@ -106,6 +106,25 @@ def test_the_dispatch_moves_fp8_bytes_on_a_mirrored_rank():
     assert bf16 - fp8 == rows * (2 * DIM - wire_row_bytes(DIM))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_experts_get_the_regrouping_as_tensors_needing_a_gradient(fp8):
+    """The EP regrouping reaches the experts as a plan (received rows, order, inverse), passed as tensors:
+    FSDP2 registers its post-backward hook on the forward's tensor arguments that need a gradient, and a
+    dataclass argument hid them (the experts' gradients then waited for the end of backward: an H100
+    rehearsal of the V3-256 rank ran out of memory)."""
+    with mirrored_world(0, 4):
+        layer = MoELayer(_cfg(), EPTransport(dist.group.WORLD))
+        if fp8:
+            apply_fp8([layer], FP8Config(backend="reference", modules=["experts"]))
+        seen = []
+        layer.experts.register_forward_pre_hook(lambda module, args: seen.append(args))
+        x = torch.randn(2, TOKENS // 2, DIM, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+        layer(x.requires_grad_())
+    (args,) = seen
+    assert [type(a) for a in args] == [torch.Tensor] * 4 and args[0].requires_grad
+    assert args[2].shape == args[3].shape == (args[0].shape[0],)  # a permutation of the received rows
+
+
 def test_layouts_that_cannot_send_fp8_are_refused():
     with pytest.raises(ValueError, match="model.fp8.dispatch = true needs parallel.ep > 1"):
         load_config(TINY, [*BF16, "model.fp8.backend=reference", "model.fp8.dispatch=true"])

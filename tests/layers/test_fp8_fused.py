@@ -88,13 +88,13 @@ def test_the_swiglu_backward_is_swiglus():
 
 @pytest.mark.parametrize("cache", ["off", "on"])
 def test_experts_read_a_gathered_plan_in_place_and_equal_the_permuted_rows_bitwise(cache):
-    """The EP regrouping as a GatheredRows plan: the FP8 experts quantise x[order] reading x through the
-    index (the permuted bf16 rows never written) and send x's gradient back through the inverse; output,
-    x's gradient and every weight gradient equal the experts on `permute_rows(x, order, inverse)` bitwise.
-    The bf16 experts write the plan out first: the same as before."""
+    """The EP regrouping as a GatheredRows plan, passed as tensors (order, inverse): the FP8 experts quantise
+    x[order] reading x through the index (the permuted bf16 rows never written) and send x's gradient back
+    through the inverse; output, x's gradient and every weight gradient equal the experts on the plan
+    written out (`permute_rows`) bitwise. The bf16 experts write the plan out first: the same as before."""
     from spartron.layers.config import FP8Config
     from spartron.layers.fp8 import apply_fp8
-    from spartron.layers.moe.dispatch import GatheredRows, inverse_permutation, permute_rows
+    from spartron.layers.moe.dispatch import GatheredRows, inverse_permutation
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(384, 256, generator=g).bfloat16()
@@ -110,8 +110,8 @@ def test_experts_read_a_gathered_plan_in_place_and_equal_the_permuted_rows_bitwi
             if fp8:
                 apply_fp8([experts], FP8Config(backend="reference", modules=["experts"], weight_cache=cache))
             source = x.clone().requires_grad_()
-            rows = GatheredRows(source, order, inverse) if gathered else permute_rows(source, order, inverse)
-            out = experts(rows, counts)
+            out = experts(source, counts, order, inverse) if gathered else \
+                experts(GatheredRows(source, order, inverse).materialize(), counts)
             out.backward(grad)
             results.append([out, source.grad, *(p.grad for p in experts.parameters())])
         for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):

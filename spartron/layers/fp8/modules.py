@@ -12,7 +12,6 @@ from spartron.layers.fp8 import gemms
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
 from spartron.layers.fp8.ops import backend_impl, linear
 from spartron.layers.fp8.weight_cache import WeightCache
-from spartron.layers.moe.dispatch import GatheredRows
 from spartron.layers.moe.experts import GroupedExperts
 
 
@@ -44,11 +43,10 @@ class FP8GroupedExperts(GroupedExperts):
         return self.fp8_cache.get(weights, self.fp8_backend, self.fp8_pow2, lambda: gemms.weight_blocks(
             backend_impl(self.fp8_backend), *(w.detach() for w in weights), self.fp8_pow2))
 
-    def forward(self, x: Tensor | GatheredRows, tokens_per_expert: Tensor | list[int]) -> Tensor:
-        """x: the rows grouped by expert, or a GatheredRows plan of them (read in place: no bf16 permutation)."""
-        order = inverse = None
-        if isinstance(x, GatheredRows):
-            x, order, inverse = x.source, x.order, x.inverse
+    def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int], order: Tensor | None = None,
+                inverse: Tensor | None = None) -> Tensor:
+        """x: the rows grouped by expert, or with `order` / `inverse` (a GatheredRows plan) the rows x[order],
+        read in place by the quantisation: no bf16 permutation written."""
         if len(tokens_per_expert) != self.n_local_experts:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(tokens_per_expert)} entries for "
                              f"{self.n_local_experts} local experts")

@@ -26,7 +26,7 @@ from spartron.comm.transport import EPTransport
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
 from spartron.layers.init import init_parameters_
-from spartron.layers.moe.dispatch import DispatchState, build_dispatcher
+from spartron.layers.moe.dispatch import DispatchState, GatheredRows, build_dispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router, Routing
 from spartron.layers.moe.telemetry import record_routing_stats
@@ -137,7 +137,11 @@ class MoELayer(nn.Module):
     def run_experts(self, s: RoutedRows) -> RoutedRows:
         """The local experts over the rows they received, in the order the rows arrived."""
         rows, tokens_per_local_expert = self.dispatcher.post_dispatch_gathered(s.rows, s.dispatch)
-        s.rows = self.dispatcher.pre_combine(self.experts(rows, tokens_per_local_expert), s.dispatch)
+        if isinstance(rows, GatheredRows):  # as tensors: FSDP2 looks for the input needing a gradient among them
+            out = self.experts(rows.source, tokens_per_local_expert, rows.order, rows.inverse)
+        else:
+            out = self.experts(rows, tokens_per_local_expert)
+        s.rows = self.dispatcher.pre_combine(out, s.dispatch)
         return s
 
     def combine(self, s: RoutedRows) -> RoutedRows:
