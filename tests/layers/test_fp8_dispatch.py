@@ -121,8 +121,8 @@ def test_the_experts_get_the_regrouping_as_tensors_needing_a_gradient(fp8):
         x = torch.randn(2, TOKENS // 2, DIM, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
         layer(x.requires_grad_())
     (args,) = seen
-    assert [type(a) for a in args] == [torch.Tensor] * 4 and args[0].requires_grad
-    assert args[2].shape == args[3].shape == (args[0].shape[0],)  # a permutation of the received rows
+    assert [type(a) for a in args] == [torch.Tensor] * 4 + [int] and args[0].requires_grad
+    assert args[2].shape == args[3].shape == (args[0].shape[0],) and args[4] == 1  # a permutation of the received rows
 
 
 def test_layouts_that_cannot_send_fp8_are_refused():

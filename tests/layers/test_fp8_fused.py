@@ -30,7 +30,7 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
     x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     if path == "fused":
-        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, [], None, None)
+        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, [], None, None, 1)
         out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, [])
     elif path == "w13":  # the recipe's definition: one grouped GEMM over the concatenated [w1; w3]
         gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2).split(128, dim=1)
@@ -87,17 +87,20 @@ def test_the_swiglu_backward_is_swiglus():
 
 
 @pytest.mark.parametrize("cache", ["off", "on"])
-def test_experts_read_a_gathered_plan_in_place_and_equal_the_permuted_rows_bitwise(cache):
-    """The EP regrouping as a GatheredRows plan, passed as tensors (order, inverse): the FP8 experts quantise
-    x[order] reading x through the index (the permuted bf16 rows never written) and send x's gradient back
-    through the inverse; output, x's gradient and every weight gradient equal the experts on the plan
-    written out (`permute_rows`) bitwise. The bf16 experts write the plan out first: the same as before."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_experts_read_a_gathered_plan_in_place_and_equal_the_written_rows_bitwise(k, cache):
+    """The last regrouping before the experts as a GatheredRows plan, passed as tensors (order, inverse) and
+    k: the EP permutation (k = 1) or the one-rank replication into top-k slots (k = 3). The FP8 experts
+    quantise x[order // k] reading x through the index (those rows never written) and send x's gradient
+    back through the inverse, each token's k copies summed; output, x's gradient and every weight gradient
+    equal the experts on the plan written out (`permute_rows` / `replicate_tokens`) bitwise. The bf16
+    experts write the plan out first: the same as before."""
     from spartron.layers.config import FP8Config
     from spartron.layers.fp8 import apply_fp8
     from spartron.layers.moe.dispatch import GatheredRows, inverse_permutation
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(384, 256, generator=g).bfloat16()
+    x = torch.randn(384 // k, 256, generator=g).bfloat16()
     grad = torch.randn(384, 256, generator=g).bfloat16()
     order = torch.randperm(384, generator=g)
     inverse = inverse_permutation(order)
@@ -110,8 +113,8 @@ def test_experts_read_a_gathered_plan_in_place_and_equal_the_permuted_rows_bitwi
             if fp8:
                 apply_fp8([experts], FP8Config(backend="reference", modules=["experts"], weight_cache=cache))
             source = x.clone().requires_grad_()
-            out = experts(source, counts, order, inverse) if gathered else \
-                experts(GatheredRows(source, order, inverse).materialize(), counts)
+            out = experts(source, counts, order, inverse, k) if gathered else \
+                experts(GatheredRows(source, order, inverse, k).materialize(), counts)
             out.backward(grad)
             results.append([out, source.grad, *(p.grad for p in experts.parameters())])
         for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):

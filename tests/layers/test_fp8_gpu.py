@@ -104,7 +104,7 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         if path == "fused":
-            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, [], None, None)
+            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, [], None, None, 1)
             out = swiglu_grouped_mm(h13, w2l, c, "triton", True, [])
         elif path == "w13":
             gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True).split(256, dim=1)
@@ -233,7 +233,7 @@ def test_torch_scaled_mm_experts_match_the_triton_experts():
     for backend in ("triton", "torch_scaled_mm"):
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
-        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], None, None)
+        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], None, None, 1)
         out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
         out.backward(grad[:, :256])
         results[backend] = [out] + [t.grad for t in leaves]

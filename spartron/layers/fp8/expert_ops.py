@@ -1,9 +1,10 @@
 """The routed experts' FP8 GEMMs as two ops (spartron.layers.fp8.gemms: the sequences):
 
 - `spartron_fp8::grouped_mm_pair(x, w1, w3)` -> h13 = x @ w1^T | x @ w3^T [M, 2I] per expert: ONE
-  GEMM over [w1; w3] (N = 2I), x quantised once; its dgrad one GEMM contracting over 2I. Given the EP
-  regrouping's `order` / `inverse` (a GatheredRows), x is the received rows and the quantisation reads
-  them in expert order through the index: the permuted bf16 rows are never written (forward) or
+  GEMM over [w1; w3] (N = 2I), x quantised once; its dgrad one GEMM contracting over 2I. Given the last
+  regrouping's `order` / `inverse` / `k` (a GatheredRows: the EP permutation of the received rows, or the
+  one-rank replication of the tokens into their top-k slots), x is that regrouping's source and the
+  quantisation reads the rows through the index: the regrouped bf16 rows are never written (forward) or
   re-read (the wgrad's column quantisation), the quantisation fused into the permutation.
 - `spartron_fp8::swiglu_grouped_mm(h13, w2)` -> (silu(gate) * up) @ w2^T per expert: SwiGLU's
   product is quantised where it is produced (the Triton backend's fused kernel) and recomputed in
@@ -33,42 +34,42 @@ from spartron.layers.fp8.ops import backend_impl
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair", mutates_args=())
 def grouped_mm_pair(x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, backend: str,
                     pow2: bool, cached: list[Tensor], order: Tensor | None,
-                    inverse: Tensor | None) -> Tensor:
+                    inverse: Tensor | None, k: int) -> Tensor:
     """x [M, K] grouped by `counts` [E]; w1, w3 [E, I, K] -> h13 [M, 2I] = x @ w1^T | x @ w3^T in x's dtype.
-    With `order` (and its inverse permutation `inverse`) the rows are x[order], never written: the
+    With `order` (its inverse permutation `inverse`, `k`) the rows are x[order // k], never written: the
     quantisation reads them through the index, and x's gradient is gathered back (GatheredRows)."""
-    return gemms.pair_forward(backend_impl(backend), x, w1, w3, counts, pow2, cached, order)
+    return gemms.pair_forward(backend_impl(backend), x, w1, w3, counts, pow2, cached, order, k)
 
 
 @grouped_mm_pair.register_fake
-def _(x, w1, w3, counts, backend, pow2, cached, order, inverse):
+def _(x, w1, w3, counts, backend, pow2, cached, order, inverse, k):
     return x.new_empty(x.shape[0] if order is None else order.shape[0], w1.shape[1] + w3.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_pair_backward", mutates_args=())
 def grouped_mm_pair_backward(g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
                              backend: str, pow2: bool, cached: list[Tensor], order: Tensor | None,
-                             inverse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                             inverse: Tensor | None, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return gemms.pair_backward(backend_impl(backend), g13.contiguous(), x, w1, w3, counts, pow2, cached, order,
-                               inverse)
+                               inverse, k)
 
 
 @grouped_mm_pair_backward.register_fake
-def _(g13, x, w1, w3, counts, backend, pow2, cached, order, inverse):
+def _(g13, x, w1, w3, counts, backend, pow2, cached, order, inverse, k):
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w3)
 
 
 def _pair_setup(ctx, inputs, output):
-    x, w1, w3, counts, backend, pow2, cached, order, inverse = inputs
+    x, w1, w3, counts, backend, pow2, cached, order, inverse, k = inputs
     ctx.save_for_backward(x, w1, w3, counts, order, inverse)
-    ctx.backend, ctx.pow2, ctx.cached = backend, pow2, cached
+    ctx.backend, ctx.pow2, ctx.cached, ctx.k = backend, pow2, cached, k
 
 
 def _pair_backward(ctx, g13):
     x, w1, w3, counts, order, inverse = ctx.saved_tensors
     dx, dw1, dw3 = grouped_mm_pair_backward(g13, x, w1, w3, counts, ctx.backend, ctx.pow2, ctx.cached, order,
-                                            inverse)
-    return dx, dw1, dw3, None, None, None, [None] * len(ctx.cached), None, None
+                                            inverse, ctx.k)
+    return dx, dw1, dw3, None, None, None, [None] * len(ctx.cached), None, None, None
 
 
 grouped_mm_pair.register_autograd(_pair_backward, setup_context=_pair_setup)

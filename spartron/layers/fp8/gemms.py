@@ -42,30 +42,37 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
     return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
 
 
+def _index(order: Tensor | None, k: int) -> Tensor | None:
+    """The row index into x of the rows x[order // k] (GatheredRows), None without a plan."""
+    return order if order is None or k == 1 else order // k
+
+
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
-                 cached: list[Tensor], order: Tensor | None = None) -> Tensor:
+                 cached: list[Tensor], order: Tensor | None = None, k: int = 1) -> Tensor:
     """x @ [w1; w3]^T per expert: one GEMM of N = 2I -> h13 [M, 2I] (gate | up). `cached`: the
-    weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here). `order`: the rows are x[order], read
-    through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows)."""
+    weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here). `order`: the rows are x[order // k],
+    read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows)."""
     counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
-    return impl.fprop(*impl.quantize_rows(x, pow2, order), *q, counts, x.dtype)
+    return impl.fprop(*impl.quantize_rows(x, pow2, _index(order, k)), *q, counts, x.dtype)
 
 
 def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
                   pow2: bool, cached: list[Tensor], order: Tensor | None = None,
-                  inverse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  inverse: Tensor | None = None, k: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """dx = g13 @ [w1; w3]: ONE dgrad contracting over 2I (fp32 over both halves, rounded once: the
     recipe's definition, Megatron's fused fc1 alike; not the bf16 sum dx1 + dx3 of two GEMMs). dw1, dw3:
     the wgrad over each half of g13's columns (128x1 tiles are per column: the halves' quantisation is
-    each half's own). With `order`, dx is x's gradient (x[order]'s, rows gathered back by `inverse`)."""
+    each half's own). With `order`, dx is x's gradient (the rows' gathered back by `inverse`, each x row's
+    k copies summed)."""
     counts = impl.group_counts(counts)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
     dx = impl.dgrad(*impl.quantize_rows(g13, pow2), *wt, counts, x.dtype)
-    if order is not None:  # x[order]'s gradient back in x's order: permute_rows' backward
+    if order is not None:  # the rows' gradient back to x: permute_rows' / replicate_tokens' backward
         dx = dx.index_select(0, inverse)
+        dx = dx if k == 1 else dx.view(-1, k, dx.shape[-1]).sum(dim=1)
     gq, gs = impl.quantize_cols_grouped(g13, counts, pow2)
-    xcols = impl.quantize_cols_grouped(x, counts, pow2, order)
+    xcols = impl.quantize_cols_grouped(x, counts, pow2, _index(order, k))
     i = w1.shape[1]
     return (dx, impl.wgrad(gq[:i], gs[:i], *xcols, counts, w1.dtype),
             impl.wgrad(gq[i:], gs[i:], *xcols, counts, w3.dtype))

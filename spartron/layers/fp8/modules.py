@@ -44,9 +44,9 @@ class FP8GroupedExperts(GroupedExperts):
             backend_impl(self.fp8_backend), *(w.detach() for w in weights), self.fp8_pow2))
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int], order: Tensor | None = None,
-                inverse: Tensor | None = None) -> Tensor:
-        """x: the rows grouped by expert, or with `order` / `inverse` (a GatheredRows plan) the rows x[order],
-        read in place by the quantisation: no bf16 permutation written."""
+                inverse: Tensor | None = None, k: int = 1) -> Tensor:
+        """x: the rows grouped by expert, or with `order` / `inverse` / `k` (a GatheredRows plan) the rows
+        x[order // k], read in place by the quantisation: no bf16 rows written."""
         if len(tokens_per_expert) != self.n_local_experts:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(tokens_per_expert)} entries for "
                              f"{self.n_local_experts} local experts")
@@ -59,5 +59,5 @@ class FP8GroupedExperts(GroupedExperts):
         gemm = (self.fp8_backend, self.fp8_pow2)
         # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
         cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
-        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse)
+        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse, k)
         return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:])

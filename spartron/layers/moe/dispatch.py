@@ -1,11 +1,13 @@
 """Token dispatch/combine between the router and the experts, as explicit phases.
 
-    prepare       sort the (token, k) slots by global expert; count them (device work only, no sync)
+    prepare       sort the (token, k) slots by global expert; count them (device work only, no sync);
+                  (EP) replicate the tokens into their slots, the rows to send
     dispatch      (EP) exchange the counts and copy the split sizes to the host (`exchange_counts`),
                   then all-to-all the sorted rows to the ranks owning their experts
-    post_dispatch (EP) regroup received rows by local expert -> rows ready for the grouped GEMM
-                  (`post_dispatch_gathered`: the regrouping as a `GatheredRows` plan, so FP8 experts
-                  quantise the received rows in that order without writing the bf16 permutation)
+    post_dispatch (EP) regroup received rows by local expert, (one rank) replicate the tokens into their
+                  slots -> rows ready for the grouped GEMM (`post_dispatch_gathered`: that last gather as
+                  a `GatheredRows` plan, so FP8 experts quantise the rows through its index without
+                  writing them in bf16)
     experts       (caller) GroupedExperts(rows, tokens_per_local_expert)
     pre_combine   (EP) undo the regrouping (DeepEP: also weight by the gates, sum per token)
     combine       (EP) reverse all-to-all back to the source rank
@@ -114,17 +116,23 @@ class _ReplicateTokens(torch.autograd.Function):
 
 @dataclass
 class GatheredRows:
-    """`source[order]`, not yet written: the experts' input as the EP regrouping leaves it (a permutation
-    of the received rows, `inverse` its inverse). `materialize()` writes it (`permute_rows`: the same
-    values and gradient); FP8 experts instead read `source` through `order` in their quantisation
-    kernels and send the gradient back through `inverse` (spartron.layers.fp8.expert_ops)."""
+    """`source[order // k]`, not yet written: the experts' input as the last regrouping before them leaves
+    it. k = 1: the EP permutation of the received rows; k = top_k: the single-rank replication of each token
+    into its top-k slots (`order` the slot order). `inverse` is the inverse permutation of `order`.
+    `materialize()` writes the rows (`permute_rows` / `replicate_tokens`: the same values and gradient); FP8
+    experts instead read `source` through the index in their quantisation kernels and send the gradient back
+    through `inverse` (spartron.layers.fp8.expert_ops). k is a model constant (never read from a shape: the
+    received row count is data-dependent under compile)."""
 
     source: Tensor
     order: Tensor
     inverse: Tensor
+    k: int = 1
 
     def materialize(self) -> Tensor:
-        return permute_rows(self.source, self.order, self.inverse)
+        if self.k == 1:
+            return permute_rows(self.source, self.order, self.inverse)
+        return replicate_tokens(self.source, self.order, self.inverse, self.k)
 
 
 def replicate_tokens(x: Tensor, slot_order: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
@@ -170,8 +178,8 @@ class LocalDispatcher:
         self.n_local_experts = n_experts
 
     def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DispatchState]:
-        """x [tokens, dim] -> one row per (token, k) slot, sorted by expert."""
-        top_k = topk_ids.shape[1]
+        """Sort the (token, k) slots by expert and count them; x [tokens, dim] comes back as it is (one rank:
+        post_dispatch replicates it into the slots)."""
         flat = topk_ids.reshape(-1)
         slot_order = torch.argsort(flat, stable=True)
         slot_inverse = inverse_permutation(slot_order)
@@ -180,18 +188,21 @@ class LocalDispatcher:
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         state = DispatchState(topk_weights=topk_weights, slot_order=slot_order, slot_inverse=slot_inverse,
                               tokens_per_expert=counts)
-        return replicate_tokens(x, slot_order, slot_inverse, top_k), state
+        return x, state  # the tokens: post_dispatch replicates them into their slots (nothing travels)
 
     def dispatch(self, x: Tensor, state: DispatchState) -> Tensor:
         return x
 
     def post_dispatch(self, x: Tensor, state: DispatchState) -> tuple[Tensor, Tensor]:
-        state.tokens_per_local_expert = state.tokens_per_expert
-        return x, state.tokens_per_local_expert
+        """x's rows ready for the grouped GEMM: here the tokens replicated into their slots, sorted by expert."""
+        rows, counts = self.post_dispatch_gathered(x, state)
+        return rows.materialize(), counts
 
-    def post_dispatch_gathered(self, x: Tensor, state: DispatchState) -> tuple[Tensor | GatheredRows, Tensor]:
-        """post_dispatch, the regrouping left as a GatheredRows plan where there is one (EP)."""
-        return self.post_dispatch(x, state)
+    def post_dispatch_gathered(self, x: Tensor, state: DispatchState) -> tuple[GatheredRows, Tensor]:
+        """post_dispatch, the last regrouping left as a GatheredRows plan (FP8 experts read it in place)."""
+        state.tokens_per_local_expert = state.tokens_per_expert
+        rows = GatheredRows(x, state.slot_order, state.slot_inverse, state.topk_weights.shape[1])
+        return rows, state.tokens_per_local_expert
 
     def exchange_counts_together(self, states: list[DispatchState]) -> None:
         """Nothing to exchange without expert parallelism."""
@@ -222,6 +233,11 @@ class AllToAllDispatcher(LocalDispatcher):
         self.group = transport.group
         self.ep = dist.get_world_size(self.group)
         self.n_local_experts = n_experts // self.ep
+
+    def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DispatchState]:
+        """x [tokens, dim] -> one row per (token, k) slot, sorted by expert: the rows the all-to-all sends."""
+        tokens, state = super().prepare(x, topk_ids, topk_weights)
+        return replicate_tokens(tokens, state.slot_order, state.slot_inverse, topk_ids.shape[1]), state
 
     def exchange_counts(self, *states: DispatchState) -> None:
         """Exchange the per-expert counts of `states` and copy their split sizes to the host: one

@@ -63,13 +63,13 @@ class GroupedExperts(nn.Module):
         return "grouped" if (grouped_mm_available() and x.is_cuda and x.dtype == torch.bfloat16) else "loop"
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor | list[int], order: Tensor | None = None,
-                inverse: Tensor | None = None) -> Tensor:
+                inverse: Tensor | None = None, k: int = 1) -> Tensor:
         """x [N, dim] with rows grouped by local expert (counts `tokens_per_expert` [E_local]), or with
-        `order` (a GatheredRows plan's, `inverse` its inverse) the rows are x[order], written out here (the
+        `order` (a GatheredRows plan's: `inverse`, `k`) the rows are x[order // k], written out here (the
         FP8 experts read them in place instead). The plan comes as tensors, not as a GatheredRows: FSDP2
         finds the input that needs a gradient among the forward's tensor arguments (its post-backward hook)."""
         if order is not None:
-            x = GatheredRows(x, order, inverse).materialize()
+            x = GatheredRows(x, order, inverse, k).materialize()
         if len(tokens_per_expert) != self.n_local_experts:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(tokens_per_expert)} entries for "
                              f"{self.n_local_experts} local experts")

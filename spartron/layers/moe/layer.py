@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
         """The local experts over the rows they received, in the order the rows arrived."""
         rows, tokens_per_local_expert = self.dispatcher.post_dispatch_gathered(s.rows, s.dispatch)
         if isinstance(rows, GatheredRows):  # as tensors: FSDP2 looks for the input needing a gradient among them
-            out = self.experts(rows.source, tokens_per_local_expert, rows.order, rows.inverse)
+            out = self.experts(rows.source, tokens_per_local_expert, rows.order, rows.inverse, rows.k)
         else:
             out = self.experts(rows, tokens_per_local_expert)
         s.rows = self.dispatcher.pre_combine(out, s.dispatch)

@@ -39,7 +39,10 @@ def test_random_fp32_gradient_matches_indexing_and_the_dispatcher_uses_it():
     (ref,) = torch.autograd.grad(x[order // 6], x, grad)
     (got,) = torch.autograd.grad(replicate_tokens(x, order, inverse, 6), x, grad)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    rows, state = LocalDispatcher(16).prepare(x, ids, torch.rand(33, 6, generator=g))
+    d = LocalDispatcher(16)
+    tokens, state = d.prepare(x, ids, torch.rand(33, 6, generator=g))
+    assert tokens is x  # one rank: nothing travels, the tokens are replicated where the experts take them
+    rows, _ = d.post_dispatch(d.dispatch(tokens, state), state)
     assert rows.grad_fn is not None and type(rows.grad_fn).__name__ == "_ReplicateTokensBackward"
     torch.testing.assert_close(rows, x[order // 6], rtol=0, atol=0)
     assert torch.equal(state.slot_order, order) and torch.equal(state.slot_inverse, inverse)
