@@ -15,7 +15,7 @@ With many small experts the per-expert wgrad loop costs more in launches than it
 
 `F.scaled_mm` (torch's `_scaled_mm_v2`) checks its scale layouts, and they are not Spartron's:
 - 1x128 scales of an [R, K] operand: [R, K/128] with strides (1, R) (outer-dim-major). Spartron's
-  row scales [K/128, R] are that buffer (a `.t()` view; one group's rows a small copy), its column
+  row scales [K/128, R] are that buffer (a `.t()` view), its column
   scales [C, T] are stored slot-major (strides (1, C)): a group's slots are a view.
 - 128x128 scales of the right operand [K, N] (contraction first): [L4, N/128] with strides (1, L4),
   L4 = K/128 rounded up to a multiple of 4 (cuBLASLt's padding): one padded copy for all groups.
