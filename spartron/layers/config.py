@@ -153,8 +153,9 @@ class FP8Config(ConfigSection):
     wgrad GEMMs of the chosen modules; everything else (attention, router, head, norms) stays in
     model.dtype. `modules`: "experts" (the routed experts' grouped GEMMs), "dense" (every other
     nn.Linear of the blocks with both dims multiples of 128: MLA projections, dense FFNs, shared
-    experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (every GEMM by
-    torch's blockwise scaled_mm on cuBLAS, sm90; the experts one GEMM per local expert), "reference" (dequantise + fp32
+    experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (cuBLAS's blockwise
+    scaled_mm, sm90, for the dense linears and the experts' wgrad, one GEMM per local expert; the experts'
+    fprop and dgrad on the Triton kernels), "reference" (dequantise + fp32
     matmul: the exact numerics on any device, slow). `power_of_two_scales`: scales rounded up to a
     power of two (exact rescaling; TransformerEngine's default for this recipe). `weight_cache`: the
     routed experts' weights quantised once per optimizer step instead of at every GEMM call

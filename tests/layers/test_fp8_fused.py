@@ -171,6 +171,14 @@ def test_scaled_mm_dense_rows_not_a_multiple_of_four_are_refused_naming_the_back
                                          torch.empty(1, 2, 1, device="meta"), gc)
 
 
+def test_only_a_dense_linear_runs_fprop_and_dgrad_on_cublas():
+    """The rule is "a dense linear", not "one group": routed experts with one local expert (EP as wide as the
+    experts) go to the Triton kernel, which takes any row count cuBLAS refuses."""
+    x = torch.empty(130, 128)
+    assert scaled_mm_backend.one_group(x).dense and scaled_mm_backend.one_group(x).host == [130]
+    assert not scaled_mm_backend.group_counts(torch.tensor([130])).dense
+
+
 def test_group_counts_sync_only_when_read_and_slots_follow_the_counts():
     gc = scaled_mm_backend.group_counts(torch.tensor([300, 0, 128, 1]))
     assert gc._host is None  # nothing read on the host yet: a forward through the Triton kernels never syncs

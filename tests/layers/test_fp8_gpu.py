@@ -219,6 +219,11 @@ def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
     out = sb.wgrad(*gt, *xt, c, bf16)
     _close_at_fp8_mma_precision(out.float(), reference.wgrad(*gt, *xt, c, torch.float32))
     assert not out[1].any() and not out[5].any()
+    # one local expert of 130 rows (EP as wide as the experts): the Triton kernel, not cuBLAS (which refuses 130)
+    one = torch.tensor([130], dtype=torch.int32, device="cuda")
+    xq1, wq1 = quant.quantize_rows(x[:130], True), quant.quantize_blocks(w[:1], True)
+    _close_at_fp8_mma_precision(sb.fprop(*xq1, *wq1, one, bf16).float(),
+                                reference.fprop(*xq1, *wq1, one, torch.float32))
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")

@@ -9,8 +9,8 @@ quantisation from the same inputs (deterministic), and offload sees the same bf1
 As one op each, compile and the policy see one boundary per GEMM.
 
 `backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
-Hopper), "torch_scaled_mm" (every GEMM through torch's blockwise `scaled_mm`, a grouped one as a loop
-over its groups: torch has no sm90 blockwise grouped GEMM).
+Hopper), "torch_scaled_mm" (the dense GEMMs and the experts' wgrad through torch's blockwise `scaled_mm`,
+the wgrad as a loop over the experts: torch has no sm90 blockwise grouped GEMM; spartron.layers.fp8.scaled_mm_backend).
 """
 
 from __future__ import annotations

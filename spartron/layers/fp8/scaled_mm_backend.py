@@ -43,8 +43,9 @@ class GroupCounts:
     this op, not for the op's own dgrad and quantisation kernels, which keep the GPU busy while the host
     launches the loop. An op that runs no loop (the experts' forward) never waits."""
 
-    def __init__(self, device: Tensor, host: list[int] | None = None):
+    def __init__(self, device: Tensor, host: list[int] | None = None, dense: bool = False):
         self.device = device
+        self.dense = dense  # a dense linear's one group (one_group): its fprop and dgrad run on cuBLAS
         self._host = host
         self._copy = None
         if host is None and device.is_cuda:
@@ -73,7 +74,7 @@ def group_counts(counts: Tensor | GroupCounts) -> GroupCounts:
 def one_group(x2d: Tensor) -> GroupCounts:
     """A dense linear: one group of all rows (known on the host: no sync)."""
     m = x2d.shape[0]
-    return GroupCounts(torch.tensor([m], dtype=torch.int32, device=x2d.device), [m])
+    return GroupCounts(torch.tensor([m], dtype=torch.int32, device=x2d.device), [m], dense=True)
 
 
 def _triton():
@@ -165,32 +166,35 @@ def _scaled_mm_into(out: Tensor, a: Tensor, b: Tensor, sa: Tensor, ra, sb: Tenso
                                      out=out)
 
 
-def _dense_gemm(kind: str, a, sa, b, sb, counts, dtype: torch.dtype) -> Tensor:
+def _dense_gemm(kind: str, a, sa, b, sb, counts: GroupCounts, dtype: torch.dtype) -> Tensor:
     out = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)
-    for _, args in group_operands(kind, a, sa, b, sb, group_counts(counts)):
+    for _, args in group_operands(kind, a, sa, b, sb, counts):
         _scaled_mm_into(out, *args)
     return out
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """One group: cuBLAS; several: the Triton grouped kernel (see the module's docstring)."""
-    if wq.shape[0] > 1:
-        return _triton().fprop(xq, xs, wq, ws, group_counts(counts).device, dtype)
+    """A dense linear: cuBLAS; the routed experts (any number of them, one included): the Triton grouped
+    kernel (see the module's docstring)."""
+    counts = group_counts(counts)
+    if not counts.dense:
+        return _triton().fprop(xq, xs, wq, ws, counts.device, dtype)
     return _dense_gemm("fprop", xq, xs, wq, ws, counts, dtype)
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """One group: cuBLAS; several: the Triton grouped kernel (see the module's docstring)."""
-    if wtq.shape[0] > 1:
-        return _triton().dgrad(gq, gs, wtq, wts, group_counts(counts).device, dtype)
+    """A dense linear: cuBLAS; the routed experts: the Triton grouped kernel (see the module's docstring)."""
+    counts = group_counts(counts)
+    if not counts.dense:
+        return _triton().dgrad(gq, gs, wtq, wts, counts.device, dtype)
     return _dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:
     """-> dw [G, N, K]; a group with no rows gets zeros (its gradient)."""
     counts = group_counts(counts)
-    dw = torch.zeros(len(counts.host), gt.shape[0], xt.shape[0], dtype=dtype, device=gt.device) \
-        if 0 in counts.host else torch.empty(len(counts.host), gt.shape[0], xt.shape[0], dtype=dtype, device=gt.device)
+    alloc = torch.zeros if 0 in counts.host else torch.empty
+    dw = alloc(len(counts.host), gt.shape[0], xt.shape[0], dtype=dtype, device=gt.device)
     for g, args in group_operands("wgrad", gt, gts, xt, xts, counts):
         _scaled_mm_into(dw[g], *args)
     return dw
