@@ -14,7 +14,8 @@ timed at a few configs (fprop / dgrad: BM 128 or 64 rows per slot, warps, pipeli
 BN 128 or 64, warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is timed alone (CUDA events, L2 flushed
 before each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
 
-`--backend torch_scaled_mm`: the GEMMs as cuBLAS's blockwise `scaled_mm`, one per expert.
+`--backend torch_scaled_mm`: the experts' wgrad as cuBLAS's blockwise `scaled_mm`, one per expert; `--backend
+deep_gemm`: that wgrad, fprop and dgrad on DeepGEMM (their times include its row padding, as the experts run it).
 
 GPU:  python benchmarks/fp8_gemms.py --out benchmarks/results/fp8_gemms/fp8_gemms_<commit>_h200.json
 CPU:  python benchmarks/fp8_gemms.py --smoke --out /tmp/fp8_gemms.json   (tiny shape, reference backend)
@@ -160,7 +161,7 @@ def run_shape(impl, shape: dict, device: torch.device, warmup: int, reps: int, p
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, reference backend")
-    parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "reference"])
+    parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "deep_gemm", "reference"])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)

@@ -81,7 +81,7 @@ def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, reference backend")
-    parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "reference"])
+    parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "deep_gemm", "reference"])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)

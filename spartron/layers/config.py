@@ -155,7 +155,8 @@ class FP8Config(ConfigSection):
     nn.Linear of the blocks with both dims multiples of 128: MLA projections, dense FFNs, shared
     experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (cuBLAS's blockwise
     scaled_mm, sm90, for the dense linears and the experts' wgrad, one GEMM per local expert; the experts'
-    fprop and dgrad on the Triton kernels), "reference" (dequantise + fp32
+    fprop and dgrad on the Triton kernels), "deep_gemm" (as "torch_scaled_mm", with the experts' fprop and
+    dgrad on DeepGEMM's grouped FP8 GEMM: an optional extra, sm90), "reference" (dequantise + fp32
     matmul: the exact numerics on any device, slow). `power_of_two_scales`: scales rounded up to a
     power of two (exact rescaling; TransformerEngine's default for this recipe). `weight_cache`: the
     routed experts' weights quantised once per optimizer step instead of at every GEMM call
@@ -167,7 +168,7 @@ class FP8Config(ConfigSection):
     FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank. See docs/FP8.md."""
 
     recipe: Literal["blockwise"] = "blockwise"
-    backend: Literal["triton", "torch_scaled_mm", "reference"] = "triton"
+    backend: Literal["triton", "torch_scaled_mm", "deep_gemm", "reference"] = "triton"
     modules: list[Literal["experts", "dense"]] = Field(default_factory=lambda: ["experts", "dense"])
     power_of_two_scales: bool = True
     weight_cache: Literal["auto", "on", "off"] = "auto"

@@ -275,3 +275,60 @@ def test_fp8_dispatch_wire_on_the_gpu_equals_the_reference_and_keeps_the_forward
             out.float().square().sum().backward()
             results.append((out.detach(), xin.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def _has_deep_gemm() -> bool:
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
+    """fprop and dgrad on DeepGEMM through the padded slot layout: bitwise the Triton kernel's output (the same
+    quantised operands, the same 128-deep promotion) on groups of 1, 63, 65, 319 rows and empty ones, one
+    expert of 130 rows, and no rows at all."""
+    from spartron.layers.fp8 import deep_gemm_backend as dg
+    from spartron.layers.fp8 import triton_backend as tb
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(7, 384, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    grad = torch.randn(512, 384, device="cuda", generator=g).bfloat16()
+    bf16 = torch.bfloat16
+    for counts, rows in (([1, 0, 63, 64, 65, 0, 319], 512), ([130], 130), ([0, 0, 0, 0, 0, 0, 0], 0)):
+        c = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        wg = w[:len(counts)]
+        xq, wq = tb.quantize_rows(x[:rows], True), tb.quantize_blocks(wg, True)
+        out = dg.fprop(*xq, *wq, c, bf16)
+        assert out.shape == (rows, 384) and torch.equal(out, tb.fprop(*xq, *wq, c, bf16)), counts
+        gq, wt = tb.quantize_rows(grad[:rows], True), tb.quantize_blocks_t(wg, True)
+        dx = dg.dgrad(*gq, *wt, c, bf16)
+        assert dx.shape == (rows, 256) and torch.equal(dx, tb.dgrad(*gq, *wt, c, bf16)), counts
+
+
+@pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+def test_deep_gemm_experts_equal_the_torch_scaled_mm_experts():
+    """The routed experts' fused ops on backend 'deep_gemm' against 'torch_scaled_mm' (the same wgrad, the fprop /
+    dgrad bitwise the Triton kernel's): every output and gradient equal, with the EP permutation fused."""
+    c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
+    x, w, grad = _inputs(512, seed=3)
+    w1, w3 = w[:, :256], w[:, 128:]
+    w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()
+    order = torch.randperm(512, device="cuda")
+    inverse = torch.argsort(order)
+    results = {}
+    for backend in ("torch_scaled_mm", "deep_gemm"):
+        leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
+        xl, w1l, w3l, w2l = leaves
+        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], order, inverse, 1)
+        out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
+        out.backward(grad[:, :256])
+        results[backend] = [out] + [t.grad for t in leaves]
+    for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["torch_scaled_mm"],
+                               strict=True):
+        assert torch.equal(got, want), name

@@ -57,6 +57,25 @@ def test_gpu_backend_on_cpu_is_one_error_naming_the_key():
         apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
 
 
+def test_deep_gemm_backend_on_cpu_or_without_deep_gemm_is_one_error_naming_the_key():
+    from spartron.layers.fp8.apply import check_deep_gemm
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check")
+    cfg = _cfg('model.fp8.backend="deep_gemm"')
+    assert cfg.model.fp8.backend == "deep_gemm"
+    model = build_model(cfg.model, seed=0)
+    with pytest.raises(ConfigError, match="model.fp8.backend = 'deep_gemm' runs on a CUDA GPU"):
+        apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="model.fp8.backend = 'deep_gemm' needs DeepGEMM .*build_deep_gemm.sh"):
+            check_deep_gemm()
+    else:
+        pytest.fail("DeepGEMM is importable on a CPU machine: this test expects the missing-extra error")
+
+
 def test_fp8_that_converts_nothing_is_one_error_naming_the_modules_key():
     cfg = _cfg("model.dim=64", "model.fp8.backend=reference", 'model.fp8.modules=["dense"]')  # no 128-wide linear
     model = build_model(cfg.model, seed=0)

@@ -173,3 +173,26 @@ def test_linear_forward_and_gradients_equal_dequantise_then_matmul_and_stay_near
     exact = x.detach().float() @ w.detach().float().t()
     rel = ((out.float() - exact).norm() / exact.norm()).item()
     assert 1e-3 < rel < 0.05, rel  # measured 0.03: the FP8 error, not zero (the op does quantise)
+
+
+def test_deep_gemm_padded_rows_put_each_group_where_deep_gemms_psum_layout_reads_it():
+    """The "deep_gemm" backend's slot layout: each packed row goes to its token column (the wgrad's slot layout),
+    the padded rows read row 0 (no output keeps them), and each group's end row is where DeepGEMM's psum layout
+    ends it, its start being the previous end rounded up to 128 rows (how DeepGEMM's sm90 scheduler walks it)."""
+    from spartron.layers.fp8.deep_gemm_backend import padded_rows
+
+    counts = torch.tensor([0, 1, 128, 129, 0, 3], dtype=torch.int32)
+    source, dest, ends = padded_rows(counts, 261)
+    assert torch.equal(dest, token_columns(counts))
+    assert source.shape == (128 * (261 // 128 + 6),)
+    assert torch.equal(source[dest], torch.arange(261))
+    unused = torch.ones(len(source), dtype=torch.bool)
+    unused[dest] = False
+    assert not source[unused].any()
+    assert ends.dtype == torch.int32 and ends.tolist() == [0, 1, 256, 385, 512, 515]
+    starts = [0] + [-(-e // 128) * 128 for e in ends.tolist()[:-1]]
+    for g, (start, end) in enumerate(zip(starts, ends.tolist(), strict=True)):
+        assert end - start == counts[g].item() and torch.equal(source[start:end], torch.arange(
+            int(counts[:g].sum()), int(counts[:g + 1].sum()))), g
+    empty = padded_rows(torch.zeros(3, dtype=torch.int32), 0)
+    assert empty[0].shape == (3 * 128,) and empty[1].numel() == 0 and empty[2].tolist() == [0, 0, 0]

@@ -37,15 +37,29 @@ def check_backend(backend: str) -> None:
     if backend == "triton" and major < 9:
         raise ConfigError(f"model.fp8.backend = 'triton' needs FP8 tensor cores (compute capability >= 9.0), "
                          f"this GPU is {major}.{minor}")
-    if backend == "torch_scaled_mm":
+    if backend in ("torch_scaled_mm", "deep_gemm"):
         import torch.nn.functional as F
         if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
-            raise ConfigError("model.fp8.backend = 'torch_scaled_mm' needs torch.nn.functional.scaled_mm with "
+            raise ConfigError(f"model.fp8.backend = {backend!r} needs torch.nn.functional.scaled_mm with "
                              f"ScalingType.BlockWise128x128 (torch >= 2.9), this is torch {torch.__version__}: "
                              "install a newer torch or use backend 'triton'")
         if (major, minor) != (9, 0):
-            raise ConfigError("model.fp8.backend = 'torch_scaled_mm': cuBLASLt's blockwise scaling runs on sm90 "
+            raise ConfigError(f"model.fp8.backend = {backend!r}: cuBLASLt's blockwise scaling runs on sm90 "
                              f"(Hopper) only, this GPU is {major}.{minor}: use backend 'triton'")
+    if backend == "deep_gemm":
+        check_deep_gemm()
+
+
+def check_deep_gemm() -> None:
+    """DeepGEMM (github.com/deepseek-ai/DeepGEMM, an optional extra) importable with the grouped GEMM used."""
+    try:
+        import deep_gemm
+    except ImportError as err:
+        raise ConfigError("model.fp8.backend = 'deep_gemm' needs DeepGEMM (build it from github.com/deepseek-ai/"
+                          f"DeepGEMM: benchmarks/build_deep_gemm.sh) or another backend: {err}") from None
+    if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
+        raise ConfigError("model.fp8.backend = 'deep_gemm': this DeepGEMM has no m_grouped_fp8_gemm_nt_contiguous "
+                          f"(version {getattr(deep_gemm, '__version__', '?')}; 2.x has it)")
 
 
 def dense_eligible(module: nn.Module) -> bool:

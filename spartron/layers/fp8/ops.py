@@ -10,7 +10,8 @@ As one op each, compile and the policy see one boundary per GEMM.
 
 `backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
 Hopper), "torch_scaled_mm" (the dense GEMMs and the experts' wgrad through torch's blockwise `scaled_mm`,
-the wgrad as a loop over the experts: torch has no sm90 blockwise grouped GEMM; spartron.layers.fp8.scaled_mm_backend).
+the wgrad as a loop over the experts: torch has no sm90 blockwise grouped GEMM; spartron.layers.fp8.scaled_mm_backend),
+"deep_gemm" (as "torch_scaled_mm", the experts' fprop and dgrad on DeepGEMM: spartron.layers.fp8.deep_gemm_backend).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from spartron.layers.fp8 import gemms
 
-BACKENDS = ("reference", "triton", "torch_scaled_mm")
+BACKENDS = ("reference", "triton", "torch_scaled_mm", "deep_gemm")
 
 
 def backend_impl(backend: str):
@@ -31,6 +32,8 @@ def backend_impl(backend: str):
         from spartron.layers.fp8 import triton_backend as impl
     elif backend == "torch_scaled_mm":
         from spartron.layers.fp8 import scaled_mm_backend as impl
+    elif backend == "deep_gemm":
+        from spartron.layers.fp8 import deep_gemm_backend as impl
     else:
         raise ValueError(f"model.fp8.backend must be one of {BACKENDS}, got {backend!r}")
     return impl

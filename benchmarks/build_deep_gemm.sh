@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build DeepGEMM (model.fp8.backend = "deep_gemm") on the lent GPU machine and install it into TARGET.
+#   bash benchmarks/build_deep_gemm.sh SRC TARGET
+# SRC: an unmodified DeepGEMM 2.x source tree with its third-party/cutlass and third-party/fmt headers, carried
+# with the call (never committed here). TARGET: a folder on PYTHONPATH (run_gpu.sh uses /tmp/site).
+# The extension is compiled with the system g++ (CXX, default /usr/bin/g++): the image's default compiler
+# (/opt/gcc/bin/g++) puts libstdc++'s locale code into the extension itself, and DeepGEMM's first GEMM then
+# segfaults in its own iostream / std::regex calls (session 19, H100: seen in cuda-gdb's backtrace).
+# Its kernels are compiled at first use by nvcc (CUDA_HOME) into ~/.deep_gemm, a few seconds each shape.
+# The build runs in a copy; SRC is left as it is.
+set -euo pipefail
+src=${1:?usage: build_deep_gemm.sh SRC TARGET}
+target=${2:?usage: build_deep_gemm.sh SRC TARGET}
+[ -f "$src/setup.py" ] || { echo "build_deep_gemm: $src has no setup.py (is the DeepGEMM source carried?)" >&2; exit 2; }
+[ -d "$src/third-party/cutlass/include/cute" ] || { echo "build_deep_gemm: $src lacks third-party/cutlass/include" >&2; exit 2; }
+python3 -c "import wheel" 2>/dev/null || { echo "build_deep_gemm: DeepGEMM's setup.py imports 'wheel': install it first" >&2; exit 2; }
+export CXX=${CXX:-/usr/bin/g++} CC=${CC:-/usr/bin/gcc}
+work=$(mktemp -d)
+cp -r "$src"/. "$work"
+cd "$work"
+DG_USE_LOCAL_VERSION=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 setup.py build
+mkdir -p "$target"
+rm -rf "$target/deep_gemm"
+cp -r build/lib*/deep_gemm "$target"/
+cd "$target"
+python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__, deep_gemm.__file__)"
