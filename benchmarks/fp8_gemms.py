@@ -15,7 +15,8 @@ BN 128 or 64, warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is ti
 before each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
 
 `--backend torch_scaled_mm`: the experts' wgrad as cuBLAS's blockwise `scaled_mm`, one per expert; `--backend
-deep_gemm`: that wgrad, fprop and dgrad on DeepGEMM (their times include its row padding, as the experts run it).
+deep_gemm`: that wgrad, fprop and dgrad on DeepGEMM (their operands quantised into its slot layout, their times
+include the output's gather back to the packed rows, as the experts run them).
 
 GPU:  python benchmarks/fp8_gemms.py --out benchmarks/results/fp8_gemms/fp8_gemms_<commit>_h200.json
 CPU:  python benchmarks/fp8_gemms.py --smoke --out /tmp/fp8_gemms.json   (tiny shape, reference backend)
@@ -87,8 +88,8 @@ def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: b
     x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
     w = torch.randn(experts, n, k, dtype=torch.bfloat16, device=device) * 0.02
     grad = torch.randn(rows, n, dtype=torch.bfloat16, device=device)
-    xq, wq = impl.quantize_rows(x, pow2), impl.quantize_blocks(w, pow2)
-    gq, wtq = impl.quantize_rows(grad, pow2), impl.quantize_blocks_t(w, pow2)
+    xq, wq = impl.quantize_rows(x, pow2, impl.gemm_rows(counts, rows, None)), impl.quantize_blocks(w, pow2)
+    gq, wtq = impl.quantize_rows(grad, pow2, impl.gemm_rows(counts, rows, None)), impl.quantize_blocks_t(w, pow2)
     gt, xt = impl.quantize_cols_grouped(grad, counts, pow2), impl.quantize_cols_grouped(x, counts, pow2)
     bf16 = torch.bfloat16
     cases = {

@@ -47,6 +47,9 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     gate, up = grad[:, :256].contiguous(), x.flip(0).contiguous()
     (q, s), (rq, rs) = tb.swiglu_quantize_rows(gate, up, pow2), reference.swiglu_quantize_rows(gate, up, pow2)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu"
+    q, s = tb.swiglu_quantize_rows(gate, up, pow2, order)
+    rq, rs = reference.swiglu_quantize_rows(gate, up, pow2, order)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu gathered"
     out, ref = gemms.forward(tb, x, w, c, pow2), gemms.forward(reference, x, w, c, pow2)
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     (dx, dw), (rdx, rdw) = gemms.backward(tb, grad, x, w, c, pow2), gemms.backward(reference, grad, x, w, c, pow2)
@@ -288,9 +291,9 @@ def _has_deep_gemm() -> bool:
 @pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
 def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
-    """fprop and dgrad on DeepGEMM through the padded slot layout: bitwise the Triton kernel's output (the same
-    quantised operands, the same 128-deep promotion) on groups of 1, 63, 65, 319 rows and empty ones, one
-    expert of 130 rows, and no rows at all."""
+    """fprop and dgrad on DeepGEMM, the operands quantised into the slot layout: bitwise the Triton kernel's output
+    on the packed rows (the same quantised values, the same 128-deep promotion) on groups of 1, 63, 65, 319 rows
+    and empty ones, one expert of 130 rows, and no rows at all."""
     from spartron.layers.fp8 import deep_gemm_backend as dg
     from spartron.layers.fp8 import triton_backend as tb
 
@@ -302,12 +305,18 @@ def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
     for counts, rows in (([1, 0, 63, 64, 65, 0, 319], 512), ([130], 130), ([0, 0, 0, 0, 0, 0, 0], 0)):
         c = torch.tensor(counts, dtype=torch.int32, device="cuda")
         wg = w[:len(counts)]
-        xq, wq = tb.quantize_rows(x[:rows], True), tb.quantize_blocks(wg, True)
-        out = dg.fprop(*xq, *wq, c, bf16)
-        assert out.shape == (rows, 384) and torch.equal(out, tb.fprop(*xq, *wq, c, bf16)), counts
-        gq, wt = tb.quantize_rows(grad[:rows], True), tb.quantize_blocks_t(wg, True)
-        dx = dg.dgrad(*gq, *wt, c, bf16)
-        assert dx.shape == (rows, 256) and torch.equal(dx, tb.dgrad(*gq, *wt, c, bf16)), counts
+        wq, wt = tb.quantize_blocks(wg, True), tb.quantize_blocks_t(wg, True)
+        slots = dg.group_counts(c)  # the operands quantised into the slot layout, as the experts' ops do
+        out = dg.fprop(*tb.quantize_rows(x[:rows], True, dg.gemm_rows(slots, rows, None)), *wq, slots, bf16)
+        want = tb.fprop(*tb.quantize_rows(x[:rows], True), *wq, c, bf16)
+        assert out.shape == (rows, 384) and torch.equal(out, want), counts
+        slots = dg.group_counts(c)
+        dx = dg.dgrad(*tb.quantize_rows(grad[:rows], True, dg.gemm_rows(slots, rows, None)), *wt, slots, bf16)
+        want = tb.dgrad(*tb.quantize_rows(grad[:rows], True), *wt, c, bf16)
+        assert dx.shape == (rows, 256) and torch.equal(dx, want), counts
+    packed = tb.quantize_rows(x, True)  # rows not in the slot layout: one error, not a wrong product
+    with pytest.raises(ValueError, match="must be quantised through gemm_rows"):
+        dg.fprop(*packed, *tb.quantize_blocks(w, True), torch.tensor([512, 0, 0, 0, 0, 0, 0], device="cuda"), bf16)
 
 
 @pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")

@@ -6,10 +6,12 @@ spartron.layers.fp8.scaled_mm_backend). The values are those of the other backen
 and the GEMMs equal the Triton kernel's bitwise (GPU test).
 
 DeepGEMM's contiguous grouped layout starts every group at a multiple of 128 rows; Spartron's routed rows
-are packed. `padded_rows` maps the packed rows into the slot layout the wgrad already uses (group g's rows
-from slot_start[g] * 128; quant.tile_slots bounds the slots statically, no host sync), and DeepGEMM's
-"psum" form of the layout (each group's end row) makes it schedule only the groups' own tiles. The
-quantised rows are gathered into that layout and the output gathered back: two copies per GEMM.
+are packed. `padded_rows` maps them into the slot layout the wgrad already uses (group g's rows from
+slot_start[g] * 128; quant.tile_slots bounds the slots statically, no host sync), and DeepGEMM's "psum" form of
+the layout (each group's end row) makes it schedule only the groups' own tiles. The quantisation writes the
+operand straight into the slots (`gemm_rows`: the row index it reads through; a slot row past its group's
+count reads row 0, and no output keeps it), and fprop / dgrad gather their output back to the packed rows:
+one bf16 copy per GEMM. The layout is computed once per op (`SlotCounts`).
 
 DeepGEMM is an optional extra: `check_backend` says how to get it where it is missing.
 """
@@ -22,7 +24,6 @@ from torch import Tensor
 from spartron.layers.fp8 import scaled_mm_backend as cublas
 from spartron.layers.fp8.quant import TILE, tile_slots
 
-group_counts = cublas.group_counts
 one_group = cublas.one_group
 quantize_rows = cublas.quantize_rows
 swiglu_quantize_rows = cublas.swiglu_quantize_rows
@@ -54,31 +55,66 @@ def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return source, dest, (first + c).to(torch.int32)
 
 
+class SlotCounts(cublas.GroupCounts):
+    """GroupCounts with the slot layout of the op's rows, computed at its first use and kept for the op."""
+
+    def __init__(self, device: Tensor):
+        super().__init__(device)
+        self.rows: int | None = None
+        self.layout: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def slots(self, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        if self.layout is None:
+            self.rows, self.layout = rows, padded_rows(self.device, rows)
+        elif rows != self.rows:
+            raise ValueError(f"fp8 deep_gemm: one op's GEMMs take {self.rows} rows, got {rows}")
+        return self.layout
+
+
+def group_counts(counts: Tensor | cublas.GroupCounts) -> cublas.GroupCounts:
+    return counts if isinstance(counts, cublas.GroupCounts) else SlotCounts(counts)
+
+
+def gemm_rows(counts: cublas.GroupCounts, rows: int, index: Tensor | None) -> Tensor | None:
+    """The slot rows' source rows (of x, or of x[index]): the quantised operand is written in the slot layout.
+    A dense linear's rows, and no rows at all, stay as they are."""
+    if counts.dense or rows == 0:
+        return index
+    source = counts.slots(rows)[0]
+    return source if index is None else index.index_select(0, source)
+
+
 def _deep_gemm():
     import deep_gemm  # checked by spartron.layers.fp8.apply.check_backend
     return deep_gemm
 
 
-def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """aq [M, K] e4m3 grouped by counts (scales [K/128, M]) @ bq[g] [N, K]^T (scales [G, N/128, K/128])."""
+def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: cublas.GroupCounts,
+             dtype: torch.dtype) -> Tensor:
+    """aq [T*128, K] e4m3 in the slot layout (scales [K/128, T*128]) @ bq[g] [N, K]^T (scales
+    [G, N/128, K/128]) -> [M, N], the rows packed."""
     if dtype != torch.bfloat16:
         raise ValueError(f"model.fp8.backend = 'deep_gemm' writes bf16 outputs, the experts run in {dtype}")
-    m = aq.shape[0]
-    source, dest, ends = padded_rows(counts, m)
-    a = aq.view(torch.uint8).index_select(0, source).view(aq.dtype)
-    scales = sa.index_select(1, source)  # [K/128, T*128]: .t() is the MN-major layout DeepGEMM reads, no copy
-    out = torch.empty(source.numel(), bq.shape[1], dtype=dtype, device=aq.device)
-    if m:
-        _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a, scales.t()), (bq, sb), out, ends, use_psum_layout=True)
+    if not isinstance(counts, SlotCounts) or counts.layout is None:
+        if aq.shape[0] == 0:
+            return torch.empty(0, bq.shape[1], dtype=dtype, device=aq.device)
+        raise ValueError("fp8 deep_gemm: the grouped GEMM's rows must be quantised through gemm_rows (slot layout)")
+    _, dest, ends = counts.layout
+    if aq.shape[0] != tile_slots(counts.rows, ends.numel()) * TILE:
+        raise ValueError(f"fp8 deep_gemm: {aq.shape[0]} operand rows, the slot layout of {counts.rows} has "
+                         f"{tile_slots(counts.rows, ends.numel()) * TILE}")
+    out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
+    # sa.t(): [T*128, K/128] MN-major, the layout DeepGEMM reads (no copy); bq's scales may be a transposed view
+    _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((aq, sa.t()), (bq, sb), out, ends, use_psum_layout=True)
     return out.index_select(0, dest)
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """A dense linear: cuBLAS; the routed experts: DeepGEMM."""
+    """A dense linear: cuBLAS; the routed experts: DeepGEMM on the slot-layout rows."""
     counts = group_counts(counts)
     if counts.dense:
         return cublas.fprop(xq, xs, wq, ws, counts, dtype)
-    return _grouped(xq, xs, wq, ws, counts.device, dtype)
+    return _grouped(xq, xs, wq, ws, counts, dtype)
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
@@ -87,4 +123,4 @@ def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch
     counts = group_counts(counts)
     if counts.dense:
         return cublas.dgrad(gq, gs, wtq, wts, counts, dtype)
-    return _grouped(gq, gs, wtq, wts, counts.device, dtype)
+    return _grouped(gq, gs, wtq, wts, counts, dtype)

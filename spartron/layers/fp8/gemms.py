@@ -14,7 +14,9 @@ rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/laye
 sequences take their weights' quantisation from
 the weight cache when it is on (`cached`: weight_blocks' list; spartron.layers.fp8.weight_cache).
 Each sequence takes its group counts through `impl.group_counts` once (a backend that loops over the
-groups on the host reads them there, one sync per op).
+groups on the host reads them there, one sync per op), and quantises each fprop / dgrad operand through
+`impl.gemm_rows` (the rows packed, or where the backend's grouped GEMM reads them: "deep_gemm" pads each
+group to 128-row slots in the quantisation itself; its fprop / dgrad return the rows packed).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from torch import Tensor
 
 def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
     counts = impl.group_counts(counts)
-    return impl.fprop(*impl.quantize_rows(x, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
+    xq = impl.quantize_rows(x, pow2, impl.gemm_rows(counts, x.shape[0], None))
+    return impl.fprop(*xq, *impl.quantize_blocks(w, pow2), counts, x.dtype)
 
 
 def _wgrad(impl, grad: Tensor, xcols: tuple[Tensor, Tensor], counts: Tensor, pow2: bool, dtype) -> Tensor:
@@ -38,7 +41,8 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
     """`wt`: w's transposed blocks [q^T, s^T] when cached (None: quantise here)."""
     counts = impl.group_counts(counts)
     wt = wt or impl.quantize_blocks_t(w, pow2)
-    dx = impl.dgrad(*impl.quantize_rows(grad, pow2), *wt, counts, x.dtype)
+    dx = impl.dgrad(*impl.quantize_rows(grad, pow2, impl.gemm_rows(counts, grad.shape[0], None)), *wt, counts,
+                    x.dtype)
     return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
 
 
@@ -54,7 +58,9 @@ def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: 
     read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows)."""
     counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
-    return impl.fprop(*impl.quantize_rows(x, pow2, _index(order, k)), *q, counts, x.dtype)
+    rows = x.shape[0] if order is None else order.numel()
+    return impl.fprop(*impl.quantize_rows(x, pow2, impl.gemm_rows(counts, rows, _index(order, k))), *q, counts,
+                      x.dtype)
 
 
 def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
@@ -67,7 +73,7 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
     k copies summed)."""
     counts = impl.group_counts(counts)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
-    dx = impl.dgrad(*impl.quantize_rows(g13, pow2), *wt, counts, x.dtype)
+    dx = impl.dgrad(*impl.quantize_rows(g13, pow2, impl.gemm_rows(counts, g13.shape[0], None)), *wt, counts, x.dtype)
     if order is not None:  # the rows' gradient back to x: permute_rows' / replicate_tokens' backward
         dx = dx.index_select(0, inverse)
         dx = dx if k == 1 else dx.view(-1, k, dx.shape[-1]).sum(dim=1)
@@ -83,7 +89,8 @@ def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cac
     i = h13.shape[1] // 2
     counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks(w, pow2)
-    return impl.fprop(*impl.swiglu_quantize_rows(h13[:, :i], h13[:, i:], pow2), *q, counts, h13.dtype)
+    hq = impl.swiglu_quantize_rows(h13[:, :i], h13[:, i:], pow2, impl.gemm_rows(counts, h13.shape[0], None))
+    return impl.fprop(*hq, *q, counts, h13.dtype)
 
 
 def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,

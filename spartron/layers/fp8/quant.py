@@ -95,6 +95,12 @@ def group_counts(counts: Tensor) -> Tensor:
     return counts
 
 
+def gemm_rows(counts, rows: int, index: Tensor | None) -> Tensor | None:
+    """The row index the quantiser reads a grouped fprop / dgrad operand through: `index` itself, the rows packed
+    (the "deep_gemm" backend starts each group at a 128-row slot: its own gemm_rows)."""
+    return index
+
+
 def one_group(x2d: Tensor) -> Tensor:
     """The counts of a dense linear: one group of all rows."""
     return torch.tensor([x2d.shape[0]], dtype=torch.int32, device=x2d.device)

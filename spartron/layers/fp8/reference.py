@@ -18,13 +18,14 @@ from spartron.layers.fp8.quant import (
     dequantize_blocks,
     dequantize_cols_grouped,
     dequantize_rows,
+    gemm_rows,
     group_counts,
     one_group,
     quantize_blocks,
     quantize_blocks_t,
 )
 
-__all__ = ["dgrad", "fprop", "group_counts", "one_group",
+__all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group",
            "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
            "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows", "wgrad"]
 
@@ -78,10 +79,10 @@ def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtyp
     return out.to(dtype)
 
 
-def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    """1x128 quantisation of silu(gate) * up, computed as spartron.layers.ffn.swiglu computes it (the
-    value the unfused path quantises); h is a temporary, never kept."""
-    return quantize_rows(F.silu(gate) * up, pow2)
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of silu(gate) * up (of their rows `index`), computed as spartron.layers.ffn.swiglu
+    computes it (the value the unfused path quantises); h is a temporary, never kept."""
+    return quantize_rows(F.silu(gate) * up, pow2, index)
 
 
 def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:

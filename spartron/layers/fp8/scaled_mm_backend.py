@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spartron.layers.fp8.quant import TILE
+from spartron.layers.fp8.quant import TILE, gemm_rows  # noqa: F401 (this backend's rows stay packed)
 
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
 
@@ -87,8 +87,8 @@ def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[T
     return _triton().quantize_rows(x, pow2, index)
 
 
-def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    return _triton().swiglu_quantize_rows(gate, up, pow2)
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _triton().swiglu_quantize_rows(gate, up, pow2, index)
 
 
 def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from spartron.layers.fp8 import triton_kernels as k
-from spartron.layers.fp8.quant import FP8, TILE, check_tiled, group_counts, one_group, tile_slots
+from spartron.layers.fp8.quant import FP8, TILE, check_tiled, gemm_rows, group_counts, one_group, tile_slots
 
-__all__ = ["dgrad", "fprop", "group_counts", "one_group", "quantize_blocks", "quantize_blocks_both",
+__all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group", "quantize_blocks", "quantize_blocks_both",
            "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows",
            "swiglu_quantize_rows", "wgrad"]
 
@@ -50,18 +50,19 @@ def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[T
     return q, s
 
 
-def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    """1x128 quantisation of silu(gate) * up in one pass: h (rounded to gate's dtype as torch's eager
-    SwiGLU rounds it) is never written. gate and up may be the two halves of one [M, 2I] tensor (the
-    experts' w1|w3 output): read in place, by their row stride."""
-    m, kc = gate.shape
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of silu(gate) * up (of their rows `index`) in one pass: h (rounded to gate's dtype as
+    torch's eager SwiGLU rounds it) is never written. gate and up may be the two halves of one [M, 2I] tensor
+    (the experts' w1|w3 output): read in place, by their row stride."""
+    kc = gate.shape[1]
     check_tiled("contraction dim", kc)
     if gate.stride(1) != 1 or up.stride() != gate.stride():
         gate, up = gate.contiguous(), up.contiguous()
+    idx, m = _gather_index(gate, index)
     q = torch.empty(m, kc, dtype=FP8, device=gate.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=gate.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, gate, q, s, m, kc, gate.stride(0), POW2=pow2,
-                                                       SWIGLU=True, GATHER=False, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, idx, q, s, m, kc, gate.stride(0), POW2=pow2,
+                                                       SWIGLU=True, GATHER=index is not None, BM=32)
     return q, s
 
 
