@@ -155,11 +155,11 @@ class FP8Config(ConfigSection):
     nn.Linear of the blocks with both dims multiples of 128: MLA projections, dense FFNs, shared
     experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (cuBLAS's blockwise
     scaled_mm, sm90, for the dense linears and the experts' wgrad, one GEMM per local expert; the experts'
-    fprop and dgrad on the Triton kernels), "deep_gemm" (as "torch_scaled_mm", with the experts' fprop and
-    dgrad on DeepGEMM's grouped FP8 GEMM: an optional extra, sm90), "reference" (dequantise + fp32
-    matmul: the exact numerics on any device, slow). `power_of_two_scales`: scales rounded up to a
-    power of two (exact rescaling; TransformerEngine's default for this recipe). `weight_cache`: the
-    routed experts' weights quantised once per optimizer step instead of at every GEMM call
+    fprop and dgrad on the Triton kernels), "deep_gemm" (the experts' fprop and dgrad on DeepGEMM's grouped
+    FP8 GEMM, an optional extra, sm90; their wgrad on the Triton kernel; the dense linears on cuBLAS),
+    "reference" (dequantise + fp32 matmul: the exact numerics on any device, slow). `power_of_two_scales`:
+    scales rounded up to a power of two (exact rescaling; TransformerEngine's default for this recipe).
+    `weight_cache`: the routed experts' weights quantised once per optimizer step instead of at every GEMM call
     (spartron.layers.fp8.weight_cache; 2 bytes a local expert weight element more); "auto": on where
     every rank holds its experts whole (expert_fsdp = 1) and the blocks are not compiled. `dispatch`: the
     MoE all-to-all sends the routed rows as E4M3 with their 1x128 scales (spartron.layers.fp8.wire: 0.52x

@@ -321,9 +321,9 @@ def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
 
 @pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
-def test_deep_gemm_experts_equal_the_torch_scaled_mm_experts():
-    """The routed experts' fused ops on backend 'deep_gemm' against 'torch_scaled_mm' (the same wgrad, the fprop /
-    dgrad bitwise the Triton kernel's): every output and gradient equal, with the EP permutation fused."""
+def test_deep_gemm_experts_equal_the_triton_experts():
+    """The routed experts' fused ops on backend 'deep_gemm' against 'triton' (the same quantisation and wgrad, the
+    fprop / dgrad bitwise the Triton kernel's): every output and gradient equal, with the EP permutation fused."""
     c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
     x, w, grad = _inputs(512, seed=3)
     w1, w3 = w[:, :256], w[:, 128:]
@@ -331,13 +331,13 @@ def test_deep_gemm_experts_equal_the_torch_scaled_mm_experts():
     order = torch.randperm(512, device="cuda")
     inverse = torch.argsort(order)
     results = {}
-    for backend in ("torch_scaled_mm", "deep_gemm"):
+    for backend in ("triton", "deep_gemm"):
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], order, inverse, 1)
         out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
         out.backward(grad[:, :256])
         results[backend] = [out] + [t.grad for t in leaves]
-    for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["torch_scaled_mm"],
+    for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["triton"],
                                strict=True):
         assert torch.equal(got, want), name

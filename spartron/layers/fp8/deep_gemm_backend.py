@@ -1,9 +1,9 @@
 """The "deep_gemm" backend's primitives: the routed experts' fprop and dgrad on DeepGEMM's grouped FP8 GEMM
 (sm90, `m_grouped_fp8_gemm_nt_contiguous`: DeepSeek's kernel, with the block scaling overlapped with the
-next MMA, which Spartron's Triton kernel cannot do); everything else as "torch_scaled_mm" does it (the dense
-linears and the experts' wgrad on cuBLAS, the quantisation on Spartron's Triton kernels:
-spartron.layers.fp8.scaled_mm_backend). The values are those of the other backends: the same quantisation,
-and the GEMMs equal the Triton kernel's bitwise (GPU test).
+next MMA, which Spartron's Triton kernel cannot do); the experts' wgrad and the quantisation on Spartron's Triton
+kernels (no host sync: cuBLAS's per-expert wgrad reads the counts on the host, and that wait left the MoE layer
+host-bound at 8k rows); the dense linears on cuBLAS as "torch_scaled_mm" runs them
+(spartron.layers.fp8.scaled_mm_backend). The values are those of the "triton" backend bitwise (GPU test).
 
 DeepGEMM's contiguous grouped layout starts every group at a multiple of 128 rows; Spartron's routed rows
 are packed. `padded_rows` maps them into the slot layout the wgrad already uses (group g's rows from
@@ -31,8 +31,6 @@ quantize_blocks = cublas.quantize_blocks
 quantize_blocks_t = cublas.quantize_blocks_t
 quantize_blocks_cat = cublas.quantize_blocks_cat
 quantize_blocks_both = cublas.quantize_blocks_both
-quantize_cols_grouped = cublas.quantize_cols_grouped
-wgrad = cublas.wgrad
 
 
 def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -55,11 +53,14 @@ def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return source, dest, (first + c).to(torch.int32)
 
 
-class SlotCounts(cublas.GroupCounts):
-    """GroupCounts with the slot layout of the op's rows, computed at its first use and kept for the op."""
+class SlotCounts:
+    """The routed experts' counts on the device with the slot layout of the op's rows, computed at its first use
+    and kept for the op (never read on the host)."""
+
+    dense = False
 
     def __init__(self, device: Tensor):
-        super().__init__(device)
+        self.device = device
         self.rows: int | None = None
         self.layout: tuple[Tensor, Tensor, Tensor] | None = None
 
@@ -71,11 +72,16 @@ class SlotCounts(cublas.GroupCounts):
         return self.layout
 
 
-def group_counts(counts: Tensor | cublas.GroupCounts) -> cublas.GroupCounts:
-    return counts if isinstance(counts, cublas.GroupCounts) else SlotCounts(counts)
+def group_counts(counts: Tensor | SlotCounts | cublas.GroupCounts) -> SlotCounts | cublas.GroupCounts:
+    """A dense linear's GroupCounts (one_group: cuBLAS), or the experts' SlotCounts."""
+    return counts if isinstance(counts, (SlotCounts, cublas.GroupCounts)) else SlotCounts(counts)
 
 
-def gemm_rows(counts: cublas.GroupCounts, rows: int, index: Tensor | None) -> Tensor | None:
+def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return cublas.quantize_cols_grouped(x, group_counts(counts).device, pow2, index)
+
+
+def gemm_rows(counts: SlotCounts | cublas.GroupCounts, rows: int, index: Tensor | None) -> Tensor | None:
     """The slot rows' source rows (of x, or of x[index]): the quantised operand is written in the slot layout.
     A dense linear's rows, and no rows at all, stay as they are."""
     if counts.dense or rows == 0:
@@ -89,8 +95,7 @@ def _deep_gemm():
     return deep_gemm
 
 
-def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: cublas.GroupCounts,
-             dtype: torch.dtype) -> Tensor:
+def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts, dtype: torch.dtype) -> Tensor:
     """aq [T*128, K] e4m3 in the slot layout (scales [K/128, T*128]) @ bq[g] [N, K]^T (scales
     [G, N/128, K/128]) -> [M, N], the rows packed."""
     if dtype != torch.bfloat16:
@@ -124,3 +129,12 @@ def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch
     if counts.dense:
         return cublas.dgrad(gq, gs, wtq, wts, counts, dtype)
     return _grouped(gq, gs, wtq, wts, counts, dtype)
+
+
+def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:
+    """A dense linear: cuBLAS; the routed experts: the Triton grouped wgrad (no host sync)."""
+    counts = group_counts(counts)
+    if counts.dense:
+        return cublas.wgrad(gt, gts, xt, xts, counts, dtype)
+    from spartron.layers.fp8 import triton_backend
+    return triton_backend.wgrad(gt, gts, xt, xts, counts.device, dtype)
