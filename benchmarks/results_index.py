@@ -138,6 +138,13 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
         f"{name} expert GEMMs fp8 {r['summary']['fp8_gemms_ms']:.2f} ms vs bf16 {r['summary']['bf16_gemms_ms']:.2f} ms "
         f"({r['summary']['speedup']:.2f}x), wgrad {r['results']['up.wgrad.fp8']['tflops']:.0f} TFLOP/s"
         for name, r in d["runs"].items()),
+    "deep_gemm_candidates": lambda d: "; ".join(
+        f"{shape} up13 " + ", ".join(
+            f"{kind} {d['results'][f'{shape}.up13.{kind}.{best}']['tflops']:.0f}/"
+            f"{d['results'][f'{shape}.up13.{kind}.triton']['tflops']:.0f}/"
+            f"{d['results'][f'{shape}.up13.{kind}.bf16']['tflops']:.0f}"
+            for kind, best in (("fprop", "deep_gemm"), ("dgrad", "deep_gemm"), ("wgrad", "deep_gemm_fp32acc")))
+        + " TFLOP/s DeepGEMM/Triton/bf16" for shape in d["shapes"]),
     "fp8_moe": lambda d: f"{d['backend']} " + "; ".join(
         f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
         for name, r in d["runs"].items()),
