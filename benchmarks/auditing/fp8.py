@@ -1,5 +1,5 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
-divide, a compute dtype FP8 cannot sit in, a GPU backend on a CPU machine, weight_cache values (and 'on' with
+divide, a compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache values (and 'on' with
 train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank that does), and FP8
 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
@@ -39,6 +39,8 @@ def cases() -> list[Case]:
                                      'model.fp8.modules=["dense"]'), ("model.fp8.modules",), category="sizes")
     add("gpu-backend-on-cpu", train(*SHAPE, 'model.fp8.backend="triton"'), ("model.fp8.backend",))
     add("scaled-mm-on-cpu", train(*SHAPE, 'model.fp8.backend="torch_scaled_mm"'), ("model.fp8.backend",))
+    add("deep-gemm-on-cpu", train(*SHAPE, 'model.fp8.backend="deep_gemm"'), ("model.fp8.backend",))
+    add("deep-gemm-plan", plan(*SHAPE, 'model.fp8.backend="deep_gemm"'), (), accept_ok=True)
     add("weight-cache-unknown", train(*FP8, 'model.fp8.weight_cache="always"'), ("model.fp8.weight_cache",))
     add("weight-cache-bool", train(*FP8, "model.fp8.weight_cache=true"), ("model.fp8.weight_cache",),
         category="dtypes")
