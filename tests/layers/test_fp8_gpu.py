@@ -304,6 +304,8 @@ def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
     bf16 = torch.bfloat16
     for counts, rows in (([1, 0, 63, 64, 65, 0, 319], 512), ([130], 130), ([0, 0, 0, 0, 0, 0, 0], 0)):
         c = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        for got, want in zip(tb.slot_rows(c, rows), dg.padded_rows(c, rows), strict=True):  # one kernel, the same
+            assert got.dtype == want.dtype and torch.equal(got, want), counts
         wg = w[:len(counts)]
         wq, wt = tb.quantize_blocks(wg, True), tb.quantize_blocks_t(wg, True)
         slots = dg.group_counts(c)  # the operands quantised into the slot layout, as the experts' ops do

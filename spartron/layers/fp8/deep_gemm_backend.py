@@ -11,7 +11,8 @@ slot_start[g] * 128; quant.tile_slots bounds the slots statically, no host sync)
 the layout (each group's end row) makes it schedule only the groups' own tiles. The quantisation writes the
 operand straight into the slots (`gemm_rows`: the row index it reads through; a slot row past its group's
 count reads row 0, and no output keeps it), and fprop / dgrad gather their output back to the packed rows:
-one bf16 copy per GEMM. The layout is computed once per op (`SlotCounts`).
+one bf16 copy per GEMM. The layout is computed once per op (`SlotCounts`), by one Triton kernel
+(triton_backend.slot_rows; `padded_rows` is its torch definition, which the GPU test holds it to).
 
 DeepGEMM is an optional extra: `check_backend` says how to get it where it is missing.
 """
@@ -66,7 +67,7 @@ class SlotCounts:
 
     def slots(self, rows: int) -> tuple[Tensor, Tensor, Tensor]:
         if self.layout is None:
-            self.rows, self.layout = rows, padded_rows(self.device, rows)
+            self.rows, self.layout = rows, _triton().slot_rows(self.device, rows)
         elif rows != self.rows:
             raise ValueError(f"fp8 deep_gemm: one op's GEMMs take {self.rows} rows, got {rows}")
         return self.layout
@@ -88,6 +89,11 @@ def gemm_rows(counts: SlotCounts | cublas.GroupCounts, rows: int, index: Tensor 
         return index
     source = counts.slots(rows)[0]
     return source if index is None else index.index_select(0, source)
+
+
+def _triton():
+    from spartron.layers.fp8 import triton_backend
+    return triton_backend
 
 
 def _deep_gemm():
@@ -136,5 +142,4 @@ def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch
     counts = group_counts(counts)
     if counts.dense:
         return cublas.wgrad(gt, gts, xt, xts, counts, dtype)
-    from spartron.layers.fp8 import triton_backend
-    return triton_backend.wgrad(gt, gts, xt, xts, counts.device, dtype)
+    return _triton().wgrad(gt, gts, xt, xts, counts.device, dtype)

@@ -19,7 +19,7 @@ from spartron.layers.fp8 import triton_kernels as k
 from spartron.layers.fp8.quant import FP8, TILE, check_tiled, gemm_rows, group_counts, one_group, tile_slots
 
 __all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group", "quantize_blocks", "quantize_blocks_both",
-           "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows",
+           "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows", "slot_rows",
            "swiglu_quantize_rows", "wgrad"]
 
 
@@ -125,6 +125,18 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor |
     k.quantize_cols_kernel[(slots, c // 64)](x, idx, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(),
                                              POW2=pow2, GATHER=index is not None, BC=64)
     return q_t, s.t()
+
+
+def slot_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """deep_gemm_backend.padded_rows in one kernel launch (its torch form is a score of small kernels, each a
+    host launch: the MoE layer at V3's 8k rows was launch-bound)."""
+    groups = counts.numel()
+    slots = tile_slots(rows, groups)
+    source = torch.empty(slots * TILE, dtype=torch.int64, device=counts.device)
+    dest = torch.empty(rows, dtype=torch.int64, device=counts.device)
+    ends = torch.empty(groups, dtype=torch.int32, device=counts.device)
+    k.slot_rows_kernel[(slots,)](counts, source, dest, ends, N_GROUPS=groups)
+    return source, dest, ends
 
 
 def _gemm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int,

@@ -137,6 +137,27 @@ def quantize_cols_kernel(x_ptr, idx_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUP
 
 
 @triton.jit
+def slot_rows_kernel(counts_ptr, source_ptr, dest_ptr, ends_ptr, N_GROUPS: tl.constexpr):
+    """The slot layout of the packed rows grouped by counts (deep_gemm_backend.padded_rows, one launch): per slot
+    row its packed row (0 past the group's count and in unused slots), per packed row its slot row, and (slot 0's
+    program) each group's end row, its first slot row plus its count."""
+    slot = tl.program_id(0)
+    ts = tl.arange(0, 128)
+    row_lo, row_hi, _ = _group_of_slot(slot, counts_ptr, N_GROUPS, 128)
+    rows = row_lo + ts
+    valid = rows < row_hi  # all false for an unused slot (row_lo = row_hi = -1)
+    slot_rows = slot.to(tl.int64) * 128 + ts
+    tl.store(source_ptr + slot_rows, tl.where(valid, rows, 0).to(tl.int64))
+    tl.store(dest_ptr + rows, slot_rows, mask=valid)
+    if slot == 0:
+        tiles = 0
+        for g in range(N_GROUPS):
+            cnt = tl.load(counts_ptr + g)
+            tl.store(ends_ptr + g, (tiles * 128 + cnt).to(tl.int32))
+            tiles += (cnt + 127) // 128
+
+
+@triton.jit
 def grouped_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, counts_ptr, M, NOUT, KC: tl.constexpr,
                         N_GROUPS: tl.constexpr,
                         stride_bg, stride_bn, stride_sbg, stride_sbn, stride_sbk,
