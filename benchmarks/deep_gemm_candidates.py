@@ -46,24 +46,22 @@ def _problem(deep_gemm, tb, results: dict, rec, p: str, rows: int, k: int, n: in
     wq, ws = tb.quantize_blocks(w, True)
     gq, gs = tb.quantize_rows(g, True)
     wtq, wts = tb.quantize_blocks_t(w, True)
-    d = torch.empty(rows, n, dtype=bf16, device=dev)
+    grouped = {  # kind: (DeepGEMM's operands, output columns, the Triton kernel, bf16)
+        "fprop": ((xq, xs.t()), (wq, ws), n, lambda: tb.fprop(xq, xs, wq, ws, counts, bf16),
+                  lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+        "dgrad": ((gq, gs.t()), (wtq, wts), k, lambda: tb.dgrad(gq, gs, wtq, wts, counts, bf16),
+                  lambda: torch._grouped_mm(g, w, offs=offs)),
+    }
+    for kind, (a, b, cols, triton_fn, bf16_fn) in grouped.items():
+        out = torch.empty(rows, cols, dtype=bf16, device=dev)
 
-    def fprop():
-        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((xq, xs.t()), (wq, ws), d, layout)
-    fprop()
-    results[p + ".fprop.rel"] = _rel(d, tb.fprop(xq, xs, wq, ws, counts, bf16))
-    rec(p + ".fprop.deep_gemm", fprop, flops)
-    rec(p + ".fprop.triton", lambda: tb.fprop(xq, xs, wq, ws, counts, bf16), flops)
-    rec(p + ".fprop.bf16", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), flops)
-    d2 = torch.empty(rows, k, dtype=bf16, device=dev)
-
-    def dgrad():
-        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((gq, gs.t()), (wtq, wts), d2, layout)
-    dgrad()
-    results[p + ".dgrad.rel"] = _rel(d2, tb.dgrad(gq, gs, wtq, wts, counts, bf16))
-    rec(p + ".dgrad.deep_gemm", dgrad, flops)
-    rec(p + ".dgrad.triton", lambda: tb.dgrad(gq, gs, wtq, wts, counts, bf16), flops)
-    rec(p + ".dgrad.bf16", lambda: torch._grouped_mm(g, w, offs=offs), flops)
+        def deep(a=a, b=b, out=out):
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, out, layout)
+        deep()
+        results[f"{p}.{kind}.rel"] = _rel(out, triton_fn())
+        rec(f"{p}.{kind}.deep_gemm", deep, flops)
+        rec(f"{p}.{kind}.triton", triton_fn, flops)
+        rec(f"{p}.{kind}.bf16", bf16_fn, flops)
     # wgrad: dw[e] = g_e^T [n, per] @ x_e [per, k]; DeepGEMM's k-grouped layout: per group [n, per], [k, per]
     gt, gts = tb.quantize_cols_grouped(g, counts, True)
     xt, xts = tb.quantize_cols_grouped(x, counts, True)

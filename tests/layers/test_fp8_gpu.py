@@ -229,6 +229,17 @@ def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
                                 reference.fprop(*xq1, *wq1, one, torch.float32))
 
 
+def _experts_step(backend: str, counts, tensors, grad, order=None, inverse=None) -> list:
+    """The routed experts' fused ops (w1|w3 pair, SwiGLU-quantised w2) forward and backward on `backend`:
+    [out, dx, dw1, dw3, dw2]."""
+    leaves = [t.detach().clone().contiguous().requires_grad_() for t in tensors]
+    xl, w1l, w3l, w2l = leaves
+    h13 = grouped_mm_pair(xl, w1l, w3l, counts, backend, True, [], order, inverse, 1)
+    out = swiglu_grouped_mm(h13, w2l, counts, backend, True, [])
+    out.backward(grad)
+    return [out] + [t.grad for t in leaves]
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
 def test_torch_scaled_mm_experts_match_the_triton_experts():
     """The routed experts' fused ops (w1|w3 pair, SwiGLU-quantised w2) on cuBLAS against the Triton
@@ -237,14 +248,8 @@ def test_torch_scaled_mm_experts_match_the_triton_experts():
     x, w, grad = _inputs(512, seed=2)
     w1, w3 = w[:, :256], w[:, 128:]
     w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()
-    results = {}
-    for backend in ("triton", "torch_scaled_mm"):
-        leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
-        xl, w1l, w3l, w2l = leaves
-        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], None, None, 1)
-        out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
-        out.backward(grad[:, :256])
-        results[backend] = [out] + [t.grad for t in leaves]
+    results = {backend: _experts_step(backend, c, (x, w1, w3, w2), grad[:, :256])
+               for backend in ("triton", "torch_scaled_mm")}
     for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["torch_scaled_mm"], results["triton"],
                                strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -6 * want.abs().max().item(),
@@ -332,14 +337,8 @@ def test_deep_gemm_experts_equal_the_triton_experts():
     w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()
     order = torch.randperm(512, device="cuda")
     inverse = torch.argsort(order)
-    results = {}
-    for backend in ("triton", "deep_gemm"):
-        leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
-        xl, w1l, w3l, w2l = leaves
-        h13 = grouped_mm_pair(xl, w1l, w3l, c, backend, True, [], order, inverse, 1)
-        out = swiglu_grouped_mm(h13, w2l, c, backend, True, [])
-        out.backward(grad[:, :256])
-        results[backend] = [out] + [t.grad for t in leaves]
+    results = {backend: _experts_step(backend, c, (x, w1, w3, w2), grad[:, :256], order, inverse)
+               for backend in ("triton", "deep_gemm")}
     for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["triton"],
                                strict=True):
         assert torch.equal(got, want), name
