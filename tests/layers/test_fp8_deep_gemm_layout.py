@@ -1,0 +1,75 @@
+"""The "deep_gemm" backend's row plumbing on CPU: operands quantised into the slot layout (gemm_rows), the grouped
+GEMM's psum layout, the output gathered back to the packed rows. DeepGEMM itself runs only on sm90; here a
+stand-in computes what its `m_grouped_fp8_gemm_nt_contiguous(..., use_psum_layout=True)` computes (group g's
+rows from its previous end rounded up to 128 to its end, dequantise and multiply), so the test holds Spartron's
+side of that contract: the result must equal the reference backend's GEMM on the packed rows bitwise. The GPU
+test (test_fp8_gpu.py) holds the real kernel to the Triton one."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from spartron.layers.fp8 import deep_gemm_backend as dg
+from spartron.layers.fp8 import quant, reference
+
+
+def _psum_grouped_gemm(a, b, out, ends, use_psum_layout=False):
+    assert use_psum_layout
+    (aq, sa_t), (bq, sb) = a, b
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            x = quant.dequantize_rows(aq[start:end], sa_t[start:end].t())
+            out[start:end] = (x @ quant.dequantize_blocks(bq[g], sb[g]).t()).to(out.dtype)
+        start = -(-end // 128) * 128
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    module = types.ModuleType("deep_gemm")
+    module.m_grouped_fp8_gemm_nt_contiguous = _psum_grouped_gemm
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+
+
+@pytest.mark.parametrize("counts", [[130, 0, 126], [1, 0, 63, 64, 65, 0, 63], [256]])
+def test_slot_layout_operands_give_the_packed_rows_gemm(stand_in, counts):
+    c = torch.tensor(counts, dtype=torch.int32)
+    m = int(c.sum())
+    g = torch.Generator().manual_seed(len(counts))
+    x = torch.randn(m, 256, generator=g).bfloat16()
+    grad = torch.randn(m, 384, generator=g).bfloat16()
+    w = (torch.randn(len(counts), 384, 256, generator=g) * 0.05).bfloat16()
+    wq, wt = quant.quantize_blocks(w, True), quant.quantize_blocks_t(w, True)
+    order = torch.randperm(m, generator=g)
+    for index in (None, order):  # the EP regrouping read through the index, composed with the slot rows
+        slots = dg.group_counts(c)
+        rows = dg.gemm_rows(slots, m, index)
+        out = dg.fprop(*quant.quantize_rows(x.index_select(0, rows), True), *wq, slots, torch.bfloat16)
+        packed = x if index is None else x.index_select(0, index)
+        assert torch.equal(out, reference.fprop(*quant.quantize_rows(packed, True), *wq, c, torch.bfloat16))
+    slots = dg.group_counts(c)
+    rows = dg.gemm_rows(slots, m, None)
+    dx = dg.dgrad(*quant.quantize_rows(grad.index_select(0, rows), True), *wt, slots, torch.bfloat16)
+    assert torch.equal(dx, reference.dgrad(*quant.quantize_rows(grad, True), *wt, c, torch.bfloat16))
+
+
+def test_rows_not_in_the_slot_layout_are_refused_and_no_rows_give_none(stand_in):
+    c = torch.tensor([128, 0], dtype=torch.int32)
+    x = torch.randn(128, 256).bfloat16()
+    wq = quant.quantize_blocks((torch.randn(2, 128, 256) * 0.05).bfloat16(), True)
+    with pytest.raises(ValueError, match="must be quantised through gemm_rows"):
+        dg.fprop(*quant.quantize_rows(x, True), *wq, c, torch.bfloat16)
+    slots = dg.group_counts(c)
+    rows = dg.gemm_rows(slots, 128, None)
+    with pytest.raises(ValueError, match="one op's GEMMs take 128 rows, got 64"):
+        dg.gemm_rows(slots, 64, None)
+    with pytest.raises(ValueError, match="the slot layout of 128 has 384"):
+        dg.fprop(*quant.quantize_rows(x.index_select(0, rows[:256]), True), *wq, slots, torch.bfloat16)
+    empty = dg.group_counts(torch.zeros(2, dtype=torch.int32))
+    assert dg.gemm_rows(empty, 0, None) is None
+    out = dg.fprop(*quant.quantize_rows(x[:0], True), *wq, empty, torch.bfloat16)
+    assert out.shape == (0, 128)
