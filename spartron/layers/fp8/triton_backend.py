@@ -88,7 +88,7 @@ def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: 
         q_part, qt_part = (q_part if rows else qt_part), (qt_part if cols else q_part)  # an unwritten one: the other
         k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, qt_part, s[..., row0 // TILE:, :],
                                                                          n, kc, n_out, ROWS=rows, COLS=cols,
-                                                                         POW2=pow2)
+                                                                         POW2=pow2, num_warps=k.QUANTIZE_BLOCKS_WARPS)
         row0 += n
     return ([q, s] if rows else []) + ([qt, s.transpose(-2, -1)] if cols else [])
 

@@ -13,6 +13,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 FP8_MAX = tl.constexpr(448.0)  # a global a @triton.jit function reads must be a constexpr instance
+# quantize_blocks_kernel holds a 128 x 128 block: at 4 warps it needs 255 registers a thread and spills 2 KB (sm_90a
+# ptxas, benchmarks/triton_registers.py); at 16 warps 128 registers, no spill
+QUANTIZE_BLOCKS_WARPS = 16
 
 
 @triton.jit
