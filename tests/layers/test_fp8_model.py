@@ -76,6 +76,25 @@ def test_deep_gemm_backend_on_cpu_or_without_deep_gemm_is_one_error_naming_the_k
         pytest.fail("DeepGEMM is importable on a CPU machine: this test expects the missing-extra error")
 
 
+def test_a_deep_gemm_build_with_its_own_libstdcxx_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """The GPU image's default g++ linked libstdc++ into DeepGEMM's extension, whose first GEMM then segfaulted:
+    such a build is one error at setup, a build that links the shared libstdc++ passes."""
+    import sys
+    import types
+
+    from spartron.layers.fp8.apply import check_deep_gemm
+
+    module = types.ModuleType("deep_gemm")
+    module.m_grouped_fp8_gemm_nt_contiguous = None
+    module._C = types.SimpleNamespace(__file__=str(tmp_path / "_C.so"))
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    (tmp_path / "_C.so").write_bytes(b"\x7fELF ... libc.so.6 libgcc_s.so.1 ...")
+    with pytest.raises(ConfigError, match="model.fp8.backend = 'deep_gemm': .*_C.so carries its own libstdc"):
+        check_deep_gemm()
+    (tmp_path / "_C.so").write_bytes(b"\x7fELF ... libstdc++.so.6 libc.so.6 ...")
+    check_deep_gemm()
+
+
 def test_fp8_that_converts_nothing_is_one_error_naming_the_modules_key():
     cfg = _cfg("model.dim=64", "model.fp8.backend=reference", 'model.fp8.modules=["dense"]')  # no 128-wide linear
     model = build_model(cfg.model, seed=0)

@@ -9,6 +9,8 @@ norms, and any linear with a dim that is not a multiple of 128 (MLA's kv down-pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -60,6 +62,11 @@ def check_deep_gemm() -> None:
     if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
         raise ConfigError("model.fp8.backend = 'deep_gemm': this DeepGEMM has no m_grouped_fp8_gemm_nt_contiguous "
                           f"(version {getattr(deep_gemm, '__version__', '?')}; 2.x has it)")
+    extension = getattr(getattr(deep_gemm, "_C", None), "__file__", None)
+    if extension and b"libstdc++.so" not in Path(extension).read_bytes():
+        raise ConfigError(f"model.fp8.backend = 'deep_gemm': {extension} carries its own libstdc++ (built by a g++ "
+                          "that links it statically); beside torch's shared one its first GEMM segfaults: rebuild it "
+                          "with the system g++ (benchmarks/build_deep_gemm.sh)")
 
 
 def dense_eligible(module: nn.Module) -> bool:
