@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -88,8 +89,23 @@ def run_ranks(args: argparse.Namespace, entry: str) -> int:
     return as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0)
 
 
-def as_rank(body: Callable[[], int]) -> int:
-    """Run one rank's work, returning its exit status; on failure report it and end the process at once.
+# A rank whose collective failed because a peer's connection went away waits this long before it exits, so the
+# launcher sees the peer (the root cause) end first: srun reports task exits in the order its slurmds tell it, and
+# under load a knock-on exit milliseconds after the peer's can reach it first. The launcher kills the waiting rank
+# as soon as it has the root cause.
+KNOCK_ON_DELAY_S = 5.0
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "remote process exited")
+
+
+def is_knock_on(err: BaseException) -> bool:
+    """A collective's failure because a peer's connection went away (gloo's "Connection closed by peer", NCCL's
+    "remote process exited"): another rank's failure seen from here, not this rank's own."""
+    return isinstance(err, Exception) and any(s in str(err).lower() for s in _PEER_GONE)
+
+
+def as_rank(body: Callable[[], int], knock_on_delay_s: float = KNOCK_ON_DELAY_S) -> int:
+    """Run one rank's work, returning its exit status; on failure report it and end the process at once
+    (a knock-on failure after `knock_on_delay_s`: is_knock_on).
 
     A failed rank must not run interpreter teardown: destroying a process group can block on peers
     still waiting in a collective, and the launcher (local or srun) stops the others.
@@ -105,6 +121,9 @@ def as_rank(body: Callable[[], int]) -> int:
             code = 130
         else:
             code = traceback.print_exc() or 1
+            if is_knock_on(err):
+                sys.stderr.flush()
+                time.sleep(knock_on_delay_s)
         exit_process(code)
 
 

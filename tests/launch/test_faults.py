@@ -205,3 +205,29 @@ def test_sigterm_to_a_single_process_run_saves_and_exits_75(tmp_path):
     (saved,) = [int(p.name.split("-")[1]) for p in run_dir.glob("step-*")]
     assert verify_step(run_dir / f"step-{saved:08d}") is None
     assert [r["step"] for r in _step_records(run_dir)][-1] == saved
+
+
+@pytest.mark.parametrize("message, knock_on", [
+    ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242", True),
+    ("NCCL error: remote process exited or there was a network error", True),
+    ("Connection reset by peer", True),
+    ("debug.fail_mode = 'raise' at step 2 on rank 1", False),
+    ("CUDA out of memory", False),
+])
+def test_a_knock_on_failure_waits_before_it_exits_and_a_rank_own_failure_does_not(tmp_path, message, knock_on):
+    """A rank whose collective lost a peer yields so the launcher (srun reports exits in the order its slurmds
+    report them) sees the peer, the root cause, end first; a rank's own failure exits at once. Both print their
+    traceback and exit 1."""
+    from spartron.launch.cmd_train import is_knock_on
+
+    assert is_knock_on(RuntimeError(message)) is knock_on
+    code = ("import time\n"
+            "from spartron.launch.cmd_train import as_rank\n"
+            "def body():\n"
+            "    print(time.time(), flush=True)\n"
+            f"    raise RuntimeError({message!r})\n"
+            "as_rank(body, knock_on_delay_s=2.0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    elapsed = time.time() - float(proc.stdout.split()[0])  # from the failure on, not the interpreter's start
+    assert proc.returncode == 1 and message in proc.stderr.splitlines()[-1]
+    assert (elapsed >= 2.0) is knock_on, elapsed
