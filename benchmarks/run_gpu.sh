@@ -3,7 +3,8 @@
 # Usage (repo root, on the GPU machine): bash benchmarks/run_gpu.sh OUTDIR STEP [STEP ...]
 #   STEP = NAME[:SECONDS], NAME one of: env pytest ac_block collectives moe_layer sparse_mla e2e offload overlap
 #          megatron_gpt deepep, or build_deepep (DeepEP from the source in $DEEPEP_SRC, default
-#          .carry/DeepEP, into /tmp/site: benchmarks/build_deepep.sh); extra arguments for NAME come
+#          .carry/DeepEP, into /tmp/site: benchmarks/build_deepep.sh), or build_deep_gemm (DeepGEMM from
+#          $DEEP_GEMM_SRC, default .carry/DeepGEMM: benchmarks/build_deep_gemm.sh); extra arguments for NAME come
 #          from the variable ARGS_NAME. NAME@TAG runs benchmark NAME again with ARGS_NAME_TAG into
 #          NAME_TAG.json / .log (e.g. offload@deepep). Wheels in .whl/ (pure-Python deps the image
 #          lacks) are installed first.
@@ -32,6 +33,7 @@ for step in "$@"; do
     env) cmd=(bash -c 'nvidia-smi -L; python3 -c "import torch,sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"') ;;
     pytest) cmd=(python3 -m pytest -q -m gpu tests -p no:cacheprovider) ;;
     build_deepep) cmd=(bash benchmarks/build_deepep.sh "${DEEPEP_SRC:-.carry/DeepEP}" /tmp/site) ;;
+    build_deep_gemm) cmd=(bash benchmarks/build_deep_gemm.sh "${DEEP_GEMM_SRC:-.carry/DeepGEMM}" /tmp/site) ;;
     *) extra_var="ARGS_$file"; read -r -a extra <<<"${!extra_var:-}"
        cmd=(python3 "benchmarks/${name%%@*}.py" --out "$out/$file.json" "${extra[@]}") ;;
   esac
