@@ -81,7 +81,7 @@ def group_counts(counts: Tensor | SlotCounts | cublas.GroupCounts) -> SlotCounts
 
 
 def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return cublas.quantize_cols_grouped(x, group_counts(counts).device, pow2, index)
+    return _triton().quantize_cols_grouped(x, group_counts(counts).device, pow2, index)
 
 
 def gemm_rows(counts: SlotCounts | cublas.GroupCounts, rows: int, index: Tensor | None) -> Tensor | None:
@@ -112,10 +112,10 @@ def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts,
         if aq.shape[0] == 0:
             return torch.empty(0, bq.shape[1], dtype=dtype, device=aq.device)
         raise ValueError("fp8 deep_gemm: the grouped GEMM's rows must be quantised through gemm_rows (slot layout)")
-    _, dest, ends = counts.layout
-    if aq.shape[0] != tile_slots(counts.rows, ends.numel()) * TILE:
+    source, dest, ends = counts.layout
+    if aq.shape[0] != source.numel():
         raise ValueError(f"fp8 deep_gemm: {aq.shape[0]} operand rows, the slot layout of {counts.rows} has "
-                         f"{tile_slots(counts.rows, ends.numel()) * TILE}")
+                         f"{source.numel()}")
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     # sa.t(): [T*128, K/128] MN-major, the layout DeepGEMM reads (no copy); bq's scales may be a transposed view
     _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((aq, sa.t()), (bq, sb), out, ends, use_psum_layout=True)

@@ -26,10 +26,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _index(order: Tensor | None, k: int) -> Tensor | None:
+    """The row index into x of the rows x[order // k] (GatheredRows), None without a plan."""
+    return order if order is None or k == 1 else order // k
+
+
+def _gemm_rows(impl, x: Tensor, counts, pow2: bool, order: Tensor | None = None, k: int = 1):
+    """An fprop / dgrad operand: x's rows (or x[order // k]) quantised where impl's grouped GEMM reads them."""
+    rows = x.shape[0] if order is None else order.numel()
+    return impl.quantize_rows(x, pow2, impl.gemm_rows(counts, rows, _index(order, k)))
+
+
 def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
     counts = impl.group_counts(counts)
-    xq = impl.quantize_rows(x, pow2, impl.gemm_rows(counts, x.shape[0], None))
-    return impl.fprop(*xq, *impl.quantize_blocks(w, pow2), counts, x.dtype)
+    return impl.fprop(*_gemm_rows(impl, x, counts, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
 
 
 def _wgrad(impl, grad: Tensor, xcols: tuple[Tensor, Tensor], counts: Tensor, pow2: bool, dtype) -> Tensor:
@@ -41,14 +51,8 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
     """`wt`: w's transposed blocks [q^T, s^T] when cached (None: quantise here)."""
     counts = impl.group_counts(counts)
     wt = wt or impl.quantize_blocks_t(w, pow2)
-    dx = impl.dgrad(*impl.quantize_rows(grad, pow2, impl.gemm_rows(counts, grad.shape[0], None)), *wt, counts,
-                    x.dtype)
+    dx = impl.dgrad(*_gemm_rows(impl, grad, counts, pow2), *wt, counts, x.dtype)
     return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
-
-
-def _index(order: Tensor | None, k: int) -> Tensor | None:
-    """The row index into x of the rows x[order // k] (GatheredRows), None without a plan."""
-    return order if order is None or k == 1 else order // k
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
@@ -58,9 +62,7 @@ def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: 
     read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows)."""
     counts = impl.group_counts(counts)
     q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
-    rows = x.shape[0] if order is None else order.numel()
-    return impl.fprop(*impl.quantize_rows(x, pow2, impl.gemm_rows(counts, rows, _index(order, k))), *q, counts,
-                      x.dtype)
+    return impl.fprop(*_gemm_rows(impl, x, counts, pow2, order, k), *q, counts, x.dtype)
 
 
 def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
@@ -73,7 +75,7 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
     k copies summed)."""
     counts = impl.group_counts(counts)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
-    dx = impl.dgrad(*impl.quantize_rows(g13, pow2, impl.gemm_rows(counts, g13.shape[0], None)), *wt, counts, x.dtype)
+    dx = impl.dgrad(*_gemm_rows(impl, g13, counts, pow2), *wt, counts, x.dtype)
     if order is not None:  # the rows' gradient back to x: permute_rows' / replicate_tokens' backward
         dx = dx.index_select(0, inverse)
         dx = dx if k == 1 else dx.view(-1, k, dx.shape[-1]).sum(dim=1)
