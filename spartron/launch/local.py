@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS
+from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS, release_sigterm
 from spartron.runtime.safe_open import make_dir, open_file
 
 _PR_SET_PDEATHSIG = 1
@@ -329,6 +329,9 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
             if pipe is not None:
                 os.set_blocking(pipe, False)
             ranks.append(_Rank(rank, proc, log, _pidfd(proc.pid), pipe=pipe, log_fd=log_fd))
+        # A `spartron` launcher holds SIGTERM from its start (process.hold_sigterm) and its ranks inherit the
+        # hold until their own handler is in place; the launcher's handler is, so a held SIGTERM arrives now.
+        release_sigterm()
         forwarded_at = None
         while any(r.returncode is None for r in ranks):
             _wait_for_change(ranks, poll_s)

@@ -1,5 +1,10 @@
-"""How a Spartron process ends: `exit_process`, the one exit of the `spartron` command and of
-``python -m spartron.launch.rank``.
+"""How a Spartron process starts and ends: `hold_sigterm` from its first line, `exit_process`, the one exit of
+the `spartron` command and of ``python -m spartron.launch.rank``.
+
+A rank gets SIGTERM whenever Slurm or a launcher forwards it (`--signal` before the time limit, preemption),
+also while it still imports torch, seconds before the trainer installs its handler: the default action then
+killed it (status 143) instead of saving a step. So the process holds SIGTERM (blocked, pending in the
+kernel) from its start, and the handler's owner releases it once the handler is in place.
 
 DTensor's caches keep device meshes, and through them gloo process groups and their C++ threads,
 alive after ``destroy_process_group``. Interpreter finalization then destroyed them in no defined
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -23,6 +29,16 @@ STOPPED_STATUS = 75
 # process printed one `spartron: error: ...` line and no traceback.
 USAGE_STATUS = 2
 ERROR_PREFIX = "spartron: error: "
+
+
+def hold_sigterm() -> None:
+    """Keep a SIGTERM pending from now until `release_sigterm` (in this thread and threads it starts)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def release_sigterm() -> None:
+    """Deliver a held SIGTERM (to the handler now installed, or the default action) and stop holding."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def exit_process(code: int) -> NoReturn:

@@ -4,7 +4,9 @@ Slurm signals a job before preemption or its time limit (`--signal`, `scancel -s
 launcher forwards its own SIGTERM, and an operator may `kill` one rank: the handler only sets a flag,
 and at each step boundary the ranks all-reduce it (MAX), so when any rank was signalled every rank
 saves the same complete step and stops. The rank then exits with
-`spartron.launch.process.STOPPED_STATUS` and `resume = true` continues from that step.
+`spartron.launch.process.STOPPED_STATUS` and `resume = true` continues from that step. A SIGTERM
+that came while the process started was held (spartron.launch.process.hold_sigterm): it reaches the
+handler as soon as the handler is in place.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._installed = True
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a held one arrives here now
         return self
 
     def __exit__(self, *exc) -> None:

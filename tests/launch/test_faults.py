@@ -207,6 +207,55 @@ def test_sigterm_to_a_single_process_run_saves_and_exits_75(tmp_path):
     assert [r["step"] for r in _step_records(run_dir)][-1] == saved
 
 
+def _sigterm_bits(pid: int) -> tuple[bool, bool]:
+    """(held, caught): whether SIGTERM is blocked in the main thread of `pid`, and has a handler."""
+    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ":\t" in line)
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(int(fields["SigBlk"], 16) & bit), bool(int(fields["SigCgt"], 16) & bit)
+
+
+def _signal_while_starting(proc: subprocess.Popen) -> None:
+    """SIGTERM to `proc` once it holds SIGTERM but before any handler is in place (it is still importing)."""
+    import os
+
+    deadline = time.monotonic() + 30
+    while _sigterm_bits(proc.pid) != (True, False):
+        assert proc.poll() is None and time.monotonic() < deadline, "the process never held SIGTERM"
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert _sigterm_bits(proc.pid)[0], "the SIGTERM came after the hold ended: the start was not exercised"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_sigterm_while_the_process_starts_is_held_until_the_handler_then_step_1_is_saved(tmp_path, nproc):
+    """Slurm's `--signal` can reach a rank (or the local launcher) while it still imports torch, seconds
+    before any handler exists: the default action killed it (143) and nothing was saved. Held from the
+    first line, the signal reaches the handler: every rank saves step 1 and the run exits 75."""
+    run_dir = tmp_path / "runs" / "tiny"
+    proc = _start_long_run(tmp_path, nproc)
+    _signal_while_starting(proc)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == STOPPED_STATUS, err
+    assert [int(p.name.split("-")[1]) for p in run_dir.glob("step-*")] == [1]
+    assert verify_step(run_dir / "step-00000001") is None
+    assert "spartron: SIGTERM: saved step 1 of 500 in runs/tiny and stopped; resume = true continues " \
+           "from it" in err
+
+
+def test_commands_other_than_train_release_a_held_sigterm_before_they_run(tmp_path):
+    """Only `train` keeps SIGTERM held until its handler: `plan` (as every other command) runs with it
+    delivered as usual, so a signal cannot be swallowed by a command that installs no handler."""
+    from spartron.launch.cli import main
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        assert main(["plan", TINY, "--world-size", "1"]) == 0
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 @pytest.mark.parametrize("message, knock_on", [
     ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242", True),
     ("NCCL error: remote process exited or there was a network error", True),

@@ -20,7 +20,8 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from spartron.launch.cli import USAGE_ERROR, main
+from spartron.launch.cli import main
+from spartron.launch.command import USAGE_ERROR
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict, load_config
 from spartron.runtime.metrics import MetricsFileError, MetricsLog, MetricsWriteError, read_metrics

@@ -18,7 +18,7 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from spartron.launch.cli import USAGE_ERROR
+from spartron.launch.command import USAGE_ERROR
 from spartron.launch.local import launch_local
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict
