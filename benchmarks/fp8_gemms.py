@@ -11,7 +11,8 @@ three GEMM problems, "up" (w1 or w3 alone: K = dim, N = inter), "up13" (the expe
 each as fprop [rows, K] x [E, N, K]^T, dgrad [rows, N] x [E, N, K] and wgrad [N, rows] x [rows, K] ->
 [E, N, K], on inputs quantised once before timing. On the triton backend each GEMM kernel is also
 timed at a few configs (fprop / dgrad: BM 128 or 64 rows per slot, warps, pipeline stages; wgrad:
-BN 128 or 64, warps, stages): `up.fprop_bm64w4s4.fp8` and so on. Every rep is timed alone (CUDA events, L2 flushed
+BN 128 or 64, warps, stages): `up.fprop_bm64w4s4.fp8` and so on, and each quantiser at a few (block, warps)
+configs: `quantize_rows_bm64w8` and so on. Every rep is timed alone (CUDA events, L2 flushed
 before each); every time is in the JSON, with the median, TFLOP/s (GEMMs) and GB/s (quantisation).
 
 `--backend torch_scaled_mm`: the experts' wgrad as cuBLAS's blockwise `scaled_mm`, one per expert; `--backend
@@ -52,6 +53,12 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
 # (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
 WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
+# the quantisers' configs: (BM rows, warps) of quantize_rows (and the SwiGLU one), (BC columns, warps) of
+# quantize_cols_grouped, warps of quantize_blocks (sm_90a ptxas, benchmarks/triton_registers.py: rows 202-223
+# registers at 4 warps, cols 168, blocks 255 + a 2 KB spill at 4 warps, 128 at 16)
+QUANT_ROWS_CONFIGS = ((32, 4), (32, 8), (16, 4), (64, 8), (64, 4))
+QUANT_COLS_CONFIGS = ((64, 4), (64, 8), (32, 4), (128, 8))
+QUANT_BLOCKS_WARPS = (4, 8, 16)
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped",
          "quantize_blocks_cat", "quantize_blocks_both")
 
@@ -112,22 +119,37 @@ def _gemm_cases(impl, shape: dict, k: int, n: int, device: torch.device, pow2: b
     return {"cases": cases, "configs": configs}
 
 
-def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
-    """(fn, bytes read + written) per quantisation primitive."""
+def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool, sweep: bool = False) -> dict:
+    """(fn, bytes read + written) per quantisation primitive (sweep: and per config of the Triton kernels)."""
     rows, dim, inter, experts = shape["rows"], shape["dim"], shape["inter"], shape["experts"]
     counts = torch.full((experts,), rows // experts, dtype=torch.int32, device=device)
     x = torch.randn(rows, dim, dtype=torch.bfloat16, device=device)
     gate, up = (torch.randn(rows, inter, dtype=torch.bfloat16, device=device) for _ in range(2))
     w = torch.randn(experts, inter, dim, dtype=torch.bfloat16, device=device) * 0.02
     slots = rows // 128 + experts
-    return {
-        "quantize_rows": (lambda: impl.quantize_rows(x, pow2), rows * dim * (2 + 1) + rows * dim // 32),
-        "swiglu_quantize_rows": (lambda: impl.swiglu_quantize_rows(gate, up, pow2),
-                                 rows * inter * (2 + 2 + 1) + rows * inter // 32),
+    rows_bytes = rows * dim * (2 + 1) + rows * dim // 32
+    swiglu_bytes = rows * inter * (2 + 2 + 1) + rows * inter // 32
+    cols_bytes = rows * dim * 2 + slots * 128 * dim + slots * dim * 4
+    configs = {}
+    if sweep:
+        for bm, warps in QUANT_ROWS_CONFIGS:
+            kw = dict(block_m=bm, num_warps=warps)
+            configs[f"quantize_rows_bm{bm}w{warps}"] = (lambda kw=kw: impl.quantize_rows(x, pow2, **kw), rows_bytes)
+            configs[f"swiglu_quantize_rows_bm{bm}w{warps}"] = (
+                lambda kw=kw: impl.swiglu_quantize_rows(gate, up, pow2, **kw), swiglu_bytes)
+        for bc, warps in QUANT_COLS_CONFIGS:
+            kw = dict(block_c=bc, num_warps=warps)
+            configs[f"quantize_cols_grouped_bc{bc}w{warps}"] = (
+                lambda kw=kw: impl.quantize_cols_grouped(x, counts, pow2, **kw), cols_bytes)
+        for warps in QUANT_BLOCKS_WARPS:
+            configs[f"quantize_blocks_both_w{warps}"] = (
+                lambda warps=warps: impl.quantize_blocks_both((w,), pow2, num_warps=warps), w.numel() * 4)
+    return configs | {
+        "quantize_rows": (lambda: impl.quantize_rows(x, pow2), rows_bytes),
+        "swiglu_quantize_rows": (lambda: impl.swiglu_quantize_rows(gate, up, pow2), swiglu_bytes),
         "quantize_blocks": (lambda: impl.quantize_blocks(w, pow2), w.numel() * 3),
         "quantize_blocks_t": (lambda: impl.quantize_blocks_t(w, pow2), w.numel() * 3),
-        "quantize_cols_grouped": (lambda: impl.quantize_cols_grouped(x, counts, pow2),
-                                  rows * dim * 2 + slots * 128 * dim + slots * dim * 4),
+        "quantize_cols_grouped": (lambda: impl.quantize_cols_grouped(x, counts, pow2), cols_bytes),
         "quantize_blocks_cat": (lambda: impl.quantize_blocks_cat((w, w), pow2), 2 * w.numel() * 3),
         "quantize_blocks_both": (lambda: impl.quantize_blocks_both((w,), pow2), w.numel() * 4),
     }
@@ -136,7 +158,7 @@ def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool) -> dict:
 def run_shape(impl, shape: dict, device: torch.device, warmup: int, reps: int, pow2: bool, sweep: bool) -> dict:
     torch.manual_seed(0)
     results = {}
-    for name, (fn, nbytes) in _quant_cases(impl, shape, device, pow2).items():
+    for name, (fn, nbytes) in _quant_cases(impl, shape, device, pow2, sweep).items():
         results[name] = _entry(time_ms(fn, device, warmup, reps), nbytes=nbytes)
     summary = {"fp8_gemms_ms": 0.0, "bf16_gemms_ms": 0.0}  # "up" + "down" (one of w1 / w3), as before "up13"
     problems = (("up", (shape["dim"], shape["inter"])), ("down", (shape["inter"], shape["dim"])),

@@ -58,6 +58,35 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     assert torch.equal(dw[c == 0], torch.zeros_like(dw[c == 0]))  # an empty expert reads no slot
 
 
+def test_every_quantiser_config_of_the_sweep_writes_the_reference_values():
+    """benchmarks/fp8_gemms.py's quantiser configs (rows / SwiGLU rows by BM and warps, columns by BC and warps,
+    weight blocks by warps): each writes the reference's values bitwise, on ragged groups and gathered rows."""
+    from benchmarks.fp8_gemms import QUANT_BLOCKS_WARPS, QUANT_COLS_CONFIGS, QUANT_ROWS_CONFIGS
+    from spartron.layers.fp8 import triton_backend as tb
+
+    def same(got, want, what):
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), what
+
+    c = torch.tensor([1, 0, 63, 130, 318], dtype=torch.int32, device="cuda")
+    x, w, grad = _inputs(512)
+    order = torch.randperm(512, device="cuda")
+    gate, up = grad[:, :256].contiguous(), x.flip(0).contiguous()
+    for bm, warps in QUANT_ROWS_CONFIGS:
+        kw = dict(block_m=bm, num_warps=warps)
+        same(tb.quantize_rows(x[:509], True, **kw), quant.quantize_rows(x[:509], True), f"rows {kw}")
+        same(tb.quantize_rows(x, False, order, **kw), quant.quantize_rows(x[order], False), f"gathered rows {kw}")
+        same(tb.swiglu_quantize_rows(gate, up, True, order, **kw),
+             reference.swiglu_quantize_rows(gate, up, True, order), f"swiglu {kw}")
+    for bc, warps in QUANT_COLS_CONFIGS:
+        kw = dict(block_c=bc, num_warps=warps)
+        same(tb.quantize_cols_grouped(x, c, True, order, **kw), quant.quantize_cols_grouped(x[order], c, True),
+             f"columns {kw}")
+    for warps in QUANT_BLOCKS_WARPS:
+        q, s, qt, st = tb.quantize_blocks_both((w,), True, num_warps=warps)
+        same((q, s), quant.quantize_blocks(w, True), f"blocks {warps} warps")
+        same((qt, st), quant.quantize_blocks_t(w, True), f"transposed blocks {warps} warps")
+
+
 def _close_at_fp8_mma_precision(out, ref):
     """Hopper's FP8 MMA adds its products with a truncated accumulator (about 14 bits, DeepSeek-V3
     section 3.3.2; the H100 measured up to 1.4e-3 of the output's scale at 128-deep blocks): the bound

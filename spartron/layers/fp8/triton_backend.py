@@ -37,20 +37,25 @@ def _gather_index(x: Tensor, index: Tensor | None) -> tuple[Tensor, int]:
     return index, index.numel()
 
 
-def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """1x128 quantisation of x, or of x[index] read through the index (the gathered rows never written)."""
+def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None, block_m: int = 32,
+                  num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """1x128 quantisation of x, or of x[index] read through the index (the gathered rows never written).
+    block_m, num_warps: the kernel's config (benchmarks/fp8_gemms.py sweeps them; every config writes the same
+    values, GPU test)."""
     _, kc = x.shape
     check_tiled("contraction dim", kc)
     x = x.contiguous()
     idx, m = _gather_index(x, index)
     q = torch.empty(m, kc, dtype=FP8, device=x.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=x.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](x, x, idx, q, s, m, kc, kc, POW2=pow2, SWIGLU=False,
-                                                       GATHER=index is not None, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, block_m), kc // TILE)](x, x, idx, q, s, m, kc, kc, POW2=pow2, SWIGLU=False,
+                                                            GATHER=index is not None, BM=block_m,
+                                                            num_warps=num_warps)
     return q, s
 
 
-def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | None = None, block_m: int = 32,
+                         num_warps: int = 4) -> tuple[Tensor, Tensor]:
     """1x128 quantisation of silu(gate) * up (of their rows `index`) in one pass: h (rounded to gate's dtype as
     torch's eager SwiGLU rounds it) is never written. gate and up may be the two halves of one [M, 2I] tensor
     (the experts' w1|w3 output): read in place, by their row stride."""
@@ -61,12 +66,14 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | N
     idx, m = _gather_index(gate, index)
     q = torch.empty(m, kc, dtype=FP8, device=gate.device)
     s = torch.empty(kc // TILE, m, dtype=torch.float32, device=gate.device)
-    k.quantize_rows_kernel[(_cdiv(m, 32), kc // TILE)](gate, up, idx, q, s, m, kc, gate.stride(0), POW2=pow2,
-                                                       SWIGLU=True, GATHER=index is not None, BM=32)
+    k.quantize_rows_kernel[(_cdiv(m, block_m), kc // TILE)](gate, up, idx, q, s, m, kc, gate.stride(0), POW2=pow2,
+                                                            SWIGLU=True, GATHER=index is not None, BM=block_m,
+                                                            num_warps=num_warps)
     return q, s
 
 
-def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: bool) -> list[Tensor]:
+def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: bool,
+                     num_warps: int = k.QUANTIZE_BLOCKS_WARPS) -> list[Tensor]:
     """The weights [..., N_i, K] quantised into buffers concatenated along N (one kernel launch per
     weight, each writing its rows of the outputs: no concatenating copy): [q, s] (rows), [q^T, s^T]
     (cols) or [q, s, q^T, s^T] (both, from one read of each weight; s^T a view of s)."""
@@ -88,7 +95,7 @@ def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: 
         q_part, qt_part = (q_part if rows else qt_part), (qt_part if cols else q_part)  # an unwritten one: the other
         k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, qt_part, s[..., row0 // TILE:, :],
                                                                          n, kc, n_out, ROWS=rows, COLS=cols,
-                                                                         POW2=pow2, num_warps=k.QUANTIZE_BLOCKS_WARPS)
+                                                                         POW2=pow2, num_warps=num_warps)
         row0 += n
     return ([q, s] if rows else []) + ([qt, s.transpose(-2, -1)] if cols else [])
 
@@ -107,14 +114,16 @@ def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool
     return tuple(_quantize_blocks(weights, pow2, rows=not transpose, cols=transpose))
 
 
-def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool) -> list[Tensor]:
-    """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once."""
-    return _quantize_blocks(weights, pow2, rows=True, cols=True)
+def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool, num_warps: int = k.QUANTIZE_BLOCKS_WARPS
+                         ) -> list[Tensor]:
+    """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once (num_warps: the sweep's)."""
+    return _quantize_blocks(weights, pow2, rows=True, cols=True, num_warps=num_warps)
 
 
-def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor | None = None, block_c: int = 64,
+                          num_warps: int = 4) -> tuple[Tensor, Tensor]:
     """The slot-aligned column layout (spartron.layers.fp8.quant) of x, or of x[index] read through the
-    index: q_t [C, T*128], scales [C, T] slot-major."""
+    index: q_t [C, T*128], scales [C, T] slot-major (block_c, num_warps: the sweep's, as quantize_rows')."""
     _, c = x.shape
     check_tiled("columns", c)
     x = x.contiguous()
@@ -122,8 +131,11 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor |
     slots = tile_slots(m, counts.numel())
     q_t = torch.empty(c, slots * TILE, dtype=FP8, device=x.device)
     s = torch.empty(slots, c, dtype=torch.float32, device=x.device)
-    k.quantize_cols_kernel[(slots, c // 64)](x, idx, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(),
-                                             POW2=pow2, GATHER=index is not None, BC=64)
+    if c % block_c:
+        raise ValueError(f"fp8 quantize_cols_grouped: block_c {block_c} must divide the {c} columns")
+    k.quantize_cols_kernel[(slots, c // block_c)](x, idx, counts, q_t, s, c, slots * TILE, N_GROUPS=counts.numel(),
+                                                  POW2=pow2, GATHER=index is not None, BC=block_c,
+                                                  num_warps=num_warps)
     return q_t, s.t()
 
 
