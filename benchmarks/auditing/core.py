@@ -157,6 +157,18 @@ def new_entry(*known: str) -> Ready:
     return lambda work: any(p.name not in known for p in work.iterdir())
 
 
+def seconds_later(seconds: float) -> Ready:
+    """Ready `seconds` after its first poll (the command's start): a signal while the process still starts."""
+    import time
+
+    first: list[float] = []
+
+    def ready(work: Path) -> bool:
+        first.append(time.monotonic())
+        return first[-1] - first[0] >= seconds
+    return ready
+
+
 def has_records(rel: str, n: int) -> Ready:
     """A metrics file with at least n step records."""
     def ready(work: Path) -> bool:

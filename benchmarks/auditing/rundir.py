@@ -11,7 +11,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.auditing.core import Case, decoy, has_records, train
+from benchmarks.auditing.core import Case, decoy, has_records, seconds_later, train
 
 RUN = "runs/base"
 LIVE = "runs/live"
@@ -173,6 +173,13 @@ def interrupted_runs() -> list[Case]:
             out.append(Case(f"rundir-{signame.lower()}-{when}-then-resume", "rundir", run, (), category="signals",
                             interrupt=(getattr(signal, signame), ready), retry=resume, accept_ok=True,
                             expect_out="resumed from step" if when == "after-step-2" else None, timeout=150.0))
+    # Slurm's --signal (or a forwarded SIGTERM) can reach the ranks while they still import torch, a second after
+    # their start: held until the handler is in place, it stops the run after step 1, saved, and the resume goes on
+    for nproc in (1, 2):
+        start = train("train.steps=60", "train.save_every=10", "name=k", f"launch.nproc={nproc}")
+        out.append(Case(f"rundir-sigterm-while-starting-{nproc}-rank-then-resume", "rundir", start, (),
+                        category="signals", interrupt=(signal.SIGTERM, seconds_later(1.0)), retry=resume,
+                        accept_ok=True, expect_out="resumed from step", timeout=150.0))
     for cid, nproc, limit in (("disk-full-1-rank", 1, 200_000), ("disk-full-2-ranks", 2, 200_000),
                               ("disk-full-metrics", 1, 3_000)):
         out.append(Case(f"rundir-{cid}-then-resume", "rundir",
