@@ -13,8 +13,13 @@ A field in no table (a newer megatron-core) is a problem unless it still has its
 Spartron-only settings (vocab_size, max_seq_len, tie_embeddings, loss_chunk_size, dsa.layers,
 dsa.topk_freq, dsa.share_indexer_across_mtp, dsa.indexer_fp8, dsa.deterministic_dkv, dsa.kl_dense_chunk,
 dsa.attention_chunk, moe.aux_loss_type when there is no aux loss, the dispatcher's "local" vs "all_to_all"
-choice, grouped_mm "auto" vs "grouped", moe.deepep_num_sms without DeepEP) have no Megatron field: they come
-from `base` (or ModelConfig's defaults).
+choice, grouped_mm "auto" vs "grouped", moe.deepep_num_sms without DeepEP, model.fp8's backend, modules,
+power_of_two_scales, weight_cache and dispatch) have no Megatron field: they come from `base` (or ModelConfig's
+defaults).
+
+FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it
+through Transformer Engine) is model.fp8; every other FP8 recipe, format or Transformer Engine FP8 feature is a
+problem naming its field.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ MAPPED = frozenset({
     "moe_router_load_balancing_type", "moe_router_dtype", "moe_token_dispatcher_type",
     "moe_enable_deepep", "moe_flex_dispatcher_backend", "moe_deepep_num_sms", "moe_grouped_gemm",
     "experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
-    "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss",
+    "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "fp8", "fp8_recipe", "fp8_wgrad",
 })
 
 # field -> (allowed values, why). Values compare with ==.
@@ -69,9 +74,19 @@ REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "max_seqlen_per_dp_cp_rank": ((None,), "no dynamic CP"),
     "cp_comm_type": ((None, "allgather"), "Spartron CP all-gathers the compressed KV"),
     "fp16": ((False,), "Spartron layers run in float32 or bfloat16"),
-    "fp8": ((None,), "no FP8 in Spartron layers"), "fp8_param": ((False,), "no FP8"),
+    "fp8_param": ((False,), "Spartron keeps the weights in model.dtype and quantises them for the GEMMs "
+                   "(model.fp8.weight_cache keeps the experts' between micro-batches)"),
+    "fp8_quantizer_factory": ((None,), "the 'custom' recipe; Spartron runs 'blockwise'"),
+    "fp8_margin": ((0,), "delayed scaling's; the blockwise recipe scales each tile by its own amax"),
+    "fp8_amax_history_len": ((1,), "delayed scaling's; the blockwise recipe scales each tile by its own amax"),
+    "fp8_amax_compute_algo": (("most_recent",), "delayed scaling's; the blockwise recipe scales each tile by its "
+                              "own amax"),
+    "fp8_dot_product_attention": ((False,), "attention's core stays in model.dtype (the blockwise recipe's)"),
+    "fp8_multi_head_attention": ((False,), "attention's core stays in model.dtype (the blockwise recipe's)"),
+    "activation_func_fp8_input_store": ((False,), "the FP8 experts keep the SwiGLU input in model.dtype and "
+                                        "recompute the product in backward"),
     "fp4": ((None,), "no FP4 in Spartron layers"), "fp4_param": ((False,), "no FP4"),
-    "first_last_layers_bf16": ((False,), "no FP8/FP4 layers"),
+    "first_last_layers_bf16": ((False,), "model.fp8 applies to the chosen modules of every layer"),
     "use_kitchen": ((False,), "no kitchen quantisation"), "use_kitchen_attention": ((False,), "no kitchen"),
     "quant_recipe": ((None,), "no quantisation"),
     "attention_dropout": ((0.0,), "Spartron attention has no dropout"),
@@ -120,8 +135,8 @@ REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_shared_expert_overlap": ((False,), "shared experts run after combine"),
     "moe_enable_routing_replay": ((False,), "routing replay is the mandatory moe_topk save"),
     "moe_router_topk_limited_devices": ((None,), "no device-limited routing"),
-    "moe_router_padding_for_quantization": ((False,), "no FP8 padding"),
-    "moe_router_padding_for_fp8": ((False,), "no FP8 padding"),
+    "moe_router_padding_for_quantization": ((False,), "Spartron's FP8 experts take any row count: no padding"),
+    "moe_router_padding_for_fp8": ((False,), "Spartron's FP8 experts take any row count: no padding"),
     "moe_router_force_load_balancing": ((False,), "real routing only"),
     "moe_z_loss_coeff": ((None, 0.0), "no router z-loss"), "moe_input_jitter_eps": ((None,), "no jitter"),
     "moe_token_dropping": ((False,), "dropless MoE"), "moe_expert_capacity_factor": ((None,), "dropless MoE"),
@@ -155,17 +170,15 @@ MEGATRON_OWNED = frozenset({
     "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "attention_backend", "num_query_groups", "kv_channels",
     "hidden_dropout", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
-    "activation_func_fp8_input_store", "qk_clip_alpha", "qk_clip_threshold", "test_mode",
+    "qk_clip_alpha", "qk_clip_threshold", "test_mode",
     "calculate_per_token_loss", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
     "linear_num_key_heads", "linear_num_value_heads", "init_method", "output_layer_init_method",
     "embedding_init_method", "embedding_init_method_std", "init_model_with_meta_device",
     "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "disable_bf16_reduced_precision_matmul",
     "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion",
     "use_fused_weighted_squared_relu", "fused_single_qkv_rope", "recompute_method", "recompute_num_layers",
-    "distribute_saved_activations", "recompute_modules", "fp8_recipe", "fp8_quantizer_factory", "fp8_margin",
-    "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention",
-    "fp8_multi_head_attention", "tp_only_amax_red", "num_layers_at_start_in_bf16",
-    "num_layers_at_end_in_bf16",
+    "distribute_saved_activations", "recompute_modules",
+    "fp8_interval", "tp_only_amax_red", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
     "kitchen_attention_backend", "fp4_recipe", "fp4_quantizer_factory", "moe_token_drop_policy",
     "moe_hybridep_num_sms", "cuda_graph_use_single_mempool", "cuda_graph_retain_backward_graph",
     "cuda_graph_warmup_steps", "cuda_graph_scope", "clone_scatter_output_in_embedding",
@@ -322,6 +335,23 @@ def _dsa_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
             **spartron_only}
 
 
+def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]) -> dict[str, Any] | None:
+    """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad (which Megatron reads only when fp8 is set); the
+    Spartron-only fields (backend, modules, power_of_two_scales, weight_cache, dispatch) from `base`."""
+    if tcfg.fp8 is None:
+        return None
+    if tcfg.fp8 != "e4m3":
+        problems.append(f"fp8={tcfg.fp8!r}: Spartron's blockwise recipe is E4M3 for activations, weights and "
+                        "gradients ('e4m3'; 'hybrid' sends the gradients as E5M2)")
+    if tcfg.fp8_recipe != "blockwise":
+        problems.append(f"fp8_recipe={tcfg.fp8_recipe!r}: Spartron runs DeepSeek-V3's recipe, 'blockwise' (1x128 "
+                        "activation and gradient tiles, 128x128 weight blocks, each scaled by its own amax)")
+    if not tcfg.fp8_wgrad:
+        problems.append("fp8_wgrad=False: Spartron's FP8 layers compute the weight gradients in FP8 too")
+    spartron_only = {} if base.fp8 is None else base.fp8.model_dump(exclude={"recipe"})
+    return {"recipe": "blockwise", **spartron_only}
+
+
 def _dtype(tcfg: TransformerConfig, problems: list[str]) -> str:
     if tcfg.bf16 or tcfg.params_dtype == torch.bfloat16:
         return "bfloat16"
@@ -356,7 +386,7 @@ def spartron_config_from_megatron(tcfg: TransformerConfig | MLATransformerConfig
         "first_k_dense": _moe_first_k_dense(tcfg, problems), "dense_inter_dim": tcfg.ffn_hidden_size,
         "norm_eps": tcfg.layernorm_epsilon, "dtype": _dtype(tcfg, problems), "init_std": tcfg.init_method_std,
         "mla": _mla_section(tcfg, problems), "dsa": _dsa_section(tcfg, ref, problems),
-        "mtp": {"depth": 0},
+        "mtp": {"depth": 0}, "fp8": _fp8_section(tcfg, ref, problems),
     }
     moe = _moe_section(tcfg, ref, problems)
     if moe:
@@ -420,6 +450,13 @@ def megatron_config_from_spartron(cfg: ModelConfig, **overrides: Any) -> MLATran
         raise MegatronConfigError(["model.moe.bias_update_rate > 0 with score_func 'softmax': Megatron's "
                                    "expert bias (moe_router_enable_expert_bias) needs sigmoid scores"])
     kw.update(overrides)
+    fp8 = {k: kw.pop(k) for k in ("fp8", "fp8_recipe") if k in kw}
+    if cfg.fp8 is not None:
+        fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise", **fp8}
     tcfg = MLATransformerConfig(**kw)
+    # set after construction: megatron-core 0.16's __post_init__ checks Transformer Engine's version for MoE FP8
+    # (and fails without TE); the Spartron layers run their own FP8 and never use TE
+    for key, value in fp8.items():
+        setattr(tcfg, key, value)
     spartron_config_from_megatron(tcfg, base=cfg)  # raises on anything the adapters cannot honour
     return tcfg

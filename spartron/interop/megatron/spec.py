@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spartron.comm.transport import EPTransport
+from spartron.configbase import ConfigError
 from spartron.interop.megatron.aux_loss import attach_and_track, balance_loss, check_definition
 from spartron.interop.megatron.config import spartron_config_from_megatron
 from spartron.interop.megatron.expert_params import set_megatron_param_attributes
@@ -47,6 +48,7 @@ from spartron.layers.attention.dsa import ids_for_layer
 from spartron.layers.attention.mla import MLA
 from spartron.layers.config import ModelConfig
 from spartron.layers.ffn import FeedForward
+from spartron.layers.fp8 import apply_fp8
 from spartron.layers.init import init_parameters_
 from spartron.layers.moe import MoELayer
 
@@ -75,6 +77,20 @@ def _reject(**unsupported: Any) -> None:
                          "sequences: pass None)")
 
 
+def _apply_fp8(module: nn.Module, cfg: ModelConfig, kinds: set[str]) -> None:
+    """model.fp8 (Megatron's fp8 = "e4m3", fp8_recipe = "blockwise") on one slot's Spartron module, when the slot
+    holds a kind model.fp8.modules names ("dense": its linears; "experts": the routed experts). The experts' weight
+    cache stays off: Megatron's training loop never tells the layers that its optimizer changed the weights."""
+    fp8 = cfg.fp8
+    if fp8 is None or not kinds & set(fp8.modules):
+        return
+    if fp8.weight_cache == "on":
+        raise ConfigError("model.fp8.weight_cache = 'on' in the Megatron adapters: Megatron's optimizer step does "
+                          "not invalidate it, so the experts would keep the FP8 copy of old weights; use 'auto' "
+                          "(off in the adapters) or 'off'")
+    apply_fp8([module], fp8.model_copy(update={"weight_cache": "off"}))
+
+
 class SpartronMLAAttention(nn.Module):
     """`self_attention` slot: Spartron MLA (dense, DSA source or DSA consumer by the layer's role)."""
 
@@ -92,6 +108,7 @@ class SpartronMLAAttention(nn.Module):
         self.cp_group = resolve_group("cp", pg_collection, groups, config)
         self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
         init_parameters_(self.mla, init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.attn.")
+        _apply_fp8(self.mla, self.model_cfg, {"dense"})
         set_megatron_param_attributes(self, expert_parallel=False)
 
     @property
@@ -173,6 +190,8 @@ class SpartronMoEMLP(_MLPSlot):
                              f"has {_ranks(self.ep_group)}")
         self.moe = MoELayer(self.model_cfg, transport)
         self.moe.router = MegatronRouter.like(self.moe.router)
+        shared = {"dense"} if self.model_cfg.moe.n_shared_experts else set()
+        _apply_fp8(self.moe, self.model_cfg, {"experts"} | shared)
         set_megatron_param_attributes(self, expert_parallel=self.ep_group is not None)
 
     def ffn_module(self) -> nn.Module:
@@ -210,6 +229,7 @@ class SpartronDenseMLP(_MLPSlot):
             raise TypeError(f"SpartronDenseMLP got unexpected arguments {sorted(unknown)}")
         self.ffn = FeedForward(self.model_cfg.dim, self.model_cfg.dense_inter_dim,
                                init_std=self.model_cfg.init_std)
+        _apply_fp8(self.ffn, self.model_cfg, {"dense"})
         set_megatron_param_attributes(self, expert_parallel=False)
 
     def ffn_module(self) -> nn.Module:

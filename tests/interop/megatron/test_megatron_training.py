@@ -90,6 +90,31 @@ def test_float16_module_bf16_follows_the_fp32_run(tmp_path):
     assert max(diffs) < 5e-3, (fp32, bf16)  # bf16 matmuls, fp32 loss and master weights: 3.3e-4 measured
 
 
+# model.fp8 at the smallest dims FP8 tiles (multiples of 128), on the reference backend (CPU)
+FP8 = ('model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256",
+       "model.mla.q_lora_rank=128", "model.mla.kv_lora_rank=128", 'model.fp8.backend="reference"')
+
+
+def _fp8(rank, world, run_dir):
+    from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+
+    cfg = run_config(run_dir, 2, *FP8)
+    ours = spartron_losses(cfg)
+    run = MegatronTraining(cfg, 2, bf16=True)
+    fp8_modules = sorted({type(m).__name__ for m in run.gpt.modules() if isinstance(m, (FP8Linear, FP8GroupedExperts))})
+    return ours, [run.step(s) for s in range(1, STEPS + 1)], run.gpt.config.fp8, run.gpt.config.fp8_recipe, fp8_modules
+
+
+def test_megatron_blockwise_fp8_training_follows_spartrons_fp8_trainer(tmp_path):
+    """Megatron's fp8 = 'e4m3', fp8_recipe = 'blockwise' (from model.fp8) under Float16Module and Megatron's DDP
+    runs Spartron's FP8 layers: the first step's loss equals the Trainer's FP8 run, later steps follow it (Megatron
+    keeps fp32 main weights, the bf16 Trainer bf16 ones: 1.1e-3 measured)."""
+    ours, theirs, fp8, recipe, modules = run_distributed(_fp8, 2, tmp_path / "run", timeout=300)[0]
+    assert (fp8, recipe, modules) == ("e4m3", "blockwise", ["FP8GroupedExperts", "FP8Linear"])
+    assert abs(ours[0] - theirs[0]) < 1e-5, (ours, theirs)
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 3e-3, (ours, theirs)
+
+
 def _distributed_optimizer(rank, world, run_dir, *extra):
     cfg = run_config(run_dir, 2, "train.grad_clip=0.05", *extra)  # clips every step: one norm over all shards
     ours = spartron_losses(cfg)
