@@ -388,6 +388,9 @@ def spartron_config_from_megatron(tcfg: TransformerConfig | MLATransformerConfig
         "mla": _mla_section(tcfg, problems), "dsa": _dsa_section(tcfg, ref, problems),
         "mtp": {"depth": 0}, "fp8": _fp8_section(tcfg, ref, problems),
     }
+    if derived["fp8"] is not None and derived["dtype"] != "bfloat16":
+        problems.append("fp8='e4m3' with bf16=False: Spartron's FP8 layers run in bfloat16 outside the FP8 GEMMs "
+                        "(set bf16=True)")
     moe = _moe_section(tcfg, ref, problems)
     if moe:
         derived["moe"] = moe

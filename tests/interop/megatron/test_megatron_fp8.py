@@ -86,6 +86,14 @@ def test_every_other_fp8_recipe_or_feature_is_refused_by_name(fields, problem):
     assert len(info.value.problems) == 1 and info.value.problems[0].startswith(problem), info.value.problems
 
 
+def test_fp8_without_bf16_is_one_megatron_problem_not_a_validation_error():
+    tcfg = _with(megatron_config_from_spartron(fp8_cfg()), bf16=False, params_dtype=torch.float32)
+    with pytest.raises(MegatronConfigError) as info:
+        spartron_config_from_megatron(tcfg)
+    assert info.value.problems == ["fp8='e4m3' with bf16=False: Spartron's FP8 layers run in bfloat16 outside the "
+                                   "FP8 GEMMs (set bf16=True)"]
+
+
 def test_fp8_in_megatron_or_in_the_base_alone_is_a_disagreement():
     cfg = fp8_cfg()
     bf16 = cfg.model_copy(update={"fp8": None})
