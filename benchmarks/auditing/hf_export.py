@@ -90,6 +90,28 @@ def _tokenizer_exported(case_dir: Path) -> str | None:
     return None
 
 
+def _fp8_export(case_dir: Path) -> str | None:
+    """An FP8 export holds E4M3 weights with their scales and imports back (the headers checked, a model loaded)."""
+    problem = _normal_files(case_dir)
+    out = case_dir / "work" / "out"
+    if problem is not None or not (out / "config.json").is_file():
+        return problem
+    from spartron.interop.hf import import_hf
+    from spartron.layers.model import build_model
+
+    if "quantization_config" not in json.loads((out / "config.json").read_text()):
+        return "an --fp8-weights export without quantization_config in config.json"
+    weights = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    if not any(name.endswith("_scale_inv") for name in weights):
+        return "an --fp8-weights export without any weight_scale_inv"
+    try:
+        cfg, load = import_hf(out)
+        load(build_model(cfg))
+    except Exception as err:  # noqa: BLE001 - any failure to read it back is the finding
+        return f"the FP8 export does not import back: {type(err).__name__}: {err}"[:200]
+    return None
+
+
 def export_cases() -> list[Case]:
     out: list[Case] = []
 
@@ -165,6 +187,15 @@ def export_cases() -> list[Case]:
     for signame in ("SIGTERM", "SIGINT", "SIGKILL"):
         add(f"{signame.lower()}-then-retry", export(), (), "signals",
             interrupt=(getattr(signal, signame), _new_entry), retry=export(), accept_ok=True, harm=_normal_files)
+    add("fp8-weights", export("out", RUN, "--fp8-weights"), (), "values", accept_ok=True, harm=_fp8_export,
+        note="DeepSeek's release format: E4M3 layer weights with 128 x 128 scale_inv blocks, imported back")
+    add("fp8-weights-nan-router", export("out", STEP, "--fp8-weights"), ["non-finite", "NaN", "nan"], "nonfinite",
+        setup=poison_state(STEP, "layers.1.ffn.router.weight", float("nan")), timeout=120.0)
+    add("fp8-weights-inf-expert", export("out", STEP, "--fp8-weights"), ["non-finite", "Inf", "inf"], "nonfinite",
+        setup=poison_state(STEP, "layers.1.ffn.experts.w1", float("inf")), timeout=120.0,
+        note="an Inf weight would quantise to a NaN scale: refused before any is written")
+    add("fp8-weights-disk-full-then-retry", export("out", RUN, "--fp8-weights"), ["out", "safetensors"], "partial",
+        fsize=200_000, retry=export("out", RUN, "--fp8-weights"), accept_ok=True, harm=_fp8_export)
     add("tokenizer-included", export("out", "runs/packed"), (), "values", base=("tok",), setup=_packed_run,
         accept_ok=True, harm=_tokenizer_exported, timeout=120.0,
         note="issue 34: an export of a run trained on tokenized data includes its tokenizer")
@@ -188,6 +219,7 @@ def convert_cases() -> list[Case]:
     add("from-with-to", ["convert", "--from", RUN, "--to", "out"], ["--to", "--to-hf"])
     add("from-hf-with-to-hf", ["convert", "--from-hf", "hf", "--to-hf", "out"], ["--to-hf", "--to"])
     add("shard-bytes-on-import", [*imp, "--max-shard-bytes", "100"], ["--max-shard-bytes"], harmless=True)
+    add("fp8-weights-on-import", [*imp, "--fp8-weights"], ["--fp8-weights"], harmless=True)
     add("config-on-export", [*export(), "--config", "{tinyhf}"], ["--config"], harmless=True)
     add("set-on-export", [*export(), "--set", "train.lr=1.0"], ["--set", "train.lr"], harmless=True)
     add("config-missing", ["convert", "--from-hf", "hf", "--to", "out", "--config", "nope.toml"], ["nope.toml"],

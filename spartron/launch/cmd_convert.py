@@ -32,6 +32,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
     if args.with_mtp and args.to_hf is None:
         raise UsageError("--with-mtp goes with --to-hf DIR (an import keeps the MTP layers the checkpoint holds)")
+    if args.fp8_weights and args.to_hf is None:
+        raise UsageError("--fp8-weights goes with --to-hf DIR (an import reads FP8 weights dequantised as they are "
+                         "stored)")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -62,7 +65,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 source.check_target(args.to_hf)
                 tokenizer, note = run_tokenizer(source)
                 out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
-                                with_mtp=args.with_mtp, extra_files=tokenizer)
+                                with_mtp=args.with_mtp, extra_files=tokenizer, fp8_weights=args.fp8_weights)
             finally:
                 reading.release()
             if note:
@@ -95,4 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-bytes", type=int, default=None, help="export shard size (default 5 GiB)")
     p.add_argument("--with-mtp", action="store_true", help="export the MTP layers too (transformers' "
                    "DeepseekV3ForCausalLM has no MTP module and would report them as unexpected keys)")
+    p.add_argument("--fp8-weights", action="store_true", help="store the decoder layers' 2-D weights as E4M3 with "
+                   "a float32 weight_scale_inv per 128 x 128 block, as DeepSeek's release (for serving engines that "
+                   "read that format; the import reads it back dequantised)")
     p.set_defaults(func=cmd_convert)

@@ -208,3 +208,55 @@ def test_fsdp2_ranks_read_their_boxes_of_an_fp8_checkpoint(hf_dir, tmp_path):
     assert set(exported) == set(expected)  # the weights, dequantised; no scale is exported
     for name, t in exported.items():
         assert torch.equal(t, expected[name]), name
+
+
+# ---- export: `spartron convert --to-hf DIR --fp8-weights` ------------------------------------------------------
+EXPORT_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def _tensors(hf: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(hf.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def test_an_fp8_export_is_deepseeks_release_format_and_imports_back_dequantised(run_dir, tmp_path):
+    """The decoder layers' 2-D weights (not the router's gate) as E4M3 with a float32 scale_inv per 128 x 128
+    block (partial blocks at the edges), everything else as the plain export writes it, config.json with
+    DeepSeek's quantization_config; importing it gives each weight's dequantised value."""
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    done = cli("convert", "--from", str(run_dir), "--to-hf", str(fp8), "--fp8-weights", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert cli("convert", "--from", str(run_dir), "--to-hf", str(plain), cwd=tmp_path).returncode == 0
+    assert json.loads((fp8 / "config.json").read_text()) == {
+        **json.loads((plain / "config.json").read_text()), "quantization_config": EXPORT_QUANT}
+    ours, reference = _tensors(fp8), _tensors(plain)
+    expected, quantized = {}, []
+    for name, t in reference.items():
+        if name.startswith("model.layers.") and t.dim() == 2 and not name.endswith("mlp.gate.weight"):
+            q, s, expected[name] = stored_fp8(t.float(), [128, 128])
+            assert ours[name].dtype == torch.float8_e4m3fn and torch.equal(ours[name].view(torch.uint8),
+                                                                           q.view(torch.uint8)), name
+            assert torch.equal(ours[name + "_scale_inv"], s), name
+            quantized.append(name)
+        else:
+            assert torch.equal(ours[name], t), name
+            expected[name] = t
+    assert len(quantized) > 20 and sorted(ours) == sorted([*reference, *(n + "_scale_inv" for n in quantized)])
+    index = json.loads((fp8 / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(ours)
+    twin = tmp_path / "twin"
+    shutil.copytree(plain, twin)
+    for shard in twin.glob("*.safetensors"):
+        save_file({n: expected[n] for n in load_file(shard)}, str(shard), metadata={"format": "pt"})
+    back, want = loaded_model(fp8), loaded_model(twin)
+    for (name, a), (_, b) in zip(back.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_fp8_weights_is_an_export_flag(tmp_path):
+    done = cli("convert", "--from-hf", "hf", "--to", "run", "--fp8-weights", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "spartron: error: --fp8-weights goes with --to-hf DIR (an import reads FP8 weights dequantised as they are "
+        "stored)"]

@@ -48,7 +48,15 @@ from spartron.interop.hf.folder import (
     read_json,
     weight_files,
 )
-from spartron.interop.hf.fp8_storage import SCALE_SUFFIX, scaled_weights
+from spartron.interop.hf.fp8_storage import (
+    EXPORT_BLOCK,
+    EXPORT_QUANTIZATION,
+    SCALE_SUFFIX,
+    quantize,
+    scale_grid,
+    scaled_weights,
+    stored_in_fp8,
+)
 from spartron.interop.hf.header import FLOAT_WEIGHTS
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.interop.hf.reader import BoxReader, box_index, storage_block_of
@@ -366,7 +374,7 @@ def _finite(name: str, spartron: list[str], t: Tensor) -> None:
 
 def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, with_mtp: bool = False,
-              extra_files: dict[str, bytes] | None = None) -> Path:
+              extra_files: dict[str, bytes] | None = None, fp8_weights: bool = False) -> Path:
     """Write a Hugging Face checkpoint (config.json, safetensors shards, the index, `extra_files` such as
     the tokenizer) of `source`: a SparseMoEModel or a TensorSource (a saved state:
     spartron.runtime.hf_state.SavedStateSource). transformers' `from_pretrained(out_dir)` loads it.
@@ -374,6 +382,8 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     MTP layers are omitted by default (config.json then says num_nextn_predict_layers = 0): transformers'
     DeepseekV3ForCausalLM has no MTP module and would list them as unexpected keys. `with_mtp` writes them as
     DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`), for Spartron or DeepSeek's own code.
+    `fp8_weights` stores the decoder layers' 2-D weights as E4M3 with a float32 `weight_scale_inv` per 128 x 128
+    block and config.json's quantization_config, as DeepSeek's release does (spartron.interop.hf.fp8_storage).
     Atomic: everything is written (and fsynced) into a temporary sibling folder renamed to out_dir at the
     end; on any failure (a non-finite tensor, a full disk) it is removed and out_dir is untouched. out_dir
     may exist if empty; a symbolic link is refused. Returns out_dir.
@@ -387,12 +397,22 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     if not with_mtp and cfg.mtp.depth:
         cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
     hf_config = hf_config_from_model_config(cfg)
+    if fp8_weights:
+        hf_config["quantization_config"] = dict(EXPORT_QUANTIZATION)
     tmap = tensor_map(cfg)
     by_hf = tmap.by_hf()
     hf_shapes = tmap.hf_shapes()
     order = sorted(hf_shapes, key=_hf_order)
     producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else [tmap.copies[name]] for name in order}
-    sizes = {name: _byte_size(hf_shapes[name], source.dtype(producers[name][0])) for name in order}
+    fp8 = {name for name in order if fp8_weights and stored_in_fp8(name, hf_shapes[name])}
+
+    def stored_bytes(name: str) -> int:
+        shape = hf_shapes[name]
+        if name in fp8:  # E4M3 values and a float32 scale per block
+            return _byte_size(shape, torch.float8_e4m3fn) + _byte_size(scale_grid(shape, EXPORT_BLOCK), torch.float32)
+        return _byte_size(shape, source.dtype(producers[name][0]))
+
+    sizes = {name: stored_bytes(name) for name in order}
     shards = _plan_shards(order, sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes; rank 0's
@@ -432,6 +452,11 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
                     shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
                         tensors[tmap.copies[n]].clone()
                     _finite(n, producers[n], shard[n])
+                    if n in fp8:
+                        scale = n + SCALE_SUFFIX
+                        shard[n], shard[scale] = quantize(shard[n])
+                        total += shard[scale].numel() * shard[scale].element_size()
+                        weight_map[scale] = file
                     total += shard[n].numel() * shard[n].element_size()
                     weight_map[n] = file
                 _write_file(tmp / file, save(shard, metadata={"format": "pt"}))

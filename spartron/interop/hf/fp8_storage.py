@@ -7,6 +7,10 @@ model's dtype as it is copied in, which is what DeepSeek's own conversion script
 other tensors of such a checkpoint (embeddings, head, norms, the router and its bias) are read as they are.
 Checked from the headers before anything is read: every E4M3 tensor has its scale, every scale its E4M3 weight,
 of the block grid's shape; a NaN or Inf scale shows as a non-finite value when the weight is read.
+
+Exported the same way on request (`spartron convert --to-hf DIR --fp8-weights`, for serving engines that read
+DeepSeek's release format): the decoder layers' 2-D weights as E4M3 in 128 x 128 blocks, each scaled by its
+amax / 448 in float32 (`quantize`), the rest as they are. Imported back, a weight is `quantize` then `dequantize`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,36 @@ FP8 = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16")
 KNOWN_KEYS = {"quant_method", "fmt", "weight_block_size", "activation_scheme", "modules_to_not_convert"}
+# config.json's quantization_config of an export with FP8 weights: DeepSeek-V3's release's
+EXPORT_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "weight_block_size": [128, 128]}
+EXPORT_BLOCK = (128, 128)
+E4M3_MAX = 448.0
+# 2-D tensors of the decoder layers that stay in their dtype: the router's gate, an MTP layer's embedding and head
+_KEPT = ("mlp.gate.weight", "embed_tokens.weight", "shared_head.head.weight")
+
+
+def stored_in_fp8(hf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an export with FP8 weights stores this tensor as E4M3 (as DeepSeek's release does)."""
+    return hf_name.startswith("model.layers.") and len(shape) == 2 and not hf_name.endswith(_KEPT)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale_inv tensor's shape of a [rows, cols] weight: one per block, partial blocks at the edges included."""
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def quantize(w: Tensor, block: tuple[int, int] = EXPORT_BLOCK) -> tuple[Tensor, Tensor]:
+    """A [rows, cols] weight -> (its E4M3 values, float32 scale_inv per block): each block divided by amax / 448,
+    computed in float32 (an all-zero block's scale is 1). `dequantize` multiplies them back."""
+    rows, cols = w.shape
+    grid = scale_grid(w.shape, block)
+    padded = w.new_zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = w
+    amax = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    full = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return (w.float() / full).to(torch.float8_e4m3fn), scales
 
 
 def storage_block(quantization: object) -> tuple[int, int] | str:
