@@ -255,6 +255,21 @@ def test_an_fp8_export_is_deepseeks_release_format_and_imports_back_dequantised(
         assert torch.equal(a, b), name
 
 
+def test_the_export_stores_in_fp8_what_deepseeks_release_does():
+    from spartron.interop.hf.fp8_storage import stored_in_fp8
+
+    layer = "model.layers.3."
+    assert [n for n in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+                        "self_attn.indexer.wq_b", "self_attn.indexer.wk", "mlp.experts.7.down_proj",
+                        "mlp.shared_experts.gate_proj", "mlp.gate", "self_attn.indexer.weights_proj",
+                        "embed_tokens", "shared_head.head")
+            if stored_in_fp8(f"{layer}{n}.weight", (256, 512))] == [
+        "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+        "self_attn.indexer.wq_b", "self_attn.indexer.wk", "mlp.experts.7.down_proj", "mlp.shared_experts.gate_proj"]
+    assert not stored_in_fp8(f"{layer}input_layernorm.weight", (512,))
+    assert not stored_in_fp8("model.embed_tokens.weight", (64, 512)) and not stored_in_fp8("lm_head.weight", (64, 512))
+
+
 def test_fp8_weights_is_an_export_flag(tmp_path):
     done = cli("convert", "--from-hf", "hf", "--to", "run", "--fp8-weights", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [

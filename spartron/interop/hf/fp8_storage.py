@@ -32,8 +32,9 @@ EXPORT_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_met
                        "weight_block_size": [128, 128]}
 EXPORT_BLOCK = (128, 128)
 E4M3_MAX = 448.0
-# 2-D tensors of the decoder layers that stay in their dtype: the router's gate, an MTP layer's embedding and head
-_KEPT = ("mlp.gate.weight", "embed_tokens.weight", "shared_head.head.weight")
+# 2-D tensors of the decoder layers that DeepSeek's release keeps in bf16: the router's gate, the V3.2 indexer's
+# head weights (its inference code reads them in float32), an MTP layer's embedding and head
+_KEPT = ("mlp.gate.weight", "indexer.weights_proj.weight", "embed_tokens.weight", "shared_head.head.weight")
 
 
 def stored_in_fp8(hf_name: str, shape: tuple[int, ...]) -> bool:
