@@ -3,7 +3,9 @@
 What torchrun, srun or the local launcher start on each rank when a script brings its own model
 (`main(argv, model_factory)`); `spartron train` runs the same `train()` in its own rank processes.
 Every failure prints the traceback and ends the rank at once with status 1 (never a hang in
-process-group teardown); a run stopped by SIGTERM after saving ends with STOPPED_STATUS.
+process-group teardown); a run stopped by SIGTERM after saving ends with STOPPED_STATUS. SIGTERM is held
+from `main`'s first line until the trainer's handler is in place (spartron.launch.process.hold_sigterm); this
+module imports torch only inside `main`, so `python -m spartron.launch.rank` holds it before torch loads.
 """
 
 from __future__ import annotations
@@ -11,16 +13,22 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+from spartron.launch.process import STOPPED_STATUS, exit_process, hold_sigterm
 
-from spartron.launch.process import STOPPED_STATUS, exit_process
-from spartron.runtime.config import load_config
-from spartron.runtime.trainer import ModelFactory, train
+if TYPE_CHECKING:
+    from spartron.runtime.trainer import ModelFactory
 
 
 def main(argv: list[str] | None = None, model_factory: ModelFactory | None = None) -> int:
     """Process entry: train, print the traceback and exit non-zero on any failure (never hang in teardown)."""
+    hold_sigterm()
+    import torch.distributed as dist
+
+    from spartron.runtime.config import load_config
+    from spartron.runtime.trainer import train
+
     parser = argparse.ArgumentParser(prog="python -m spartron.launch.rank", description=__doc__)
     parser.add_argument("config", nargs="?", default=None, help="run config TOML (default: defaults)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -227,13 +227,18 @@ def _signal_while_starting(proc: subprocess.Popen) -> None:
     assert _sigterm_bits(proc.pid)[0], "the SIGTERM came after the hold ended: the start was not exercised"
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_sigterm_while_the_process_starts_is_held_until_the_handler_then_step_1_is_saved(tmp_path, nproc):
+@pytest.mark.parametrize("entry, nproc", [("cli", 1), ("cli", 2), ("rank", 1)])
+def test_a_sigterm_while_the_process_starts_is_held_until_the_handler_then_step_1_is_saved(tmp_path, entry, nproc):
     """Slurm's `--signal` can reach a rank (or the local launcher) while it still imports torch, seconds
     before any handler exists: the default action killed it (143) and nothing was saved. Held from the
-    first line, the signal reaches the handler: every rank saves step 1 and the run exits 75."""
+    first line, the signal reaches the handler: every rank saves step 1 and the run exits 75. The same
+    for `python -m spartron.launch.rank` (what torchrun or srun start for a script's own model)."""
     run_dir = tmp_path / "runs" / "tiny"
-    proc = _start_long_run(tmp_path, nproc)
+    if entry == "cli":
+        proc = _start_long_run(tmp_path, nproc)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "spartron.launch.rank", TINY, *FAST, "--set", "train.steps=500"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _signal_while_starting(proc)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == STOPPED_STATUS, err
