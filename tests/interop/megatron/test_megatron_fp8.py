@@ -4,6 +4,7 @@ FP8 feature is refused by name, and the adapters' layers run the same FP8 numeri
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -189,3 +190,44 @@ def test_the_experts_weight_cache_on_is_refused_in_the_adapters():
     (r,) = run_distributed(_fp8_block, 1, {"weight_cache": "on"})
     assert r["error"].startswith("model.fp8.weight_cache = 'on' in the Megatron adapters: Megatron's optimizer "
                                  "step does not invalidate it"), r
+
+
+def _fp8_gpt_grads(rank, world, ac):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from spartron.interop.megatron.checkpointing import apply_spartron_checkpointing
+
+    cfg = fp8_cfg()
+    pgc = to_process_group_collection(ParallelGroups.build(ParallelDims(world_size=1, fsdp=1), "cpu"))
+    parallel_state.initialize_model_parallel()
+    tcfg = megatron_config_from_spartron(cfg, use_cpu_initialization=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads, first = {}, None
+    for name in ("none", ac["mode"]):
+        side = SideChannel()
+        model = _bf16_params(GPTModel(tcfg, spartron_block_spec(tcfg, side, base_config=cfg, pg_collection=pgc,
+                                                                 init_seed=3),
+                                      vocab_size=cfg.vocab_size, max_sequence_length=32,
+                                      position_embedding_type="none", pg_collection=pgc))
+        if first is None:
+            first = model.state_dict()
+        model.load_state_dict(first)  # Megatron's own embedding and head: drawn from the global generator
+        ckpt = apply_spartron_checkpointing(model, ac if name != "none" else {"mode": "none"})
+        with ckpt.session() if name != "none" else contextlib.nullcontext():
+            side.reset()
+            model(tokens[:, :-1], None, None, labels=tokens[:, 1:]).float().mean().backward()
+        grads[name] = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    ref, got = grads["none"], grads[ac["mode"]]
+    return dict(same_keys=sorted(ref) == sorted(got), n=len(ref), regions=list(ckpt.layers),
+                fp8_modules=sum(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules()),
+                unequal=sorted(k for k in ref if not torch.equal(ref[k], got[k])))
+
+
+@pytest.mark.parametrize("ac", [{"mode": "full"}, {"mode": "selective"}], ids=["full", "selective"])
+def test_spartron_checkpointing_of_the_fp8_adapters_gives_the_no_ac_gradients_bitwise(ac):
+    """apply_spartron_checkpointing over a GPTModel of FP8 adapters: the replay re-quantises the same inputs, so
+    every gradient equals the run without AC bitwise (the FP8 GEMMs are the policy's GEMM targets)."""
+    (r,) = run_distributed(_fp8_gpt_grads, 1, ac, timeout=300)
+    assert r["same_keys"] and r["n"] > 30 and r["unequal"] == [], r
+    assert r["regions"] == [f"decoder.layers.{i}" for i in range(3)] and r["fp8_modules"] == 20, r
