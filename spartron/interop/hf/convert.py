@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.interop.hf import fp8_storage
 from spartron.interop.hf.config_map import (
     HFConfigError,
     check_config_matches,
@@ -48,15 +49,7 @@ from spartron.interop.hf.folder import (
     read_json,
     weight_files,
 )
-from spartron.interop.hf.fp8_storage import (
-    EXPORT_BLOCK,
-    EXPORT_QUANTIZATION,
-    SCALE_SUFFIX,
-    quantize,
-    scale_grid,
-    scaled_weights,
-    stored_in_fp8,
-)
+from spartron.interop.hf.fp8_storage import SCALE_SUFFIX, scaled_weights
 from spartron.interop.hf.header import FLOAT_WEIGHTS
 from spartron.interop.hf.names import Box, Piece, TensorMap, mtp_layer_indices, tensor_map
 from spartron.interop.hf.reader import BoxReader, box_index, storage_block_of
@@ -297,13 +290,6 @@ class ModelSource(TensorSource):
         return out
 
 
-def _byte_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
-
-
 def _hf_tensor(hf_name: str, shape: tuple[int, ...], pieces: list[Piece], tensors: dict[str, Tensor]) -> Tensor:
     source = tensors[pieces[0].spartron]
     out = torch.empty(shape, dtype=source.dtype)
@@ -398,21 +384,15 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
         cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
     hf_config = hf_config_from_model_config(cfg)
     if fp8_weights:
-        hf_config["quantization_config"] = dict(EXPORT_QUANTIZATION)
+        hf_config["quantization_config"] = dict(fp8_storage.EXPORT_QUANTIZATION)
     tmap = tensor_map(cfg)
     by_hf = tmap.by_hf()
     hf_shapes = tmap.hf_shapes()
     order = sorted(hf_shapes, key=_hf_order)
     producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else [tmap.copies[name]] for name in order}
-    fp8 = {name for name in order if fp8_weights and stored_in_fp8(name, hf_shapes[name])}
-
-    def stored_bytes(name: str) -> int:
-        shape = hf_shapes[name]
-        if name in fp8:  # E4M3 values and a float32 scale per block
-            return _byte_size(shape, torch.float8_e4m3fn) + _byte_size(scale_grid(shape, EXPORT_BLOCK), torch.float32)
-        return _byte_size(shape, source.dtype(producers[name][0]))
-
-    sizes = {name: stored_bytes(name) for name in order}
+    fp8 = {name for name in order if fp8_weights and fp8_storage.stored_in_fp8(name, hf_shapes[name])}
+    sizes = {name: fp8_storage.stored_bytes(hf_shapes[name], source.dtype(producers[name][0]), name in fp8)
+             for name in order}
     shards = _plan_shards(order, sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes; rank 0's
@@ -452,11 +432,9 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
                     shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
                         tensors[tmap.copies[n]].clone()
                     _finite(n, producers[n], shard[n])
-                    if n in fp8:
-                        scale = n + SCALE_SUFFIX
-                        shard[n], shard[scale] = quantize(shard[n])
-                        total += shard[scale].numel() * shard[scale].element_size()
-                        weight_map[scale] = file
+                    if n in fp8:  # E4M3 values and their scales
+                        shard[n], shard[n + SCALE_SUFFIX] = fp8_storage.quantize(shard[n])
+                        total, weight_map[n + SCALE_SUFFIX] = total + shard[n + SCALE_SUFFIX].nbytes, file
                     total += shard[n].numel() * shard[n].element_size()
                     weight_map[n] = file
                 _write_file(tmp / file, save(shard, metadata={"format": "pt"}))

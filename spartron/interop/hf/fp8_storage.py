@@ -47,6 +47,13 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
+def stored_bytes(shape: tuple[int, ...], dtype: torch.dtype, in_fp8: bool) -> int:
+    """The bytes a tensor takes in an export: in its dtype, or (in_fp8) E4M3 values and a float32 scale a block."""
+    if in_fp8:
+        return math.prod(shape) + 4 * math.prod(scale_grid(shape, EXPORT_BLOCK))
+    return math.prod(shape) * dtype.itemsize
+
+
 def quantize(w: Tensor, block: tuple[int, int] = EXPORT_BLOCK) -> tuple[Tensor, Tensor]:
     """A [rows, cols] weight -> (its E4M3 values, float32 scale_inv per block): each block divided by amax / 448,
     computed in float32 (an all-zero block's scale is 1). `dequantize` multiplies them back."""
