@@ -224,7 +224,8 @@ def _tensors(hf: Path) -> dict[str, torch.Tensor]:
 def test_an_fp8_export_is_deepseeks_release_format_and_imports_back_dequantised(run_dir, tmp_path):
     """The decoder layers' 2-D weights (not the router's gate) as E4M3 with a float32 scale_inv per 128 x 128
     block (partial blocks at the edges), everything else as the plain export writes it, config.json with
-    DeepSeek's quantization_config; importing it gives each weight's dequantised value."""
+    DeepSeek's quantization_config; importing it gives each weight's dequantised value, in Spartron and in
+    transformers' DeepseekV3ForCausalLM alike."""
     fp8, plain = tmp_path / "fp8", tmp_path / "plain"
     done = cli("convert", "--from", str(run_dir), "--to-hf", str(fp8), "--fp8-weights", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -253,6 +254,11 @@ def test_an_fp8_export_is_deepseeks_release_format_and_imports_back_dequantised(
     back, want = loaded_model(fp8), loaded_model(twin)
     for (name, a), (_, b) in zip(back.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+    # transformers reads it too (its fine-grained FP8 loader, which dequantises without a GPU): the same values
+    from transformers import DeepseekV3ForCausalLM
+
+    theirs, twins = (DeepseekV3ForCausalLM.from_pretrained(d).state_dict() for d in (fp8, twin))
+    assert sorted(theirs) == sorted(twins) and all(torch.equal(theirs[k], twins[k]) for k in theirs)
 
 
 def test_the_export_stores_in_fp8_what_deepseeks_release_does():
