@@ -1,12 +1,13 @@
 """The `spartron` command: parse the arguments, run the chosen command, turn a user mistake into one line.
 
 Each command (or group) is a module `cmd_<name>.py` with `register(sub)`, which adds its parser and sets
-`func`; COMMANDS below lists them in `spartron --help` order. A new command is one module and one entry
-here. User mistakes (bad key, missing file, impossible layout, value Slurm would misread) are one line on
+`func`; `build_parser` lists them in `spartron --help` order. A new command is one module and one entry
+there. User mistakes (bad key, missing file, impossible layout, value Slurm would misread) are one line on
 stderr and exit status 2; failures of the run itself keep their traceback (spartron.launch.command).
 
-This module imports only the standard library at its top: `run` holds SIGTERM before torch loads
-(spartron.launch.process.hold_sigterm), so a rank signalled while it starts still saves and stops.
+This module imports no torch at its top (only the standard library and spartron.launch.process): `run`
+holds SIGTERM before torch loads (spartron.launch.process.hold_sigterm), so a rank signalled while it starts
+still saves and stops. The commands are imported on first use, in `build_parser`.
 """
 
 from __future__ import annotations

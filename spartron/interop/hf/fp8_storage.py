@@ -22,6 +22,7 @@ from torch import Tensor
 
 from spartron.interop.hf.header import TensorInfo
 from spartron.interop.hf.names import Box
+from spartron.layers.fp8.quant import TILE, quantize_blocks
 
 FP8 = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -30,8 +31,7 @@ KNOWN_KEYS = {"quant_method", "fmt", "weight_block_size", "activation_scheme", "
 # config.json's quantization_config of an export with FP8 weights: DeepSeek-V3's release's
 EXPORT_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [128, 128]}
-EXPORT_BLOCK = (128, 128)
-E4M3_MAX = 448.0
+EXPORT_BLOCK = (TILE, TILE)
 # 2-D tensors of the decoder layers that DeepSeek's release keeps in bf16: the router's gate, the V3.2 indexer's
 # head weights (its inference code reads them in float32), an MTP layer's embedding and head
 _KEPT = ("mlp.gate.weight", "indexer.weights_proj.weight", "embed_tokens.weight", "shared_head.head.weight")
@@ -54,17 +54,17 @@ def stored_bytes(shape: tuple[int, ...], dtype: torch.dtype, in_fp8: bool) -> in
     return math.prod(shape) * dtype.itemsize
 
 
-def quantize(w: Tensor, block: tuple[int, int] = EXPORT_BLOCK) -> tuple[Tensor, Tensor]:
-    """A [rows, cols] weight -> (its E4M3 values, float32 scale_inv per block): each block divided by amax / 448,
-    computed in float32 (an all-zero block's scale is 1). `dequantize` multiplies them back."""
+def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """A [rows, cols] weight -> (its E4M3 values, float32 scale_inv per 128 x 128 block): the training recipe's
+    block quantisation (spartron.layers.fp8.quant.quantize_blocks, scales amax / 448 as DeepSeek's release has
+    them, not rounded to powers of two) of w zero-padded to whole blocks, so a partial block at an edge is scaled
+    by its own values. `dequantize` multiplies them back."""
     rows, cols = w.shape
-    grid = scale_grid(w.shape, block)
-    padded = w.new_zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    grid = scale_grid(w.shape, EXPORT_BLOCK)
+    padded = w.new_zeros(grid[0] * TILE, grid[1] * TILE, dtype=torch.float32)
     padded[:rows, :cols] = w
-    amax = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    full = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
-    return (w.float() / full).to(torch.float8_e4m3fn), scales
+    q, scales = quantize_blocks(padded, pow2=False)
+    return q[:rows, :cols].contiguous(), scales
 
 
 def storage_block(quantization: object) -> tuple[int, int] | str:
