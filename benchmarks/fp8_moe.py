@@ -50,14 +50,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_mode(shape: dict, mode: str, backend: str, device: torch.device, warmup: int,
+def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device, warmup: int,
               steps: int) -> tuple[list[float], float | None]:
     """Step times (ms) and the peak memory of the timed steps (GiB; None on CPU)."""
     torch.manual_seed(0)
     experts = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
     cache, micro = MODES[mode] or ("off", 1)
     if MODES[mode] is not None:
-        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"], weight_cache=cache))
+        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"], weight_cache=cache, wgrad=wgrad))
     counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, reference backend")
     parser.add_argument("--backend", default="triton", choices=["triton", "torch_scaled_mm", "deep_gemm", "reference"])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--wgrad", default="fp8", choices=["fp8", "model_dtype"], help="model.fp8.wgrad")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", required=True)
@@ -97,14 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "commit": commit, "backend": backend, "warmup": warmup, "runs": {}}
+              "commit": commit, "backend": backend, "wgrad": args.wgrad, "warmup": warmup, "runs": {}}
     for name, shape in shapes.items():
         run = {"shape": shape}
         flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
         for mode, setting in MODES.items():
             micro = setting[1] if setting else 1
             # whole cycles of `micro` steps, warm-up included (a cycle starts with the cache's refresh)
-            times, peak = time_mode(shape, mode, backend, device, -(-warmup // micro) * micro,
+            times, peak = time_mode(shape, mode, backend, args.wgrad, device, -(-warmup // micro) * micro,
                                     -(-steps // micro) * micro)
             median = sorted(times)[len(times) // 2]
             run[mode] = {"step_ms": times, "median_ms": median, "mean_ms": sum(times) / len(times),

@@ -157,7 +157,10 @@ class FP8Config(ConfigSection):
     scaled_mm, sm90, for the dense linears and the experts' wgrad, one GEMM per local expert; the experts'
     fprop and dgrad on the Triton kernels), "deep_gemm" (the experts' fprop and dgrad on DeepGEMM's grouped
     FP8 GEMM, an optional extra, sm90; their wgrad on the Triton kernel; the dense linears on cuBLAS),
-    "reference" (dequantise + fp32 matmul: the exact numerics on any device, slow). `power_of_two_scales`:
+    "reference" (dequantise + fp32 matmul: the exact numerics on any device, slow). `wgrad`: the weight-gradient
+    GEMMs in "fp8" (the recipe: grad^T and x^T on 128x1 tiles) or in "model_dtype" (Megatron's fp8_wgrad = False:
+    the unquantised layers' wgrad GEMM on the bf16 tensors the ops keep anyway; no column quantisation, no extra
+    memory). `power_of_two_scales`:
     scales rounded up to a power of two (exact rescaling; TransformerEngine's default for this recipe).
     `weight_cache`: the routed experts' weights quantised once per optimizer step instead of at every GEMM call
     (spartron.layers.fp8.weight_cache; 2 bytes a local expert weight element more); "auto": on where
@@ -170,6 +173,7 @@ class FP8Config(ConfigSection):
     recipe: Literal["blockwise"] = "blockwise"
     backend: Literal["triton", "torch_scaled_mm", "deep_gemm", "reference"] = "triton"
     modules: list[Literal["experts", "dense"]] = Field(default_factory=lambda: ["experts", "dense"])
+    wgrad: Literal["fp8", "model_dtype"] = "fp8"
     power_of_two_scales: bool = True
     weight_cache: Literal["auto", "on", "off"] = "auto"
     dispatch: bool = False

@@ -30,14 +30,14 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
     x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     if path == "fused":
-        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, [], None, None, 1)
-        out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, [])
+        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, True, [], None, None, 1)
+        out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, True, [])
     elif path == "w13":  # the recipe's definition: one grouped GEMM over the concatenated [w1; w3]
-        gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2).split(128, dim=1)
-        out = grouped_mm(swiglu(gate, up), w2, counts, "reference", pow2)
+        gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2, True).split(128, dim=1)
+        out = grouped_mm(swiglu(gate, up), w2, counts, "reference", pow2, True)
     else:  # two GEMMs: x's gradient is the bf16 sum of two rounded results
-        h = swiglu(grouped_mm(x, w1, counts, "reference", pow2), grouped_mm(x, w3, counts, "reference", pow2))
-        out = grouped_mm(h, w2, counts, "reference", pow2)
+        h = swiglu(grouped_mm(x, w1, counts, "reference", pow2, True), grouped_mm(x, w3, counts, "reference", pow2, True))
+        out = grouped_mm(h, w2, counts, "reference", pow2, True)
     out.backward(grad)
     return out, x.grad, w1.grad, w3.grad, w2.grad
 
@@ -62,11 +62,11 @@ def test_fp8_experts_module_runs_the_fused_ops_and_matches_their_composition():
     x = _inputs(1)[0]
     experts = GroupedExperts(3, 256, 128, mode="loop", dtype=torch.bfloat16)
     experts.__class__ = FP8GroupedExperts
-    experts.fp8_backend, experts.fp8_pow2 = "reference", True
+    experts.fp8_backend, experts.fp8_pow2, experts.fp8_wgrad = "reference", True, True
     out = experts(x, COUNTS)
     counts = torch.tensor(COUNTS, dtype=torch.int32)
-    h = swiglu(*(grouped_mm(x, w, counts, "reference", True) for w in (experts.w1, experts.w3)))
-    assert torch.equal(out, grouped_mm(h, experts.w2, counts, "reference", True))
+    h = swiglu(*(grouped_mm(x, w, counts, "reference", True, True) for w in (experts.w1, experts.w3)))
+    assert torch.equal(out, grouped_mm(h, experts.w2, counts, "reference", True, True))
     with pytest.raises(ValueError, match="tokens_per_expert sums to 383, x has 384 rows"):
         experts(x, [130, 0, 253])
 
@@ -79,9 +79,9 @@ def test_the_swiglu_backward_is_swiglus():
     counts = torch.tensor([256], dtype=torch.int32)
     grad = torch.randn(256, 128, generator=g).bfloat16()
     h13 = torch.cat([gate, up], 1).requires_grad_()
-    swiglu_grouped_mm(h13, w, counts, "reference", True, []).backward(grad)
+    swiglu_grouped_mm(h13, w, counts, "reference", True, True, []).backward(grad)
     h = swiglu(gate.clone().requires_grad_(), up.clone().requires_grad_())
-    dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True), h, grad)[0]
+    dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True, True), h, grad)[0]
     assert torch.equal(h13.grad[:, :128], torch.ops.aten.silu_backward(dh * up, gate))
     assert torch.equal(h13.grad[:, 128:], dh * F.silu(gate))
 

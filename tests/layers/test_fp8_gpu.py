@@ -52,7 +52,7 @@ def test_triton_primitives_match_the_reference(counts, pow2):
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "swiglu gathered"
     out, ref = gemms.forward(tb, x, w, c, pow2), gemms.forward(reference, x, w, c, pow2)
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    (dx, dw), (rdx, rdw) = gemms.backward(tb, grad, x, w, c, pow2), gemms.backward(reference, grad, x, w, c, pow2)
+    (dx, dw), (rdx, rdw) = gemms.backward(tb, grad, x, w, c, pow2, True), gemms.backward(reference, grad, x, w, c, pow2, True)
     torch.testing.assert_close(dx.float(), rdx.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(dw.float(), rdw.float(), rtol=1e-2, atol=5e-2)
     assert torch.equal(dw[c == 0], torch.zeros_like(dw[c == 0]))  # an empty expert reads no slot
@@ -136,14 +136,14 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         if path == "fused":
-            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, [], None, None, 1)
-            out = swiglu_grouped_mm(h13, w2l, c, "triton", True, [])
+            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, True, [], None, None, 1)
+            out = swiglu_grouped_mm(h13, w2l, c, "triton", True, True, [])
         elif path == "w13":
-            gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True).split(256, dim=1)
-            out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True)
+            gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True, True).split(256, dim=1)
+            out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True, True)
         else:
-            h = swiglu(grouped_mm(xl, w1l, c, "triton", True), grouped_mm(xl, w3l, c, "triton", True))
-            out = grouped_mm(h, w2l, c, "triton", True)
+            h = swiglu(grouped_mm(xl, w1l, c, "triton", True, True), grouped_mm(xl, w3l, c, "triton", True, True))
+            out = grouped_mm(h, w2l, c, "triton", True, True)
         out.backward(grad[:, :256])
         results[path] = [out] + [t.grad for t in leaves]
     for i, name in enumerate(("out", "dx", "dw1", "dw3", "dw2")):
@@ -206,7 +206,7 @@ def test_a_new_routed_row_count_reuses_the_compiled_kernels():
     for i, cs in enumerate(counts):
         rows = sum(cs)
         c = torch.tensor(cs, dtype=torch.int32, device="cuda")
-        grouped_mm(x[:rows], w, c, "triton", True).backward(grad[:rows])
+        grouped_mm(x[:rows], w, c, "triton", True, True).backward(grad[:rows])
         torch.cuda.synchronize()
         if i == 0:
             first = [_compiled(f) for f in kernels]
@@ -220,10 +220,10 @@ def test_torch_scaled_mm_dense_linear_matches_the_reference(k):
     x = torch.randn(256, k, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(640, k, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
     grad = torch.randn(256, 640, device="cuda", generator=g).bfloat16()
-    out = linear(x, w, "torch_scaled_mm", True)
+    out = linear(x, w, "torch_scaled_mm", True, True)
     out.backward(grad)
     ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = linear(ref_x, ref_w, "reference", True)
+    ref = linear(ref_x, ref_w, "reference", True, True)
     ref.backward(grad)
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), rtol=1e-2, atol=1e-2)
@@ -263,8 +263,8 @@ def _experts_step(backend: str, counts, tensors, grad, order=None, inverse=None)
     [out, dx, dw1, dw3, dw2]."""
     leaves = [t.detach().clone().contiguous().requires_grad_() for t in tensors]
     xl, w1l, w3l, w2l = leaves
-    h13 = grouped_mm_pair(xl, w1l, w3l, counts, backend, True, [], order, inverse, 1)
-    out = swiglu_grouped_mm(h13, w2l, counts, backend, True, [])
+    h13 = grouped_mm_pair(xl, w1l, w3l, counts, backend, True, True, [], order, inverse, 1)
+    out = swiglu_grouped_mm(h13, w2l, counts, backend, True, True, [])
     out.backward(grad)
     return [out] + [t.grad for t in leaves]
 

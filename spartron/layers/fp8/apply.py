@@ -110,6 +110,7 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, e
             else:
                 continue
             module.fp8_backend, module.fp8_pow2 = cfg.backend, cfg.power_of_two_scales
+            module.fp8_wgrad = cfg.wgrad == "fp8"
             converted.append(f"{index}.{name}")
     if cfg.dispatch:
         install_wire(blocks, cfg.backend)

@@ -5,7 +5,8 @@ fprop / dgrad / wgrad, swiglu_quantize_rows).
 Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks (quantised
 straight into the transposed layout dgrad reads); wgrad
 grad^T and x^T both 128x1 along the tokens, tiles restarting at each expert. A dense linear is one
-group. `pair_*` run the experts' w1 and w3 as ONE GEMM over [w1; w3] (N = 2I forward, K = 2I in
+group. `fp8_wgrad` False runs every wgrad in the inputs' dtype instead (model.fp8.wgrad = "model_dtype",
+Megatron's fp8_wgrad = False): the GEMM the unquantised layers' backward runs, no column quantisation. `pair_*` run the experts' w1 and w3 as ONE GEMM over [w1; w3] (N = 2I forward, K = 2I in
 dgrad; x quantised once); `swiglu_*` run w2 on silu(gate) * up quantised where it is produced, and
 recompute that product in backward instead of keeping it. They equal the unfused sequence bitwise
 (the same quantised values reach the same GEMMs: 1x128 / 128x128 / 128x1 tiles never straddle the
@@ -42,17 +43,30 @@ def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
     return impl.fprop(*_gemm_rows(impl, x, counts, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
 
 
-def _wgrad(impl, grad: Tensor, xcols: tuple[Tensor, Tensor], counts: Tensor, pow2: bool, dtype) -> Tensor:
+def unquantised_wgrad(grad: Tensor, x: Tensor, counts) -> Tensor:
+    """dw [G, N, K] = grad^T @ x over each group's rows, in their dtype: the wgrad of the bf16 layers'
+    backward (torch._grouped_mm over the counts' offsets, as the grouped experts' autograd runs it; one group:
+    one mm, as nn.Linear's). `counts`: a backend's group_counts (the device tensor read, never the host)."""
+    device_counts = counts if isinstance(counts, Tensor) else counts.device
+    if device_counts.numel() == 1:
+        return (grad.t() @ x).unsqueeze(0)
+    return torch._grouped_mm(grad.t(), x, offs=torch.cumsum(device_counts, 0, dtype=torch.int32))
+
+
+def _wgrad(impl, grad: Tensor, x: Tensor, counts, pow2: bool, fp8_wgrad: bool, dtype) -> Tensor:
+    if not fp8_wgrad:
+        return unquantised_wgrad(grad, x, counts)
+    xcols = impl.quantize_cols_grouped(x, counts, pow2)
     return impl.wgrad(*impl.quantize_cols_grouped(grad, counts, pow2), *xcols, counts, dtype)
 
 
-def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool,
+def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: bool, fp8_wgrad: bool,
              wt: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """`wt`: w's transposed blocks [q^T, s^T] when cached (None: quantise here)."""
     counts = impl.group_counts(counts)
     wt = wt or impl.quantize_blocks_t(w, pow2)
     dx = impl.dgrad(*_gemm_rows(impl, grad, counts, pow2), *wt, counts, x.dtype)
-    return dx, _wgrad(impl, grad, impl.quantize_cols_grouped(x, counts, pow2), counts, pow2, w.dtype)
+    return dx, _wgrad(impl, grad, x, counts, pow2, fp8_wgrad, w.dtype)
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
@@ -66,7 +80,7 @@ def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: 
 
 
 def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
-                  pow2: bool, cached: list[Tensor], order: Tensor | None = None,
+                  pow2: bool, fp8_wgrad: bool, cached: list[Tensor], order: Tensor | None = None,
                   inverse: Tensor | None = None, k: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """dx = g13 @ [w1; w3]: ONE dgrad contracting over 2I (fp32 over both halves, rounded once: the
     recipe's definition, Megatron's fused fc1 alike; not the bf16 sum dx1 + dx3 of two GEMMs). dw1, dw3:
@@ -79,9 +93,12 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
     if order is not None:  # the rows' gradient back to x: permute_rows' / replicate_tokens' backward
         dx = dx.index_select(0, inverse)
         dx = dx if k == 1 else dx.view(-1, k, dx.shape[-1]).sum(dim=1)
+    i = w1.shape[1]
+    if not fp8_wgrad:
+        rows = x if order is None else x.index_select(0, _index(order, k))
+        return dx, unquantised_wgrad(g13[:, :i], rows, counts), unquantised_wgrad(g13[:, i:], rows, counts)
     gq, gs = impl.quantize_cols_grouped(g13, counts, pow2)
     xcols = impl.quantize_cols_grouped(x, counts, pow2, _index(order, k))
-    i = w1.shape[1]
     return (dx, impl.wgrad(gq[:i], gs[:i], *xcols, counts, w1.dtype),
             impl.wgrad(gq[i:], gs[i:], *xcols, counts, w3.dtype))
 
@@ -96,7 +113,7 @@ def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cac
 
 
 def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
-                    pow2: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
+                    pow2: bool, fp8_wgrad: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
     """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as
     spartron.layers.ffn.swiglu runs it (the same kernels on the same values), written into the two
     halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
@@ -104,7 +121,7 @@ def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
     counts = impl.group_counts(counts)
     gate, up = h13[:, :i], h13[:, i:]
     silu = F.silu(gate)
-    dh, dw = backward(impl, grad, silu * up, w, counts, pow2, cached[2:4] if cached else None)
+    dh, dw = backward(impl, grad, silu * up, w, counts, pow2, fp8_wgrad, cached[2:4] if cached else None)
     d13 = torch.empty_like(h13)
     torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d13[:, :i])
     torch.mul(dh, silu, out=d13[:, i:])

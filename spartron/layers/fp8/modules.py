@@ -16,13 +16,14 @@ from spartron.layers.moe.experts import GroupedExperts
 
 
 class FP8Linear(nn.Linear):
-    """nn.Linear (no bias) whose GEMMs run blockwise FP8; set `fp8_backend`, `fp8_pow2`."""
+    """nn.Linear (no bias) whose GEMMs run blockwise FP8; set `fp8_backend`, `fp8_pow2`, `fp8_wgrad`."""
 
     fp8_backend: str
     fp8_pow2: bool
+    fp8_wgrad: bool
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.fp8_backend, self.fp8_pow2)
+        return linear(x, self.weight, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
 
 
 class FP8GroupedExperts(GroupedExperts):
@@ -33,6 +34,7 @@ class FP8GroupedExperts(GroupedExperts):
 
     fp8_backend: str
     fp8_pow2: bool
+    fp8_wgrad: bool
     fp8_cache: WeightCache | None = None
 
     def quantised_weights(self) -> list[Tensor]:
@@ -56,7 +58,7 @@ class FP8GroupedExperts(GroupedExperts):
         if self.fp8_backend != "reference":  # the kernels trust the counts (the reference checks them on the host)
             rows = x.shape[0] if order is None else order.shape[0]
             torch._assert_async(counts.sum() == rows, "FP8 GroupedExperts: tokens_per_expert sum != rows")
-        gemm = (self.fp8_backend, self.fp8_pow2)
+        gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
         # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
         cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
         h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse, k)

@@ -2,7 +2,7 @@
 linear, x @ w^T) and `spartron_fp8::grouped_mm` (rows grouped by expert, x[rows of e] @ w[e]^T).
 
 Both quantise inside (1x128 activations, 128x128 weights) and run their backward, dgrad and wgrad,
-in FP8 too (spartron.layers.fp8.quant: the tilings). They save their bf16 inputs for backward, like
+in FP8 too (spartron.layers.fp8.quant: the tilings; `fp8_wgrad` False: the wgrad in the inputs' dtype). They save their bf16 inputs for backward, like
 the GEMMs they replace, and are GEMM targets of the checkpoint policy (spartron.checkpointing.policy
 DEFAULT_TARGETS): selective AC keeps their outputs as it keeps aten::mm's, a replay re-runs their
 quantisation from the same inputs (deterministic), and offload sees the same bf16 saved tensors.
@@ -43,37 +43,37 @@ def backend_impl(backend: str):
 # --- grouped ------------------------------------------------------------------------------------
 
 @torch.library.custom_op("spartron_fp8::grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str, pow2: bool, fp8_wgrad: bool) -> Tensor:
     """x [M, K] grouped by `counts` [E] (int32), w [E, N, K] -> [M, N] in x's dtype."""
     return gemms.forward(backend_impl(backend), x, w, counts, pow2)
 
 
 @grouped_mm.register_fake
-def _(x, w, counts, backend, pow2):
+def _(x, w, counts, backend, pow2, fp8_wgrad):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
 @torch.library.custom_op("spartron_fp8::grouped_mm_backward", mutates_args=())
 def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, backend: str,
-                        pow2: bool) -> tuple[Tensor, Tensor]:
-    return gemms.backward(backend_impl(backend), grad.contiguous(), x, w, counts, pow2)
+                        pow2: bool, fp8_wgrad: bool) -> tuple[Tensor, Tensor]:
+    return gemms.backward(backend_impl(backend), grad.contiguous(), x, w, counts, pow2, fp8_wgrad)
 
 
 @grouped_mm_backward.register_fake
-def _(grad, x, w, counts, backend, pow2):
+def _(grad, x, w, counts, backend, pow2, fp8_wgrad):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _grouped_setup(ctx, inputs, output):
-    x, w, counts, backend, pow2 = inputs
+    x, w, counts, backend, pow2, fp8_wgrad = inputs
     ctx.save_for_backward(x, w, counts)
-    ctx.backend, ctx.pow2 = backend, pow2
+    ctx.backend, ctx.pow2, ctx.fp8_wgrad = backend, pow2, fp8_wgrad
 
 
 def _grouped_backward(ctx, grad):
     x, w, counts = ctx.saved_tensors
-    dx, dw = grouped_mm_backward(grad, x, w, counts, ctx.backend, ctx.pow2)
-    return dx, dw, None, None, None
+    dx, dw = grouped_mm_backward(grad, x, w, counts, ctx.backend, ctx.pow2, ctx.fp8_wgrad)
+    return dx, dw, None, None, None, None
 
 
 grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
@@ -86,45 +86,47 @@ def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
     return gemms.forward(impl, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2)
 
 
-def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
+def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool,
+                    fp8_wgrad: bool) -> tuple[Tensor, Tensor]:
     impl = backend_impl(backend)
-    dx, dw = gemms.backward(impl, g2d, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2)
+    dx, dw = gemms.backward(impl, g2d, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2, fp8_wgrad)
     return dx, dw.squeeze(0)
 
 
 @torch.library.custom_op("spartron_fp8::linear", mutates_args=())
-def linear(x: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
+def linear(x: Tensor, w: Tensor, backend: str, pow2: bool, fp8_wgrad: bool) -> Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype."""
     return _dense_forward(x.reshape(-1, x.shape[-1]), w, backend, pow2).reshape(*x.shape[:-1], w.shape[0])
 
 
 @linear.register_fake
-def _(x, w, backend, pow2):
+def _(x, w, backend, pow2, fp8_wgrad):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 @torch.library.custom_op("spartron_fp8::linear_backward", mutates_args=())
-def linear_backward(grad: Tensor, x: Tensor, w: Tensor, backend: str, pow2: bool) -> tuple[Tensor, Tensor]:
+def linear_backward(grad: Tensor, x: Tensor, w: Tensor, backend: str, pow2: bool,
+                    fp8_wgrad: bool) -> tuple[Tensor, Tensor]:
     dx, dw = _dense_backward(grad.reshape(-1, grad.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]), w,
-                             backend, pow2)
+                             backend, pow2, fp8_wgrad)
     return dx.reshape(x.shape), dw
 
 
 @linear_backward.register_fake
-def _(grad, x, w, backend, pow2):
+def _(grad, x, w, backend, pow2, fp8_wgrad):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _linear_setup(ctx, inputs, output):
-    x, w, backend, pow2 = inputs
+    x, w, backend, pow2, fp8_wgrad = inputs
     ctx.save_for_backward(x, w)
-    ctx.backend, ctx.pow2 = backend, pow2
+    ctx.backend, ctx.pow2, ctx.fp8_wgrad = backend, pow2, fp8_wgrad
 
 
 def _linear_backward(ctx, grad):
     x, w = ctx.saved_tensors
-    dx, dw = linear_backward(grad, x, w, ctx.backend, ctx.pow2)
-    return dx, dw, None, None
+    dx, dw = linear_backward(grad, x, w, ctx.backend, ctx.pow2, ctx.fp8_wgrad)
+    return dx, dw, None, None, None
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
