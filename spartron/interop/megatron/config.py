@@ -18,7 +18,7 @@ power_of_two_scales, weight_cache and dispatch) have no Megatron field: they com
 defaults).
 
 FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it
-through Transformer Engine) is model.fp8; every other FP8 recipe, format or Transformer Engine FP8 feature is a
+through Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"); every other FP8 recipe, format or Transformer Engine FP8 feature is a
 problem naming its field.
 """
 
@@ -336,7 +336,7 @@ def _dsa_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
 
 
 def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]) -> dict[str, Any] | None:
-    """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad (which Megatron reads only when fp8 is set); the
+    """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad (which Megatron reads only when fp8 is set: wgrad); the
     Spartron-only fields (backend, modules, power_of_two_scales, weight_cache, dispatch) from `base`."""
     if tcfg.fp8 is None:
         return None
@@ -346,10 +346,8 @@ def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
     if tcfg.fp8_recipe != "blockwise":
         problems.append(f"fp8_recipe={tcfg.fp8_recipe!r}: Spartron runs DeepSeek-V3's recipe, 'blockwise' (1x128 "
                         "activation and gradient tiles, 128x128 weight blocks, each scaled by its own amax)")
-    if not tcfg.fp8_wgrad:
-        problems.append("fp8_wgrad=False: Spartron's FP8 layers compute the weight gradients in FP8 too")
-    spartron_only = {} if base.fp8 is None else base.fp8.model_dump(exclude={"recipe"})
-    return {"recipe": "blockwise", **spartron_only}
+    spartron_only = {} if base.fp8 is None else base.fp8.model_dump(exclude={"recipe", "wgrad"})
+    return {"recipe": "blockwise", "wgrad": "fp8" if tcfg.fp8_wgrad else "model_dtype", **spartron_only}
 
 
 def _dtype(tcfg: TransformerConfig, problems: list[str]) -> str:
@@ -453,9 +451,9 @@ def megatron_config_from_spartron(cfg: ModelConfig, **overrides: Any) -> MLATran
         raise MegatronConfigError(["model.moe.bias_update_rate > 0 with score_func 'softmax': Megatron's "
                                    "expert bias (moe_router_enable_expert_bias) needs sigmoid scores"])
     kw.update(overrides)
-    fp8 = {k: kw.pop(k) for k in ("fp8", "fp8_recipe") if k in kw}
+    fp8 = {k: kw.pop(k) for k in ("fp8", "fp8_recipe", "fp8_wgrad") if k in kw}
     if cfg.fp8 is not None:
-        fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise", **fp8}
+        fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_wgrad": cfg.fp8.wgrad == "fp8", **fp8}
     tcfg = MLATransformerConfig(**kw)
     # set after construction: megatron-core 0.16's __post_init__ checks Transformer Engine's version for MoE FP8
     # (and fails without TE); the Spartron layers run their own FP8 and never use TE

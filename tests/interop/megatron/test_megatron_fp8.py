@@ -52,6 +52,15 @@ def test_model_fp8_is_megatrons_blockwise_e4m3_both_ways():
     # without a base, the Spartron-only FP8 fields are FP8Config's defaults
     assert spartron_config_from_megatron(tcfg).fp8 == FP8Config()
     assert megatron_config_from_spartron(fp8_cfg().model_copy(update={"fp8": None})).fp8 is None
+    # fp8_wgrad=False (the weight gradients in bf16) is model.fp8.wgrad = "model_dtype", both ways
+    hp = fp8_cfg(wgrad="model_dtype")
+    tcfg = megatron_config_from_spartron(hp)
+    assert tcfg.fp8_wgrad is False and spartron_config_from_megatron(tcfg, base=hp) == hp
+    bf16_wgrad = _with(megatron_config_from_spartron(cfg), fp8_wgrad=False)
+    assert spartron_config_from_megatron(bf16_wgrad).fp8.wgrad == "model_dtype"
+    with pytest.raises(MegatronConfigError) as info:  # a base that says otherwise is a disagreement, not a choice
+        spartron_config_from_megatron(bf16_wgrad, base=cfg)
+    assert info.value.problems == ["model.fp8.wgrad: Spartron 'fp8' vs Megatron 'model_dtype'"]
 
 
 def _with(tcfg, **fields):
@@ -67,7 +76,6 @@ def _with(tcfg, **fields):
     (dict(fp8="hybrid"), "fp8='hybrid': Spartron's blockwise recipe is E4M3 for activations, weights and gradients"),
     (dict(fp8_recipe="delayed"), "fp8_recipe='delayed': Spartron runs DeepSeek-V3's recipe, 'blockwise'"),
     (dict(fp8_recipe="mxfp8"), "fp8_recipe='mxfp8': Spartron runs DeepSeek-V3's recipe, 'blockwise'"),
-    (dict(fp8_wgrad=False), "fp8_wgrad=False: Spartron's FP8 layers compute the weight gradients in FP8 too"),
     (dict(fp8_param=True), "fp8_param=True: must be one of [False] (Spartron keeps the weights in model.dtype"),
     (dict(fp8_margin=1), "fp8_margin=1: must be one of [0] (delayed scaling's"),
     (dict(fp8_amax_history_len=16), "fp8_amax_history_len=16: must be one of [1] (delayed scaling's"),
@@ -100,7 +108,7 @@ def test_fp8_in_megatron_or_in_the_base_alone_is_a_disagreement():
     bf16 = cfg.model_copy(update={"fp8": None})
     with pytest.raises(MegatronConfigError) as info:
         spartron_config_from_megatron(megatron_config_from_spartron(cfg), base=bf16)
-    assert info.value.problems == ["model.fp8: Spartron None vs Megatron {'recipe': 'blockwise'}"]
+    assert info.value.problems == ["model.fp8: Spartron None vs Megatron {'recipe': 'blockwise', 'wgrad': 'fp8'}"]
     with pytest.raises(MegatronConfigError) as info:
         spartron_config_from_megatron(megatron_config_from_spartron(bf16), base=cfg)
     assert info.value.problems == [f"model.fp8: Spartron {cfg.fp8.model_dump()!r} vs Megatron None"]
