@@ -1,7 +1,7 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
 divide, a compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache
-values (and 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank
-that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
+and wgrad values (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a
+rehearsed EP-2 rank that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ def cases() -> list[Case]:
     add("scaled-mm-on-cpu", train(*SHAPE, 'model.fp8.backend="torch_scaled_mm"'), ("model.fp8.backend",))
     add("deep-gemm-on-cpu", train(*SHAPE, 'model.fp8.backend="deep_gemm"'), ("model.fp8.backend",))
     add("deep-gemm-plan", plan(*SHAPE, 'model.fp8.backend="deep_gemm"'), (), accept_ok=True)
+    add("wgrad-unknown", train(*FP8, 'model.fp8.wgrad="bf16"'), ("model.fp8.wgrad",))
+    add("wgrad-bool", train(*FP8, "model.fp8.wgrad=false"), ("model.fp8.wgrad",), category="dtypes")
+    add("step-wgrad-model-dtype", train(*FP8, 'model.fp8.wgrad="model_dtype"'), (), accept_ok=True, timeout=240.0)
     add("weight-cache-unknown", train(*FP8, 'model.fp8.weight_cache="always"'), ("model.fp8.weight_cache",))
     add("weight-cache-bool", train(*FP8, "model.fp8.weight_cache=true"), ("model.fp8.weight_cache",),
         category="dtypes")
