@@ -1,7 +1,7 @@
-"""model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not
-divide, a compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache
-and wgrad values (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a
-rehearsed EP-2 rank that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
+"""model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not divide, a
+compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache and wgrad values
+(and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank
+that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 

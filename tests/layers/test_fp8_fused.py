@@ -36,7 +36,7 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
         gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2, True).split(128, dim=1)
         out = grouped_mm(swiglu(gate, up), w2, counts, "reference", pow2, True)
     else:  # two GEMMs: x's gradient is the bf16 sum of two rounded results
-        h = swiglu(grouped_mm(x, w1, counts, "reference", pow2, True), grouped_mm(x, w3, counts, "reference", pow2, True))
+        h = swiglu(*(grouped_mm(x, w, counts, "reference", pow2, True) for w in (w1, w3)))
         out = grouped_mm(h, w2, counts, "reference", pow2, True)
     out.backward(grad)
     return out, x.grad, w1.grad, w3.grad, w2.grad

@@ -17,9 +17,9 @@ choice, grouped_mm "auto" vs "grouped", moe.deepep_num_sms without DeepEP, model
 power_of_two_scales, weight_cache and dispatch) have no Megatron field: they come from `base` (or ModelConfig's
 defaults).
 
-FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it
-through Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"); every other FP8 recipe, format or Transformer Engine FP8 feature is a
-problem naming its field.
+FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it through
+Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"); every other FP8 recipe,
+format or Transformer Engine FP8 feature is a problem naming its field.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 or .triton_backend: quantize_rows / quantize_blocks / quantize_blocks_t / quantize_cols_grouped,
 fprop / dgrad / wgrad, swiglu_quantize_rows).
 
-Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks (quantised
-straight into the transposed layout dgrad reads); wgrad
-grad^T and x^T both 128x1 along the tokens, tiles restarting at each expert. A dense linear is one
-group. `fp8_wgrad` False runs every wgrad in the inputs' dtype instead (model.fp8.wgrad = "model_dtype",
-Megatron's fp8_wgrad = False): the GEMM the unquantised layers' backward runs, no column quantisation. `pair_*` run the experts' w1 and w3 as ONE GEMM over [w1; w3] (N = 2I forward, K = 2I in
-dgrad; x quantised once); `swiglu_*` run w2 on silu(gate) * up quantised where it is produced, and
-recompute that product in backward instead of keeping it. They equal the unfused sequence bitwise
+Tilings (DeepSeek-V3): fprop x 1x128 @ w 128x128; dgrad grad 1x128 @ the same w blocks (quantised straight into the
+transposed layout dgrad reads); wgrad grad^T and x^T both 128x1 along the tokens, tiles restarting at each expert. A
+dense linear is one group. `fp8_wgrad` False runs every wgrad in the inputs' dtype instead (model.fp8.wgrad =
+"model_dtype", Megatron's fp8_wgrad = False): the GEMM the unquantised layers' backward runs, no column
+quantisation. `pair_*` run the experts' w1 and w3 as ONE GEMM over [w1; w3] (N = 2I forward, K = 2I in dgrad; x
+quantised once); `swiglu_*` run w2 on silu(gate) * up quantised where it is produced, and recompute that product in
+backward instead of keeping it. They equal the unfused sequence bitwise
 (the same quantised values reach the same GEMMs: 1x128 / 128x128 / 128x1 tiles never straddle the
 w1 | w3 boundary, I being a multiple of 128) except dx of the pair: one fp32 contraction over 2I
 rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/layers/test_fp8_fused.py). The experts'

@@ -1,11 +1,11 @@
 """The FP8 GEMMs as torch.library ops with registered autograd: `spartron_fp8::linear` (a dense
 linear, x @ w^T) and `spartron_fp8::grouped_mm` (rows grouped by expert, x[rows of e] @ w[e]^T).
 
-Both quantise inside (1x128 activations, 128x128 weights) and run their backward, dgrad and wgrad,
-in FP8 too (spartron.layers.fp8.quant: the tilings; `fp8_wgrad` False: the wgrad in the inputs' dtype). They save their bf16 inputs for backward, like
-the GEMMs they replace, and are GEMM targets of the checkpoint policy (spartron.checkpointing.policy
-DEFAULT_TARGETS): selective AC keeps their outputs as it keeps aten::mm's, a replay re-runs their
-quantisation from the same inputs (deterministic), and offload sees the same bf16 saved tensors.
+Both quantise inside (1x128 activations, 128x128 weights) and run their backward, dgrad and wgrad, in FP8 too
+(spartron.layers.fp8.quant: the tilings; `fp8_wgrad` False: the wgrad in the inputs' dtype). They save their bf16
+inputs for backward, like the GEMMs they replace, and are GEMM targets of the checkpoint policy
+(spartron.checkpointing.policy DEFAULT_TARGETS): selective AC keeps their outputs as it keeps aten::mm's, a replay
+re-runs their quantisation from the same inputs (deterministic), and offload sees the same bf16 saved tensors.
 As one op each, compile and the policy see one boundary per GEMM.
 
 `backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
