@@ -371,3 +371,31 @@ def test_deep_gemm_experts_equal_the_triton_experts():
     for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["triton"],
                                strict=True):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
+def test_fp8_linear_and_experts_never_wait_for_the_gpu(backend):
+    """A host sync per FP8 GEMM call (a host-list tensor copied to the device: a synchronous copy) drains the
+    launch queue: the V3-shaped rehearsal was host-bound with less GPU time than bf16. Forward and backward of an
+    FP8 linear and of the FP8 experts (counts on the device, as the MoE layer passes them) must not sync."""
+    if backend == "deep_gemm" and not _has_deep_gemm():
+        pytest.skip("needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 only")
+    from spartron.layers.config import FP8Config
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.moe.experts import GroupedExperts
+
+    for wgrad in ("fp8", "model_dtype"):
+        lin = torch.nn.Linear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+        experts = GroupedExperts(3, 256, 128, dtype=torch.bfloat16, device="cuda")
+        apply_fp8([torch.nn.ModuleList([lin, experts])], FP8Config(backend=backend, wgrad=wgrad, weight_cache="off"))
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        counts = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
+        (lin(x).float().sum() + experts(x, counts).float().sum()).backward()  # the kernels compile here
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            (lin(x).float().sum() + experts(x, counts).float().sum()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

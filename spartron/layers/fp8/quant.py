@@ -102,8 +102,9 @@ def gemm_rows(counts, rows: int, index: Tensor | None) -> Tensor | None:
 
 
 def one_group(x2d: Tensor) -> Tensor:
-    """The counts of a dense linear: one group of all rows."""
-    return torch.tensor([x2d.shape[0]], dtype=torch.int32, device=x2d.device)
+    """The counts of a dense linear: one group of all rows, filled on the device (torch.tensor from a host list
+    is a synchronous copy on CUDA: one host sync per FP8 linear call)."""
+    return torch.full((1,), x2d.shape[0], dtype=torch.int32, device=x2d.device)
 
 
 def tile_slots(rows: int, groups: int) -> int:

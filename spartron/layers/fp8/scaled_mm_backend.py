@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spartron.layers.fp8 import quant
 from spartron.layers.fp8.quant import TILE, gemm_rows  # noqa: F401 (this backend's rows stay packed)
 
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
@@ -74,7 +75,7 @@ def group_counts(counts: Tensor | GroupCounts) -> GroupCounts:
 def one_group(x2d: Tensor) -> GroupCounts:
     """A dense linear: one group of all rows (known on the host: no sync)."""
     m = x2d.shape[0]
-    return GroupCounts(torch.tensor([m], dtype=torch.int32, device=x2d.device), [m], dense=True)
+    return GroupCounts(quant.one_group(x2d), [m], dense=True)
 
 
 def _triton():
