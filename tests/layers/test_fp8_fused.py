@@ -176,6 +176,9 @@ def test_only_a_dense_linear_runs_fprop_and_dgrad_on_cublas():
     experts) go to the Triton kernel, which takes any row count cuBLAS refuses."""
     x = torch.empty(130, 128)
     assert scaled_mm_backend.one_group(x).dense and scaled_mm_backend.one_group(x).host == [130]
+    gc = scaled_mm_backend.one_group(x)
+    assert gc._device is None  # cuBLAS reads the host count: nothing launched until the device count is read
+    assert torch.equal(gc.device, torch.tensor([130], dtype=torch.int32)) and gc.device is gc.device
     assert not scaled_mm_backend.group_counts(torch.tensor([130])).dense
 
 
@@ -191,3 +194,12 @@ def test_block_scales_pad_to_four_rows_column_major():
     out = scaled_mm_backend.block_scales(s)
     assert out.shape == (2, 4, 2) and out[1].stride() == (1, 4)
     assert torch.equal(out[:, :3], s.transpose(1, 2)) and torch.equal(out[:, 3], torch.zeros(2, 2))
+    # K/128 a multiple of 4 and contiguous (quantize_blocks' own output): that layout already, a view
+    s = torch.arange(16.0).reshape(2, 2, 4)
+    out = scaled_mm_backend.block_scales(s)
+    assert out.data_ptr() == s.data_ptr() and out.shape == (2, 4, 2) and out[1].stride() == (1, 4)
+    assert torch.equal(out, s.transpose(1, 2))
+    # dgrad's transposed view [G, K/128, N/128] of contiguous [G, N/128, K/128]: copied into the layout
+    t = torch.arange(16.0).reshape(2, 4, 2).transpose(1, 2)
+    out = scaled_mm_backend.block_scales(t)
+    assert out.data_ptr() != t.data_ptr() and out[1].stride() == (1, 4) and torch.equal(out, t.transpose(1, 2))

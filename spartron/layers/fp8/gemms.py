@@ -47,10 +47,11 @@ def unquantised_wgrad(grad: Tensor, x: Tensor, counts) -> Tensor:
     """dw [G, N, K] = grad^T @ x over each group's rows, in their dtype: the wgrad of the bf16 layers'
     backward (torch._grouped_mm over the counts' offsets, as the grouped experts' autograd runs it; one group:
     one mm, as nn.Linear's). `counts`: a backend's group_counts (the device tensor read, never the host)."""
-    device_counts = counts if isinstance(counts, Tensor) else counts.device
-    if device_counts.numel() == 1:
+    if not isinstance(counts, Tensor):  # a backend's counts object: a dense linear's is never read on the device
+        counts = None if counts.dense else counts.device
+    if counts is None or counts.numel() == 1:
         return (grad.t() @ x).unsqueeze(0)
-    return torch._grouped_mm(grad.t(), x, offs=torch.cumsum(device_counts, 0, dtype=torch.int32))
+    return torch._grouped_mm(grad.t(), x, offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
 
 def _wgrad(impl, grad: Tensor, x: Tensor, counts, pow2: bool, fp8_wgrad: bool, dtype) -> Tensor:

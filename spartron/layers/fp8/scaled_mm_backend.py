@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spartron.layers.fp8 import quant
 from spartron.layers.fp8.quant import TILE, gemm_rows  # noqa: F401 (this backend's rows stay packed)
 
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
@@ -44,8 +43,9 @@ class GroupCounts:
     this op, not for the op's own dgrad and quantisation kernels, which keep the GPU busy while the host
     launches the loop. An op that runs no loop (the experts' forward) never waits."""
 
-    def __init__(self, device: Tensor, host: list[int] | None = None, dense: bool = False):
-        self.device = device
+    def __init__(self, device: Tensor | None, host: list[int] | None = None, dense: bool = False,
+                 on: torch.device | None = None):
+        self._device, self._on = device, on  # None: a dense linear's, filled on `on` when first read
         self.dense = dense  # a dense linear's one group (one_group): its fprop and dgrad run on cuBLAS
         self._host = host
         self._copy = None
@@ -55,6 +55,12 @@ class GroupCounts:
             event = torch.cuda.Event()
             event.record()
             self._copy = (pinned, event)
+
+    @property
+    def device(self) -> Tensor:
+        if self._device is None:
+            self._device = torch.full((1,), self._host[0], dtype=torch.int32, device=self._on)
+        return self._device
 
     @property
     def host(self) -> list[int]:
@@ -75,7 +81,7 @@ def group_counts(counts: Tensor | GroupCounts) -> GroupCounts:
 def one_group(x2d: Tensor) -> GroupCounts:
     """A dense linear: one group of all rows (known on the host: no sync)."""
     m = x2d.shape[0]
-    return GroupCounts(quant.one_group(x2d), [m], dense=True)
+    return GroupCounts(None, [m], dense=True, on=x2d.device)
 
 
 def _triton():
@@ -115,8 +121,12 @@ def quantize_cols_grouped(x: Tensor, counts: Tensor | GroupCounts, pow2: bool,
 
 def block_scales(s: Tensor) -> Tensor:
     """128x128 scales [G, N/128, K/128] of right operands [K, N] (K the contraction; any strides) ->
-    torch's [G, L4, N/128], each group strides (1, L4), rows past K/128 zero (cuBLASLt reads none)."""
+    torch's [G, L4, N/128], each group strides (1, L4), rows past K/128 zero (cuBLASLt reads none).
+    Contiguous scales with K/128 a multiple of 4 (every DeepSeek-V3 dim) already are that layout: a view, no
+    launch (an FP8 linear's host time is mostly its launches)."""
     g, nb, kb = s.shape
+    if kb % 4 == 0 and s.is_contiguous():
+        return s.transpose(-2, -1)
     out = torch.zeros(g, nb, -(-kb // 4) * 4, dtype=s.dtype, device=s.device)
     out[..., :kb] = s
     return out.transpose(-2, -1)
