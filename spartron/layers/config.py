@@ -155,8 +155,8 @@ class FP8Config(ConfigSection):
     nn.Linear of the blocks with both dims multiples of 128: MLA projections, dense FFNs, shared
     experts). `backend`: "triton" (Spartron's kernels, Hopper), "torch_scaled_mm" (cuBLAS's blockwise
     scaled_mm, sm90, for the dense linears and the experts' wgrad, one GEMM per local expert; the experts'
-    fprop and dgrad on the Triton kernels), "deep_gemm" (the experts' fprop and dgrad on DeepGEMM's grouped
-    FP8 GEMM, an optional extra, sm90; their wgrad on the Triton kernel; the dense linears on cuBLAS),
+    fprop and dgrad on the Triton kernels), "deep_gemm" (fprop and dgrad of the experts and of the dense
+    linears on DeepGEMM's grouped FP8 GEMM, an optional extra, sm90; the FP8 wgrad on the Triton kernel),
     "reference" (dequantise + fp32 matmul: the exact numerics on any device, slow). `wgrad`: the weight-gradient
     GEMMs in "fp8" (the recipe: grad^T and x^T on 128x1 tiles) or in "model_dtype" (Megatron's fp8_wgrad = False:
     the unquantised layers' wgrad GEMM on the bf16 tensors the ops keep anyway; no column quantisation, no extra

@@ -73,3 +73,29 @@ def test_rows_not_in_the_slot_layout_are_refused_and_no_rows_give_none(stand_in)
     assert dg.gemm_rows(empty, 0, None) is None
     out = dg.fprop(*quant.quantize_rows(x[:0], True), *wq, empty, torch.bfloat16)
     assert out.shape == (0, 128)
+
+
+@pytest.mark.parametrize("rows", [130, 256])
+def test_a_dense_linear_runs_as_one_group_in_the_slot_layout(stand_in, rows):
+    """A dense linear on "deep_gemm" is one group on DeepGEMM's grouped GEMM (cuBLAS's blockwise GEMM cost 2.46 ms
+    of host time per linear and refused rows not a multiple of 4): the reference GEMMs' values bitwise, any row
+    count, and its bf16 wgrad grad^T @ x without reading the count on the device."""
+    from spartron.layers.fp8 import gemms
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    grad = torch.randn(rows, 384, generator=g).bfloat16()
+    w = (torch.randn(1, 384, 256, generator=g) * 0.05).bfloat16()
+    one = torch.tensor([rows], dtype=torch.int32)
+    slots = dg.one_group(x)
+    assert isinstance(slots, dg.SlotCounts) and not slots.dense and torch.equal(slots.device, one)
+    out = dg.fprop(*quant.quantize_rows(x.index_select(0, dg.gemm_rows(slots, rows, None)), True),
+                   *quant.quantize_blocks(w, True), slots, torch.bfloat16)
+    assert torch.equal(out, reference.fprop(*quant.quantize_rows(x, True), *quant.quantize_blocks(w, True), one,
+                                            torch.bfloat16))
+    slots = dg.one_group(x)
+    dx = dg.dgrad(*quant.quantize_rows(grad.index_select(0, dg.gemm_rows(slots, rows, None)), True),
+                  *quant.quantize_blocks_t(w, True), slots, torch.bfloat16)
+    assert torch.equal(dx, reference.dgrad(*quant.quantize_rows(grad, True), *quant.quantize_blocks_t(w, True), one,
+                                           torch.bfloat16))
+    assert torch.equal(gemms.unquantised_wgrad(grad, x, dg.one_group(x)), (grad.t() @ x).unsqueeze(0))

@@ -399,3 +399,30 @@ def test_fp8_linear_and_experts_never_wait_for_the_gpu(backend):
             (lin(x).float().sum() + experts(x, counts).float().sum()).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not _has_deep_gemm(), reason="needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+@pytest.mark.parametrize("wgrad", ["fp8", "model_dtype"])
+@pytest.mark.parametrize("rows", [130, 4096])
+def test_deep_gemm_dense_linear_equals_the_triton_linear(rows, wgrad):
+    """A dense linear on "deep_gemm" runs as one group on DeepGEMM (no cuBLAS): output and both gradients bitwise the
+    "triton" backend's (its one-group Triton GEMM on the same quantised values), 130 rows included."""
+    from spartron.layers.config import FP8Config
+    from spartron.layers.fp8 import apply_fp8
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 384, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for layer, backend in zip(layers, ("deep_gemm", "triton"), strict=True):
+        apply_fp8([torch.nn.ModuleList([layer])], FP8Config(backend=backend, modules=["dense"], wgrad=wgrad))
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for layer in layers:
+        xin = x.clone().requires_grad_()
+        out = layer(xin)
+        out.backward(grad)
+        results.append((out, xin.grad, layer.weight.grad))
+    for name, got, want in zip(("out", "dx", "dw"), *results, strict=True):
+        assert torch.equal(got, want), name

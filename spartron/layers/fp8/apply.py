@@ -39,7 +39,10 @@ def check_backend(backend: str) -> None:
     if backend == "triton" and major < 9:
         raise ConfigError(f"model.fp8.backend = 'triton' needs FP8 tensor cores (compute capability >= 9.0), "
                          f"this GPU is {major}.{minor}")
-    if backend in ("torch_scaled_mm", "deep_gemm"):
+    if backend == "deep_gemm" and (major, minor) != (9, 0):
+        raise ConfigError(f"model.fp8.backend = 'deep_gemm' runs DeepGEMM's sm90 kernels (fp32 block scales), this "
+                          f"GPU is {major}.{minor}: use backend 'triton'")
+    if backend == "torch_scaled_mm":
         import torch.nn.functional as F
         if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
             raise ConfigError(f"model.fp8.backend = {backend!r} needs torch.nn.functional.scaled_mm with "

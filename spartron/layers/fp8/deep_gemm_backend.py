@@ -1,9 +1,11 @@
-"""The "deep_gemm" backend's primitives: the routed experts' fprop and dgrad on DeepGEMM's grouped FP8 GEMM
-(sm90, `m_grouped_fp8_gemm_nt_contiguous`: DeepSeek's kernel, with the block scaling overlapped with the
-next MMA, which Spartron's Triton kernel cannot do); the experts' wgrad and the quantisation on Spartron's Triton
-kernels (no host sync: cuBLAS's per-expert wgrad reads the counts on the host, and that wait left the MoE layer
-host-bound at 8k rows); the dense linears on cuBLAS as "torch_scaled_mm" runs them
-(spartron.layers.fp8.scaled_mm_backend). The values are those of the "triton" backend bitwise (GPU test).
+"""The "deep_gemm" backend's primitives: fprop and dgrad on DeepGEMM's grouped FP8 GEMM (sm90,
+`m_grouped_fp8_gemm_nt_contiguous`: DeepSeek's kernel, with the block scaling overlapped with the next MMA, which
+Spartron's Triton kernel cannot do), for the routed experts and for the dense linears (one group); the FP8 wgrad
+and all quantisation on Spartron's Triton kernels (no host sync: cuBLAS's per-expert wgrad reads the counts on the
+host, and that wait left the MoE layer host-bound at 8k rows). The dense linears ran on cuBLAS's blockwise
+`scaled_mm` until 8531377: 2.46 ms of host time per linear forward + backward at V3's shapes against 1.28 ms on
+the Triton GEMM (H100; the V3 rank's FP8 step is host-bound). The values are those of the "triton" backend
+bitwise (GPU test).
 
 DeepGEMM's contiguous grouped layout starts every group at a multiple of 128 rows; Spartron's routed rows
 are packed. `padded_rows` maps them into the slot layout the wgrad already uses (group g's rows from
@@ -22,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spartron.layers.fp8 import quant
 from spartron.layers.fp8 import scaled_mm_backend as cublas
 from spartron.layers.fp8.quant import TILE, tile_slots
 
-one_group = cublas.one_group
 quantize_rows = cublas.quantize_rows
 swiglu_quantize_rows = cublas.swiglu_quantize_rows
 quantize_blocks = cublas.quantize_blocks
@@ -75,19 +77,24 @@ class SlotCounts:
         return self.layout
 
 
-def group_counts(counts: Tensor | SlotCounts | cublas.GroupCounts) -> SlotCounts | cublas.GroupCounts:
-    """A dense linear's GroupCounts (one_group: cuBLAS), or the experts' SlotCounts."""
-    return counts if isinstance(counts, (SlotCounts, cublas.GroupCounts)) else SlotCounts(counts)
+def group_counts(counts: Tensor | SlotCounts) -> SlotCounts:
+    """The counts with their slot layout (the routed experts', or a dense linear's one group)."""
+    return counts if isinstance(counts, SlotCounts) else SlotCounts(counts)
+
+
+def one_group(x2d: Tensor) -> SlotCounts:
+    """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert."""
+    return SlotCounts(quant.one_group(x2d))
 
 
 def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return _triton().quantize_cols_grouped(x, group_counts(counts).device, pow2, index)
 
 
-def gemm_rows(counts: SlotCounts | cublas.GroupCounts, rows: int, index: Tensor | None) -> Tensor | None:
+def gemm_rows(counts: SlotCounts, rows: int, index: Tensor | None) -> Tensor | None:
     """The slot rows' source rows (of x, or of x[index]): the quantised operand is written in the slot layout.
-    A dense linear's rows, and no rows at all, stay as they are."""
-    if counts.dense or rows == 0:
+    No rows at all stay as they are."""
+    if rows == 0:
         return index
     source = counts.slots(rows)[0]
     return source if index is None else index.index_select(0, source)
@@ -123,25 +130,16 @@ def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts,
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """A dense linear: cuBLAS; the routed experts: DeepGEMM on the slot-layout rows."""
-    counts = group_counts(counts)
-    if counts.dense:
-        return cublas.fprop(xq, xs, wq, ws, counts, dtype)
-    return _grouped(xq, xs, wq, ws, counts, dtype)
+    """DeepGEMM on the slot-layout rows (a dense linear: one group)."""
+    return _grouped(xq, xs, wq, ws, group_counts(counts), dtype)
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (K-major for DeepGEMM: N is
     contiguous), its scales [G, K/128, N/128] a view."""
-    counts = group_counts(counts)
-    if counts.dense:
-        return cublas.dgrad(gq, gs, wtq, wts, counts, dtype)
-    return _grouped(gq, gs, wtq, wts, counts, dtype)
+    return _grouped(gq, gs, wtq, wts, group_counts(counts), dtype)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """A dense linear: cuBLAS; the routed experts: the Triton grouped wgrad (no host sync)."""
-    counts = group_counts(counts)
-    if counts.dense:
-        return cublas.wgrad(gt, gts, xt, xts, counts, dtype)
-    return _triton().wgrad(gt, gts, xt, xts, counts.device, dtype)
+    """The Triton grouped wgrad on the slot-aligned columns (no host sync)."""
+    return _triton().wgrad(gt, gts, xt, xts, group_counts(counts).device, dtype)

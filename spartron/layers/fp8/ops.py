@@ -11,7 +11,7 @@ As one op each, compile and the policy see one boundary per GEMM.
 `backend`: "reference" (spartron.layers.fp8.reference, any device), "triton" (Spartron's kernels,
 Hopper), "torch_scaled_mm" (the dense GEMMs and the experts' wgrad through torch's blockwise `scaled_mm`,
 the wgrad as a loop over the experts: torch has no sm90 blockwise grouped GEMM; spartron.layers.fp8.scaled_mm_backend),
-"deep_gemm" (the experts' fprop and dgrad on DeepGEMM, the rest as "triton" with the dense linears on cuBLAS:
+"deep_gemm" (fprop and dgrad on DeepGEMM, the experts' and the dense linears' (one group), the rest as "triton":
 spartron.layers.fp8.deep_gemm_backend).
 """
 
