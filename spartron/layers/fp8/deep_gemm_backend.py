@@ -24,16 +24,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spartron.layers.fp8 import quant
-from spartron.layers.fp8 import scaled_mm_backend as cublas
+from spartron.layers.fp8 import quant, scaled_mm_backend
 from spartron.layers.fp8.quant import TILE, tile_slots
 
-quantize_rows = cublas.quantize_rows
-swiglu_quantize_rows = cublas.swiglu_quantize_rows
-quantize_blocks = cublas.quantize_blocks
-quantize_blocks_t = cublas.quantize_blocks_t
-quantize_blocks_cat = cublas.quantize_blocks_cat
-quantize_blocks_both = cublas.quantize_blocks_both
+# the Triton quantisers, imported at first use (scaled_mm_backend's wrappers: this module loads without triton)
+quantize_rows = scaled_mm_backend.quantize_rows
+swiglu_quantize_rows = scaled_mm_backend.swiglu_quantize_rows
+quantize_blocks = scaled_mm_backend.quantize_blocks
+quantize_blocks_t = scaled_mm_backend.quantize_blocks_t
+quantize_blocks_cat = scaled_mm_backend.quantize_blocks_cat
+quantize_blocks_both = scaled_mm_backend.quantize_blocks_both
 
 
 def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
