@@ -159,8 +159,8 @@ class FP8Config(ConfigSection):
     linears on DeepGEMM's grouped FP8 GEMM, an optional extra, sm90; the FP8 wgrad on the Triton kernel),
     "reference" (dequantise + fp32 matmul: the exact numerics on any device, slow). `wgrad`: the weight-gradient
     GEMMs in "fp8" (the recipe: grad^T and x^T on 128x1 tiles) or in "model_dtype" (Megatron's fp8_wgrad = False:
-    the unquantised layers' wgrad GEMM on the bf16 tensors the ops keep anyway; no column quantisation, no extra
-    memory). `power_of_two_scales`:
+    the unquantised layers' wgrad GEMM on the bf16 tensors the ops keep anyway; no column quantisation, nothing
+    more kept for backward). `power_of_two_scales`:
     scales rounded up to a power of two (exact rescaling; TransformerEngine's default for this recipe).
     `weight_cache`: the routed experts' weights quantised once per optimizer step instead of at every GEMM call
     (spartron.layers.fp8.weight_cache; 2 bytes a local expert weight element more); "auto": on where
