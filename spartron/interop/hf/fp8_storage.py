@@ -99,7 +99,7 @@ def scaled_weights(infos: dict[str, TensorInfo], block: tuple[int, int] | None) 
         shape, info = infos[weight].shape, infos[scale]
         if len(shape) != 2:
             return {}, f"{weight} is {FP8} of shape {list(shape)}: only matrices are stored blockwise"
-        grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+        grid = scale_grid(shape, block)
         if info.dtype not in SCALE_DTYPES or info.shape != grid:
             return {}, (f"{scale} is {info.dtype} {list(info.shape)}; {list(shape)} in blocks of {list(block)} "
                         f"needs float32 or bfloat16 {list(grid)}")
