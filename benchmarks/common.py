@@ -120,11 +120,11 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_di
         from spartron.testing import run_distributed
 
         return run_distributed(fn, world, *args, timeout=120)
-    from spartron.launch.local import free_port
+    from spartron.launch.local import held_port
 
-    with tempfile.TemporaryDirectory(prefix="spartron-bench-", dir=tmp_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="spartron-bench-", dir=tmp_dir) as tmp, held_port() as port:
         path = os.path.join(tmp, "ranks.json")
-        mp.spawn(_nccl_rank, args=(world, fn, args, free_port(), path), nprocs=world, join=True)
+        mp.spawn(_nccl_rank, args=(world, fn, args, port, path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
 
 

@@ -101,6 +101,16 @@ def paused_cli() -> Iterator:
         command.close()
 
 
+@pytest.fixture
+def master_port() -> Iterator[int]:
+    """A MASTER_PORT for a rank this test starts by hand, held for the test (launch.local.held_port): a port
+    that was only free when picked can be taken by a concurrent test's gloo connection before the rank binds it."""
+    from spartron.launch.local import held_port
+
+    with held_port() as port:
+        yield port
+
+
 def shared_module_fixture(item: pytest.Item) -> str | None:
     """The name of a module- or class-scoped fixture of the suite (not a plugin's) that `item` uses, if any."""
     info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the fixtures a test function uses

@@ -339,11 +339,9 @@ def test_a_utf8_bom_is_fine(tmp_path):
     assert load_config(path).name == "bom"
 
 
-def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path):
-    from spartron.launch.local import free_port
-
+def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path, master_port):
     env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "parallel.timeout_s=2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2

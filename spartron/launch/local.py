@@ -35,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,17 @@ def existing_launcher(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
+@contextmanager
+def held_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A TCP port the OS picked and this process holds (bound with SO_REUSEADDR, never listening) while the
+    block runs: rank 0's store binds it too (Linux lets a SO_REUSEADDR socket bind a port another one holds
+    unless that one listens) and nothing else can take it meanwhile. A port that was only free when picked was
+    taken by a concurrent test's gloo connection in CI: the kernel gives outgoing connections no bound port.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
 
 
 def rank_environ(environ: Mapping[str, str], rank: int, nproc: int, master_addr: str,
@@ -300,7 +307,14 @@ def launch_local(command: Sequence[str], nproc: int, environ: Mapping[str, str],
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     slices = core_slices(os.sched_getaffinity(0), nproc) if bind_cores else None
     logs = _open_logs(log_dir, root or log_dir.parent, nproc)
-    port = free_port(master_addr)
+    with held_port(master_addr) as port:  # held until every rank has ended
+        return _launch(command, nproc, environ, master_addr, port, slices, logs, log_dir, poll_s, stopped_limit_s,
+                       terminate_grace_s)
+
+
+def _launch(command: Sequence[str], nproc: int, environ: Mapping[str, str], master_addr: str, port: int,
+            slices: list[list[int]] | None, logs: dict[int, int], log_dir: Path, poll_s: float,
+            stopped_limit_s: float, terminate_grace_s: float) -> int:
     prctl = _libc_prctl()
     ranks: list[_Rank] = []
     term = _TermRequest()

@@ -61,14 +61,12 @@ def test_fault_outside_the_world_is_refused_before_any_rank_starts(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "logs").exists()
 
 
-def test_fault_outside_the_world_is_refused_by_a_rank_of_another_launcher(tmp_path):
+def test_fault_outside_the_world_is_refused_by_a_rank_of_another_launcher(tmp_path, master_port):
     """Under torchrun/srun the world size is the launcher's: the trainer checks it before any collective."""
     import os
 
-    from spartron.launch.local import free_port
-
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(master_port))
     proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, *FAST, "--set",
                            "debug.fail_step=1", "--set", "debug.fail_rank=1"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)

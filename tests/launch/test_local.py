@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spartron.launch.local import core_slices, existing_launcher, free_port, launch_local, rank_environ
+from spartron.launch.local import core_slices, existing_launcher, held_port, launch_local, rank_environ
 from spartron.launch.process import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +44,21 @@ def test_rank_environ_sets_torchrun_variables_and_keeps_parent():
     assert rank_environ({}, 0, 2, "h", 1)["OMP_NUM_THREADS"] == "1"
 
 
-def test_free_port_is_bindable():
+def test_a_held_port_is_refused_to_others_and_bindable_by_a_store():
+    """The launcher holds the master port while its ranks run: rank 0's store binds it, nothing else can."""
     import socket
+    import subprocess
 
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    with held_port() as port:
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", port))
+        store = ("import datetime, torch.distributed as d; "
+                 f"s = d.TCPStore('127.0.0.1', {port}, 1, True, timeout=datetime.timedelta(seconds=10)); "
+                 "s.set('k', 'v'); print(s.port, s.get('k').decode())")
+        out = subprocess.run([sys.executable, "-c", store], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stdout) == (0, f"{port} v\n"), out.stderr
+    with socket.socket() as other:  # released at the end of the block
+        other.bind(("127.0.0.1", port))
 
 
 _DUMP = ("import json, os, sys; "
@@ -143,11 +152,11 @@ def test_cli_train_spawns_two_real_ranks(tmp_path):
     assert (run_dir / "logs" / "rank1.log").is_file()  # rank 1 ran, with its own log
 
 
-def test_cli_under_existing_launcher_does_not_spawn(tmp_path):
+def test_cli_under_existing_launcher_does_not_spawn(tmp_path, master_port):
     import os
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(master_port))
     proc = _cli(["smoke", TINY, "--set", "launch.nproc=4"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "runs" / "tiny" / "smoke.json").read_text())
@@ -155,7 +164,7 @@ def test_cli_under_existing_launcher_does_not_spawn(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "logs").exists()
 
 
-def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path):
+def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path, master_port):
     """smoke writes into the run directory: never while a run owns it, never through a link there."""
     import socket
 
@@ -163,7 +172,7 @@ def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path):
 
     run_dir = tmp_path / "runs" / "tiny"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(master_port))
     live = RunDirLock(run_dir)
     assert live.acquire() is None
     proc = _cli(["smoke", TINY], tmp_path, env=env)
@@ -176,7 +185,7 @@ def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path):
     outside = tmp_path / "outside.json"
     outside.write_text("keep")
     (run_dir / "smoke.json").symlink_to(outside)
-    proc = _cli(["smoke", TINY], tmp_path, env=dict(env, MASTER_PORT=str(free_port())))
+    proc = _cli(["smoke", TINY], tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"spartron: error: {run_dir}/smoke.json is a symbolic link (to {outside}): a run reads and writes only "
@@ -184,13 +193,13 @@ def test_smoke_refuses_a_live_runs_directory_and_a_linked_smoke_json(tmp_path):
     assert outside.read_text() == "keep"
 
 
-def test_cli_rank_with_a_launch_mistake_exits_2_with_one_line(tmp_path):
+def test_cli_rank_with_a_launch_mistake_exits_2_with_one_line(tmp_path, master_port):
     """A rank that cannot start (NCCL asked for on CPU) says why in one line; launch_local passes the
     status on (tested above with plain ranks)."""
     import os
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(master_port))
     proc = _cli(["smoke", TINY, "--set", 'parallel.backend="nccl"'], tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

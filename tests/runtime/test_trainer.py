@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spartron.launch.local import free_port
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.config import config_from_dict, dump_config
 from spartron.runtime.metrics import read_metrics
@@ -252,13 +251,12 @@ def test_kill9_mid_run_then_resume_matches_uninterrupted_bitwise(tmp_path):
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in trace] == [r[:3] for r in uninterrupted]
 
 
-def test_a_rank_raising_at_step_3_ends_every_rank_nonzero_within_the_timeout(tmp_path):
+def test_a_rank_raising_at_step_3_ends_every_rank_nonzero_within_the_timeout(tmp_path, master_port):
     cfg = make_cfg(tmp_path / "run", steps=6, parallel={"timeout_s": 4.0})
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(dump_config(cfg))
-    port = free_port()
     start = time.monotonic()
-    procs = [_spawn_rank(cfg_path, r, 2, port, "--fail-rank", "1", "--fail-step", "3") for r in range(2)]
+    procs = [_spawn_rank(cfg_path, r, 2, master_port, "--fail-rank", "1", "--fail-step", "3") for r in range(2)]
     outputs = [p.communicate(timeout=60) for p in procs]
     elapsed = time.monotonic() - start
     assert [p.returncode for p in procs] == [1, 1]
