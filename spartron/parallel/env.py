@@ -18,8 +18,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-SLURM_PORT_BASE = 20000
-SLURM_PORT_SPAN = 20000  # ports 20000..39999, so jobs sharing a node rarely collide
+# ports 16000..32767, so jobs sharing a node rarely collide, and below Linux's default ephemeral range
+# (32768..60999), where any process's outgoing connection could hold the port when rank 0 binds it
+SLURM_PORT_BASE = 16000
+SLURM_PORT_SPAN = 16768
 
 
 class DistEnvError(ValueError):

@@ -38,8 +38,11 @@ def test_torchrun_wins_over_slurm():
 def test_slurm_master_from_nodelist_and_port_from_job_id():
     env = discover(SLURM)
     assert env == DistEnv(rank=9, local_rank=1, world_size=16, master_addr="gpu03",
-                          master_port=20000 + 123456 % 20000, launcher="slurm")
-    assert env.master_port == 23456
+                          master_port=16000 + 123456 % 16768, launcher="slurm")
+    assert env.master_port == 22080
+    # every job's port lies below Linux's ephemeral range (32768..), where outgoing connections take ports
+    assert discover({**SLURM, "SLURM_JOB_ID": str(16767)}).master_port == 32767
+    assert discover({**SLURM, "SLURM_JOB_ID": str(16768)}).master_port == 16000
 
 
 def test_slurm_step_nodelist_and_explicit_master():
