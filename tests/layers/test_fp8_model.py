@@ -153,14 +153,17 @@ def _train(cfg, steps: int = 20) -> list[float]:
 
 
 def test_twenty_fp8_steps_track_bf16():
-    """Measured on CPU (reference backend, tiny model at dim 128, lr 3e-3 over 4 repeating batches): per-step
-    relative gap 0.01-0.33% over the first 5 steps, mean 1.6% over 20 (the trajectories drift apart as the
-    tiny model memorises), last-4-step mean 4.63 vs 4.70. Tolerances about twice those."""
+    """Measured on CPU (reference backend, tiny model at dim 128, lr 3e-3 over 4 repeating batches), with torch's
+    CPU kernels at each of their ISA levels (ATEN_CPU_CAPABILITY default / avx2 / avx512: the bf16 matmuls'
+    reduction order differs): per-step relative gap <= 0.08% over the first 4 steps; from step 5 on the
+    trajectories drift apart as the tiny model memorises, at a rate that depends on the ISA (step 5: 0.18% /
+    0.82% / 0.80%), mean 1.2-1.7% over 20, last-4-step mean ratio 0.98-1.00. Tolerances about twice those,
+    4x for the first steps (a bound on the drifting steps failed on a new CI machine)."""
     bf16 = _train(_cfg())
     fp8 = _train(_cfg("model.fp8.backend=reference"))
     assert fp8 != bf16  # the FP8 path ran
     assert fp8[-1] < 0.7 * fp8[0]  # it trains
     gaps = [abs(a - b) / b for a, b in zip(fp8, bf16, strict=True)]
-    assert max(gaps[:5]) < 0.007, gaps
+    assert max(gaps[:4]) < 0.003, gaps
     assert sum(gaps) / len(gaps) < 0.03, gaps
     assert abs(sum(fp8[-4:]) / sum(bf16[-4:]) - 1) < 0.03, (bf16, fp8)
