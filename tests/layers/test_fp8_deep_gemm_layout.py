@@ -79,7 +79,8 @@ def test_rows_not_in_the_slot_layout_are_refused_and_no_rows_give_none(stand_in)
 def test_a_dense_linear_runs_as_one_group_in_the_slot_layout(stand_in, rows):
     """A dense linear on "deep_gemm" is one group on DeepGEMM's grouped GEMM (cuBLAS's blockwise GEMM cost 2.46 ms
     of host time per linear and refused rows not a multiple of 4): the reference GEMMs' values bitwise, any row
-    count, and its bf16 wgrad grad^T @ x without reading the count on the device."""
+    count, and its bf16 wgrad grad^T @ x without reading the count on the device. Rows in whole tiles (256) are
+    their own slot layout: no slot rows to read through (gemm_rows None) and no gather of the output."""
     from spartron.layers.fp8 import gemms
 
     g = torch.Generator().manual_seed(rows)
@@ -87,15 +88,25 @@ def test_a_dense_linear_runs_as_one_group_in_the_slot_layout(stand_in, rows):
     grad = torch.randn(rows, 384, generator=g).bfloat16()
     w = (torch.randn(1, 384, 256, generator=g) * 0.05).bfloat16()
     one = torch.tensor([rows], dtype=torch.int32)
+
+    def slot_operand(t, slots):
+        index = dg.gemm_rows(slots, rows, None)
+        assert (index is None) == (rows % 128 == 0)
+        return quant.quantize_rows(t if index is None else t.index_select(0, index), True)
+
     slots = dg.one_group(x)
     assert isinstance(slots, dg.SlotCounts) and not slots.dense and torch.equal(slots.device, one)
-    out = dg.fprop(*quant.quantize_rows(x.index_select(0, dg.gemm_rows(slots, rows, None)), True),
-                   *quant.quantize_blocks(w, True), slots, torch.bfloat16)
+    out = dg.fprop(*slot_operand(x, slots), *quant.quantize_blocks(w, True), slots, torch.bfloat16)
     assert torch.equal(out, reference.fprop(*quant.quantize_rows(x, True), *quant.quantize_blocks(w, True), one,
                                             torch.bfloat16))
     slots = dg.one_group(x)
-    dx = dg.dgrad(*quant.quantize_rows(grad.index_select(0, dg.gemm_rows(slots, rows, None)), True),
-                  *quant.quantize_blocks_t(w, True), slots, torch.bfloat16)
+    dx = dg.dgrad(*slot_operand(grad, slots), *quant.quantize_blocks_t(w, True), slots, torch.bfloat16)
     assert torch.equal(dx, reference.dgrad(*quant.quantize_rows(grad, True), *quant.quantize_blocks_t(w, True), one,
                                            torch.bfloat16))
     assert torch.equal(gemms.unquantised_wgrad(grad, x, dg.one_group(x)), (grad.t() @ x).unsqueeze(0))
+    if rows % 128 == 0:  # the packed operand is the layout: another row count is refused, as in the slot layout
+        with pytest.raises(ValueError, match=f"one op's GEMMs take {rows} rows, got 128"):
+            dg.gemm_rows(dg.one_group(x), 128, None)
+        with pytest.raises(ValueError, match=f"128 operand rows, the slot layout of {rows} has {rows}"):
+            dg.fprop(*quant.quantize_rows(x[:128], True), *quant.quantize_blocks(w, True), dg.one_group(x),
+                     torch.bfloat16)

@@ -13,7 +13,8 @@ slot_start[g] * 128; quant.tile_slots bounds the slots statically, no host sync)
 the layout (each group's end row) makes it schedule only the groups' own tiles. The quantisation writes the
 operand straight into the slots (`gemm_rows`: the row index it reads through; a slot row past its group's
 count reads row 0, and no output keeps it), and fprop / dgrad gather their output back to the packed rows:
-one bf16 copy per GEMM. The layout is computed once per op (`SlotCounts`), by one Triton kernel
+one bf16 copy per GEMM. A dense linear whose rows fill whole tiles (one group, a multiple of 128 rows) is its own
+slot layout: no layout kernel, no gather. The layout is computed once per op (`SlotCounts`), by one Triton kernel
 (triton_backend.slot_rows; `padded_rows` is its torch definition, which the GPU test holds it to).
 
 DeepGEMM is an optional extra: `check_backend` says how to get it where it is missing.
@@ -58,16 +59,18 @@ def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class SlotCounts:
     """The routed experts' counts on the device with the slot layout of the op's rows, computed at its first use
-    and kept for the op (never read on the host)."""
+    and kept for the op (never read on the host). `whole_tiles`: one group of that many rows, a multiple of 128
+    (a dense linear's usual rows): the slot layout is the packed rows themselves, no layout kernel and no gather."""
 
     dense = False
 
-    def __init__(self, device: Tensor):
+    def __init__(self, device: Tensor, whole_tiles: int | None = None):
         self.device = device
-        self.rows: int | None = None
-        self.layout: tuple[Tensor, Tensor, Tensor] | None = None
+        self.rows: int | None = whole_tiles
+        self.layout: tuple[Tensor | None, Tensor | None, Tensor] | None = \
+            None if whole_tiles is None else (None, None, device)
 
-    def slots(self, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    def slots(self, rows: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
         if self.layout is None:
             # one Triton kernel on the GPU; its torch definition elsewhere (the CPU tests of this layout)
             slots = _triton().slot_rows if self.device.is_cuda else padded_rows
@@ -83,8 +86,10 @@ def group_counts(counts: Tensor | SlotCounts) -> SlotCounts:
 
 
 def one_group(x2d: Tensor) -> SlotCounts:
-    """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert."""
-    return SlotCounts(quant.one_group(x2d))
+    """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert (rows in whole tiles:
+    as they are)."""
+    rows = x2d.shape[0]
+    return SlotCounts(quant.one_group(x2d), rows if rows % TILE == 0 else None)
 
 
 def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -97,6 +102,8 @@ def gemm_rows(counts: SlotCounts, rows: int, index: Tensor | None) -> Tensor | N
     if rows == 0:
         return index
     source = counts.slots(rows)[0]
+    if source is None:  # the packed rows are the slot layout
+        return index
     return source if index is None else index.index_select(0, source)
 
 
@@ -120,13 +127,14 @@ def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts,
             return torch.empty(0, bq.shape[1], dtype=dtype, device=aq.device)
         raise ValueError("fp8 deep_gemm: the grouped GEMM's rows must be quantised through gemm_rows (slot layout)")
     source, dest, ends = counts.layout
-    if aq.shape[0] != source.numel():
+    slot_rows = counts.rows if source is None else source.numel()
+    if aq.shape[0] != slot_rows:
         raise ValueError(f"fp8 deep_gemm: {aq.shape[0]} operand rows, the slot layout of {counts.rows} has "
-                         f"{source.numel()}")
+                         f"{slot_rows}")
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     # sa.t(): [T*128, K/128] MN-major, the layout DeepGEMM reads (no copy); bq's scales may be a transposed view
     _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((aq, sa.t()), (bq, sb), out, ends, use_psum_layout=True)
-    return out.index_select(0, dest)
+    return out if dest is None else out.index_select(0, dest)
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
