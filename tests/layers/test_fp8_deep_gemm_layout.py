@@ -57,6 +57,29 @@ def test_slot_layout_operands_give_the_packed_rows_gemm(stand_in, counts):
     assert torch.equal(dx, reference.dgrad(*quant.quantize_rows(grad, True), *wt, c, torch.bfloat16))
 
 
+def test_the_experts_layout_computed_once_serves_every_gemm_of_their_ops(stand_in):
+    """FP8GroupedExperts computes the rows' slot layout once per forward (slot_layout) and hands it to both ops and
+    their backward: the counts built from it read the rows through that very layout (no layout kernel per op), give
+    the reference GEMM's values, and refuse another row count."""
+    c = torch.tensor([130, 0, 126], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 256, generator=g).bfloat16()
+    w = (torch.randn(3, 384, 256, generator=g) * 0.05).bfloat16()
+    wq = quant.quantize_blocks(w, True)
+    layout = dg.slot_layout(c, 256)
+    assert [t.shape for t in layout] == [(quant.tile_slots(256, 3) * 128,), (256,), (3,)]
+    for want, got in zip(dg.padded_rows(c, 256), layout, strict=True):
+        assert torch.equal(want, got)
+    for _ in range(2):  # each op builds its counts from the same layout
+        slots = dg.group_counts(c, layout)
+        assert dg.gemm_rows(slots, 256, None) is layout[0]
+        out = dg.fprop(*quant.quantize_rows(x.index_select(0, layout[0]), True), *wq, slots, torch.bfloat16)
+        assert torch.equal(out, reference.fprop(*quant.quantize_rows(x, True), *wq, c, torch.bfloat16))
+    with pytest.raises(ValueError, match="one op's GEMMs take 256 rows, got 128"):
+        dg.gemm_rows(dg.group_counts(c, layout), 128, None)
+    assert quant.slot_layout(c, 256) == [] and quant.group_counts(c, []) is c  # packed rows: nothing to share
+
+
 def test_rows_not_in_the_slot_layout_are_refused_and_no_rows_give_none(stand_in):
     c = torch.tensor([128, 0], dtype=torch.int32)
     x = torch.randn(128, 256).bfloat16()

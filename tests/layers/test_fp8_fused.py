@@ -30,8 +30,8 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
     x, w1, w3, w2 = (t.clone().requires_grad_() for t in (x, w1, w3, w2))
     counts = torch.tensor(COUNTS, dtype=torch.int32)
     if path == "fused":
-        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, True, [], None, None, 1)
-        out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, True, [])
+        h13 = grouped_mm_pair(x, w1, w3, counts, "reference", pow2, True, [], None, None, 1, [])
+        out = swiglu_grouped_mm(h13, w2, counts, "reference", pow2, True, [], [])
     elif path == "w13":  # the recipe's definition: one grouped GEMM over the concatenated [w1; w3]
         gate, up = grouped_mm(x, torch.cat([w1, w3], 1), counts, "reference", pow2, True).split(128, dim=1)
         out = grouped_mm(swiglu(gate, up), w2, counts, "reference", pow2, True)
@@ -79,7 +79,7 @@ def test_the_swiglu_backward_is_swiglus():
     counts = torch.tensor([256], dtype=torch.int32)
     grad = torch.randn(256, 128, generator=g).bfloat16()
     h13 = torch.cat([gate, up], 1).requires_grad_()
-    swiglu_grouped_mm(h13, w, counts, "reference", True, True, []).backward(grad)
+    swiglu_grouped_mm(h13, w, counts, "reference", True, True, [], []).backward(grad)
     h = swiglu(gate.clone().requires_grad_(), up.clone().requires_grad_())
     dh = torch.autograd.grad(grouped_mm(h, w, counts, "reference", True, True), h, grad)[0]
     assert torch.equal(h13.grad[:, :128], torch.ops.aten.silu_backward(dh * up, gate))

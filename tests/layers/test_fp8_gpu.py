@@ -136,8 +136,8 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
         leaves = [t.detach().clone().contiguous().requires_grad_() for t in (x, w1, w3, w2)]
         xl, w1l, w3l, w2l = leaves
         if path == "fused":
-            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, True, [], None, None, 1)
-            out = swiglu_grouped_mm(h13, w2l, c, "triton", True, True, [])
+            h13 = grouped_mm_pair(xl, w1l, w3l, c, "triton", True, True, [], None, None, 1, [])
+            out = swiglu_grouped_mm(h13, w2l, c, "triton", True, True, [], [])
         elif path == "w13":
             gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True, True).split(256, dim=1)
             out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True, True)
@@ -258,13 +258,14 @@ def test_torch_scaled_mm_grouped_gemms_match_the_reference_on_ragged_groups():
                                 reference.fprop(*xq1, *wq1, one, torch.float32))
 
 
-def _experts_step(backend: str, counts, tensors, grad, order=None, inverse=None) -> list:
+def _experts_step(backend: str, counts, tensors, grad, order=None, inverse=None, layout=()) -> list:
     """The routed experts' fused ops (w1|w3 pair, SwiGLU-quantised w2) forward and backward on `backend`:
-    [out, dx, dw1, dw3, dw2]."""
+    [out, dx, dw1, dw3, dw2]. `layout`: the backend's slot layout of the rows, computed once for both ops (as
+    FP8GroupedExperts passes it); empty: each op computes its own."""
     leaves = [t.detach().clone().contiguous().requires_grad_() for t in tensors]
     xl, w1l, w3l, w2l = leaves
-    h13 = grouped_mm_pair(xl, w1l, w3l, counts, backend, True, True, [], order, inverse, 1)
-    out = swiglu_grouped_mm(h13, w2l, counts, backend, True, True, [])
+    h13 = grouped_mm_pair(xl, w1l, w3l, counts, backend, True, True, [], order, inverse, 1, list(layout))
+    out = swiglu_grouped_mm(h13, w2l, counts, backend, True, True, [], list(layout))
     out.backward(grad)
     return [out] + [t.grad for t in leaves]
 
@@ -359,18 +360,21 @@ def test_deep_gemm_grouped_gemms_equal_the_triton_kernels_on_ragged_groups():
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
 def test_deep_gemm_experts_equal_the_triton_experts():
     """The routed experts' fused ops on backend 'deep_gemm' against 'triton' (the same quantisation and wgrad, the
-    fprop / dgrad bitwise the Triton kernel's): every output and gradient equal, with the EP permutation fused."""
+    fprop / dgrad bitwise the Triton kernel's): every output and gradient equal, with the EP permutation fused,
+    with the slot layout computed by each op or once for both (FP8GroupedExperts)."""
+    from spartron.layers.fp8 import deep_gemm_backend as dg
+
     c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
     x, w, grad = _inputs(512, seed=3)
     w1, w3 = w[:, :256], w[:, 128:]
     w2 = (w[:, :256].transpose(1, 2) * 1.5).contiguous()
     order = torch.randperm(512, device="cuda")
     inverse = torch.argsort(order)
-    results = {backend: _experts_step(backend, c, (x, w1, w3, w2), grad[:, :256], order, inverse)
-               for backend in ("triton", "deep_gemm")}
-    for name, got, want in zip(("out", "dx", "dw1", "dw3", "dw2"), results["deep_gemm"], results["triton"],
-                               strict=True):
-        assert torch.equal(got, want), name
+    want = _experts_step("triton", c, (x, w1, w3, w2), grad[:, :256], order, inverse)
+    for layout in ((), dg.slot_layout(c, 512)):
+        got = _experts_step("deep_gemm", c, (x, w1, w3, w2), grad[:, :256], order, inverse, layout)
+        for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), got, want, strict=True):
+            assert torch.equal(a, b), (name, len(layout))
 
 
 @pytest.mark.parametrize("backend", ["triton", "deep_gemm"])

@@ -36,9 +36,9 @@ def _experts(backend: str, device: str, fp8_wgrad: bool, tensors, grad, counts, 
     """The fused expert ops forward and backward -> out, h13's gradient and every leaf's."""
     x, w1, w3, w2 = (t.detach().clone().requires_grad_() for t in tensors)
     inverse = None if order is None else torch.argsort(order)
-    h13 = grouped_mm_pair(x, w1, w3, counts, backend, True, fp8_wgrad, [], order, inverse, 1)
+    h13 = grouped_mm_pair(x, w1, w3, counts, backend, True, fp8_wgrad, [], order, inverse, 1, [])
     h13.retain_grad()
-    out = swiglu_grouped_mm(h13, w2, counts, backend, True, fp8_wgrad, [])
+    out = swiglu_grouped_mm(h13, w2, counts, backend, True, fp8_wgrad, [], [])
     out.backward(grad)
     return out, h13, x.grad, w1.grad, w3.grad, w2.grad
 

@@ -14,13 +14,16 @@ the layout (each group's end row) makes it schedule only the groups' own tiles. 
 operand straight into the slots (`gemm_rows`: the row index it reads through; a slot row past its group's
 count reads row 0, and no output keeps it), and fprop / dgrad gather their output back to the packed rows:
 one bf16 copy per GEMM. A dense linear whose rows fill whole tiles (one group, a multiple of 128 rows) is its own
-slot layout: no layout kernel, no gather. The layout is computed once per op (`SlotCounts`), by one Triton kernel
+slot layout: no layout kernel, no gather. The layout is computed once per op (`SlotCounts`), the routed experts'
+once per experts forward for all their ops (`slot_layout`), by one Triton kernel
 (triton_backend.slot_rows; `padded_rows` is its torch definition, which the GPU test holds it to).
 
 DeepGEMM is an optional extra: `check_backend` says how to get it where it is missing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -80,9 +83,22 @@ class SlotCounts:
         return self.layout
 
 
-def group_counts(counts: Tensor | SlotCounts) -> SlotCounts:
-    """The counts with their slot layout (the routed experts', or a dense linear's one group)."""
-    return counts if isinstance(counts, SlotCounts) else SlotCounts(counts)
+def group_counts(counts: Tensor | SlotCounts, layout: Sequence[Tensor] = ()) -> SlotCounts:
+    """The counts with their slot layout (the routed experts', or a dense linear's one group): `layout` as
+    slot_layout computed it for the experts' ops, else computed at the op's first GEMM."""
+    if isinstance(counts, SlotCounts):
+        return counts
+    slots = SlotCounts(counts)
+    if layout:
+        source, dest, ends = layout
+        slots.rows, slots.layout = dest.numel(), (source, dest, ends)
+    return slots
+
+
+def slot_layout(counts: Tensor, rows: int) -> list[Tensor]:
+    """[source, dest, ends] of `rows` rows grouped by `counts` (padded_rows), computed once for the experts' ops
+    (both forward ops, their AC replay and backward: one layout kernel per experts forward, not six)."""
+    return list(SlotCounts(counts).slots(rows))
 
 
 def one_group(x2d: Tensor) -> SlotCounts:

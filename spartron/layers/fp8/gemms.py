@@ -15,12 +15,15 @@ rounded once, where two GEMMs round dx1 and dx3 and add them in bf16 (tests/laye
 sequences take their weights' quantisation from
 the weight cache when it is on (`cached`: weight_blocks' list; spartron.layers.fp8.weight_cache).
 Each sequence takes its group counts through `impl.group_counts` once (a backend that loops over the
-groups on the host reads them there, one sync per op), and quantises each fprop / dgrad operand through
+groups on the host reads them there, one sync per op; the experts' sequences pass the rows' `impl.slot_layout`,
+computed once per experts forward), and quantises each fprop / dgrad operand through
 `impl.gemm_rows` (the rows packed, or where the backend's grouped GEMM reads them: "deep_gemm" pads each
 group to 128-row slots in the quantisation itself; its fprop / dgrad return the rows packed).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,24 +74,26 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
-                 cached: list[Tensor], order: Tensor | None = None, k: int = 1) -> Tensor:
+                 cached: list[Tensor], order: Tensor | None = None, k: int = 1, layout: Sequence[Tensor] = ()) -> Tensor:
     """x @ [w1; w3]^T per expert: one GEMM of N = 2I -> h13 [M, 2I] (gate | up). `cached`: the
     weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here). `order`: the rows are x[order // k],
-    read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows)."""
-    counts = impl.group_counts(counts)
+    read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows). `layout`: impl.slot_layout
+    of the rows, computed once for the experts' ops (empty: the backend's own, per op)."""
+    counts = impl.group_counts(counts, layout)
     q = cached[0:2] if cached else impl.quantize_blocks_cat((w1, w3), pow2)
     return impl.fprop(*_gemm_rows(impl, x, counts, pow2, order, k), *q, counts, x.dtype)
 
 
 def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor,
                   pow2: bool, fp8_wgrad: bool, cached: list[Tensor], order: Tensor | None = None,
-                  inverse: Tensor | None = None, k: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+                  inverse: Tensor | None = None, k: int = 1,
+                  layout: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor, Tensor]:
     """dx = g13 @ [w1; w3]: ONE dgrad contracting over 2I (fp32 over both halves, rounded once: the
     recipe's definition, Megatron's fused fc1 alike; not the bf16 sum dx1 + dx3 of two GEMMs). dw1, dw3:
     the wgrad over each half of g13's columns (128x1 tiles are per column: the halves' quantisation is
     each half's own). With `order`, dx is x's gradient (the rows' gathered back by `inverse`, each x row's
     k copies summed)."""
-    counts = impl.group_counts(counts)
+    counts = impl.group_counts(counts, layout)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
     dx = impl.dgrad(*_gemm_rows(impl, g13, counts, pow2), *wt, counts, x.dtype)
     if order is not None:  # the rows' gradient back to x: permute_rows' / replicate_tokens' backward
@@ -104,22 +109,24 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
             impl.wgrad(gq[i:], gs[i:], *xcols, counts, w3.dtype))
 
 
-def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cached: list[Tensor]) -> Tensor:
+def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cached: list[Tensor],
+                   layout: Sequence[Tensor] = ()) -> Tensor:
     """silu(gate) * up of h13 = gate | up (read in place), quantised where produced, @ w^T."""
     i = h13.shape[1] // 2
-    counts = impl.group_counts(counts)
+    counts = impl.group_counts(counts, layout)
     q = cached[0:2] if cached else impl.quantize_blocks(w, pow2)
     hq = impl.swiglu_quantize_rows(h13[:, :i], h13[:, i:], pow2, impl.gemm_rows(counts, h13.shape[0], None))
     return impl.fprop(*hq, *q, counts, h13.dtype)
 
 
 def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
-                    pow2: bool, fp8_wgrad: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
+                    pow2: bool, fp8_wgrad: bool, cached: list[Tensor],
+                    layout: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor]:
     """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as
     spartron.layers.ffn.swiglu runs it (the same kernels on the same values), written into the two
     halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
     i = h13.shape[1] // 2
-    counts = impl.group_counts(counts)
+    counts = impl.group_counts(counts, layout)
     gate, up = h13[:, :i], h13[:, i:]
     silu = F.silu(gate)
     dh, dw = backward(impl, grad, silu * up, w, counts, pow2, fp8_wgrad, cached[2:4] if cached else None)

@@ -55,11 +55,19 @@ class FP8GroupedExperts(GroupedExperts):
         if x.dtype != self.w1.dtype:
             raise ValueError(f"FP8 GroupedExperts: input dtype {x.dtype} differs from expert weights {self.w1.dtype}")
         counts = torch.as_tensor(tokens_per_expert, device=x.device).to(torch.int32)
-        if self.fp8_backend != "reference":  # the kernels trust the counts (the reference checks them on the host)
-            rows = x.shape[0] if order is None else order.shape[0]
-            torch._assert_async(counts.sum() == rows, "FP8 GroupedExperts: tokens_per_expert sum != rows")
+        rows = x.shape[0] if order is None else order.shape[0]
         gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
-        # a checkpoint replay gets the original pass's list back: a cache fill dispatches ops only once
+        # a checkpoint replay gets the original pass's lists back: a cache fill and the layout run once
         cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
-        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse, k)
-        return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:])
+        layout = reuse_during_recompute(checked_layout, self.fp8_backend, counts, rows)
+        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse, k, layout)
+        return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:], layout)
+
+
+def checked_layout(backend: str, counts: Tensor, rows: int) -> list[Tensor]:
+    """The routed rows' slot layout for every GEMM of one experts forward (its backward and AC replay too), after
+    a device check that the counts add up to the rows: the kernels trust them (the reference backend checks them
+    on the host)."""
+    if backend != "reference":
+        torch._assert_async(counts.sum() == rows, "FP8 GroupedExperts: tokens_per_expert sum != rows")
+    return backend_impl(backend).slot_layout(counts, rows)

@@ -27,6 +27,8 @@ TransformerEngine's default for this recipe). An all-zero tile gets scale 1. Val
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -89,10 +91,17 @@ def dequantize_blocks(q: Tensor, scale: Tensor) -> Tensor:
     return (blocks * scale[..., :, None, :, None]).reshape(q.shape)
 
 
-def group_counts(counts: Tensor) -> Tensor:
+def group_counts(counts: Tensor, layout: Sequence[Tensor] = ()) -> Tensor:
     """The group counts as a backend's GEMMs take them: this device tensor (the "reference" and "triton"
-    backends; "torch_scaled_mm" reads them on the host once per op: its own group_counts)."""
+    backends; "torch_scaled_mm" reads them on the host once per op: its own group_counts). `layout`: slot_layout's
+    (none here)."""
     return counts
+
+
+def slot_layout(counts: Tensor, rows: int) -> list[Tensor]:
+    """Where a backend's grouped GEMM reads `rows` rows grouped by `counts`, computed once for the experts' ops
+    and handed to group_counts: none, the rows packed ("deep_gemm" starts each group at a 128-row slot: its own)."""
+    return []
 
 
 def gemm_rows(counts, rows: int, index: Tensor | None) -> Tensor | None:

@@ -23,11 +23,12 @@ from spartron.layers.fp8.quant import (
     one_group,
     quantize_blocks,
     quantize_blocks_t,
+    slot_layout,
 )
 
 __all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group",
            "quantize_blocks", "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t",
-           "quantize_cols_grouped", "quantize_rows", "swiglu_quantize_rows", "wgrad"]
+           "quantize_cols_grouped", "quantize_rows", "slot_layout", "swiglu_quantize_rows", "wgrad"]
 
 
 def quantize_rows(x: Tensor, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -27,11 +27,13 @@ stride checks on the meta device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spartron.layers.fp8.quant import TILE, gemm_rows  # noqa: F401 (this backend's rows stay packed)
+from spartron.layers.fp8.quant import TILE, gemm_rows, slot_layout  # noqa: F401 (this backend's rows stay packed)
 
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
 
@@ -74,7 +76,7 @@ class GroupCounts:
         return self._host
 
 
-def group_counts(counts: Tensor | GroupCounts) -> GroupCounts:
+def group_counts(counts: Tensor | GroupCounts, layout: Sequence[Tensor] = ()) -> GroupCounts:
     return counts if isinstance(counts, GroupCounts) else GroupCounts(counts)
 
 

@@ -16,11 +16,20 @@ import torch
 from torch import Tensor
 
 from spartron.layers.fp8 import triton_kernels as k
-from spartron.layers.fp8.quant import FP8, TILE, check_tiled, gemm_rows, group_counts, one_group, tile_slots
+from spartron.layers.fp8.quant import (
+    FP8,
+    TILE,
+    check_tiled,
+    gemm_rows,
+    group_counts,
+    one_group,
+    slot_layout,
+    tile_slots,
+)
 
 __all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group", "quantize_blocks", "quantize_blocks_both",
-           "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows", "slot_rows",
-           "swiglu_quantize_rows", "wgrad"]
+           "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows", "slot_layout",
+           "slot_rows", "swiglu_quantize_rows", "wgrad"]
 
 
 def _cdiv(a: int, b: int) -> int:
