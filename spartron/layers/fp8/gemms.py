@@ -74,7 +74,8 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
-                 cached: list[Tensor], order: Tensor | None = None, k: int = 1, layout: Sequence[Tensor] = ()) -> Tensor:
+                 cached: list[Tensor], order: Tensor | None = None, k: int = 1,
+                 layout: Sequence[Tensor] = ()) -> Tensor:
     """x @ [w1; w3]^T per expert: one GEMM of N = 2I -> h13 [M, 2I] (gate | up). `cached`: the
     weight cache's [q13, s13, q13^T, s13^T] (empty: quantise here). `order`: the rows are x[order // k],
     read through the index by the quantisation (spartron.layers.moe.dispatch.GatheredRows). `layout`: impl.slot_layout
