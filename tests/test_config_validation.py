@@ -339,6 +339,26 @@ def test_a_utf8_bom_is_fine(tmp_path):
     assert load_config(path).name == "bom"
 
 
+def test_a_rank_0_whose_master_port_is_taken_says_so_in_one_line(tmp_path):
+    """Under torchrun / srun the master port is the launcher's (or derived from the Slurm job id): one held by
+    another process (another job on the node) is one line naming MASTER_PORT, not torch's traceback."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set",
+                               "parallel.timeout_s=2"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"spartron: error: rank 0 of 2 (torchrun) cannot listen on 127.0.0.1:{port}, the master "
+                           "port: another process holds it (another job on this node, or one left behind); set "
+                           "MASTER_PORT to a free port\n")
+
+
 def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path, master_port):
     env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1"}

@@ -217,6 +217,12 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300
             raise DistEnvError(f"rank {env.rank} of {env.world_size} ({env.launcher}) gave up after {timeout_s:g} s "
                                f"(parallel.timeout_s) waiting for the other ranks at {host}:{env.master_port}: "
                                f"{str(err).splitlines()[0]}") from None
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            raise DistEnvError(f"rank {env.rank} of {env.world_size} ({env.launcher}) cannot listen on "
+                               f"{host}:{env.master_port}, the master port: another process holds it (another job "
+                               "on this node, or one left behind); set MASTER_PORT to a free port") from None
     return backend
 
 
