@@ -359,6 +359,22 @@ def test_a_rank_0_whose_master_port_is_taken_says_so_in_one_line(tmp_path):
                            "MASTER_PORT to a free port\n")
 
 
+@pytest.mark.parametrize(("addr", "problem"), [
+    ("nosuchhost.invalid", "the master address 'nosuchhost.invalid' \\(MASTER_ADDR\\) does not resolve: .+"),
+    ("::1", "gave up after 2 s \\(parallel.timeout_s\\): nothing accepted a connection at ::1:9 \\(MASTER_ADDR, "
+            "MASTER_PORT; rank 0 listens there\\): .+"),
+])
+def test_a_rank_that_cannot_reach_the_master_says_so_in_one_line(tmp_path, addr, problem):
+    """A rank > 0 whose MASTER_ADDR does not resolve, or where nothing listens, names the variables in one line
+    (c10d's own retries would log C++ stacks first)."""
+    env = {"PATH": "/usr/bin:/bin", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": addr,
+           "MASTER_PORT": "9", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "parallel.timeout_s=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert re.fullmatch(rf"spartron: error: rank 1 of 2 \(torchrun\):? {problem}\n", proc.stderr), proc.stderr
+
+
 def test_a_rank_whose_peers_never_come_says_so_in_one_line(tmp_path, master_port):
     env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1"}

@@ -34,6 +34,10 @@ def launch_cases() -> list[Case]:
          ("MASTER_PORT", "master port")),
         ("slurm-partial", {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}, ("SLURM_",)),
         ("peer-missing", {"RANK": "0", "WORLD_SIZE": "2", **master}, ("rank", "MASTER", "join", "timed out")),
+        ("master-unresolvable", {"RANK": "1", "WORLD_SIZE": "2", **master, "MASTER_ADDR": "nosuchhost.invalid"},
+         ("MASTER_ADDR",)),
+        ("master-not-listening", {"RANK": "1", "WORLD_SIZE": "2", **master, "MASTER_PORT": "9"},
+         ("MASTER_PORT",)),
     ]:
         out.append(Case(f"launch-env-{cid}", "launch", train("parallel.timeout_s=8"), names, env=env, timeout=90.0))
     return out

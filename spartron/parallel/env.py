@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -210,6 +212,8 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+        if env.rank > 0:
+            wait_for_master(env, timeout_s)
         try:
             dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
@@ -217,13 +221,46 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300
             raise DistEnvError(f"rank {env.rank} of {env.world_size} ({env.launcher}) gave up after {timeout_s:g} s "
                                f"(parallel.timeout_s) waiting for the other ranks at {host}:{env.master_port}: "
                                f"{str(err).splitlines()[0]}") from None
-        except dist.DistNetworkError as err:
-            if "EADDRINUSE" not in str(err):
-                raise
-            raise DistEnvError(f"rank {env.rank} of {env.world_size} ({env.launcher}) cannot listen on "
-                               f"{host}:{env.master_port}, the master port: another process holds it (another job "
-                               "on this node, or one left behind); set MASTER_PORT to a free port") from None
+        except dist.DistNetworkError as err:  # the master's port is taken, or the master cannot be reached
+            raise DistEnvError(_network_problem(env, host, timeout_s, str(err).splitlines()[0])) from None
     return backend
+
+
+def wait_for_master(env: DistEnv, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Until rank 0's store accepts a connection at the master address (polled), or one line naming
+    MASTER_ADDR / MASTER_PORT: the store's own retries log C++ stacks for a name that does not resolve and a port
+    nothing listens on, then raise."""
+    who = f"rank {env.rank} of {env.world_size} ({env.launcher})"
+    try:
+        addresses = socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise DistEnvError(f"{who}: the master address {env.master_addr!r} (MASTER_ADDR) does not resolve: "
+                           f"{err.strerror}") from None
+    family, kind, proto, _, address = addresses[0]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(max(0.05, min(poll_s * 5, deadline - time.monotonic())))
+            try:
+                sock.connect(address)
+                return
+            except OSError as err:
+                problem = err.strerror or type(err).__name__
+        if time.monotonic() >= deadline:
+            raise DistEnvError(f"{who} gave up after {timeout_s:g} s (parallel.timeout_s): nothing accepted a "
+                               f"connection at {env.master_addr}:{env.master_port} (MASTER_ADDR, MASTER_PORT; "
+                               f"rank 0 listens there): {problem}")
+        time.sleep(poll_s)
+
+
+def _network_problem(env: DistEnv, host: str, timeout_s: float, message: str) -> str:
+    """One line for torch's DistNetworkError at the rendezvous, naming the variables to fix."""
+    who = f"rank {env.rank} of {env.world_size} ({env.launcher})"
+    if "EADDRINUSE" in message:
+        return (f"{who} cannot listen on {host}:{env.master_port}, the master port: another process holds it "
+                "(another job on this node, or one left behind); set MASTER_PORT to a free port")
+    return (f"{who} could not connect to the master's store at {host}:{env.master_port} (MASTER_ADDR, MASTER_PORT; "
+            f"parallel.timeout_s = {timeout_s:g}): {message}")
 
 
 def destroy_distributed() -> None:
