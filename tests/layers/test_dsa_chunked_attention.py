@@ -56,11 +56,16 @@ def test_one_chunk_is_the_unchunked_path_bitwise(dtype, chunk):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
-def test_chunks_keep_the_output_and_query_gradient_bitwise_and_sums_to_rounding(dtype, tol):
+@pytest.mark.parametrize("dtype, row_tol, tol", [(torch.float64, 1e-14, 1e-12), (torch.bfloat16, 1e-2, 2e-2)])
+def test_chunks_keep_the_output_and_query_gradient_per_row_and_sums_to_rounding(dtype, row_tol, tol):
+    """Each query row's output and gradient are computed from that row alone: chunked they equal the unchunked
+    path up to the BLAS's rounding (bitwise where its per-row results do not depend on how many rows a call has;
+    not so on an AVX512 EPYC's CPU BLAS, 5e-16 relative in float64); kv's and the weights' gradients sum over the
+    chunks, to rounding."""
     ref = _run(dtype, None)
     out, dq, dkv, dw = _run(dtype, 7)
-    assert torch.equal(out, ref[0]) and torch.equal(dq, ref[1])
+    for got, want in ((out, ref[0]), (dq, ref[1])):
+        assert (got.double() - want.double()).abs().max() <= row_tol * want.double().abs().max()
     for got, want in ((dkv, ref[2]), (dw, ref[3])):
         assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
 
