@@ -117,7 +117,10 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     a2a_passes = 4 + 2 * replay  # dispatch + combine, forward and backward, the forward again under AC
     dispatch_passes = 1 + replay  # the forward dispatches: FP8 rows with model.fp8.dispatch, the rest model.dtype
     row = m.dim * width
-    wire = wire_row_bytes(m.dim) if m.fp8 is not None and m.fp8.dispatch else row
+    fp8_wire_layers = 0 if m.fp8 is None or not m.fp8.dispatch else \
+        sum(m.runs_fp8(i) for i in range(m.first_k_dense, m.n_layers)) + m.mtp.depth
+    # the dispatched row's mean bytes over the MoE layers: FP8 in those that run FP8 with model.fp8.dispatch
+    wire = (fp8_wire_layers * wire_row_bytes(m.dim) + (moe_layers - fp8_wire_layers) * row) / max(moe_layers, 1)
     a2a_bytes = tokens * m.moe.top_k * ((a2a_passes - dispatch_passes) * row + dispatch_passes * wire) / a2a_passes
     kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
     a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + replay) * n_micro * m.n_layers

@@ -168,7 +168,10 @@ class FP8Config(ConfigSection):
     MoE all-to-all sends the routed rows as E4M3 with their 1x128 scales (spartron.layers.fp8.wire: 0.52x
     the bf16 bytes at dim 7168), as DeepSeek-V3 dispatches; the gradients go back in model.dtype. Needs
     "experts", power-of-two scales (the experts' own quantisation of the received rows then gives the sent
-    FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank. See docs/FP8.md."""
+    FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank.
+    `layers_at_start_in_bf16` / `layers_at_end_in_bf16`: that many of the first / last decoder layers keep every
+    GEMM in model.dtype (Megatron's first_last_layers_bf16 with num_layers_at_start/end_in_bf16, for stability
+    where the activations are least regular); the MTP modules run FP8 as Megatron's do. See docs/FP8.md."""
 
     recipe: Literal["blockwise"] = "blockwise"
     backend: Literal["triton", "torch_scaled_mm", "deep_gemm", "reference"] = "triton"
@@ -177,6 +180,13 @@ class FP8Config(ConfigSection):
     power_of_two_scales: bool = True
     weight_cache: Literal["auto", "on", "off"] = "auto"
     dispatch: bool = False
+    layers_at_start_in_bf16: int = Field(0, ge=0)
+    layers_at_end_in_bf16: int = Field(0, ge=0)
+
+    def runs_fp8(self, layer: int, n_layers: int) -> bool:
+        """Whether decoder layer `layer` (0-based, of `n_layers`; MTP modules are not decoder layers here) runs
+        its chosen modules in FP8: every layer but the first / last kept in bf16."""
+        return self.layers_at_start_in_bf16 <= layer < n_layers - self.layers_at_end_in_bf16
 
     @model_validator(mode="after")
     def _check(self) -> FP8Config:
@@ -240,6 +250,16 @@ class ModelConfig(ConfigSection):
     def _check_fp8(self) -> None:
         if self.fp8 is None:
             return
+        bf16_layers = self.fp8.layers_at_start_in_bf16 + self.fp8.layers_at_end_in_bf16
+        if bf16_layers >= self.n_layers:
+            raise ValueError(f"model.fp8.layers_at_start_in_bf16 + layers_at_end_in_bf16 = {bf16_layers} keeps every "
+                             f"decoder layer (model.n_layers {self.n_layers}) in bf16: lower them, or remove "
+                             "[model.fp8]")
+        first, end = self.fp8.layers_at_start_in_bf16, self.n_layers - self.fp8.layers_at_end_in_bf16
+        if "dense" not in self.fp8.modules and self.mtp.depth == 0 and end <= self.first_k_dense:
+            raise ValueError(f"model.fp8.modules = ['experts'] converts nothing: the decoder layers that run FP8 "
+                             f"({first}..{end - 1}, model.fp8.layers_at_start_in_bf16 / layers_at_end_in_bf16) are all "
+                             f"dense (model.first_k_dense {self.first_k_dense})")
         if self.dtype != "bfloat16":
             raise ValueError(f"model.fp8 needs model.dtype = 'bfloat16' (the compute dtype outside the FP8 GEMMs), "
                              f"got {self.dtype!r}")
@@ -248,6 +268,11 @@ class ModelConfig(ConfigSection):
                 if size % 128:
                     raise ValueError(f"model.fp8.modules 'experts' quantises 128-wide tiles: {key} {size} is not "
                                      "a multiple of 128")
+
+    def runs_fp8(self, layer: int | None) -> bool:
+        """Whether model.fp8 converts the chosen modules of decoder layer `layer` (None: an MTP module, FP8 as in
+        Megatron)."""
+        return self.fp8 is not None and (layer is None or self.fp8.runs_fp8(layer, self.n_layers))
 
     @property
     def stored_dtype(self) -> str:

@@ -224,6 +224,14 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def decoder_layer(fqn: str) -> int | None:
+    """The main decoder stack's layer index of a parameter name (param_shapes' keys), None outside it (MTP, the
+    embedding and the head)."""
+    head, _, rest = fqn.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if head == "layers" and index.isdigit() else None
+
+
 def is_routed_expert(fqn: str) -> bool:
     """The routed experts' stacked weights (sharded over ep, then expert_fsdp)."""
     return ".experts.w" in fqn and ".shared_experts." not in fqn

@@ -135,7 +135,7 @@ class SparseMoEModel(nn.Module):
 
     def blocks(self) -> list[Block]:
         """The decoder blocks in call order, main stack then MTP (spartron.layers.parallelize's units)."""
-        out = [Block(name, layer, layer.ffn.experts if layer.is_moe else None)
+        out = [Block(name, layer, layer.ffn.experts if layer.is_moe else None, layer=layer.layer_idx)
                for name, layer in self.layers.items()]
         if self.mtp is not None:
             reused = self.mtp.depth > len(self.mtp.blocks)  # one weight-shared block runs every depth

@@ -47,6 +47,7 @@ class Block:
     module: nn.Module
     experts: nn.Module | None = None  # its routed experts (EP-sharded: FSDP over the expert mesh)
     reused: bool = False  # runs several times per step (a weight-shared MTP block)
+    layer: int | None = None  # its index in the main decoder stack (None: an MTP module)
 
 
 @runtime_checkable
@@ -174,6 +175,13 @@ def _range_fsdp_pre_forward(module: nn.Module) -> None:
     module.register_forward_pre_hook(leave)
 
 
+def fp8_blocks(blocks: list[Block], fp8: FP8Config) -> list[nn.Module]:
+    """The blocks model.fp8 converts: the MTP modules and every decoder layer but the first / last it keeps in
+    bf16 (FP8Config.runs_fp8)."""
+    n_layers = sum(b.layer is not None for b in blocks)
+    return [b.module for b in blocks if b.layer is None or fp8.runs_fp8(b.layer, n_layers)]
+
+
 def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
                 compile_backend: str | None = None, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype = torch.float32, fp8: FP8Config | None = None) -> nn.Module:
@@ -189,7 +197,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
                         f"{type(model).__name__} has none")
     if fp8 is not None:
-        apply_fp8([b.module for b in model.blocks()], fp8, compiled=compile_backend is not None,
+        apply_fp8(fp8_blocks(model.blocks(), fp8), fp8, compiled=compile_backend is not None,
                   expert_shards=groups.size("expert_fsdp") if groups is not None else 1)
     apply_ac(model, ac)
     blocks = model.blocks()

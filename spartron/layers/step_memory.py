@@ -16,6 +16,7 @@ from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_row
 from spartron.layers.config import ModelConfig, master_layout_refusal
 from spartron.layers.costs import (
     PARAM_BYTES,
+    decoder_layer,
     is_routed_expert,
     optimizer_masters,
     optimizer_state_elements,
@@ -306,11 +307,13 @@ def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
 
 def fp8_weight_cache_bytes(m: ModelConfig, dims: ParallelDims) -> int:
     """model.fp8.weight_cache as an eager step resolves it (spartron.layers.fp8.weight_cache): every local
-    routed expert weight's FP8 blocks and transposed blocks (1 byte an element each) and their fp32 scales,
+    routed expert weight's FP8 blocks and transposed blocks (1 byte an element each) and their fp32 scales
+    (in the layers that run FP8),
     from the first forward to the optimizer step (unsharded: on with expert_fsdp > 1 it holds whole experts)."""
     if m.fp8 is None or "experts" not in m.fp8.modules or not weight_cache_on(m.fp8, False, dims.expert_fsdp):
         return 0
-    elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items() if is_routed_expert(f))
+    elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items()
+                   if is_routed_expert(f) and m.runs_fp8(decoder_layer(f)))
     return 2 * elements + 2 * 4 * elements // (128 * 128)
 
 

@@ -163,6 +163,10 @@ def test_the_memory_plan_counts_the_cache_where_it_resolves_on():
     sharded = ParallelDims(world_size=2, fsdp=2)  # experts sharded over expert_fsdp 2: auto is off
     assert fp8_weight_cache_bytes(m, sharded) == 0 and fp8_weight_cache_bytes(model("on"), sharded) == 2 * (
         2 * elements + 8 * elements // (128 * 128)) // 2
+    # the last decoder layer kept in bf16 (model.fp8.layers_at_end_in_bf16) has no cache: 3 of the 4 expert sets
+    kept = load_config("configs/tiny.toml", ["model.dtype=bfloat16", "model.dim=128", "model.moe.moe_inter_dim=128",
+                                             "model.fp8.layers_at_end_in_bf16=1"]).model
+    assert fp8_weight_cache_bytes(kept, one) == 3 * (2 * elements + 8 * elements // (128 * 128)) // 4
 
 
 def _trainer_losses(rank, world, root):

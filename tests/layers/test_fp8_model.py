@@ -3,6 +3,8 @@ and a short training run against bf16."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from spartron.layers.config import ModelConfig
 from spartron.layers.fp8 import apply_fp8
 from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
 from spartron.layers.model import build_model
+from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.parallelize import parallelize
 from spartron.runtime.config import load_config
 
@@ -117,6 +120,40 @@ def test_apply_converts_experts_and_dense_linears_and_keeps_names_and_state():
     experts_only = _cfg("model.fp8.backend=reference", 'model.fp8.modules=["experts"]')
     assert all(n.endswith("experts") for n in apply_fp8([b.module for b in build_model(experts_only.model).blocks()],
                                                          experts_only.model.fp8))
+
+
+@pytest.mark.parametrize("fp8, message", [
+    ({"layers_at_start_in_bf16": 2, "layers_at_end_in_bf16": 2},
+     "model.fp8.layers_at_start_in_bf16 + layers_at_end_in_bf16 = 4 keeps every decoder layer (model.n_layers 4) in "
+     "bf16: lower them, or remove [model.fp8]"),
+    ({"layers_at_end_in_bf16": 3, "modules": ["experts"]},
+     "model.fp8.modules = ['experts'] converts nothing: the decoder layers that run FP8 (0..0, "
+     "model.fp8.layers_at_start_in_bf16 / layers_at_end_in_bf16) are all dense (model.first_k_dense 1)"),
+    ({"layers_at_start_in_bf16": -1}, "layers_at_start_in_bf16"),
+    ({"layers_at_end_in_bf16": True}, "layers_at_end_in_bf16"),
+])
+def test_bf16_layers_that_leave_no_fp8_are_refused_naming_the_keys(fp8, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig(dtype="bfloat16", dim=128, n_layers=4, first_k_dense=1, moe={"moe_inter_dim": 128}, fp8=fp8)
+    if "modules" in fp8:  # with an MTP module (MoE, FP8 as in Megatron) the experts do run FP8
+        ModelConfig(dtype="bfloat16", dim=128, n_layers=4, first_k_dense=1, moe={"moe_inter_dim": 128}, fp8=fp8,
+                    mtp={"depth": 1})
+
+
+def test_the_first_and_last_layers_kept_in_bf16_run_no_fp8():
+    """model.fp8.layers_at_start_in_bf16 / layers_at_end_in_bf16 (Megatron's first_last_layers_bf16): parallelize
+    converts the decoder layers between them and the MTP module (FP8, as Megatron's), nothing in the kept layers;
+    the step is neither the all-FP8 nor the bf16 one."""
+    kept = _cfg("model.fp8.backend=reference", "model.fp8.layers_at_start_in_bf16=1", "model.fp8.layers_at_end_in_bf16=1")
+    model = build_model(kept.model, seed=0)
+    parallelize(model, None, ACConfig(mode="none"), fp8=kept.model.fp8)
+    converted = {b.name for b in model.blocks()
+                 if any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in b.module.modules())}
+    assert converted == {"1", "2", "mtp 0"}
+    assert type(model.layers["0"].ffn.w1) is torch.nn.Linear and type(model.layers["3"].ffn.experts) is GroupedExperts
+    assert type(model.layers["1"].ffn.experts) is FP8GroupedExperts and type(model.layers["2"].ffn.shared_experts.w1) is FP8Linear
+    losses = [_grads(cfg, ACConfig(mode="none"))[0] for cfg in (kept, _cfg("model.fp8.backend=reference"), _cfg())]
+    assert len({loss.item() for loss in losses}) == 3, losses
 
 
 def _grads(cfg, ac: ACConfig):

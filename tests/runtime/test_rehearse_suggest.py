@@ -79,6 +79,15 @@ def test_fp8_dispatch_models_the_forward_dispatches_in_fp8_bytes():
     ep_bf16 = modelled_step(bf16, 8, flat, 0.5, 10.0, 8)[1]["ep"]
     ep_fp8 = modelled_step(fp8, 8, flat, 0.5, 10.0, 8)[1]["ep"]
     assert ep_fp8 / ep_bf16 == pytest.approx((4 * 256 + 2 * (128 + 4)) / (6 * 256), rel=1e-6)
+    # the last decoder layer kept in bf16 dispatches bf16 rows: 4 of the 5 MoE layers (3 decoder + 2 MTP) send FP8;
+    # the first kept in bf16 is dense (first_k_dense 1): nothing changes
+    for start, end, fp8_layers in ((0, 1, 4), (1, 0, 5)):
+        kept = layout_config(load_config(TINY, [*sets, "model.fp8.dispatch=true", "parallel.ep=2",
+                                                f"model.fp8.layers_at_start_in_bf16={start}",
+                                                f"model.fp8.layers_at_end_in_bf16={end}"]), 2, 1, "full")
+        wire = (fp8_layers * (128 + 4) + (5 - fp8_layers) * 256) / 5
+        assert modelled_step(kept, 8, flat, 0.5, 10.0, 8)[1]["ep"] / ep_bf16 == pytest.approx(
+            (4 * 256 + 2 * wire) / (6 * 256), rel=1e-6)
 
 
 def test_every_ac_mode_is_suggested_for_a_preset_with_selective_targets_and_offload():

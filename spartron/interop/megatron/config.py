@@ -18,8 +18,10 @@ power_of_two_scales, weight_cache and dispatch) have no Megatron field: they com
 defaults).
 
 FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it through
-Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"); every other FP8 recipe,
-format or Transformer Engine FP8 feature is a problem naming its field.
+Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"), its
+`first_last_layers_bf16` with `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16`
+model.fp8.layers_at_start_in_bf16 / layers_at_end_in_bf16 (0 without first_last_layers_bf16); every other FP8
+recipe, format or Transformer Engine FP8 feature is a problem naming its field.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ MAPPED = frozenset({
     "moe_enable_deepep", "moe_flex_dispatcher_backend", "moe_deepep_num_sms", "moe_grouped_gemm",
     "experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
     "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "fp8", "fp8_recipe", "fp8_wgrad",
+    "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
 })
 
 # field -> (allowed values, why). Values compare with ==.
@@ -86,7 +89,6 @@ REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "activation_func_fp8_input_store": ((False,), "the FP8 experts keep the SwiGLU input in model.dtype and "
                                         "recompute the product in backward"),
     "fp4": ((None,), "no FP4 in Spartron layers"), "fp4_param": ((False,), "no FP4"),
-    "first_last_layers_bf16": ((False,), "model.fp8 applies to the chosen modules of every layer"),
     "use_kitchen": ((False,), "no kitchen quantisation"), "use_kitchen_attention": ((False,), "no kitchen"),
     "quant_recipe": ((None,), "no quantisation"),
     "attention_dropout": ((0.0,), "Spartron attention has no dropout"),
@@ -178,7 +180,7 @@ MEGATRON_OWNED = frozenset({
     "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion",
     "use_fused_weighted_squared_relu", "fused_single_qkv_rope", "recompute_method", "recompute_num_layers",
     "distribute_saved_activations", "recompute_modules",
-    "fp8_interval", "tp_only_amax_red", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+    "fp8_interval", "tp_only_amax_red",
     "kitchen_attention_backend", "fp4_recipe", "fp4_quantizer_factory", "moe_token_drop_policy",
     "moe_hybridep_num_sms", "cuda_graph_use_single_mempool", "cuda_graph_retain_backward_graph",
     "cuda_graph_warmup_steps", "cuda_graph_scope", "clone_scatter_output_in_embedding",
@@ -336,7 +338,8 @@ def _dsa_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
 
 
 def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]) -> dict[str, Any] | None:
-    """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad (which Megatron reads only when fp8 is set: wgrad); the
+    """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad / first_last_layers_bf16 with num_layers_at_start_in_bf16
+    and num_layers_at_end_in_bf16 (which Megatron reads only when fp8 is set: wgrad, the bf16 layers); the
     Spartron-only fields (backend, modules, power_of_two_scales, weight_cache, dispatch) from `base`."""
     if tcfg.fp8 is None:
         return None
@@ -346,8 +349,11 @@ def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
     if tcfg.fp8_recipe != "blockwise":
         problems.append(f"fp8_recipe={tcfg.fp8_recipe!r}: Spartron runs DeepSeek-V3's recipe, 'blockwise' (1x128 "
                         "activation and gradient tiles, 128x128 weight blocks, each scaled by its own amax)")
-    spartron_only = {} if base.fp8 is None else base.fp8.model_dump(exclude={"recipe", "wgrad"})
-    return {"recipe": "blockwise", "wgrad": "fp8" if tcfg.fp8_wgrad else "model_dtype", **spartron_only}
+    megatron = {"recipe": "blockwise", "wgrad": "fp8" if tcfg.fp8_wgrad else "model_dtype",
+                "layers_at_start_in_bf16": tcfg.num_layers_at_start_in_bf16 if tcfg.first_last_layers_bf16 else 0,
+                "layers_at_end_in_bf16": tcfg.num_layers_at_end_in_bf16 if tcfg.first_last_layers_bf16 else 0}
+    spartron_only = {} if base.fp8 is None else base.fp8.model_dump(exclude=set(megatron))
+    return {**megatron, **spartron_only}
 
 
 def _dtype(tcfg: TransformerConfig, problems: list[str]) -> str:
@@ -451,9 +457,14 @@ def megatron_config_from_spartron(cfg: ModelConfig, **overrides: Any) -> MLATran
         raise MegatronConfigError(["model.moe.bias_update_rate > 0 with score_func 'softmax': Megatron's "
                                    "expert bias (moe_router_enable_expert_bias) needs sigmoid scores"])
     kw.update(overrides)
-    fp8 = {k: kw.pop(k) for k in ("fp8", "fp8_recipe", "fp8_wgrad") if k in kw}
+    fp8_fields = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                  "num_layers_at_end_in_bf16")
+    fp8 = {k: kw.pop(k) for k in fp8_fields if k in kw}
     if cfg.fp8 is not None:
-        fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_wgrad": cfg.fp8.wgrad == "fp8", **fp8}
+        start, end = cfg.fp8.layers_at_start_in_bf16, cfg.fp8.layers_at_end_in_bf16
+        fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_wgrad": cfg.fp8.wgrad == "fp8",
+               "first_last_layers_bf16": start + end > 0, "num_layers_at_start_in_bf16": start,
+               "num_layers_at_end_in_bf16": end, **fp8}
     tcfg = MLATransformerConfig(**kw)
     # set after construction: megatron-core 0.16's __post_init__ checks Transformer Engine's version for MoE FP8
     # (and fails without TE); the Spartron layers run their own FP8 and never use TE

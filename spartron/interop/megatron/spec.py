@@ -11,7 +11,7 @@ through the `SideChannel` (side_channel.py) the user creates and puts into the s
 Initialisation: each adapter initialises its Spartron module by the rule of spartron.layers.init from
 the spec param `init_seed` and the names the same layer has in SparseMoEModel (`layers.{i}.attn.*`,
 `layers.{i}.ffn.*`), so a Megatron block starts from the reference model's layers under any layout.
-The MLP slot learns its layer index from `set_layer_number`, so it initialises there.
+The MLP slot learns its layer index from `set_layer_number`, so it initialises (and turns FP8) there.
 
 Groups: attention takes Megatron's `pg_collection` (TransformerLayer passes it); the MLP slot gets
 no groups from TransformerLayer, so `pg_collection` or a Spartron `ParallelGroups` is a spec param,
@@ -77,12 +77,13 @@ def _reject(**unsupported: Any) -> None:
                          "sequences: pass None)")
 
 
-def _apply_fp8(module: nn.Module, cfg: ModelConfig, kinds: set[str]) -> None:
+def _apply_fp8(module: nn.Module, cfg: ModelConfig, kinds: set[str], layer_idx: int) -> None:
     """model.fp8 (Megatron's fp8 = "e4m3", fp8_recipe = "blockwise") on one slot's Spartron module, when the slot
-    holds a kind model.fp8.modules names ("dense": its linears; "experts": the routed experts). The experts' weight
-    cache stays off: Megatron's training loop never tells the layers that its optimizer changed the weights."""
+    holds a kind model.fp8.modules names ("dense": its linears; "experts": the routed experts) and its layer is not
+    one kept in bf16 (first_last_layers_bf16). The experts' weight cache stays off: Megatron's training loop never
+    tells the layers that its optimizer changed the weights."""
     fp8 = cfg.fp8
-    if fp8 is None or not kinds & set(fp8.modules):
+    if fp8 is None or not kinds & set(fp8.modules) or not fp8.runs_fp8(layer_idx, cfg.n_layers):
         return
     if fp8.weight_cache == "on":
         raise ConfigError("model.fp8.weight_cache = 'on' in the Megatron adapters: Megatron's optimizer step does "
@@ -108,7 +109,7 @@ class SpartronMLAAttention(nn.Module):
         self.cp_group = resolve_group("cp", pg_collection, groups, config)
         self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
         init_parameters_(self.mla, init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.attn.")
-        _apply_fp8(self.mla, self.model_cfg, {"dense"})
+        _apply_fp8(self.mla, self.model_cfg, {"dense"}, self.layer_idx)
         set_megatron_param_attributes(self, expert_parallel=False)
 
     @property
@@ -150,11 +151,14 @@ class _MLPSlot(nn.Module):
         self.side_channel = side_channel
         self.init_seed = init_seed
         self.layer_idx: int | None = None
+        self.fp8_kinds: set[str] = set()  # what model.fp8.modules may convert in this slot (set by the subclass)
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Megatron's TransformerLayer calls this in its constructor: the index names the weights."""
+        """Megatron's TransformerLayer calls this in its constructor: the index names the weights and says whether
+        the layer runs FP8 (model.fp8's bf16 layers)."""
         self.layer_idx = layer_number - 1
         init_parameters_(self.ffn_module(), self.init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.ffn.")
+        _apply_fp8(self.ffn_module(), self.model_cfg, self.fp8_kinds, self.layer_idx)
 
     def ffn_module(self) -> nn.Module:
         raise NotImplementedError
@@ -190,8 +194,7 @@ class SpartronMoEMLP(_MLPSlot):
                              f"has {_ranks(self.ep_group)}")
         self.moe = MoELayer(self.model_cfg, transport)
         self.moe.router = MegatronRouter.like(self.moe.router)
-        shared = {"dense"} if self.model_cfg.moe.n_shared_experts else set()
-        _apply_fp8(self.moe, self.model_cfg, {"experts"} | shared)
+        self.fp8_kinds = {"experts", "dense"} if self.model_cfg.moe.n_shared_experts else {"experts"}
         set_megatron_param_attributes(self, expert_parallel=self.ep_group is not None)
 
     def ffn_module(self) -> nn.Module:
@@ -229,7 +232,7 @@ class SpartronDenseMLP(_MLPSlot):
             raise TypeError(f"SpartronDenseMLP got unexpected arguments {sorted(unknown)}")
         self.ffn = FeedForward(self.model_cfg.dim, self.model_cfg.dense_inter_dim,
                                init_std=self.model_cfg.init_std)
-        _apply_fp8(self.ffn, self.model_cfg, {"dense"})
+        self.fp8_kinds = {"dense"}
         set_megatron_param_attributes(self, expert_parallel=False)
 
     def ffn_module(self) -> nn.Module:

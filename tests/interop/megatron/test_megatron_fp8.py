@@ -63,6 +63,24 @@ def test_model_fp8_is_megatrons_blockwise_e4m3_both_ways():
     assert info.value.problems == ["model.fp8.wgrad: Spartron 'fp8' vs Megatron 'model_dtype'"]
 
 
+def test_the_layers_kept_in_bf16_are_megatrons_first_last_layers_bf16_both_ways():
+    kept = fp8_cfg(layers_at_start_in_bf16=1, layers_at_end_in_bf16=1)
+    tcfg = megatron_config_from_spartron(kept)
+    assert (tcfg.first_last_layers_bf16, tcfg.num_layers_at_start_in_bf16, tcfg.num_layers_at_end_in_bf16) == \
+        (True, 1, 1)
+    assert spartron_config_from_megatron(tcfg, base=kept) == kept
+    assert spartron_config_from_megatron(tcfg).fp8.layers_at_end_in_bf16 == 1
+    cfg = fp8_cfg()
+    plain = megatron_config_from_spartron(cfg)
+    assert plain.first_last_layers_bf16 is False
+    # Megatron reads the counts only with first_last_layers_bf16 (its defaults are 1): no bf16 layers
+    assert spartron_config_from_megatron(_with(plain, num_layers_at_start_in_bf16=2), base=cfg) == cfg
+    with pytest.raises(MegatronConfigError) as info:
+        spartron_config_from_megatron(tcfg, base=cfg)
+    assert info.value.problems == ["model.fp8.layers_at_start_in_bf16: Spartron 0 vs Megatron 1",
+                                   "model.fp8.layers_at_end_in_bf16: Spartron 0 vs Megatron 1"]
+
+
 def _with(tcfg, **fields):
     """tcfg with fields set after construction (megatron-core 0.16 cannot construct an MoE config with fp8 set
     when Transformer Engine is absent: its __post_init__ compares TE's missing version)."""
@@ -84,7 +102,6 @@ def _with(tcfg, **fields):
     (dict(fp8_multi_head_attention=True), "fp8_multi_head_attention=True: must be one of [False]"),
     (dict(activation_func_fp8_input_store=True), "activation_func_fp8_input_store=True: must be one of [False] "
                                                  "(the FP8 experts keep the SwiGLU input in model.dtype"),
-    (dict(first_last_layers_bf16=True), "first_last_layers_bf16=True: must be one of [False] (model.fp8 applies"),
     (dict(moe_router_padding_for_fp8=True), "moe_router_padding_for_fp8=True: must be one of [False] (Spartron's "
                                             "FP8 experts take any row count"),
 ])
@@ -108,7 +125,8 @@ def test_fp8_in_megatron_or_in_the_base_alone_is_a_disagreement():
     bf16 = cfg.model_copy(update={"fp8": None})
     with pytest.raises(MegatronConfigError) as info:
         spartron_config_from_megatron(megatron_config_from_spartron(cfg), base=bf16)
-    assert info.value.problems == ["model.fp8: Spartron None vs Megatron {'recipe': 'blockwise', 'wgrad': 'fp8'}"]
+    assert info.value.problems == ["model.fp8: Spartron None vs Megatron {'recipe': 'blockwise', 'wgrad': 'fp8', "
+                                   "'layers_at_start_in_bf16': 0, 'layers_at_end_in_bf16': 0}"]
     with pytest.raises(MegatronConfigError) as info:
         spartron_config_from_megatron(megatron_config_from_spartron(bf16), base=cfg)
     assert info.value.problems == [f"model.fp8: Spartron {cfg.fp8.model_dump()!r} vs Megatron None"]
@@ -141,7 +159,9 @@ def _fp8_block(rank, world, fp8):
     layers = _bf16_params(torch.nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers)))
     init_parameters_(layers, 4, cfg.init_std, prefix="layers.")
     plain = copy.deepcopy(layers)  # the same weights in bfloat16 without FP8
-    spartron_converted = sorted(apply_fp8(list(layers), cfg.fp8))
+    apply_fp8([layer for i, layer in enumerate(layers) if cfg.fp8.runs_fp8(i, cfg.n_layers)], cfg.fp8)
+    spartron_converted = sorted(f"{i}.{name}" for i, layer in enumerate(layers) for name, m in layer.named_modules()
+                                if isinstance(m, (FP8Linear, FP8GroupedExperts)))
     s, b = 12, 2
     x = torch.randn(s, b, cfg.dim, dtype=torch.bfloat16)
     x_m, x_s = x.clone().requires_grad_(), x.transpose(0, 1).clone().requires_grad_()
@@ -239,3 +259,13 @@ def test_spartron_checkpointing_of_the_fp8_adapters_gives_the_no_ac_gradients_bi
     (r,) = run_distributed(_fp8_gpt_grads, 1, ac, timeout=300)
     assert r["same_keys"] and r["n"] > 30 and r["unequal"] == [], r
     assert r["regions"] == [f"decoder.layers.{i}" for i in range(3)] and r["fp8_modules"] == 20, r
+
+
+def test_the_adapters_keep_megatrons_first_and_last_layers_in_bf16():
+    """first_last_layers_bf16 (model.fp8.layers_at_start/end_in_bf16 = 1 of 3 layers): only the middle layer's
+    modules turn FP8, in the adapters as in Spartron's layers, with the same numerics bitwise."""
+    (r,) = run_distributed(_fp8_block, 1, {"layers_at_start_in_bf16": 1, "layers_at_end_in_bf16": 1})
+    assert r["converted"] == r["spartron_converted"], r
+    assert {name.split(".")[0] for name in r["converted"]} == {"1"} and "1.ffn.experts" in r["converted"], r
+    assert r["out_equal"] and r["x_grad_equal"] and r["unequal"] == [], r
+    assert r["fp8_effect"] > 1e-3, r
