@@ -144,13 +144,15 @@ def test_the_first_and_last_layers_kept_in_bf16_run_no_fp8():
     """model.fp8.layers_at_start_in_bf16 / layers_at_end_in_bf16 (Megatron's first_last_layers_bf16): parallelize
     converts the decoder layers between them and the MTP module (FP8, as Megatron's), nothing in the kept layers;
     the step is neither the all-FP8 nor the bf16 one."""
-    kept = _cfg("model.fp8.backend=reference", "model.fp8.layers_at_start_in_bf16=1", "model.fp8.layers_at_end_in_bf16=1")
+    kept = _cfg("model.fp8.backend=reference", "model.fp8.layers_at_start_in_bf16=1",
+                "model.fp8.layers_at_end_in_bf16=1")
     model = build_model(kept.model, seed=0)
     parallelize(model, None, ACConfig(mode="none"), fp8=kept.model.fp8)
     converted = {b.name for b in model.blocks()
                  if any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in b.module.modules())}
     assert converted == {"1", "2", "mtp 0"}
-    assert type(model.layers["0"].ffn.w1) is torch.nn.Linear and type(model.layers["3"].ffn.experts) is GroupedExperts
+    assert type(model.layers["0"].ffn.w1) is torch.nn.Linear
+    assert type(model.layers["3"].ffn.experts) is GroupedExperts
     assert type(model.layers["1"].ffn.experts) is FP8GroupedExperts and type(model.layers["2"].ffn.shared_experts.w1) is FP8Linear
     losses = [_grads(cfg, ACConfig(mode="none"))[0] for cfg in (kept, _cfg("model.fp8.backend=reference"), _cfg())]
     assert len({loss.item() for loss in losses}) == 3, losses
