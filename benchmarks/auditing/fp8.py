@@ -1,5 +1,6 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not divide, a
-compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache and wgrad values
+compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache, wgrad and
+bf16-layer values
 (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank
 that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
@@ -44,6 +45,19 @@ def cases() -> list[Case]:
     add("wgrad-unknown", train(*FP8, 'model.fp8.wgrad="bf16"'), ("model.fp8.wgrad",))
     add("wgrad-bool", train(*FP8, "model.fp8.wgrad=false"), ("model.fp8.wgrad",), category="dtypes")
     add("step-wgrad-model-dtype", train(*FP8, 'model.fp8.wgrad="model_dtype"'), (), accept_ok=True, timeout=240.0)
+    add("bf16-layers-all", train(*FP8, "model.fp8.layers_at_start_in_bf16=2", "model.fp8.layers_at_end_in_bf16=2"),
+        ("model.fp8.layers_at_start_in_bf16",), category="sizes")
+    add("bf16-layers-negative", train(*FP8, "model.fp8.layers_at_end_in_bf16=-1"),
+        ("model.fp8.layers_at_end_in_bf16",), category="sizes")
+    add("bf16-layers-float", train(*FP8, "model.fp8.layers_at_start_in_bf16=1.5"),
+        ("model.fp8.layers_at_start_in_bf16",), category="dtypes")
+    add("bf16-layers-huge", train(*FP8, "model.fp8.layers_at_start_in_bf16=99999999999999999999"),
+        ("model.fp8.layers_at_start_in_bf16",), category="sizes")
+    add("bf16-layers-experts-only-dense", train(*FP8, 'model.fp8.modules=["experts"]', "model.mtp.depth=0",
+                                                "model.fp8.layers_at_end_in_bf16=3"),
+        ("model.fp8.modules", "model.fp8.layers_at_end_in_bf16"))
+    add("step-bf16-layers", train(*FP8, "model.fp8.layers_at_start_in_bf16=1", "model.fp8.layers_at_end_in_bf16=1"),
+        (), accept_ok=True, timeout=240.0)
     add("weight-cache-unknown", train(*FP8, 'model.fp8.weight_cache="always"'), ("model.fp8.weight_cache",))
     add("weight-cache-bool", train(*FP8, "model.fp8.weight_cache=true"), ("model.fp8.weight_cache",),
         category="dtypes")
