@@ -92,10 +92,12 @@ def test_rows_not_in_the_slot_layout_are_refused_and_no_rows_give_none(stand_in)
         dg.gemm_rows(slots, 64, None)
     with pytest.raises(ValueError, match="the slot layout of 128 has 384"):
         dg.fprop(*quant.quantize_rows(x.index_select(0, rows[:256]), True), *wq, slots, torch.bfloat16)
-    empty = dg.group_counts(torch.zeros(2, dtype=torch.int32))
-    assert dg.gemm_rows(empty, 0, None) is None
-    out = dg.fprop(*quant.quantize_rows(x[:0], True), *wq, empty, torch.bfloat16)
-    assert out.shape == (0, 128)
+    none = torch.zeros(2, dtype=torch.int32)
+    assert dg.slot_layout(none, 0) == []  # an EP rank that received no rows: the experts' shared layout is empty
+    for empty in (dg.group_counts(none), dg.group_counts(none, dg.slot_layout(none, 0)), dg.one_group(x[:0])):
+        assert dg.gemm_rows(empty, 0, None) is None
+        out = dg.fprop(*quant.quantize_rows(x[:0], True), *wq, empty, torch.bfloat16)
+        assert out.shape == (0, 128)
 
 
 @pytest.mark.parametrize("rows", [130, 256])

@@ -97,15 +97,16 @@ def group_counts(counts: Tensor | SlotCounts, layout: Sequence[Tensor] = ()) -> 
 
 def slot_layout(counts: Tensor, rows: int) -> list[Tensor]:
     """[source, dest, ends] of `rows` rows grouped by `counts` (padded_rows), computed once for the experts' ops
-    (both forward ops, their AC replay and backward: one layout kernel per experts forward, not six)."""
-    return list(SlotCounts(counts).slots(rows))
+    (both forward ops, their AC replay and backward: one layout kernel per experts forward, not six). No rows
+    (an EP rank that received none): no layout, as the GEMMs of no rows read none."""
+    return list(SlotCounts(counts).slots(rows)) if rows else []
 
 
 def one_group(x2d: Tensor) -> SlotCounts:
     """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert (rows in whole tiles:
     as they are)."""
     rows = x2d.shape[0]
-    return SlotCounts(quant.one_group(x2d), rows if rows % TILE == 0 else None)
+    return SlotCounts(quant.one_group(x2d), rows if rows and rows % TILE == 0 else None)
 
 
 def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
