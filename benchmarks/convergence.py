@@ -5,6 +5,7 @@ weights, the same data in the same order, the same schedule, at a DeepSeek-V3-li
     python benchmarks/convergence.py --prepare                               # corpus, tokens, initial weights
     python benchmarks/convergence.py --case spartron-bf16 --steps-to 500     # one piece of one case
     python benchmarks/convergence.py --report --out benchmarks/results/convergence/convergence.json
+    python benchmarks/convergence.py --recompare OLD.json --out NEW.json     # its comparisons with today's rules
     python benchmarks/convergence.py --smoke --out /tmp/c.json               # CPU, tiny, seconds
 
 Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron's order (train.seed);
@@ -232,8 +233,9 @@ def fp8_gap(fp8: dict, base: dict, width: int, base_name: str = "spartron-bf16")
     return out
 
 
-def read_previous(path: Path) -> dict:
-    """An earlier report (--previous): a regular JSON file with the fields a report has, or one error line."""
+def read_previous(path: Path, flag: str = "--previous") -> dict:
+    """An earlier report (--previous, --recompare): a regular JSON file with the fields a report has, or one error
+    line naming `flag`."""
     try:
         if not path.is_file() or path.is_symlink():
             raise ValueError("not a regular file")
@@ -245,7 +247,7 @@ def read_previous(path: Path) -> dict:
         if any(not isinstance(c, dict) or "status" not in c for c in out["cases"].values()):
             raise ValueError("a case without a status")
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        fail(f"--previous {path}: not a convergence report ({err})")
+        fail(f"{flag} {path}: not a convergence report ({err})")
     return out
 
 
@@ -280,20 +282,41 @@ def report(args: argparse.Namespace) -> dict:
         last = c["steps"][-1] if c["steps"] else 0
         done = "complete" if last >= t.steps else f"partial (to step {last})"
         out["cases"][name] = {"side": side, "precision": precision, "data_seed": t.seed + seed, "status": done, **c}
-    out["comparisons"]["fp8"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-bf16"], t.eval_every)
-    out["comparisons"]["fp8_vs_fp32"] = fp8_gap(out["cases"]["spartron-fp8"], out["cases"]["spartron-fp32"],
-                                                t.eval_every, "spartron-fp32")
+    out["comparisons"] = compare(out["cases"], t.eval_every)
+    write(out, args.out)
+    return out
+
+
+def compare(cases: dict[str, dict], eval_every: int) -> dict:
+    """Every comparison a report makes from its cases: FP8 against Spartron's bf16 and fp32-master curves, and each
+    Spartron curve against the torchtitan pair's noise band."""
+    out = {"fp8": fp8_gap(cases["spartron-fp8"], cases["spartron-bf16"], eval_every),
+           "fp8_vs_fp32": fp8_gap(cases["spartron-fp8"], cases["spartron-fp32"], eval_every, "spartron-fp32")}
     against_reference = {p: [f"spartron-{p}", f"titan-{p}", f"titan-{p}-seed1"] for p in ("bf16", "fp32")}
     against_reference |= {name: [name, "titan-fp32", "titan-fp32-seed1"] for name in HOLDING}
     for key, names in against_reference.items():
-        cases = [out["cases"][n] for n in names]
-        if any(c["status"] == "not run" for c in cases):
-            out["comparisons"][key] = {"status": "not compared: " + ", ".join(
-                n for n, c in zip(names, cases, strict=True) if c["status"] == "not run") + " not run"}
+        chosen = [cases[n] for n in names]
+        if any(c["status"] == "not run" for c in chosen):
+            out[key] = {"status": "not compared: " + ", ".join(
+                n for n, c in zip(names, chosen, strict=True) if c["status"] == "not run") + " not run"}
             continue
-        val = [dict(zip(c["val_steps"], c["val_loss"], strict=True)) for c in cases]
-        train = [window_means(c, t.eval_every or 50) for c in cases]
-        out["comparisons"][key] = {"val_loss": band(*val), "train_loss_windows": band(*train)}
+        val = [dict(zip(c["val_steps"], c["val_loss"], strict=True)) for c in chosen]
+        train = [window_means(c, eval_every or 50) for c in chosen]
+        out[key] = {"val_loss": band(*val), "train_loss_windows": band(*train)}
+    return out
+
+
+def recompare(args: argparse.Namespace) -> dict:
+    """--recompare: an earlier report's comparisons made again from its recorded cases with this commit's rules
+    (a comparison added since, such as FP8 against the fp32-master curve), written with its plot to --out; the
+    cases, their commits and devices are the report's, untouched."""
+    from spartron.runtime.metrics import git_commit
+
+    out = read_previous(args.recompare, "--recompare")
+    cases = {name: out["cases"].get(name, {"side": side, "precision": precision, "status": "not run"})
+             for name, (side, precision, _) in CASES.items()}
+    out = {**out, "cases": cases, "comparisons": compare(cases, out["eval_every"]),
+           "recompared": {"from": args.recompare.name, "commit": args.commit or git_commit()}}
     write(out, args.out)
     return out
 
@@ -321,7 +344,8 @@ def plot(out: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(columns), figsize=(6 * len(columns), 8), squeeze=False)
     for col, precision in enumerate(columns):
         for name, case in out["cases"].items():
-            beside = precision == "fp8" and name == "spartron-bf16"  # FP8 is compared with Spartron's bf16 curve
+            # FP8 is compared with Spartron's bf16 and fp32-master curves
+            beside = precision == "fp8" and name in ("spartron-bf16", "spartron-fp32")
             if (case["precision"] != precision and not beside) or case["status"] == "not run":
                 continue
             means = window_means(case, out["eval_every"] or 1)
@@ -346,6 +370,8 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="write the JSON (and PNG) from the cases' metrics")
     parser.add_argument("--previous", type=Path, default=None,
                         help="--report: take the cases this root has not run from this earlier report (same corpus)")
+    parser.add_argument("--recompare", type=Path, default=None,
+                        help="make an earlier report's comparisons again from its cases (with this commit's rules)")
     parser.add_argument("--prepare", action="store_true",
                         help="make the corpus, tokens and initial weights, then stop (before cases run side by side)")
     parser.add_argument("--max-bytes", type=int, default=128 << 20, help="corpus text at most (bytes)")
@@ -362,8 +388,13 @@ def main() -> int:
         args.max_bytes = min(args.max_bytes, 1_000_000)
         args.case = args.case or [n for n, (side, p, _) in CASES.items() if side == "spartron" and p != "fp8"]
         args.report = True
+    if args.recompare is not None:
+        if args.case or args.report or args.prepare or args.smoke:
+            parser.error("--recompare reads a report alone: no --case, --report, --prepare or --smoke")
+        recompare(args)
+        return 0
     if not args.case and not args.report and not args.prepare:
-        parser.error("give --case NAME (repeatable), --prepare, --report or --smoke")
+        parser.error("give --case NAME (repeatable), --prepare, --report, --recompare or --smoke")
     if args.prepare:
         prepare(args)
     for name in args.case:

@@ -230,6 +230,45 @@ def test_fp8_gap_is_the_mean_relative_difference_over_the_second_half():
         "status": "not compared: spartron-fp32 not run"}
 
 
+def test_recompare_makes_a_reports_comparisons_again_from_its_cases(tmp_path):
+    """--recompare: a report recorded before a comparison existed (FP8 against the fp32-master curve) gets it from
+    its own cases; the cases, commits and devices stay the report's; a file that is not a report, or other
+    modes beside it, is one error line."""
+    def case(precision, loss, val):
+        return {"side": "spartron", "precision": precision, "status": "complete", "steps": [1, 2, 3, 4],
+                "loss": loss, "val_steps": [2, 4], "val_loss": val}
+
+    old = {"benchmark": "convergence", "commit": "0ld", "device": "H100", "corpus": {"sha256": "ab"}, "eval_every": 2,
+           "case_commits": {"spartron-fp8": "0ld"}, "comparisons": {"fp8": {"stale": True}},
+           "cases": {"spartron-bf16": case("bf16", [4.0] * 4, [3.0, 2.0]),
+                     "spartron-fp32": case("fp32", [4.0, 4.0, 2.0, 2.0], [3.0, 2.0]),
+                     "spartron-fp8": case("fp8", [4.0, 4.0, 2.002, 2.002], [3.0, 2.01])}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    done = bench("convergence.py", "--recompare", str(tmp_path / "old.json"), "--out", str(tmp_path / "new.json"),
+                 "--commit", "n3w", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    new = json.loads((tmp_path / "new.json").read_text())
+    assert new["recompared"] == {"from": "old.json", "commit": "n3w"}
+    assert (new["commit"], new["device"], new["case_commits"]) == ("0ld", "H100", {"spartron-fp8": "0ld"})
+    assert new["cases"]["spartron-fp8"] == old["cases"]["spartron-fp8"]
+    assert new["cases"]["titan-bf16"] == {"side": "torchtitan", "precision": "bf16", "status": "not run"}
+    vs_fp32 = new["comparisons"]["fp8_vs_fp32"]
+    assert vs_fp32["against"] == "spartron-fp32" and vs_fp32["train_loss_windows"]["relative"] == pytest.approx([0.001])
+    assert vs_fp32["val_loss"]["relative"] == pytest.approx([0.005]) and vs_fp32["val_loss"]["within"] is False
+    assert new["comparisons"]["fp8"]["against"] == "spartron-bf16"
+    assert new["comparisons"]["bf16"] == {"status": "not compared: titan-bf16, titan-bf16-seed1 not run"}
+    assert (tmp_path / "new.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text("[1]")
+    bad = bench("convergence.py", "--recompare", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json"),
+                cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        f"spartron: error: --recompare {tmp_path / 'bad.json'}: not a convergence report (no cases, corpus sha256, "
+        "commit or device)")
+    both = bench("convergence.py", "--recompare", str(tmp_path / "old.json"), "--report", cwd=tmp_path)
+    assert both.returncode == 2 and "--recompare reads a report alone" in both.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_plateau_rule():
     assert dsa_stages.plateau([0.1, 0.2, 0.3], 2, 0.01) is False  # fewer than two windows
     assert dsa_stages.plateau([0.1, 0.2, 0.30, 0.31], 2, 0.01) is False  # gained 0.155
