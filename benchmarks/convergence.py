@@ -12,7 +12,9 @@ Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron
 titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band;
 spartron-fp32-optimizer (fp32 masters held by the optimizer, model.master_weights = "optimizer") against the
 same fp32 pair;
-spartron-fp8 (blockwise FP8 with fp32 masters, GPU only) against spartron-bf16 within DeepSeek's < 0.25% gap.
+spartron-fp8 (blockwise FP8 with fp32 masters, GPU only) against spartron-bf16 and spartron-fp32 (the same
+masters) within DeepSeek's < 0.25% gap; spartron-fp8-wgrad-bf16 and spartron-fp8-edges-bf16 (FP8_VARIANTS) against
+spartron-fp32 the same way.
 Everything lives under --root (default runs/converge): the corpus, tokenizer and token folder
 (converge_corpus.py), the initial weights (init-hf/, from Spartron's initialisation at train.seed) and one
 folder per case. A case resumes from its last saved step: Spartron from its run directory (train.resume),
@@ -44,6 +46,11 @@ CASES = {name: (side, precision, seed) for precision in ("bf16", "fp32") for nam
     (f"spartron-{precision}", "spartron", 0), (f"titan-{precision}", "torchtitan", 0),
     (f"titan-{precision}-seed1", "torchtitan", 1))} | {"spartron-fp32-optimizer": ("spartron", "fp32", 0),
                                                        "spartron-fp8": ("spartron", "fp8", 0)}
+# FP8 as Megatron users also run it: the weight gradients in bf16 (fp8_wgrad = False), the first and last decoder
+# layers in bf16 (first_last_layers_bf16); each compared with the fp32-master curve like spartron-fp8
+FP8_VARIANTS = {"spartron-fp8-wgrad-bf16": ['model.fp8.wgrad="model_dtype"'],
+                "spartron-fp8-edges-bf16": ["model.fp8.layers_at_start_in_bf16=1", "model.fp8.layers_at_end_in_bf16=1"]}
+CASES |= {name: ("spartron", "fp8", 0) for name in FP8_VARIANTS}
 PRECISION = {"bf16": ['model.dtype="bfloat16"'], "fp32": ['model.dtype="bfloat16"', 'model.master_dtype="float32"'],
              "fp8": ['model.dtype="bfloat16"', 'model.master_dtype="float32"', 'model.fp8.backend="triton"']}
 # how a case holds its fp32 masters when not FSDP2's way: the optimizer's (the fast one-rank path)
@@ -134,7 +141,8 @@ def run_case(args: argparse.Namespace, name: str) -> None:
         print(f"case {name}: already at step {reached} (asked: {steps_to}), nothing to run")
         return
     if side == "spartron":
-        cfg = load_run_config(args, [*PRECISION[precision], *HOLDING.get(name, ()), f'train.run_dir="{case_dir}"',
+        cfg = load_run_config(args, [*PRECISION[precision], *HOLDING.get(name, ()), *FP8_VARIANTS.get(name, ()),
+                                     f'train.run_dir="{case_dir}"',
                                      f'train.init_from="hf:{hf_dir}"', f"train.save_every={probe.train.steps}",
                                      "train.resume=true"])
         run_spartron(cfg, steps_to)
@@ -214,12 +222,12 @@ def band(ours: dict[int, float], ref: dict[int, float], other: dict[int, float])
             "within_noise_band": rms(diff) <= rms(noise)}
 
 
-def fp8_gap(fp8: dict, base: dict, width: int, base_name: str = "spartron-bf16") -> dict:
+def fp8_gap(fp8: dict, base: dict, width: int, base_name: str = "spartron-bf16", name: str = "spartron-fp8") -> dict:
     """FP8 against another Spartron curve (the issue's: bf16; also fp32 masters, FP8's own master recipe): the
     relative difference of the training-loss window means over the second half of the points both have, and
     of the validation losses there, against DeepSeek's < 0.25% (FP8_GAP)."""
     if "not run" in (fp8["status"], base["status"]):
-        return {"status": "not compared: " + ", ".join(n for n, c in (("spartron-fp8", fp8), (base_name, base))
+        return {"status": "not compared: " + ", ".join(n for n, c in ((name, fp8), (base_name, base))
                                                         if c["status"] == "not run") + " not run"}
     out = {"against": base_name, "limit_relative": FP8_GAP}
     for key, (a, b) in {"train_loss_windows": (window_means(fp8, width or 50), window_means(base, width or 50)),
@@ -292,6 +300,8 @@ def compare(cases: dict[str, dict], eval_every: int) -> dict:
     Spartron curve against the torchtitan pair's noise band."""
     out = {"fp8": fp8_gap(cases["spartron-fp8"], cases["spartron-bf16"], eval_every),
            "fp8_vs_fp32": fp8_gap(cases["spartron-fp8"], cases["spartron-fp32"], eval_every, "spartron-fp32")}
+    out |= {f"{name}_vs_fp32": fp8_gap(cases[name], cases["spartron-fp32"], eval_every, "spartron-fp32", name)
+            for name in FP8_VARIANTS}
     against_reference = {p: [f"spartron-{p}", f"titan-{p}", f"titan-{p}-seed1"] for p in ("bf16", "fp32")}
     against_reference |= {name: [name, "titan-fp32", "titan-fp32-seed1"] for name in HOLDING}
     for key, names in against_reference.items():

@@ -257,6 +257,8 @@ def test_recompare_makes_a_reports_comparisons_again_from_its_cases(tmp_path):
     assert vs_fp32["val_loss"]["relative"] == pytest.approx([0.005]) and vs_fp32["val_loss"]["within"] is False
     assert new["comparisons"]["fp8"]["against"] == "spartron-bf16"
     assert new["comparisons"]["bf16"] == {"status": "not compared: titan-bf16, titan-bf16-seed1 not run"}
+    assert new["comparisons"]["spartron-fp8-edges-bf16_vs_fp32"] == {
+        "status": "not compared: spartron-fp8-edges-bf16 not run"}
     assert (tmp_path / "new.png").stat().st_size > 0
     (tmp_path / "bad.json").write_text("[1]")
     bad = bench("convergence.py", "--recompare", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json"),
@@ -267,6 +269,22 @@ def test_recompare_makes_a_reports_comparisons_again_from_its_cases(tmp_path):
     both = bench("convergence.py", "--recompare", str(tmp_path / "old.json"), "--report", cwd=tmp_path)
     assert both.returncode == 2 and "--recompare reads a report alone" in both.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_fp8_variants_are_the_fp8_case_with_megatrons_knobs():
+    """spartron-fp8-wgrad-bf16 / -edges-bf16: the FP8 case's config (fp32 masters, the Triton backend) with the bf16
+    weight gradients / the first and last decoder layers in bf16, and nothing else changed."""
+    from spartron.runtime.config import load_config
+
+    base = load_config(ROOT / "configs" / "converge-dsv3.toml", convergence.PRECISION["fp8"])
+    for name, fields in (("spartron-fp8-wgrad-bf16", {"wgrad": "model_dtype"}),
+                         ("spartron-fp8-edges-bf16", {"layers_at_start_in_bf16": 1, "layers_at_end_in_bf16": 1})):
+        assert convergence.CASES[name] == ("spartron", "fp8", 0)
+        cfg = load_config(ROOT / "configs" / "converge-dsv3.toml",
+                          [*convergence.PRECISION["fp8"], *convergence.FP8_VARIANTS[name]])
+        assert cfg.model.fp8 == base.model.fp8.model_copy(update=fields) and cfg.model.master_dtype == "float32"
+        assert cfg.model.model_copy(update={"fp8": base.model.fp8}) == base.model
+        assert cfg.model_copy(update={"model": base.model}) == base
 
 
 def test_plateau_rule():
