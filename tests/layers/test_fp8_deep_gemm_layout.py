@@ -35,8 +35,13 @@ def stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", module)
 
 
-@pytest.mark.parametrize("counts", [[130, 0, 126], [1, 0, 63, 64, 65, 0, 63], [256]])
+def _rows(t, index):
+    return t if index is None else t.index_select(0, index)
+
+
+@pytest.mark.parametrize("counts", [[130, 0, 126], [1, 0, 63, 64, 65, 0, 63], [256], [130]])
 def test_slot_layout_operands_give_the_packed_rows_gemm(stand_in, counts):
+    """Any groups (one group of whole tiles, 256 rows, reads its rows as they are: no slot rows)."""
     c = torch.tensor(counts, dtype=torch.int32)
     m = int(c.sum())
     g = torch.Generator().manual_seed(len(counts))
@@ -48,12 +53,13 @@ def test_slot_layout_operands_give_the_packed_rows_gemm(stand_in, counts):
     for index in (None, order):  # the EP regrouping read through the index, composed with the slot rows
         slots = dg.group_counts(c)
         rows = dg.gemm_rows(slots, m, index)
-        out = dg.fprop(*quant.quantize_rows(x.index_select(0, rows), True), *wq, slots, torch.bfloat16)
+        assert (rows is index) == (counts == [256])
+        out = dg.fprop(*quant.quantize_rows(_rows(x, rows), True), *wq, slots, torch.bfloat16)
         packed = x if index is None else x.index_select(0, index)
         assert torch.equal(out, reference.fprop(*quant.quantize_rows(packed, True), *wq, c, torch.bfloat16))
     slots = dg.group_counts(c)
     rows = dg.gemm_rows(slots, m, None)
-    dx = dg.dgrad(*quant.quantize_rows(grad.index_select(0, rows), True), *wt, slots, torch.bfloat16)
+    dx = dg.dgrad(*quant.quantize_rows(_rows(grad, rows), True), *wt, slots, torch.bfloat16)
     assert torch.equal(dx, reference.dgrad(*quant.quantize_rows(grad, True), *wt, c, torch.bfloat16))
 
 
@@ -132,6 +138,7 @@ def test_a_dense_linear_runs_as_one_group_in_the_slot_layout(stand_in, rows):
     if rows % 128 == 0:  # the packed operand is the layout: another row count is refused, as in the slot layout
         with pytest.raises(ValueError, match=f"one op's GEMMs take {rows} rows, got 128"):
             dg.gemm_rows(dg.one_group(x), 128, None)
+        slots = dg.one_group(x)
+        assert dg.gemm_rows(slots, rows, None) is None
         with pytest.raises(ValueError, match=f"128 operand rows, the slot layout of {rows} has {rows}"):
-            dg.fprop(*quant.quantize_rows(x[:128], True), *quant.quantize_blocks(w, True), dg.one_group(x),
-                     torch.bfloat16)
+            dg.fprop(*quant.quantize_rows(x[:128], True), *quant.quantize_blocks(w, True), slots, torch.bfloat16)

@@ -42,6 +42,44 @@ def _run(x, w1, w3, w2, grad, path: str, pow2: bool = True):
     return out, x.grad, w1.grad, w3.grad, w2.grad
 
 
+@pytest.mark.parametrize("wgrad", ["fp8", "model_dtype"])
+def test_an_fp8_ffn_is_one_group_of_the_fused_ops_and_equals_three_fp8_linears_but_dx(wgrad):
+    """A SwiGLU FeedForward (dense FFN, shared experts) in FP8 runs the experts' fused ops as one group: x quantised
+    once for w1 and w3 (one GEMM over [w1; w3]), SwiGLU's product quantised where produced. Output and weight
+    gradients equal three FP8Linear (the per-linear path, which "torch_scaled_mm" keeps) bitwise; x's gradient is
+    one contraction over both halves. Parameters and state_dict keys are the FeedForward's."""
+    from spartron.layers.config import FP8Config
+    from spartron.layers.ffn import FeedForward
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.fp8.apply import ffn_eligible
+    from spartron.layers.fp8.modules import FP8FeedForward, FP8Linear
+
+    torch.manual_seed(0)
+    ffn = FeedForward(256, 384, dtype=torch.bfloat16)
+    split = FeedForward(256, 384, dtype=torch.bfloat16)
+    split.load_state_dict(ffn.state_dict())
+    keys = list(ffn.state_dict())
+    assert apply_fp8([torch.nn.ModuleList([ffn])], FP8Config(backend="reference", wgrad=wgrad)) == ["0.0"]
+    assert type(ffn) is FP8FeedForward and type(ffn.w1) is torch.nn.Linear and list(ffn.state_dict()) == keys
+    for lin in (split.w1, split.w3, split.w2):  # the per-linear path
+        lin.__class__ = FP8Linear
+        lin.fp8_backend, lin.fp8_pow2, lin.fp8_wgrad = "reference", True, wgrad == "fp8"
+    assert not ffn_eligible(FeedForward(256, 384), "torch_scaled_mm") and ffn_eligible(FeedForward(256, 384), "triton")
+    assert not ffn_eligible(FeedForward(256, 96), "triton")  # an inter dim the 128-wide tiles do not divide
+    x = torch.randn(2, 96, 256, dtype=torch.bfloat16)  # 192 rows: one group, not whole tiles
+    grad = torch.randn(2, 96, 256, dtype=torch.bfloat16)
+    results = []
+    for module in (ffn, split):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        out.backward(grad)
+        results.append([out, xi.grad, module.w1.weight.grad, module.w3.weight.grad, module.w2.weight.grad])
+    for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), *results, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b) == (name != "dx"), name
+    diff = (results[0][1].float() - results[1][1].float()).abs()
+    assert 0 < diff.max() <= 2 ** -7 * results[1][1].float().abs().max()
+
+
 @pytest.mark.parametrize("pow2", [True, False])
 def test_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_contraction(pow2):
     """out, dw1, dw3, dw2 equal two GEMMs' bitwise; dx equals one dgrad over [w1; w3] (K = 2I, fp32

@@ -428,3 +428,41 @@ def test_deep_gemm_dense_linear_equals_the_triton_linear(rows, wgrad):
         results.append((out, xin.grad, layer.weight.grad))
     for name, got, want in zip(("out", "dx", "dw"), *results, strict=True):
         assert torch.equal(got, want), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+@pytest.mark.parametrize("rows", [130, 4096])
+def test_fp8_ffn_on_the_gpu_equals_three_fp8_linears_but_dx(rows):
+    """An FFN as one group of the fused expert ops ("triton", and "deep_gemm" where built): output and weight
+    gradients bitwise three "triton" FP8 linears'; x's gradient one contraction (within its rounding)."""
+    from spartron.layers.config import FP8Config
+    from spartron.layers.ffn import FeedForward
+    from spartron.layers.fp8 import apply_fp8
+    from spartron.layers.fp8.modules import FP8FeedForward, FP8Linear
+
+    torch.manual_seed(0)
+    split = FeedForward(512, 384, dtype=torch.bfloat16, device="cuda")
+    for lin in (split.w1, split.w3, split.w2):
+        lin.__class__ = FP8Linear
+        lin.fp8_backend, lin.fp8_pow2, lin.fp8_wgrad = "triton", True, True
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step(module):
+        xin = x.clone().requires_grad_()
+        out = module(xin)
+        out.backward(grad)
+        return [out, xin.grad, module.w1.weight.grad, module.w3.weight.grad, module.w2.weight.grad]
+
+    want = step(split)
+    for backend in ("triton", "deep_gemm") if _has_deep_gemm() else ("triton",):
+        ffn = FeedForward(512, 384, dtype=torch.bfloat16, device="cuda")
+        ffn.load_state_dict({k: v.detach() for k, v in split.state_dict().items()})
+        apply_fp8([torch.nn.ModuleList([ffn])], FP8Config(backend=backend, modules=["dense"]))
+        assert type(ffn) is FP8FeedForward
+        got = step(ffn)
+        for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2"), got, want, strict=True):
+            if name == "dx":
+                assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max(), backend
+            else:
+                assert torch.equal(a, b), (backend, name)

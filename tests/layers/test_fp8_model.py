@@ -11,8 +11,9 @@ import torch
 from spartron.checkpointing.config import ACConfig
 from spartron.configbase import ConfigError
 from spartron.layers.config import ModelConfig
+from spartron.layers.ffn import FeedForward
 from spartron.layers.fp8 import apply_fp8
-from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear
 from spartron.layers.model import build_model
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.parallelize import parallelize
@@ -110,9 +111,10 @@ def test_apply_converts_experts_and_dense_linears_and_keeps_names_and_state():
     model = build_model(cfg.model, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     names = apply_fp8([b.module for b in model.blocks()], cfg.model.fp8)
-    assert names[:4] == ["0.ffn.w1", "0.ffn.w3", "0.ffn.w2", "1.ffn.experts"]
+    assert names[:3] == ["0.ffn", "1.ffn.experts", "1.ffn.shared_experts"]
     assert type(model.layers["1"].ffn.experts) is FP8GroupedExperts
-    assert type(model.layers["1"].ffn.shared_experts.w1) is FP8Linear
+    assert type(model.layers["1"].ffn.shared_experts) is FP8FeedForward  # its linears run in its fused ops
+    assert type(model.layers["1"].ffn.shared_experts.w1) is torch.nn.Linear
     assert type(model.layers["1"].attn.wkv_a) is torch.nn.Linear  # 32 + 8 wide: not 128-tiled, stays bf16
     assert type(model.head) is torch.nn.Linear  # the head is outside the blocks
     after = model.state_dict()
@@ -149,12 +151,13 @@ def test_the_first_and_last_layers_kept_in_bf16_run_no_fp8():
     model = build_model(kept.model, seed=0)
     parallelize(model, None, ACConfig(mode="none"), fp8=kept.model.fp8)
     converted = {b.name for b in model.blocks()
-                 if any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in b.module.modules())}
+                 if any(isinstance(m, (FP8Linear, FP8GroupedExperts, FP8FeedForward))
+                        for m in b.module.modules())}
     assert converted == {"1", "2", "mtp 0"}
-    assert type(model.layers["0"].ffn.w1) is torch.nn.Linear
+    assert type(model.layers["0"].ffn) is FeedForward and type(model.layers["3"].ffn.shared_experts) is FeedForward
     assert type(model.layers["3"].ffn.experts) is GroupedExperts
     assert type(model.layers["1"].ffn.experts) is FP8GroupedExperts
-    assert type(model.layers["2"].ffn.shared_experts.w1) is FP8Linear
+    assert type(model.layers["2"].ffn.shared_experts) is FP8FeedForward
     losses = [_grads(cfg, ACConfig(mode="none"))[0] for cfg in (kept, _cfg("model.fp8.backend=reference"), _cfg())]
     assert len({loss.item() for loss in losses}) == 3, losses
 

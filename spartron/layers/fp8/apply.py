@@ -16,7 +16,8 @@ from torch import nn
 
 from spartron.configbase import ConfigError
 from spartron.layers.config import FP8Config
-from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+from spartron.layers.ffn import FeedForward
+from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear
 from spartron.layers.fp8.weight_cache import WeightCache, clear_after_load
 from spartron.layers.fp8.wire import FP8Wire
 from spartron.layers.moe.dispatch import AllToAllDispatcher
@@ -77,6 +78,14 @@ def dense_eligible(module: nn.Module) -> bool:
             and module.out_features % 128 == 0)
 
 
+def ffn_eligible(module: nn.Module, backend: str) -> bool:
+    """A SwiGLU FeedForward whose three linears are FP8-eligible, on a backend that runs one group of the experts'
+    fused ops without reading its count on the host ("torch_scaled_mm" would: its FFNs stay three FP8Linear on its
+    one-GEMM dense path)."""
+    return (type(module) is FeedForward and backend != "torch_scaled_mm"
+            and all(dense_eligible(lin) for lin in (module.w1, module.w3, module.w2)))
+
+
 def weight_cache_on(cfg: FP8Config, compiled: bool, expert_shards: int) -> bool:
     """model.fp8.weight_cache resolved. "auto" caches where it costs a bf16 copy's bytes at most and
     saves re-quantising: experts whole on the rank (expert_shards = expert_fsdp = 1; sharded, the
@@ -108,6 +117,9 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, e
                 if cache:
                     module.fp8_cache = WeightCache()
                     module.register_load_state_dict_post_hook(clear_after_load)
+            elif "dense" in cfg.modules and ffn_eligible(module, cfg.backend):
+                module.__class__ = FP8FeedForward  # its linears run inside its fused ops: not converted again
+                skip |= {id(m) for m in module.modules()}
             elif "dense" in cfg.modules and dense_eligible(module):
                 module.__class__ = FP8Linear
             else:

@@ -13,8 +13,8 @@ slot_start[g] * 128; quant.tile_slots bounds the slots statically, no host sync)
 the layout (each group's end row) makes it schedule only the groups' own tiles. The quantisation writes the
 operand straight into the slots (`gemm_rows`: the row index it reads through; a slot row past its group's
 count reads row 0, and no output keeps it), and fprop / dgrad gather their output back to the packed rows:
-one bf16 copy per GEMM. A dense linear whose rows fill whole tiles (one group, a multiple of 128 rows) is its own
-slot layout: no layout kernel, no gather. The layout is computed once per op (`SlotCounts`), the routed experts'
+one bf16 copy per GEMM. One group whose rows fill whole tiles (a dense linear's or FFN's rows, a multiple of 128) is
+its own slot layout: no layout kernel, no gather. The layout is computed once per op (`SlotCounts`), the routed experts'
 once per experts forward for all their ops (`slot_layout`), by one Triton kernel
 (triton_backend.slot_rows; `padded_rows` is its torch definition, which the GPU test holds it to).
 
@@ -62,24 +62,26 @@ def padded_rows(counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class SlotCounts:
     """The routed experts' counts on the device with the slot layout of the op's rows, computed at its first use
-    and kept for the op (never read on the host). `whole_tiles`: one group of that many rows, a multiple of 128
-    (a dense linear's usual rows): the slot layout is the packed rows themselves, no layout kernel and no gather."""
+    and kept for the op (never read on the host). One group whose rows fill whole 128-row tiles (a dense linear's
+    usual rows) is its own slot layout: no layout kernel and no gather."""
 
     dense = False
 
-    def __init__(self, device: Tensor, whole_tiles: int | None = None):
+    def __init__(self, device: Tensor, rows: int | None = None):
         self.device = device
-        self.rows: int | None = whole_tiles
-        self.layout: tuple[Tensor | None, Tensor | None, Tensor] | None = \
-            None if whole_tiles is None else (None, None, device)
+        self.rows = rows  # the op's rows: known up front for a dense linear, else set by its first GEMM
+        self.layout: tuple[Tensor | None, Tensor | None, Tensor] | None = None
 
     def slots(self, rows: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
-        if self.layout is None:
-            # one Triton kernel on the GPU; its torch definition elsewhere (the CPU tests of this layout)
-            slots = _triton().slot_rows if self.device.is_cuda else padded_rows
-            self.rows, self.layout = rows, slots(self.device, rows)
-        elif rows != self.rows:
+        if self.rows is not None and rows != self.rows:
             raise ValueError(f"fp8 deep_gemm: one op's GEMMs take {self.rows} rows, got {rows}")
+        if self.layout is None:
+            self.rows = rows
+            if self.device.numel() == 1 and rows % TILE == 0:  # the packed rows are the slot layout
+                self.layout = (None, None, self.device)
+            else:  # one Triton kernel on the GPU; its torch definition elsewhere (the CPU tests of this layout)
+                slots = _triton().slot_rows if self.device.is_cuda else padded_rows
+                self.layout = slots(self.device, rows)
         return self.layout
 
 
@@ -98,15 +100,14 @@ def group_counts(counts: Tensor | SlotCounts, layout: Sequence[Tensor] = ()) -> 
 def slot_layout(counts: Tensor, rows: int) -> list[Tensor]:
     """[source, dest, ends] of `rows` rows grouped by `counts` (padded_rows), computed once for the experts' ops
     (both forward ops, their AC replay and backward: one layout kernel per experts forward, not six). No rows
-    (an EP rank that received none): no layout, as the GEMMs of no rows read none."""
-    return list(SlotCounts(counts).slots(rows)) if rows else []
+    (an EP rank that received none: the GEMMs of no rows read none) or one group (each op's own costs no kernel
+    in whole tiles): none."""
+    return list(SlotCounts(counts).slots(rows)) if rows and counts.numel() > 1 else []
 
 
 def one_group(x2d: Tensor) -> SlotCounts:
-    """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert (rows in whole tiles:
-    as they are)."""
-    rows = x2d.shape[0]
-    return SlotCounts(quant.one_group(x2d), rows if rows and rows % TILE == 0 else None)
+    """A dense linear: one group of all rows, run as DeepGEMM's grouped GEMM like one expert."""
+    return SlotCounts(quant.one_group(x2d), x2d.shape[0])
 
 
 def quantize_cols_grouped(x: Tensor, counts, pow2: bool, index: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
-from spartron.layers.fp8 import gemms
+from spartron.layers.ffn import FeedForward
+from spartron.layers.fp8 import gemms, quant
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
 from spartron.layers.fp8.ops import backend_impl, linear
 from spartron.layers.fp8.weight_cache import WeightCache
@@ -24,6 +25,27 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
+
+
+class FP8FeedForward(FeedForward):
+    """A SwiGLU FeedForward (dense FFN, shared experts) whose GEMMs run blockwise FP8 as ONE group of the routed
+    experts' fused ops: w1 and w3 as one GEMM over [w1; w3] on one quantisation of x (Megatron's fused fc1), w2 on
+    SwiGLU's product quantised where it is produced and recomputed in backward (one [rows, inter_dim] tensor less
+    kept). Its linears stay nn.Linear: parameters, names and state are unchanged. Set `fp8_backend`, `fp8_pow2`,
+    `fp8_wgrad`. Outputs and weight gradients equal three FP8Linear bitwise; x's gradient is one fp32 contraction
+    over both halves (as the experts' pair)."""
+
+    fp8_backend: str
+    fp8_pow2: bool
+    fp8_wgrad: bool
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        counts = quant.one_group(x2d)  # the one group's rows, on the device
+        gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
+        w1, w3, w2 = (lin.weight.unsqueeze(0) for lin in (self.w1, self.w3, self.w2))
+        h13 = grouped_mm_pair(x2d, w1, w3, counts, *gemm, [], None, None, 1, [])
+        return swiglu_grouped_mm(h13, w2, counts, *gemm, [], []).reshape(*x.shape[:-1], w2.shape[1])
 
 
 class FP8GroupedExperts(GroupedExperts):

@@ -28,7 +28,7 @@ from spartron.interop.megatron.groups import to_process_group_collection  # noqa
 from spartron.layers.config import FP8Config  # noqa: E402
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack  # noqa: E402
 from spartron.layers.fp8 import apply_fp8  # noqa: E402
-from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear  # noqa: E402
+from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear  # noqa: E402
 from spartron.layers.init import init_parameters_  # noqa: E402
 from spartron.parallel.dims import ParallelDims  # noqa: E402
 from spartron.parallel.groups import ParallelGroups  # noqa: E402
@@ -154,14 +154,16 @@ def _fp8_block(rank, world, fp8):
     except ConfigError as err:
         return {"error": str(err)}
     _bf16_params(block)
-    converted = sorted(f"{name.split('.')[1]}.{spartron_layer_key(name.split('.', 2)[2])}"
-                       for name, m in block.named_modules() if isinstance(m, (FP8Linear, FP8GroupedExperts)))
+    # a module's name: the key of its parameters' prefix ("layers.0.mlp.ffn" -> "0.ffn")
+    converted = sorted(f"{name.split('.')[1]}.{spartron_layer_key(name.split('.', 2)[2] + '.')[:-1]}"
+                       for name, m in block.named_modules()
+                       if isinstance(m, (FP8Linear, FP8GroupedExperts, FP8FeedForward)))
     layers = _bf16_params(torch.nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers)))
     init_parameters_(layers, 4, cfg.init_std, prefix="layers.")
     plain = copy.deepcopy(layers)  # the same weights in bfloat16 without FP8
     apply_fp8([layer for i, layer in enumerate(layers) if cfg.fp8.runs_fp8(i, cfg.n_layers)], cfg.fp8)
     spartron_converted = sorted(f"{i}.{name}" for i, layer in enumerate(layers) for name, m in layer.named_modules()
-                                if isinstance(m, (FP8Linear, FP8GroupedExperts)))
+                                if isinstance(m, (FP8Linear, FP8GroupedExperts, FP8FeedForward)))
     s, b = 12, 2
     x = torch.randn(s, b, cfg.dim, dtype=torch.bfloat16)
     x_m, x_s = x.clone().requires_grad_(), x.transpose(0, 1).clone().requires_grad_()
@@ -196,7 +198,7 @@ def test_the_adapters_run_spartrons_fp8_layers_bitwise(modules):
     summation order); FP8 changes the output (it is not a bfloat16 run)."""
     (r,) = run_distributed(_fp8_block, 1, {"modules": modules})
     assert r["converted"] == r["spartron_converted"] and r["converted"], r
-    expected = {"0.ffn.w1", "0.ffn.w2", "0.ffn.w3"} if "dense" in modules else set()
+    expected = {"0.ffn"} if "dense" in modules else set()  # the dense FFN: one FP8FeedForward
     for layer in range(3):
         if "dense" in modules:
             expected |= {f"{layer}.attn.wq_a", f"{layer}.attn.wkv_b", f"{layer}.attn.wo"}
@@ -204,8 +206,7 @@ def test_the_adapters_run_spartrons_fp8_layers_bitwise(modules):
         if "experts" in modules:
             expected.add(f"{layer}.ffn.experts")
         if "dense" in modules:
-            expected |= {f"{layer}.ffn.shared_experts.w1", f"{layer}.ffn.shared_experts.w2",
-                         f"{layer}.ffn.shared_experts.w3"}
+            expected.add(f"{layer}.ffn.shared_experts")
     assert set(r["converted"]) == expected
     assert r["experts"] == ("FP8GroupedExperts" if "experts" in modules else "GroupedExperts")
     assert r["out_equal"] and r["x_grad_equal"] and r["unequal"] == [], r
@@ -248,7 +249,7 @@ def _fp8_gpt_grads(rank, world, ac):
         grads[name] = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     ref, got = grads["none"], grads[ac["mode"]]
     return dict(same_keys=sorted(ref) == sorted(got), n=len(ref), regions=list(ckpt.layers),
-                fp8_modules=sum(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules()),
+                fp8_modules=sum(isinstance(m, (FP8Linear, FP8GroupedExperts, FP8FeedForward)) for m in model.modules()),
                 unequal=sorted(k for k in ref if not torch.equal(ref[k], got[k])))
 
 
@@ -258,7 +259,8 @@ def test_spartron_checkpointing_of_the_fp8_adapters_gives_the_no_ac_gradients_bi
     every gradient equals the run without AC bitwise (the FP8 GEMMs are the policy's GEMM targets)."""
     (r,) = run_distributed(_fp8_gpt_grads, 1, ac, timeout=300)
     assert r["same_keys"] and r["n"] > 30 and r["unequal"] == [], r
-    assert r["regions"] == [f"decoder.layers.{i}" for i in range(3)] and r["fp8_modules"] == 20, r
+    # 3 layers x 3 MLA linears, the dense FFN, 2 x (experts, shared-expert FFN)
+    assert r["regions"] == [f"decoder.layers.{i}" for i in range(3)] and r["fp8_modules"] == 14, r
 
 
 def test_the_adapters_keep_megatrons_first_and_last_layers_in_bf16():

@@ -96,12 +96,13 @@ FP8 = ('model.dtype="bfloat16"', "model.dim=128", "model.moe.moe_inter_dim=128",
 
 
 def _fp8(rank, world, run_dir):
-    from spartron.layers.fp8.modules import FP8GroupedExperts, FP8Linear
+    from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear
 
     cfg = run_config(run_dir, 2, *FP8)
     ours = spartron_losses(cfg)
     run = MegatronTraining(cfg, 2, bf16=True)
-    fp8_modules = sorted({type(m).__name__ for m in run.gpt.modules() if isinstance(m, (FP8Linear, FP8GroupedExperts))})
+    fp8_modules = sorted({type(m).__name__ for m in run.gpt.modules()
+                          if isinstance(m, (FP8Linear, FP8GroupedExperts, FP8FeedForward))})
     return ours, [run.step(s) for s in range(1, STEPS + 1)], run.gpt.config.fp8, run.gpt.config.fp8_recipe, fp8_modules
 
 
@@ -110,7 +111,7 @@ def test_megatron_blockwise_fp8_training_follows_spartrons_fp8_trainer(tmp_path)
     runs Spartron's FP8 layers: the first step's loss equals the Trainer's FP8 run, later steps follow it (Megatron
     keeps fp32 main weights, the bf16 Trainer bf16 ones: 1.1e-3 measured)."""
     ours, theirs, fp8, recipe, modules = run_distributed(_fp8, 2, tmp_path / "run", timeout=300)[0]
-    assert (fp8, recipe, modules) == ("e4m3", "blockwise", ["FP8GroupedExperts", "FP8Linear"])
+    assert (fp8, recipe, modules) == ("e4m3", "blockwise", ["FP8FeedForward", "FP8GroupedExperts", "FP8Linear"])
     assert abs(ours[0] - theirs[0]) < 1e-5, (ours, theirs)
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 3e-3, (ours, theirs)
 
