@@ -164,6 +164,8 @@ class _MLPSlot(nn.Module):
         raise NotImplementedError
 
     def _bsh(self, hidden_states: Tensor, padding_mask) -> Tensor:
+        if self.layer_idx is None:  # neither initialised nor (model.fp8) converted yet
+            raise RuntimeError(f"set_layer_number was not called: build {type(self).__name__} in a TransformerLayer")
         _reject(padding_mask=padding_mask)
         return hidden_states.transpose(0, 1)
 
@@ -201,8 +203,6 @@ class SpartronMoEMLP(_MLPSlot):
         return self.moe
 
     def forward(self, hidden_states: Tensor, padding_mask=None) -> tuple[Tensor, None]:
-        if self.layer_idx is None:
-            raise RuntimeError("set_layer_number was not called: build SpartronMoEMLP in a TransformerLayer")
         x = self._bsh(hidden_states, padding_mask)
         out = self.moe(x)
         hidden = out["hidden_states"]

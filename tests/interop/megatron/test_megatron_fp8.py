@@ -271,3 +271,23 @@ def test_the_adapters_keep_megatrons_first_and_last_layers_in_bf16():
     assert {name.split(".")[0] for name in r["converted"]} == {"1"} and "1.ffn.experts" in r["converted"], r
     assert r["out_equal"] and r["x_grad_equal"] and r["unequal"] == [], r
     assert r["fp8_effect"] > 1e-3, r
+
+
+def test_an_mlp_slot_turns_fp8_when_numbered_and_refuses_to_run_before():
+    """The MLP slots learn their layer in set_layer_number (Megatron's TransformerLayer calls it): that is where they
+    initialise and, unless the layer is kept in bf16, turn FP8; a slot run before it is one error, not a bf16 run."""
+    from spartron.interop.megatron.spec import SpartronDenseMLP
+    from spartron.layers.ffn import FeedForward
+
+    cfg = fp8_cfg(layers_at_start_in_bf16=1)
+    tcfg = megatron_config_from_spartron(cfg)
+    slots = [SpartronDenseMLP(tcfg, SideChannel(), base_config=cfg) for _ in range(2)]
+    x = torch.randn(4, 2, cfg.dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="set_layer_number was not called: build SpartronDenseMLP in a "
+                                           "TransformerLayer"):
+        slots[0](x)
+    for slot, number in zip(slots, (1, 2), strict=True):
+        slot.set_layer_number(number)
+        _bf16_params(slot)
+    assert type(slots[0].ffn) is FeedForward and type(slots[1].ffn) is FP8FeedForward  # layer 0 is kept in bf16
+    assert slots[1](x)[0].shape == x.shape
