@@ -4,6 +4,7 @@ writer every benchmark shares."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -22,7 +23,9 @@ def run_gpu(out: Path, *steps: str, budget: str | None) -> subprocess.CompletedP
 def test_a_step_with_too_little_budget_left_is_skipped_and_the_output_is_packed(tmp_path):
     done = run_gpu(tmp_path / "r", "env:5", budget="10")
     assert done.returncode == 0, done.stderr
-    assert "env skipped: 10s of RUN_GPU_BUDGET left" in done.stdout
+    # the seconds left: 10 less the time since the call started (a second boundary may pass on a busy machine)
+    left = re.search(r"env skipped: (\d+)s of RUN_GPU_BUDGET left", done.stdout)
+    assert left is not None and 0 <= int(left.group(1)) <= 10, done.stdout
     assert not (tmp_path / "r" / "env.log").exists()
     with tarfile.open(tmp_path / "r.tgz") as packed:
         assert "r" in packed.getnames()
