@@ -14,6 +14,10 @@ launches, w1 and w3 into [w1; w3] and w2, blocks and transposed blocks from one 
 micro-batches per
 optimizer step; its `mean_ms` over whole 4-step cycles is the per-micro-batch cost).
 
+FFN shapes ("ffn_*": a SwiGLU FeedForward, DeepSeek-V3's dense layers and shared expert at one rank's 4,096
+tokens): "bf16" against "fp8", FP8FeedForward (the FFN as one group of the experts' fused ops; dense weights
+are not cached).
+
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
 CPU:  python benchmarks/fp8_moe.py --smoke --out /tmp/fp8_moe.json   (tiny shape, reference backend)
 """
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spartron.layers.config import FP8Config  # noqa: E402
+from spartron.layers.ffn import FeedForward  # noqa: E402
 from spartron.layers.fp8 import apply_fp8, check_backend, invalidate_weight_caches  # noqa: E402
 from spartron.layers.moe.experts import GroupedExperts  # noqa: E402
 
@@ -39,8 +44,10 @@ SHAPES = {
     "v3_8k": dict(dim=7168, inter=2048, experts=8, rows=8192),
     "v3_32k": dict(dim=7168, inter=2048, experts=8, rows=32768),
     "dsv3_12l": dict(dim=2048, inter=1408, experts=64, rows=8192 * 6),
+    "ffn_v3_dense": dict(dim=7168, inter=18432, rows=4096),
+    "ffn_v3_shared": dict(dim=7168, inter=2048, rows=4096),
 }
-SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256)}
+SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256), "ffn_smoke": dict(dim=128, inter=256, rows=256)}
 # mode: (model.fp8.weight_cache, micro-batches per optimizer step)
 MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}
 
@@ -54,11 +61,18 @@ def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.de
               steps: int) -> tuple[list[float], float | None]:
     """Step times (ms) and the peak memory of the timed steps (GiB; None on CPU)."""
     torch.manual_seed(0)
-    experts = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
     cache, micro = MODES[mode] or ("off", 1)
+    if "experts" in shape:
+        module = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
+        counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
+        call = lambda x: module(x, counts)  # noqa: E731
+    else:
+        module = FeedForward(shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
+        call = module
     if MODES[mode] is not None:
-        apply_fp8([experts], FP8Config(backend=backend, modules=["experts"], weight_cache=cache, wgrad=wgrad))
-    counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
+        names = apply_fp8([module], FP8Config(backend=backend, modules=["experts" if "experts" in shape else "dense"],
+                                              weight_cache=cache, wgrad=wgrad))
+        assert names, f"nothing converted to FP8 at {shape}"
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
     times = []
@@ -68,13 +82,13 @@ def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.de
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         if step % micro == 0:  # an optimizer step before this micro-batch: the weights are new
-            invalidate_weight_caches(experts)
-        experts(x, counts).backward(grad)
+            invalidate_weight_caches(module)
+        call(x).backward(grad)
         _sync(device)
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
         x.grad = None
-        experts.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
     return times, (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
 
 
@@ -102,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, shape in shapes.items():
         run = {"shape": shape}
         flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
-        for mode, setting in MODES.items():
+        modes = MODES if "experts" in shape else {m: MODES[m] for m in ("bf16", "fp8")}
+        for mode, setting in modes.items():
             micro = setting[1] if setting else 1
             # whole cycles of `micro` steps, warm-up included (a cycle starts with the cache's refresh)
             times, peak = time_mode(shape, mode, backend, args.wgrad, device, -(-warmup // micro) * micro,
@@ -111,9 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
             run[mode] = {"step_ms": times, "median_ms": median, "mean_ms": sum(times) / len(times),
                          "tflops": flops / median / 1e9, "peak_gib": peak}
         run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
+        result["runs"][name] = run
+        if "experts" not in shape:
+            print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms "
+                  f"({run['speedup']:.2f}x)", flush=True)
+            continue
         run["speedup_nocache"] = run["bf16"]["median_ms"] / run["fp8_nocache"]["median_ms"]
         run["speedup_mb4"] = run["bf16"]["mean_ms"] / run["fp8_mb4"]["mean_ms"]
-        result["runs"][name] = run
         print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms "
               f"({run['speedup']:.2f}x), no cache {run['fp8_nocache']['median_ms']:.2f} ms "
               f"({run['speedup_nocache']:.2f}x), 4 micro-batches a step {run['fp8_mb4']['mean_ms']:.2f} ms mean "

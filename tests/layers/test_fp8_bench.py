@@ -27,3 +27,8 @@ def test_fp8_moe_benchmark_smoke_writes_every_step(tmp_path):
     assert run["speedup_mb4"] == run["bf16"]["mean_ms"] / run["fp8_mb4"]["mean_ms"]
     assert run["fp8_mb4"]["mean_ms"] == sum(run["fp8_mb4"]["step_ms"]) / 4
     assert run["fp8"]["peak_gib"] is None  # measured on CUDA only
+    ffn = result["runs"]["ffn_smoke"]
+    assert ffn["shape"] == {"dim": 128, "inter": 256, "rows": 256}
+    assert set(ffn) == {"shape", "bf16", "fp8", "speedup"}  # dense weights are not cached: no cache modes
+    assert len(ffn["bf16"]["step_ms"]) == 2 and len(ffn["fp8"]["step_ms"]) == 2
+    assert ffn["speedup"] == ffn["bf16"]["median_ms"] / ffn["fp8"]["median_ms"]
