@@ -2,7 +2,7 @@
 # Build DeepGEMM (model.fp8.backend = "deep_gemm") on the lent GPU machine and install it into TARGET.
 #   bash benchmarks/build_deep_gemm.sh SRC TARGET [CXX]
 # SRC: an unmodified DeepGEMM 2.x source tree with its third-party/cutlass and third-party/fmt headers, carried
-# with the call (never committed here). TARGET: a folder on PYTHONPATH (run_gpu.sh uses /tmp/site).
+# with the call (never committed here; benchmarks/assemble_deep_gemm.sh makes it from local git repositories). TARGET: a folder on PYTHONPATH (run_gpu.sh uses /tmp/site).
 # The extension is compiled with the system g++ (the third argument, default /usr/bin/g++; the environment's CXX
 # is not used: the image sets it to /opt/gcc/bin/g++, which links libstdc++'s locale code into the extension
 # itself, and DeepGEMM's first GEMM then segfaults in its own iostream / std::regex calls: session 19, H100,
