@@ -8,6 +8,12 @@ weights, the same data in the same order, the same schedule, at a DeepSeek-V3-li
     python benchmarks/convergence.py --recompare OLD.json --out NEW.json     # its comparisons with today's rules
     python benchmarks/convergence.py --smoke --out /tmp/c.json               # CPU, tiny, seconds
 
+Machines' /usr/share/doc differ (the GPU images since a5fcf68 hold 682 files, sha256 9aac6079241a; the 7daec4c
+H100 report read 2,233, e6559cb4aa30, which this repository's CPU machine reproduces): to add cases to a report of
+another corpus, `--prepare --root DIR` where that corpus is and carry DIR/tok, DIR/tokenizer and
+DIR/corpus/corpus.json (44 MB; not corpus.jsonl or init-hf/) with the call, run with `--root DIR`: a root whose
+token folder exists is read, not rebuilt, and --previous checks the corpus's sha256.
+
 Cases (CASES): spartron-{bf16,fp32}; titan-{bf16,fp32} read the data in Spartron's order (train.seed);
 titan-{bf16,fp32}-seed1 in another order (train.seed + 1): the reference's run-to-run noise band;
 spartron-fp32-optimizer (fp32 masters held by the optimizer, model.master_weights = "optimizer") against the
