@@ -1,5 +1,5 @@
-"""model.master_weights (issue 38 item 1): hostile values, contradicting keys, a layout it does not run on, and
-one real step on it (`spartron train` and `spartron plan`)."""
+"""model.master_weights and train.adamw_moments_dtype (issue 38 item 1): hostile values, contradicting keys, a
+layout it does not run on, and one real step on each (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 
@@ -27,4 +27,16 @@ def cases() -> list[Case]:
     add("master-weights-plan-two-ranks", [*plan(*MASTERS, 'model.master_weights="optimizer"'), "--world-size", "2"],
         key, category="sizes", accept_ok=True, expect_out="model.master_weights = 'optimizer' runs on one rank")
     add("master-weights-step", train(*MASTERS, 'model.master_weights="optimizer"'), (), accept_ok=True)
+
+    key = ("train.adamw_moments_dtype",)
+    add("moments-unknown", train(*MASTERS, 'train.adamw_moments_dtype="float8"'), key, quick=True)
+    add("moments-float16", train(*MASTERS, 'train.adamw_moments_dtype="float16"'), key, category="dtypes")
+    add("moments-int", train(*MASTERS, "train.adamw_moments_dtype=2"), key, category="dtypes")
+    add("moments-no-masters", train('model.dtype="bfloat16"', 'train.adamw_moments_dtype="bfloat16"'), key)
+    add("moments-muon", train(*MASTERS, 'train.adamw_moments_dtype="bfloat16"', 'train.optimizer="muon"'), key)
+    add("moments-plan", plan(*MASTERS, 'train.adamw_moments_dtype="bfloat16"'), (), accept_ok=True,
+        expect_out="AdamW moments in bfloat16")
+    for holder in ("fsdp", "optimizer"):
+        add(f"moments-step-{holder}", train(*MASTERS, f'model.master_weights="{holder}"',
+                                            'train.adamw_moments_dtype="bfloat16"'), (), accept_ok=True)
     return out

@@ -45,8 +45,9 @@ def render_plan(cfg: RunConfig, world_size: int, max_groups: int = 16) -> str:
         out += ["", f"# training stages ({len(stages)}, [[train.stages]])", *(line.strip() for line in stages)]
         out += _stage_memory(cfg, world_size)
     params = count_parameters(cfg.model)
-    mem = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)
-    out += ["", f"# state per rank ({cfg.model.stored_dtype} parameters, gradients and optimizer state): "
+    mem = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer, moments_dtype=cfg.train.adamw_moments_dtype)
+    moments = f", AdamW moments in {cfg.train.adamw_moments_dtype}" if cfg.train.adamw_moments_dtype else ""
+    out += ["", f"# state per rank ({cfg.model.stored_dtype} parameters, gradients and optimizer state{moments}): "
                 f"parameters {params.total:,} ({params.dense:,} dense, {params.experts:,} in routed experts)"]
     out += [f"{key:<16} {_gib(value)}" for key, value in mem.items()]
     try:

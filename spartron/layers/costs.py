@@ -298,17 +298,20 @@ def optimizer_masters(m: ModelConfig) -> bool:
     return m.master_dtype is not None and m.master_weights == "optimizer"
 
 
-def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, rank: int = 0) -> dict[str, int]:
+def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, rank: int = 0,
+                         moments_dtype: str | None = None) -> dict[str, int]:
     """Bytes on `rank` of the sharded parameters, their gradients and the optimizer state, all in the
     stored dtype (`model.master_dtype`, else `model.dtype`: torch's AdamW keeps its state in the
-    parameter's dtype). Rank 0 holds the largest chunks. Under model.master_weights = "optimizer" the
+    parameter's dtype), AdamW's moments in `moments_dtype` where set (train.adamw_moments_dtype). Rank 0 holds
+    the largest chunks. Under model.master_weights = "optimizer" the
     parameters are the compute-dtype weights plus their fp32 masters, and the gradients the fp32 main
     gradients (one micro-batch keeps autograd's compute-dtype ones instead: step_memory.memory_plan)."""
     shards = param_shards(m, dims, rank)
     width = PARAM_BYTES[m.stored_dtype]
     local = sum(_numel(s) for s in shards.values())
     weights = width + (PARAM_BYTES[m.dtype] if optimizer_masters(m) else 0)
+    moments = PARAM_BYTES[moments_dtype or m.stored_dtype]
     out = {"parameters": local * weights, "gradients": local * width,
-           "optimizer_state": optimizer_state_elements(m, shards, optimizer) * width}
+           "optimizer_state": optimizer_state_elements(m, shards, optimizer) * moments}
     out["total"] = sum(out.values())
     return out

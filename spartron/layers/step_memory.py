@@ -37,6 +37,7 @@ class StepShape:
     micro_batch_size: int
     micro_steps: int = 1  # gradient-accumulation micro-batches per optimizer step
     optimizer: str = "adamw"
+    moments_dtype: str | None = None  # train.adamw_moments_dtype (None: the stored dtype)
     ac_mode: str = "none"  # none | full | selective
     ac_freq: int = 1
     ac_targets: tuple[str, ...] | None = None  # None: the default targets
@@ -242,13 +243,14 @@ def _trains(step: StepShape, fqn: str) -> bool:
 def trained_state_bytes(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> dict[str, int]:
     """state_bytes_per_rank with the gradients and optimizer state of the parameters the step trains only (a
     stage's frozen parameters have neither); the parameters themselves all stay."""
-    state = state_bytes_per_rank(m, dims, step.optimizer, rank)
+    state = state_bytes_per_rank(m, dims, step.optimizer, rank, step.moments_dtype)
     if step.trainable is None:
         return state
     shards = {f: s for f, s in param_shards(m, dims, rank).items() if f in step.trainable}
     width = PARAM_BYTES[m.stored_dtype]
     out = {"parameters": state["parameters"], "gradients": sum(math.prod(s) for s in shards.values()) * width,
-           "optimizer_state": optimizer_state_elements(m, shards, step.optimizer) * width}
+           "optimizer_state": optimizer_state_elements(m, shards, step.optimizer)
+           * PARAM_BYTES[step.moments_dtype or m.stored_dtype]}
     return out | {"total": sum(out.values())}
 
 

@@ -3,11 +3,12 @@ that same pass (`train.adamw_kernel = "triton"`).
 
 `TritonAdamW` is a torch.optim.AdamW built with fused=True of which only `step` is replaced: its parameter groups
 and per-parameter state (``step`` a float32 0-dim tensor on the parameter's device, ``exp_avg`` / ``exp_avg_sq``
-like the parameter) are torch's fused AdamW's, so state_dict, load_state_dict and saved states are the same
-whichever kernel wrote them. The update is torch's AdamW formula in fp32 registers, every rounding written in the
-source and none added by the compiler (adamw_triton_kernels.py, compiled with enable_fp_fusion=False);
-`step(grad_scale=c)` multiplies each gradient by the 0-dim tensor c as it is read (the clip coefficient: one
-read of the gradients instead of a clip pass plus the update's). The gradients themselves are left unscaled.
+like the parameter, or in `moments_dtype`) are torch's fused AdamW's, so state_dict, load_state_dict and saved
+states are the same whichever kernel wrote them. The update is torch's AdamW formula in fp32 registers, every
+rounding written in the source and none added by the compiler (adamw_triton_kernels.py, compiled with
+enable_fp_fusion=False); `step(grad_scale=c)` multiplies each gradient by the 0-dim tensor c as it is read (the clip
+coefficient: one read of the gradients instead of a clip pass plus the update's). The gradients themselves are left
+unscaled.
 
 Tensors of a parameter group are launched together per (device, param / grad / exp_avg / exp_avg_sq dtypes,
 16-byte alignment): one launch for all of them (a pointer table and a block -> tensor map), or, from
@@ -33,6 +34,7 @@ from spartron.optional import require
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ALIGN_BYTES = 16  # and sizes a multiple of 16 elements: what the table kernel's ALIGNED hints promise
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,27 @@ def _aligned(tensors: tuple[Tensor, ...]) -> bool:
 
 
 class TritonAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (fused=True state and groups) updated by Triton kernels; see the module docstring."""
+    """torch.optim.AdamW (fused=True state and groups) updated by Triton kernels; see the module docstring.
+
+    `moments_dtype` (train.adamw_moments_dtype): exp_avg / exp_avg_sq stored in this dtype instead of the updated
+    tensor's (bf16 beside fp32 masters, DeepSeek-V3's recipe); the kernels load them into fp32 registers and round
+    them to nearest even when they store them, and a loaded state is cast back to it. `reference` (no CUDA, or
+    train.adamw_kernel = "torch" where torch's own AdamW cannot serve): the same update in torch operations
+    (`_reference_group`), which imports no Triton."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, kernel: AdamWKernelConfig | None = None) -> None:
+                 weight_decay: float = 1e-2, *, kernel: AdamWKernelConfig | None = None, reference: bool = False,
+                 moments_dtype: torch.dtype | None = None) -> None:
+        if moments_dtype is not None and moments_dtype not in KERNEL_DTYPES:
+            raise ValueError(f"TritonAdamW: moments_dtype {moments_dtype} is not one of float32, bfloat16, float16")
+        self.reference, self.moments_dtype = reference, moments_dtype
         self._triton = self._load_kernels()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self.kernel = kernel or AdamWKernelConfig()
         self._block_maps: dict[tuple, Tensor] = {}  # (device, sizes, elements per program) -> block -> tensor
 
     def _load_kernels(self) -> ModuleType | None:
-        return _kernels()
+        return None if self.reference else _kernels()
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None):  # noqa: ANN001, ANN201 - torch.optim signature
@@ -85,8 +97,29 @@ class TritonAdamW(torch.optim.AdamW):
         if grad_scale is not None and grad_scale.numel() != 1:
             raise ValueError(f"TritonAdamW.step: grad_scale must have one element, got shape {tuple(grad_scale.shape)}")
         for group in self.param_groups:
-            self._step_group(group, grad_scale)
+            if self.reference:
+                _reference_group(self, group, grad_scale)
+            else:
+                self._step_group(group, grad_scale)
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then the moments back in `moments_dtype` (torch casts every floating state tensor to its
+        parameter's dtype)."""
+        super().load_state_dict(state_dict)
+        if self.moments_dtype is not None:
+            for state in self.state.values():
+                for name in MOMENTS:
+                    if name in state:
+                        state[name] = state[name].to(self.moments_dtype)
+
+    def _new_state(self, p: Tensor) -> dict:
+        """A parameter's first state: step 0 (float32, on its device) and zero moments shaped like the updated
+        tensor, in `moments_dtype` or its dtype."""
+        like = self._updated(p)
+        dtype = self.moments_dtype or like.dtype
+        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                **{name: torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format) for name in MOMENTS}}
 
     def _step_group(self, group: dict, grad_scale: Tensor | None) -> None:
         from torch.distributed.tensor import DTensor
@@ -107,10 +140,7 @@ class TritonAdamW(torch.optim.AdamW):
                 raise ValueError("TritonAdamW does not take sparse gradients")
             state = self.state[p]
             if not state:
-                like = self._updated(p)
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                state.update(self._new_state(p))
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(p.device, torch.float32)  # a state loaded from a non-fused AdamW
             tensors = tuple(t.to_local() if isinstance(t, DTensor) else t for t in self._tensors(p, state))
@@ -179,6 +209,40 @@ class TritonAdamW(torch.optim.AdamW):
             table, self._block_maps[map_key], coefs, coefs if scale is None else scale, P_DTYPE=p, G_DTYPE=g,
             M_DTYPE=m, V_DTYPE=v, W_DTYPE=w[0] if w else p, HAS_SCALE=scale is not None, HAS_COPY=bool(w),
             ALIGNED=aligned, BLOCK=k.block, ITERS=k.iters, num_warps=k.num_warps, enable_fp_fusion=False, **scalars)
+
+
+def _reference_group(opt: TritonAdamW, group: dict, grad_scale: Tensor | None) -> None:
+    """torch's single-tensor AdamW on each updated tensor (its operations in its order, in fp32), the moments
+    rounded into their stored dtype after each update, then the compute-dtype copy written where there is one."""
+    from torch.distributed.tensor import DTensor
+
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    for p in group["params"]:
+        if opt._grad(p) is None:
+            continue
+        state = opt.state[p]
+        if not state:
+            state.update(opt._new_state(p))
+        updated, grad, exp_avg_stored, exp_avg_sq_stored, *copy = (
+            t.to_local() if isinstance(t, DTensor) else t for t in opt._tensors(p, state))
+        g = grad.float() if grad_scale is None else grad.float() * grad_scale.to(grad.device, torch.float32)
+        exp_avg, exp_avg_sq = exp_avg_stored.float(), exp_avg_sq_stored.float()  # the fp32 tensors themselves if fp32
+        step_t = state["step"]
+        step_t += 1
+        if wd != 0:
+            updated.mul_(1 - lr * wd)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step = step_t.item()
+        bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+        updated.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        if exp_avg is not exp_avg_stored:
+            exp_avg_stored.copy_(exp_avg)
+            exp_avg_sq_stored.copy_(exp_avg_sq)
+        if copy:
+            copy[0].copy_(updated)
 
 
 def _coefficients(steps: list[Tensor], lr: float, beta1: float, beta2: float) -> Tensor:

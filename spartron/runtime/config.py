@@ -133,6 +133,11 @@ class RunConfig(ConfigSection):
         refusal = master_optimizer_refusal(self.model.master_weights, self.train.optimizer)
         if refusal:
             raise ValueError(refusal)
+        if self.train.adamw_moments_dtype is not None and self.model.master_dtype != "float32":
+            raise ValueError(f"train.adamw_moments_dtype = {self.train.adamw_moments_dtype!r} keeps AdamW's moments "
+                             f"below fp32 masters, but model.master_dtype is {self.model.master_dtype!r}: the state "
+                             f"is already in model.dtype ({self.model.dtype!r}); set model.master_dtype = 'float32' "
+                             "or leave train.adamw_moments_dtype unset")
         self._check_intra_layer_micro_batches()
         check_stages(self.train, self.model)
         if self.observe.memory_snapshot_on_oom and self.device == "cpu":

@@ -21,7 +21,8 @@ cost ~78 ms of a 310 ms dsv3-12l step on the H200, issue 38). The math needs non
   rescaled in bf16; the trainer's 1/micro-steps loss scaling is in the graph, as on the FSDP path.
 - Saved state: the model's state_dict holds the fp32 masters under the parameters' names (a state-dict
   hook), and loading one fills the masters and rounds them into the bf16 parameters; the optimizer's state
-  is torch AdamW's (step, fp32 exp_avg / exp_avg_sq) keyed by the same parameters. A step saved on this
+  is torch AdamW's (step, fp32 exp_avg / exp_avg_sq, or bf16 ones with train.adamw_moments_dtype) keyed by
+  the same parameters. A step saved on this
   path therefore resumes on the FSDP path and the other way round, and `spartron convert --to-hf` exports
   the masters.
 
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+from spartron.runtime.adamw_triton import MOMENTS, AdamWKernelConfig, TritonAdamW
 
 
 def has_master(p: Tensor) -> bool:
@@ -104,22 +105,20 @@ class MasterAdamW(TritonAdamW):
     """AdamW over fp32 masters that writes the bf16 parameters in the same pass (module docstring).
 
     Its parameter groups hold the model's (bf16) parameters, so torch.distributed.checkpoint names its state as
-    it names TritonAdamW's; the state is fp32 (``step`` a float32 0-dim tensor on the device, ``exp_avg`` /
-    ``exp_avg_sq`` like the master). `reference` (no CUDA, or train.adamw_kernel = "torch"): the torch
-    implementation, which imports no Triton."""
+    it names TritonAdamW's; the state is ``step`` a float32 0-dim tensor on the device and ``exp_avg`` /
+    ``exp_avg_sq`` like the master (fp32), or in `moments_dtype`. `reference` (no CUDA, or train.adamw_kernel =
+    "torch"): TritonAdamW's torch implementation, which imports no Triton."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, reference: bool, kernel: AdamWKernelConfig | None = None) -> None:
-        self.reference = reference
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, kernel=kernel)
+                 weight_decay: float = 1e-2, *, reference: bool, kernel: AdamWKernelConfig | None = None,
+                 moments_dtype: torch.dtype | None = None) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, kernel=kernel,
+                         reference=reference, moments_dtype=moments_dtype)
         for group in self.param_groups:
             for p in group["params"]:
                 if not has_master(p):
                     raise ValueError(f"MasterAdamW: a parameter of shape {tuple(p.shape)} has no fp32 master "
                                      "(spartron.runtime.master_weights.attach_master_weights)")
-
-    def _load_kernels(self):  # noqa: ANN202 - the Triton module, or None for the reference
-        return None if self.reference else super()._load_kernels()
 
     def _grad(self, p: Tensor) -> Tensor | None:
         # p.grad: torch.distributed.checkpoint initialises a fresh optimizer's state by a step on zero p.grad
@@ -130,18 +129,6 @@ class MasterAdamW(TritonAdamW):
 
     def _tensors(self, p: Tensor, state: dict) -> tuple[Tensor, ...]:
         return p.main_param, self._grad(p), state["exp_avg"], state["exp_avg_sq"], p
-
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: Tensor | None = None):  # noqa: ANN001, ANN201 - torch.optim signature
-        if not self.reference:
-            return super().step(closure, grad_scale=grad_scale)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            _reference_group(self, group, grad_scale)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also the main gradients: dropped, or zeroed in place when kept (train.keep_grad_buffers) and fp32 (a
@@ -156,41 +143,15 @@ class MasterAdamW(TritonAdamW):
                     held.zero_()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, keeping the moments fp32: torch casts every floating state tensor to its parameter's dtype
-        (bf16 here). The values are taken again from `state_dict`, so nothing is rounded."""
-        super().load_state_dict(state_dict)
+        """torch's, keeping the moments fp32 (or in `moments_dtype`): torch casts every floating state tensor to its
+        parameter's dtype (bf16 here). The values are taken again from `state_dict`, so nothing is rounded twice."""
+        torch.optim.AdamW.load_state_dict(self, state_dict)
         saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         for key, p in zip(saved, self._params(), strict=True):
             for name, value in state_dict["state"].get(key, {}).items():
                 if isinstance(value, Tensor):
-                    self.state[p][name] = value.detach().to(p.device, torch.float32, copy=True)
+                    dtype = self.moments_dtype if name in MOMENTS and self.moments_dtype else torch.float32
+                    self.state[p][name] = value.detach().to(p.device, dtype, copy=True)
 
     def _params(self) -> Iterable[Tensor]:
         return chain.from_iterable(g["params"] for g in self.param_groups)
-
-
-def _reference_group(opt: MasterAdamW, group: dict, grad_scale: Tensor | None) -> None:
-    """torch's single-tensor AdamW on the masters (its operations in its order), then p = bf16(master)."""
-    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    for p in group["params"]:
-        grad = opt._grad(p)
-        if grad is None:
-            continue
-        master, state = p.main_param, opt.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-        g = grad.float() if grad_scale is None else grad.float() * grad_scale.to(grad.device, torch.float32)
-        exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        step_t += 1
-        if wd != 0:
-            master.mul_(1 - lr * wd)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step = step_t.item()
-        bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-        master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
-        p.copy_(master)

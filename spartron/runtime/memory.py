@@ -18,7 +18,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     t, ac, off = cfg.train, cfg.ac, cfg.offload
     dims = cfg.parallel.dims(world_size)
     return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, micro_steps=t.micro_steps(dims.dp),
-                     optimizer=t.optimizer, ac_mode=ac.mode, ac_freq=ac.freq,
+                     optimizer=t.optimizer, moments_dtype=t.adamw_moments_dtype, ac_mode=ac.mode, ac_freq=ac.freq,
                      ac_targets=tuple(ac.targets) if ac.targets is not None else None, offload=off.enabled,
                      offload_keep_last=off.keep_last if off.window == "all_but_last" else 0,
                      offload_prefetch_depth=off.prefetch_depth, keep_grad_buffers=t.keep_grad_buffers,

@@ -204,7 +204,8 @@ def banner(cfg, dims, model: torch.nn.Module, run_dir: Path, resumed_from: int |
     moe = cfg.model.moe
     active = params.dense + params.experts * moe.top_k // max(moe.n_routed_experts, 1)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    state = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer)["total"]
+    state = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer,
+                                 moments_dtype=cfg.train.adamw_moments_dtype)["total"]
     peak = (f"predicted peak {plan.peak / 2**30:.3f} GiB at {plan.phase}, of which " if plan is not None
             else "")
     t, o = cfg.train, cfg.observe

@@ -83,13 +83,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer == "adamw":
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        if cfg.adamw_kernel == "triton" or (cfg.adamw_kernel == "auto" and on_cuda):
-            if not on_cuda:
-                devices = sorted({str(p.device) for p in decay + no_decay})
-                raise ValueError(f"train.adamw_kernel = 'triton' needs CUDA parameters and the triton package; the "
-                                 f"parameters are on {', '.join(devices)} (use 'torch')")
+        triton = cfg.adamw_kernel == "triton" or (cfg.adamw_kernel == "auto" and on_cuda)
+        if triton and not on_cuda:
+            devices = sorted({str(p.device) for p in decay + no_decay})
+            raise ValueError(f"train.adamw_kernel = 'triton' needs CUDA parameters and the triton package; the "
+                             f"parameters are on {', '.join(devices)} (use 'torch')")
+        if triton or cfg.adamw_moments_dtype is not None:  # torch's AdamW keeps its moments in the params' dtype
             adam_kwargs.pop("fused")
-            return TritonAdamW([g for g in groups if g["params"]], **adam_kwargs)
+            return TritonAdamW([g for g in groups if g["params"]], **adam_kwargs, reference=not triton,
+                               moments_dtype=moments_dtype(cfg))
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kwargs)
     # Muon (spartron.runtime.muon) takes what muon_takes says: hidden matrices and routed-expert stacks;
     # embeddings and the LM head stay on AdamW (as in the Muon paper), recognised by their vocabulary-sized dim.
@@ -116,7 +118,12 @@ def _master_adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: 
         raise ValueError("train.adamw_kernel = 'triton' needs CUDA parameters and the triton package (use 'torch')")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return MasterAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                       reference=cfg.adamw_kernel == "torch" or not on_cuda)
+                       reference=cfg.adamw_kernel == "torch" or not on_cuda, moments_dtype=moments_dtype(cfg))
+
+
+def moments_dtype(cfg: TrainConfig) -> torch.dtype | None:
+    """train.adamw_moments_dtype as a torch dtype (None: the updated tensors' own)."""
+    return getattr(torch, cfg.adamw_moments_dtype) if cfg.adamw_moments_dtype else None
 
 
 def _reduce_groups(t: Tensor, extra: Sequence[dist.ProcessGroup]) -> tuple:

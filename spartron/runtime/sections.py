@@ -174,6 +174,11 @@ class TrainConfig(ConfigSection):
     # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way). "auto": the
     # Triton pass for CUDA parameters (an error naming this key if triton is missing), torch's on the CPU.
     adamw_kernel: Literal["auto", "torch", "triton"] = "auto"
+    # AdamW's moments (exp_avg, exp_avg_sq) stored in bfloat16 beside fp32 masters, as DeepSeek-V3 trained
+    # (Megatron's precision-aware optimizer with exp_avg_dtype = exp_avg_sq_dtype = bf16): 4 bytes a parameter
+    # less. The update still runs in fp32; each moment is rounded to nearest even as it is stored. None: the
+    # masters' dtype (spartron.runtime.adamw_triton).
+    adamw_moments_dtype: Literal["bfloat16"] | None = None
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(2, ge=0)
@@ -277,6 +282,9 @@ class TrainConfig(ConfigSection):
         if self.adamw_kernel == "triton" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
             raise ValueError(f"train.adamw_kernel = {self.adamw_kernel!r} needs train.optimizer = 'adamw' "
                              f"(got {self.optimizer!r}, which would ignore it)")
+        if self.adamw_moments_dtype is not None and self.optimizer != "adamw":
+            raise ValueError(f"train.adamw_moments_dtype = {self.adamw_moments_dtype!r} needs train.optimizer = "
+                             f"'adamw' (got {self.optimizer!r}, whose state would ignore it)")
         return self
 
     @model_validator(mode="after")

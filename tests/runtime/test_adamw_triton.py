@@ -175,6 +175,24 @@ def test_low_precision_state_equals_torch_fused_adamw(dtype):
 
 
 @needs_kernel
+def test_bf16_moments_beside_fp32_parameters_equal_the_torch_reference():
+    """train.adamw_moments_dtype = "bfloat16": the kernels load bf16 moments into fp32 and round them on store, as
+    TritonAdamW's torch reference does (tests/runtime/test_adamw_moments.py pins the reference bitwise). A moment
+    whose fp32 value rounds differently is one bf16 ulp apart; the interpreter truncates, so one step there."""
+    from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
+
+    ref, mine = _params(torch.float32), _params(torch.float32)
+    ref_opt = TritonAdamW(_groups(ref), lr=1e-2, betas=(0.9, 0.95), reference=True, moments_dtype=torch.bfloat16)
+    mine_opt = TritonAdamW(_groups(mine), lr=1e-2, betas=(0.9, 0.95), kernel=AdamWKernelConfig(block=16),
+                           moments_dtype=torch.bfloat16)
+    _run(ref_opt, mine_opt, ref, mine, torch.float32, steps=1 if INTERPRET else 3)
+    assert {mine_opt.state[q][k].dtype for q in mine for k in KEYS} == {torch.bfloat16}
+    _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=2.0**-7, atol=1e-6)
+    for p, q in zip(ref, mine, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)  # the fp32 parameters to fp32 rounding
+
+
+@needs_kernel
 def test_unaligned_views_take_the_unhinted_kernel_and_agree():
     """A parameter at a 4-byte offset into its storage cannot take the 16-byte hints; it is bucketed apart."""
     from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
