@@ -177,7 +177,8 @@ class TrainConfig(ConfigSection):
     # AdamW's moments (exp_avg, exp_avg_sq) stored in bfloat16 beside fp32 masters, as DeepSeek-V3 trained
     # (Megatron's precision-aware optimizer with exp_avg_dtype = exp_avg_sq_dtype = bf16): 4 bytes a parameter
     # less. The update still runs in fp32; each moment is rounded to nearest even as it is stored. None: the
-    # masters' dtype (spartron.runtime.adamw_triton).
+    # masters' dtype (spartron.runtime.adamw_triton). With CPU parameters or adamw_kernel = "torch" the update is
+    # TritonAdamW's torch reference (torch's own AdamW keeps the moments in the parameters' dtype).
     adamw_moments_dtype: Literal["bfloat16"] | None = None
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
