@@ -80,7 +80,8 @@ def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_nod
                 "mfu": measured["flops_per_token"] * tps / measured["peak_flops"]}
 
     return {"step": rec["step"], "loss": rec["loss"], "rehearsed_step_s": rec["step_time_s"],
-            "compute_s": compute, "peak_allocated_bytes": rec["peak_memory_allocated_bytes"],
+            "compute_s": compute, "optimizer_s": segments[-1].seconds,
+            "peak_allocated_bytes": rec["peak_memory_allocated_bytes"],
             "peak_reserved_bytes": rec["peak_memory_reserved_bytes"],
             "comm": comm, "comm_detail": sorted(detail.values(), key=lambda d: (d["category"], d["group"], d["kind"])),
             "compute_only": rate(compute), "no_overlap": rate(compute + total_comm), "headline": rate(headline),
@@ -105,7 +106,8 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
                     else "the model's own, every rank routing as this one; its gathered router rows are copies of "
                          "this rank's shard, so experts tie and the first ones take the tokens (a worst case)"),
         "micro_batches": {"per_step": measured["n_micro"], "rehearsed": measured["rehearsed_micro"]},
-        "measured": ["compute time", "peak allocated / reserved memory", "bytes of every collective"],
+        "measured": ["compute time", "peak allocated / reserved memory", "bytes of every collective",
+                     "optimizer_s: the stretch after the last backward (gradient norm, clip, optimizer update)"],
         "modelled": ["communication time (link table)", "step time with communication", "tokens/s per GPU",
                      "MFU", "compute of the micro-batches not rehearsed (the second one's time)"],
         "overlaps_in_headline": ["fsdp"] + (["ep"] if cfg.train.intra_layer_micro_batches > 1 else []),

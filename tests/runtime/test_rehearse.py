@@ -56,6 +56,7 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
                                                         + comm - head["comm"]["fsdp"]["seconds"])
     assert head["compute_only"]["mfu"] == pytest.approx(head["headline"]["mfu"] * head["headline"]["seconds"]
                                                         / head["compute_s"])
+    assert 0 < head["optimizer_s"] < head["compute_s"]  # the step's last stretch: clip + optimizer step
     text = render(report)
     assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text and "(compute)" in text
 
