@@ -38,6 +38,9 @@ def category(kind: str, ranks: tuple[int, ...], group_ranks: dict[str, tuple[int
     return "other"
 
 
+WARM_UP_FACTOR = 2.0  # a first step slower than this many times the last one ran one-time work
+
+
 def _weights(n_segments: int, n_micro: int, rehearsed: int) -> list[float]:
     """Per segment (first forward, each backward->next forward, last backward, optimizer): how many
     times a step of `n_micro` micro-batches runs it."""
@@ -117,9 +120,21 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
                     "phase": plan.phase, "parameter_bytes": planned_params,
                     "measured_parameter_bytes": measured["param_bytes"]},
         "link_table": cluster.model_dump(), "peak_tflops": measured["peak_flops"] / 1e12,
-        "notes": measured["notes"],
+        "notes": measured["notes"] + _warm_up_note(steps),
         "kernels": measured.get("kernels"),
     }
+
+
+def _warm_up_note(steps: list[dict[str, Any]]) -> list[str]:
+    """A line when the first step's compute is far above the reported (last) one's: one-time work ran in it
+    (compiles, kernels built at first use such as DeepGEMM's, autotuning), so its row is not a step's cost."""
+    first, last = steps[0], steps[-1]
+    if len(steps) < 2 or first["compute_s"] <= WARM_UP_FACTOR * last["compute_s"]:
+        return []
+    ratio = first["compute_s"] / last["compute_s"]
+    return [f"step {first['step']}'s compute ({first['compute_s']:.1f} s) is {ratio:.0f}x step {last['step']}'s: "
+            "it ran one-time work (compiles, kernels built at first use, autotuning); the headline is step "
+            f"{last['step']}"]
 
 
 def _gb(n: float) -> str:

@@ -59,6 +59,16 @@ def test_tiny_rank_of_8_holds_the_planners_parameter_bytes_and_models_its_commun
     assert 0 < head["optimizer_s"] < head["compute_s"]  # the step's last stretch: clip + optimizer step
     text = render(report)
     assert "tiny rank 3 of 8" in text and "planner: predicted peak" in text and "(compute)" in text
+    # a first step that ran one-time work is said to have: here its measured stretches made 10x the last step's
+    first, last = report["steps"][0]["compute_s"], report["steps"][-1]["compute_s"]
+    assert len([n for n in report["notes"] if "one-time work" in n]) == int(first > 2 * last)
+    for seg in measured["steps"][0]["segments"]:
+        seg.seconds *= 10 * max(1.0, last / first)
+    slow = build_report(measured, ClusterConfig())
+    first = slow["steps"][0]["compute_s"]
+    assert slow["notes"][-1] == (f"step 1's compute ({first:.1f} s) is {first / last:.0f}x step 2's: it ran one-time "
+                                 "work (compiles, kernels built at first use, autotuning); the headline is step 2")
+    assert "note: step 1's compute" in render(slow)
 
 
 def test_report_file_names_the_commit_the_config_file_and_overrides_and_the_wall_time(tmp_path, capsys):
