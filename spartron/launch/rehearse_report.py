@@ -129,7 +129,7 @@ def _warm_up_note(steps: list[dict[str, Any]]) -> list[str]:
     """A line when the first step's compute is far above the reported (last) one's: one-time work ran in it
     (compiles, kernels built at first use such as DeepGEMM's, autotuning), so its row is not a step's cost."""
     first, last = steps[0], steps[-1]
-    if len(steps) < 2 or first["compute_s"] <= WARM_UP_FACTOR * last["compute_s"]:
+    if first["compute_s"] <= WARM_UP_FACTOR * last["compute_s"]:  # one step: it is the last one
         return []
     ratio = first["compute_s"] / last["compute_s"]
     return [f"step {first['step']}'s compute ({first['compute_s']:.1f} s) is {ratio:.0f}x step {last['step']}'s: "

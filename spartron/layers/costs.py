@@ -293,6 +293,13 @@ def optimizer_state_elements(m: ModelConfig, shards: dict[str, tuple[int, ...]],
     return total
 
 
+def optimizer_state_bytes(m: ModelConfig, shards: dict[str, tuple[int, ...]], optimizer: str,
+                          moments_dtype: str | None = None) -> int:
+    """The optimizer state of `shards` in bytes: its elements in `moments_dtype` (train.adamw_moments_dtype), else
+    in the stored dtype (torch's AdamW keeps its state in the parameter's dtype)."""
+    return optimizer_state_elements(m, shards, optimizer) * PARAM_BYTES[moments_dtype or m.stored_dtype]
+
+
 def optimizer_masters(m: ModelConfig) -> bool:
     """fp32 masters held by the optimizer beside compute-dtype parameters (spartron.runtime.master_weights)."""
     return m.master_dtype is not None and m.master_weights == "optimizer"
@@ -310,8 +317,7 @@ def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, ran
     width = PARAM_BYTES[m.stored_dtype]
     local = sum(_numel(s) for s in shards.values())
     weights = width + (PARAM_BYTES[m.dtype] if optimizer_masters(m) else 0)
-    moments = PARAM_BYTES[moments_dtype or m.stored_dtype]
     out = {"parameters": local * weights, "gradients": local * width,
-           "optimizer_state": optimizer_state_elements(m, shards, optimizer) * moments}
+           "optimizer_state": optimizer_state_bytes(m, shards, optimizer, moments_dtype)}
     out["total"] = sum(out.values())
     return out

@@ -19,7 +19,7 @@ from spartron.layers.costs import (
     decoder_layer,
     is_routed_expert,
     optimizer_masters,
-    optimizer_state_elements,
+    optimizer_state_bytes,
     param_shapes,
     param_shards,
     state_bytes_per_rank,
@@ -249,8 +249,7 @@ def trained_state_bytes(m: ModelConfig, dims: ParallelDims, step: StepShape, ran
     shards = {f: s for f, s in param_shards(m, dims, rank).items() if f in step.trainable}
     width = PARAM_BYTES[m.stored_dtype]
     out = {"parameters": state["parameters"], "gradients": sum(math.prod(s) for s in shards.values()) * width,
-           "optimizer_state": optimizer_state_elements(m, shards, step.optimizer)
-           * PARAM_BYTES[step.moments_dtype or m.stored_dtype]}
+           "optimizer_state": optimizer_state_bytes(m, shards, step.optimizer, step.moments_dtype)}
     return out | {"total": sum(out.values())}
 
 
