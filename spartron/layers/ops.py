@@ -12,6 +12,7 @@ from __future__ import annotations
 def load_ops() -> frozenset[str]:
     """Register every operator library of Spartron's layers and comm; returns their namespaces."""
     from spartron.comm import collectives, copy_engine, deepep
+    from spartron.layers import swiglu  # noqa: F401 (defines spartron::swiglu_backward_)
     from spartron.layers.attention import (  # noqa: F401 (each defines spartron:: ops)
         absorb,
         indexer_kl,

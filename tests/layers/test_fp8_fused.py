@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spartron.layers.ffn import swiglu
 from spartron.layers.fp8 import grouped_mm, scaled_mm_backend
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
 from spartron.layers.fp8.modules import FP8GroupedExperts
 from spartron.layers.moe.experts import GroupedExperts
+from spartron.layers.swiglu import swiglu
 
 COUNTS = [130, 0, 254]
 

@@ -127,7 +127,7 @@ def test_grouped_gemm_configs_match_the_reference_on_ragged_groups(block_m, num_
 def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_contraction():
     """As tests/layers/test_fp8_fused.py on the reference: the w1|w3 GEMM and the swiglu quantisation of
     h13's halves (read in place) give the two-GEMM path's out / dw bitwise; dx is one dgrad over 2I."""
-    from spartron.layers.ffn import swiglu
+    from spartron.layers.swiglu import swiglu
 
     c = torch.tensor([130, 0, 382], dtype=torch.int32, device="cuda")
     x, w, grad = _inputs(512, seed=1)

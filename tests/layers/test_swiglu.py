@@ -1,11 +1,22 @@
 """swiglu: silu(gate) * up with two saved tensors instead of three, values and gradients bitwise equal to autograd."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from spartron.layers.ffn import FeedForward, swiglu
+from spartron.layers.ffn import FeedForward
 from spartron.layers.moe.experts import GroupedExperts
+from spartron.layers.swiglu import swiglu, swiglu_backward_
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and HAS_TRITON and not INTERPRET else "cpu"
+needs_kernel = pytest.mark.skipif(
+    not (INTERPRET or KERNEL_DEVICE == "cuda"),
+    reason="needs CUDA + triton, or Triton's interpreter (triton installed, TRITON_INTERPRET=1)")
 
 
 def _saved_count(fn) -> int:
@@ -53,3 +64,71 @@ def test_feedforward_and_grouped_experts_use_it():
     found.clear()
     walk(experts(rows, [4, 2]).grad_fn)
     assert "_SwiGLUBackward" in {type(f).__name__ for f in found}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_writes_the_gradients_into_gate_and_up_bitwise_equal(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 24, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(2, 24, 56, generator=g).to(dtype)
+    grad = torch.randn(40, 56, generator=g).to(dtype)
+    want = torch.autograd.grad(swiglu(x @ w[0], x @ w[1]), x, grad)[0]
+    gate, up = x @ w[0], x @ w[1]  # fresh GEMM outputs, as the FFN and the experts pass them
+    stores = (gate.data_ptr(), up.data_ptr())
+    out = swiglu(gate, up, inplace_backward=True)
+    grad_gate, grad_up = torch.autograd.grad(out, (gate, up), grad, retain_graph=True)
+    assert (grad_gate.data_ptr(), grad_up.data_ptr()) == stores  # no new [rows, inter] buffers
+    ref_gate = torch.ops.aten.silu_backward(grad * (x @ w[1]), x @ w[0])
+    ref_up = grad * F.silu(x @ w[0])
+    torch.testing.assert_close(grad_gate, ref_gate, rtol=0, atol=0)
+    torch.testing.assert_close(grad_up, ref_up, rtol=0, atol=0)
+    got = torch.autograd.grad(swiglu(x @ w[0], x @ w[1], inplace_backward=True), x, grad)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_inplace_backward_refuses_a_leaf_that_requires_grad_and_fails_loudly_when_another_op_saved_its_input():
+    leaf = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^swiglu\(inplace_backward=True\) overwrites gate and up in backward: a "
+                                         r"leaf tensor that requires grad cannot be one of them"):
+        swiglu(leaf, leaf * 2, inplace_backward=True)
+    gate = leaf * 1
+    sine = gate.sin()  # saves gate; its backward runs after swiglu's
+    out = swiglu(gate, leaf * 2, inplace_backward=True) + sine
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_feedforward_under_compiled_checkpoint_equals_eager():
+    torch.manual_seed(0)
+    ffn = FeedForward(32, 64)
+    x = torch.randn(16, 32, requires_grad=True)
+    grads = []
+    for fn in (ffn, torch.compile(lambda t: torch.utils.checkpoint.checkpoint(ffn, t, use_reentrant=False))):
+        ffn.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in ffn.parameters()])
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 1000), (33, 2048 + 5), (0, 64), (3, 4, 256)])
+def test_triton_backward_overwrites_gate_and_up_with_the_fp32_formula_rounded_once(dtype, shape):
+    from spartron.layers import swiglu_triton_kernels as kernels
+    g = torch.Generator().manual_seed(3)
+    both = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype).to(KERNEL_DEVICE)
+    gate, up = both[..., :shape[-1]], both[..., shape[-1]:]  # row-strided halves of one GEMM output
+    grad = torch.randn(shape, generator=g).to(dtype).to(KERNEL_DEVICE)
+    a, b, d = (t.double() for t in (gate, up, grad))
+    s = torch.sigmoid(a)
+    want_gate, want_up = (d * b * s * (1 + a * (1 - s))).to(dtype), (d * a * s).to(dtype)
+    if KERNEL_DEVICE == "cuda":
+        swiglu_backward_(grad, gate, up)  # the op picks the kernel on CUDA
+    else:
+        kernels.swiglu_backward_inplace(grad.view(-1, shape[-1]), gate.view(-1, shape[-1]), up.view(-1, shape[-1]))
+    tol = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
+    torch.testing.assert_close(gate, want_gate, **tol)
+    torch.testing.assert_close(up, want_up, **tol)

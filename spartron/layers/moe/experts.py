@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spartron.comm.collectives import splits_to_host
-from spartron.layers.ffn import swiglu
 from spartron.layers.init import init_parameters_
 from spartron.layers.moe.dispatch import GatheredRows
+from spartron.layers.swiglu import swiglu
 
 
 def grouped_mm_available() -> bool:
@@ -108,7 +108,7 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         try:
             h = swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
-                       torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
+                       torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), inplace_backward=True)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         except (RuntimeError, NotImplementedError) as err:
             raise RuntimeError(f"torch._grouped_mm failed for {x.dtype} on {x.device} (torch "
