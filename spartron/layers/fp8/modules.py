@@ -24,7 +24,7 @@ class FP8Linear(nn.Linear):
     fp8_wgrad: bool
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
+        return linear(x, self.weight, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, [])
 
 
 class FP8FeedForward(FeedForward):
