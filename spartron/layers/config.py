@@ -204,8 +204,9 @@ class FP8Config(ConfigSection):
             raise ValueError("model.fp8.dispatch = true sends the routed experts' FP8 input: it needs 'experts' in "
                              f"model.fp8.modules, got {self.modules}")
         if self.param_gather and self.weight_cache == "on":
-            raise ValueError("model.fp8.param_gather = true with model.fp8.weight_cache = 'on': the gathered FP8 weights "
-                             "replace the cache; use weight_cache 'auto' (on only for experts whole on each rank)")
+            raise ValueError("model.fp8.param_gather = true with model.fp8.weight_cache = 'on': the gathered FP8 "
+                             "weights replace the cache; use weight_cache 'auto' (on only for experts whole on each "
+                             "rank)")
         if self.dispatch and not self.power_of_two_scales:
             raise ValueError("model.fp8.dispatch = true needs model.fp8.power_of_two_scales = true (only then do the "
                              "received rows, dequantised to model.dtype, quantise back to the same FP8 values)")
