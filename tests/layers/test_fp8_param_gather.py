@@ -110,8 +110,8 @@ def _train(rank, world, root: str):
     for gather in (False, True):
         trainer = Trainer(_cfg(f"{root}/{gather}", gather)).setup()
         losses, bytes_per_step, seen = [], [], set()
-        handles = [m.register_forward_pre_hook(lambda m, a, seen=seen: seen.add(type(m.w1))) for m in trainer.model.modules()
-                   if isinstance(m, FP8GroupedExperts)]
+        experts = [m for m in trainer.model.modules() if isinstance(m, FP8GroupedExperts)]
+        handles = [m.register_forward_pre_hook(lambda m, a, seen=seen: seen.add(type(m.w1))) for m in experts]
         for _ in range(3):
             with _Gathers() as mode:
                 losses.append(trainer.step()["loss"])
