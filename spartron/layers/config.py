@@ -171,7 +171,12 @@ class FP8Config(ConfigSection):
     FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank.
     `layers_at_start_in_bf16` / `layers_at_end_in_bf16`: that many of the first / last decoder layers keep every
     GEMM in model.dtype (Megatron's first_last_layers_bf16 with num_layers_at_start/end_in_bf16, for stability
-    where the activations are least regular); the MTP modules run FP8 as Megatron's do. See docs/FP8.md."""
+    where the activations are least regular); the MTP modules run FP8 as Megatron's do. `param_gather` (Megatron's
+    --fp8-param-gather): under FSDP2 each FP8-run weight is quantised once per optimizer step on its shard (the
+    full weight's 128x128 block scales: a MAX all-reduce of the shards' block amax) and all-gathered as E4M3, 1
+    byte an element instead of bf16's 2, its blocks and transposed blocks then read from the gathered values
+    (spartron.layers.fp8.param_gather); numerics bitwise those without it. Needs FSDP2 sharding over more than one
+    rank and eager blocks; the experts of a 1-rank expert_fsdp group keep the weight cache instead. See docs/FP8.md."""
 
     recipe: Literal["blockwise"] = "blockwise"
     backend: Literal["triton", "torch_scaled_mm", "deep_gemm", "reference"] = "triton"
@@ -180,6 +185,7 @@ class FP8Config(ConfigSection):
     power_of_two_scales: bool = True
     weight_cache: Literal["auto", "on", "off"] = "auto"
     dispatch: bool = False
+    param_gather: bool = False
     layers_at_start_in_bf16: int = Field(0, ge=0)
     layers_at_end_in_bf16: int = Field(0, ge=0)
 
@@ -197,6 +203,10 @@ class FP8Config(ConfigSection):
         if self.dispatch and "experts" not in self.modules:
             raise ValueError("model.fp8.dispatch = true sends the routed experts' FP8 input: it needs 'experts' in "
                              f"model.fp8.modules, got {self.modules}")
+        if self.param_gather and self.weight_cache == "on":
+            raise ValueError("model.fp8.param_gather = true with model.fp8.weight_cache = 'on': the gathered FP8 "
+                             "weights replace the cache; use weight_cache 'auto' (on only for experts whole on each "
+                             "rank)")
         if self.dispatch and not self.power_of_two_scales:
             raise ValueError("model.fp8.dispatch = true needs model.fp8.power_of_two_scales = true (only then do the "
                              "received rows, dequantised to model.dtype, quantise back to the same FP8 values)")

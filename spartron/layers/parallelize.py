@@ -36,6 +36,8 @@ from spartron.checkpointing.config import ACConfig
 from spartron.comm.mirror import is_mirrored
 from spartron.layers.config import FP8Config
 from spartron.layers.fp8 import apply_fp8
+from spartron.layers.fp8.apply import check_param_gather
+from spartron.layers.fp8.param_gather import install as install_param_gather
 from spartron.parallel.groups import ParallelGroups
 
 
@@ -192,10 +194,15 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
     "fsdp") is given: the cast of the sharded masters to it is FSDP's, so it applies on one rank too. Under
     model.master_weights = "optimizer" no param_dtype is given: one rank runs without FSDP2 and the
     optimizer holds the masters (spartron.runtime.master_weights). Works on a model built on the
-    meta device (spartron.layers.init.materialize_ gives it storage afterwards)."""
+    meta device (spartron.layers.init.materialize_ gives it storage afterwards). With model.fp8.param_gather the
+    FP8-run weights are all-gathered as E4M3 (spartron.layers.fp8.param_gather): the caller runs
+    spartron.layers.fp8.invalidate_weight_caches(model) once the weights have their values, before the first
+    forward, as after every optimizer step and load."""
     if not isinstance(model, ParallelizableModel):
         raise TypeError(f"parallelize needs a model with blocks() (ParallelizableModel); "
                         f"{type(model).__name__} has none")
+    if fp8 is not None and fp8.param_gather:
+        check_param_gather(compile_backend is not None, groups.fsdp_mesh.shape[-1] if groups is not None else 1)
     if fp8 is not None:
         apply_fp8(fp8_blocks(model.blocks(), fp8), fp8, compiled=compile_backend is not None,
                   expert_shards=groups.size("expert_fsdp") if groups is not None else 1)
@@ -210,6 +217,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups | None, ac: ACConfig,
                          "(ParallelGroups of the world, one rank included)")
     if groups is not None and (groups.size("world") > 1 or param_dtype is not None):
         apply_fsdp(model, blocks, groups, param_dtype, reduce_dtype)
+        if fp8 is not None and fp8.param_gather:  # FP8 all-gathers: the first refresh comes before the first forward
+            install_param_gather(model)
         if compile_backend is not None:
             for block in blocks:
                 if block.experts is not None:

@@ -104,6 +104,10 @@ class RunConfig(ConfigSection):
                                            self.parallel.ep)
             if refusal:
                 raise ValueError(refusal)
+        if self.train.compile and self.model.fp8 is not None and self.model.fp8.param_gather:
+            raise ValueError("model.fp8.param_gather = true with train.compile = true: the FP8 all-gather's weights "
+                             "are not traced into compiled blocks; set train.compile = false or "
+                             "model.fp8.param_gather = false")
         if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:  # set so: unset is resolved above
             raise ValueError(
                 f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "

@@ -242,6 +242,7 @@ class Trainer:
         built = RankModel.build(cfg, place, factory)
         self.model, self.optimizer, self.ep_extra, self.ep_state = (built.model, built.optimizer, built.ep_extra,
                                                                     built.ep_state)
+        invalidate_weight_caches(self.model)  # model.fp8.param_gather: the first FP8 shards (a collective)
         # [[train.stages]]: the stage of the first step to train, or of the saved step it resumes from
         self.stages = StageRunner(self.model, t, default_indexer_mode(self.model))
         self._enter_stage(plan.resume_step or 1, first=True)

@@ -164,7 +164,7 @@ def test_linear_forward_and_gradients_equal_dequantise_then_matmul_and_stay_near
     x = torch.randn(2, 64, 128, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(256, 128, generator=g) * 0.05).bfloat16().requires_grad_()
     grad = torch.randn(2, 64, 256, generator=g).bfloat16()
-    out = linear(x, w, "reference", True, True)
+    out = linear(x, w, "reference", True, True, [])
     out.backward(grad)
     x2, g2 = x.detach().reshape(128, 128), grad.reshape(128, 256)
     assert torch.equal(out, (_hand_rows(x2) @ _hand_blocks(w.detach()).t()).bfloat16().reshape(2, 64, 256))

@@ -14,8 +14,8 @@ Spartron-only settings (vocab_size, max_seq_len, tie_embeddings, loss_chunk_size
 dsa.topk_freq, dsa.share_indexer_across_mtp, dsa.indexer_fp8, dsa.deterministic_dkv, dsa.kl_dense_chunk,
 dsa.attention_chunk, moe.aux_loss_type when there is no aux loss, the dispatcher's "local" vs "all_to_all"
 choice, grouped_mm "auto" vs "grouped", moe.deepep_num_sms without DeepEP, model.fp8's backend, modules,
-power_of_two_scales, weight_cache and dispatch) have no Megatron field: they come from `base` (or ModelConfig's
-defaults).
+power_of_two_scales, weight_cache, dispatch and param_gather) have no Megatron field: they come from `base` (or
+ModelConfig's defaults; the adapters refuse param_gather = true: Megatron's DDP gathers no parameters).
 
 FP8: Megatron's `fp8 = "e4m3"` with `fp8_recipe = "blockwise"` (DeepSeek-V3's recipe, as Megatron runs it through
 Transformer Engine) is model.fp8, its `fp8_wgrad` model.fp8.wgrad ("fp8" or "model_dtype"), its
@@ -340,7 +340,7 @@ def _dsa_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]
 def _fp8_section(tcfg: TransformerConfig, base: ModelConfig, problems: list[str]) -> dict[str, Any] | None:
     """model.fp8 from Megatron's fp8 / fp8_recipe / fp8_wgrad / first_last_layers_bf16 with num_layers_at_start_in_bf16
     and num_layers_at_end_in_bf16 (which Megatron reads only when fp8 is set: wgrad, the bf16 layers); the
-    Spartron-only fields (backend, modules, power_of_two_scales, weight_cache, dispatch) from `base`."""
+    Spartron-only fields (backend, modules, power_of_two_scales, weight_cache, dispatch, param_gather) from `base`."""
     if tcfg.fp8 is None:
         return None
     if tcfg.fp8 != "e4m3":

@@ -85,6 +85,9 @@ def _apply_fp8(module: nn.Module, cfg: ModelConfig, kinds: set[str], layer_idx: 
     fp8 = cfg.fp8
     if fp8 is None or not kinds & set(fp8.modules) or not fp8.runs_fp8(layer_idx, cfg.n_layers):
         return
+    if fp8.param_gather:
+        raise ConfigError("model.fp8.param_gather = true in the Megatron adapters: it hooks FSDP2's all-gather, and "
+                          "Megatron's DDP gathers no parameters; set model.fp8.param_gather = false")
     if fp8.weight_cache == "on":
         raise ConfigError("model.fp8.weight_cache = 'on' in the Megatron adapters: Megatron's optimizer step does "
                           "not invalidate it, so the experts would keep the FP8 copy of old weights; use 'auto' "

@@ -41,9 +41,11 @@ def _gemm_rows(impl, x: Tensor, counts, pow2: bool, order: Tensor | None = None,
     return impl.quantize_rows(x, pow2, impl.gemm_rows(counts, rows, _index(order, k)))
 
 
-def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool) -> Tensor:
+def forward(impl, x: Tensor, w: Tensor, counts: Tensor, pow2: bool, wq: Sequence[Tensor] = ()) -> Tensor:
+    """`wq`: w's blocks [q, s] when given (model.fp8.param_gather; empty: quantise here)."""
     counts = impl.group_counts(counts)
-    return impl.fprop(*_gemm_rows(impl, x, counts, pow2), *impl.quantize_blocks(w, pow2), counts, x.dtype)
+    wq = wq or impl.quantize_blocks(w, pow2)
+    return impl.fprop(*_gemm_rows(impl, x, counts, pow2), *wq, counts, x.dtype)
 
 
 def unquantised_wgrad(grad: Tensor, x: Tensor, counts) -> Tensor:

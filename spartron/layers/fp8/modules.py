@@ -11,6 +11,7 @@ from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.ffn import FeedForward
 from spartron.layers.fp8 import gemms, quant
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
+from spartron.layers.fp8.gathered import gathered, stand_in
 from spartron.layers.fp8.ops import backend_impl, linear
 from spartron.layers.fp8.weight_cache import WeightCache
 from spartron.layers.moe.experts import GroupedExperts
@@ -24,7 +25,10 @@ class FP8Linear(nn.Linear):
     fp8_wgrad: bool
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
+        w = self.weight
+        if gathered(w):  # model.fp8.param_gather: the all-gathered FP8 blocks (spartron.layers.fp8.gathered)
+            return linear(x, stand_in(w), self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, w.joint.blocks(lead=True))
+        return linear(x, w, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, [])
 
 
 class FP8FeedForward(FeedForward):
@@ -43,9 +47,14 @@ class FP8FeedForward(FeedForward):
         x2d = x.reshape(-1, x.shape[-1])
         counts = quant.one_group(x2d)  # the one group's rows, on the device
         gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
-        w1, w3, w2 = (lin.weight.unsqueeze(0) for lin in (self.w1, self.w3, self.w2))
-        h13 = grouped_mm_pair(x2d, w1, w3, counts, *gemm, [], None, None, 1, [])
-        return swiglu_grouped_mm(h13, w2, counts, *gemm, [], []).reshape(*x.shape[:-1], w2.shape[1])
+        weights = [lin.weight for lin in (self.w1, self.w3, self.w2)]
+        cached = []
+        if gathered(*weights):  # model.fp8.param_gather: the all-gathered FP8 blocks, [w1; w3] and w2
+            cached = [*weights[0].joint.blocks(lead=True), *weights[2].joint.blocks(lead=True)]
+            weights = [stand_in(w) for w in weights]
+        w1, w3, w2 = (w.unsqueeze(0) for w in weights)
+        h13 = grouped_mm_pair(x2d, w1, w3, counts, *gemm, cached[:4], None, None, 1, [])
+        return swiglu_grouped_mm(h13, w2, counts, *gemm, cached[4:], []).reshape(*x.shape[:-1], w2.shape[1])
 
 
 class FP8GroupedExperts(GroupedExperts):
@@ -79,11 +88,15 @@ class FP8GroupedExperts(GroupedExperts):
         counts = torch.as_tensor(tokens_per_expert, device=x.device).to(torch.int32)
         rows = x.shape[0] if order is None else order.shape[0]
         gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
-        # a checkpoint replay gets the original pass's lists back: a cache fill and the layout run once
-        cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if gathered(w1, w3, w2):  # model.fp8.param_gather: the all-gathered FP8 blocks, [w1; w3] and w2
+            cached = [*w1.joint.blocks(), *w2.joint.blocks()]
+            w1, w3, w2 = stand_in(w1), stand_in(w3), stand_in(w2)
+        else:  # a checkpoint replay gets the original pass's lists back: a cache fill and the layout run once
+            cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
         layout = reuse_during_recompute(checked_layout, self.fp8_backend, counts, rows)
-        h13 = grouped_mm_pair(x, self.w1, self.w3, counts, *gemm, cached[:4], order, inverse, k, layout)
-        return swiglu_grouped_mm(h13, self.w2, counts, *gemm, cached[4:], layout)
+        h13 = grouped_mm_pair(x, w1, w3, counts, *gemm, cached[:4], order, inverse, k, layout)
+        return swiglu_grouped_mm(h13, w2, counts, *gemm, cached[4:], layout)
 
 
 def checked_layout(backend: str, counts: Tensor, rows: int) -> list[Tensor]:

@@ -81,52 +81,57 @@ grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 
 # --- dense --------------------------------------------------------------------------------------
 
-def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool) -> Tensor:
+def _dense_forward(x2d: Tensor, w: Tensor, backend: str, pow2: bool, cached: list[Tensor]) -> Tensor:
     impl = backend_impl(backend)
-    return gemms.forward(impl, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2)
+    return gemms.forward(impl, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2, cached[0:2])
 
 
 def _dense_backward(g2d: Tensor, x2d: Tensor, w: Tensor, backend: str, pow2: bool,
-                    fp8_wgrad: bool) -> tuple[Tensor, Tensor]:
+                    fp8_wgrad: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
     impl = backend_impl(backend)
-    dx, dw = gemms.backward(impl, g2d, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2, fp8_wgrad)
+    dx, dw = gemms.backward(impl, g2d, x2d, w.unsqueeze(0), impl.one_group(x2d), pow2, fp8_wgrad,
+                            cached[2:4] or None)
     return dx, dw.squeeze(0)
 
 
 @torch.library.custom_op("spartron_fp8::linear", mutates_args=())
-def linear(x: Tensor, w: Tensor, backend: str, pow2: bool, fp8_wgrad: bool) -> Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype."""
-    return _dense_forward(x.reshape(-1, x.shape[-1]), w, backend, pow2).reshape(*x.shape[:-1], w.shape[0])
+def linear(x: Tensor, w: Tensor, backend: str, pow2: bool, fp8_wgrad: bool,
+           cached: list[Tensor]) -> Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype. `cached`: w's blocks as gemms.weight_blocks lays them out
+    for one weight, [q, s, q^T, s^T] with a leading dim of 1 (model.fp8.param_gather's gathered FP8 weight;
+    empty: quantised here)."""
+    return _dense_forward(x.reshape(-1, x.shape[-1]), w, backend, pow2, cached).reshape(*x.shape[:-1],
+                                                                                                w.shape[0])
 
 
 @linear.register_fake
-def _(x, w, backend, pow2, fp8_wgrad):
+def _(x, w, backend, pow2, fp8_wgrad, cached):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 @torch.library.custom_op("spartron_fp8::linear_backward", mutates_args=())
 def linear_backward(grad: Tensor, x: Tensor, w: Tensor, backend: str, pow2: bool,
-                    fp8_wgrad: bool) -> tuple[Tensor, Tensor]:
+                    fp8_wgrad: bool, cached: list[Tensor]) -> tuple[Tensor, Tensor]:
     dx, dw = _dense_backward(grad.reshape(-1, grad.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]), w,
-                             backend, pow2, fp8_wgrad)
+                             backend, pow2, fp8_wgrad, cached)
     return dx.reshape(x.shape), dw
 
 
 @linear_backward.register_fake
-def _(grad, x, w, backend, pow2, fp8_wgrad):
-    return torch.empty_like(x), torch.empty_like(w)
+def _(grad, x, w, backend, pow2, fp8_wgrad, cached):
+    return torch.empty_like(x), torch.empty(w.shape, dtype=w.dtype, device=w.device)
 
 
 def _linear_setup(ctx, inputs, output):
-    x, w, backend, pow2, fp8_wgrad = inputs
+    x, w, backend, pow2, fp8_wgrad, cached = inputs
     ctx.save_for_backward(x, w)
-    ctx.backend, ctx.pow2, ctx.fp8_wgrad = backend, pow2, fp8_wgrad
+    ctx.backend, ctx.pow2, ctx.fp8_wgrad, ctx.cached = backend, pow2, fp8_wgrad, cached
 
 
 def _linear_backward(ctx, grad):
     x, w = ctx.saved_tensors
-    dx, dw = linear_backward(grad, x, w, ctx.backend, ctx.pow2, ctx.fp8_wgrad)
-    return dx, dw, None, None, None
+    dx, dw = linear_backward(grad, x, w, ctx.backend, ctx.pow2, ctx.fp8_wgrad, ctx.cached)
+    return dx, dw, None, None, None, [None] * len(ctx.cached)
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -62,11 +62,15 @@ class WeightCache:
 
 
 def invalidate_weight_caches(model: nn.Module) -> int:
-    """Drop every FP8 weight cache in `model` (after the optimizer wrote the weights, or a load);
-    returns how many modules had one."""
+    """Drop every FP8 weight cache in `model` and re-quantise the shards of its FP8-gathered weights
+    (model.fp8.param_gather: spartron.layers.fp8.param_gather.refresh, a collective every rank calls), after
+    the optimizer wrote the weights, a load, or the build; returns how many modules had a cache."""
+    from spartron.layers.fp8.param_gather import refresh
+
     caches = [m.fp8_cache for m in model.modules() if getattr(m, "fp8_cache", None) is not None]
     for cache in caches:
         cache.clear()
+    refresh(model)
     return len(caches)
 
 

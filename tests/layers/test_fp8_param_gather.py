@@ -1,0 +1,201 @@
+"""model.fp8.param_gather (spartron.layers.fp8.param_gather): FP8-run weights quantised once per optimizer step on
+their FSDP2 shard and all-gathered as E4M3. 2-rank gloo runs of the Trainer (reference backend): bitwise the
+bf16-gather run, one quantisation per weight per step, E4M3 bytes on the wire, resume, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spartron.configbase import ConfigError
+from spartron.layers.config import FP8Config
+from spartron.layers.fp8 import quant
+from spartron.layers.fp8.apply import check_param_gather
+from spartron.layers.fp8.shard_quant import partial_block_amax, quantize_shard
+from spartron.runtime.config import load_config
+from spartron.testing import run_distributed
+
+
+def _shards(w: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
+    """torch.chunk's shards, zero-padded to the first one's size (FSDP2's)."""
+    chunks = torch.chunk(w, world, dim)
+    padded = chunks[0].shape[dim]
+    out = []
+    for r in range(world):
+        p = torch.zeros(*w.shape[:dim], padded, *w.shape[dim + 1:], dtype=w.dtype)
+        if r < len(chunks):
+            p.narrow(dim, 0, chunks[r].shape[dim]).copy_(chunks[r])
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("shape, dim, world", [
+    ((384, 256), 0, 2),     # 192 rows a shard: a 128-row block split over two shards (the global amax)
+    ((384, 256), 0, 3),     # 128 rows a shard: whole blocks
+    ((384, 256), 0, 7),     # 55 rows, the last shard padded
+    ((4, 256, 128), 0, 2),  # whole experts a shard
+    ((2, 256, 128), 1, 4),  # experts sharded on their rows (parallelize.expert_shard_dim), 64 rows a shard
+])
+def test_shards_quantised_with_the_max_reduced_amax_equal_the_full_weights_blocks(shape, dim, world):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(shape, generator=g) * torch.rand(shape[-2], 1, generator=g) * 10).bfloat16()
+    q, s = quant.quantize_blocks(w, pow2=True)
+    shards = _shards(w, dim, world)
+    amax = torch.stack([partial_block_amax(p, w.shape, dim, r) for r, p in enumerate(shards)]).amax(0)
+    scales = quant.tile_scales(amax, True)
+    assert torch.equal(scales, s)
+    gathered = torch.cat([quantize_shard(p, scales, dim, r) for r, p in enumerate(shards)], dim)
+    assert torch.equal(gathered.narrow(dim, 0, shape[dim]).view(torch.uint8), q.view(torch.uint8))
+
+
+def test_refusals_name_the_key():
+    with pytest.raises(ConfigError, match=r"^model.fp8.param_gather = true with train.compile = true: the FP8 "
+                       r"all-gather's weights are not traced into compiled blocks; set train.compile = false or "
+                       r"model.fp8.param_gather = false$"):
+        check_param_gather(True, 2)
+    with pytest.raises(ConfigError, match=r"^model.fp8.param_gather = true needs FSDP2 sharding over more than one "
+                       r"rank \(the fsdp group has 1\): nothing is all-gathered; set model.fp8.param_gather = false$"):
+        check_param_gather(False, 1)
+    with pytest.raises(ValueError, match=r"model.fp8.param_gather = true with model.fp8.weight_cache = 'on': the "
+                       r"gathered FP8 weights replace the cache; use weight_cache 'auto' \(on only for experts whole "
+                       r"on each rank\)"):
+        FP8Config(param_gather=True, weight_cache="on")
+    with pytest.raises(ValueError, match=r"model.fp8.param_gather = true with train.compile = true"):
+        load_config("configs/tiny.toml", _OVERRIDES + ["model.fp8.param_gather=true", "train.compile=true"])
+    assert FP8Config(param_gather=True).weight_cache == "auto"
+
+
+_OVERRIDES = ["train.progress=false", "train.peak_tflops=1.0", "train.lr=3e-3", "train.warmup_steps=0",
+              "train.seq_len=32", "model.dtype=bfloat16", "model.master_dtype=float32", "model.dim=128",
+              "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256", "model.fp8.backend=reference",
+              "parallel.fsdp=2"]
+
+
+def _cfg(run_dir: str, gather: bool, steps: int = 3, *extra: str):
+    return load_config("configs/tiny.toml", [*_OVERRIDES, f"train.steps={steps}", f"train.run_dir={run_dir}",
+                                             f"model.fp8.param_gather={str(gather).lower()}", *extra])
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()}
+
+
+class _Gathers(TorchDispatchMode):
+    """The bytes every all-gather writes, by output dtype (the c10d ops go through the dispatcher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+        self.max_reduces = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        name = str(func)
+        if "allgather" in name or "all_gather" in name:
+            out = args[0]
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                for x in t if isinstance(t, (list, tuple)) else [t]:
+                    self.bytes[str(x.dtype)] = self.bytes.get(str(x.dtype), 0) + x.numel() * x.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _train(rank, world, root: str):
+    from spartron.layers.fp8 import gemms, reference
+    from spartron.layers.fp8.gathered import GatheredFP8Weight
+    from spartron.layers.fp8.modules import FP8GroupedExperts
+    from spartron.layers.fp8.param_gather import states_of
+    from spartron.runtime.trainer import Trainer
+
+    out = {}
+    for gather in (False, True):
+        trainer = Trainer(_cfg(f"{root}/{gather}", gather)).setup()
+        losses, bytes_per_step, seen = [], [], set()
+        experts = [m for m in trainer.model.modules() if isinstance(m, FP8GroupedExperts)]
+        handles = [m.register_forward_pre_hook(lambda m, a, seen=seen: seen.add(type(m.w1))) for m in experts]
+        for _ in range(3):
+            with _Gathers() as mode:
+                losses.append(trainer.step()["loss"])
+            bytes_per_step.append(mode.bytes)
+        for h in handles:
+            h.remove()
+        states = states_of(trainer.model)
+        params = _full(trainer.model)
+        blocks_equal = None
+        if gather:  # the gathered blocks against gemms.weight_blocks of the bf16 weights
+            experts = next(m for m in trainer.model.modules() if isinstance(m, FP8GroupedExperts))
+            full = [getattr(experts, n).full_tensor().bfloat16() for n in ("w1", "w3", "w2")]
+            experts.unshard()
+            w1, w2 = experts.w1, experts.w2
+            got = [*w1.joint.blocks(), *w2.joint.blocks()]
+            want = gemms.weight_blocks(reference, *full, True)
+            blocks_equal = (isinstance(w1, GatheredFP8Weight), [
+                torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8 else a, b.view(torch.uint8)
+                            if b.dtype == quant.FP8 else b) for a, b in zip(got, want, strict=True)])
+            experts.reshard()
+        out[gather] = dict(losses=losses, bytes=bytes_per_step, params=params, seen=seen,
+                           quantisations=[s.quantisations for s in states], dims=[s.dim for s in states],
+                           rows=[s.fsdp_param.padded_sharded_param_size[s.dim] for s in states],
+                           blocks_equal=blocks_equal)
+        trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    return run_distributed(_train, 2, str(tmp_path_factory.mktemp("pg")), timeout=600)
+
+
+def test_fp8_gather_trains_bitwise_as_the_bf16_gather_on_two_ranks(two_runs):
+    for rank in two_runs:
+        off, on = rank[False], rank[True]
+        assert on["losses"] == off["losses"] and len(set(on["losses"])) == 3
+        assert on["params"].keys() == off["params"].keys()
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name
+        from spartron.layers.fp8.gathered import GatheredFP8Weight
+        assert GatheredFP8Weight in on["seen"] and GatheredFP8Weight not in off["seen"]
+
+
+def test_each_fp8_weight_is_quantised_once_per_step_and_its_blocks_equal_the_bf16_weights(two_runs):
+    on = two_runs[0][True]
+    # every FP8-run weight (dense linears, FFNs, experts of 3 MoE layers + MTP), once at set-up and once a step
+    assert len(on["quantisations"]) > 0 and set(on["quantisations"]) == {4}
+    # both layouts: rows split inside a 128-row block (dense [N, 128] over 2: 64 rows) and whole experts
+    assert 0 in on["dims"] and any(r % 128 for r in on["rows"]) and any(r % 128 == 0 for r in on["rows"])
+    assert on["blocks_equal"] == (True, [True] * 8)
+
+
+def test_the_fp8_weights_cross_the_wire_as_one_byte_elements(two_runs):
+    off, on = two_runs[0][False], two_runs[0][True]
+    for before, after in zip(off["bytes"], on["bytes"], strict=True):
+        assert "torch.float8_e4m3fn" not in before
+        # the FP8 weights' bytes halve: the step's all-gathered bytes fall by what the FP8 weights weighed in bf16
+        assert sum(after.values()) < 0.75 * sum(before.values())
+
+
+def _run(cfg, steps: int = 3) -> tuple[float, dict]:
+    from spartron.runtime.trainer import Trainer
+
+    trainer = Trainer(cfg).setup()
+    while trainer.step_no < steps:
+        loss = trainer.step()["loss"]
+    params = _full(trainer.model)
+    trainer.close()
+    return loss, params
+
+
+def _resume(rank, world, root: str):
+    whole = _run(_cfg(f"{root}/whole", True, 3))
+    _run(_cfg(f"{root}/split", True, 3, "train.save_every=2"), steps=2)  # saves step 2, stops there
+    split = _run(_cfg(f"{root}/split", True, 3, "train.save_every=2"))
+    _run(_cfg(f"{root}/mixed", False, 3, "train.save_every=2"), steps=2)  # saved by a bf16-gather run
+    mixed = _run(_cfg(f"{root}/mixed", True, 3, "train.save_every=2"))
+    return whole, split, mixed
+
+
+def test_a_saved_step_resumes_bitwise_and_a_bf16_gather_run_resumes_with_it(tmp_path):
+    for (loss, params), *resumed in run_distributed(_resume, 2, str(tmp_path), timeout=600):
+        for other_loss, other in resumed:
+            assert other_loss == loss and other.keys() == params.keys()
+            for name, value in params.items():
+                assert torch.equal(other[name], value), name
