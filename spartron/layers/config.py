@@ -173,7 +173,7 @@ class FP8Config(ConfigSection):
     GEMM in model.dtype (Megatron's first_last_layers_bf16 with num_layers_at_start/end_in_bf16, for stability
     where the activations are least regular); the MTP modules run FP8 as Megatron's do. `param_gather` (Megatron's
     --fp8-param-gather): under FSDP2 each FP8-run weight is quantised once per optimizer step on its shard (the
-    full weight's 128x128 block scales: a MAX all-reduce of the shards' block amax) and all-gathered as E4M3, 1
+    full weight's 128x128 block scales from one all-gather of the shards' local amax) and all-gathered as E4M3, 1
     byte an element instead of bf16's 2, its blocks and transposed blocks then read from the gathered values
     (spartron.layers.fp8.param_gather); numerics bitwise those without it. Needs FSDP2 sharding over more than one
     rank and eager blocks; the experts of a 1-rank expert_fsdp group keep the weight cache instead. See docs/FP8.md."""

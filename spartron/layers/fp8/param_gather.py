@@ -10,9 +10,10 @@ sharded local tensor, as torchao's float8 weights use it):
   the HF export see the tensor they saw before; only FSDP2 calls the methods.
 - `refresh(model)` (weight_cache.invalidate_weight_caches: after each optimizer step, after a load, and once
   before the first forward) casts each shard to the compute dtype (the value FSDP2 would gather), takes each
-  128x128 block's amax over its part of the block, reduces the amax grids of all the weights of one shard
-  group with ONE all-reduce MAX, and quantises the shard with the full weight's scales (shard_quant: bitwise
-  quantize_blocks' of the full weight). A collective: every rank calls it.
+  shard's local amax (its rows' 1x128 tile amax, or its own blocks'), all-gathers those of all the weights of
+  one shard group in ONE all-gather, reduces them into the full weight's block amax and quantises the shard
+  with the full weight's scales (shard_quant: bitwise quantize_blocks' of the full weight; exact in a
+  rehearsal's mirrored group too). A collective: every rank calls it.
 - the all-gather sends the E4M3 shard (1 byte an element, as uint8); `fsdp_post_all_gather` writes it into its
   GEMM's JointBlocks (spartron.layers.fp8.gathered: q, and q^T by transposing the gathered values) and gives
   FSDP2 a GatheredFP8Weight as the unsharded parameter. Its gradient is the bf16 one, reduce-scattered as before.
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from spartron.layers.fp8.gathered import GatheredFP8Weight, JointBlocks
 from spartron.layers.fp8.quant import FP8, tile_scales
-from spartron.layers.fp8.shard_quant import partial_block_amax, quantize_shard
+from spartron.layers.fp8.shard_quant import block_amax, local_amax, quantize_shard
 
 
 class ShardState:
@@ -165,21 +166,24 @@ def states_of(model: nn.Module) -> list[ShardState]:
 
 @torch.no_grad()
 def refresh(model: nn.Module) -> int:
-    """Quantise every FP8-gathered weight's shard afresh (module docstring): one all-reduce MAX of the block
-    amax per shard group. Returns how many weights. Every rank of the model calls it."""
+    """Quantise every FP8-gathered weight's shard afresh (module docstring): one all-gather of the shards' local
+    amax per shard group (shard_quant). Returns how many weights. Every rank of the model calls it."""
     states = states_of(model)
     by_group: dict[int, list[tuple[ShardState, Tensor, Tensor]]] = {}
     for state in states:
         _wrap(state)
         shard = state.shard()
-        by_group.setdefault(id(state.group), []).append(
-            (state, shard, partial_block_amax(shard, state.shape, state.dim, state.rank)))
+        by_group.setdefault(id(state.group), []).append((state, shard, local_amax(shard, state.shape, state.dim)))
     for members in by_group.values():
-        grids = [g for _, _, g in members]
-        flat = torch.cat([g.reshape(-1) for g in grids])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=members[0][0].group)
-        for (state, shard, grid), amax in zip(members, flat.split([g.numel() for g in grids]), strict=True):
-            scales = tile_scales(amax.view(grid.shape), state.pow2)
+        group = members[0][0].group
+        world = dist.get_world_size(group)
+        flat = torch.cat([local.reshape(-1) for _, _, local in members])
+        gathered = flat.new_empty(world * flat.numel())
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        parts = gathered.view(world, -1).split([local.numel() for _, _, local in members], dim=1)
+        for (state, shard, local), part in zip(members, parts, strict=True):
+            every = torch.cat(list(part.reshape(world, *local.shape).unbind(0)), dim=state.dim)  # rank order
+            scales = tile_scales(block_amax(every, state.shape, state.dim), state.pow2)
             state.q = quantize_shard(shard, scales, state.dim, state.rank)
             state.joint.set_scales(state.index, scales)
             state.quantisations += 1

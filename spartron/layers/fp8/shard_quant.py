@@ -3,11 +3,16 @@
 
 A shard is torch.chunk's: shard `rank` of `world` holds, along `dim`, the `padded` entries from rank * padded
 (FSDP2 pads the last ranks' shards with zeros). Sharded along the weight's rows (dim -2: a dense linear at 256
-ranks holds 28 of 7168 rows) a 128-row block spans several shards, so each shard contributes the amax of its
-part of each block (`partial_block_amax`), the parts are reduced with MAX over the shard group (exact and
-order-free: the global amax), and `quantize_shard` divides by the global scales. Sharded along a leading dim
-(whole experts per rank) every block is the shard's own. Either way the values and scales equal
-quantize_blocks' of the full weight bitwise: the same amax, the same `tile_scales`, the same cast.
+ranks holds 28 of 7168 rows) a 128-row block spans several shards. Each shard computes its `local_amax` (its
+rows' 1x128 tile amax, or its own blocks' amax when sharded along a leading dim), the shard group all-gathers
+them (concatenated along `dim` they are the full weight's), `block_amax` reduces them into the full weight's
+block amax, and `quantize_shard` divides by those scales. The values and scales equal quantize_blocks' of the
+full weight bitwise: the same maxima, the same `tile_scales`, the same cast.
+
+Why an all-gather of local maxima and not an all-reduce MAX of a grid each rank fills only where its rows
+fall: the local maxima do not depend on the rank's position, so a rehearsal's mirrored group (every slot of an
+all-gather the local input: spartron.comm.mirror) gives exactly what a run with identical shards gives, where a
+position-dependent grid would leave the other ranks' blocks at 0.
 """
 
 from __future__ import annotations
@@ -24,25 +29,29 @@ def _valid(full: int, padded: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(padded, full - start))
 
 
-def partial_block_amax(shard: Tensor, full_shape: torch.Size, dim: int, rank: int) -> Tensor:
-    """The fp32 amax grid [..., N/128, K/128] of the full weight with only this shard's elements counted
-    (0 elsewhere: a MAX over the shard group gives every block's amax). `shard`: the padded local shard in
-    the compute dtype, sharded along `dim` (non-negative)."""
+def local_amax(shard: Tensor, full_shape: torch.Size, dim: int) -> Tensor:
+    """What one shard contributes to the full weight's block amax, in the shard's own coordinates (so that
+    gathering every rank's along `dim` lays them out as the full weight's): sharded along the rows (dim -2),
+    each row's 1x128 tile amax [..., padded rows, K/128]; along a leading dim, the shard's own 128x128 block
+    amax [..., N/128, K/128]. fp32; FSDP2's zero padding contributes 0. `shard`: the padded local shard in
+    the compute dtype."""
     *lead, n, k = full_shape
     check_tiled("weight rows", n)
     check_tiled("weight columns", k)
-    grid = torch.zeros(*lead, n // TILE, k // TILE, dtype=torch.float32, device=shard.device)
-    start, count = _valid(full_shape[dim], shard.shape[dim], rank)
-    if count == 0:
-        return grid
-    real = shard.narrow(dim, 0, count)
-    if dim == len(full_shape) - 2:  # rows: each row's 1x128 amax, reduced into its global block
-        rows = torch.zeros(*lead, n, k // TILE, dtype=torch.float32, device=shard.device)
-        rows.narrow(dim, start, count).copy_(real.abs().reshape(*lead, count, k // TILE, TILE).amax(dim=-1))
-        return rows.reshape(*lead, n // TILE, TILE, k // TILE).amax(dim=-2)
-    blocks = real.abs().reshape(*real.shape[:-2], n // TILE, TILE, k // TILE, TILE).amax(dim=(-3, -1)).float()
-    grid.narrow(dim, start, count).copy_(blocks)
-    return grid
+    tiles = shard.abs().reshape(*shard.shape[:-1], k // TILE, TILE).amax(dim=-1).float()
+    if dim == len(full_shape) - 2:
+        return tiles
+    return tiles.reshape(*shard.shape[:-2], n // TILE, TILE, k // TILE).amax(dim=-2)
+
+
+def block_amax(gathered: Tensor, full_shape: torch.Size, dim: int) -> Tensor:
+    """The full weight's 128x128 block amax [..., N/128, K/128] from every rank's `local_amax`, concatenated
+    along `dim` in rank order (padding included): the same maxima quantize_blocks takes over the full weight."""
+    *lead, n, k = full_shape
+    full = gathered.narrow(dim, 0, n if dim == len(full_shape) - 2 else full_shape[dim])
+    if dim == len(full_shape) - 2:
+        return full.reshape(*lead, n // TILE, TILE, k // TILE).amax(dim=-2)
+    return full
 
 
 def quantize_shard(shard: Tensor, scales: Tensor, dim: int, rank: int) -> Tensor:
