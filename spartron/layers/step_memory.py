@@ -25,6 +25,7 @@ from spartron.layers.costs import (
     state_bytes_per_rank,
 )
 from spartron.layers.fp8.apply import weight_cache_on
+from spartron.layers.parallelize import expert_shard_dim
 from spartron.parallel.dims import ParallelDims
 
 
@@ -318,6 +319,35 @@ def fp8_weight_cache_bytes(m: ModelConfig, dims: ParallelDims) -> int:
     return 2 * elements + 2 * 4 * elements // (128 * 128)
 
 
+def fp8_gathered_shard_bytes(m: ModelConfig, dims: ParallelDims) -> int:
+    """model.fp8.param_gather (spartron.layers.fp8.param_gather): each FP8-gathered weight's E4M3 shard (1 byte a
+    padded shard element) and its full weight's fp32 128x128 block scales, held from one optimizer step to the
+    next. The gathered blocks and their transpose (2 bytes an unsharded element) take the place of the bf16
+    unsharded weight, so the unsharded parameters count as before. Experts of a 1-rank expert_fsdp group are not
+    gathered (they keep the weight cache: fp8_weight_cache_bytes)."""
+    f8 = m.fp8
+    if f8 is None or not f8.param_gather:
+        return 0
+    total = 0
+    for fqn, shape in param_shapes(m).items():
+        in_block = decoder_layer(fqn) is not None or (fqn.startswith("mtp.") and ".layer." in fqn)  # fp8_blocks'
+        if not in_block or not m.runs_fp8(decoder_layer(fqn)):
+            continue
+        if is_routed_expert(fqn):
+            if "experts" not in f8.modules or dims.expert_fsdp == 1:
+                continue
+            local, shards = (shape[0] // dims.ep, *shape[1:]), dims.expert_fsdp
+            dim = expert_shard_dim(local, shards)
+        elif ("dense" in f8.modules and len(shape) == 2 and shape[0] % 128 == 0 and shape[1] % 128 == 0
+              and ".router." not in fqn):
+            local, shards, dim = shape, dims.fsdp * dims.cp, 0
+        else:
+            continue
+        elements = math.prod(local)
+        total += -(-local[dim] // shards) * (elements // local[dim]) + 4 * elements // (128 * 128)
+    return total
+
+
 def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int = 0) -> MemoryPlan:
     """Predicted peak allocated bytes of one training step on `rank` (eager, as the trainer runs it).
 
@@ -335,7 +365,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     a single micro-batch's gradients stay in the compute dtype, several sum into fp32 main gradients (live
     through the step, plus the largest parameter's compute-dtype gradient and its first fp32 copy in flight);
     the CPU's torch reference update holds three fp32 temporaries of the largest parameter.
-    model.fp8.weight_cache: the routed experts' quantised weights, through the whole step.
+    model.fp8.weight_cache: the routed experts' quantised weights, through the whole step; model.fp8.param_gather:
+    the FP8-gathered weights' E4M3 shards and scales, through the whole step.
     A training stage (`step.dsa_mode`, `step.trainable`): its DSA layers' attention and KL terms, gradients,
     optimizer state, gradient reduction and accumulation of the parameters that train only.
     """
@@ -413,7 +444,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     kl_work = _kl_dense_work(m, step, dims.cp) if _dsa_mode(m, step) in _KL_DENSE else 0
     comm = comm_buffer_bytes(m, dims, tokens)
     fp8_cache = fp8_weight_cache_bytes(m, dims)
-    static += comm + fp8_cache
+    fp8_shards = fp8_gathered_shard_bytes(m, dims)
+    static += comm + fp8_cache + fp8_shards
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
@@ -425,6 +457,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
              "communication_buffers": comm}
     if fp8_cache:
         parts["fp8_weight_cache"] = fp8_cache
+    if fp8_shards:
+        parts["fp8_gathered_shards"] = fp8_shards
     if phase == "optimizer":
         parts |= {"gradients": grads, "gradient_reduction": phases[phase] - static - grads}
     else:

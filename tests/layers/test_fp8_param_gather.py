@@ -104,6 +104,7 @@ def _train(rank, world, root: str):
     from spartron.layers.fp8.gathered import GatheredFP8Weight
     from spartron.layers.fp8.modules import FP8GroupedExperts
     from spartron.layers.fp8.param_gather import states_of
+    from spartron.layers.step_memory import fp8_gathered_shard_bytes
     from spartron.runtime.trainer import Trainer
 
     out = {}
@@ -132,7 +133,9 @@ def _train(rank, world, root: str):
                 torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8 else a, b.view(torch.uint8)
                             if b.dtype == quant.FP8 else b) for a, b in zip(got, want, strict=True)])
             experts.reshard()
-        out[gather] = dict(losses=losses, bytes=bytes_per_step, params=params, seen=seen,
+        held = sum(st.q.numel() * st.q.element_size() + 4 * st.shape.numel() // (128 * 128) for st in states)
+        planned = fp8_gathered_shard_bytes(trainer.cfg.model, trainer.cfg.parallel.dims(world))
+        out[gather] = dict(losses=losses, bytes=bytes_per_step, params=params, seen=seen, held=(held, planned),
                            quantisations=[s.quantisations for s in states], dims=[s.dim for s in states],
                            rows=[s.fsdp_param.padded_sharded_param_size[s.dim] for s in states],
                            blocks_equal=blocks_equal)
@@ -214,3 +217,10 @@ def test_a_mirrored_rehearsal_of_eight_ranks_trains_as_without_it():
         run = run_rehearsal(cfg, 8, 0, 2, balanced=True)
         losses[gather] = [step["record"]["loss"] for step in run["steps"]]
     assert losses[True] == losses[False]
+
+
+def test_the_memory_plan_counts_the_e4m3_shards_and_scales_each_rank_holds(two_runs):
+    for rank in two_runs:
+        held, planned = rank[True]["held"]
+        assert held == planned > 0
+        assert rank[False]["held"] == (0, 0)
