@@ -1,8 +1,8 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not divide, a
 compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache, wgrad and
-bf16-layer values
-(and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a rehearsed EP-2 rank
-that does), and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
+bf16-layer values (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a
+rehearsed EP-2 rank that does), the FP8 parameter all-gather (param_gather) where it cannot run and on two ranks,
+and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def cases() -> list[Case]:
                     ["rehearse", "{tiny}", "--world-size", "4", "--steps", "1",
                      *sets(*FP8, "model.fp8.dispatch=true", "parallel.ep=2", "train.global_batch_size=4",
                            "train.peak_tflops=1.0")],
+                    (), category="values", timeout=240.0, accept_ok=True))
+    gather = ("model.fp8.param_gather",)
+    add("param-gather-string", train(*FP8, 'model.fp8.param_gather="yes"'), gather, category="dtypes")
+    add("param-gather-one-rank", train(*FP8, "model.fp8.param_gather=true"), gather)
+    add("param-gather-compiled", train(*FP8, "model.fp8.param_gather=true", "launch.nproc=2", "train.compile=true"),
+        (*gather, "train.compile"))
+    add("param-gather-weight-cache-on", train(*FP8, "model.fp8.param_gather=true", 'model.fp8.weight_cache="on"'),
+        (*gather, "model.fp8.weight_cache"))
+    add("param-gather-plan", plan(*FP8, "model.fp8.param_gather=true"), (), accept_ok=True)
+    add("step-param-gather-two-ranks", train(*FP8, "model.fp8.param_gather=true", "launch.nproc=2",
+                                             'model.master_dtype="float32"'), (), accept_ok=True, timeout=300.0)
+    out.append(Case("fp8-param-gather-rehearse-ep2", "config",
+                    ["rehearse", "{tiny}", "--world-size", "4", "--steps", "1",
+                     *sets(*FP8, "model.fp8.param_gather=true", "model.fp8.dispatch=true", "parallel.ep=2",
+                           "train.global_batch_size=4", "train.peak_tflops=1.0")],
                     (), category="values", timeout=240.0, accept_ok=True))
     add("plan", plan(*FP8), (), accept_ok=True)
     add("plan-weight-cache-on", plan(*FP8, 'model.fp8.weight_cache="on"'), (), accept_ok=True)
