@@ -1,22 +1,14 @@
 """swiglu: silu(gate) * up with two saved tensors instead of three, values and gradients bitwise equal to autograd."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_device import DEVICE as KERNEL_DEVICE  # tests/triton_device.py
+from triton_device import needs_kernel
 
 from spartron.layers.ffn import FeedForward
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.swiglu import swiglu, swiglu_backward_
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and HAS_TRITON and not INTERPRET else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or KERNEL_DEVICE == "cuda"),
-    reason="needs CUDA + triton, or Triton's interpreter (triton installed, TRITON_INTERPRET=1)")
 
 
 def _saved_count(fn) -> int:

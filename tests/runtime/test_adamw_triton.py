@@ -9,24 +9,15 @@ CPU the bfloat16 case is one step held to one bfloat16 ulp (the GPU tests hold i
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from torch import nn
+from triton_device import DEVICE, HAS_TRITON, INTERPRET, needs_kernel  # tests/triton_device.py
 
 from spartron.optional import MissingDependencyError
 from spartron.runtime.config import ConfigError, TrainConfig, config_from_dict
 from spartron.runtime.optim import build_optimizer, clip_and_step_, clip_coefficient
 from spartron.testing import run_distributed
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and HAS_TRITON and not INTERPRET else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or DEVICE == "cuda"),
-    reason="needs CUDA + triton, or Triton's interpreter (triton installed, TRITON_INTERPRET=1)")
 
 KEYS = ("exp_avg", "exp_avg_sq")
 SHAPES = [(3, 5), (17,), (64, 33), (1,), (0, 4), (300,)]  # sizes off every block, one empty tensor

@@ -27,22 +27,16 @@ without fp fusion, so the compiled kernel and the interpreter both compute the r
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 from torch import Tensor, nn
+from triton_device import CUDA, DEVICE, INTERPRET, needs_kernel  # tests/triton_device.py
 
 from spartron.runtime.adamw_triton import AdamWKernelConfig
 from spartron.runtime.master_weights import MasterAdamW, attach_master_weights
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available() and HAS_TRITON and not INTERPRET
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs CUDA + triton, or Triton's interpreter")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and triton (the compiled kernel)")
 SHAPES = [(3, 5), (17,), (64, 33), (1,), (300,)] + ([(1024, 1040)] if CUDA else [])  # sizes off every block
 LR, BETAS, EPS, WDS = 1e-2, (0.9, 0.95), 1e-8, (0.1, 0.0)  # group 0: SHAPES[:3] with decay, group 1: the rest
