@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from spartron.checkpointing.config import ACConfig, OffloadConfig
 from spartron.configbase import ConfigError, ConfigSection
 from spartron.layers.config import ModelConfig, master_optimizer_refusal
+from spartron.layers.fp8.apply import param_gather_refusal
 from spartron.layers.fp8.wire import fp8_dispatch_refusal
 from spartron.layers.moe.dispatch import check_dispatcher
 from spartron.layers.ops import load_ops
@@ -104,10 +105,10 @@ class RunConfig(ConfigSection):
                                            self.parallel.ep)
             if refusal:
                 raise ValueError(refusal)
-        if self.train.compile and self.model.fp8 is not None and self.model.fp8.param_gather:
-            raise ValueError("model.fp8.param_gather = true with train.compile = true: the FP8 all-gather's weights "
-                             "are not traced into compiled blocks; set train.compile = false or "
-                             "model.fp8.param_gather = false")
+        if self.model.fp8 is not None and self.model.fp8.param_gather:
+            refusal = param_gather_refusal(self.train.compile)
+            if refusal:
+                raise ValueError(refusal)
         if self.train.compile and self.ac.mode != "none" and self.ac.reentrant:  # set so: unset is resolved above
             raise ValueError(
                 f"train.compile = true with ac.mode = {self.ac.mode!r} needs ac.reentrant = false: a compiled "

@@ -97,16 +97,24 @@ def weight_cache_on(cfg: FP8Config, compiled: bool, expert_shards: int) -> bool:
     return cfg.weight_cache == "on" or (cfg.weight_cache == "auto" and not compiled and expert_shards == 1)
 
 
-def check_param_gather(compiled: bool, fsdp_shards: int) -> None:
-    """Refuse model.fp8.param_gather where it cannot run: compiled blocks (FSDP2's all-gather extension and the
-    gathered weight are not traced) and no FSDP2 sharding of the dense blocks (nothing is all-gathered)."""
+def param_gather_refusal(compiled: bool, fsdp_shards: int | None = None) -> str | None:
+    """Why model.fp8.param_gather cannot run, or None: compiled blocks (FSDP2's all-gather extension and the
+    gathered weight are not traced), no FSDP2 sharding of the dense blocks (nothing is all-gathered; `fsdp_shards`
+    None: not known yet, as when the run config loads)."""
     if compiled:
-        raise ConfigError("model.fp8.param_gather = true with train.compile = true: the FP8 all-gather's weights "
-                          "are not traced into compiled blocks; set train.compile = false or "
-                          "model.fp8.param_gather = false")
-    if fsdp_shards < 2:
-        raise ConfigError(f"model.fp8.param_gather = true needs FSDP2 sharding over more than one rank (the fsdp "
-                          f"group has {fsdp_shards}): nothing is all-gathered; set model.fp8.param_gather = false")
+        return ("model.fp8.param_gather = true with train.compile = true: the FP8 all-gather's weights are not "
+                "traced into compiled blocks; set train.compile = false or model.fp8.param_gather = false")
+    if fsdp_shards is not None and fsdp_shards < 2:
+        return (f"model.fp8.param_gather = true needs FSDP2 sharding over more than one rank (the fsdp group has "
+                f"{fsdp_shards}): nothing is all-gathered; set model.fp8.param_gather = false")
+    return None
+
+
+def check_param_gather(compiled: bool, fsdp_shards: int) -> None:
+    """param_gather_refusal as an error."""
+    refusal = param_gather_refusal(compiled, fsdp_shards)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, expert_shards: int = 1) -> list[str]:

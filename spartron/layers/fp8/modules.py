@@ -23,6 +23,7 @@ class FP8Linear(nn.Linear):
     fp8_backend: str
     fp8_pow2: bool
     fp8_wgrad: bool
+    fp8_gemm_weights = (("weight",),)  # each FP8 GEMM's weights, concatenated along N
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
@@ -42,6 +43,7 @@ class FP8FeedForward(FeedForward):
     fp8_backend: str
     fp8_pow2: bool
     fp8_wgrad: bool
+    fp8_gemm_weights = (("w1.weight", "w3.weight"), ("w2.weight",))  # each FP8 GEMM's weights, concatenated along N
 
     def forward(self, x: Tensor) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])
@@ -66,6 +68,7 @@ class FP8GroupedExperts(GroupedExperts):
     fp8_backend: str
     fp8_pow2: bool
     fp8_wgrad: bool
+    fp8_gemm_weights = (("w1", "w3"), ("w2",))  # each FP8 GEMM's weights, concatenated along N
     fp8_cache: WeightCache | None = None
 
     def quantised_weights(self) -> list[Tensor]:

@@ -94,16 +94,13 @@ class FP8Shard(torch.Tensor):
 
 
 def _groups(module: nn.Module) -> list[tuple[tuple[nn.Module, str], ...]]:
-    """The weights of each FP8 GEMM of an FP8 module, as (module, parameter name), concatenated along N."""
-    from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear
+    """The weights of each FP8 GEMM of an FP8 module (its `fp8_gemm_weights`: parameter paths concatenated along
+    N), as (owning module, parameter name)."""
+    def owner(path: str) -> tuple[nn.Module, str]:
+        parent, _, name = path.rpartition(".")
+        return (module.get_submodule(parent) if parent else module, name)
 
-    if isinstance(module, FP8GroupedExperts):
-        return [((module, "w1"), (module, "w3")), ((module, "w2"),)]
-    if isinstance(module, FP8FeedForward):
-        return [((module.w1, "weight"), (module.w3, "weight")), ((module.w2, "weight"),)]
-    if isinstance(module, FP8Linear):
-        return [((module, "weight"),)]
-    return []
+    return [tuple(owner(p) for p in gemm) for gemm in getattr(module, "fp8_gemm_weights", ())]
 
 
 def _fsdp_params(model: nn.Module) -> dict[tuple[int, str], object]:
