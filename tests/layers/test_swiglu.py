@@ -124,3 +124,24 @@ def test_triton_backward_overwrites_gate_and_up_with_the_fp32_formula_rounded_on
     tol = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
     torch.testing.assert_close(gate, want_gate, **tol)
     torch.testing.assert_close(up, want_up, **tol)
+
+
+@pytest.mark.parametrize("inplace, buffers", [(False, 6), (True, 3)])
+def test_compiled_recomputed_ffn_backward_allocates_three_rows_by_inter_buffers_instead_of_six(inplace, buffers):
+    """What the in-place backward is for: inductor fuses silu(gate) * up (w2's weight gradient) with both SwiGLU
+    gradients into one kernel of three outputs, so h1, h3, d h, g, d gate and d up are six [rows, inter] buffers
+    alive at once; with the opaque in-place op the backward allocates h1, h3 and g (d h reuses g's buffer)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    ffn = FeedForward(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def forward(t):
+        return ffn.w2(swiglu(ffn.w1(t), ffn.w3(t), inplace_backward=inplace))
+
+    compiled = torch.compile(lambda t: torch.utils.checkpoint.checkpoint(forward, t, use_reentrant=False))
+    _, (_, backward) = run_and_get_code(lambda: compiled(x).float().sum().backward())
+    assert len(re.findall(r"empty_strided_cpu\(\(40, 96\)", backward)) == buffers
