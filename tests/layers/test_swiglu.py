@@ -145,3 +145,10 @@ def test_compiled_recomputed_ffn_backward_allocates_three_rows_by_inter_buffers_
     compiled = torch.compile(lambda t: torch.utils.checkpoint.checkpoint(forward, t, use_reentrant=False))
     _, (_, backward) = run_and_get_code(lambda: compiled(x).float().sum().backward())
     assert len(re.findall(r"empty_strided_cpu\(\(40, 96\)", backward)) == buffers
+
+
+def test_swiglu_backward_op_passes_torch_opcheck():
+    """Its schema declares the two mutated inputs, its fake impl and autograd registration are what torch expects."""
+    g = torch.Generator().manual_seed(5)
+    grad, gate, up = (torch.randn(8, 128, generator=g).bfloat16() for _ in range(3))
+    torch.library.opcheck(swiglu_backward_, (grad, gate, up))
