@@ -25,8 +25,8 @@ from spartron.optional import require
 @torch.library.custom_op("spartron::swiglu_backward_", mutates_args=("gate", "up"))
 def swiglu_backward_(grad: Tensor, gate: Tensor, up: Tensor) -> None:
     """gate <- d(silu(gate) * up)/d gate * grad, up <- silu(gate) * grad, in place."""
-    rows = [_rows(t) for t in (grad, gate, up)]
-    if gate.is_cuda and all(r is not None for r in rows) and gate.dtype == up.dtype == grad.dtype:
+    rows = [_rows(t) for t in (grad, gate, up)] if gate.is_cuda else []
+    if rows and all(r is not None for r in rows) and gate.dtype == up.dtype == grad.dtype:
         kernels = require("spartron.layers.swiglu_triton_kernels", "swiglu's CUDA backward",
                           "pip install triton (it ships with torch's CUDA wheels)")
         kernels.swiglu_backward_inplace(*rows)

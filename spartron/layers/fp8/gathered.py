@@ -34,6 +34,7 @@ class JointBlocks:
     def __init__(self, shapes: list[torch.Size]) -> None:
         self.shapes = [torch.Size(s) for s in shapes]
         self.starts = [sum(s[-2] for s in self.shapes[:i]) for i in range(len(self.shapes))]
+        self.total = sum(s[-2] for s in self.shapes)  # N of the joint operand
         self.q: Tensor | None = None
         self.qt: Tensor | None = None
         self.s: Tensor | None = None
@@ -48,16 +49,15 @@ class JointBlocks:
         """Place weight `index`'s gathered values `q` [..., N_i, K] (E4M3); returns the tensors whose storage
         FSDP2 frees at reshard and re-allocates before the next write (the caller's inner tensors)."""
         *lead, n, k = self.shapes[index]
-        total = sum(s[-2] for s in self.shapes)
         if self.qt is None:
-            self.qt = torch.empty(*lead, k, total, dtype=FP8, device=q.device)
+            self.qt = torch.empty(*lead, k, self.total, dtype=FP8, device=q.device)
         start = self.starts[index]
         self.qt[..., :, start:start + n].copy_(q.transpose(-2, -1))
         if len(self.shapes) == 1:
             self.q = q  # the all-gather's own output: no copy
             return [self.qt]
         if self.q is None:
-            self.q = torch.empty(*lead, total, k, dtype=FP8, device=q.device)
+            self.q = torch.empty(*lead, self.total, k, dtype=FP8, device=q.device)
         self.q[..., start:start + n, :].copy_(q)
         return [self.q, self.qt]
 
