@@ -237,6 +237,24 @@ def is_routed_expert(fqn: str) -> bool:
     return ".experts.w" in fqn and ".shared_experts." not in fqn
 
 
+def fp8_gemm_weight(m: ModelConfig, fqn: str, shape: tuple[int, ...]) -> str | None:
+    """"experts" or "dense" where model.fp8 runs parameter `fqn` (param_shapes' name and shape) as an FP8 GEMM's
+    weight, the rule spartron.layers.fp8.apply converts by: in a decoder layer that runs FP8 or an MTP module's
+    layer, a routed expert weight with "experts" in model.fp8.modules, or with "dense" a 2-D weight outside the
+    router whose dims are multiples of 128 (the bias-free linears); None where the run keeps it in bf16."""
+    f8 = m.fp8
+    layer = decoder_layer(fqn)
+    in_block = layer is not None or (fqn.startswith("mtp.") and ".layer." in fqn)
+    if f8 is None or not in_block or not m.runs_fp8(layer):
+        return None
+    if is_routed_expert(fqn):
+        return "experts" if "experts" in f8.modules else None
+    if ("dense" in f8.modules and len(shape) == 2 and shape[0] % 128 == 0 and shape[1] % 128 == 0
+            and ".router." not in fqn):
+        return "dense"
+    return None
+
+
 def _chunk(n: int, parts: int, index: int) -> int:
     """Size of torch.chunk(range(n), parts)[index] (0 past the last chunk): FSDP2's Shard(0) split."""
     size = -(-n // parts)

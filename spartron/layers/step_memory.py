@@ -16,7 +16,7 @@ from spartron.layers.attention.indexer_kl_dense import chunk_elements, chunk_row
 from spartron.layers.config import ModelConfig, master_layout_refusal
 from spartron.layers.costs import (
     PARAM_BYTES,
-    decoder_layer,
+    fp8_gemm_weight,
     is_routed_expert,
     optimizer_masters,
     optimizer_state_bytes,
@@ -314,8 +314,7 @@ def fp8_weight_cache_bytes(m: ModelConfig, dims: ParallelDims) -> int:
     from the first forward to the optimizer step (unsharded: on with expert_fsdp > 1 it holds whole experts)."""
     if m.fp8 is None or "experts" not in m.fp8.modules or not weight_cache_on(m.fp8, False, dims.expert_fsdp):
         return 0
-    elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items()
-                   if is_routed_expert(f) and m.runs_fp8(decoder_layer(f)))
+    elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items() if fp8_gemm_weight(m, f, s) == "experts")
     return 2 * elements + 2 * 4 * elements // (128 * 128)
 
 
@@ -330,16 +329,11 @@ def fp8_gathered_shard_bytes(m: ModelConfig, dims: ParallelDims) -> int:
         return 0
     total = 0
     for fqn, shape in param_shapes(m).items():
-        in_block = decoder_layer(fqn) is not None or (fqn.startswith("mtp.") and ".layer." in fqn)  # fp8_blocks'
-        if not in_block or not m.runs_fp8(decoder_layer(fqn)):
-            continue
-        if is_routed_expert(fqn):
-            if "experts" not in f8.modules or dims.expert_fsdp == 1:
-                continue
+        kind = fp8_gemm_weight(m, fqn, shape)
+        if kind == "experts" and dims.expert_fsdp > 1:
             local, shards = (shape[0] // dims.ep, *shape[1:]), dims.expert_fsdp
             dim = expert_shard_dim(local, shards)
-        elif ("dense" in f8.modules and len(shape) == 2 and shape[0] % 128 == 0 and shape[1] % 128 == 0
-              and ".router." not in fqn):
+        elif kind == "dense":
             local, shards, dim = shape, dims.fsdp * dims.cp, 0
         else:
             continue

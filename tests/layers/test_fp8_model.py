@@ -210,3 +210,23 @@ def test_twenty_fp8_steps_track_bf16():
     assert max(gaps[:4]) < 0.003, gaps
     assert sum(gaps) / len(gaps) < 0.03, gaps
     assert abs(sum(fp8[-4:]) / sum(bf16[-4:]) - 1) < 0.03, (bf16, fp8)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ['model.fp8.modules=["experts"]'],
+    ['model.fp8.modules=["dense"]', "model.fp8.layers_at_start_in_bf16=1"],
+    ["model.fp8.layers_at_start_in_bf16=1", "model.fp8.layers_at_end_in_bf16=1"],
+])
+def test_the_planners_fp8_weight_rule_names_exactly_the_weights_parallelize_runs_in_fp8(overrides):
+    """costs.fp8_gemm_weight (the memory plan's FP8 terms count by it) against what parallelize converts."""
+    from spartron.layers.costs import fp8_gemm_weight, param_shapes
+    cfg = _cfg("model.fp8.backend=reference", *overrides)
+    model = build_model(cfg.model, seed=0)
+    parallelize(model, None, ACConfig(mode="none"), fp8=cfg.model.fp8)
+    fp8_types = (FP8Linear, FP8GroupedExperts, FP8FeedForward)
+    run = {f"{name}.{p}" if name else p: "experts" if isinstance(module, FP8GroupedExperts) else "dense"
+           for name, module in model.named_modules() if isinstance(module, fp8_types)
+           for p, _ in module.named_parameters() if p.rpartition(".")[2] in ("weight", "w1", "w2", "w3")}
+    planned = {f: kind for f, s in param_shapes(cfg.model).items() if (kind := fp8_gemm_weight(cfg.model, f, s))}
+    assert planned == run and run

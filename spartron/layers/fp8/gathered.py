@@ -117,9 +117,14 @@ def stand_in(w: Tensor) -> Tensor:
     return _StandIn.apply(w)
 
 
-def gathered(*weights: Tensor) -> bool:
-    """Whether the weights are FP8-gathered (all of them; a mix is an error)."""
+def gathered_operands(weights: list[Tensor], lead: bool = False) -> tuple[list[Tensor], list[Tensor]]:
+    """What an FP8 module hands its ops for `weights` (one module's, in GEMM order): when they are FP8-gathered,
+    their stand-ins and the blocks of each of their GEMMs' JointBlocks in turn (the ops' `cached` list; `lead`
+    as in JointBlocks.blocks); otherwise the weights themselves and []. A mix of both is an error."""
     kinds = {isinstance(w, GatheredFP8Weight) for w in weights}
     if len(kinds) > 1:
-        raise RuntimeError("model.fp8.param_gather: one GEMM's weights are partly FP8-gathered")
-    return kinds == {True}
+        raise RuntimeError("model.fp8.param_gather: one module's weights are partly FP8-gathered")
+    if kinds != {True}:
+        return list(weights), []
+    joints = dict.fromkeys(w.joint for w in weights)  # a pair's weights share one JointBlocks
+    return [stand_in(w) for w in weights], [t for joint in joints for t in joint.blocks(lead)]

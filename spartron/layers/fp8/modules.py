@@ -11,7 +11,7 @@ from spartron.checkpointing.replay import reuse_during_recompute
 from spartron.layers.ffn import FeedForward
 from spartron.layers.fp8 import gemms, quant
 from spartron.layers.fp8.expert_ops import grouped_mm_pair, swiglu_grouped_mm
-from spartron.layers.fp8.gathered import gathered, stand_in
+from spartron.layers.fp8.gathered import gathered_operands
 from spartron.layers.fp8.ops import backend_impl, linear
 from spartron.layers.fp8.weight_cache import WeightCache
 from spartron.layers.moe.experts import GroupedExperts
@@ -26,10 +26,8 @@ class FP8Linear(nn.Linear):
     fp8_gemm_weights = (("weight",),)  # each FP8 GEMM's weights, concatenated along N
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        if gathered(w):  # model.fp8.param_gather: the all-gathered FP8 blocks (spartron.layers.fp8.gathered)
-            return linear(x, stand_in(w), self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, w.joint.blocks(lead=True))
-        return linear(x, w, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, [])
+        (w,), cached = gathered_operands([self.weight], lead=True)  # model.fp8.param_gather's blocks, or []
+        return linear(x, w, self.fp8_backend, self.fp8_pow2, self.fp8_wgrad, cached)
 
 
 class FP8FeedForward(FeedForward):
@@ -49,11 +47,8 @@ class FP8FeedForward(FeedForward):
         x2d = x.reshape(-1, x.shape[-1])
         counts = quant.one_group(x2d)  # the one group's rows, on the device
         gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
-        weights = [lin.weight for lin in (self.w1, self.w3, self.w2)]
-        cached = []
-        if gathered(*weights):  # model.fp8.param_gather: the all-gathered FP8 blocks, [w1; w3] and w2
-            cached = [*weights[0].joint.blocks(lead=True), *weights[2].joint.blocks(lead=True)]
-            weights = [stand_in(w) for w in weights]
+        # model.fp8.param_gather: the all-gathered blocks of [w1; w3] and w2, or []
+        weights, cached = gathered_operands([lin.weight for lin in (self.w1, self.w3, self.w2)], lead=True)
         w1, w3, w2 = (w.unsqueeze(0) for w in weights)
         h13 = grouped_mm_pair(x2d, w1, w3, counts, *gemm, cached[:4], None, None, 1, [])
         return swiglu_grouped_mm(h13, w2, counts, *gemm, cached[4:], []).reshape(*x.shape[:-1], w2.shape[1])
@@ -91,12 +86,10 @@ class FP8GroupedExperts(GroupedExperts):
         counts = torch.as_tensor(tokens_per_expert, device=x.device).to(torch.int32)
         rows = x.shape[0] if order is None else order.shape[0]
         gemm = (self.fp8_backend, self.fp8_pow2, self.fp8_wgrad)
-        w1, w3, w2 = self.w1, self.w3, self.w2
-        if gathered(w1, w3, w2):  # model.fp8.param_gather: the all-gathered FP8 blocks, [w1; w3] and w2
-            cached = [*w1.joint.blocks(), *w2.joint.blocks()]
-            w1, w3, w2 = stand_in(w1), stand_in(w3), stand_in(w2)
-        else:  # a checkpoint replay gets the original pass's lists back: a cache fill and the layout run once
-            cached = reuse_during_recompute(self.quantised_weights) if self.fp8_cache is not None else []
+        # model.fp8.param_gather: the all-gathered blocks of [w1; w3] and w2, or []
+        (w1, w3, w2), cached = gathered_operands([self.w1, self.w3, self.w2])
+        if not cached and self.fp8_cache is not None:  # a checkpoint replay gets the original pass's lists back
+            cached = reuse_during_recompute(self.quantised_weights)
         layout = reuse_during_recompute(checked_layout, self.fp8_backend, counts, rows)
         h13 = grouped_mm_pair(x, w1, w3, counts, *gemm, cached[:4], order, inverse, k, layout)
         return swiglu_grouped_mm(h13, w2, counts, *gemm, cached[4:], layout)
