@@ -18,6 +18,9 @@ FFN shapes ("ffn_*": a SwiGLU FeedForward, DeepSeek-V3's dense layers and shared
 tokens): "bf16" against "fp8", FP8FeedForward (the FFN as one group of the experts' fused ops; dense weights
 are not cached).
 
+`--profile`: one more step of each mode under torch.profiler: its wall time, the device's kernel time and launch
+count (kernel time well under the wall time: the step is host-bound) and the kernels that take the most.
+
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
 CPU:  python benchmarks/fp8_moe.py --smoke --out /tmp/fp8_moe.json   (tiny shape, reference backend)
 """
@@ -57,9 +60,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def profile_one(step, device: torch.device, top: int = 12) -> dict:
+    """`step()` once under torch.profiler: wall ms, kernel ms and launches (device kernels; CPU ops on CPU) and the
+    `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        wall = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    ms = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 for e in events}
+    kernels = sorted(events, key=lambda e: -ms[e.key])
+    return {"wall_ms": wall, "kernel_ms": sum(ms.values()), "launches": sum(e.count for e in events),
+            "top": [{"name": e.key[:120], "ms": ms[e.key], "count": e.count} for e in kernels[:top]]}
+
+
 def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device, warmup: int,
-              steps: int) -> tuple[list[float], float | None]:
-    """Step times (ms) and the peak memory of the timed steps (GiB; None on CPU)."""
+              steps: int, profiled: bool = False) -> tuple[list[float], float | None, dict | None]:
+    """Step times (ms), the peak memory of the timed steps (GiB; None on CPU) and, `profiled`, profile_one of one
+    more step (None otherwise)."""
     torch.manual_seed(0)
     cache, micro = MODES[mode] or ("off", 1)
     if "experts" in shape:
@@ -75,21 +97,25 @@ def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.de
         assert names, f"nothing converted to FP8 at {shape}"
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
+    def one(step: int) -> None:
+        if step % micro == 0:  # an optimizer step before this micro-batch: the weights are new
+            invalidate_weight_caches(module)
+        call(x).backward(grad)
+
     times = []
     for step in range(warmup + steps):
         _sync(device)
         if step == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        if step % micro == 0:  # an optimizer step before this micro-batch: the weights are new
-            invalidate_weight_caches(module)
-        call(x).backward(grad)
+        one(step)
         _sync(device)
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
         x.grad = None
         module.zero_grad(set_to_none=True)
-    return times, (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return times, peak, profile_one(lambda: one(0), device) if profiled else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", action="store_true", help="one more step per mode under torch.profiler")
     parser.add_argument("--commit", default=None, help="the commit measured (a device copy's git may lie)")
     args = parser.parse_args(argv)
     backend = "reference" if args.smoke else args.backend
@@ -120,11 +147,16 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, setting in modes.items():
             micro = setting[1] if setting else 1
             # whole cycles of `micro` steps, warm-up included (a cycle starts with the cache's refresh)
-            times, peak = time_mode(shape, mode, backend, args.wgrad, device, -(-warmup // micro) * micro,
-                                    -(-steps // micro) * micro)
+            times, peak, profiled = time_mode(shape, mode, backend, args.wgrad, device, -(-warmup // micro) * micro,
+                                              -(-steps // micro) * micro, args.profile)
             median = sorted(times)[len(times) // 2]
             run[mode] = {"step_ms": times, "median_ms": median, "mean_ms": sum(times) / len(times),
                          "tflops": flops / median / 1e9, "peak_gib": peak}
+            if profiled:
+                run[mode]["profile"] = profiled
+                print(f"{name} {mode} profiled step: wall {profiled['wall_ms']:.2f} ms, kernels "
+                      f"{profiled['kernel_ms']:.2f} ms in {profiled['launches']} launches; top: " + ", ".join(
+                          f"{k['name'][:40]} {k['ms']:.2f}/{k['count']}" for k in profiled["top"][:6]), flush=True)
         run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
         result["runs"][name] = run
         if "experts" not in shape:

@@ -32,3 +32,16 @@ def test_fp8_moe_benchmark_smoke_writes_every_step(tmp_path):
     assert set(ffn) == {"shape", "bf16", "fp8", "speedup"}  # dense weights are not cached: no cache modes
     assert len(ffn["bf16"]["step_ms"]) == 2 and len(ffn["fp8"]["step_ms"]) == 2
     assert ffn["speedup"] == ffn["bf16"]["median_ms"] / ffn["fp8"]["median_ms"]
+
+
+def test_fp8_moe_benchmark_profile_records_one_step_per_mode(tmp_path):
+    spec = importlib.util.spec_from_file_location("fp8_moe", ROOT / "benchmarks" / "fp8_moe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "fp8.json"
+    bench.main(["--smoke", "--profile", "--out", str(out)])
+    run = json.loads(out.read_text())["runs"]["smoke"]
+    for mode in ("bf16", "fp8", "fp8_nocache", "fp8_mb4"):
+        profiled = run[mode]["profile"]
+        assert profiled["wall_ms"] > 0 and 0 < profiled["kernel_ms"] and profiled["launches"] >= len(profiled["top"])
+        assert 0 < len(profiled["top"]) <= 12 and profiled["top"][0]["ms"] == max(k["ms"] for k in profiled["top"])
