@@ -10,7 +10,9 @@ buffers alive at once (the AC-full peak of dsv3-12l's dense layer); the opaque i
 
 On CUDA the op is one Triton pass (swiglu_triton_kernels.py: fp32 arithmetic, one rounding per gradient);
 elsewhere, and for layouts the kernel does not take, it computes with torch ops exactly as autograd's
-formulas (bitwise the non-in-place gradients) and copies them in.
+formulas (bitwise the non-in-place gradients) and copies them in. `swiglu_backward_into` is the same
+computation into other tensors (the FP8 experts' backward writes the two halves of one gradient with it, so
+they and the bf16 FFN run one SwiGLU backward).
 """
 
 from __future__ import annotations
@@ -22,18 +24,24 @@ from torch import Tensor
 from spartron.optional import require
 
 
+def swiglu_backward_into(grad: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tensor) -> None:
+    """d_gate <- d(silu(gate) * up)/d gate * grad, d_up <- silu(gate) * grad (d_gate, d_up may be gate, up)."""
+    tensors = (grad, gate, up, d_gate, d_up)
+    rows = [_rows(t) for t in tensors] if gate.is_cuda else []
+    if rows and all(r is not None for r in rows) and len({t.dtype for t in tensors}) == 1:
+        kernels = require("spartron.layers.swiglu_triton_kernels", "swiglu's CUDA backward",
+                          "pip install triton (it ships with torch's CUDA wheels)")
+        kernels.swiglu_backward_rows(*rows)
+        return
+    grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+    torch.mul(grad, F.silu(gate), out=d_up)
+    d_gate.copy_(grad_gate)
+
+
 @torch.library.custom_op("spartron::swiglu_backward_", mutates_args=("gate", "up"))
 def swiglu_backward_(grad: Tensor, gate: Tensor, up: Tensor) -> None:
     """gate <- d(silu(gate) * up)/d gate * grad, up <- silu(gate) * grad, in place."""
-    rows = [_rows(t) for t in (grad, gate, up)] if gate.is_cuda else []
-    if rows and all(r is not None for r in rows) and gate.dtype == up.dtype == grad.dtype:
-        kernels = require("spartron.layers.swiglu_triton_kernels", "swiglu's CUDA backward",
-                          "pip install triton (it ships with torch's CUDA wheels)")
-        kernels.swiglu_backward_inplace(*rows)
-        return
-    grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-    torch.mul(grad, F.silu(gate), out=up)
-    gate.copy_(grad_gate)
+    swiglu_backward_into(grad, gate, up, gate, up)
 
 
 def _rows(t: Tensor) -> Tensor | None:

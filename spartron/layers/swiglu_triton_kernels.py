@@ -1,8 +1,9 @@
-"""SwiGLU's backward as one Triton pass that writes the gradients over its inputs (spartron.layers.swiglu).
+"""SwiGLU's backward as one Triton pass (spartron.layers.swiglu).
 
 Reads grad, gate and up once, computes in fp32 (torch's silu_backward formula: s = sigmoid(gate), d gate =
 grad * up * s * (1 + gate * (1 - s)), d up = grad * gate * s) and stores each gradient once, rounded to the
-tensor's dtype, into gate's and up's storage. Imported only on CUDA (Triton).
+output's dtype: into gate's and up's own storage (the in-place backward) or into two other tensors (the FP8
+experts' [M, 2I] gradient halves). Imported only on CUDA (Triton).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_backward_kernel(grad_ptr, gate_ptr, up_ptr, n_cols, grad_stride, gate_stride, up_stride,
-                            BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n_cols, grad_stride, gate_stride,
+                            up_stride, d_gate_stride, d_up_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -26,17 +27,19 @@ def _swiglu_backward_kernel(grad_ptr, gate_ptr, up_ptr, n_cols, grad_stride, gat
     s = 1.0 / (1.0 + tl.exp(-a))
     d_up = g * (a * s)
     d_gate = (g * b) * (s * (1.0 + a * (1.0 - s)))
-    tl.store(up_ptr + row * up_stride + cols, d_up.to(up_ptr.dtype.element_ty), mask=mask)
-    tl.store(gate_ptr + row * gate_stride + cols, d_gate.to(gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_up_ptr + row * d_up_stride + cols, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_gate_ptr + row * d_gate_stride + cols, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_backward_inplace(grad: Tensor, gate: Tensor, up: Tensor) -> None:
-    """grad, gate, up: [rows, cols] with unit column stride, one shape and dtype; gate and up overwritten."""
+def swiglu_backward_rows(grad: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tensor) -> None:
+    """All [rows, cols] with unit column stride, one shape and dtype; d_gate and d_up written (they may be gate
+    and up: each program reads its elements before it stores them)."""
     rows, cols = gate.shape
-    if grad.shape != gate.shape or up.shape != gate.shape:
-        raise ValueError(f"swiglu backward: shapes differ: grad {tuple(grad.shape)}, gate {tuple(gate.shape)}, "
-                         f"up {tuple(up.shape)}")
+    shapes = [tuple(t.shape) for t in (grad, gate, up, d_gate, d_up)]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"swiglu backward: shapes differ (grad, gate, up, d gate, d up): {shapes}")
     if rows == 0 or cols == 0:
         return
     grid = (rows, triton.cdiv(cols, BLOCK))
-    _swiglu_backward_kernel[grid](grad, gate, up, cols, grad.stride(0), gate.stride(0), up.stride(0), BLOCK=BLOCK)
+    _swiglu_backward_kernel[grid](grad, gate, up, d_gate, d_up, cols, grad.stride(0), gate.stride(0), up.stride(0),
+                                  d_gate.stride(0), d_up.stride(0), BLOCK=BLOCK)

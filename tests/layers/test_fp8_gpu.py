@@ -142,9 +142,10 @@ def test_triton_fused_expert_ops_equal_the_unfused_path_bitwise_but_dx_is_one_co
             out = swiglu_grouped_mm(h13, w2l, c, "triton", True, True, [], [])
         elif path == "w13":
             gate, up = grouped_mm(xl, torch.cat([w1l, w3l], 1), c, "triton", True, True).split(256, dim=1)
-            out = grouped_mm(swiglu(gate, up), w2l, c, "triton", True, True)
-        else:
-            h = swiglu(grouped_mm(xl, w1l, c, "triton", True, True), grouped_mm(xl, w3l, c, "triton", True, True))
+            out = grouped_mm(swiglu(gate, up, inplace_backward=True), w2l, c, "triton", True, True)
+        else:  # SwiGLU's backward as the experts run it (the fused op's: one kernel, spartron.layers.swiglu)
+            h = swiglu(grouped_mm(xl, w1l, c, "triton", True, True), grouped_mm(xl, w3l, c, "triton", True, True),
+                       inplace_backward=True)
             out = grouped_mm(h, w2l, c, "triton", True, True)
         out.backward(grad[:, :256])
         results[path] = [out] + [t.grad for t in leaves]

@@ -8,7 +8,7 @@ from triton_device import needs_kernel
 
 from spartron.layers.ffn import FeedForward
 from spartron.layers.moe.experts import GroupedExperts
-from spartron.layers.swiglu import swiglu, swiglu_backward_
+from spartron.layers.swiglu import swiglu, swiglu_backward_, swiglu_backward_into
 
 
 def _saved_count(fn) -> int:
@@ -106,9 +106,12 @@ def test_feedforward_under_compiled_checkpoint_equals_eager():
 
 @pytest.mark.gpu
 @needs_kernel
+@pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 1000), (33, 2048 + 5), (0, 64), (3, 4, 256)])
-def test_triton_backward_overwrites_gate_and_up_with_the_fp32_formula_rounded_once(dtype, shape):
+def test_triton_backward_writes_the_fp32_formula_rounded_once(dtype, shape, inplace):
+    """Over gate and up (the op), or into the halves of another tensor (swiglu_backward_into: the FP8 experts'
+    [M, 2I] gradient), inputs unchanged then."""
     from spartron.layers import swiglu_triton_kernels as kernels
     g = torch.Generator().manual_seed(3)
     both = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype).to(KERNEL_DEVICE)
@@ -117,13 +120,18 @@ def test_triton_backward_overwrites_gate_and_up_with_the_fp32_formula_rounded_on
     a, b, d = (t.double() for t in (gate, up, grad))
     s = torch.sigmoid(a)
     want_gate, want_up = (d * b * s * (1 + a * (1 - s))).to(dtype), (d * a * s).to(dtype)
-    if KERNEL_DEVICE == "cuda":
-        swiglu_backward_(grad, gate, up)  # the op picks the kernel on CUDA
+    inputs = both.clone()
+    out = both if inplace else torch.full_like(both, float("nan"))
+    d_gate, d_up = out[..., :shape[-1]], out[..., shape[-1]:]
+    if KERNEL_DEVICE == "cuda":  # the op / the function pick the kernel on CUDA
+        swiglu_backward_(grad, gate, up) if inplace else swiglu_backward_into(grad, gate, up, d_gate, d_up)
     else:
-        kernels.swiglu_backward_inplace(grad.view(-1, shape[-1]), gate.view(-1, shape[-1]), up.view(-1, shape[-1]))
+        kernels.swiglu_backward_rows(*(t.reshape(-1, shape[-1]) for t in (grad, gate, up, d_gate, d_up)))
     tol = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
-    torch.testing.assert_close(gate, want_gate, **tol)
-    torch.testing.assert_close(up, want_up, **tol)
+    torch.testing.assert_close(d_gate, want_gate, **tol)
+    torch.testing.assert_close(d_up, want_up, **tol)
+    if not inplace:
+        assert torch.equal(both, inputs)
 
 
 @pytest.mark.parametrize("inplace, buffers", [(False, 6), (True, 3)])

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spartron.layers.swiglu import swiglu_backward_into
+
 
 def _index(order: Tensor | None, k: int) -> Tensor | None:
     """The row index into x of the rows x[order // k] (GatheredRows), None without a plan."""
@@ -125,17 +127,15 @@ def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cac
 def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
                     pow2: bool, fp8_wgrad: bool, cached: list[Tensor],
                     layout: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor]:
-    """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as
-    spartron.layers.ffn.swiglu runs it (the same kernels on the same values), written into the two
+    """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as spartron.layers.swiglu runs
+    it (swiglu_backward_into: the same kernel on the same values as the bf16 FFN's), written into the two
     halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
     i = h13.shape[1] // 2
     counts = impl.group_counts(counts, layout)
     gate, up = h13[:, :i], h13[:, i:]
-    silu = F.silu(gate)
-    dh, dw = backward(impl, grad, silu * up, w, counts, pow2, fp8_wgrad, cached[2:4] if cached else None)
+    dh, dw = backward(impl, grad, F.silu(gate) * up, w, counts, pow2, fp8_wgrad, cached[2:4] if cached else None)
     d13 = torch.empty_like(h13)
-    torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d13[:, :i])
-    torch.mul(dh, silu, out=d13[:, i:])
+    swiglu_backward_into(dh, gate, up, d13[:, :i], d13[:, i:])
     return d13, dw
 
 
