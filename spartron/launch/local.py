@@ -370,7 +370,9 @@ def _launch(command: Sequence[str], nproc: int, environ: Mapping[str, str], mast
                 early = [r for r in ranks if r.returncode in (0, STOPPED_STATUS) and r.ended_at < failed_at]
                 for r in ranks:
                     r.kill()
-                zero_refused = ranks[0].returncode == USAGE_STATUS  # reaped by kill(): its line is printed
+                # reaped by kill(): its line is printed. A rank 0 killed after its line but before its exit reads
+                # as not refused (its stderr is the terminal, unseen here): then the root's line follows its own
+                zero_refused = ranks[0].returncode == USAGE_STATUS
                 if status == USAGE_STATUS and root.returncode == USAGE_STATUS:
                     refusal = None if zero_refused else _refusal_line(root)
                     if zero_refused or refusal is not None:

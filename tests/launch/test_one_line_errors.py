@@ -67,9 +67,31 @@ def test_launcher_prints_the_refusing_rank_line_alone(tmp_path, capfd):
 
 
 def test_launcher_adds_nothing_when_rank_0_refused(tmp_path, capfd):
-    body = "print('spartron: error: a guard stop', file=sys.stderr); sys.exit(2)"
+    """The ranks end as a real one does (exit_process: os._exit right after the line). sys.exit's interpreter
+    teardown after the line was a window of milliseconds in which the launcher, woken by rank 1's exit, killed
+    rank 0 and added rank 1's line: 15 of 200 runs on 2 loaded cores printed two lines, 0 of 200 with os._exit."""
+    body = "print('spartron: error: a guard stop', file=sys.stderr); sys.stderr.flush(); os._exit(2)"
     assert launch_local(_ranks(tmp_path, body), 2, os.environ, tmp_path / "logs") == 2
     assert capfd.readouterr().err == "spartron: error: a guard stop\n"  # rank 0's own line, once
+
+
+@pytest.mark.xfail(strict=True, reason="the launcher cannot see rank 0's stderr (the terminal): a rank 0 killed "
+                   "between printing its line and exiting gets the other rank's line added after its own")
+def test_launcher_adds_nothing_when_rank_0_printed_its_refusal_before_rank_1_refused(tmp_path, capfd):
+    """The race's order held open: rank 0 prints its refusal and is still on its way out (the sleep) when rank 1
+    refuses (after rank 0's line: the FIFO) and exits first."""
+    fifo = tmp_path / "rank0-printed"
+    os.mkfifo(fifo)
+    body = (f"if r == 0:\n"
+            f"    print('spartron: error: rank 0 stop', file=sys.stderr, flush=True)\n"
+            f"    open({str(fifo)!r}, 'w').close()\n"
+            f"    time.sleep(60)\n"
+            f"    os._exit(2)\n"
+            f"open({str(fifo)!r}).read()\n"
+            f"print('spartron: error: rank 1 stop', file=sys.stderr, flush=True)\n"
+            f"os._exit(2)")
+    assert launch_local(_ranks(tmp_path, body), 2, os.environ, tmp_path / "logs") == 2
+    assert capfd.readouterr().err == "spartron: error: rank 0 stop\n"
 
 
 def test_launcher_reports_a_status_2_without_an_error_line_as_a_failure(tmp_path, capfd):
