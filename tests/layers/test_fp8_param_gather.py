@@ -224,3 +224,28 @@ def test_the_memory_plan_counts_the_e4m3_shards_and_scales_each_rank_holds(two_r
         held, planned = rank[True]["held"]
         assert held == planned > 0
         assert rank[False]["held"] == (0, 0)
+
+
+def test_gathered_operands_hand_each_gemms_joint_blocks_once_and_refuse_a_mix():
+    """A pair's two weights share one JointBlocks: the ops get its blocks once, then w2's; plain weights pass."""
+    from spartron.layers.fp8.gathered import GatheredFP8Weight, JointBlocks, gathered_operands
+    from spartron.layers.fp8.quant import FP8
+
+    pair, single = JointBlocks([torch.Size([2, 128, 256])] * 2), JointBlocks([torch.Size([2, 256, 128])])
+    for joint in (pair, single):
+        for i, shape in enumerate(joint.shapes):
+            joint.set_scales(i, torch.ones(*shape[:-2], shape[-2] // 128, shape[-1] // 128))
+            joint.write(i, torch.zeros(shape, dtype=FP8))
+    w1, w3 = (GatheredFP8Weight(pair.shapes[i], torch.bfloat16, torch.device("cpu"), pair) for i in (0, 1))
+    w2 = GatheredFP8Weight(single.shapes[0], torch.bfloat16, torch.device("cpu"), single)
+    weights, cached = gathered_operands([w1, w3, w2])
+    assert [tuple(w.shape) for w in weights] == [(2, 128, 256), (2, 128, 256), (2, 256, 128)]
+    assert all(w.stride() == (0, 0, 0) for w in weights)  # stand-ins: no storage read
+    def same(a, b):  # the same tensor, or the same view of it (s^T is a fresh transpose per call)
+        return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+    assert all(same(a, b) for a, b in zip(cached, [*pair.blocks(), *single.blocks()], strict=True))
+    plain = torch.zeros(2, 128, 256, dtype=torch.bfloat16)
+    assert gathered_operands([plain]) == ([plain], [])
+    with pytest.raises(RuntimeError, match="model.fp8.param_gather: one module's weights are partly FP8-gathered"):
+        gathered_operands([w1, plain])
