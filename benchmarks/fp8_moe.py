@@ -18,8 +18,9 @@ FFN shapes ("ffn_*": a SwiGLU FeedForward, DeepSeek-V3's dense layers and shared
 tokens): "bf16" against "fp8", FP8FeedForward (the FFN as one group of the experts' fused ops; dense weights
 are not cached).
 
-`--profile`: one more step of each mode under torch.profiler: its wall time, the device's kernel time and launch
-count (kernel time well under the wall time: the step is host-bound) and the kernels that take the most.
+`--profile`: one more step of each mode under torch.profiler (a cycle's first micro-batch: with the weight cache,
+the one that quantises the weights): its wall time, the device's kernel time and launch count (kernel time well
+under the wall time: the step is host-bound) and the kernels that take the most.
 
 GPU:  python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe_h200.json
 CPU:  python benchmarks/fp8_moe.py --smoke --out /tmp/fp8_moe.json   (tiny shape, reference backend)

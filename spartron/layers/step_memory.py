@@ -310,9 +310,9 @@ def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
 def fp8_weight_cache_bytes(m: ModelConfig, dims: ParallelDims) -> int:
     """model.fp8.weight_cache as an eager step resolves it (spartron.layers.fp8.weight_cache): every local
     routed expert weight's FP8 blocks and transposed blocks (1 byte an element each) and their fp32 scales
-    (in the layers that run FP8),
-    from the first forward to the optimizer step (unsharded: on with expert_fsdp > 1 it holds whole experts)."""
-    if m.fp8 is None or "experts" not in m.fp8.modules or not weight_cache_on(m.fp8, False, dims.expert_fsdp):
+    (the experts that run FP8: fp8_gemm_weight), from the first forward to the optimizer step (unsharded: on
+    with expert_fsdp > 1 it holds whole experts)."""
+    if m.fp8 is None or not weight_cache_on(m.fp8, False, dims.expert_fsdp):
         return 0
     elements = sum(math.prod(s) // dims.ep for f, s in param_shapes(m).items() if fp8_gemm_weight(m, f, s) == "experts")
     return 2 * elements + 2 * 4 * elements // (128 * 128)
@@ -324,8 +324,7 @@ def fp8_gathered_shard_bytes(m: ModelConfig, dims: ParallelDims) -> int:
     next. The gathered blocks and their transpose (2 bytes an unsharded element) take the place of the bf16
     unsharded weight, so the unsharded parameters count as before. Experts of a 1-rank expert_fsdp group are not
     gathered (they keep the weight cache: fp8_weight_cache_bytes)."""
-    f8 = m.fp8
-    if f8 is None or not f8.param_gather:
+    if m.fp8 is None or not m.fp8.param_gather:
         return 0
     total = 0
     for fqn, shape in param_shapes(m).items():
