@@ -154,7 +154,6 @@ def parity(args, device: torch.device) -> dict:
             ours = [trainer.step()["loss"] for _ in range(cfg.train.steps)]
         finally:
             trainer.close()
-            trainer.release_run_dir()
         job = MegatronTraining(cfg, 1, device=device)
         theirs = [job.step(s) for s in range(1, cfg.train.steps + 1)]
     diff = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))

@@ -182,7 +182,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self.pending_save: PendingSave | None = None  # an async save, committed after the next step
         self.offload_session: OffloadSession | None = None  # the current (or last) step's: see StepProbe
-        self.run_lock: RunDirLock | None = None  # rank 0's: held until release_run_dir() (train(): all ranks ended)
+        self.run_lock: RunDirLock | None = None  # rank 0's: held until close() or release_run_dir()
         # The products of setup(), declared here:
         self.place: RankPlace  # device, rank, world, layout, micro-batches per step, groups
         self.run_dir: Path
@@ -430,8 +430,9 @@ class Trainer:
                 **(self.indexer_probe.record(measured) if self.indexer_probe else {})}
 
     def close(self, ok: bool = True) -> TrainResult:
-        """End the run. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may
-        still be inside a collective)."""
+        """End the run: collective when `ok`; on return the run directory is free for the next run on every
+        rank. `ok` False (a failure): only the log is closed, nothing collective runs (a peer may still be inside
+        a collective); the lock then goes with release_run_dir()."""
         if ok and self.pending_save is not None:  # a caller that stops stepping before train.steps
             self.pending_save.commit()
             self.last_saved, self.pending_save = self.pending_save.step, None
@@ -447,6 +448,13 @@ class Trainer:
             if self.stopped_at is not None and self.place.rank == 0:
                 print(f"spartron: SIGTERM: saved step {self.stopped_at} of {self.cfg.train.steps} in {self.run_dir} "
                       f"and stopped; resume = true continues from it", file=sys.stderr, flush=True)
+            # every rank is done with the directory before rank 0 lets it go, and none returns before it has:
+            # whichever rank returns first may start the next run there (plan_run probes the lock on every rank)
+            if dist.is_initialized():
+                dist.barrier()
+            self.release_run_dir()
+            if dist.is_initialized():
+                dist.barrier()
         return TrainResult(run_dir=self.run_dir, records=self.records, resumed_from=self.resumed_from,
                            stopped_at=self.stopped_at)
 
@@ -458,7 +466,7 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
     with StopOnSigterm() as stop:  # from the start: a SIGTERM during setup stops after the first step
         owns_pg = init_process_group(cfg)
         trainer = Trainer(cfg, model_factory, before_commit, stop)
-        try:  # rank 0 holds the run directory's lock until every rank has passed the last barrier (or it fails)
+        try:  # rank 0 holds the run directory's lock until close() (or a failure) lets it go
             trainer.setup()
             try:
                 while not trainer.done:
@@ -466,10 +474,10 @@ def train(cfg: RunConfig, model_factory: ModelFactory | None = None,
             except Exception:
                 trainer.close(ok=False)
                 raise
+            # close() ends with a barrier: no rank tears its transport down while a peer still talks to it (gloo
+            # aborts). On failure the group is left alone: tearing it down can block on peers in a collective.
             result = trainer.close()
-            # On failure the group is left alone: tearing it down can block on peers still in a collective.
-            dist.barrier()  # every rank is done with the run directory; no rank tears its transport down
-            if owns_pg:  # while a peer still talks to it (gloo aborts)
+            if owns_pg:
                 dist.destroy_process_group()
         finally:
             trainer.release_run_dir()

@@ -27,7 +27,7 @@ from spartron.runtime.rundir import RunDirLock, StateLoadError, check_not_in_use
 from spartron.runtime.safe_open import UnsafeEntryError, make_dir, open_file
 from spartron.runtime.state import COMPLETE, remove_step, step_dir
 from spartron.runtime.tensorboard import MetricSinks
-from spartron.runtime.trainer import TrainingError, train
+from spartron.runtime.trainer import Trainer, TrainingError, train
 from spartron.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +99,30 @@ def test_rank_0_holds_the_lock_for_the_whole_run_on_every_rank_and_releases_it_a
                                           "another directory")
     check_not_in_use(run)  # released at the end: no exception
     assert (run / ".lock").read_bytes() == b""  # and the holder line is cleared
+
+
+def _close_then_probe(rank, world, cfg):
+    """A Trainer driven by hand (a notebook, a benchmark): the moment close() returns on a rank, that rank may
+    start the next run in the directory, though rank 0's trainer (its lock object) is still alive."""
+    trainer = Trainer(cfg, tiny).setup()
+    while not trainer.done:
+        trainer.step()
+    trainer.close()
+    try:
+        check_not_in_use(cfg.train.run_dir)
+        probe = "free"
+    except StateLoadError as err:
+        probe = str(err)
+    resumed = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})}), tiny).setup()
+    step = resumed.step()["step"]
+    resumed.close()
+    return probe, trainer.step_no, step
+
+
+def test_close_frees_the_run_dir_on_every_rank_before_it_returns(tmp_path):
+    run = tmp_path / "run"
+    assert run_distributed(_close_then_probe, 2, cfg_for(run, save_every=2), timeout=90) == [("free", 2, 3)] * 2
+    check_not_in_use(run)
 
 
 def test_a_run_that_fails_releases_the_lock(tmp_path):

@@ -98,7 +98,6 @@ def _first_steps(rank, world, data, steps, spy):
     grads = sorted(n for n, p in trainer.model.named_parameters() if p.grad is not None)
     indexer_numel = [p.numel() for n, p in trainer.model.named_parameters() if ".indexer." in n]
     trainer.close()
-    trainer.release_run_dir()
     return {"changed": sorted(n for n in full if not torch.equal(full[n], after[n])), "state": state,
             "params": sorted(n for n, _ in trainer.model.named_parameters()), "stages": [r["stage"] for r in records],
             "grads": grads, "sizes": sizes,
@@ -134,7 +133,6 @@ def _run_to(rank, world, data, stop_at):
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().tobytes()  # exact bits
               for n, p in trainer.model.named_parameters()}
     trainer.close()
-    trainer.release_run_dir()
     return params, [(r["step"], r["stage"], r["loss"], r["grad_norm"]) for r in records]
 
 

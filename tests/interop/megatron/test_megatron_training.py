@@ -47,7 +47,6 @@ def spartron_losses(cfg: RunConfig, key: str = "loss") -> list[float]:
         losses = [trainer.step()[key] for _ in range(cfg.train.steps)]
     finally:
         trainer.close()
-        trainer.release_run_dir()
     return losses
 
 
