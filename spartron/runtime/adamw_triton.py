@@ -22,7 +22,9 @@ spartron.runtime.master_weights.MasterAdamW overrides it to update an fp32 maste
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from types import ModuleType
 from typing import Any
 
@@ -104,14 +106,23 @@ class TritonAdamW(torch.optim.AdamW):
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, then the moments back in `moments_dtype` (torch casts every floating state tensor to its
-        parameter's dtype)."""
+        """torch's, then each state tensor kept in another dtype than its parameter's (`_state_dtype`) taken again
+        from `state_dict` in that dtype: torch casts every floating state tensor to its parameter's dtype, and a
+        cast back would round what that dtype cannot hold (fp32 moments beside bf16 parameters)."""
         super().load_state_dict(state_dict)
-        if self.moments_dtype is not None:
-            for state in self.state.values():
-                for name in MOMENTS:
-                    if name in state:
-                        state[name] = state[name].to(self.moments_dtype)
+        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for key, p in zip(saved, self._params(), strict=True):
+            for name, value in state_dict["state"].get(key, {}).items():
+                dtype = self._state_dtype(name)
+                if dtype is not None and isinstance(value, Tensor):
+                    self.state[p][name] = value.detach().to(p.device, dtype, copy=True)
+
+    def _state_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype state `name` is kept in; None: its parameter's (torch's rule)."""
+        return self.moments_dtype if name in MOMENTS else None
+
+    def _params(self) -> Iterable[Tensor]:
+        return chain.from_iterable(g["params"] for g in self.param_groups)
 
     def _new_state(self, p: Tensor) -> dict:
         """A parameter's first state: step 0 (float32, on its device) and zero moments shaped like the updated

@@ -33,14 +33,12 @@ naming the key).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import chain
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from spartron.runtime.adamw_triton import MOMENTS, AdamWKernelConfig, TritonAdamW
+from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
 
 
 def has_master(p: Tensor) -> bool:
@@ -142,16 +140,7 @@ class MasterAdamW(TritonAdamW):
                 else:
                     held.zero_()
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, keeping the moments fp32 (or in `moments_dtype`): torch casts every floating state tensor to its
-        parameter's dtype (bf16 here). The values are taken again from `state_dict`, so nothing is rounded twice."""
-        torch.optim.AdamW.load_state_dict(self, state_dict)
-        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        for key, p in zip(saved, self._params(), strict=True):
-            for name, value in state_dict["state"].get(key, {}).items():
-                if isinstance(value, Tensor):
-                    dtype = self.moments_dtype if name in MOMENTS and self.moments_dtype else torch.float32
-                    self.state[p][name] = value.detach().to(p.device, dtype, copy=True)
-
-    def _params(self) -> Iterable[Tensor]:
-        return chain.from_iterable(g["params"] for g in self.param_groups)
+    def _state_dtype(self, name: str) -> torch.dtype:
+        """Every state tensor fp32 like the master (the moments in `moments_dtype` when set), never the bf16
+        parameter's dtype."""
+        return super()._state_dtype(name) or torch.float32

@@ -77,17 +77,22 @@ def test_the_reference_with_the_parameters_moments_is_torchs_single_tensor_adamw
     assert torch.equal(ours.detach(), theirs.detach())
 
 
-def test_a_loaded_state_keeps_its_moments_in_the_moments_dtype():
-    """torch's load_state_dict casts every floating state tensor to the parameter's dtype (fp32 here)."""
+@pytest.mark.parametrize("params, moments", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_loaded_state_keeps_its_moments_in_the_moments_dtype_bitwise(params, moments):
+    """torch's load_state_dict casts every floating state tensor to the parameter's dtype: bf16 moments beside
+    fp32 parameters survive a cast back, fp32 moments beside bf16 parameters would not (taken again from the
+    state dict)."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(16, 16))
-    opt = TritonAdamW([p], reference=True, moments_dtype=torch.bfloat16)
-    _steps(opt, p, [torch.randn(16, 16), torch.randn(16, 16)])
+    p = torch.nn.Parameter(torch.randn(16, 16, dtype=params))
+    opt = TritonAdamW([p], reference=True, moments_dtype=moments)
+    _steps(opt, p, [torch.randn(16, 16, dtype=params), torch.randn(16, 16, dtype=params)])
     saved = {k: v.clone() for k, v in opt.state[p].items()}
-    fresh = TritonAdamW([p], reference=True, moments_dtype=torch.bfloat16)
+    if moments == torch.float32:  # bits a cast through the bf16 parameters' dtype would lose
+        assert not torch.equal(saved["exp_avg_sq"].to(params).float(), saved["exp_avg_sq"])
+    fresh = TritonAdamW([p], reference=True, moments_dtype=moments)
     fresh.load_state_dict(opt.state_dict())
-    assert {k: v.dtype for k, v in fresh.state[p].items()} == {"step": torch.float32, "exp_avg": torch.bfloat16,
-                                                               "exp_avg_sq": torch.bfloat16}
+    assert {k: v.dtype for k, v in fresh.state[p].items()} == {"step": torch.float32, "exp_avg": moments,
+                                                               "exp_avg_sq": moments}
     assert all(torch.equal(fresh.state[p][k], v) for k, v in saved.items())
 
 
