@@ -70,11 +70,12 @@ class MegatronTraining:
 
     `cfg`: a Spartron run config (its model, its train.* optimizer settings, its data); `ep`: Megatron's
     expert_model_parallel_size (parallel_state is initialised here if it is not yet); `bf16`: the model in
-    bfloat16 under Megatron's Float16Module with fp32 master weights; `distributed_optimizer`: Megatron's.
+    bfloat16 under Megatron's Float16Module with fp32 master weights; `distributed_optimizer`: Megatron's; `ddp`:
+    more DistributedDataParallelConfig fields (overlap_grad_reduce, overlap_param_gather, bucket_size, ...).
     """
 
     def __init__(self, cfg: RunConfig, ep: int, *, bf16: bool = False, distributed_optimizer: bool = False,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, ddp: dict | None = None):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -108,7 +109,8 @@ class MegatronTraining:
         with self.megatron_device():
             self.model = DistributedDataParallel(
                 tcfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
-                                                    grad_reduce_in_fp32=bf16), wrapped, pg_collection=self.pgc)
+                                                    grad_reduce_in_fp32=bf16, **(ddp or {})),
+                wrapped, pg_collection=self.pgc)
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.beta1,
                                 adam_beta2=t.beta2, adam_eps=1e-8, clip_grad=t.grad_clip, bf16=bf16,

@@ -113,6 +113,10 @@ class SpartronMLAAttention(nn.Module):
         self.mla = MLA(self.model_cfg, self.layer_idx, cp_group=self.cp_group)
         init_parameters_(self.mla, init_seed, self.model_cfg.init_std, f"layers.{self.layer_idx}.attn.")
         _apply_fp8(self.mla, self.model_cfg, {"dense"}, self.layer_idx)
+        if self.mla.indexer is not None and self.mla.indexer_mode == "frozen":
+            # not trained: no grad buffer in Megatron's DDP (whose overlapped reduction would wait for a
+            # gradient that never comes) and no update (its AdamW would decay them with a zero gradient)
+            self.mla.indexer.requires_grad_(False)
         set_megatron_param_attributes(self, expert_parallel=False)
 
     @property
@@ -139,9 +143,21 @@ class SpartronMLAAttention(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx} is a DSA consumer but the SideChannel holds no ids: "
                                "its source layer did not run in this forward")
         ids = ids_for_layer(self.mla.dsa_role, self.side_channel.dsa_topk_ids)
+        if self.mla.dsa_role is not None:
+            self._ready_absorbed_weight()
         out = self.mla(x, self.positions(x.shape[1], x.device), dsa_topk_ids=ids)
         self.side_channel.record_attention(self.layer_idx, out)
         return out["hidden_states"].transpose(0, 1), None
+
+
+    def _ready_absorbed_weight(self) -> None:
+        """A DSA layer reads wkv_b's weight as views (the absorbed form) and never calls wkv_b, while Megatron's
+        overlapped parameter all-gather (distributed optimizer with overlap_param_gather) waits for a weight's
+        bucket in the forward pre-hook of the module owning it: an empty call runs wkv_b's hooks before the
+        weight is read (without it the read could race the all-gather: the other ranks' part of the last step)."""
+        wkv_b = self.mla.wkv_b
+        with torch.no_grad():
+            wkv_b(wkv_b.weight.new_empty(0, wkv_b.in_features))
 
 
 class _MLPSlot(nn.Module):

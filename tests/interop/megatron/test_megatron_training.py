@@ -193,3 +193,41 @@ def test_spartron_spec_refuses_pipeline_parallelism_and_says_why():
         megatron_config_from_spartron(cfg, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
     assert ("pipeline_model_parallel_size=2: must be one of [1] (DSA ids and the SideChannel do not cross "
             "pipeline stages)") in str(info.value)
+
+
+OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket_size": 8192}
+
+
+def _overlapped(rank, world, run_dir):
+    from spartron.layers.attention.mla import MLA
+
+    cfg = run_config(run_dir, 1)  # tiny.toml's DSA layers keep a frozen indexer
+    plain = MegatronTraining(cfg, 1, distributed_optimizer=True)
+    plain_losses = [plain.step(s) for s in range(1, STEPS + 1)]
+    run = MegatronTraining(cfg, 1, distributed_optimizer=True, ddp=OVERLAP)
+    dsa = [m for m in run.gpt.modules() if isinstance(m, MLA) and m.dsa_role is not None]
+    pending = []
+
+    def check_gathered(mla, args):  # noqa: ANN001, ANN202 - runs after the adapter readied wkv_b's bucket
+        group = run.model.param_to_bucket_group[mla.wkv_b.weight]
+        pending.append(group.param_gather_handle is not None)
+
+    for m in dsa:
+        m.register_forward_pre_hook(check_gathered)
+    frozen = {n: p.detach().clone() for m in dsa if m.indexer is not None for n, p in m.indexer.named_parameters()}
+    losses = [run.step(s) for s in range(1, STEPS + 1)]
+    after = {n: p for m in dsa if m.indexer is not None for n, p in m.indexer.named_parameters()}
+    return plain_losses, losses, pending, len(dsa), frozen, after
+
+
+def test_overlapped_param_gather_and_grad_reduce_train_as_the_plain_distributed_optimizer(tmp_path):
+    """Megatron waits for a bucket's parameter all-gather in the forward pre-hook of a module owning one of its
+    weights; a DSA layer reads wkv_b's weight (absorbed) without calling wkv_b, so the adapter runs its hooks
+    first: at every DSA attention the bucket is gathered (with a bucket of 8192 elements wkv_b's bucket holds no
+    weight of a module called earlier: its read raced the all-gather). The frozen indexer is no trainable
+    parameter: the overlapped reduction does not wait for its gradient, and Megatron's AdamW does not decay it."""
+    plain, losses, pending, n_dsa, frozen, after = run_distributed(_overlapped, 2, tmp_path / "run", timeout=300)[0]
+    assert n_dsa == 2 and len(pending) == n_dsa * STEPS * 2  # 2 micro-batches a step
+    assert not any(pending)
+    assert losses == plain, (losses, plain)
+    assert frozen and all(torch.equal(after[n], v) for n, v in frozen.items())
