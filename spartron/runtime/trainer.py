@@ -183,6 +183,7 @@ class Trainer:
         self.pending_save: PendingSave | None = None  # an async save, committed after the next step
         self.offload_session: OffloadSession | None = None  # the current (or last) step's: see StepProbe
         self.run_lock: RunDirLock | None = None  # rank 0's: held until close() or release_run_dir()
+        self.phase = "new"  # "running" once setup() returned, "closed" by close(): step() runs only while running
         # The products of setup(), declared here:
         self.place: RankPlace  # device, rank, world, layout, micro-batches per step, groups
         self.run_dir: Path
@@ -275,6 +276,7 @@ class Trainer:
             stages = ["  stages", *self.stages.table()] if t.stages else []
             print("\n".join([banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), *stages]),
                   file=sys.stderr, flush=True)
+        self.phase = "running"
         return self
 
     def _enter_stage(self, step: int, first: bool = False) -> None:
@@ -322,9 +324,18 @@ class Trainer:
 
     def step(self, probe: StepProbe | None = None) -> dict[str, Any]:
         """One optimizer step and what follows it (metrics, log, a save when due); returns its record.
-        A failure is raised as a TrainingError naming the rank and the step. `probe`: see StepProbe."""
+        A failure is raised as a TrainingError naming the rank and the step. `probe`: see StepProbe.
+        A step the run does not have (before setup(), after close(), once `done`) is refused, on every rank alike:
+        a loop that overshoots would train past the schedule and save a step beyond train.steps."""
         cfg, t = self.cfg, self.cfg.train
         step = self.step_no + 1
+        if self.phase != "running":
+            raise RuntimeError("Trainer.step() before setup()" if self.phase == "new" else
+                               "Trainer.step() after close(): build a new Trainer to go on (resume = true)")
+        if self.done:
+            why = f"stopped after SIGTERM at step {self.stopped_at}" if self.stopped_at is not None else \
+                f"train.steps = {t.steps} reached"
+            raise RuntimeError(f"Trainer.step(): the run is done ({why}); raise train.steps and resume to train on")
         try:
             inject_fault(cfg.debug, self.place.rank, step)
             self._enter_stage(step)
@@ -436,6 +447,7 @@ class Trainer:
         if ok and self.pending_save is not None:  # a caller that stops stepping before train.steps
             self.pending_save.commit()
             self.last_saved, self.pending_save = self.pending_save.step, None
+        self.phase = "closed"
         saved = None if self.last_saved is None else f"{self.last_saved} ({step_dir(self.run_dir, self.last_saved)})"
         self.log.close(summary=ok and self.cfg.train.progress, first_loss=self.counters.get("first_loss"),
                        total_s=time.perf_counter() - self.started, saved=saved)

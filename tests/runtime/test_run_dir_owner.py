@@ -125,6 +125,37 @@ def test_close_frees_the_run_dir_on_every_rank_before_it_returns(tmp_path):
     check_not_in_use(run)
 
 
+def _steps_out_of_turn(rank, world, cfg):
+    """step() where the run has no step: before setup, once train.steps is reached, after close()."""
+    def refusal(trainer):
+        try:
+            trainer.step()
+        except RuntimeError as err:
+            return str(err)
+        return "stepped"
+
+    trainer = Trainer(cfg, tiny)
+    early = refusal(trainer)
+    trainer.setup()
+    while not trainer.done:
+        trainer.step()
+    done = refusal(trainer)
+    trainer.close()
+    saved = sorted(p.name for p in Path(cfg.train.run_dir).glob("step-*"))
+    return early, done, refusal(trainer), trainer.step_no, saved
+
+
+def test_step_is_refused_before_setup_once_done_and_after_close(tmp_path):
+    """A hand-driven loop that overshoots trained past the schedule (at the floor lr) and saved a step beyond
+    train.steps; after close() it failed inside the step with an unrelated TypeError."""
+    run = tmp_path / "run"
+    assert run_distributed(_steps_out_of_turn, 2, cfg_for(run, save_every=1), timeout=90) == [(
+        "Trainer.step() before setup()",
+        "Trainer.step(): the run is done (train.steps = 2 reached); raise train.steps and resume to train on",
+        "Trainer.step() after close(): build a new Trainer to go on (resume = true)",
+        2, ["step-00000001", "step-00000002"])] * 2
+
+
 def test_a_run_that_fails_releases_the_lock(tmp_path):
     run = tmp_path / "run"
     cfg = cfg_for(run, steps=3).model_copy(update={"debug": cfg_for(run).debug.model_copy(
