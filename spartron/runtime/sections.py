@@ -280,7 +280,7 @@ class TrainConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _adamw_kernel(self) -> TrainConfig:
-        if self.adamw_kernel == "triton" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
+        if self.adamw_kernel != "auto" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
             raise ValueError(f"train.adamw_kernel = {self.adamw_kernel!r} needs train.optimizer = 'adamw' "
                              f"(got {self.optimizer!r}, which would ignore it)")
         if self.adamw_moments_dtype is not None and self.optimizer != "adamw":

@@ -29,10 +29,12 @@ def test_unknown_adamw_kernel_is_an_error_naming_the_key():
         config_from_dict({"train": {"adamw_kernel": "cuda"}})
 
 
-def test_triton_adamw_with_muon_is_an_error():
-    with pytest.raises(ConfigError, match=r"train.adamw_kernel = 'triton' needs train.optimizer = 'adamw' "
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_a_chosen_adamw_kernel_with_muon_is_an_error(kernel):
+    """Muon's AdamW part (vectors, embeddings) is its own loop: either choice would be ignored."""
+    with pytest.raises(ConfigError, match=rf"train.adamw_kernel = '{kernel}' needs train.optimizer = 'adamw' "
                                           r"\(got 'muon', which would ignore it\)"):
-        config_from_dict({"train": {"adamw_kernel": "triton", "optimizer": "muon"}})
+        config_from_dict({"train": {"adamw_kernel": kernel, "optimizer": "muon"}})
 
 
 def test_auto_is_the_default_and_takes_torchs_adamw_for_cpu_parameters():
