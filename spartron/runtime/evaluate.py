@@ -32,6 +32,7 @@ from torch import nn
 
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig, config_from_dict
 from spartron.runtime.data import build_eval_loader
+from spartron.runtime.saved_config import recorded_changes, state_config
 
 # What a saved step records about the data it was trained and evaluated on (besides train.data.*, taken as one
 # unit: one --set train.data.<key> makes the whole section the command line's).
@@ -49,7 +50,9 @@ def step_eval_config(cfg: RunConfig, saved: dict[str, Any] | None, explicit: Col
 
     `saved`: the step's recorded config (meta.json "config", dotted keys); `explicit`: the dotted keys given
     with --set, which win; `source`: the meta.json, named in messages. Every other recorded data setting
-    is the step's: a config file naming other data is reported, not followed."""
+    is the step's: a config file naming other data is reported, not followed. The model settings are the
+    config's (a step trained in FP8 may be evaluated in bf16 where FP8 does not run); one note names those
+    that differ from the step's."""
     if not saved:
         return cfg, [f"spartron: note: {source} records no data settings: evaluating the config's train.data"]
     data, notes = cfg.model_dump(mode="json"), []
@@ -79,9 +82,14 @@ def step_eval_config(cfg: RunConfig, saved: dict[str, Any] | None, explicit: Col
                          f"{data['train'][key]!r}")
             data["train"][key] = saved[name]
     try:
-        return config_from_dict(data), notes
+        evaluated = config_from_dict(data)
     except ConfigError as err:
         raise ConfigError(f"the settings {source} records do not form a valid config with this one: {err}") from None
+    changed = recorded_changes(saved, state_config(evaluated), "model.")  # precision, kernels: the config's
+    if changed:
+        notes.append("spartron: note: evaluating with model settings other than the step was trained with (its "
+                     f"tensors fit): {', '.join(changed)}")
+    return evaluated, notes
 
 
 def _data_text(d: DataConfig) -> str:

@@ -34,11 +34,23 @@ def state_config(cfg: Any) -> dict[str, Any]:
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    """'key (saved A, this run B)' for every dotted key under prefix whose value differs."""
-    keys = sorted(k for k in set(saved) | set(now) if k.startswith(prefix))
+    """'key (saved A, this run B)' for every dotted key under prefix whose value differs; a section set on one side
+    and off (None) on the other is one entry, its keys as a table (model.fp8 (saved {...}, this run None))."""
     missing = "<unset>"
-    return [f"{k} (saved {saved.get(k, missing)!r}, this run {now.get(k, missing)!r})"
-            for k in keys if saved.get(k, missing) != now.get(k, missing)]
+
+    def shown(key: str) -> str:  # the key, or the section above it that one side records as a value
+        parts = key.split(".")
+        return next((a for a in (".".join(parts[:i]) for i in range(1, len(parts))) if a in saved or a in now), key)
+
+    def value(flat: dict[str, Any], key: str) -> Any:
+        if key in flat:
+            return flat[key]
+        table = {k[len(key) + 1:]: v for k, v in flat.items() if k.startswith(key + ".")}
+        return table or missing
+
+    keys = sorted({shown(k) for k in set(saved) | set(now) if k.startswith(prefix)})
+    return [f"{k} (saved {value(saved, k)!r}, this run {value(now, k)!r})"
+            for k in keys if value(saved, k) != value(now, k)]
 
 
 def refused_change(change: str) -> bool:
@@ -49,11 +61,22 @@ def _training(change: str) -> bool:
     return change.split(" ", 1)[0] in {f"train.{key}" for key in TRAINING_TRAIN_KEYS}
 
 
+def recorded_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """config_changes, less the keys the saved step recorded nothing of (neither the key nor a section above or
+    below it: a step saved before the key was recorded, or by `convert --from-hf`, says nothing of it)."""
+    def recorded(key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:i]) in saved for i in range(1, len(parts) + 1)) or \
+            any(k.startswith(key + ".") for k in saved)
+
+    return [c for c in config_changes(saved, now, prefix) if recorded(c.split(" ", 1)[0])]
+
+
 def resume_notes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """The recorded settings that differ but do not stop a resume: model.* keys whose tensors still fit
     (checked by load_state), and what the data position means (seed, sequence length, batch, data file).
     How training proceeds (lr, grad_clip, ...) is `training_notes`'."""
-    return [c for c in config_changes(saved, now) if not refused_change(c) and not _training(c)]
+    return [c for c in recorded_changes(saved, now) if not refused_change(c) and not _training(c)]
 
 
 def training_notes(saved: dict[str, Any], now: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:

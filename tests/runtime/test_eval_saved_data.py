@@ -141,3 +141,39 @@ def test_step_eval_config_rules():
     with pytest.raises(ConfigError) as info:
         step_eval_config(cfg, {**saved, "train.data.kind": "mmap"}, [], "m.json")
     assert str(info.value).startswith("the settings m.json records do not form a valid config with this one: ")
+
+
+# ---- the model settings: the config's, named where they differ from the step's --------------------------------
+FP8_DIMS = ["model.dim=128", "model.moe.moe_inter_dim=128", "model.dense_inter_dim=256", "model.mla.q_lora_rank=128",
+            "model.mla.kv_lora_rank=128"]
+
+
+def test_eval_in_other_precision_than_the_steps_says_so_in_one_note():
+    """A step trained in FP8 with fp32 masters, evaluated with a config in fp32 (FP8 may not run where eval does):
+    the config's model settings are evaluated, and one note names each that differs (a section set on one side,
+    off on the other, as one entry)."""
+    from spartron.runtime.saved_config import state_config
+
+    trained = load_config("configs/tiny.toml", [*FP8_DIMS, 'model.dtype="bfloat16"', 'model.master_dtype="float32"',
+                                                'model.fp8.backend="reference"'])
+    cfg = load_config("configs/tiny.toml", FP8_DIMS)
+    out, notes = step_eval_config(cfg, state_config(trained), [], "m.json")
+    assert out.model == cfg.model
+    fp8 = trained.model.fp8.model_dump(mode="json")
+    assert notes == [
+        "spartron: note: evaluating with model settings other than the step was trained with (its tensors fit): "
+        f"model.dtype (saved 'bfloat16', this run 'float32'), model.fp8 (saved {fp8!r}, this run None), "
+        "model.master_dtype (saved 'float32', this run None)"]
+    assert step_eval_config(trained, state_config(trained), [], "m.json")[1] == []
+
+
+def test_a_setting_the_step_never_recorded_is_no_change():
+    """A step written before a key was recorded (or by `convert --from-hf`: no train.eval_steps) says nothing of
+    it: neither a resume nor an eval names it as changed; a recorded one still is."""
+    from spartron.runtime.saved_config import recorded_changes, resume_notes, state_config
+
+    now = {**state_config(load_config("configs/tiny.toml")), "train.eval_steps": 1}
+    older = {k: v for k, v in now.items() if k not in ("train.eval_steps", "model.dsa.indexer_fp8")}
+    assert resume_notes(older, {**now, "model.dsa.indexer_fp8": True}) == []
+    assert recorded_changes(older, now, "model.") == []
+    assert resume_notes({**older, "train.eval_steps": 2}, now) == ["train.eval_steps (saved 2, this run 1)"]
