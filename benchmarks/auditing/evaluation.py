@@ -39,6 +39,11 @@ def cases() -> list[Case]:
         setup=lambda w: (w / "t.bin").write_bytes(bytes(range(200)) * 100), accept_ok=True,
         expect_out="train.data")
     add("model-differs", ev("model.dim=32"), ["model.dim"])
+    # numerics other than the step's: tensors that fit are evaluated as the config says, and said (outside
+    # audit: eval changed the precision without a note); another dtype is another shape of tensors: refused
+    add("precision-differs-indexer-fp8", ev("model.dsa.indexer_fp8=true"), ["model.dsa.indexer_fp8"],
+        accept_ok=True, expect_out="model.dsa.indexer_fp8")
+    add("precision-differs-dtype", ev('model.dtype="bfloat16"'), ["model.dtype"], category="dtypes")
     add("other-model-step", ev(step="runs/hfbase", preset="{tiny}"), ["model"], base=("state", "hfrun"))
     add("step-missing", ev(step="nope"), ["nope"], category="paths")
     add("step-file", ev(step="f"), ["'f'", "f:"], category="paths", setup=lambda w: (w / "f").write_text("x"))

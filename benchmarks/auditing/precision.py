@@ -28,6 +28,10 @@ def cases() -> list[Case]:
         key, category="sizes", accept_ok=True, expect_out="model.master_weights = 'optimizer' runs on one rank")
     add("master-weights-step", train(*MASTERS, 'model.master_weights="optimizer"'), (), accept_ok=True)
 
+    for kernel in ("torch", "triton"):  # Muon's AdamW part is its own loop: a chosen kernel would be ignored
+        add(f"adamw-kernel-{kernel}-muon", train(f'train.adamw_kernel="{kernel}"', 'train.optimizer="muon"'),
+            ("train.adamw_kernel",))
+
     key = ("train.adamw_moments_dtype",)
     add("moments-unknown", train(*MASTERS, 'train.adamw_moments_dtype="float8"'), key, quick=True)
     add("moments-float16", train(*MASTERS, 'train.adamw_moments_dtype="float16"'), key, category="dtypes")
