@@ -149,7 +149,6 @@ class SpartronMLAAttention(nn.Module):
         self.side_channel.record_attention(self.layer_idx, out)
         return out["hidden_states"].transpose(0, 1), None
 
-
     def _ready_absorbed_weight(self) -> None:
         """A DSA layer reads wkv_b's weight as views (the absorbed form) and never calls wkv_b, while Megatron's
         overlapped parameter all-gather (distributed optimizer with overlap_param_gather) waits for a weight's
