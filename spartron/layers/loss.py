@@ -8,11 +8,26 @@ are kept for backward, never [N, V]. Exact: the same sums as the plain path, in 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+
+
+class LossNorm(NamedTuple):
+    """How one micro-batch's losses count in its optimizer step (or evaluation), which the trainer knows and
+    the micro-batch does not: `targets` [1 + MTP depth] float32, the step's label counts of the LM loss and
+    of each MTP depth over all its micro-batches and the loss group's ranks (the model's `target_counts`,
+    summed and all-reduced once); `micro_batches`, the step's per rank. A token-mean loss then becomes the
+    micro-batch's share of the step's token mean (the shares sum to it, however the step's targets fall into
+    micro-batches: an all-prompt chat window counts nothing, not a zero averaged in), the aux and indexer
+    losses their 1/micro_batches share."""
+
+    targets: Tensor
+    micro_batches: int
 
 
 def plain_cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 
 Every CP rank receives the full sequence; the model keeps its load-balanced causal shard (chunks r and
 2cp-1-r). The loss on each rank is scaled so that the average over the gradient-averaging group (FSDP
-averages over every data/context-parallel rank) is the exact global token mean.
+averages over every data/context-parallel rank) is the exact global token mean: of the micro-batch, or,
+given the step's `LossNorm` (the trainer's), the micro-batch's share of the whole step's token mean.
 
 Initial weights depend only on `seed` and each parameter's name (and global expert index), never on
 the RNG state or the layout (spartron.layers.init): every EP/CP/FSDP layout builds the 1-rank model.
@@ -23,7 +24,7 @@ from spartron.layers.attention.doc_mask import check_document_positions, documen
 from spartron.layers.config import ModelConfig
 from spartron.layers.decoder import DecoderLayer, run_decoder_stack, total_loss
 from spartron.layers.init import init_parameters_
-from spartron.layers.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from spartron.layers.loss import IGNORE_INDEX, LossNorm, linear_cross_entropy_sum
 from spartron.layers.mtp import MTP, shift_left
 from spartron.layers.norms import RMSNorm
 from spartron.layers.outputs import ModelOutput
@@ -67,17 +68,33 @@ class SparseMoEModel(nn.Module):
     def _cp(self, x: Tensor) -> Tensor:
         return x if self.cp_group is None else cp_shard(x, self.cp_group, dim=1)
 
-    def _token_mean(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """Sum of CE over local tokens, scaled so the mean over the loss group is the global token mean."""
+    def _token_mean(self, hidden: Tensor, labels: Tensor, targets: Tensor | None) -> Tensor:
+        """Sum of CE over local tokens, scaled so the mean over the loss group is the global token mean: over
+        `targets` labels (the step's, LossNorm), or over this micro-batch's (all-reduced here)."""
         loss_sum = linear_cross_entropy_sum(hidden.flatten(0, 1), self.head_weight, labels.flatten(),
                                             self.cfg.loss_chunk_size)
-        count = (labels != IGNORE_INDEX).sum().to(torch.float32)
         ranks = 1
         if self.loss_group is not None and dist.get_world_size(self.loss_group) > 1:
-            count = count.clone()
-            dist.all_reduce(count, group=self.loss_group)
             ranks = dist.get_world_size(self.loss_group)
-        return loss_sum * ranks / count.clamp(min=1.0)
+        if targets is None:
+            targets = (labels != IGNORE_INDEX).sum().to(torch.float32)
+            if ranks > 1:
+                dist.all_reduce(targets, group=self.loss_group)
+        return loss_sum * ranks / targets.clamp(min=1.0)
+
+    def _loss_labels(self, labels: Tensor, rows: Tensor | None) -> list[Tensor]:
+        """This rank's labels of the LM loss and of each MTP depth (`rows`: packed documents' positions, whose
+        MTP targets stay inside their document)."""
+        out = [self._cp(labels)]
+        for k in range(1, (self.cfg.mtp.depth if self.mtp is not None else 0) + 1):
+            out.append(self._cp(document_shifted_labels(labels, rows, k) if rows is not None
+                                else shift_left(labels, k, IGNORE_INDEX)))
+        return out
+
+    def target_counts(self, labels: Tensor, positions: Tensor | None = None) -> Tensor:
+        """This rank's label counts [1 + MTP depth] (float32) of one micro-batch: what `LossNorm.targets` sums
+        over a step's micro-batches and all-reduces over the loss group."""
+        return torch.stack([(y != IGNORE_INDEX).sum() for y in self._loss_labels(labels, positions)]).float()
 
     def _embed_tokens(self, tokens: Tensor) -> Tensor | list[Tensor]:
         h = self.embed(self._cp(tokens))
@@ -85,23 +102,28 @@ class SparseMoEModel(nn.Module):
             return split_micro_batches(h, self.intra_layer_micro_batches)
         return h
 
-    def forward(self, tokens: Tensor, labels: Tensor, positions: Tensor | None = None) -> ModelOutput:
+    def forward(self, tokens: Tensor, labels: Tensor, positions: Tensor | None = None, *,
+                loss_norm: LossNorm | None = None) -> ModelOutput:
         """`positions` [B, S] int64: packed documents (positions restart at 0 at each document start; RoPE
-        per document, block-causal attention, MTP targets within the document: attention.doc_mask)."""
+        per document, block-causal attention, MTP targets within the document: attention.doc_mask).
+        `loss_norm`: the step's (LossNorm): `loss`, `lm_loss` and `mtp_losses` are then this micro-batch's
+        shares of the step's (they sum over its micro-batches); `aux_loss` / `indexer_loss` stay its own."""
         seq = tokens.shape[1]
-        documents = positions is not None
-        if documents:
+        rows = None
+        if positions is not None:
             check_document_positions(positions, tokens.shape[0], seq)
             rows, positions = positions, self._cp(positions)  # whole rows (MTP targets); this rank's queries
         else:
             positions = (torch.arange(seq, device=tokens.device) if self.cp_group is None
                          else cp_positions(seq, self.cp_group, device=tokens.device))
+        loss_labels = self._loss_labels(labels, rows)
+        targets = [None] * len(loss_labels) if loss_norm is None else list(loss_norm.targets.unbind(0))
         # The embedding goes to the stack without a local here, so the first layer's input is freed
         # as soon as that layer is done with it (an offload window moves it to the host).
         stack = run_decoder_stack(list(self.layers.values()), self._embed_tokens(tokens), positions)
         stack.hidden_states = merge_micro_batches(stack.hidden_states)
         stack.dsa_topk_ids = merge_micro_batches(stack.dsa_topk_ids)
-        lm_loss = self._token_mean(self.norm(stack.hidden_states), self._cp(labels))
+        lm_loss = self._token_mean(self.norm(stack.hidden_states), loss_labels[0], targets[0])
 
         aux, indexer, counts = stack.aux_losses, stack.indexer_losses, stack.tokens_per_expert
         mtp_losses: list[Tensor] = []
@@ -110,9 +132,7 @@ class SparseMoEModel(nn.Module):
                 stack.hidden_states,
                 embed_at_depth=lambda k: self.embed(self._cp(shift_left(tokens, k, 0))),
                 positions=positions, dsa_topk_ids=stack.dsa_topk_ids,
-                loss_at_depth=lambda k, hn: self._token_mean(hn, self._cp(
-                    document_shifted_labels(labels, rows, k) if documents
-                    else shift_left(labels, k, IGNORE_INDEX))))
+                loss_at_depth=lambda k, hn: self._token_mean(hn, loss_labels[k], targets[k]))
             mtp_losses = mtp_out["losses"]
             for out in layer_outs:
                 aux += [out["aux_loss"]] if out["aux_loss"] is not None else []
@@ -122,7 +142,7 @@ class SparseMoEModel(nn.Module):
         loss = lm_loss + sum(mtp_losses, torch.zeros((), device=lm_loss.device))
         for extra in (aux_loss, indexer_loss):
             if extra is not None:
-                loss = loss + extra
+                loss = loss + (extra if loss_norm is None else extra / loss_norm.micro_batches)
         return ModelOutput(loss=loss, lm_loss=lm_loss, mtp_losses=mtp_losses, aux_loss=aux_loss,
                            indexer_loss=indexer_loss,
                            tokens_per_expert=torch.stack(counts) if counts else None)

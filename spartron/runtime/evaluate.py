@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig, config_from_dict
-from spartron.runtime.data import build_eval_loader
+from spartron.runtime.data import build_eval_loader, device_batches
+from spartron.runtime.loss_norm import step_loss_norm
 from spartron.runtime.saved_config import recorded_changes, state_config
 
 # What a saved step records about the data it was trained and evaluated on (besides train.data.*, taken as one
@@ -157,10 +158,10 @@ class Evaluator:
         try:
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
                 model.eval()
-                for _ in range(self.n_batches):
-                    batch = loader.next(t.micro_batch_size)
-                    out = model(batch.tokens.to(self.device), batch.labels.to(self.device),
-                                **batch.model_kwargs(self.device))
+                batches = device_batches(loader, self.n_batches, t.micro_batch_size, self.device)
+                norm = step_loss_norm(model, batches, self.group)  # the exact token mean over all of them
+                for tokens, labels, kwargs in batches:
+                    out = model(tokens, labels, **kwargs, **({} if norm is None else {"loss_norm": norm}))
                     total += out["lm_loss"].detach().double()
         finally:
             model.train(was_training)
@@ -168,7 +169,8 @@ class Evaluator:
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
-        total /= self.n_batches
+        if norm is None:  # a model without target_counts: each micro-batch's mean weighs the same
+            total /= self.n_batches
         dist.all_reduce(total, group=self.group)  # gloo has no AVG: sum, then divide
         loss = float(total) / dist.get_world_size(self.group)
         if self.device.type == "cuda":

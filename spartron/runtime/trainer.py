@@ -37,12 +37,13 @@ from spartron.layers.fp8 import invalidate_weight_caches
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
-from spartron.runtime.data import build_train_loader
+from spartron.runtime.data import build_train_loader, device_batches
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLossError, TrainingError, check_loss_limits
 from spartron.runtime.indexer_metrics import IndexerProbe
 from spartron.runtime.init_from import init_from_factory
+from spartron.runtime.loss_norm import StepStats, TokenNormModel, step_loss_norm
 from spartron.runtime.memory import plan_memory
 from spartron.runtime.observe import Heartbeat, RunObserver, banner
 from spartron.runtime.optim import build_optimizer, clip_and_step_, global_grad_norm, set_lr
@@ -75,8 +76,8 @@ from spartron.runtime.state_layout import resplit_data_position
 
 # Defined beside the rank set-up, the guards and `spartron eval`; imported from here by launchers and tests.
 __all__ = ["ClosableModel", "ExpertParallelModel", "LossGuardStop", "LossSpikeError", "ModelFactory",
-           "NonFiniteLossError", "StepProbe", "TrainResult", "TrainableModel", "Trainer", "TrainingError",
-           "default_model_factory", "evaluate_saved", "schedule_note", "train"]
+           "NonFiniteLossError", "StepProbe", "TokenNormModel", "TrainResult", "TrainableModel", "Trainer",
+           "TrainingError", "default_model_factory", "evaluate_saved", "schedule_note", "train"]
 
 
 @runtime_checkable
@@ -84,8 +85,9 @@ class TrainableModel(Protocol):
     """What the trainer needs from every model (the reference SparseMoEModel implements all below).
 
     ``model(tokens[B,S], labels[B,S]) -> ModelOutput`` with ``loss`` = LM + MTP + aux + indexer
-    losses, scaled so that the average over the dp_cp ranks is the global token mean. The protocols
-    after this one are what a model may add; the trainer uses each one a model implements.
+    losses, scaled so that the average over the dp_cp ranks is the global token mean (of the micro-batch; of
+    the step, given its LossNorm: TokenNormModel). The protocols after this one are what a model may add; the
+    trainer uses each one a model implements.
     """
 
     def __call__(self, tokens: Tensor, labels: Tensor) -> ModelOutput: ...
@@ -106,36 +108,6 @@ class TrainResult:
     records: list[dict] = field(default_factory=list)  # one per step run by this call
     resumed_from: int | None = None
     stopped_at: int | None = None  # SIGTERM: the step saved before stopping early (None: ran to train.steps)
-
-
-class _StepStats:
-    """Detached per-step sums over micro-batches, all-reduced to global means at the end."""
-
-    def __init__(self) -> None:
-        self.values: list[Tensor] | None = None
-        self.counts: Tensor | None = None
-        self.n_mtp = 0
-
-    def add(self, out: ModelOutput) -> None:
-        zero = torch.zeros((), device=out["loss"].device)
-        row = [out["loss"], out["lm_loss"], out["aux_loss"] if out["aux_loss"] is not None else zero,
-               out["indexer_loss"] if out["indexer_loss"] is not None else zero, *out["mtp_losses"]]
-        row = [t.detach().float() for t in row]
-        self.n_mtp = len(out["mtp_losses"])
-        self.values = row if self.values is None else [a + b for a, b in zip(self.values, row, strict=True)]
-        tpe = out["tokens_per_expert"]
-        if tpe is not None:
-            self.counts = tpe.detach().clone() if self.counts is None else self.counts + tpe.detach()
-
-    def reduce(self, n_micro: int, group: dist.ProcessGroup) -> tuple[list[float], Tensor | None]:
-        stacked = torch.stack(self.values) / n_micro
-        dist.all_reduce(stacked, group=group)  # gloo has no AVG: sum, then divide
-        means = (stacked / dist.get_world_size(group)).tolist()
-        counts = None
-        if self.counts is not None:
-            counts = self.counts.to(torch.int64)
-            dist.all_reduce(counts, group=group)
-        return means, counts
 
 
 @dataclass(frozen=True)
@@ -395,25 +367,26 @@ class Trainer:
         set_lr(optimizer, lr)
         M.reset_peak_memory(device)
         start = time.perf_counter()
-        stats, measured = _StepStats(), {}
-        n_micro, data_s = self.n_micro, 0.0
+        stats, measured = StepStats(), {}
+        n_micro = self.n_micro
+        fetch = time.perf_counter()
+        batches = device_batches(self.loader, n_micro, t.micro_batch_size, device)  # the step's, counted first
+        data_s = time.perf_counter() - fetch
+        norm = step_loss_norm(model, batches, self.groups.dp_cp)
         with self._open_offload_session(probe):
             phase("forward")
-            for micro in range(n_micro):
+            for micro, (tokens, labels, kwargs) in enumerate(batches):
                 if isinstance(model, FSDPModule):  # FSDP2: reduce on the last micro-batch or on each (train.grad_sync)
                     model.set_requires_gradient_sync(micro == n_micro - 1 or t.grad_sync == "every_micro_batch")
-                fetch = time.perf_counter()
-                batch = self.loader.next(t.micro_batch_size)  # packed documents add their positions
-                data_s += time.perf_counter() - fetch
                 with (self.indexer_probe.measuring(step, measured) if self.indexer_probe and micro == 0
                       else contextlib.nullcontext()):
-                    out = model(batch.tokens.to(device, non_blocking=True),
-                                batch.labels.to(device, non_blocking=True), **batch.model_kwargs(device))
+                    out = model(tokens, labels, **kwargs, **({} if norm is None else {"loss_norm": norm}))
                     phase("backward")
-                    (out["loss"] / n_micro).backward()
+                    (out["loss"] if norm is not None else out["loss"] / n_micro).backward()
                 stats.add(out)
             phase("optimizer")
-        (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp)
+        (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp,
+                                                                             shares=norm is not None)
         grad_norm = global_grad_norm(self.params, self.ep_extra)
         norm = float(grad_norm)
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
