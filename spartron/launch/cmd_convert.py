@@ -63,9 +63,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             try:
                 source = SavedStateSource(Path(args.from_state))
                 source.check_target(args.to_hf)
-                tokenizer, note = run_tokenizer(source)
+                tokenizer, token_ids, note = run_tokenizer(source)
                 out = export_hf(source, args.to_hf, max_shard_bytes=args.max_shard_bytes or DEFAULT_SHARD_BYTES,
-                                with_mtp=args.with_mtp, extra_files=tokenizer, fp8_weights=args.fp8_weights)
+                                with_mtp=args.with_mtp, extra_files=tokenizer, fp8_weights=args.fp8_weights,
+                                token_ids=token_ids)
             finally:
                 reading.release()
             if note:

@@ -171,24 +171,34 @@ def check_memory(cfg: ModelConfig, what: str, available: int | None = None) -> N
                                 f"{needed / 2**30:.1f} GiB, this machine has {available / 2**30:.1f} GiB available")
 
 
-def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], str | None]:
-    """(file name -> bytes, note) of the tokenizer the saved step was trained with, for `export_hf`'s
-    extra_files: the copy `spartron data` kept in the token folder (train.data.path, kind 'packed'), else the
-    original tokenizer file if it still has the recorded SHA-256. The note says why none is included."""
-    import hashlib
-
-    from spartron.data.tokenfile import META, open_token_folder
+def run_tokenizer(source: SavedStateSource) -> tuple[dict[str, bytes], dict[str, int | None], str | None]:
+    """(file name -> bytes, token ids, note) of the tokenizer the saved step was trained with, for `export_hf`'s
+    extra_files and token_ids: the copy `spartron data` kept in the token folder (train.data.path, kind
+    'packed'), else the original tokenizer file if it still has the recorded SHA-256; the folder's EOS / BOS ids
+    (config.json's eos_token_id / bos_token_id: generate() stops at the EOS the model was trained with). The note
+    says why no tokenizer is included."""
+    from spartron.data.tokenfile import open_token_folder
 
     config = read_meta(source.path).get("config") or {}
     if config.get("train.data.kind") != "packed":
-        return {}, None
+        return {}, {}, None
     if not config.get("train.data.path"):
-        return {}, "the run trained on a blend of token folders: no tokenizer is included"
+        return {}, {}, "the run trained on a blend of token folders: no tokenizer is included"
     folder = Path(config["train.data.path"])
     try:
         meta = open_token_folder(folder).meta
     except Exception as err:  # noqa: BLE001 - any problem with the folder: the export goes on without it
-        return {}, f"no tokenizer included: {err}"
+        return {}, {}, f"no tokenizer included: {err}"
+    files, note = _tokenizer_files(folder, meta)
+    return files, {"eos_token_id": meta["eos_id"], "bos_token_id": meta.get("bos_id")}, note
+
+
+def _tokenizer_files(folder: Path, meta: dict) -> tuple[dict[str, bytes], str | None]:
+    """The token folder's tokenizer files (its kept copy, or the original if unchanged), or a note why none."""
+    import hashlib
+
+    from spartron.data.tokenfile import META
+
     sha = meta["tokenizer"]["sha256"]
     kept = meta.get("tokenizer_copy")
     if isinstance(kept, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in kept):

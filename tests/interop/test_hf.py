@@ -648,3 +648,26 @@ def test_cli_convert_both_ways(hf_dirs, tmp_path, capsys):
     assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
     assert f"{damaged}: CRC-32" in err and "corrupted" in err and err.count("\n") == 1
+
+
+def test_rope_scaling_beside_rope_parameters_that_say_otherwise_is_refused():
+    """transformers 5 takes rope_scaling's and drops rope_parameters' when both are set: the import refused
+    neither and ran rope_parameters' (plain RoPE where transformers runs YaRN)."""
+    v5 = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("rope_scaling", "rope_theta")}
+    yarn = DEEPSEEK_V3["rope_scaling"]
+    both = {**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": yarn}
+    with pytest.raises(HFConfigError, match=r"rope_scaling: set beside rope_parameters, which says otherwise "
+                                            r"\(transformers 5 takes rope_scaling's"):
+        model_config_from_hf(both)
+    same = {**v5, "rope_parameters": {**yarn, "rope_theta": 10000.0}, "rope_scaling": yarn}
+    assert model_config_from_hf(same).mla == model_config_from_hf(DEEPSEEK_V3).mla
+
+
+def test_a_run_with_fp32_masters_is_exported_as_float32():
+    """The export writes the stored tensors (the fp32 masters): config.json's dtype says so, and an import
+    builds a float32 model from them (it built a bf16 one and rounded every weight)."""
+    cfg = model_config_from_hf(DEEPSEEK_V3).model_copy(update={"master_dtype": "float32"})
+    hf = hf_config_from_model_config(cfg)
+    assert (cfg.dtype, hf["torch_dtype"]) == ("bfloat16", "float32")
+    assert model_config_from_hf(hf).dtype == "float32"
+    assert hf_config_from_model_config(model_config_from_hf(DEEPSEEK_V3))["torch_dtype"] == "bfloat16"

@@ -393,6 +393,9 @@ def test_export_includes_the_runs_tokenizer_even_after_the_original_moved(hf_dir
     ours = Tokenizer.from_file(str(tmp_path / "moved" / "tokenizer.json"))
     assert theirs("the cat sat on a mat")["input_ids"] == ours.encode("the cat sat on a mat").ids
     assert theirs.eos_token == "<eos>"
+    # config.json names the EOS the run's data ended documents with: generate() stops there (not at id 1)
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf_config["eos_token_id"], hf_config["bos_token_id"]) == (ours.token_to_id("<eos>"), None)
 
 
 # ---- the checkpoint folder itself ------------------------------------------------------------------
@@ -642,3 +645,16 @@ def test_an_export_never_writes_into_the_run_directory_it_reads(run_dir, tmp_pat
             "folder outside any run directory)"]
         assert not target.exists()
     assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "out")]) == 0
+
+
+def test_an_exported_fp32_master_run_imports_again_without_rounding(hf_dir, tmp_path):
+    cfg = import_hf(hf_dir)[0].model_copy(update={"dtype": "bfloat16", "master_dtype": "float32"})
+    model = build_model(cfg)  # stored in float32: the masters
+    export_hf(model, tmp_path / "hf")
+    again, load = import_hf(tmp_path / "hf")
+    back = build_model(again)
+    load(back)
+    assert again.dtype == "float32"
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in ours.values())  # bits bf16 would round away

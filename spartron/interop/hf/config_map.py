@@ -75,8 +75,11 @@ def _rope(hf: dict, problems: _Problems) -> tuple[float, dict | None]:
     """(rope_theta, Spartron yarn dict or None) from `rope_parameters` (transformers 5) or `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or {})
     key = "rope_parameters"
-    if not params and hf.get("rope_scaling"):
-        params, key = dict(hf["rope_scaling"]), "rope_scaling"
+    if hf.get("rope_scaling"):
+        if params and {k: v for k, v in params.items() if k != "rope_theta"} != hf["rope_scaling"]:
+            problems.add("rope_scaling", "set beside rope_parameters, which says otherwise (transformers 5 takes "
+                         "rope_scaling's and drops rope_parameters'): keep one, with YaRN's fields in it")
+        params, key = {**params, **hf["rope_scaling"]}, "rope_scaling"
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -309,7 +312,7 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": mla.rope_theta, "attention_bias": False, "attention_dropout": 0.0,
-        "num_nextn_predict_layers": cfg.mtp.depth, "torch_dtype": cfg.dtype,
+        "num_nextn_predict_layers": cfg.mtp.depth, "torch_dtype": cfg.stored_dtype,  # the tensors' (fp32 masters)
         "scoring_func": "sigmoid", "topk_method": "noaux_tc",
         "aux_loss_alpha": moe.aux_loss_coeff, "seq_aux": moe.aux_loss_type == "seq",
     }

@@ -360,7 +360,8 @@ def _finite(name: str, spartron: list[str], t: Tensor) -> None:
 
 def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, with_mtp: bool = False,
-              extra_files: dict[str, bytes] | None = None, fp8_weights: bool = False) -> Path:
+              extra_files: dict[str, bytes] | None = None, fp8_weights: bool = False,
+              token_ids: dict[str, int | None] | None = None) -> Path:
     """Write a Hugging Face checkpoint (config.json, safetensors shards, the index, `extra_files` such as
     the tokenizer) of `source`: a SparseMoEModel or a TensorSource (a saved state:
     spartron.runtime.hf_state.SavedStateSource). transformers' `from_pretrained(out_dir)` loads it.
@@ -368,8 +369,10 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     MTP layers are omitted by default (config.json then says num_nextn_predict_layers = 0): transformers'
     DeepseekV3ForCausalLM has no MTP module and would list them as unexpected keys. `with_mtp` writes them as
     DeepSeek-V3 lays them out (`model.layers.{n_layers + k}.*`), for Spartron or DeepSeek's own code.
-    `fp8_weights` stores the decoder layers' 2-D weights as E4M3 with a float32 `weight_scale_inv` per 128 x 128
-    block and config.json's quantization_config, as DeepSeek's release does (spartron.interop.hf.fp8_storage).
+    `token_ids`: config.json's eos_token_id / bos_token_id (the tokens the run's data used: transformers'
+    generate() stops at that EOS; without them it falls back to id 1). `fp8_weights` stores the decoder layers'
+    2-D weights as E4M3 with a float32 `weight_scale_inv` per 128 x 128 block and config.json's
+    quantization_config, as DeepSeek's release does (spartron.interop.hf.fp8_storage).
     Atomic: everything is written (and fsynced) into a temporary sibling folder renamed to out_dir at the
     end; on any failure (a non-finite tensor, a full disk) it is removed and out_dir is untouched. out_dir
     may exist if empty; a symbolic link is refused. Returns out_dir.
@@ -382,7 +385,7 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     cfg = source.cfg
     if not with_mtp and cfg.mtp.depth:
         cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
-    hf_config = hf_config_from_model_config(cfg)
+    hf_config = {**hf_config_from_model_config(cfg), **(token_ids or {})}
     if fp8_weights:
         hf_config["quantization_config"] = dict(fp8_storage.EXPORT_QUANTIZATION)
     tmap = tensor_map(cfg)
