@@ -3,8 +3,10 @@ how documents and chats become token ids with their loss mask.
 
 Every document ends with the end-of-sequence token, so packed documents keep their boundary. The
 EOS token is given explicitly, else read from the folder's tokenizer_config.json (`eos_token`). A
-begin-of-sequence token (`--bos`, or `bos_token` where tokenizer_config.json sets `add_bos_token`)
-starts every document when given, as models trained with one (DeepSeek-V3, Llama) expect.
+begin-of-sequence token (`--bos`, or `bos_token` where tokenizer_config.json sets `add_bos_token`; where it
+says nothing, the one special token the tokenizer's post-processor puts first, as Llama-3's folders do and
+transformers' tokenizer(text) gives) starts every document when given, as models trained with one
+(DeepSeek-V3, Llama) expect.
 
 Chats are rendered turn by turn in one of CHAT_FORMATS (a role's header, its content, its turn end;
 EOS in a turn end is the tokenizer's EOS id): "spartron" (default: "<|role|>\\n" headers, EOS after an
@@ -136,11 +138,12 @@ def rust_failures(where: str, tokenizer: Path) -> Iterator[None]:
                 os.write(2, capture.read())
 
 
-def _special_tokens(folder: Path) -> tuple[str | None, str | None]:
-    """(eos_token, bos_token if add_bos_token) of a transformers folder's tokenizer_config.json."""
+def _special_tokens(folder: Path) -> tuple[str | None, str | None, bool | None]:
+    """(eos_token, bos_token, add_bos_token: True / False / None where unsaid) of a transformers folder's
+    tokenizer_config.json."""
     config = folder / "tokenizer_config.json"
     if not config.is_file():
-        return None, None
+        return None, None, None
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
@@ -153,7 +156,17 @@ def _special_tokens(folder: Path) -> tuple[str | None, str | None]:
         value = value.get("content") if isinstance(value, dict) else value
         return value if isinstance(value, str) else None
 
-    return token("eos_token"), token("bos_token") if data.get("add_bos_token") is True else None
+    add_bos = data.get("add_bos_token")
+    return token("eos_token"), token("bos_token"), add_bos if isinstance(add_bos, bool) else None
+
+
+def _post_processor_bos(backend) -> str | None:  # noqa: ANN001 - a tokenizers.Tokenizer
+    """The one special token the tokenizer's post-processor puts before every sequence (Llama-3's folders add
+    `<|begin_of_text|>` so, with no add_bos_token in tokenizer_config.json), or None."""
+    plain, full = backend.encode("a", add_special_tokens=False).ids, backend.encode("a", add_special_tokens=True)
+    if len(full.ids) > len(plain) and full.ids[1:1 + len(plain)] == plain and full.special_tokens_mask[0] == 1:
+        return full.tokens[0]
+    return None
 
 
 def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: str | None = None,
@@ -177,8 +190,10 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: st
                           "file") from None
     except Exception as err:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad file
         raise ConfigError(f"tokenizer {str(file)!r} is not a tokenizers JSON file: {err}") from None
-    config_eos, config_bos = _special_tokens(file.parent)
-    eos, bos = eos_token or config_eos, bos_token or config_bos
+    config_eos, config_bos, add_bos = _special_tokens(file.parent)
+    if add_bos is None:  # unsaid: the tokenizer's own post-processor decides, as tokenizer(text) does
+        config_bos = _post_processor_bos(backend)
+    eos, bos = eos_token or config_eos, bos_token or (config_bos if add_bos is not False else None)
     if eos is None:
         raise ConfigError(f"tokenizer {str(file)!r}: which token ends a document? Pass --eos TOKEN (no "
                           "tokenizer_config.json with an eos_token beside it)")

@@ -147,6 +147,27 @@ def test_a_begin_of_sequence_token_starts_every_document(tmp_path, tok):
         load_tokenizer(tok, "<eos>", "<s>")
 
 
+def test_a_bos_the_tokenizers_post_processor_adds_starts_every_document_unless_the_config_says_no(tmp_path, tok):
+    """Llama-3's folders add BOS in tokenizer.json's post-processor and say nothing of add_bos_token:
+    tokenizer(text) starts with it, and so do the documents (they started without, silently)."""
+    from tokenizers import Tokenizer, processors
+
+    backend = Tokenizer.from_file(str(tok))
+    bos = backend.token_to_id("<|user|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|user|> $A", special_tokens=[("<|user|>", bos)])
+    folder = tmp_path / "llama3-like"
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|user|>", "eos_token": "<eos>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    t = load_tokenizer(folder)
+    assert t.bos_id == bos and t.encode_record(Document("the cat"))[0] == [bos] + ids(tok, "the cat") + [1]
+    assert backend.encode("the cat").ids == [bos] + ids(tok, "the cat")  # what the tokenizer itself gives
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    assert load_tokenizer(folder).bos_id is None  # said: no BOS
+    assert load_tokenizer(tok, "<eos>").bos_id is None  # no post-processor: none
+
+
 def test_chat_loss_mask_covers_assistant_content_and_its_eos(tok):
     t = load_tokenizer(tok, "<eos>")
     got, mask = t.encode_record(Chat((("system", "we"), ("user", "why not"), ("assistant", "yes"))))
