@@ -78,6 +78,15 @@ def corpus_files(path: str | Path) -> list[Path]:
     return files
 
 
+def skipped_files(path: str | Path) -> list[Path]:
+    """The files of a corpus folder that are not corpus files (another suffix: `.JSONL`, `.json`, `.zst`, a
+    README), which corpus_files leaves out: `spartron data` names them."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return [p for p in sorted(path.rglob("*")) if _kind(p) is None and p.is_file()]
+
+
 def _not_regular(path: Path) -> str:
     """Why a corpus file inside a folder cannot be read: a broken or looping link, or not a regular file."""
     link = f" (a symbolic link to {os.readlink(path)!r})" if path.is_symlink() else ""

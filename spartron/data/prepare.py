@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spartron.configbase import ConfigError
-from spartron.data.corpus import Document, corpus_files, read_corpus
+from spartron.data.corpus import Document, corpus_files, read_corpus, skipped_files
 from spartron.data.tokenfile import write_token_folder
 from spartron.data.tokenizer import load_tokenizer
 
@@ -24,7 +24,8 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
     root = Path(corpus)
     files = corpus_files(root)
     info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
-            "skipped_empty": 0, "chat_format": chat_format}
+            "skipped_empty": 0, "chat_format": chat_format,
+            "skipped_files": [str(f.relative_to(root)) for f in skipped_files(root)]}
 
     done = [0, 0]  # documents, tokens
 

@@ -41,6 +41,13 @@ def cmd_data(args: argparse.Namespace) -> int:
         return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    skipped = meta["corpus"]["skipped_files"]
+    if skipped:
+        from spartron.data.corpus import SUFFIXES
+
+        shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
+        print(f"spartron: note: {len(skipped)} file(s) of {args.corpus} are not corpus files and were not read "
+              f"({shown}): spartron data reads {', '.join(SUFFIXES)}", file=sys.stderr)
     print(f"spartron: wrote {meta['n_tokens']} tokens ({meta['dtype']}) of {meta['n_documents']} documents to "
           f"{args.out}; train on it with train.data.kind = \"packed\" and train.data.path = {json.dumps(args.out)} "
           f"(model.vocab_size >= {meta['vocab_size']})")

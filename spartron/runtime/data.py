@@ -114,6 +114,10 @@ def _check_sidecar(path: Path, token_dtype: str, vocab_size: int, where: str) ->
     if isinstance(vocab, int) and vocab > vocab_size:
         raise ConfigError(f"{where}: {meta_file} says its tokenizer has {vocab} tokens, more than model.vocab_size "
                           f"{vocab_size}")
+    if meta.get("loss_mask"):  # a chat folder: the flat file would train on every prompt token
+        raise ConfigError(f"{where}: {meta_file} records a loss mask (chats: only the answers are targets), which "
+                          f"train.data.kind = 'mmap' would ignore: read the folder with train.data.kind = 'packed', "
+                          f"train.data.path = {str(path.parent)!r}")
 
 
 def check_token_ids(tokens: np.ndarray, token_dtype: str, vocab_size: int, where: str) -> np.ndarray:

@@ -37,6 +37,7 @@ from spartron.runtime.saved_config import (  # noqa: F401  (the run directory's 
 COMPLETE = "COMPLETE"
 META = "meta.json"
 METRICS = "metrics.jsonl"
+VAL_FRACTION = "train.data.val_fraction"  # which samples are held out: fixed for a run once it has trained
 LOCK = ".lock"  # held (flock) by rank 0 of the run training in the directory
 # 2: COMPLETE holds the file manifest; meta.json the run id and state config. 3: expert parameters under
 # global names (layout-free: loads under another EP / CP / FSDP size or world size). A format-2 state (keyed
@@ -222,6 +223,12 @@ def check_meta(path: Path, meta: dict, world: int, layout: str | None, config: d
         if changed:
             raise StateLoadError(f"{path} holds optimizer state for other settings: {', '.join(changed)}; "
                                  "resume with the saved values, or start a new run")
+        split, saved_split = config.get(VAL_FRACTION), meta["config"].get(VAL_FRACTION)
+        if config.get("train.data.kind") != "synthetic" and None not in (split, saved_split) and split != saved_split:
+            raise StateLoadError(f"{path} was trained with {VAL_FRACTION} = {saved_split:g}, this run has {split:g}: "
+                                 "that moves the boundary between training and held-out samples (the run would train "
+                                 "on samples it evaluated as held out, or evaluate samples it trained on); resume with "
+                                 f"{saved_split:g}, or start a new run")
 
 
 # ---- starting a run in a run directory ------------------------------------------------------------------

@@ -209,7 +209,8 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     assert np.fromfile(tmp_path / "out" / "documents.bin", dtype=np.int64).tolist() == [0, 4, 7]
     import hashlib
     assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
-    assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1, "chat_format": "spartron"}
+    assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1, "chat_format": "spartron",
+                              "skipped_files": []}
     with pytest.raises(ConfigError, match="exists and is not empty"):
         prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
 
@@ -389,6 +390,17 @@ def test_a_sidecar_beside_a_flat_token_file_is_checked(tmp_path, tok):
                "train.data.token_dtype=uint32")
     with pytest.raises(ConfigError, match="tokens.json says the tokens are uint16, but train.data.token_dtype"):
         build_train_loader(cfg, 0, 1)
+    # a chat folder's flat tokens: kind 'mmap' would train on every prompt token (its loss mask unread)
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "why the cat"},
+                                                        {"role": "assistant", "content": "a dog sat on a mat"}]}] * 4)
+    prepare_corpus(tmp_path / "chat.jsonl", tok, tmp_path / "chats", eos_token="<eos>")
+    flat = _cfg(tmp_path, "train.data.kind=mmap", f"train.data.path={tmp_path / 'chats' / 'tokens.bin'}")
+    with pytest.raises(ConfigError) as info:
+        build_train_loader(flat, 0, 1)
+    assert str(info.value).endswith(
+        f"{tmp_path / 'chats' / 'tokens.json'} records a loss mask (chats: only the answers are targets), which "
+        f"train.data.kind = 'mmap' would ignore: read the folder with train.data.kind = 'packed', "
+        f"train.data.path = {str(tmp_path / 'chats')!r}")
 
 
 def test_shuffle_is_a_permutation_per_epoch_and_resumes(tmp_path):

@@ -150,6 +150,20 @@ def test_a_corpus_folder_with_a_link_to_its_parent_is_read_once(tmp_path, tok, c
     assert json.loads((tmp_path / "out" / "tokens.json").read_text())["n_documents"] == 1
 
 
+def test_files_of_a_corpus_folder_that_are_not_corpus_files_are_named_in_one_note(tmp_path, tok, capfd):
+    """A folder of `.JSONL`, `.json`, `.txt.gz` files beside one `.jsonl` tokenized that one alone, silently."""
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "a.jsonl", [{"text": "the cat"}])
+    for name in ("B.JSONL", "c.json", "d.txt.gz"):
+        (corpus / name).write_text('{"text": "a dog"}\n')
+    code, err = _data(capfd, corpus, tok, tmp_path / "out")
+    assert code == 0, err
+    assert err.splitlines()[0] == (f"spartron: note: 3 file(s) of {corpus} are not corpus files and were not read "
+                                   "(B.JSONL, c.json, d.txt.gz): spartron data reads .jsonl, .jsonl.gz, .parquet, .txt")
+    meta = json.loads((tmp_path / "out" / "tokens.json").read_text())
+    assert meta["corpus"]["skipped_files"] == ["B.JSONL", "c.json", "d.txt.gz"] and meta["n_documents"] == 1
+
+
 def _tokenizer_with(tok: Path, tmp_path: Path, name: str, pre_tokenizer: dict) -> Path:
     data = json.loads(tok.read_text())
     data["pre_tokenizer"] = pre_tokenizer

@@ -257,6 +257,27 @@ def test_resuming_with_other_optimizer_settings_is_an_error(tmp_path):
         "new run")
 
 
+def test_resuming_with_another_held_out_split_is_an_error(tmp_path):
+    """val_fraction decides which samples are training data: a resume under another one trained on samples the
+    run had evaluated as held out (and eval called them never trained on), with only a note."""
+    import numpy as np
+
+    data = tmp_path / "tokens.bin"
+    (np.arange(8192) % 61).astype(np.uint16).tofile(data)
+    run = tmp_path / "run"
+
+    def cfg(fraction, steps):
+        return cfg_for(run, save_every=2, steps=steps, data={"kind": "mmap", "path": str(data),
+                                                            "val_fraction": fraction})
+
+    assert run1(cfg(0.1, 2)) == [1, 2]
+    assert run1(cfg(0.5, 4)) == (
+        f"StateLoadError: {step_dir(run, 2)} was trained with train.data.val_fraction = 0.1, this run has 0.5: that "
+        "moves the boundary between training and held-out samples (the run would train on samples it evaluated as "
+        "held out, or evaluate samples it trained on); resume with 0.1, or start a new run")
+    assert run1(cfg(0.1, 4)) == [3, 4]
+
+
 def test_two_ranks_resume_a_one_rank_state_and_still_refuse_other_optimizer_settings(tmp_path):
     run = tmp_path / "run"
     run1(cfg_for(run, save_every=2, steps=2))
