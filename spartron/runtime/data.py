@@ -340,12 +340,37 @@ def build_train_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoade
     return build_loader(t.data, cfg.model.vocab_size, t.seq_len, t.seed, dp_rank, dp_size)
 
 
+def check_held_out_size(cfg: RunConfig, loader: TokenLoader) -> None:
+    """An evaluation reads train.eval_steps x global_batch_size held-out samples: a split holding fewer would be
+    read round again, some samples weighed more than others, so it is a ConfigError naming both keys."""
+    t = cfg.train
+    wanted, source = t.eval_steps * t.global_batch_size, loader.source
+    if isinstance(source, Blended):  # how many of each source's samples the first `wanted` blended ones read
+        need = [0] * len(source.sources)
+        for g in range(wanted):
+            i, k = source.schedule.locate(g)
+            need[i] = max(need[i], k + 1)
+        short = [(n, s.n_samples) for n, s in zip(need, source.sources, strict=True) if n > s.n_samples]
+    else:
+        short = [(wanted, source.n_samples)] if wanted > getattr(source, "n_samples", wanted) else []
+    if short:
+        need, held = short[0]
+        which = f" ({need} of one blended source's)" if isinstance(source, Blended) else ""
+        raise ConfigError(f"an evaluation reads train.eval_steps = {t.eval_steps} x train.global_batch_size = "
+                          f"{t.global_batch_size} held-out samples{which}, but the held-out split holds {held}: some "
+                          "would be read twice and weigh double; lower train.eval_steps or raise "
+                          "train.data.val_fraction")
+
+
 def check_data(cfg: RunConfig) -> None:
     """What the launcher checks before spawning ranks: the training split opens (files, sizes, metadata,
-    vocabulary) and, when the run evaluates or holds documents out, the held-out split too."""
+    vocabulary) and, when the run evaluates or holds documents out, the held-out split too (large enough for
+    an evaluation when the run evaluates)."""
     build_train_loader(cfg, 0, 1)
     if cfg.train.data.kind != "synthetic" and (cfg.train.data.val_fraction > 0 or cfg.train.eval_every):
-        build_eval_loader(cfg, 0, 1)
+        held_out = build_eval_loader(cfg, 0, 1)
+        if cfg.train.eval_every:
+            check_held_out_size(cfg, held_out)
 
 
 def build_eval_loader(cfg: RunConfig, dp_rank: int, dp_size: int) -> TokenLoader:

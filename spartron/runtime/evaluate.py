@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig, config_from_dict
-from spartron.runtime.data import build_eval_loader, device_batches
+from spartron.runtime.data import build_eval_loader, check_held_out_size, device_batches
 from spartron.runtime.loss_norm import step_loss_norm
 from spartron.runtime.saved_config import recorded_changes, state_config
 
@@ -143,6 +143,7 @@ class Evaluator:
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.n_batches = cfg.train.eval_steps * n_micro  # micro-batches per rank per evaluation
         self.loader = build_eval_loader(cfg, dp_rank, dp_size)  # here: a split that is empty fails at setup
+        check_held_out_size(cfg, self.loader)  # ... and one an evaluation would read round again
         self.group, self.device = group, device
 
     def run(self, model: nn.Module) -> dict[str, Any]:

@@ -137,6 +137,20 @@ def test_a_token_file_without_a_heldout_part_is_refused_at_setup(tmp_path):
         Evaluator(cfg, 0, 1, 2, None, torch.device("cpu"))
 
 
+def test_a_held_out_split_an_evaluation_would_read_round_again_is_refused(tmp_path):
+    """12 held-out samples read 80 times weighed 8 of them 7x and 4 of them 6x, and val_tokens said 2,560."""
+    path = tmp_path / "tokens.bin"
+    (np.arange(16 * 20 + 1) % 512).astype(np.uint16).tofile(path)  # 20 samples of 16 (+1), the last 4 held out
+    data = ["train.data.kind='mmap'", f"train.data.path={json.dumps(str(path))}", "train.data.val_fraction=0.2"]
+    Evaluator(small_cfg(tmp_path / "r", "train.eval_steps=2", *data), 0, 1, 2, None, torch.device("cpu"))  # 4 of 4
+    with pytest.raises(ConfigError) as info:
+        Evaluator(small_cfg(tmp_path / "r", "train.eval_steps=3", *data), 0, 1, 2, None, torch.device("cpu"))
+    assert str(info.value) == (
+        "an evaluation reads train.eval_steps = 3 x train.global_batch_size = 2 held-out samples, but the held-out "
+        "split holds 4: some would be read twice and weigh double; lower train.eval_steps or raise "
+        "train.data.val_fraction")
+
+
 def _cli(rank, world, argv):
     """`spartron ...` in a rank of the test harness (its process group already up); (status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
