@@ -147,7 +147,8 @@ class Evaluator:
         self.group, self.device = group, device
 
     def run(self, model: nn.Module) -> dict[str, Any]:
-        """{"val_loss", "val_ppl", "val_tokens", "eval_time_s"}: the same values on every rank."""
+        """{"val_loss", "val_ppl", "val_tokens" (the LM targets evaluated), "eval_time_s"}: the same values on every
+        rank."""
         t = self.cfg.train
         loader = self.loader
         loader.position = 0  # the same held-out samples every time
@@ -177,7 +178,8 @@ class Evaluator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
-                "val_tokens": t.eval_steps * t.global_batch_size * t.seq_len,
+                # the targets evaluated (a chat's prompt, a document's first token are none)
+                "val_tokens": t.eval_steps * t.global_batch_size * t.seq_len if norm is None else int(norm.targets[0]),
                 "eval_time_s": time.perf_counter() - start}
 
 

@@ -58,7 +58,7 @@ def _steps_then_manual_eval(rank, world, cfg):
             means.append(mean)
         model.train()
     trainer.close()
-    return records, again, total / targets, sum(means) / len(means)
+    return records, again, total / targets, sum(means) / len(means), targets
 
 
 def _packed_text(tmp_path) -> list[str]:
@@ -84,7 +84,8 @@ def test_val_loss_is_the_heldout_mean_lm_loss(tmp_path, data):
     extra = _packed_text(tmp_path) if data != "synthetic" else []
     cfg = small_cfg(tmp_path / "r", "train.steps=2", "train.eval_every=2", "train.eval_steps=2", *extra)
     assert cfg.train.data.documents == (data != "synthetic")
-    records, again, manual, mean_of_means = run_distributed(_steps_then_manual_eval, 1, cfg, timeout=120)[0]
+    records, again, manual, mean_of_means, targets = run_distributed(_steps_then_manual_eval, 1, cfg,
+                                                                     timeout=120)[0]
     assert "val_loss" not in records[0]
     last = records[-1]
     # the held-out token mean (float32 shares of it, summed: 1e-7 from the float64 sum of batch means x counts)
@@ -92,7 +93,8 @@ def test_val_loss_is_the_heldout_mean_lm_loss(tmp_path, data):
     if data != "synthetic":  # documents end inside batches: their target counts differ, and so do the two means
         assert abs(mean_of_means - manual) > 1e-4, (mean_of_means, manual)
     assert last["val_ppl"] == math.exp(last["val_loss"])
-    assert last["val_tokens"] == 2 * 2 * 16  # eval_steps x global_batch_size x seq_len
+    assert last["val_tokens"] == targets  # the LM targets evaluated: every token of synthetic rows
+    assert (targets == 2 * 2 * 16) == (data == "synthetic")  # eval_steps x global_batch_size x seq_len
 
 
 def test_evaluation_changes_nothing_training_sees_and_is_layout_free(tmp_path):
