@@ -102,6 +102,12 @@ def packed_cases() -> list[Case]:
     add("val-split-too-short", _token_folder("tok", n=100), extra=("train.data.val_fraction=0.5",),
         names=("train.seq_len",))
     add("is-a-file", write(Path("tok"), b"x"))
+    # outside audit (data): an evaluation reading its held-out split round again; a chat folder read flat
+    add("eval-split-too-small", _token_folder("tok", n=2000), names=("train.eval_steps",),
+        extra=("train.data.val_fraction=0.5", "train.eval_every=1", "train.eval_steps=50"))
+    flat = train("train.data.kind=mmap", f"train.data.path={tstr('tok/tokens.bin')}")
+    out.append(Case("data-mmap-chat-folder", "data", flat, ("loss mask", "train.data.kind = 'packed'"), timeout=90.0,
+                    setup=_token_folder("tok", edit=lambda m: m.update(loss_mask="loss_mask.bin"))))
     add("dtype-set", _token_folder("tok"), extra=("train.data.token_dtype=uint32",), names=("train.data.token_dtype",))
 
     def data(cid, argv, names, setup=_tokenizer):

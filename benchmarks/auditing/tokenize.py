@@ -71,6 +71,10 @@ def cases() -> list[Case]:
                         timeout=kw.pop("timeout", 60.0), **kw))
 
     add("plain", corpus_and_tokenizer, (), accept_ok=True, harm=_written, quick=True)
+    # outside audit: files of other suffixes in a corpus folder were skipped without a word
+    for name in ("B.JSONL", "c.json", "d.jsonl.zst"):
+        add(f"skipped-{name.lower().replace('.', '-')}", _corpus(name, _records({"text": "the cat"})), (),
+            accept_ok=True, harm=_written, expect_out="not corpus files")
     # text that is not text
     add("lone-surrogate", _corpus("b.jsonl", b'{"text": "a \\ud800 b"}\n'), ["b.jsonl:1", "surrogate"], "corrupt")
     add("lone-surrogate-chat", _corpus("b.jsonl", b'{"messages": [{"role": "user", "content": "\\udfff"}]}\n'),
