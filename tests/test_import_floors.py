@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("interop",),
     ("runtime",),
     ("launch",),
+    ("__main__",),  # `python -m spartron`: the CLI
     ("testing",),  # the test harness sits above all
 ]
 FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}

@@ -111,6 +111,14 @@ def test_version(capsys):
     assert info.value.code == 0 and capsys.readouterr().out == f"spartron {__version__}\n"
 
 
+def test_python_dash_m_spartron_is_the_command():
+    from spartron import __version__
+
+    done = subprocess.run([sys.executable, "-m", "spartron", "--version"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"spartron {__version__}\n", "")
+
+
 def test_ctrl_c_of_a_single_rank_run_is_one_line_and_keeps_the_saved_steps(tmp_path):
     """SIGINT (the user's Ctrl-C) stops a one-rank run with one line and status 130, no traceback; the steps
     it completed stay and a resume continues from the newest (the child restores SIGINT's default, as at a
