@@ -235,17 +235,6 @@ class Batch:
         return {} if self.positions is None else {"positions": self.positions.to(device, non_blocking=True)}
 
 
-def device_batches(loader, n: int, micro_batch_size: int, device: torch.device  # noqa: ANN001 - any loader
-                   ) -> list[tuple[Tensor, Tensor, dict[str, Tensor]]]:
-    """The loader's next `n` micro-batches on `device`: (tokens, labels, the model's keyword arguments)."""
-    out = []
-    for _ in range(n):
-        batch = loader.next(micro_batch_size)  # packed documents add their positions
-        out.append((batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
-                    batch.model_kwargs(device)))
-    return out
-
-
 class TokenLoader:
     """Batches for one data-parallel rank, resumable by position."""
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig, config_from_dict
-from spartron.runtime.data import build_eval_loader, check_held_out_size, device_batches
+from spartron.runtime.data import build_eval_loader, check_held_out_size
 from spartron.runtime.loss_norm import step_loss_norm
 from spartron.runtime.saved_config import recorded_changes, state_config
 
@@ -160,10 +160,11 @@ class Evaluator:
         try:
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
                 model.eval()
-                batches = device_batches(loader, self.n_batches, t.micro_batch_size, self.device)
-                norm = step_loss_norm(model, batches, self.group)  # the exact token mean over all of them
-                for tokens, labels, kwargs in batches:
-                    out = model(tokens, labels, **kwargs, **({} if norm is None else {"loss_norm": norm}))
+                batches = [loader.next(t.micro_batch_size) for _ in range(self.n_batches)]  # on the host
+                norm = step_loss_norm(model, batches, self.group, self.device)  # the token mean over all of them
+                for batch in batches:
+                    out = model(batch.tokens.to(self.device), batch.labels.to(self.device),
+                                **batch.model_kwargs(self.device), **({} if norm is None else {"loss_norm": norm}))
                     total += out["lm_loss"].detach().double()
         finally:
             model.train(was_training)

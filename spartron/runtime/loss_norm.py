@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from spartron.layers.loss import LossNorm
 from spartron.layers.outputs import ModelOutput
+from spartron.runtime.data import Batch
 
 
 @runtime_checkable
@@ -30,14 +31,14 @@ class TokenNormModel(Protocol):
         targets fall into micro-batches and ranks. Without this protocol every micro-batch weighs 1/n."""
 
 
-def step_loss_norm(model: nn.Module, batches: list[tuple[Tensor, Tensor, dict]], group: dist.ProcessGroup
+def step_loss_norm(model: nn.Module, batches: list[Batch], group: dist.ProcessGroup, device: torch.device
                    ) -> LossNorm | None:
-    """The LossNorm of a step's (or an evaluation's) micro-batches [(tokens, labels, model kwargs)] on this
-    rank: their label counts summed, then all-reduced over `group` (one collective); None for a model
-    without `target_counts`."""
+    """The LossNorm of a step's (or an evaluation's) micro-batches on this rank: their label counts, taken on
+    the host and summed, then all-reduced over `group` on `device` (one collective); None for a model without
+    `target_counts`."""
     if not isinstance(model, TokenNormModel):
         return None
-    counts = sum(model.target_counts(labels, **kwargs) for _, labels, kwargs in batches)
+    counts = sum(model.target_counts(b.labels, **b.model_kwargs(b.labels.device)) for b in batches).to(device)
     dist.all_reduce(counts, group=group)
     return LossNorm(counts, len(batches))
 

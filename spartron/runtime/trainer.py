@@ -37,7 +37,7 @@ from spartron.layers.fp8 import invalidate_weight_caches
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime import metrics as M
 from spartron.runtime.config import ConfigError, RunConfig, dump_config
-from spartron.runtime.data import build_train_loader, device_batches
+from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
 from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLossError, TrainingError, check_loss_limits
@@ -370,17 +370,19 @@ class Trainer:
         stats, measured = StepStats(), {}
         n_micro = self.n_micro
         fetch = time.perf_counter()
-        batches = device_batches(self.loader, n_micro, t.micro_batch_size, device)  # the step's, counted first
+        batches = [self.loader.next(t.micro_batch_size) for _ in range(n_micro)]  # the step's, counted first
         data_s = time.perf_counter() - fetch
-        norm = step_loss_norm(model, batches, self.groups.dp_cp)
+        norm = step_loss_norm(model, batches, self.groups.dp_cp, device)
         with self._open_offload_session(probe):
             phase("forward")
-            for micro, (tokens, labels, kwargs) in enumerate(batches):
+            for micro, batch in enumerate(batches):
                 if isinstance(model, FSDPModule):  # FSDP2: reduce on the last micro-batch or on each (train.grad_sync)
                     model.set_requires_gradient_sync(micro == n_micro - 1 or t.grad_sync == "every_micro_batch")
                 with (self.indexer_probe.measuring(step, measured) if self.indexer_probe and micro == 0
                       else contextlib.nullcontext()):
-                    out = model(tokens, labels, **kwargs, **({} if norm is None else {"loss_norm": norm}))
+                    out = model(batch.tokens.to(device, non_blocking=True),
+                                batch.labels.to(device, non_blocking=True), **batch.model_kwargs(device),
+                                **({} if norm is None else {"loss_norm": norm}))
                     phase("backward")
                     (out["loss"] if norm is not None else out["loss"] / n_micro).backward()
                 stats.add(out)
