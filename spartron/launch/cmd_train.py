@@ -57,6 +57,7 @@ def run_ranks(args: argparse.Namespace, entry: str) -> int:
     cfg = load(args)
     run_dir = cfg.run_dir(Path.cwd())
     os.environ.update(launch_env(cfg.observe, run_dir))  # read by torch when the process group starts
+    os.environ.update(cfg.launch.env)  # the ranks' environment, as the Slurm job script exports it
     environ = process_environ()
     check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:

@@ -236,6 +236,13 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
     if not base_ids:
         return [*checks, Check("steps", False, "the baseline has no step records")]
     checks.append(Check("steps", True, f"{len(base_ids)} steps in both"))
+    run_lr, base_lr = _series(run_steps, "lr"), _series(base_steps, "lr")
+    if run_lr and base_lr:  # the schedule (train.lr, warmup, steps): another one is another run, not a regression
+        other = [s for s in base_lr if s in run_lr and not math.isclose(run_lr[s], base_lr[s], rel_tol=1e-9)]
+        checks.append(Check("learning rate (the same schedule)", not other,
+                            f"step {other[0]}: run {run_lr[other[0]]:.6g} vs baseline {base_lr[other[0]]:.6g} (another "
+                            "train.lr, warmup or train.steps: compare runs of one config)" if other else
+                            "the same lr at every step"))
 
     run_loss, base_loss = _series(run_steps, "loss"), _series(base_steps, "loss")
     first = base_ids[0]
@@ -272,7 +279,7 @@ def compare(run_steps: list[dict], base_steps: list[dict], tolerances: Tolerance
     base_mem = max(_series(base_steps, "peak_memory_allocated_bytes").values(), default=None)
     if run_mem is not None and base_mem is not None:
         diff = run_mem - base_mem
-        checks.append(Check("peak memory (absolute)", abs(diff) <= t.memory_abs_bytes,
+        checks.append(Check("peak memory (absolute)", diff <= t.memory_abs_bytes,  # an increase: less passes
                             f"run {run_mem / GB:.3f} GB vs baseline {base_mem / GB:.3f} GB "
                             f"(diff {diff / GB:+.3f} GB, tolerance {t.memory_abs_bytes / GB:g} GB)"))
 
@@ -297,7 +304,8 @@ def compare_runs(run_jsonl: str | Path, baseline_jsonl: str | Path, tolerances: 
     base_headers, base_steps = load_run(baseline_jsonl)
     noise = tps_noise = 0.0
     for other in noise_floor_from or []:
-        other_steps = load_run(other)[1]
+        other_headers, other_steps = load_run(other)
+        check_noise_floor_run(other, other_headers, baseline_jsonl, base_headers, run_jsonl, run_headers)
         bad = nonfinite(other_steps)
         if bad:  # a NaN floor would widen nothing (max ignores it) and hide that the baseline config diverges
             raise MetricsFileError(f"{other}: the noise-floor run records non-finite metrics: {', '.join(bad[:3])}")
@@ -309,6 +317,41 @@ def compare_runs(run_jsonl: str | Path, baseline_jsonl: str | Path, tolerances: 
     report.checks = compare(run_steps, base_steps, tolerances, noise, deterministic, tps_noise)
     report.noise_floor, report.throughput_floor = noise, tps_noise
     return report
+
+
+def check_noise_floor_run(path: str | Path, headers: list[dict], baseline: str | Path, base_headers: list[dict],
+                          run: str | Path, run_headers: list[dict]) -> None:
+    """A noise-floor run is a second run of the baseline's config (its model, data, schedule and batch; another
+    seed, name or run directory): the candidate itself, or a run of another config, would widen the
+    tolerances to whatever that difference is. MetricsFileError naming what differs."""
+    def run_id(h: list[dict]) -> str | None:
+        return h[0].get("run_id") if h else None
+
+    if run_id(headers) is not None and run_id(headers) == run_id(run_headers):
+        raise MetricsFileError(f"{path}: the noise-floor run is the run under comparison ({run}): it would set the "
+                               "tolerances to the regression itself; give a second run of the baseline's config")
+    mine, theirs = (h[0].get("config") if h else None for h in (headers, base_headers))
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return  # older files without their config: nothing to compare
+    # what a second run may set otherwise: where it runs and writes, its seed, how it reports
+    free = {"name", "run_dir", "seed", "resume", "overwrite", "progress", "launch", "observe"}
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if k in free:
+                continue
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(mine), flat(theirs)
+    differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if differ:
+        raise MetricsFileError(f"{path}: the noise-floor run is not a run of the baseline's config ({baseline}): "
+                               f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} differ")
 
 
 def run_label(path: str | Path, headers: list[dict]) -> str:

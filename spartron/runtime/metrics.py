@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -280,7 +281,7 @@ def print_summary(records: list[dict], first_loss: float | None = None, total_s:
         values = [r[key] for r in records if r.get(key) is not None]
         if not values:
             continue
-        median = sorted(values)[len(values) // 2]
+        median = statistics.median(values)  # the mean of the middle two for an even count
         table.add_row(label, *(show(v) for v in (values[0], values[-1], median)))
     Console(stderr=True).print(table)
     if total_s is not None:
@@ -300,7 +301,8 @@ class MetricsWriteError(OSError):
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(headers, steps) of a metrics.jsonl; steps sorted, the last record of each step kept.
+    """(headers, steps) of a metrics.jsonl; steps sorted, the last record of each step kept, and none past a
+    resume's step from before that resume (an attempt that went on after its last save, then stopped).
 
     A file holds one run: its first header and the headers of resumes (`resumed_from_step` set, the same
     `run_id`). The trainer never appends a new run to an earlier run's file (spartron.runtime.state
@@ -322,6 +324,9 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
             raise MetricsFileError(f"{path}:{number}: not a JSON object")
         if record.get("type") == "header":
             headers.append(record)
+            resumed = record.get("resumed_from_step")
+            if isinstance(resumed, int) and not isinstance(resumed, bool):  # steps past it were never committed:
+                by_step = {s: r for s, r in by_step.items() if s <= resumed}  # an abandoned attempt's, not this run's
         elif record.get("type") == "step":
             if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
                 raise MetricsFileError(f"{path}:{number}: a step record needs an integer 'step'")

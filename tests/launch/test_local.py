@@ -407,3 +407,15 @@ def test_temporary_rank_logs_are_removed_or_kept_and_named(tmp_path, capfd, monk
     (kept,) = tmp_path.glob("t-*")
     assert (kept / "rank1.log").is_file()
     assert capfd.readouterr().err.endswith(f"spartron: the ranks' logs are kept in {kept}\n")
+
+
+def test_launch_env_reaches_every_local_rank(tmp_path):
+    """launch.env was exported by the Slurm job script only: local ranks ran without it, and smoke recorded
+    null for each variable while it said the ranks were fine."""
+    env = 'launch.env={SPARTRON_TEST_VAR = "from-launch-env"}'
+    done = subprocess.run([sys.executable, "-m", "spartron", "smoke", TINY, "--set", "launch.nproc=2", "--set", env,
+                           "--set", f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=240)
+    assert done.returncode == 0, done.stderr
+    ranks = json.loads((tmp_path / "run" / "smoke.json").read_text())["ranks"]
+    assert [r["env"] for r in ranks] == [{"SPARTRON_TEST_VAR": "from-launch-env"}] * 2

@@ -151,3 +151,57 @@ def test_validation_loss_is_compared_where_the_baseline_evaluated(tmp_path):
                                                                "run 2.002 vs baseline 2")
     other = compare_runs(with_val(tmp_path / "o", 2.0, steps=(4,)), base).check("validation loss (relative)")
     assert not other.passed and other.detail == "evaluated at steps [4] in the run, [2, 4] in the baseline"
+
+
+# ---- outside audit (ops): what made regress compare PASS runs it should not ----------------------------------
+def _lines(path, *records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_steps_an_abandoned_attempt_wrote_past_the_resume_step_are_not_the_runs(tmp_path):
+    """An attempt ran to step 5 after its last save (step 3), stopped; the resume from 3 ended at 4: step 5 is
+    the abandoned attempt's (other lr), not this run's, and a 5-step baseline must not PASS against it."""
+    from spartron.runtime.metrics import read_metrics
+
+    step = lambda s, lr: {"type": "step", "step": s, "loss": 5.0 - 0.1 * s, "lr": lr}  # noqa: E731
+    path = _lines(tmp_path / "m.jsonl", {"type": "header", "run_id": "a"}, *(step(s, 1e-3) for s in range(1, 6)),
+                  {"type": "header", "run_id": "a", "resumed_from_step": 3}, step(4, 1e-4))
+    _, steps = read_metrics(path)
+    assert [(r["step"], r["lr"]) for r in steps] == [(1, 1e-3), (2, 1e-3), (3, 1e-3), (4, 1e-4)]
+
+
+def test_another_learning_rate_schedule_fails(tmp_path):
+    """A run stopped (SIGTERM) at step 3 of 50 against a finished 3-step run: another schedule, not the baseline."""
+    def run(path, lr3):
+        return _lines(path, {"type": "header"}, *({"type": "step", "step": s, "loss": 5.0, "lr": lr}
+                                                  for s, lr in ((1, 1e-3), (2, 1e-3), (3, lr3))))
+    report = compare_runs(run(tmp_path / "r.jsonl", 9.99e-4), run(tmp_path / "b.jsonl", 1e-4))
+    failed = {c.name: c.detail for c in report.checks if not c.passed}
+    assert list(failed) == ["learning rate (the same schedule)"]
+    assert failed["learning rate (the same schedule)"].startswith("step 3: run 0.000999 vs baseline 0.0001")
+    assert compare_runs(run(tmp_path / "r2.jsonl", 1e-4), run(tmp_path / "b2.jsonl", 1e-4)).passed
+
+
+def test_less_peak_memory_passes(tmp_path):
+    """--memory-abs-gb is the allowed increase: a run 0.3 GB leaner is no regression."""
+    report = compare_runs(write_run(tmp_path / "r.jsonl", mem_shift=-0.3e9), write_run(tmp_path / "b.jsonl"))
+    assert report.passed, report.text()
+
+
+def test_a_noise_floor_run_must_be_another_run_of_the_baselines_config(tmp_path):
+    from spartron.runtime.metrics import MetricsFileError
+
+    def run(path, run_id, lr=1e-3, seed=0, gn=0.0):
+        cfg = {"name": path.stem, "train": {"lr": lr, "seed": seed, "run_dir": str(path)}}
+        return _lines(path, {"type": "header", "run_id": run_id, "config": cfg},
+                      *({"type": "step", "step": s, "loss": 5.0, "grad_norm": 1.0 + gn, "tokens_per_s": 1e3}
+                        for s in (1, 2)))
+
+    base, candidate = run(tmp_path / "b.jsonl", "b"), run(tmp_path / "r.jsonl", "r", gn=3.0)
+    with pytest.raises(MetricsFileError, match="the noise-floor run is the run under comparison"):
+        compare_runs(candidate, base, noise_floor_from=[candidate])
+    with pytest.raises(MetricsFileError, match=r"not a run of the baseline's config .*: train.lr differ"):
+        compare_runs(candidate, base, noise_floor_from=[run(tmp_path / "o.jsonl", "o", lr=1e-2, gn=3.0)])
+    second = run(tmp_path / "b2.jsonl", "b2", seed=1, gn=0.3)  # another seed, name and directory: allowed
+    assert compare_runs(run(tmp_path / "r2.jsonl", "r2", gn=0.25), base, noise_floor_from=[second]).passed
