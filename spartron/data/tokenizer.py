@@ -191,7 +191,7 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: st
     except Exception as err:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad file
         raise ConfigError(f"tokenizer {str(file)!r} is not a tokenizers JSON file: {err}") from None
     config_eos, config_bos, add_bos = _special_tokens(file.parent)
-    if add_bos is None:  # unsaid: the tokenizer's own post-processor decides, as tokenizer(text) does
+    if add_bos is None and bos_token is None:  # unsaid: the tokenizer's post-processor decides, as tokenizer(text)
         config_bos = _post_processor_bos(backend)
     eos, bos = eos_token or config_eos, bos_token or (config_bos if add_bos is not False else None)
     if eos is None:

@@ -161,10 +161,11 @@ class Evaluator:
             with torch.random.fork_rng(devices=cuda), torch.no_grad():
                 model.eval()
                 batches = [loader.next(t.micro_batch_size) for _ in range(self.n_batches)]  # on the host
-                norm = step_loss_norm(model, batches, self.group, self.device)  # the token mean over all of them
+                loss_norm = step_loss_norm(model, batches, self.group, self.device)  # the token mean over them all
                 for batch in batches:
                     out = model(batch.tokens.to(self.device), batch.labels.to(self.device),
-                                **batch.model_kwargs(self.device), **({} if norm is None else {"loss_norm": norm}))
+                                **batch.model_kwargs(self.device),
+                                **({} if loss_norm is None else {"loss_norm": loss_norm}))
                     total += out["lm_loss"].detach().double()
         finally:
             model.train(was_training)
@@ -172,7 +173,7 @@ class Evaluator:
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
-        if norm is None:  # a model without target_counts: each micro-batch's mean weighs the same
+        if loss_norm is None:  # a model without target_counts: each micro-batch's mean weighs the same
             total /= self.n_batches
         dist.all_reduce(total, group=self.group)  # gloo has no AVG: sum, then divide
         loss = float(total) / dist.get_world_size(self.group)
@@ -180,7 +181,8 @@ class Evaluator:
             torch.cuda.synchronize(self.device)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
                 # the targets evaluated (a chat's prompt, a document's first token are none)
-                "val_tokens": t.eval_steps * t.global_batch_size * t.seq_len if norm is None else int(norm.targets[0]),
+                "val_tokens": (t.eval_steps * t.global_batch_size * t.seq_len if loss_norm is None
+                               else int(loss_norm.targets[0])),
                 "eval_time_s": time.perf_counter() - start}
 
 

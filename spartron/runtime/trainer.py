@@ -372,7 +372,7 @@ class Trainer:
         fetch = time.perf_counter()
         batches = [self.loader.next(t.micro_batch_size) for _ in range(n_micro)]  # the step's, counted first
         data_s = time.perf_counter() - fetch
-        norm = step_loss_norm(model, batches, self.groups.dp_cp, device)
+        loss_norm = step_loss_norm(model, batches, self.groups.dp_cp, device)
         with self._open_offload_session(probe):
             phase("forward")
             for micro, batch in enumerate(batches):
@@ -382,13 +382,13 @@ class Trainer:
                       else contextlib.nullcontext()):
                     out = model(batch.tokens.to(device, non_blocking=True),
                                 batch.labels.to(device, non_blocking=True), **batch.model_kwargs(device),
-                                **({} if norm is None else {"loss_norm": norm}))
+                                **({} if loss_norm is None else {"loss_norm": loss_norm}))
                     phase("backward")
-                    (out["loss"] if norm is not None else out["loss"] / n_micro).backward()
+                    (out["loss"] if loss_norm is not None else out["loss"] / n_micro).backward()
                 stats.add(out)
             phase("optimizer")
         (loss, lm_loss, aux_loss, indexer_loss, *mtp), counts = stats.reduce(n_micro, self.groups.dp_cp,
-                                                                             shares=norm is not None)
+                                                                             shares=loss_norm is not None)
         grad_norm = global_grad_norm(self.params, self.ep_extra)
         norm = float(grad_norm)
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
