@@ -152,6 +152,43 @@ def test_export_loads_in_transformers_with_equal_logits_and_round_trips_bitwise(
     _assert_bitwise(_tensors(out), _tensors(hf_dir))
 
 
+def test_checkpoint_without_shared_experts_imports_exports_and_reimports(tmp_path):
+    """n_shared_experts = 0 (audit hf F4, refused before): transformers builds a shared MLP of width 0 and
+    save_pretrained writes its three zero-element weights per MoE layer. Spartron builds no shared experts,
+    gives transformers' logits, exports the empty weights back (transformers finds every tensor it expects),
+    and the export re-imports to the same model; a checkpoint without the empty weights imports too."""
+    hf_dir = tmp_path / "hf"
+    hf_model = _save_hf(hf_dir, DeepseekV3ForCausalLM, DeepseekV3Config(**{**BASE, "n_shared_experts": 0}), seed=5)
+    saved = _tensors(hf_dir)
+    assert {n: tuple(t.shape) for n, t in saved.items() if ".shared_experts." in n} == {
+        f"model.layers.{i}.mlp.shared_experts.{p}.weight": shape for i in (1, 2)
+        for p, shape in (("gate_proj", (0, 32)), ("up_proj", (0, 32)), ("down_proj", (32, 0)))}
+    cfg, model = _spartron(hf_dir)
+    assert (cfg.moe.n_shared_experts, [layer.ffn.shared_experts for layer in model.layers.values()
+                                       if layer.is_moe]) == (0, [None, None])
+    assert tensor_map(cfg).shapes == {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    tokens = _tokens()
+    ref = _hf_logits(hf_model, tokens)
+    assert (_logits(model, tokens) - ref).abs().max().item() <= ATOL
+    assert ref.abs().max() > 0.1
+
+    out = export_hf(model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["n_shared_experts"] == 0
+    reloaded, info = DeepseekV3ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    assert (_hf_logits(reloaded.eval(), tokens) - ref).abs().max().item() <= ATOL
+    _assert_bitwise(_tensors(out), saved)
+    _, again = _spartron(out)
+    _assert_bitwise(again.state_dict(), model.state_dict())
+
+    stripped = tmp_path / "stripped"  # a writer that drops tensors of no values
+    shutil.copytree(hf_dir, stripped)
+    save_file({n: t for n, t in saved.items() if ".shared_experts." not in n}, str(stripped / "model.safetensors"),
+              metadata={"format": "pt"})
+    _, third = _spartron(stripped)
+    _assert_bitwise(third.state_dict(), model.state_dict())
+
+
 def test_bfloat16_checkpoint_round_trips_bitwise_with_its_fp32_correction_bias(tmp_path):
     """DeepSeek's published layout: bf16 weights, fp32 `e_score_correction_bias` (Spartron's fp32 buffer)."""
     torch.manual_seed(3)

@@ -139,7 +139,8 @@ def _targets(model: nn.Module, tmap: TensorMap) -> dict[str, _Target]:
 def _check_names(hf_dir: Path, names: set[str], tmap: TensorMap, optional: dict[str, str]) -> None:
     expected = {p.hf for p in tmap.pieces}
     missing = sorted(expected - names)
-    extra = sorted(n for n in names - expected - set(tmap.copies) - set(optional) if not ignored_tensor(n))
+    known = expected | set(tmap.copies) | set(tmap.empty) | set(optional)  # empty ones may be absent: no values
+    extra = sorted(n for n in names - known if not ignored_tensor(n))
     if missing or extra:
         parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + \
                 ([f"unexpected {len(extra)}: {', '.join(extra[:4])}"] if extra else [])
@@ -392,10 +393,12 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
     by_hf = tmap.by_hf()
     hf_shapes = tmap.hf_shapes()
     order = sorted(hf_shapes, key=_hf_order)
-    producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else [tmap.copies[name]] for name in order}
-    fp8 = {name for name in order if fp8_weights and fp8_storage.stored_in_fp8(name, hf_shapes[name])}
-    sizes = {name: fp8_storage.stored_bytes(hf_shapes[name], source.dtype(producers[name][0]), name in fp8)
-             for name in order}
+    producers = {name: [p.spartron for p in by_hf[name]] if name in by_hf else
+                 [tmap.copies[name]] if name in tmap.copies else [] for name in order}  # []: an empty tensor
+    dtypes = {name: source.dtype(producers[name][0] if producers[name] else tmap.empty[name][0]) for name in order}
+    fp8 = {name for name in order
+           if fp8_weights and producers[name] and fp8_storage.stored_in_fp8(name, hf_shapes[name])}
+    sizes = {name: fp8_storage.stored_bytes(hf_shapes[name], dtypes[name], name in fp8) for name in order}
     shards = _plan_shards(order, sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     # Under torch.distributed (FSDP2 DTensors) every rank gathers each tensor and rank 0 writes; rank 0's
@@ -432,8 +435,9 @@ def export_hf(source: nn.Module | TensorSource, out_dir: str | Path,
             try:
                 shard = {}
                 for n in names:
-                    shard[n] = _hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else \
-                        tensors[tmap.copies[n]].clone()
+                    shard[n] = (_hf_tensor(n, hf_shapes[n], by_hf[n], tensors) if n in by_hf else
+                                tensors[tmap.copies[n]].clone() if n in tmap.copies else
+                                torch.empty(hf_shapes[n], dtype=dtypes[n]))
                     _finite(n, producers[n], shard[n])
                     if n in fp8:  # E4M3 values and their scales
                         shard[n], shard[n + SCALE_SUFFIX] = fp8_storage.quantize(shard[n])

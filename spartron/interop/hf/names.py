@@ -14,6 +14,10 @@ list, so a name can never map one way and not the other. What is not one to one:
   halves swap. The layer's `embed_tokens` and `shared_head.head` are copies of the model's own
   (`copies`): Spartron shares them, writes them back on export and checks them on import;
 - the router's `e_score_correction_bias` is Spartron's `router.expert_bias` buffer (fp32);
+- with `n_shared_experts = 0` transformers (and DeepSeek's own modelling code) still builds the shared-expert
+  MLP, of width 0, and saves its three weights with zero elements; Spartron has no such module. They are
+  `empty`: accepted on import when present (shape checked), written on export so transformers finds every
+  tensor it expects;
 - DeepSeek-V3.2's indexer (`self_attn.indexer.wq_b / wk / k_norm / weights_proj`, transformers'
   DeepseekV32ForCausalLM names, which are the published DeepSeek-V3.2 names) maps name for name.
 """
@@ -44,6 +48,9 @@ class TensorMap:
     pieces: tuple[Piece, ...]
     shapes: dict[str, tuple[int, ...]]  # every Spartron tensor (params and the expert-bias buffers)
     copies: dict[str, str]  # HF name -> the Spartron tensor it duplicates (MTP embed / head)
+    # HF name -> (the Spartron tensor whose dtype it is exported in, its zero-element shape): tensors of no
+    # values that only the HF side has (zero shared experts: module docstring)
+    empty: dict[str, tuple[str, tuple[int, ...]]]
 
     def by_spartron(self) -> dict[str, list[Piece]]:
         out: dict[str, list[Piece]] = {}
@@ -60,6 +67,7 @@ class TensorMap:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {p.hf: p.hf_shape for p in self.pieces}
         shapes.update({hf: self.shapes[s] for hf, s in self.copies.items()})
+        shapes.update({hf: shape for hf, (_, shape) in self.empty.items()})
         return shapes
 
 
@@ -71,6 +79,7 @@ class _Builder:
     def __init__(self) -> None:
         self.pieces: list[Piece] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.empty: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def same(self, spartron: str, hf: str, *shape: int) -> None:
         self.shapes[spartron] = shape
@@ -116,11 +125,13 @@ def _decoder_layer(b: _Builder, cfg: ModelConfig, s: str, h: str, moe: bool, ind
     n, inter = m.n_routed_experts, m.moe_inter_dim
     b.same(f"{f}router.weight", f"{hm}gate.weight", n, d)
     b.same(f"{f}router.expert_bias", f"{hm}gate.e_score_correction_bias", n)
-    if m.n_shared_experts:
-        shared = m.n_shared_experts * inter
-        for ours, theirs, shape in (("w1", "gate_proj", (shared, d)), ("w3", "up_proj", (shared, d)),
-                                    ("w2", "down_proj", (d, shared))):
+    shared = m.n_shared_experts * inter
+    for ours, theirs, shape in (("w1", "gate_proj", (shared, d)), ("w3", "up_proj", (shared, d)),
+                                ("w2", "down_proj", (d, shared))):
+        if shared:
             b.same(f"{f}shared_experts.{ours}.weight", f"{hm}shared_experts.{theirs}.weight", *shape)
+        else:  # transformers' width-0 shared MLP (module docstring): the routed experts' dtype on export
+            b.empty[f"{hm}shared_experts.{theirs}.weight"] = (f"{f}experts.w2", shape)
     w13, w2 = (n, inter, d), (n, d, inter)
     if stacked:
         gate_up = (n, 2 * inter, d)
@@ -168,7 +179,7 @@ def tensor_map(cfg: ModelConfig, stacked: bool = False) -> TensorMap:
         _decoder_layer(b, cfg, f"{s}layer.", h, True, own_indexer, stacked)
         copies[f"{h}embed_tokens.weight"] = "embed.weight"
         copies[f"{h}shared_head.head.weight"] = head
-    return TensorMap(pieces=tuple(b.pieces), shapes=b.shapes, copies=copies)
+    return TensorMap(pieces=tuple(b.pieces), shapes=b.shapes, copies=copies, empty=b.empty)
 
 
 def mtp_layer_indices(hf_names, n_layers: int) -> list[int]:
