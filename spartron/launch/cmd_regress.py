@@ -2,6 +2,11 @@
 
 The flags build spartron.launch.regression.Tolerances (unset ones keep its defaults); `regress run` trains
 the config through `spartron train`'s own path (cmd_train.run_ranks) into fresh run directories.
+
+Exit status: 0 every comparison passes; 1 a comparison FAILs; 2 a refusal (flags, config, files: one
+`spartron: error:` line); REPEAT_FAILED_STATUS (4) a repeat of `regress run` did not finish, whatever its own
+status (a traceback's 1 would read as FAIL): `spartron: repeat i failed with exit status s` names it, on every
+rank that ran it in-process and from the launcher of spawned ranks alike, and nothing is compared.
 """
 
 from __future__ import annotations
@@ -10,10 +15,13 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from spartron.launch.cmd_train import run_ranks
 from spartron.launch.command import Parser, UsageError, add_config, load
+
+REPEAT_FAILED_STATUS = 4  # distinct from a FAIL (1), a refusal (2) and debug's injected fault exit (3)
 
 
 def add_tolerances(p: argparse.ArgumentParser) -> None:
@@ -102,14 +110,24 @@ def cmd_regress_run(args: argparse.Namespace) -> int:
     runs = []
     for i, run_dir in enumerate(run_dirs):
         overrides = [f"train.run_dir={json.dumps(str(run_dir))}", "train.resume=false"]
-        status = run_ranks(argparse.Namespace(config=args.config, set=args.set + overrides), "train")
+        failed = _repeat_failed(i)  # the same line and status whether the repeat ran here (nproc 1) or spawned
+        status = run_ranks(argparse.Namespace(config=args.config, set=args.set + overrides), "train", failed)
         if status:
-            print(f"spartron: repeat {i} failed with exit status {status}", file=sys.stderr)
-            return status
+            return failed(status)
         runs.append(run_dir)
     baseline = args.baseline or runs[0]
     compared = runs if args.baseline else runs[1:]
     return 0 if all([compare(run, baseline, args) for run in compared]) else 1
+
+
+def _repeat_failed(i: int) -> Callable[[int], int]:
+    """Repeat `i`'s failure report: its line, and REPEAT_FAILED_STATUS for the command's exit."""
+
+    def report(status: int) -> int:
+        print(f"spartron: repeat {i} failed with exit status {status}", file=sys.stderr)
+        return REPEAT_FAILED_STATUS
+
+    return report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -125,7 +143,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = rsub.add_parser("run", help="train a config N times and compare with a baseline",
                         description="Train the config --repeats times (run dirs <run dir>-r<i>) and compare "
                                     "each with --baseline; without a baseline, compare repeats 1.. with "
-                                    "repeat 0 (a determinism check). Exit 1 if any comparison fails.")
+                                    "repeat 0 (a determinism check). Exit 1 if any comparison fails, "
+                                    f"{REPEAT_FAILED_STATUS} if a repeat fails (nothing is compared).")
     add_config(r)
     r.add_argument("--baseline", help="baseline run directory or metrics.jsonl")
     r.add_argument("--repeats", type=int, default=1,

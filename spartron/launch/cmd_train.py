@@ -48,8 +48,9 @@ def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, 
             check_init_from(cfg)
 
 
-def run_ranks(args: argparse.Namespace, entry: str) -> int:
-    """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks."""
+def run_ranks(args: argparse.Namespace, entry: str, on_failure: Callable[[int], int] | None = None) -> int:
+    """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks.
+    `on_failure`: as_rank's, for the rank run in this process (spawned ranks' statuses are returned)."""
     from spartron.launch.local import existing_launcher, launch_local, launch_with_temporary_logs
     from spartron.parallel.env import process_environ
     from spartron.runtime.observe import launch_env
@@ -82,12 +83,12 @@ def run_ranks(args: argparse.Namespace, entry: str) -> int:
             run_smoke(cfg, environ, run_dir)
             return 0
 
-        return as_rank(smoke)
+        return as_rank(smoke, on_failure=on_failure)
     if entry == "eval":
-        return as_rank(lambda: eval_rank(cfg, args.step, environ, args.set))
+        return as_rank(lambda: eval_rank(cfg, args.step, environ, args.set), on_failure=on_failure)
     from spartron.runtime.trainer import train
 
-    return as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0)
+    return as_rank(lambda: STOPPED_STATUS if train(cfg).stopped_at is not None else 0, on_failure=on_failure)
 
 
 # A rank whose collective failed because a peer's connection went away waits this long before it exits, so the
@@ -104,9 +105,12 @@ def is_knock_on(err: BaseException) -> bool:
     return isinstance(err, Exception) and any(s in str(err).lower() for s in _PEER_GONE)
 
 
-def as_rank(body: Callable[[], int], knock_on_delay_s: float = KNOCK_ON_DELAY_S) -> int:
+def as_rank(body: Callable[[], int], knock_on_delay_s: float = KNOCK_ON_DELAY_S,
+            on_failure: Callable[[int], int] | None = None) -> int:
     """Run one rank's work, returning its exit status; on failure report it and end the process at once
-    (a knock-on failure after `knock_on_delay_s`: is_knock_on).
+    (a knock-on failure after `knock_on_delay_s`: is_knock_on). `on_failure(status)`, for a command that runs
+    the rank's work as one part of its own (`regress run`'s repeats), reports which part failed and returns the
+    status the process ends with: the process ends here, so the command's own report could never run.
 
     A failed rank must not run interpreter teardown: destroying a process group can block on peers
     still waiting in a collective, and the launcher (local or srun) stops the others.
@@ -125,7 +129,7 @@ def as_rank(body: Callable[[], int], knock_on_delay_s: float = KNOCK_ON_DELAY_S)
             if is_knock_on(err):
                 sys.stderr.flush()
                 time.sleep(knock_on_delay_s)
-        exit_process(code)
+        exit_process(code if on_failure is None else on_failure(code))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -178,6 +178,25 @@ def test_regress_run_repeats_and_compares_with_baseline(tmp_path, capsys, monkey
     assert capsys.readouterr().err.startswith(f"spartron: error: run directory {tmp_path}/runs/tiny-r0 exists")
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["in-process", "spawned-ranks"])
+def test_regress_run_a_failing_repeat_is_named_and_exits_apart_from_a_fail(tmp_path, nproc):
+    """A repeat that raises (audit ops F7): with nproc 1 it runs in this process, whose rank ended the command
+    with its own status (1, read as a comparison FAIL) and without the repeat's line. Both paths now print the
+    line and exit REPEAT_FAILED_STATUS; no comparison runs."""
+    from spartron.launch.cmd_regress import REPEAT_FAILED_STATUS
+
+    settings = ("name=\"rfail\"", "train.steps=2", "train.seq_len=32", f"launch.nproc={nproc}",
+                "train.progress=false", "debug.fail_step=2")
+    proc = subprocess.run([sys.executable, "-m", "spartron.launch.cli", "regress", "run", TINY, "--repeats", "2",
+                           *(x for kv in settings for x in ("--set", kv))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert REPEAT_FAILED_STATUS == 4
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "spartron: repeat 0 failed with exit status 1"
+    assert "RuntimeError: debug.fail_mode = 'raise' at step 2 on rank 0" in proc.stderr
+    assert "result:" not in proc.stdout and not (tmp_path / "runs" / "rfail-r1").exists()
+
+
 _TEARDOWN_PROBE = ("import atexit, sys\n"
                    "from spartron.launch import cli\n"
                    "atexit.register(lambda: print('interpreter teardown ran', flush=True))\n"
