@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.auditing.core import Case, train
+from benchmarks.auditing.core import TINY, Case, train
 
 META = "runs/base/step-00000002/meta.json"
 
@@ -21,6 +21,30 @@ def _meta(fn) -> callable:  # noqa: ANN001
         path.write_text(json.dumps(data))
         _reseal(path.parent)
     return setup
+
+
+BLEND = ("train.data.kind=mmap", 'train.data.paths=["a.bin", "b.bin"]', "train.data.shuffle=true", "name=blend",
+         "train.save_every=1")
+
+
+def _blend_saved_in_one_order(work: Path) -> None:
+    """A one-step run of two shuffled token files, its data position rewritten as an older Spartron saved it
+    (both sources in one shared order; manifest resealed)."""
+    import numpy as np
+
+    from benchmarks.auditing.runner import _cli
+    from benchmarks.auditing.state import _reseal
+
+    for name in ("a.bin", "b.bin"):
+        (np.arange(20 * 64 + 1) % 500).astype(np.uint16).tofile(work / name)  # 20 samples of train.seq_len 64
+    _cli([a.replace("{tiny}", TINY) for a in train("train.steps=1", *BLEND)], work, work.parents[1])
+    step = work / "runs" / "blend" / "step-00000001"
+    for path in step.glob("rank-*.json"):
+        data = json.loads(path.read_text())
+        position = data["rank"]["data"]
+        position["source"] = position["source"].replace(":source1", "")
+        path.write_text(json.dumps(data))
+    _reseal(step)
 
 
 def cases() -> list[Case]:
@@ -61,4 +85,8 @@ def cases() -> list[Case]:
             ("run-id-huge", lambda d: d.__setitem__("run_id", "x" * 10_000_000), ["run_id"])):
         add(f"meta-{cid}", train("train.steps=3", *resume), ["meta.json", *names], category="corrupt",
             setup=_meta(fn), harmless=cid in ("run-id-huge",))
+    # outside audit (data): blended sources shuffled in one shared order; each has its own now, so a position
+    # saved in the shared order cannot go on: refused, saying what to do
+    out.append(Case("state-blend-shuffled-in-one-order", "state", train("train.steps=2", *BLEND),
+                    ("train.run_dir",), setup=_blend_saved_in_one_order, timeout=150.0))
     return out

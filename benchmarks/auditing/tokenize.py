@@ -51,6 +51,19 @@ def _written(case_dir: Path) -> str | None:
     return None if meta.is_file() else "exit 0 without o/tokens.json"
 
 
+def _eos_only_at_ends(case_dir: Path) -> str | None:
+    """The EOS id (1) only where a document ends: a literal "<eos>" in the text is text, not the control token."""
+    import numpy as np
+
+    out = case_dir / "work" / "o"
+    if not (out / "tokens.json").is_file():
+        return "exit 0 without o/tokens.json"
+    tokens = np.fromfile(out / "tokens.bin", dtype=np.uint16)
+    ends = np.fromfile(out / "documents.bin", dtype=np.int64)[1:] - 1
+    inside = sorted(set(np.flatnonzero(tokens == 1).tolist()) - set(ends.tolist()))
+    return f"the text's literal '<eos>' became the EOS token at {inside[:5]}" if inside else None
+
+
 def _regex_tokenizer(work: Path) -> None:
     """A tokenizer whose pre-tokenizer regex backtracks catastrophically on a long run of 'a'."""
     corpus_and_tokenizer(work)
@@ -80,6 +93,9 @@ def cases() -> list[Case]:
     add("lone-surrogate-chat", _corpus("b.jsonl", b'{"messages": [{"role": "user", "content": "\\udfff"}]}\n'),
         ["b.jsonl:1"], "corrupt")
     add("invalid-utf8", _corpus("b.jsonl", b'{"text": "a \xff\xfe b"}\n'), ["b.jsonl:1", "b.jsonl"], "corrupt")
+    # outside audit (data): a special token's string in a document became the control token
+    add("special-token-in-text", _corpus("b.jsonl", _records({"text": "the cat <eos> sat"}, {"text": "a<eos>"})), (),
+        "values", accept_ok=True, harm=_eos_only_at_ends, harm_on_refusal=False)
     add("nul-in-text", _corpus("b.jsonl", _records({"text": "a\x00b"})), (), "corrupt", accept_ok=True,
         harm=_written, note="a NUL character is text")
     add("bom", _corpus("b.jsonl", b"\xef\xbb\xbf" + _records({"text": "a"})), ["b.jsonl:1"], "corrupt",

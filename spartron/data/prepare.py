@@ -19,12 +19,14 @@ def prepare_corpus(corpus: str | Path, tokenizer: str | Path, out: str | Path, e
     """Tokenize every record of `corpus` (file or folder) with the tokenizer into the new folder `out`, in
     order, `batch_records` at a time; returns the metadata written to out/tokens.json. Empty documents
     are skipped (and counted). `progress(documents, tokens)` is called after every batch; chats are rendered
-    in `chat_format` (spartron.data.tokenizer.CHAT_FORMATS)."""
+    in `chat_format` (spartron.data.tokenizer.CHAT_FORMATS). The corpus entry records "special_tokens_in_text":
+    "split" (a special token's string in the text was tokenized as text); folders without it were written when
+    such a string became the control token."""
     tok = load_tokenizer(tokenizer, eos_token, bos_token, chat_format)
     root = Path(corpus)
     files = corpus_files(root)
     info = {"files": [str(f.relative_to(root)) if root.is_dir() else f.name for f in files], "text_key": text_key,
-            "skipped_empty": 0, "chat_format": chat_format,
+            "skipped_empty": 0, "chat_format": chat_format, "special_tokens_in_text": "split",
             "skipped_files": [str(f.relative_to(root)) for f in skipped_files(root)]}
 
     done = [0, 0]  # documents, tokens

@@ -5,6 +5,10 @@ epoch e = g // n reads its n samples in the order of permutation (seed, e), so e
 sample once, in a new order, and the stream stays addressable by one integer (resume needs nothing
 else). The permutation is a 4-round Feistel network over the smallest even number of bits covering
 n, with BLAKE2b round keys, cycle-walked into [0, n) (at most 4 steps expected).
+
+Blended sources are shuffled each in its own order: source i of a blend keys its permutations with
+(seed, i), so two sources of equal size are not read in lockstep (correlated). Source 0 keeps the key a
+single source has ever had, (seed) alone, so an unblended run reads the order it always read.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ def permute(k: int, n: int, key: bytes) -> int:
             return x
 
 
-def shuffled_index(index: int, n: int, seed: int) -> int:
-    """Sample `index` of the shuffled stream: epoch * n + its epoch's permutation of index mod n."""
+def shuffled_index(index: int, n: int, seed: int, source: int = 0) -> int:
+    """Sample `index` of the shuffled stream of blended source `source` (0 when there is one source): epoch * n +
+    its epoch's permutation of index mod n."""
     epoch, k = divmod(index, n)
-    return epoch * n + permute(k, n, f"spartron-shuffle:{seed}:{epoch}".encode()[:63])
+    name = f"{seed}:{epoch}" if source == 0 else f"{seed}:source{source}:{epoch}"
+    return epoch * n + permute(k, n, f"spartron-shuffle:{name}".encode()[:63])

@@ -15,6 +15,12 @@ assistant turn, "\\n" after any other), "chatml" ("<|im_start|>role\\n" ... "<|i
 assistant content and its turn end are training targets (loss mask 1); headers, system, user and tool
 turns are context (mask 0). Chat templates of transformers are Jinja programs and are never run
 (nothing read from disk runs); these formats are data, in this file.
+
+Control tokens come only from the pipeline: BOS, EOS and the chat format's headers and turn ends. The text
+of a document or a message is tokenized as text: a special token's string inside it ("<|im_end|>" in a user
+message, "<｜end▁of▁sentence｜>" in a web page) becomes ordinary tokens, not the control token, through the
+tokenizers library's `encode_special_tokens` (what transformers' `split_special_tokens=True` sets); added
+tokens that are not special still match.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from spartron.configbase import ConfigError
@@ -63,8 +69,11 @@ class Tokenizer:
     eos_id: int
     bos_id: int | None = None  # starts every document when set
     chat_format: str = "spartron"  # a key of CHAT_FORMATS
+    control: dict[str, list[int]] = field(default_factory=dict)  # the chat format's headers and turn ends -> ids
 
     def encode(self, text: str) -> list[int]:
+        """The ids of corpus text, special-token strings in it tokenized as text (the backend splits them:
+        load_tokenizer)."""
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_records(self, records: list[Document | Chat]) -> list[tuple[list[int], list[int]]]:
@@ -91,10 +100,10 @@ class Tokenizer:
         fmt = CHAT_FORMATS[self.chat_format]
         ids, mask = ([], []) if self.bos_id is None else ([self.bos_id], [0])
         for role, content in record.messages:
-            header = self.encode(fmt.headers[role]) if fmt.headers[role] else []
+            header = self.control[fmt.headers[role]] if fmt.headers[role] else []
             body = self.encode(content)
             target = int(role == "assistant")
-            end = [i for part in fmt.ends[role] for i in ([self.eos_id] if part is EOS else self.encode(part))]
+            end = [i for part in fmt.ends[role] for i in ([self.eos_id] if part is EOS else self.control[part])]
             ids += header + body + end
             mask += [0] * len(header) + [target] * (len(body) + len(end))
         # the conversation ends with EOS either way (an empty system turn alone renders to nothing in "deepseek")
@@ -169,6 +178,15 @@ def _post_processor_bos(backend) -> str | None:  # noqa: ANN001 - a tokenizers.T
     return None
 
 
+def _control_ids(backend, chat_format: str) -> dict[str, list[int]]:  # noqa: ANN001 - a tokenizers.Tokenizer
+    """The ids of the chat format's headers and turn ends, its special tokens matched: these strings are the
+    control tokens the pipeline inserts (encoded before the backend is set to split special tokens)."""
+    fmt = CHAT_FORMATS[chat_format]
+    texts = {text for text in fmt.headers.values() if text} | {
+        part for parts in fmt.ends.values() for part in parts if part is not EOS}
+    return {text: backend.encode(text, add_special_tokens=False).ids for text in sorted(texts)}
+
+
 def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: str | None = None,
                    chat_format: str = "spartron") -> Tokenizer:
     """The tokenizer at `path` (tokenizer.json, or a folder holding it); ConfigError naming the path."""
@@ -203,5 +221,7 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, bos_token: st
             ids[what] = backend.token_to_id(tok)
             if ids[what] is None:
                 raise ConfigError(f"tokenizer {str(file)!r}: the {what} token {tok!r} is not in its vocabulary")
+    control = _control_ids(backend, chat_format)
+    backend.encode_special_tokens = True  # from here on: a special token's string in corpus text is text
     return Tokenizer(backend, file, hashlib.sha256(raw).hexdigest(), backend.get_vocab_size(with_added_tokens=True),
-                     ids["EOS"], ids.get("BOS"), chat_format)
+                     ids["EOS"], ids.get("BOS"), chat_format, control)

@@ -27,6 +27,7 @@ from spartron.data.blend import BlendSchedule, blend_schedule
 from spartron.data.packing import PackedDocuments, split_documents
 from spartron.data.shuffle import shuffled_index
 from spartron.data.tokenfile import META, open_token_folder
+from spartron.layers.loss import IGNORE_INDEX
 from spartron.runtime.config import ConfigError, DataConfig, RunConfig
 
 Example = tuple[Tensor, Tensor, Tensor | None]  # tokens [S], labels [S], positions [S] (packed documents) or None
@@ -148,6 +149,10 @@ class MmapTokens:
     [first, first + count) of the file (the training samples, or the held-out ones at its end), so
     the stream wraps around them (epochs) deterministically. The file is checked when opened
     (check_token_file) and every sample's ids are checked against the vocabulary when read.
+
+    Consecutive samples share one token (a sample's last label is the next one's first input), so the
+    last training sample's last label is the first held-out token: with a held-out split that label is
+    ignored (-100), as training never uses a held-out token, as input or as target.
     """
 
     def __init__(self, path: str | Path, token_dtype: str, seq_len: int, vocab_size: int,
@@ -161,6 +166,7 @@ class MmapTokens:
             raise ConfigError(f"train.data.val_fraction = {val_fraction} of the {total} samples of train.data.path "
                               f"{str(self.path)!r} leaves {'no held-out' if n_val == 0 else 'no training'} sample")
         self.first, self.n_samples = (0, total - n_val) if split == "train" else (total - n_val, n_val)
+        self.held_out_follows = split == "train" and n_val > 0  # its last sample's last label is held out
         if self.n_samples == 0:
             raise ConfigError("train.data.val_fraction = 0: train.data.kind = 'mmap' has no held-out split "
                               "(set train.data.val_fraction, e.g. 0.01)")
@@ -176,7 +182,11 @@ class MmapTokens:
 
     def example(self, index: int) -> Example:
         sample = self.sample(index)
-        return sample[:-1], sample[1:], None
+        labels = sample[1:]
+        if self.held_out_follows and index % self.n_samples == self.n_samples - 1:
+            labels = labels.clone()
+            labels[-1] = IGNORE_INDEX  # the first held-out token
+        return sample[:-1], labels, None
 
 
 class HeldOutSynthetic:
@@ -209,14 +219,16 @@ class PackedSource:
 
 class Shuffled:
     """A finite source read in a new seeded order each epoch (spartron.data.shuffle): still addressable by
-    sample index, so the saved position resumes it."""
+    sample index, so the saved position resumes it. `blend_index` is the source's index in a blend (0 alone):
+    each blended source gets its own order, keyed by (seed, blend_index)."""
 
-    def __init__(self, source: MmapTokens | PackedSource, n_samples: int, seed: int) -> None:
-        self.source, self.n_samples, self.seed = source, n_samples, seed
-        self.fingerprint = f"{source.fingerprint}:shuffled:{seed}"
+    def __init__(self, source: MmapTokens | PackedSource, n_samples: int, seed: int, blend_index: int = 0) -> None:
+        self.source, self.n_samples, self.seed, self.blend_index = source, n_samples, seed, blend_index
+        self.shared_order_fingerprint = f"{source.fingerprint}:shuffled:{seed}"  # any source's, before each had its own
+        self.fingerprint = self.shared_order_fingerprint + (f":source{blend_index}" if blend_index else "")
 
     def example(self, index: int) -> Example:
-        return self.source.example(shuffled_index(index, self.n_samples, self.seed))
+        return self.source.example(shuffled_index(index, self.n_samples, self.seed, self.blend_index))
 
 
 Source = SyntheticTokens | MmapTokens | HeldOutSynthetic | PackedSource | Shuffled  # | Blended of these
@@ -268,6 +280,11 @@ class TokenLoader:
                              f"cannot resume it on dp rank {self.dp_rank} of {self.dp_size}")
         saved = state.get("source")  # absent in states saved before sources were recorded
         if saved is not None and saved != self.source.fingerprint:
+            if saved == getattr(self.source, "shared_order_fingerprint", None):  # saved by an older Spartron
+                raise ValueError("the data position was saved when the shuffled sources of train.data.paths shared "
+                                 "one order, and each now has its own, so this run's sample order cannot go on: "
+                                 "finish it with the Spartron version that started it, or start a new run (another "
+                                 "train.run_dir)")
             raise ValueError(f"the data position was saved for data {saved!r}, but train.data now reads "
                              f"{self.source.fingerprint!r}: resuming would read other samples")
         self.position = int(state["position"])
@@ -278,12 +295,18 @@ class Blended:
 
     def __init__(self, sources: list[Source], schedule: BlendSchedule) -> None:
         self.sources, self.schedule = sources, schedule
-        parts = ";".join(f"{s.fingerprint}x{n}" for s, n in zip(sources, schedule.counts, strict=True))
-        self.fingerprint = f"blend[{parts}]"
+        self.fingerprint = _blend_fingerprint([s.fingerprint for s in sources], schedule.counts)
+        # what a position saved when all shuffled sources shared one order names (None: not shuffled)
+        shared = [getattr(s, "shared_order_fingerprint", None) for s in sources]
+        self.shared_order_fingerprint = None if None in shared else _blend_fingerprint(shared, schedule.counts)
 
     def example(self, index: int) -> Example:
         source, k = self.schedule.locate(index)
         return self.sources[source].example(k)
+
+
+def _blend_fingerprint(parts: list[str], counts: tuple[int, ...]) -> str:
+    return "blend[" + ";".join(f"{p}x{n}" for p, n in zip(parts, counts, strict=True)) + "]"
 
 
 def _source(cfg: DataConfig, path: str | None, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
@@ -308,10 +331,11 @@ def _source(cfg: DataConfig, path: str | None, vocab_size: int, seq_len: int, se
 
 def _data(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int, split: str) -> Source:
     """The source of a [train.data] section's split: one file or folder, or the blend of `paths` (each
-    shuffled on its own when train.data.shuffle; the held-out split is never shuffled)."""
+    shuffled in its own order, keyed by train.seed and its index in `paths`, when train.data.shuffle; the
+    held-out split is never shuffled)."""
     sources = [_source(cfg, path, vocab_size, seq_len, seed, split) for path in (cfg.paths or [cfg.path])]
     if cfg.shuffle and split == "train":
-        sources = [Shuffled(s, s.n_samples, seed) for s in sources]
+        sources = [Shuffled(s, s.n_samples, seed, i) for i, s in enumerate(sources)]
     if cfg.paths is None:
         return sources[0]
     return Blended(sources, blend_schedule(cfg.weights or [1.0] * len(sources)))

@@ -210,7 +210,7 @@ def test_token_folder_records_dtype_vocabulary_hash_and_offsets(tmp_path, tok):
     import hashlib
     assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
     assert meta["corpus"] == {"files": ["a.jsonl"], "text_key": "text", "skipped_empty": 1, "chat_format": "spartron",
-                              "skipped_files": []}
+                              "special_tokens_in_text": "split", "skipped_files": []}
     with pytest.raises(ConfigError, match="exists and is not empty"):
         prepare_corpus(tmp_path / "c", tok, tmp_path / "out", eos_token="<eos>")
 
