@@ -249,3 +249,26 @@ def test_gathered_operands_hand_each_gemms_joint_blocks_once_and_refuse_a_mix():
     assert gathered_operands([plain]) == ([plain], [])
     with pytest.raises(RuntimeError, match="model.fp8.param_gather: one module's weights are partly FP8-gathered"):
         gathered_operands([w1, plain])
+
+
+@pytest.mark.parametrize("shapes", [[torch.Size([384, 256])], [torch.Size([256, 384])] * 2])
+def test_gathered_dense_blocks_have_the_weight_caches_layout(shapes):
+    """A dense weight's gathered blocks in the ops' one-group form ([1, N, K]) have the shapes and strides of the
+    weight cache's (quantize_blocks_both of the unsqueezed weight): DeepGEMM's dgrad asserts that s^T's group
+    stride is the whole scale grid (an H100 rehearsal with param_gather failed there when s^T was a transposed
+    view unsqueezed: group stride K/128)."""
+    from spartron.layers.fp8 import reference
+    from spartron.layers.fp8.gathered import JointBlocks
+
+    joint = JointBlocks(shapes)
+    weights = [torch.randn(s) for s in shapes]
+    for i, w in enumerate(weights):
+        want = reference.quantize_blocks_cat((w,), True)
+        joint.set_scales(i, want[1])
+        joint.write(i, want[0])
+    got = joint.blocks(lead=True)
+    cache = reference.quantize_blocks_both(tuple(w.unsqueeze(0) for w in weights), True)
+    assert [(tuple(t.shape), t.stride()) for t in got] == [(tuple(t.shape), t.stride()) for t in cache]
+    s_t = got[3]
+    assert s_t.stride(-3) == s_t.size(-2) * s_t.size(-1)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, cache, strict=True))

@@ -66,8 +66,10 @@ class JointBlocks:
         (a dense weight [N, K] as the ops' one-group form [1, N, K])."""
         if self.q is None or self.s is None:
             raise RuntimeError("model.fp8.param_gather: the FP8 weight was read before its all-gather")
-        out = [self.q, self.s, self.qt, self.s.transpose(-2, -1)]
-        return [t.unsqueeze(0) for t in out] if lead else out
+        q, s, qt = (t.unsqueeze(0) for t in (self.q, self.s, self.qt)) if lead else (self.q, self.s, self.qt)
+        # s^T a view of the (lead) scales: a group's stride is then its whole grid, as DeepGEMM requires of it
+        # (unsqueezing the transposed view gave stride K/128 there, an assertion in DeepGEMM's dgrad)
+        return [q, s, qt, s.transpose(-2, -1)]
 
 
 class GatheredFP8Weight(torch.Tensor):
