@@ -467,3 +467,32 @@ def test_fp8_ffn_on_the_gpu_equals_three_fp8_linears_but_dx(rows):
                 assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max(), backend
             else:
                 assert torch.equal(a, b), (backend, name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="sm90 only")
+@pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
+def test_dense_linear_on_gathered_blocks_equals_the_cached_weight(backend):
+    """A dense linear given model.fp8.param_gather's blocks (JointBlocks in the ops' one-group form) computes what
+    it computes from its own weight cache, bitwise; on "deep_gemm" the gathered s^T's layout is what DeepGEMM's
+    dgrad asserts (a V3 rehearsal with param_gather failed there at 2b17780)."""
+    from spartron.layers.fp8.gathered import JointBlocks
+    from spartron.layers.fp8.ops import linear as fp8_linear
+
+    if backend == "deep_gemm" and not _has_deep_gemm():
+        pytest.skip("needs DeepGEMM (benchmarks/build_deep_gemm.sh)")
+    torch.manual_seed(0)
+    w = (torch.randn(384, 512, device="cuda") * 0.05).bfloat16()
+    x = torch.randn(130, 512, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(130, 384, device="cuda", dtype=torch.bfloat16)
+    joint = JointBlocks([w.shape])
+    q, s = reference.quantize_blocks_cat((w,), True)
+    joint.set_scales(0, s)
+    joint.write(0, q)
+    results = []
+    for cached in ([], joint.blocks(lead=True)):
+        xin, win = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fp8_linear(xin, win, backend, True, True, cached)
+        out.backward(grad)
+        results.append((out, xin.grad))
+    for name, got, want in zip(("out", "dx"), *results, strict=True):
+        assert torch.equal(got, want), name
