@@ -13,6 +13,13 @@ and load of model, optimizer and data position (each EP rank saves its own exper
 under any EP size, `MegatronTraining.load` says when the optimizer state does).
 The model is configs/tiny.toml's without MTP; the data is Spartron's synthetic loader.
 
+A step's loss is the exact token mean over all its micro-batches and data-parallel ranks, as Spartron's own
+Trainer computes it (spartron.runtime.loss_norm) and the way Megatron-LM does it: `calculate_per_token_loss`,
+forward_step's loss function returns (sum of the micro-batch's target losses, its target count, ...), and
+Megatron's schedule and finalize_model_grads divide the gradients by the step's all-reduced target count. A mean
+of micro-batch means weighed an all-prompt chat window (no target) like a full one, so the step's loss and
+gradient depended on how its samples fell into micro-batches and ranks.
+
 On CPU: megatron-core 0.16.1 creates a few bookkeeping tensors on "cuda" by name (DDP buffers, schedule
 and optimizer scalars); this script then uses the test-only tests/interop/megatron/cpu_shim.py, which
 says exactly what it redirects. On GPUs Megatron runs unpatched.
@@ -44,8 +51,9 @@ from spartron.interop.megatron import (  # noqa: E402
     spartron_block_spec,
 )
 from spartron.layers.init import init_tensor_  # noqa: E402
+from spartron.layers.loss import IGNORE_INDEX  # noqa: E402
 from spartron.runtime.config import RunConfig, load_config  # noqa: E402
-from spartron.runtime.data import build_train_loader  # noqa: E402
+from spartron.runtime.data import Batch, build_train_loader  # noqa: E402
 from spartron.runtime.optim import lr_at  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
@@ -92,7 +100,8 @@ class MegatronTraining:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()  # the groups every Megatron module uses
-        tcfg = megatron_config_from_spartron(m, use_cpu_initialization=True, expert_model_parallel_size=ep)
+        tcfg = megatron_config_from_spartron(m, use_cpu_initialization=True, expert_model_parallel_size=ep,
+                                             calculate_per_token_loss=True)  # the step's token mean (docstring)
         self.side = SideChannel()  # DSA ids, indexer loss and router counts of one forward
         # Built under the training device: Spartron's layers draw their initial values there, with that
         # device's generator, as Spartron's Trainer does (CPU and CUDA generators give different values)
@@ -128,14 +137,25 @@ class MegatronTraining:
                                    init_seed=self.cfg.train.seed)
 
     def forward_step(self, data_iterator: Iterator, model: torch.nn.Module):
-        """Megatron's forward_step_func: the LM loss per token, plus the SideChannel's aux / indexer losses."""
+        """Megatron's forward_step_func. Its loss function returns Megatron's per-token triple: the sum of the
+        LM loss over the micro-batch's targets (labels != -100: a chat's prompt is none), their count, and for
+        the report [that sum, the count]; Megatron divides the step's gradients by the count summed over
+        micro-batches and data-parallel ranks (calculate_per_token_loss). The SideChannel's indexer loss weighs
+        the micro-batch's token count, as Megatron's router weighs its aux loss under that setting (the MoE
+        adapter does the same): 1 / (micro-batches x ranks) of the step, as in Spartron's Trainer, when every
+        position is a target."""
         batch = next(data_iterator)
+        if batch.positions is not None:  # GPTModel here takes no document positions: plain causal attention
+            raise ValueError("packed documents (Batch.positions) are not passed to Megatron's GPTModel here")
         self.side.reset()
-        per_token = model(batch.tokens.to(self.device), None, None, labels=batch.labels.to(self.device))
+        targets = (batch.labels != IGNORE_INDEX).to(self.device)
+        labels = batch.labels.masked_fill(batch.labels == IGNORE_INDEX, 0)  # Megatron's CE reads every label
+        per_token = model(batch.tokens.to(self.device), None, None, labels=labels.to(self.device))
 
         def loss_func(output: torch.Tensor):
-            loss = output.float().mean() + self.side.loss()
-            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+            loss = (output.float() * targets).sum() + self.side.loss() * batch.tokens.numel()
+            count = targets.sum().to(torch.int)
+            return loss, count, {"loss": torch.stack([loss.detach(), count.float()])}
 
         return per_token, loss_func
 
@@ -143,8 +163,9 @@ class MegatronTraining:
         while True:
             yield self.loader.next(self.cfg.train.micro_batch_size)
 
-    def step(self, step: int) -> float:
-        """One optimizer step (1-based) over this rank's micro-batches; the loss averaged over the dp ranks."""
+    def step(self, step: int, batches: Iterator[Batch] | None = None) -> float:
+        """One optimizer step (1-based) over this rank's micro-batches (`batches`, default the config's loader);
+        the loss is the step's token mean over every micro-batch and data-parallel rank (forward_step)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         t = self.cfg.train
@@ -152,7 +173,7 @@ class MegatronTraining:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             out = get_forward_backward_func()(
-                forward_step_func=self.forward_step, data_iterator=self._batches(), model=[self.model],
+                forward_step_func=self.forward_step, data_iterator=batches or self._batches(), model=[self.model],
                 num_microbatches=self.n_micro, seq_length=t.seq_len, micro_batch_size=t.micro_batch_size)
             for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler sets, on
                 group["lr"] = lr_at(step, t) * group["lr_mult"]  # Spartron's lr schedule
@@ -160,9 +181,9 @@ class MegatronTraining:
             ok, _, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: the Megatron optimizer skipped the update")
-        loss = torch.stack([o["loss"] for o in out]).mean()
-        dist.all_reduce(loss, group=self.pgc.dp_cp)
-        return loss.item() / dist.get_world_size(self.pgc.dp_cp)
+        total = torch.stack([o["loss"] for o in out]).sum(dim=0)  # [loss sum, targets] of this rank's step
+        dist.all_reduce(total, group=self.pgc.dp_cp)
+        return (total[0] / total[1].clamp(min=1)).item()
 
     def eval_loss(self, seed: int = 7) -> float:
         """The LM loss of one fixed batch (the same tokens on every rank), without gradients."""

@@ -52,10 +52,15 @@ def balance_loss(out: MoEOutput, cfg: MoEConfig, batch: int, definition: str) ->
 
 
 def attach_and_track(hidden: Tensor, aux: Tensor, cfg: MoEConfig, layer_number: int, num_layers: int,
-                     reduce_group: dist.ProcessGroup | None, training: bool) -> Tensor:
+                     reduce_group: dist.ProcessGroup | None, training: bool, per_token_loss: bool = False) -> Tensor:
     """`hidden` carrying `aux`'s gradient (training with grad only, as Megatron's router), and `aux /
     coeff` in Megatron's tracker once per layer call: in the original pass of a Spartron checkpoint
-    region, never in its replay."""
+    region, never in its replay.
+
+    `per_token_loss` (Megatron's calculate_per_token_loss): the schedule then no longer divides the aux gradient
+    by the micro-batches and finalize_model_grads divides every gradient by the step's target count, so the
+    gradient's aux is weighed by the layer's token count, as Megatron's router does (1 / (micro-batches x
+    ranks) of the step when every position is a target); the tracked value stays the layer's own."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 
     if not training:
@@ -65,5 +70,6 @@ def attach_and_track(hidden: Tensor, aux: Tensor, cfg: MoEConfig, layer_number: 
     reuse_during_recompute(save_to_aux_losses_tracker, TRACKER_NAMES[cfg.aux_loss_type],
                            aux.detach() / cfg.aux_loss_coeff, layer_number, num_layers, reduce_group=reduce_group)
     if torch.is_grad_enabled():
-        hidden = MoEAuxLossAutoScaler.apply(hidden, aux)
+        hidden = MoEAuxLossAutoScaler.apply(hidden, aux * hidden.shape[0] * hidden.shape[1] if per_token_loss
+                                            else aux)
     return hidden

@@ -6,7 +6,8 @@ Every field of megatron-core 0.16's MLATransformerConfig is in exactly one table
   (Megatron's own default is not always among them, e.g. attention_dropout 0.1);
 - MEGATRON_OWNED: applied by Megatron around the adapters (embedding, residual dropout, pipeline
   plumbing, optimizer hooks, initialisation of Megatron-owned weights) or without numerical effect
-  at tp = pp = 1; the adapters never read them.
+  at tp = pp = 1; the adapters never read them, except calculate_per_token_loss, which the MoE adapter
+  reads as Megatron's router does (the weight of the aux loss's gradient: aux_loss.attach_and_track).
 A field in no table (a newer megatron-core) is a problem unless it still has its dataclass default.
 `check_megatron_config` collects EVERY problem and raises one MegatronConfigError listing them all.
 

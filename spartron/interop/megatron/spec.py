@@ -227,7 +227,7 @@ class SpartronMoEMLP(_MLPSlot):
         aux = balance_loss(out, self.model_cfg.moe, x.shape[0], self.aux_loss_definition)
         if aux is not None:
             hidden = attach_and_track(hidden, aux, self.model_cfg.moe, self.layer_idx + 1, self.config.num_layers,
-                                      self.tracker_group, self.training)
+                                      self.tracker_group, self.training, self.config.calculate_per_token_loss)
         self.side_channel.record_moe(self.layer_idx, {**out, "hidden_states": hidden, "aux_loss": None})
         return hidden.transpose(0, 1), None
 

@@ -231,3 +231,51 @@ def test_overlapped_param_gather_and_grad_reduce_train_as_the_plain_distributed_
     assert not any(pending)
     assert losses == plain, (losses, plain)
     assert frozen and all(torch.equal(after[n], v) for n, v in frozen.items())
+
+
+CHAT_TARGETS = (0, 3, 16, 9)  # the step's 4 samples: targets on their last n positions (sample 0 is all prompt)
+
+
+def _chat_step(rank, world, run_dir, micro_batch):
+    """One step of MegatronTraining on a fixed chat-like global batch (4 samples of 16 tokens, rank r holding
+    samples r, r + world, ...), `micro_batch` samples per micro-batch: (the step's loss, every parameter's
+    gradient after Megatron's reductions, and on 1 rank the token mean computed by hand before the step)."""
+    from spartron.runtime.data import Batch
+
+    cfg = run_config(run_dir, 1, f"train.micro_batch_size={micro_batch}")
+    run = MegatronTraining(cfg, 1)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.train.seq_len + 1), generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    for i, n in enumerate(CHAT_TARGETS):
+        labels[i, :cfg.train.seq_len - n] = -100
+    by_hand = None
+    if world == 1:  # every sample's per-token loss from the same weights; the targets' mean
+        run.gpt.eval()  # no router counts (the expert-bias update reads them); the same logits
+        with torch.no_grad():
+            per_token = run.gpt(inputs, None, None, labels=labels.clamp(min=0)).float()
+        run.gpt.train()
+        by_hand = float((per_token * (labels != -100)).sum() / (labels != -100).sum())
+    mine = list(range(rank, 4, world))
+    batches = [Batch(inputs[mine[i:i + micro_batch]], labels[mine[i:i + micro_batch]])
+               for i in range(0, len(mine), micro_batch)]
+    assert len(batches) == run.n_micro
+    loss = run.step(1, iter(batches))
+    return loss, {n: p.main_grad.clone() for n, p in run.gpt.named_parameters() if p.requires_grad}, by_hand
+
+
+def test_megatron_step_is_the_token_mean_in_every_micro_batch_layout(tmp_path):
+    """A mean of micro-batch means (the example before) weighed the all-prompt sample's micro-batch like a full
+    one: the loss and gradient changed with the layout. Now 4 micro-batches of 1 sample, one of 4, and 2 ranks
+    x 2 micro-batches give the same loss, equal to the token mean by hand, and the same gradients."""
+    split = run_distributed(_chat_step, 1, tmp_path / "a", 1, timeout=180)[0]
+    whole = run_distributed(_chat_step, 1, tmp_path / "b", 4, timeout=180)[0]
+    ranks = run_distributed(_chat_step, 2, tmp_path / "c", 1, timeout=180)
+    loss, grads, by_hand = split
+    assert by_hand > 1 and loss == pytest.approx(by_hand, rel=1e-6)
+    for other in (whole, *ranks):
+        assert other[0] == pytest.approx(by_hand, rel=1e-6)
+        assert sorted(other[1]) == sorted(grads)
+        for name, grad in grads.items():  # float rounding of other summation orders: ~1e-7 of the largest
+            assert float((other[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()), name
+    assert max(float(g.abs().max()) for g in grads.values()) > 1e-3  # not a vacuous comparison
