@@ -19,8 +19,9 @@ not approximate: every answer is what a REAL N-rank run returns when every rank 
   ranks (EP = 1); with EP > 1 its shapes, bytes and costs are the real ones. With `balanced=True` the receive side is
   evened instead (a symmetric routing whose per-expert loads are the mean of what this rank sends,
   spread over every slot): integer all-to-alls (the MoE per-expert counts) return the mean count in
-  every slot (remainders to the first slots, so totals are kept), and data all-to-alls fill each
-  chunk with rows taken cyclically from the input. Only the identical rule equals a real run.
+  every slot (remainders to the first slots, so totals are kept), and data all-to-alls (rows of any dtype, the
+  FP8 wire's uint8 rows included) fill each chunk with rows taken cyclically from the input.
+  Only the identical rule equals a real run.
 
 Every call is recorded in a `CommLedger` (kind, group description and size, bytes in the nccl-tests
 sense) so the rehearsal can model what the collectives would cost on a real cluster. Point-to-point
@@ -271,7 +272,7 @@ class MirroredProcessGroup(dist.ProcessGroup):
         """
         chunks = list(torch.split(x, in_splits)) if in_splits else list(x.chunk(self._size))
         mine = chunks[self._rank]
-        if self.balanced and not x.is_floating_point():  # per-expert counts: the mean in every slot
+        if self.balanced and _is_counts(x):  # per-expert counts: the mean in every slot
             total = torch.stack(list(x.view(self._size, -1))).sum(dim=0)
             base, rest = total // self._size, total % self._size
             slot = torch.arange(self._size, device=x.device).view(-1, 1)
@@ -345,6 +346,13 @@ class MirrorOptions:
     """The default group's options (init_process_group's pg_options): how the world's all-to-alls answer."""
 
     balanced: bool = False
+
+
+def _is_counts(x: Tensor) -> bool:
+    """An all-to-all of per-expert counts (one integer per expert slot), which `balanced` evens; rows of any
+    dtype are data, the FP8 dispatch wire's uint8 rows included (evened as counts they were byte means: NaN
+    scales, a V3 rehearsal's grad norm NaN at step 1)."""
+    return x.dim() == 1 and x.dtype in (torch.int32, torch.int64)
 
 
 def _create(opts: object, pg_options: object) -> MirroredProcessGroup:

@@ -93,6 +93,9 @@ def test_balanced_all_to_all_evens_the_counts_and_keeps_totals():
         assert recv.tolist() == [4, 1, 3, 0] and recv.sum() == counts.sum()  # slot means (7, 1) / 2, remainder first
         rows = all_to_all(torch.arange(6.0).view(6, 1), [3, 5], [5, 1])
         assert rows.flatten().tolist() == [0, 1, 2, 0, 1, 2, 3, 4]  # each source: this rank's own chunk, cut
+        wire = torch.arange(12, dtype=torch.uint8).view(6, 2)  # FP8 dispatch rows (E4M3 bytes + scales): data
+        got = all_to_all(wire, [3, 5], [5, 1])
+        assert got[:, 0].tolist() == [0, 2, 4, 0, 2, 4, 6, 8] and torch.equal(got[:, 1], got[:, 0] + 1)
 
 
 def test_all_to_all_fills_runs_of_equal_sources_cyclically_from_this_ranks_chunk():
