@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_device import DEVICE as KERNEL_DEVICE  # tests/triton_device.py
+from triton_device import needs_kernel
 
 from spartron.configbase import ConfigError
 from spartron.layers.config import FP8Config
@@ -272,3 +274,27 @@ def test_gathered_dense_blocks_have_the_weight_caches_layout(shapes):
     s_t = got[3]
     assert s_t.stride(-3) == s_t.size(-2) * s_t.size(-1)
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, cache, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("joint", [True, False])
+def test_place_gathered_kernel_writes_both_places_as_the_torch_copies(joint):
+    """JointBlocks.write on CUDA: one Triton kernel puts the gathered E4M3 values in the pair's joint operand
+    and, transposed, in dgrad's operand; the bytes equal the torch copies (CPU path) and nothing else is
+    written (the other weight's columns keep their sentinel)."""
+    from spartron.layers.fp8 import triton_backend
+    from spartron.layers.fp8.quant import FP8
+
+    g = torch.Generator().manual_seed(0)
+    total, start = (512, 256) if joint else (256, 0)
+    q = torch.randint(0, 255, (2, 256, 384), generator=g, dtype=torch.uint8).view(FP8).to(KERNEL_DEVICE)
+    out = torch.full((2, total, 384), 7, dtype=torch.uint8, device=KERNEL_DEVICE).view(FP8) if joint else None
+    out_t = torch.full((2, 384, total), 7, dtype=torch.uint8, device=KERNEL_DEVICE).view(FP8)
+    want_t = out_t.view(torch.uint8).clone()
+    want_t[..., start:start + 256] = q.view(torch.uint8).transpose(-2, -1)
+    triton_backend.place_gathered(q, out, out_t, start)
+    assert torch.equal(out_t.view(torch.uint8), want_t)
+    if joint:
+        want = torch.full((2, total, 384), 7, dtype=torch.uint8, device=KERNEL_DEVICE)
+        want[:, start:start + 256] = q.view(torch.uint8)
+        assert torch.equal(out.view(torch.uint8), want)

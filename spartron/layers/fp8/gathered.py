@@ -51,14 +51,19 @@ class JointBlocks:
         *lead, n, k = self.shapes[index]
         if self.qt is None:
             self.qt = torch.empty(*lead, k, self.total, dtype=FP8, device=q.device)
-        start = self.starts[index]
-        self.qt[..., :, start:start + n].copy_(q.transpose(-2, -1))
-        if len(self.shapes) == 1:
+        start, joint = self.starts[index], len(self.shapes) > 1
+        if joint and self.q is None:
+            self.q = torch.empty(*lead, self.total, k, dtype=FP8, device=q.device)
+        if q.is_cuda:  # one Triton kernel: q read once, both places written in tiles
+            from spartron.layers.fp8 import triton_backend
+            triton_backend.place_gathered(q, self.q if joint else None, self.qt, start)
+        else:
+            self.qt[..., :, start:start + n].copy_(q.transpose(-2, -1))
+            if joint:
+                self.q[..., start:start + n, :].copy_(q)
+        if not joint:
             self.q = q  # the all-gather's own output: no copy
             return [self.qt]
-        if self.q is None:
-            self.q = torch.empty(*lead, self.total, k, dtype=FP8, device=q.device)
-        self.q[..., start:start + n, :].copy_(q)
         return [self.q, self.qt]
 
     def blocks(self, lead: bool = False) -> list[Tensor]:

@@ -27,9 +27,9 @@ from spartron.layers.fp8.quant import (
     tile_slots,
 )
 
-__all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group", "quantize_blocks", "quantize_blocks_both",
-           "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows", "slot_layout",
-           "slot_rows", "swiglu_quantize_rows", "wgrad"]
+__all__ = ["dgrad", "fprop", "gemm_rows", "group_counts", "one_group", "place_gathered", "quantize_blocks",
+           "quantize_blocks_both", "quantize_blocks_cat", "quantize_blocks_t", "quantize_cols_grouped", "quantize_rows",
+           "slot_layout", "slot_rows", "swiglu_quantize_rows", "wgrad"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,6 +127,21 @@ def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool, num_warps: int
                          ) -> list[Tensor]:
     """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once (num_warps: the sweep's)."""
     return _quantize_blocks(weights, pow2, rows=True, cols=True, num_warps=num_warps)
+
+
+def place_gathered(q: Tensor, out: Tensor | None, out_t: Tensor, start: int) -> None:
+    """gathered.JointBlocks.write's two copies in one kernel: q [..., N, K] (E4M3, contiguous) into
+    out[..., start:start + N, :] (None: q is the joint operand itself) and, transposed, into
+    out_t[..., :, start:start + N]."""
+    *lead, n, kdim = q.shape
+    check_tiled("an FP8-gathered weight's rows", n)
+    check_tiled("an FP8-gathered weight's columns", kdim)
+    n_out = out_t.shape[-1]
+    groups = q.numel() // (n * kdim)
+    src = q.contiguous().view(torch.uint8)
+    dst = out.view(torch.uint8) if out is not None else src
+    k.place_gathered_kernel[(groups * (n // TILE), kdim // TILE)](src, dst, out_t.view(torch.uint8), n, kdim, n_out,
+                                                                  start, ROWS=out is not None, num_warps=8)
 
 
 def quantize_cols_grouped(x: Tensor, counts: Tensor, pow2: bool, index: Tensor | None = None, block_c: int = 64,

@@ -118,6 +118,24 @@ def quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, N_OUT, ROWS: tl.co
 
 
 @triton.jit
+def place_gathered_kernel(q_ptr, out_ptr, outt_ptr, N, K, N_OUT, START, ROWS: tl.constexpr):
+    """All-gathered E4M3 values q [G, N, K] (bytes) -> (ROWS) out[:, START:START + N, :] of [G, N_OUT, K] and
+    outt[:, :, START:START + N] of [G, K, N_OUT]: the gathered weight's place in its GEMM's joint operand and the
+    transposed operand dgrad reads, from one read of q in 128 x 128 tiles (a strided copy_ of the transposed view
+    reads or writes one byte per 128-byte line)."""
+    row_block = tl.program_id(0)  # over groups x N/128
+    kb = tl.program_id(1)
+    nblocks = N // 128
+    group = (row_block // nblocks).to(tl.int64)
+    n = (row_block % nblocks) * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    q = tl.load(q_ptr + group * N * K + n[:, None].to(tl.int64) * K + cols[None, :])
+    if ROWS:
+        tl.store(out_ptr + group * N_OUT * K + (START + n[:, None]).to(tl.int64) * K + cols[None, :], q)
+    tl.store(outt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + START + n[None, :], tl.trans(q))
+
+
+@triton.jit
 def quantize_cols_kernel(x_ptr, idx_ptr, counts_ptr, q_ptr, s_ptr, C, L, N_GROUPS: tl.constexpr, POW2: tl.constexpr,
                          GATHER: tl.constexpr, BC: tl.constexpr):
     """128x1 tiles of x [M, C] into the slot-aligned layout: q_t [C, L = T*128] (slot s at columns
