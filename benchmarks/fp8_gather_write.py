@@ -5,7 +5,8 @@ copies it replaced (`copy_` of the transposed view, then of the rows) at DeepSee
 experts' w1 / w3 pair and w2 (8 local experts, dim 7168, moe_inter 2048) and a dense FFN weight. Every rep is
 timed alone (CUDA events); both ways write the same bytes (checked).
 
-GPU:  python benchmarks/fp8_gather_write.py --commit <sha> --out benchmarks/results/fp8_moe/fp8_gather_write_<sha>.json
+GPU:  python benchmarks/fp8_gather_write.py --commit <sha> \
+        --out benchmarks/results/fp8_gather_write/fp8_gather_write_<sha>.json
 """
 
 from __future__ import annotations

@@ -148,6 +148,10 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "fp8_moe": lambda d: f"{d['backend']} " + "; ".join(
         f"{name} fp8 {r['fp8']['median_ms']:.2f} ms vs bf16 {r['bf16']['median_ms']:.2f} ms ({r['speedup']:.2f}x)"
         for name, r in d["runs"].items()),
+    "fp8_gather_write": lambda d: "; ".join(
+        f"{name} kernel {r['triton_kernel']['median_ms']:.3f} ms vs torch copies "
+        f"{r['torch_copies']['median_ms']:.3f} ms "
+        f"({r['torch_copies']['median_ms'] / r['triton_kernel']['median_ms']:.1f}x)" for name, r in d["runs"].items()),
     "rehearse_sweep": _rehearse,
     "rehearse": lambda d: (f"{d['config']} N={d['world_size']}: {d['wall_s']:.0f} s wall, measured peak "
                            f"{d['planner']['measured_peak_bytes'] / 2**30:.1f} GiB (planner "
