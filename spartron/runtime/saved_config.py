@@ -87,3 +87,21 @@ def training_notes(saved: dict[str, Any], now: dict[str, Any], skip: tuple[str, 
             f"{now.get(key)!r}"
             for key in (f"train.{k}" for k in TRAINING_TRAIN_KEYS)
             if key in saved and key not in skip and saved[key] != now.get(key)]
+
+
+def seq_len_note(saved: dict[str, Any], now: dict[str, Any], consumed: int, fingerprint: str) -> str | None:
+    """What a resume with another train.seq_len does to the data: the position is a count of samples (`consumed`,
+    over all dp ranks), so on a token stream the next sample starts elsewhere than where the saved run stopped
+    (tokens skipped or read again); a shuffled stream's remaining samples of the epoch are other windows. None
+    when the length is unchanged, nothing was consumed or the data is synthetic (generated per sample)."""
+    old, new = saved.get("train.seq_len"), now.get("train.seq_len")
+    if old is None or old == new or not consumed or fingerprint.startswith("synthetic"):
+        return None
+    head = (f"spartron: note: train.seq_len changed on resume ({old} -> {new}) and the data position is a count of "
+            f"samples ({consumed} read): ")
+    if ":shuffled:" in fingerprint:
+        return head + ("the epoch's remaining samples are windows of the new length in their own shuffled order, "
+                       "not the data the saved run had left unread")
+    where, was = consumed * new, consumed * old
+    what = f"tokens {was}-{where - 1} are skipped" if where > was else f"tokens {where}-{was - 1} are read again"
+    return head + f"this run reads from token {where} of the stream, where the saved run stopped at {was}: {what}"

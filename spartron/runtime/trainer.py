@@ -58,6 +58,7 @@ from spartron.runtime.rank_setup import (
     init_process_group,
 )
 from spartron.runtime.rundir import RunDirLock, training_notes
+from spartron.runtime.saved_config import seq_len_note
 from spartron.runtime.saved_eval import evaluate_saved
 from spartron.runtime.schedule import SCHEDULE_KEYS, recorded_run_settings, schedule_note
 from spartron.runtime.stages import StageRunner, default_indexer_mode, lr_for_step
@@ -283,6 +284,10 @@ class Trainer:
                 print(schedule, file=sys.stderr, flush=True)
             for line in training_notes(meta["config"] or {}, self.state_shape, SCHEDULE_KEYS if schedule else ()):
                 print(line, file=sys.stderr, flush=True)
+            data = seq_len_note(meta["config"] or {}, self.state_shape, self.loader.position * self.loader.dp_size,
+                                self.loader.source.fingerprint)
+            if data:
+                print(data, file=sys.stderr, flush=True)
 
     def release_run_dir(self) -> None:
         """Let another run use the run directory (rank 0 holds its lock from setup on; a no-op elsewhere)."""

@@ -222,6 +222,43 @@ def test_resume_reports_changed_data_and_model_settings_that_still_fit(tmp_path,
             "fit): train.seed (saved 0, this run 1)") in capfd.readouterr().err
 
 
+def test_resume_with_another_seq_len_says_which_tokens_of_the_stream_it_skips_or_rereads(tmp_path, capfd):
+    """The data position is a count of samples: after 2 steps x 2 samples of 16 tokens (64 tokens of the stream
+    read), a resume at seq_len 32 starts at token 128 (64-127 never trained on), one at 8 at token 32 (32-63 read
+    again); the same seq_len, or synthetic data, says nothing."""
+    import numpy as np
+
+    data = tmp_path / "tokens.bin"
+    (np.arange(8192) % 61).astype(np.uint16).tofile(data)
+    for name, seq, line in (
+            ("long", 32, "this run reads from token 128 of the stream, where the saved run stopped at 64: tokens "
+                         "64-127 are skipped"),
+            ("short", 8, "this run reads from token 32 of the stream, where the saved run stopped at 64: tokens "
+                         "32-63 are read again"),
+            ("same", 16, None)):
+        run = tmp_path / name
+        mmap = {"kind": "mmap", "path": str(data)}
+        assert run1(cfg_for(run, save_every=2, steps=2, data=mmap)) == [1, 2]
+        capfd.readouterr()
+        assert run1(cfg_for(run, steps=3, seq_len=seq, data=mmap)) == [3]
+        notes = [n for n in capfd.readouterr().err.splitlines() if "train.seq_len changed on resume" in n]
+        assert notes == ([] if line is None else [
+            f"spartron: note: train.seq_len changed on resume (16 -> {seq}) and the data position is a count of "
+            f"samples (4 read): {line}"])
+    run, shuffled = tmp_path / "shuffled", {"kind": "mmap", "path": str(data), "shuffle": True}
+    run1(cfg_for(run, save_every=2, steps=2, data=shuffled))
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=3, seq_len=32, data=shuffled)) == [3]
+    assert ("spartron: note: train.seq_len changed on resume (16 -> 32) and the data position is a count of samples "
+            "(4 read): the epoch's remaining samples are windows of the new length in their own shuffled order, not "
+            "the data the saved run had left unread") in capfd.readouterr().err
+    run = tmp_path / "synthetic"
+    run1(cfg_for(run, save_every=2, steps=2))
+    capfd.readouterr()
+    assert run1(cfg_for(run, steps=3, seq_len=32)) == [3]
+    assert "train.seq_len changed on resume" not in capfd.readouterr().err
+
+
 def test_resume_names_each_changed_training_option_in_one_note(tmp_path, capfd):
     run = tmp_path / "run"
     run1(cfg_for(run, save_every=2, steps=2, warmup_steps=2))
