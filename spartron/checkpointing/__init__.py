@@ -4,7 +4,8 @@ Public names: ``checkpoint`` (functional boundary), ``CheckpointRegion`` / ``Che
 (a boundary with bound options), ``reuse_during_recompute``, ``apply_activation_checkpointing``,
 ``apply_ac_to_blocks`` (with ``checkpointed_positions``, the one ``ac.freq`` rule), ``compile_block``
 (a block's forward or its region as one compiled graph), ``ACConfig``,
-``OffloadConfig``, ``build_policy`` and the policy table.
+``OffloadConfig``, ``build_policy``, ``replays`` (whether an AC mode runs an operator again) and the policy
+table.
 """
 
 from spartron.checkpointing.apply import (
@@ -23,6 +24,7 @@ from spartron.checkpointing.policy import (
     MANDATORY_DEVICE_TO_HOST,
     OpPolicy,
     build_policy,
+    replays,
 )
 from spartron.checkpointing.replay import ReplayFrameError, reuse_during_recompute
 from spartron.checkpointing.saved_ops import CheckpointReplayError, RegionStats
@@ -32,6 +34,6 @@ __all__ = [
     "checkpoint_region_of", "checkpointed_positions", "compile_block", "region_options", "CheckpointOptions",
     "CheckpointRegion",
     "checkpoint",
-    "reuse_during_recompute", "build_policy", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
+    "reuse_during_recompute", "build_policy", "replays", "OpPolicy", "MANDATORY", "MANDATORY_DEVICE_TO_HOST",
     "DEFAULT_TARGETS", "RegionStats", "CheckpointReplayError", "ReplayFrameError",
 ]

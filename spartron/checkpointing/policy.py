@@ -157,15 +157,27 @@ class OpPolicy:
     def decide(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
         name = op_packet_name(func)
         namespace = func.namespace
+        kept = self._by_name(name, namespace)
+        if kept != "mandatory" and namespace not in REPLAY_ONLY_MARKERS and name in self.device_to_host \
+                and is_device_to_host(name, args, kwargs):
+            return "mandatory"
+        return kept
+
+    def _by_name(self, name: str, namespace: str) -> str | None:
+        """"mandatory", "target" or None from the operator's name alone (decide adds the device->host copies)."""
         if namespace in REPLAY_ONLY_MARKERS:
             return None
         if name in self.mandatory_names or namespace in self.mandatory_namespaces:
             return "mandatory"
-        if name in self.device_to_host and is_device_to_host(name, args, kwargs):
-            return "mandatory"
         if name in self.target_names or namespace in self.target_namespaces:
             return "target"
         return None
+
+    def keeps(self, op: str) -> bool:
+        """Whether a region under this policy saves what operator `op` ('ns::op') returns, so its replay does
+        not run it again: `decide`'s rule for any call of it (the device->host copies, saved or not by their
+        arguments, aside). What a cost model asks (spartron.launch.suggest: are the all-to-alls replayed?)."""
+        return self._by_name(op, op.split("::", 1)[0]) is not None
 
     def describe(self) -> dict[str, list[str]]:
         """The effective table, for logs and debug summaries."""
@@ -205,6 +217,12 @@ def is_device_to_host(name: str, args: Sequence[Any], kwargs: dict[str, Any]) ->
 
 def _off_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
+def replays(op: str, mode: str, targets: Sequence[str] | None = None) -> bool:
+    """Whether AC `mode` ("none", "full", "selective", with `targets` as ac.targets) runs operator `op` again
+    in backward: never without AC, else unless the region's policy keeps it (OpPolicy.keeps)."""
+    return mode != "none" and not build_policy(mode, targets).keeps(op)
 
 
 def build_policy(mode: Mode, targets: Sequence[str] | None = None,

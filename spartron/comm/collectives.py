@@ -14,6 +14,11 @@ mandatory: a replay reuses the saved host copy instead of synchronising with the
 Under torch.compile(fullgraph=True), list splits are constants (a new split pattern recompiles);
 tensor splits need `torch._dynamo.config.capture_scalar_outputs = True` and become unbacked
 SymInts, with the local checks turned into runtime asserts (torch._check).
+
+all_gather and reduce_scatter carry a `purpose` (a string, "" for none): what the caller gathers for (CP's
+sequence, EP's counts). The transport does nothing with it but label the call on a mirrored group
+(spartron.comm.mirror.labelled), so a rehearsal tells CP's KV exchange from FSDP2's parameter traffic when
+the two share a group; the backward's collective carries the forward's purpose.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions, _resolve_process_group
+
+from spartron.comm.mirror import MirroredProcessGroup
 
 NAMESPACE = "spartron_collectives"
 
@@ -55,8 +62,8 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 _SCHEMAS = {
     "all_to_all": "(Tensor x, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor",
-    "all_gather": "(Tensor x, SymInt dim, str group_name) -> Tensor",
-    "reduce_scatter": "(Tensor x, SymInt dim, str group_name) -> Tensor",
+    "all_gather": "(Tensor x, SymInt dim, str purpose, str group_name) -> Tensor",
+    "reduce_scatter": "(Tensor x, SymInt dim, str purpose, str group_name) -> Tensor",
     "splits_to_host": "(Tensor splits) -> Tensor",
 }
 for _name, _schema in _SCHEMAS.items():
@@ -103,11 +110,14 @@ def _all_to_all_backward(grad: Tensor, pg: dist.ProcessGroup, output_split_sizes
     return _eager(ALL_TO_ALL, grad, pg, list(input_split_sizes), list(output_split_sizes))
 
 
-def _all_gather_impl(x: Tensor, dim: int, group_name: str) -> Tensor:
-    return _all_gather_on(resolve_group(group_name), x, dim)
+def _all_gather_impl(x: Tensor, dim: int, purpose: str, group_name: str) -> Tensor:
+    return _all_gather_on(resolve_group(group_name), x, dim, purpose)
 
 
-def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
+def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int, purpose: str = "") -> Tensor:
+    if purpose and type(pg) is MirroredProcessGroup:  # a rehearsal: the call is recorded as `purpose`
+        with pg.ledger.labelled(purpose):
+            return _all_gather_on(pg, x, dim)
     front = (x.movedim(dim, 0) if dim else x).contiguous()  # the flat collectives work on dim 0
     out = front.new_empty(pg.size() * front.shape[0], *front.shape[1:])
     opts = AllgatherOptions()
@@ -122,17 +132,20 @@ def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _all_gather_fake(x, dim, group_name):
+def _all_gather_fake(x, dim, purpose, group_name):
     shape = list(x.shape)
     shape[dim] *= resolve_group(group_name).size()
     return x.new_empty(shape)
 
 
-def _reduce_scatter_impl(x: Tensor, dim: int, group_name: str) -> Tensor:
-    return _reduce_scatter_on(resolve_group(group_name), x, dim)
+def _reduce_scatter_impl(x: Tensor, dim: int, purpose: str, group_name: str) -> Tensor:
+    return _reduce_scatter_on(resolve_group(group_name), x, dim, purpose)
 
 
-def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
+def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int, purpose: str = "") -> Tensor:
+    if purpose and type(pg) is MirroredProcessGroup:  # a rehearsal: the call is recorded as `purpose`
+        with pg.ledger.labelled(purpose):
+            return _reduce_scatter_on(pg, x, dim)
     front = (x.movedim(dim, 0) if dim else x).contiguous()
     out = front.new_empty(front.shape[0] // pg.size(), *front.shape[1:])
     opts = ReduceScatterOptions()
@@ -148,7 +161,7 @@ def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int) -> Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _reduce_scatter_fake(x, dim, group_name):
+def _reduce_scatter_fake(x, dim, purpose, group_name):
     shape = list(x.shape)
     shape[dim] //= resolve_group(group_name).size()
     return x.new_empty(shape)
@@ -174,9 +187,9 @@ class _Collective:
 
 ALL_TO_ALL = _Collective(_all_to_all, _all_to_all_on, _all_to_all_backward)
 ALL_GATHER = _Collective(_all_gather, _all_gather_on,
-                         lambda grad, pg, dim: _eager(REDUCE_SCATTER, grad, pg, dim))
+                         lambda grad, pg, dim, purpose="": _eager(REDUCE_SCATTER, grad, pg, dim, purpose))
 REDUCE_SCATTER = _Collective(_reduce_scatter, _reduce_scatter_on,
-                             lambda grad, pg, dim: _eager(ALL_GATHER, grad, pg, dim))
+                             lambda grad, pg, dim, purpose="": _eager(ALL_GATHER, grad, pg, dim, purpose))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,20 +436,22 @@ def _check_dim(x: Tensor, dim: int, what: str) -> int:
     return dim % x.dim()
 
 
-def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
+def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0, purpose: str = "") -> Tensor:
     """Differentiable all-gather: every rank's `x` concatenated along `dim` in rank order.
 
-    Every rank must pass the same shape. Backward is a reduce-scatter (sum) of the gradient.
+    Every rank must pass the same shape. Backward is a reduce-scatter (sum) of the gradient. `purpose`: what
+    the gather is for, recorded by a rehearsal's mirror (module docstring).
     """
     if torch.compiler.is_compiling():
-        return _all_gather(x, _check_dim(x, dim, "all_gather"), _traced_group(group).group_name)
-    return _eager(ALL_GATHER, x, _group(group), _check_dim(x, dim, "all_gather"))
+        return _all_gather(x, _check_dim(x, dim, "all_gather"), purpose, _traced_group(group).group_name)
+    return _eager(ALL_GATHER, x, _group(group), _check_dim(x, dim, "all_gather"), purpose)
 
 
-def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0) -> Tensor:
+def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0, purpose: str = "") -> Tensor:
     """Differentiable reduce-scatter (sum): rank r gets chunk r along `dim` of the sum over ranks.
 
-    `x.size(dim)` must be divisible by the group size. Backward is an all-gather of the gradient.
+    `x.size(dim)` must be divisible by the group size. Backward is an all-gather of the gradient. `purpose`:
+    as all_gather's.
     """
     compiling = torch.compiler.is_compiling()
     group = _traced_group(group) if compiling else _group(group)
@@ -446,5 +461,5 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int =
         raise ValueError(f"reduce_scatter: x.size({dim})={x.shape[dim]} is not divisible by the "
                          f"group size {world}")
     if compiling:
-        return _reduce_scatter(x, dim, group.group_name)
-    return _eager(REDUCE_SCATTER, x, group, dim)
+        return _reduce_scatter(x, dim, purpose, group.group_name)
+    return _eager(REDUCE_SCATTER, x, group, dim, purpose)

@@ -24,7 +24,12 @@ not approximate: every answer is what a REAL N-rank run returns when every rank 
   Only the identical rule equals a real run.
 
 Every call is recorded in a `CommLedger` (kind, group description and size, bytes in the nccl-tests
-sense) so the rehearsal can model what the collectives would cost on a real cluster. Point-to-point
+sense, purpose) so the rehearsal can model what the collectives would cost on a real cluster. The purpose
+is what the caller says the collective is for (`labelled`): the group cannot tell, since identical rank
+sets share one group (with fsdp = 1, CP's KV all-gathers and FSDP2's parameter all-gathers run on the same
+group object). Every collective the project issues in a step names its purpose; what is left unlabelled
+is what torch issues on the project's behalf (FSDP2's parameter all-gathers, gradient reduce-scatters and
+HSDP gradient all-reduces). Point-to-point
 and DeepEP's / the copy-engine exchange's peer-memory buffers have no mirrored meaning: they are
 refused (spartron.comm.transport checks `is_mirrored`).
 
@@ -74,23 +79,36 @@ class CollectiveRecord:
     calls: int = 0
     bytes: int = 0
     reduce_ops: tuple[str, ...] = ()  # the reductions asked for (SUM, AVG, PREMUL_SUM, ...), in first-seen order
+    purpose: str = ""  # what the caller said the collective is for (`labelled`); "" when it said nothing
 
 
 @dataclass
 class CommLedger:
-    """Every mirrored collective of one world, keyed by (kind, group description). `enabled` False:
-    calls are answered but not counted (set-up traffic a step does not repeat)."""
+    """Every mirrored collective of one world, keyed by (kind, group description, purpose). `enabled` False:
+    calls are answered but not counted (set-up traffic a step does not repeat). `purpose`: the label of the
+    calls made now (`labelled`), "" outside any."""
 
-    records: dict[tuple[str, str], CollectiveRecord] = field(default_factory=dict)
+    records: dict[tuple[str, str, str], CollectiveRecord] = field(default_factory=dict)
     enabled: bool = True
+    purpose: str = ""
+
+    @contextmanager
+    def labelled(self, purpose: str) -> Iterator[None]:
+        """Record the collectives called inside as `purpose` (the innermost label wins)."""
+        outer, self.purpose = self.purpose, purpose
+        try:
+            yield
+        finally:
+            self.purpose = outer
 
     def add(self, kind: str, pg: MirroredProcessGroup, nbytes: int, op: ReduceOp | None = None) -> None:
         if not self.enabled:
             return
-        key = (kind, pg.description)
+        key = (kind, pg.description, self.purpose)
         rec = self.records.get(key)
         if rec is None:
-            rec = self.records[key] = CollectiveRecord(kind, pg.description, pg.size(), pg.global_ranks)
+            rec = self.records[key] = CollectiveRecord(kind, pg.description, pg.size(), pg.global_ranks,
+                                                       purpose=self.purpose)
         rec.calls += 1
         rec.bytes += int(nbytes)
         if op is not None and _kind(op).name not in rec.reduce_ops:
@@ -98,7 +116,7 @@ class CommLedger:
 
     def take(self) -> list[CollectiveRecord]:
         """The records so far, and a fresh start (one step's records at a time)."""
-        out = sorted(self.records.values(), key=lambda r: (r.group, r.kind))
+        out = sorted(self.records.values(), key=lambda r: (r.group, r.kind, r.purpose))
         self.records = {}
         return out
 
@@ -339,6 +357,21 @@ def is_mirrored(group: dist.ProcessGroup | None) -> bool:
     if group is None:
         group = dist.group.WORLD if dist.is_initialized() else None
     return isinstance(group, MirroredProcessGroup)
+
+
+@contextmanager
+def labelled(purpose: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Collectives called inside on `group` (None: the world) are recorded as `purpose` when the group is
+    mirrored (a rehearsal); elsewhere this does nothing. Callers label what they know a collective is for
+    (the loss normalisation, the gradient norm, ...) so the rehearsal report need not guess it from the
+    group, which identical rank sets share."""
+    if group is None:
+        group = dist.group.WORLD if dist.is_initialized() else None
+    if not isinstance(group, MirroredProcessGroup):
+        yield
+        return
+    with group.ledger.labelled(purpose):
+        yield
 
 
 @dataclass(frozen=True)

@@ -100,22 +100,36 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
 
 
 class _Marks:
-    """The StepProbe's phase callback: time and collectives of each stretch between phases."""
+    """The StepProbe's phase callback: time and collectives of each stretch between phases.
+
+    A step also runs collectives outside its marks: the loss normalisation's all-reduce before "forward"
+    and, after "end", the SIGTERM agreement's all-reduce in Trainer.step. Both run once per step, so they
+    are filed with the first stretch (forward->backward) and the last (optimizer->end, `finish`), whose
+    weights are 1; their time is not compute (the data loading before "forward" is not counted either)."""
 
     def __init__(self, ledger: Any, device: torch.device) -> None:
         self.ledger, self.device = ledger, device
         self.segments: list[Segment] = []
         self._last: tuple[str, float] | None = None
+        self._before: list[CollectiveRecord] = []
 
     def __call__(self, phase: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         records = self.ledger.take()
-        if self._last is not None:
+        if self._last is None:
+            self._before = records  # the step's collectives before its first mark
+        else:
             name, start = self._last
+            if not self.segments:
+                records = self._before + records
             self.segments.append(Segment(f"{name}->{phase}", now - start, records))
         self._last = (phase, now)
+
+    def finish(self) -> None:
+        """After Trainer.step returned: its collectives after the "end" mark go to the last stretch."""
+        self.segments[-1].records += self.ledger.take()
 
 
 PROFILED_KERNELS = 25  # kernels listed by a profiled rehearsal, by total device time
@@ -171,6 +185,7 @@ def run_rehearsal(cfg: RunConfig, world: int, rank: int, steps: int, balanced: b
             for _ in range(steps):
                 marks = _Marks(ledger, trainer.device)
                 record = trainer.step(StepProbe(on_phase=marks))
+                marks.finish()
                 out_steps.append({"record": record, "segments": marks.segments})
             kernels = _profiled_step(trainer) if profile else None
             param_bytes = local_parameter_bytes(trainer.model)

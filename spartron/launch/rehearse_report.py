@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spartron.layers.costs import state_bytes_per_rank
+from spartron.layers.costs import model_parameter_bytes
 from spartron.runtime.linktable import ClusterConfig, collective_time
 from spartron.runtime.memory import plan_memory
 
@@ -27,15 +27,24 @@ CATEGORIES = ("fsdp", "ep", "cp", "other")
 HGX_GPUS = 8  # GPUs per node when launch.gpus_per_node is 0 (an HGX H100 / H200 node)
 
 
-def category(kind: str, ranks: tuple[int, ...], group_ranks: dict[str, tuple[int, ...]]) -> str:
-    """fsdp (parameter all-gathers, gradient reduce-scatters), ep (all-to-alls), cp (the CP group's
-    all-gathers / reduce-scatters), other (the step's all-reduces and broadcasts)."""
+PURPOSE_CATEGORY = {"cp_sequence": "cp", "ep_counts": "ep"}
+"""Labelled collectives (spartron.comm.labelled) outside "other": CP's sequence (KV) all-gathers and their
+backward reduce-scatters, the MoE dispatch's count all-gather. Every other label (loss_norm, step_stats,
+grad_norm, expert_bias, stop_agreement, fp8_amax, indexer_metrics) is one of the step's small exposed
+collectives."""
+
+
+def category(kind: str, purpose: str) -> str:
+    """What a collective is, from what its caller said it is for (`purpose`), never from its group: identical
+    rank sets share one group (with fsdp = 1 CP's group is FSDP's). Unlabelled: all-to-alls are the MoE
+    dispatch (ep); all-gathers, reduce-scatters and all-reduces are FSDP2's parameter all-gathers, gradient
+    reduce-scatters and HSDP gradient all-reduces over dp_replicate (fsdp), the only collectives of a step the
+    project does not issue itself; anything else is other."""
+    if purpose:
+        return PURPOSE_CATEGORY.get(purpose, "other")
     if kind == "all_to_all":
         return "ep"
-    if kind in ("all_gather", "reduce_scatter"):
-        cp = group_ranks.get("cp", ())
-        return "cp" if len(cp) > 1 and ranks == cp else "fsdp"
-    return "other"
+    return "fsdp" if kind in ("all_gather", "reduce_scatter", "all_reduce") else "other"
 
 
 WARM_UP_FACTOR = 2.0  # a first step slower than this many times the last one ran one-time work
@@ -59,13 +68,13 @@ def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_nod
     for w, seg in zip(weights, segments, strict=True):
         for r in seg.records:
             t = collective_time(cluster, r.kind, r.ranks, r.calls, r.bytes, rank, gpus_per_node)
-            cat = category(r.kind, r.ranks, measured["group_ranks"])
+            cat = category(r.kind, r.purpose)
             comm[cat]["bytes"] += w * r.bytes
             comm[cat]["seconds"] += w * t.seconds
             comm[cat]["calls"] += w * r.calls
-            row = detail.setdefault((r.kind, r.group), {"kind": r.kind, "group": r.group, "group_size": r.size,
-                                                         "category": cat, "link": t.link, "calls": 0.0,
-                                                         "bytes": 0.0, "seconds": 0.0, "reduce_ops": []})
+            row = detail.setdefault((r.kind, r.group, r.purpose), {
+                "kind": r.kind, "group": r.group, "purpose": r.purpose, "group_size": r.size, "category": cat,
+                "link": t.link, "calls": 0.0, "bytes": 0.0, "seconds": 0.0, "reduce_ops": []})
             row["reduce_ops"] += [op for op in r.reduce_ops if op not in row["reduce_ops"]]
             row["calls"] += w * r.calls
             row["bytes"] += w * r.bytes
@@ -86,7 +95,8 @@ def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_nod
             "compute_s": compute, "optimizer_s": segments[-1].seconds,
             "peak_allocated_bytes": rec["peak_memory_allocated_bytes"],
             "peak_reserved_bytes": rec["peak_memory_reserved_bytes"],
-            "comm": comm, "comm_detail": sorted(detail.values(), key=lambda d: (d["category"], d["group"], d["kind"])),
+            "comm": comm,
+            "comm_detail": sorted(detail.values(), key=lambda d: (d["category"], d["group"], d["kind"], d["purpose"])),
             "compute_only": rate(compute), "no_overlap": rate(compute + total_comm), "headline": rate(headline),
             "full_overlap": rate(max(compute, total_comm))}
 
@@ -99,7 +109,7 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
     steps = [step_report(s, measured, cluster, gpus) for s in measured["steps"]]
     last = steps[-1]
     plan = plan_memory(cfg, world, rank)
-    planned_params = state_bytes_per_rank(cfg.model, dims, cfg.train.optimizer, rank)["parameters"]
+    planned_params = model_parameter_bytes(cfg.model, dims, rank)  # like the held side: no optimizer-held masters
     peak = max(s["peak_allocated_bytes"] for s in steps)
     return {
         "config": cfg.name, "world_size": world, "rank": rank, "layout": dims.describe(),
@@ -165,16 +175,17 @@ def render(report: dict[str, Any]) -> str:
     console.print(steps)
     hidden = ", ".join(report["overlaps_in_headline"])
     comm = Table(title=f"communication per step (last step; hidden under compute in the headline: {hidden})")
-    for col in ("category", "kind", "group", "size", "link", "calls", "bytes", "modelled s"):
+    for col in ("category", "kind", "purpose", "group", "size", "link", "calls", "bytes", "modelled s"):
         comm.add_column(col, justify="right")
     for d in h["comm_detail"]:
-        comm.add_row(d["category"], d["kind"], d["group"], str(d["group_size"]), d["link"], f"{d['calls']:.0f}",
-                     _gb(d["bytes"]), f"{d['seconds']:.4f}")
+        comm.add_row(d["category"], d["kind"], d["purpose"] or "-", d["group"], str(d["group_size"]), d["link"],
+                     f"{d['calls']:.0f}", _gb(d["bytes"]), f"{d['seconds']:.4f}")
     console.print(comm)
     diff = "n/a" if p["difference_percent"] is None else f"{p['difference_percent']:+.1f}%"
     console.print(f"planner: predicted peak {_gb(p['predicted_peak_bytes'])} at {p['phase']}, measured "
-                  f"{_gb(p['measured_peak_bytes'])} ({diff}); parameter shards {_gb(p['parameter_bytes'])} planned, "
-                  f"{_gb(p['measured_parameter_bytes'])} held")
+                  f"{_gb(p['measured_peak_bytes'])} ({diff}); model parameter shards {_gb(p['parameter_bytes'])} "
+                  f"planned, {_gb(p['measured_parameter_bytes'])} held (the model's own parameters: optimizer-held "
+                  "masters are in neither)")
     if report.get("kernels"):
         k = report["kernels"]
         top = Table(title=f"profiled step (one more, not reported): {k['what']}, {k['device_ms']:.1f} ms in all")

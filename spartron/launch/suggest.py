@@ -10,11 +10,17 @@ the device, and a step time is MODELLED, not measured:
 - communication, from the link table (spartron.runtime.linktable) on rank 0's groups: FSDP2's all-gathers
   (forward and backward, in model.dtype) and reduce-scatters (model.reduce_dtype; once per micro-batch with
   train.grad_sync = 'every_micro_batch', else once per step) of the dense parameters over fsdp x cp and of
-  the routed experts over expert_fsdp; the MoE all-to-alls (dispatch and combine of top_k rows of `dim`
-  per token, forward, backward, and the forward again under AC); CP's all-gather of the latent KV rows
-  per layer and its reduce-scatter in backward;
+  the routed experts over expert_fsdp; with parallel.dp_replicate > 1 (HSDP) FSDP2's all-reduce of each
+  reduce-scattered gradient shard over the replicas (the reduce-scatter's bytes / its group size, in
+  model.reduce_dtype, as many calls as reduce-scatters); the MoE all-to-alls (dispatch and combine of
+  top_k rows of `dim` per token, forward, backward, and the forward again where AC replays them); CP's
+  all-gather of the latent KV rows per layer (again where AC replays it) and its reduce-scatter in
+  backward. Whether AC replays an operator is the checkpoint policy's own rule
+  (spartron.checkpointing.replays): full AC replays the all-to-alls and all-gathers, selective AC with
+  its default targets keeps them (distributed communication is a default target), as a rehearsal measures;
 - the headline hides what the runtime overlaps (spartron.launch.rehearse_report's rule: FSDP always, the
-  all-to-alls with train.intra_layer_micro_batches > 1).
+  HSDP all-reduce included, since FSDP2 runs it on its own stream right after each reduce-scatter during
+  backward; the all-to-alls with train.intra_layer_micro_batches > 1).
 A rehearsal (`spartron rehearse`) then measures the chosen layout's compute and peak.
 """
 
@@ -25,6 +31,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from spartron.checkpointing import replays
 from spartron.launch.rehearse_report import HGX_GPUS
 from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
 from spartron.layers.fp8.wire import wire_row_bytes
@@ -91,8 +98,72 @@ def replayed_flops(cfg: RunConfig, parts) -> float:  # noqa: ANN001 - FlopParts
     return 0.0 if keeps_matmuls else parts.total - parts.attention
 
 
+def dispatch_op(cfg: RunConfig) -> str:
+    """The operator that moves the MoE tokens between EP ranks (what the checkpoint policy keeps or replays)."""
+    moe = cfg.model.moe
+    if moe.dispatcher == "deepep":
+        return "spartron_deepep::dispatch"
+    if moe.all_to_all_transport == "copy_engine":
+        return "spartron_symm::exchange"
+    return "spartron_collectives::all_to_all"
+
+
 def _group(dims, name: str) -> list[int]:  # noqa: ANN001 - ParallelDims
     return next(g for g in dims.rank_groups(name) if 0 in g)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One modelled collective of a step on rank 0's group `group` (a ParallelDims group name): its report
+    category (rehearse_report.CATEGORIES), kind, calls and bytes per step (the mirror's byte rules)."""
+
+    category: str
+    kind: str
+    group: str
+    calls: float
+    bytes: float
+
+
+def modelled_traffic(cfg: RunConfig, world: int) -> list[Traffic]:
+    """The collectives of one step of `cfg` on `world` ranks, as the module docstring models them."""
+    m, t = cfg.model, cfg.train
+    dims = cfg.parallel.dims(world)
+    n_micro = t.micro_steps(dims.dp)
+    tokens = t.micro_batch_size * t.seq_len // dims.cp  # this rank's tokens per micro-batch
+    a2a_replay = float(replays(dispatch_op(cfg), cfg.ac.mode, cfg.ac.targets))
+    kv_replay = float(replays("spartron_collectives::all_gather", cfg.ac.mode, cfg.ac.targets))
+    shapes = param_shapes(m)
+    dense = sum(math.prod(s) for f, s in shapes.items() if not is_routed_expert(f))
+    experts = sum(math.prod(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
+    width, reduce = PARAM_BYTES[m.dtype], PARAM_BYTES[m.reduce_dtype or m.dtype]
+    syncs = n_micro if t.grad_sync == "every_micro_batch" else 1
+    moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
+    blocks = m.n_layers + m.mtp.depth + 1
+    a2a_passes = 4 + 2 * a2a_replay  # dispatch + combine, forward and backward, the forward again if AC replays it
+    dispatch_passes = 1 + a2a_replay  # the forward dispatches: FP8 rows with model.fp8.dispatch, the rest model.dtype
+    row = m.dim * width
+    fp8_wire_layers = 0 if m.fp8 is None or not m.fp8.dispatch else \
+        sum(m.runs_fp8(i) for i in range(m.first_k_dense, m.n_layers)) + m.mtp.depth
+    # the dispatched row's mean bytes over the MoE layers: FP8 in those that run FP8 with model.fp8.dispatch
+    wire = (fp8_wire_layers * wire_row_bytes(m.dim) + (moe_layers - fp8_wire_layers) * row) / max(moe_layers, 1)
+    a2a_bytes = tokens * m.moe.top_k * ((a2a_passes - dispatch_passes) * row + dispatch_passes * wire) / a2a_passes
+    kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
+    a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + kv_replay) * n_micro * m.n_layers
+    out = [
+        Traffic("fsdp", "all_gather", "fsdp_cp", 2 * n_micro * blocks, 2 * n_micro * dense * width),
+        Traffic("fsdp", "reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense * reduce),
+        Traffic("fsdp", "all_gather", "expert_fsdp", 2 * n_micro * moe_layers, 2 * n_micro * experts * width),
+        Traffic("fsdp", "reduce_scatter", "expert_fsdp", syncs * moe_layers, syncs * experts * reduce),
+    ]
+    if dims.dp_replicate > 1:  # HSDP: each reduce-scattered shard all-reduced over the replicas
+        shards = (syncs * blocks, syncs * dense * reduce / (dims.fsdp * dims.cp)), \
+            (syncs * moe_layers, syncs * experts * reduce / dims.expert_fsdp)
+        out += [Traffic("fsdp", "all_reduce", "dp_replicate", calls, nbytes) for calls, nbytes in shards]
+    return out + [
+        Traffic("ep", "all_to_all", "ep", a2a_calls, a2a_calls * a2a_bytes),
+        Traffic("cp", "all_gather", "cp", kv_gathers, kv_gathers * kv_bytes),
+        Traffic("cp", "reduce_scatter", "cp", n_micro * m.n_layers, n_micro * m.n_layers * kv_bytes),
+    ]
 
 
 def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float, peak_tflops: float,
@@ -103,41 +174,12 @@ def modelled_step(cfg: RunConfig, world: int, cluster: ClusterConfig, mfu: float
     n_micro = t.micro_steps(dims.dp)
     tokens = t.micro_batch_size * t.seq_len // dims.cp  # this rank's tokens per micro-batch
     parts = training_flop_parts(m, t.seq_len)
-    replay = 0.0 if cfg.ac.mode == "none" else 1.0
     flops = tokens * n_micro * (parts.total + replayed_flops(cfg, parts) / 3)
     compute = flops / (mfu * peak_tflops * 1e12)
-
-    shapes = param_shapes(m)
-    dense = sum(math.prod(s) for f, s in shapes.items() if not is_routed_expert(f))
-    experts = sum(math.prod(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
-    width, reduce = PARAM_BYTES[m.dtype], PARAM_BYTES[m.reduce_dtype or m.dtype]
-    syncs = n_micro if t.grad_sync == "every_micro_batch" else 1
-    moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
-    blocks = m.n_layers + m.mtp.depth + 1
-    a2a_passes = 4 + 2 * replay  # dispatch + combine, forward and backward, the forward again under AC
-    dispatch_passes = 1 + replay  # the forward dispatches: FP8 rows with model.fp8.dispatch, the rest model.dtype
-    row = m.dim * width
-    fp8_wire_layers = 0 if m.fp8 is None or not m.fp8.dispatch else \
-        sum(m.runs_fp8(i) for i in range(m.first_k_dense, m.n_layers)) + m.mtp.depth
-    # the dispatched row's mean bytes over the MoE layers: FP8 in those that run FP8 with model.fp8.dispatch
-    wire = (fp8_wire_layers * wire_row_bytes(m.dim) + (moe_layers - fp8_wire_layers) * row) / max(moe_layers, 1)
-    a2a_bytes = tokens * m.moe.top_k * ((a2a_passes - dispatch_passes) * row + dispatch_passes * wire) / a2a_passes
-    kv_bytes = tokens * dims.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * width
-    a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + replay) * n_micro * m.n_layers
-
-    def cost(kind: str, group: str, calls: float, nbytes: float) -> float:
-        return collective_time(cluster, kind, _group(dims, group), round(calls), round(nbytes), 0,
-                               gpus_per_node).seconds
-
-    comm = {
-        "fsdp": cost("all_gather", "fsdp_cp", 2 * n_micro * blocks, 2 * n_micro * dense * width)
-        + cost("reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense * reduce)
-        + cost("all_gather", "expert_fsdp", 2 * n_micro * moe_layers, 2 * n_micro * experts * width)
-        + cost("reduce_scatter", "expert_fsdp", syncs * moe_layers, syncs * experts * reduce),
-        "ep": cost("all_to_all", "ep", a2a_calls, a2a_calls * a2a_bytes),
-        "cp": cost("all_gather", "cp", kv_gathers, kv_gathers * kv_bytes)
-        + cost("reduce_scatter", "cp", n_micro * m.n_layers, n_micro * m.n_layers * kv_bytes),
-    }
+    comm = {"fsdp": 0.0, "ep": 0.0, "cp": 0.0}
+    for c in modelled_traffic(cfg, world):
+        comm[c.category] += collective_time(cluster, c.kind, _group(dims, c.group), round(c.calls), round(c.bytes),
+                                            0, gpus_per_node).seconds
     overlapped = comm["fsdp"] + (comm["ep"] if t.intra_layer_micro_batches > 1 else 0.0)
     exposed = sum(comm.values()) - overlapped
     return compute, comm, max(compute, overlapped) + exposed

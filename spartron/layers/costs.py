@@ -318,9 +318,25 @@ def optimizer_state_bytes(m: ModelConfig, shards: dict[str, tuple[int, ...]], op
     return optimizer_state_elements(m, shards, optimizer) * PARAM_BYTES[moments_dtype or m.stored_dtype]
 
 
+def receives_gradient(m: ModelConfig, fqn: str) -> bool:
+    """Whether parameter `fqn` gets a gradient, hence an optimizer state: not the DSA indexer's under
+    model.dsa.indexer_mode = "frozen", which selects under no_grad (LightningIndexer.select_frozen), so its
+    parameters keep grad None and AdamW / Muon create no state for them."""
+    return not (m.dsa is not None and m.dsa.indexer_mode == "frozen" and ".indexer." in fqn)
+
+
 def optimizer_masters(m: ModelConfig) -> bool:
     """fp32 masters held by the optimizer beside compute-dtype parameters (spartron.runtime.master_weights)."""
     return m.master_dtype is not None and m.master_weights == "optimizer"
+
+
+def model_parameter_bytes(m: ModelConfig, dims: ParallelDims, rank: int = 0) -> int:
+    """Bytes of the model's own parameter shards on `rank`: in model.dtype under model.master_weights =
+    "optimizer" (the fp32 masters sit in the optimizer, not in the model), else in the stored dtype. What a
+    built rank's `model.parameters()` hold, which the rehearsal compares (state_bytes_per_rank's "parameters"
+    adds the optimizer-held masters)."""
+    width = PARAM_BYTES[m.dtype] if optimizer_masters(m) else PARAM_BYTES[m.stored_dtype]
+    return width * sum(_numel(s) for s in param_shards(m, dims, rank).values())
 
 
 def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, rank: int = 0,
@@ -330,12 +346,15 @@ def state_bytes_per_rank(m: ModelConfig, dims: ParallelDims, optimizer: str, ran
     parameter's dtype), AdamW's moments in `moments_dtype` where set (train.adamw_moments_dtype). Rank 0 holds
     the largest chunks. Under model.master_weights = "optimizer" the
     parameters are the compute-dtype weights plus their fp32 masters, and the gradients the fp32 main
-    gradients (one micro-batch keeps autograd's compute-dtype ones instead: step_memory.memory_plan)."""
+    gradients (one micro-batch keeps autograd's compute-dtype ones instead: step_memory.memory_plan). Gradients
+    and optimizer state are those of the parameters that get a gradient (receives_gradient)."""
     shards = param_shards(m, dims, rank)
     width = PARAM_BYTES[m.stored_dtype]
     local = sum(_numel(s) for s in shards.values())
-    weights = width + (PARAM_BYTES[m.dtype] if optimizer_masters(m) else 0)
-    out = {"parameters": local * weights, "gradients": local * width,
-           "optimizer_state": optimizer_state_bytes(m, shards, optimizer, moments_dtype)}
+    masters = local * width if optimizer_masters(m) else 0
+    trained = {f: s for f, s in shards.items() if receives_gradient(m, f)}
+    out = {"parameters": model_parameter_bytes(m, dims, rank) + masters,
+           "gradients": sum(_numel(s) for s in trained.values()) * width,
+           "optimizer_state": optimizer_state_bytes(m, trained, optimizer, moments_dtype)}
     out["total"] = sum(out.values())
     return out

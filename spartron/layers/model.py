@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.comm import labelled
 from spartron.comm.transport import EPTransport
 from spartron.layers.attention.context_parallel import cp_positions, cp_shard
 from spartron.layers.attention.doc_mask import check_document_positions, document_shifted_labels
@@ -79,7 +80,8 @@ class SparseMoEModel(nn.Module):
         if targets is None:
             targets = (labels != IGNORE_INDEX).sum().to(torch.float32)
             if ranks > 1:
-                dist.all_reduce(targets, group=self.loss_group)
+                with labelled("loss_norm", self.loss_group):
+                    dist.all_reduce(targets, group=self.loss_group)
         return loss_sum * ranks / targets.clamp(min=1.0)
 
     def _loss_labels(self, labels: Tensor, rows: Tensor | None) -> list[Tensor]:

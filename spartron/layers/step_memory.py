@@ -22,6 +22,7 @@ from spartron.layers.costs import (
     optimizer_state_bytes,
     param_shapes,
     param_shards,
+    receives_gradient,
     state_bytes_per_rank,
 )
 from spartron.layers.fp8.apply import weight_cache_on
@@ -247,7 +248,7 @@ def trained_state_bytes(m: ModelConfig, dims: ParallelDims, step: StepShape, ran
     state = state_bytes_per_rank(m, dims, step.optimizer, rank, step.moments_dtype)
     if step.trainable is None:
         return state
-    shards = {f: s for f, s in param_shards(m, dims, rank).items() if f in step.trainable}
+    shards = {f: s for f, s in param_shards(m, dims, rank).items() if f in step.trainable and receives_gradient(m, f)}
     width = PARAM_BYTES[m.stored_dtype]
     out = {"parameters": state["parameters"], "gradients": sum(math.prod(s) for s in shards.values()) * width,
            "optimizer_state": optimizer_state_bytes(m, shards, step.optimizer, step.moments_dtype)}
@@ -270,7 +271,8 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
         prefix = f"layers.{i}." if i < m.n_layers else f"mtp.blocks.{0 if m.mtp.share_weights else i - m.n_layers}."
         local = {f: math.prod(s) // (dims.ep if is_routed_expert(f) else 1) for f, s in shapes.items()
                  if f.startswith(prefix)}
-        params, trained = sum(local.values()), sum(n for f, n in local.items() if _trains(step, f))
+        params = sum(local.values())
+        trained = sum(n for f, n in local.items() if _trains(step, f) and receives_gradient(m, f))
         # a DSA layer's attention backward runs after its FFN's, whose saved tensors are gone by then
         work = max(tokens * m.dim * a * 4 + 2 * widest * a, attn.work + tokens * m.dim * a * 2 - s_ffn)
         blocks.append(_Block(saved=saved, kept_matmul=mm, kept_attention=attn.kept_attention, work=work,

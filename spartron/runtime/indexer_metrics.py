@@ -23,6 +23,7 @@ from pydantic import Field
 from torch import nn
 
 from spartron.checkpointing.replay import reuse_during_recompute
+from spartron.comm import labelled
 from spartron.configbase import ConfigSection
 from spartron.layers.attention.indexer_recall import indexer_quality, sampled_rows
 from spartron.layers.attention.mla import MLA
@@ -81,7 +82,8 @@ class IndexerProbe:
         layers = sorted(results)
         values = torch.stack([torch.stack([results[i][0], results[i][1]]).float() for i in layers])
         if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(values, group=self.group)
+            with labelled("indexer_metrics", self.group):
+                dist.all_reduce(values, group=self.group)
             values /= dist.get_world_size(self.group)
         recall, kl = values[:, 0].tolist(), values[:, 1].tolist()
         return {"indexer_metric_layers": layers, "indexer_recall_per_layer": recall, "indexer_kl_per_layer": kl,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.comm import labelled
 from spartron.layers.loss import LossNorm
 from spartron.layers.outputs import ModelOutput
 from spartron.runtime.data import Batch
@@ -39,7 +40,8 @@ def step_loss_norm(model: nn.Module, batches: list[Batch], group: dist.ProcessGr
     if not isinstance(model, TokenNormModel):
         return None
     counts = sum(model.target_counts(b.labels, **b.model_kwargs(b.labels.device)) for b in batches).to(device)
-    dist.all_reduce(counts, group=group)
+    with labelled("loss_norm", group):
+        dist.all_reduce(counts, group=group)
     return LossNorm(counts, len(batches))
 
 
@@ -66,10 +68,12 @@ class StepStats:
     def reduce(self, n_micro: int, group: dist.ProcessGroup, shares: bool) -> tuple[list[float], Tensor | None]:
         divisors = [1, 1, n_micro, n_micro, *[1] * self.n_mtp] if shares else [n_micro] * len(self.values)
         stacked = torch.stack(self.values) / torch.tensor(divisors, dtype=torch.float32, device=self.values[0].device)
-        dist.all_reduce(stacked, group=group)  # gloo has no AVG: sum, then divide
+        with labelled("step_stats", group):
+            dist.all_reduce(stacked, group=group)  # gloo has no AVG: sum, then divide
         means = (stacked / dist.get_world_size(group)).tolist()
         counts = None
         if self.counts is not None:
             counts = self.counts.to(torch.int64)
-            dist.all_reduce(counts, group=group)
+            with labelled("step_stats", group):
+                dist.all_reduce(counts, group=group)
         return means, counts

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.comm import labelled
 from spartron.layers.config import master_optimizer_refusal
 from spartron.layers.costs import muon_takes
 from spartron.runtime.adamw_triton import TritonAdamW
@@ -171,7 +172,8 @@ def global_grad_norm(params: Iterable[nn.Parameter],
         partial = buckets[key].clone()
         # Successive sums over each group = the sum over their product (the groups are orthogonal).
         for group in key:
-            dist.all_reduce(partial, group=group)
+            with labelled("grad_norm", group):
+                dist.all_reduce(partial, group=group)
         total += partial
     return total.sqrt()
 

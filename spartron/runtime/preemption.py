@@ -17,6 +17,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from spartron.comm import labelled
+
 
 class StopOnSigterm:
     """A SIGTERM handler, installed for the life of a `with` block (main thread only; elsewhere it
@@ -48,5 +50,6 @@ class StopOnSigterm:
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank was asked to stop (one all-reduce over the world)."""
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with labelled("stop_agreement"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -392,13 +392,13 @@ def _gather_grad_worker(rank, world):
     name = dist.group.WORLD.group_name
     grads = []
     for gather in (lambda t: C.all_gather(t, dim=1),
-                   lambda t: torch.ops.spartron_collectives.all_gather(t, 1, name)):
+                   lambda t: torch.ops.spartron_collectives.all_gather(t, 1, "", name)):
         xg = x.clone().requires_grad_()
         out = gather(xg)
         (out * _weight(rank, out.shape)).sum().backward()
         grads.append(xg.grad)
     for scatter in (lambda t: C.reduce_scatter(t, dim=1),
-                    lambda t: torch.ops.spartron_collectives.reduce_scatter(t, 1, name)):
+                    lambda t: torch.ops.spartron_collectives.reduce_scatter(t, 1, "", name)):
         xg = torch.cat([x] * world, dim=1).requires_grad_()
         out = scatter(xg)
         (out * _weight(rank, out.shape)).sum().backward()

@@ -87,9 +87,9 @@ def _paths_worker(rank, world, device="cpu"):
         mode = _Names()
         with mode if watched else contextlib.nullcontext():
             assert torch.equal(C.all_gather(y, group), gathered)
-            assert torch.equal(torch.ops.spartron_collectives.all_gather(y, 0, name), gathered)
+            assert torch.equal(torch.ops.spartron_collectives.all_gather(y, 0, "", name), gathered)
             assert torch.equal(C.reduce_scatter(y, group), scattered)
-            assert torch.equal(torch.ops.spartron_collectives.reduce_scatter(y, 0, name), scattered)
+            assert torch.equal(torch.ops.spartron_collectives.reduce_scatter(y, 0, "", name), scattered)
             assert torch.equal(C.all_gather(y, group, dim=1), torch.cat(gathered.split(2), dim=1))
         seen["gather_scatter", watched] = mode.names
     return seen

@@ -64,14 +64,35 @@ def test_state_bytes_shard_over_fsdp_cp_and_count_optimizer_state():
     dims = ParallelDims(4, fsdp=2, cp=2, ep=2)
     four = [state_bytes_per_rank(cfg.model, dims, "adamw", rank) for rank in range(4)]
     n = count_parameters(cfg.model).total
-    assert one == {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n, "total": 16 * n}
+    model = build_model(cfg.model)
+    frozen = sum(p.numel() for name, p in model.named_parameters() if ".indexer." in name)  # no grad, no state
+    assert cfg.model.dsa.indexer_mode == "frozen" and frozen == 6624
+    t = n - frozen
+    assert one == {"parameters": 4 * n, "gradients": 4 * t, "optimizer_state": 8 * t, "total": 4 * n + 12 * t}
     assert sum(f["parameters"] for f in four) == one["parameters"]  # shards, uneven (2-row weights over 4)
     assert four[0]["parameters"] == max(f["parameters"] for f in four) > one["parameters"] // 4
     bf16 = state_bytes_per_rank(load_config(TINY, ['model.dtype="bfloat16"']).model, ParallelDims(1, fsdp=1),
                                 "muon")
-    muon = sum(p.numel() for p in build_model(cfg.model).parameters() if p.ndim in (2, 3)
+    muon = sum(p.numel() for name, p in model.named_parameters() if p.ndim in (2, 3) and ".indexer." not in name
                and cfg.model.vocab_size not in p.shape)  # one momentum (experts too); the rest AdamW's two
-    assert bf16["parameters"] == 2 * n and bf16["optimizer_state"] == 2 * (muon + 2 * (n - muon))
+    assert bf16["parameters"] == 2 * n and bf16["optimizer_state"] == 2 * (muon + 2 * (t - muon))
+
+
+def test_frozen_indexer_has_no_gradient_or_optimizer_state_in_the_plan():
+    """model.dsa.indexer_mode = "frozen" selects under no_grad: a built tiny rank (world 1) holds 6,624 fewer
+    gradient elements at the optimizer step and no moments for them (audit F9: the planner counted both).
+    A trained (kl_dense) indexer has both."""
+    cfg = load_config(TINY)
+    plan = state_bytes_per_rank(cfg.model, ParallelDims(1, fsdp=1), "adamw")
+    trained = load_config(TINY, ['model.dsa.indexer_mode="kl_dense"', "model.dsa.indexer_loss_coeff=0.1"])
+    kl = state_bytes_per_rank(trained.model, ParallelDims(1, fsdp=1), "adamw")
+    assert kl["gradients"] - plan["gradients"] == 4 * 6624
+    assert kl["optimizer_state"] - plan["optimizer_state"] == 8 * 6624
+    assert kl["parameters"] == plan["parameters"]
+    model = build_model(cfg.model)  # what exists: after a backward the frozen indexer's grads are still None
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens)["loss"].backward()
+    assert sum(p.numel() for p in model.parameters() if p.grad is None) == 6624
 
 
 # ---- FLOPs by hand -------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) ->
     cp = cp_size_of(group)
     if cp == 1:
         return x
-    return unshard_sequence(collectives.all_gather(x.contiguous(), group, dim=dim), cp, dim=dim)
+    return unshard_sequence(collectives.all_gather(x.contiguous(), group, dim=dim, purpose="cp_sequence"), cp, dim=dim)
 
 
 def cp_shard(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spartron.comm import labelled
 from spartron.layers.fp8.gathered import GatheredFP8Weight, JointBlocks
 from spartron.layers.fp8.quant import FP8, tile_scales
 from spartron.layers.fp8.shard_quant import block_amax, local_amax, quantize_shard
@@ -176,7 +177,8 @@ def refresh(model: nn.Module) -> int:
         world = dist.get_world_size(group)
         flat = torch.cat([local.reshape(-1) for _, _, local in members])
         gathered = flat.new_empty(world * flat.numel())
-        dist.all_gather_into_tensor(gathered, flat, group=group)
+        with labelled("fp8_amax", group):
+            dist.all_gather_into_tensor(gathered, flat, group=group)
         parts = gathered.view(world, -1).split([local.numel() for _, _, local in members], dim=1)
         for (state, shard, local), part in zip(members, parts, strict=True):
             every = torch.cat(list(part.reshape(world, *local.shape).unbind(0)), dim=state.dim)  # rank order

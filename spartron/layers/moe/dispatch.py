@@ -316,7 +316,8 @@ class CopyEngineDispatcher(AllToAllDispatcher):
         ep, n_local, n = self.ep, self.n_local_experts, len(states)
         me = dist.get_rank(self.group)
         counts = torch.stack([s.tokens_per_expert for s in states]).reshape(-1)
-        every = all_gather(counts, self.group).view(ep, n, ep, n_local)  # [src, state, dst rank, expert]
+        every = all_gather(counts, self.group, purpose="ep_counts")
+        every = every.view(ep, n, ep, n_local)  # [src, state, dst rank, expert]
         matrices = splits_to_host(every.sum(dim=3).transpose(0, 1).reshape(-1))  # [state, src, dst]: one copy
         for i, state in enumerate(states):
             matrix = matrices[i * ep * ep:(i + 1) * ep * ep]

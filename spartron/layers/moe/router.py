@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spartron.comm import labelled
 from spartron.layers.config import MoEConfig
 from spartron.layers.init import init_parameters_
 from spartron.layers.moe.topk import moe_topk
@@ -115,6 +116,7 @@ class Router(nn.Module):
                              f"got {counts.dtype} of shape {tuple(counts.shape)}")
         total = counts.to(device=self.expert_bias.device, dtype=torch.int64, copy=True)
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            with labelled("expert_bias", group):
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         load = total.to(torch.float32)
         self.expert_bias.add_(self.cfg.bias_update_rate * torch.sign(load.mean() - load))
