@@ -65,10 +65,18 @@ def check_rehearsable(cfg: RunConfig, torch_version: str = torch.__version__) ->
 def rehearsal_config(cfg: RunConfig, world: int, steps: int, run_dir: str) -> tuple[RunConfig, int, list[str]]:
     """The config the rehearsal trains: `cfg` with `steps` steps of at most REHEARSED_MICRO_BATCHES
     micro-batches, no saves, evaluation, resume, init_from, progress output or metric sinks, in
-    `run_dir`. Returns it, the run's micro-batches per step and notes on what was changed."""
+    `run_dir`. Returns it, the run's micro-batches per step and notes on what was changed (the report
+    prints them: a rehearsal that silently left out a config's evaluation read as its full cost).
+    A staged config (train.stages) rehearses every stage's steps: `steps` (--steps) must be their total,
+    and a mismatch is refused naming --steps, the option the user sets (train.steps is the rehearsal's)."""
     check_rehearsable(cfg)
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    staged = sum(s.steps for s in cfg.train.stages)
+    if staged and steps != staged:
+        parts = " + ".join(str(s.steps) for s in cfg.train.stages)
+        raise ConfigError(f"--steps {steps}: the config is staged (train.stages) and a rehearsal runs every stage's "
+                          f"steps, {staged} ({parts}) in all: rehearse with --steps {staged}")
     dims = cfg.parallel.dims(world)
     n_micro = cfg.train.micro_steps(dims.dp)
     m = min(n_micro, REHEARSED_MICRO_BATCHES)
@@ -79,6 +87,12 @@ def rehearsal_config(cfg: RunConfig, world: int, steps: int, run_dir: str) -> tu
         notes.append("train.init_from is not read: a rehearsal starts from the seed's initialisation")
     if data["parallel"].get("nccl"):
         notes.append("parallel.nccl communicator settings have nothing to configure on a mirrored group")
+    if t.get("eval_every"):
+        notes.append(f"train.eval_every = {t['eval_every']} is not rehearsed: the steps and tokens/s leave out "
+                     "evaluation")
+    if t.get("save_every"):
+        notes.append(f"train.save_every = {t['save_every']} is not rehearsed: the steps and tokens/s leave out "
+                     f"saves{' (async_save included)' if t.get('async_save') else ''}")
     data["parallel"]["nccl"] = {}
     for key in ("init_from", "init_from_step"):
         t.pop(key, None)
