@@ -88,7 +88,9 @@ def expert_load_per_layer(tokens_per_expert: Tensor | None) -> list[float] | Non
 # ---- run header --------------------------------------------------------------------------------
 def git_commit(root: Path | None = None) -> str | None:
     """The commit this code is: the BUILD_COMMIT file in the checkout root when there is one (a snapshot
-    copied to a lent GPU machine, which may sit inside an unrelated, older git checkout), else HEAD."""
+    copied to a lent GPU machine, which may sit inside an unrelated, older git checkout; its writer says what
+    it holds), else HEAD, as "<sha>-dirty" when tracked files differ from it: a report of modified code must
+    not name the commit as if it had run that commit's code (untracked files are not counted)."""
     root = Path(__file__).resolve().parents[2] if root is None else root
     marker = root / "BUILD_COMMIT"
     built = marker.read_text().strip() if marker.is_file() else ""
@@ -98,7 +100,10 @@ def git_commit(root: Path | None = None) -> str | None:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5)
         if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=5)
+            dirty = status.returncode == 0 and status.stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
     return None

@@ -75,3 +75,25 @@ def test_git_commit_prefers_the_snapshot_marker_over_an_enclosing_checkout(tmp_p
     assert git_commit(snap) == "abc123"
     (snap / "BUILD_COMMIT").write_text("  \n")
     assert git_commit(snap) == head  # an empty marker is no marker
+
+
+def test_git_commit_marks_a_checkout_with_modified_tracked_files_dirty(tmp_path):
+    """A rehearsal of a tree with one modified tracked file recorded the clean HEAD (audit F8)."""
+    import subprocess
+
+    from spartron.runtime.metrics import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    head = git("rev-parse", "HEAD").strip()
+    (tmp_path / "new.py").write_text("untracked\n")
+    assert git_commit(tmp_path) == head  # untracked files do not count
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == f"{head}-dirty"
+    (tmp_path / "BUILD_COMMIT").write_text("abc123\n")
+    assert git_commit(tmp_path) == "abc123"  # a snapshot's marker is taken as written
