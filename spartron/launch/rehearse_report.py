@@ -3,10 +3,13 @@
 Step time, three ways (communication from spartron.runtime.linktable, compute measured):
 - `no_overlap`: compute + every collective, one after the other;
 - `headline`: only the overlaps the runtime implements: FSDP2's all-gathers (prefetched on their own
-  stream) and reduce-scatters (their own stream) hide under compute; the MoE all-to-alls too when
-  train.intra_layer_micro_batches > 1 (spartron.layers.overlap interleaves them with the other
+  stream), reduce-scatters (their own stream) and, with HSDP, the gradient all-reduces it runs right after
+  each reduce-scatter in backward hide under compute (the last ones' exposure is not modelled); the MoE
+  all-to-alls too when train.intra_layer_micro_batches > 1 (spartron.layers.overlap interleaves them with the other
   micro-batch's compute), otherwise they are exposed; CP's all-gathers and the step's small all-reduces
-  (loss, grad norm, expert bias) are exposed: max(compute, overlapped) + exposed;
+  (loss normalisation, step stats, grad norm, expert bias, SIGTERM agreement) are exposed:
+  max(compute, overlapped) + exposed. Each collective's category is what its caller says it is for
+  (spartron.comm.labelled, `category`), never its group;
 - `full_overlap`: max(compute, all communication), a bound no runtime reaches.
 Tokens/s per GPU = global_batch_size x seq_len / world / step time; MFU over the trainer's peak FLOP/s
 (train.peak_tflops, else the measured matmul ceiling of the device).
