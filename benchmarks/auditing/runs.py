@@ -47,6 +47,19 @@ def _blend_saved_in_one_order(work: Path) -> None:
     _reseal(step)
 
 
+MMAP = ("train.data.kind=mmap", 'train.data.path="tokens.bin"', "name=mm", "train.save_every=1")
+
+
+def _mmap_saved_at_seq_64(work: Path) -> None:
+    """A one-step run on a token file at train.seq_len 64 (4 samples: tokens 0-255 of the stream read)."""
+    import numpy as np
+
+    from benchmarks.auditing.runner import _cli
+
+    (np.arange(64 * 64 + 1) % 500).astype(np.uint16).tofile(work / "tokens.bin")
+    _cli([a.replace("{tiny}", TINY) for a in train("train.steps=1", *MMAP)], work, work.parents[1])
+
+
 def cases() -> list[Case]:
     out: list[Case] = []
     resume = ("train.save_every=1", "name=base")
@@ -89,4 +102,10 @@ def cases() -> list[Case]:
     # saved in the shared order cannot go on: refused, saying what to do
     out.append(Case("state-blend-shuffled-in-one-order", "state", train("train.steps=2", *BLEND),
                     ("train.run_dir",), setup=_blend_saved_in_one_order, timeout=150.0))
+    # outside audit (reshard): a resume with another seq_len on a token file reads the position in samples of the
+    # new length; it must say which tokens of the stream that skips
+    out.append(Case("state-resume-seq-len-on-a-token-file", "state", train("train.steps=2", "train.seq_len=128",
+                                                                           *MMAP), ("train.seq_len",),
+                    setup=_mmap_saved_at_seq_64, accept_ok=True, timeout=150.0,
+                    expect_out="tokens 256-511 are skipped"))
     return out
