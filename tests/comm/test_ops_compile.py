@@ -111,8 +111,8 @@ def _opcheck_worker(rank, world):
     ops = torch.ops.spartron_collectives
     cases = [
         (ops.all_to_all.default, (x, [1, 3] if rank == 0 else [3, 1], [1, 3] if rank == 0 else [3, 1], name)),
-        (ops.all_gather.default, (x, 1, name)),
-        (ops.reduce_scatter.default, (x, 0, name)),
+        (ops.all_gather.default, (x, 1, "", name)),
+        (ops.reduce_scatter.default, (x, 0, "", name)),
         (ops.splits_to_host.default, (torch.tensor([1, 2], dtype=torch.int32),)),
     ]
     for op, args in cases:
