@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.auditing.core import Case, train, tstr
+from benchmarks.auditing.core import Case, has_records, train, tstr
 
 # Every payload mentions {m}: the marker it would create if any of it ran as shell.
 HOSTILE = [
@@ -72,4 +72,16 @@ def slurm_cases() -> list[Case]:
                              "launch." + fname, "name", "train.run_dir", "directive", "Slurm"),
                             run_script=True, accept_ok=fname in data_fields and not multiline,
                             quick=(fname, i) in (("name", 2), ("env_value", 0))))
+    # refused before anything is written or submitted (a stub sbatch call fails the case)
+    for cid, arg, names in (("signal", "--signal=USR1@120", ("launch.sbatch_args", "launch.signal_before_s")),
+                            ("signal-abbrev", "--sig=USR1@120", ("launch.sbatch_args", "launch.signal_before_s")),
+                            ("array", "--array=0-1", ("launch.sbatch_args",))):
+        out.append(Case(f"slurm-sbatch-args-{cid}", "slurm",
+                        ["sbatch", "{tiny}", "--submit", "--set", f"launch.sbatch_args=[{tstr(arg)}]"], names,
+                        forbid_submit=True))
+    live = train("train.steps=12", "train.save_every=2", "name=live")
+    out.append(Case("slurm-sbatch-into-a-live-run-dir", "slurm", ["sbatch", "{tiny}", "--submit", "--set", "name=live"],
+                    (".lock", "in use"), category="concurrent", first=live,
+                    first_ready=has_records("runs/live/metrics.jsonl", 1), forbid_submit=True, timeout=150.0,
+                    note="a submission must not rewrite the job files of a run training there (F1)"))
     return out

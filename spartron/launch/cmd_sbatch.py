@@ -50,6 +50,9 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(job.script)
         return 0
+    from spartron.runtime.rundir import check_not_in_use
+
+    check_not_in_use(job.run_dir)  # a run training there now: refused before anything is written or queued
     job_id = slurm.submit(job)
     out, err = job.log_paths(job_id)
     print(f"spartron: submitted job {job_id} ({cfg.launch.nodes} node(s) x {slurm.tasks_per_node(cfg)} "
@@ -58,15 +61,18 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         return 0
     state, status = slurm.wait(job_id, timeout_s=args.wait_timeout)
     print(f"spartron: job {job_id} {state} with exit status {status}; run dir {job.run_dir}")
-    if status == STOPPED_STATUS:
+    first = slurm.first_failure(err)
+    if status == STOPPED_STATUS and (first is None or first.status == STOPPED_STATUS):
         print(f"spartron: the ranks got SIGTERM, saved a complete step and stopped (status {STOPPED_STATUS}); "
               "submit again to resume from it")
-    elif status != 0:
+        return status
+    if status != 0:  # a peer's failure makes srun stop the others, which may save and exit 75: not a stop
         for path in (out, err):
             print(f"---- last lines of {path} ----\n{slurm.log_tail(path)}", file=sys.stderr)
-        first = slurm.first_failed_task(err)
         if first:
-            print(f"spartron: the first to fail, as srun saw it: {first}", file=sys.stderr)
+            print(f"spartron: the first to fail, as srun saw it: {first.text}", file=sys.stderr)
+            if first.status:  # the root cause's status, as the local launcher exits with (not srun's 143)
+                return first.status
     return status
 
 

@@ -13,9 +13,10 @@ from spartron.runtime.observe import FLIGHT_RECORDER_ENV
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SLURM_TIME = re.compile(r"\d+(:\d{2}){0,2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|infinite")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Set per rank by srun / torchrun / the local launcher; the same value for every rank breaks discovery.
-_LAUNCHER_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                           "MASTER_PORT"})
+# Set per rank by torchrun / the local launcher (read before SLURM_* by discovery); the same value for every rank
+# breaks discovery, so launch.env may not set them and the Slurm job script unsets what the submitting shell has.
+LAUNCHER_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                          "MASTER_PORT"})
 _SBATCH_ARG = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9._,:/@+=-]+)?")
 
 
@@ -74,7 +75,7 @@ class LaunchConfig(ConfigSection):
         for key, value in v.items():
             if not _ENV_NAME.fullmatch(key):
                 raise ValueError(f"environment variable name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
-            if key in _LAUNCHER_ENV or key.startswith("SLURM_"):
+            if key in LAUNCHER_ENV or key.startswith("SLURM_"):
                 raise ValueError(f"{key} is set by the launcher (srun / the local launcher) for each rank; "
                                  "setting it here would give every rank the same value")
             if key in FLIGHT_RECORDER_ENV:
@@ -98,4 +99,26 @@ class LaunchConfig(ConfigSection):
             if not _SBATCH_ARG.fullmatch(arg):
                 raise ValueError(f"each entry must look like --flag or --flag=value with value in "
                                  f"[A-Za-z0-9._,:/@+=-], got {arg!r}")
+            refusal = _refused_sbatch_arg(arg)
+            if refusal:
+                raise ValueError(refusal)
         return v
+
+
+def _refused_sbatch_arg(arg: str) -> str | None:
+    """Why `arg` may not be an extra sbatch directive, or None. sbatch (getopt_long) takes any unambiguous
+    prefix of a long option, so `--sig=...` is `--signal`: the option's name is compared as a prefix.
+
+    --signal: the ranks save only on SIGTERM, and the job script's trap is for SIGTERM alone; another signal
+    (USR1 is a common template's choice) would kill the job early without a save, and a second --signal
+    would replace launch.signal_before_s's. --array: every task of an array shares this one run directory
+    (one would be refused as "in use", or train another's steps) and `spartron sbatch --wait` follows one job.
+    """
+    name = arg[2:].split("=", 1)[0]
+    if "signal".startswith(name):
+        return (f"{arg!r} sets the signal Slurm sends before the time limit: set launch.signal_before_s "
+                "instead (it renders --signal=B:TERM@<seconds>; the ranks save a complete step on SIGTERM)")
+    if "array".startswith(name):
+        return (f"{arg!r} makes an array job, whose tasks would all share one run directory: submit one "
+                "`spartron sbatch` per run, each with its own name or train.run_dir")
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,9 +110,11 @@ def test_sbatch_dry_run_prints_script_and_writes_nothing(capsys, tmp_path, monke
                      f"#SBATCH --output={run_dir}/slurm/%j.out", f"#SBATCH --error={run_dir}/slurm/%j.err",
                      f"#SBATCH --chdir={tmp_path}", "export NCCL_DEBUG=WARN", "export OMP_NUM_THREADS=12",
                      "source /opt/v/bin/activate",
-                     f"srun --kill-on-bad-exit=1 /opt/v/bin/python -m spartron.launch.cli train "
-                     f"{run_dir}/slurm/config.toml &"]:  # in the background: the SIGTERM trap runs at once
+                     "unset GROUP_RANK LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT RANK WORLD_SIZE"]:
         assert expected in lines, expected
+    srun = re.escape(f"srun --kill-on-bad-exit=1 /opt/v/bin/python -m spartron.launch.cli train {run_dir}/slurm/")
+    # the submission's own frozen config, named by its content; in the background: the SIGTERM trap runs at once
+    assert sum(bool(re.fullmatch(srun + r"config-[0-9a-f]{16}\.toml &", line)) for line in lines) == 1
     assert not any(tmp_path.iterdir()), "a dry run must not write anything"
 
 
@@ -132,9 +135,10 @@ def test_sbatch_dry_run_container(capsys, tmp_path, monkeypatch):
     assert main(["sbatch", TINY, "--dry-run", "--set", 'launch.container="nvcr.io/nvidia/pytorch:25.01-py3"',
                  "--entry", "smoke"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert (f"srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
-            f"--container-mounts={tmp_path} --container-workdir={tmp_path} python -m spartron.launch.cli "
-            f"smoke {tmp_path}/runs/tiny/slurm/config.toml &") in lines
+    srun = re.escape(f"srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
+                     f"--container-mounts={tmp_path} --container-workdir={tmp_path} python -m spartron.launch.cli "
+                     f"smoke {tmp_path}/runs/tiny/slurm/")
+    assert sum(bool(re.fullmatch(srun + r"config-[0-9a-f]{16}\.toml &", line)) for line in lines) == 1
     assert not any(line.startswith("source ") for line in lines)
 
 

@@ -109,10 +109,14 @@ def slurm(slurm_reason) -> None:
         pytest.skip(slurm_reason)
 
 
-def _spartron(args: list[str], cwd: Path) -> subprocess.Popen:
+def _spartron(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "spartron.launch.cli", *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(extra_env or {})})
+
+
+# what a shell inside a torchrun (or after `export MASTER_PORT=...`) holds when it submits
+LEAKED = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29577"}
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -144,6 +148,7 @@ def jobs(tmp_path_factory, slurm_reason):
         "failing": _spartron(["sbatch", TINY, "--nodes", "1", "--entry", "smoke", "--wait",
                               "--set", 'parallel.backend="nccl"'], root / "failing"),
         "nowait": _spartron(["sbatch", TINY, "--entry", "smoke", "--set", 'name="nowait"'], root / "nowait"),
+        "leaked": _spartron(["sbatch", TINY, "--nodes", "2", "--entry", "smoke", "--wait"], root / "leaked", LEAKED),
     }
     yield {"root": root, "marker": marker, "hostile_env": hostile_env, "procs": procs}
     for proc in procs.values():
@@ -185,6 +190,18 @@ def test_smoke_job_on_two_nodes_with_hostile_env(jobs):
     assert sorted(r["slurm_node"] for r in result["ranks"]) == ["n1", "n1", "n2", "n2"]
     assert all(r["env"] == jobs["hostile_env"] for r in result["ranks"])
     assert not jobs["marker"].exists()
+
+
+@pytest.mark.slurm
+def test_the_submitting_shell_s_torchrun_variables_do_not_make_each_task_rank_0_of_1(jobs):
+    """F2: sbatch exports the submitting shell's environment to the tasks; its RANK / WORLD_SIZE / MASTER_*
+    would beat SLURM_* in discovery. The job script unsets them: 2 nodes make world 2, Slurm's own master."""
+    rc, out, err = _finish(jobs["procs"]["leaked"])
+    assert rc == 0, out + err
+    result = json.loads((jobs["root"] / "leaked" / "runs" / "tiny" / "smoke.json").read_text())
+    assert (result["world_size"], result["launcher"], result["all_reduce_sum"]) == (2, "slurm", 3.0)
+    assert result["master"].startswith("n1:") and not result["master"].endswith(":29577")
+    assert sorted(r["slurm_node"] for r in result["ranks"]) == ["n1", "n2"]
 
 
 @pytest.mark.slurm
@@ -322,12 +339,13 @@ def test_scontrol_requeue_of_a_running_job_resumes_from_the_step_saved_on_sigter
 @pytest.mark.slurm
 def test_a_rank_failing_on_slurm_is_named_as_the_first_to_fail(tmp_path, slurm):
     """[debug] rides in the job's frozen config: rank 1 (on n2) exits 3 at step 2; rank 0's knock-on
-    traceback fills the log's tail, and `spartron sbatch --wait` names rank 1 from srun's report."""
+    traceback fills the log's tail, and `spartron sbatch --wait` names rank 1 from srun's report and exits
+    with its status, 3, as the local launcher does (F7: not the 143 of the peers srun stopped)."""
     proc = _spartron(["sbatch", TINY, "--nodes", "2", "--wait", "--set", "train.steps=3", "--set",
                       "train.progress=false", "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1",
                       "--set", 'debug.fail_mode="exit"'], tmp_path)
     rc, out, err = _finish(proc, timeout=240)
-    assert rc != 0 and "FAILED with exit status" in out, out + err
+    assert rc == 3 and "FAILED with exit status" in out, out + err
     assert err.strip().splitlines()[-1] == "spartron: the first to fail, as srun saw it: rank 1 on n2: Exited " \
         "with exit code 3"
 

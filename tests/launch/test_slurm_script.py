@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -33,8 +34,8 @@ HOSTILE = SINGLE_LINE + MULTI_LINE
 MULTILINE = ("\n", "\r")
 
 # What a rendered script may run: its own builtins, variables and the Slurm stubs.
-ALLOWED = {"set", "export", "source", "echo", "trap", "[", "wait", "exit", "sleep", "forward_term", ":", "break",
-           "srun", "sbatch", "scontrol", "scancel"}
+ALLOWED = {"set", "unset", "export", "source", "echo", "trap", "[", "wait", "exit", "sleep", "forward_term", ":",
+           "break", "srun", "sbatch", "scontrol", "scancel"}
 TRAP_BODY = {"forward_term", "echo", "[", "scancel"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # `export K=v` is traced as `export K=v` and `K=v`
 TRACE_MARK = "\x1e"
@@ -62,9 +63,11 @@ def _stubs(tmp_path: Path, srun_extra: str = "") -> Path:
     return bin_dir
 
 
-def _run(script: str, tmp_path: Path, srun_extra: str = "") -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """bash -n, then bash -x with the stubs first on PATH; returns the run and the stubs' calls, and
-    asserts that the trace holds only allowed commands."""
+def _run(script: str, tmp_path: Path, srun_extra: str = "",
+         environ: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """bash -n, then bash -x with the stubs first on PATH (and `environ`, the submitting shell's variables
+    that sbatch's --export=ALL passes on); returns the run and the stubs' calls, and asserts that the trace
+    holds only allowed commands."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "job.sh"
     path.write_text(script)
@@ -72,8 +75,8 @@ def _run(script: str, tmp_path: Path, srun_extra: str = "") -> tuple[subprocess.
     assert parsed.returncode == 0, parsed.stderr
     log = tmp_path / "stubs.jsonl"
     log.unlink(missing_ok=True)
-    env = {"PATH": f"{_stubs(tmp_path, srun_extra)}:/usr/bin:/bin", "STUB_LOG": str(log), "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = {**(environ or {}), "PATH": f"{_stubs(tmp_path, srun_extra)}:/usr/bin:/bin", "STUB_LOG": str(log),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
     # bash ignores PS4 from the environment when run as root: set it, then trace the sourced script
     tracer = f"PS4=$'+{TRACE_MARK}'; set -x; source \"$1\""
     proc = subprocess.run(["bash", "-c", tracer, "bash", str(path)], env=env, capture_output=True, text=True,
@@ -125,7 +128,9 @@ def test_hostile_run_name_stays_inside_its_comment_line(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert [c["cmd"] for c in calls] == ["srun"]
         plain = render_job(_base(tmp_path).model_copy(update={"name": "plain"}), tmp_path)
-        assert job.script.splitlines()[2:] == plain.script.splitlines()[2:]  # every directive and line kept
+        # every directive and line kept (the frozen config's name is its content's hash: the name differs)
+        assert (job.script.replace(str(job.config_path), "CONFIG").splitlines()[2:]
+                == plain.script.replace(str(plain.config_path), "CONFIG").splitlines()[2:])
     assert not marker.exists()
 
 
@@ -306,7 +311,7 @@ def test_hostile_entry_flag_is_a_one_line_error(tmp_path, capsys, monkeypatch):
 
 
 def test_hostile_config_file_path_never_reaches_the_script(tmp_path, capsys, monkeypatch):
-    """The job runs its frozen copy (<run dir>/slurm/config.toml), never the path the user gave."""
+    """The job runs its frozen copy (<run dir>/slurm/config-<hash>.toml), never the path the user gave."""
     marker = tmp_path / "pwned"
     monkeypatch.chdir(tmp_path)
     venv = _fake_venv(tmp_path)
@@ -319,7 +324,8 @@ def test_hostile_config_file_path_never_reaches_the_script(tmp_path, capsys, mon
         assert value.replace("/", "_") not in script
         proc, calls = _run(script, tmp_path / "run")
         assert proc.returncode == 0, proc.stderr
-        assert calls[0]["argv"][-1] == str(tmp_path / "runs" / "tiny" / "slurm" / "config.toml")
+        assert re.fullmatch(re.escape(str(tmp_path / "runs" / "tiny" / "slurm")) + r"/config-[0-9a-f]{16}\.toml",
+                            calls[0]["argv"][-1])
     assert not marker.exists()
 
 
@@ -338,15 +344,17 @@ def test_a_signal_at_or_before_the_job_start_is_refused(tmp_path):
     render_job(load_config(TINY, ['launch.time="UNLIMITED"', "launch.signal_before_s=300"]), tmp_path)
 
 
-@pytest.mark.parametrize(("entry", "make"), [
-    ("slurm/config.toml", lambda p, target: p.symlink_to(target)),
-    ("slurm/job.sbatch", lambda p, target: p.symlink_to(target)),
+@pytest.mark.parametrize(("which", "make"), [
+    ("config", lambda p, target: p.symlink_to(target)),
+    ("script", lambda p, target: p.symlink_to(target)),
     ("slurm", lambda p, target: p.symlink_to(target.parent)),
 ])
-def test_job_files_are_never_written_through_a_link_in_the_run_directory(tmp_path, entry, make):
+def test_job_files_are_never_written_through_a_link_in_the_run_directory(tmp_path, which, make):
     """A link left in <run dir>/slurm (by a user, a copy tool or an attacker) would make sbatch overwrite the
     file it points to: refused by name, the target unchanged."""
     job = render_job(_base(tmp_path), tmp_path)
+    entry = {"config": job.config_path, "script": job.script_path, "slurm": job.config_path.parent}[which]
+    entry = entry.relative_to(job.run_dir)
     precious = tmp_path / "elsewhere" / "precious.txt"
     precious.parent.mkdir()
     precious.write_text("mine")
@@ -359,9 +367,140 @@ def test_job_files_are_never_written_through_a_link_in_the_run_directory(tmp_pat
     assert precious.read_text() == "mine" and sorted(os.listdir(precious.parent)) == ["precious.txt"]
 
 
-def test_job_files_are_written_and_rewritten_in_place(tmp_path):
-    job = render_job(_base(tmp_path), tmp_path)
-    write_job(job)
-    write_job(job)  # a second submission of the same run replaces them
-    assert job.config_path.read_text() == job.config_text and job.script_path.read_text() == job.script
-    assert sorted(os.listdir(job.run_dir / "slurm")) == ["config.toml", "job.sbatch"]
+def test_each_submission_s_config_and_script_are_immutable_files_of_their_own(tmp_path):
+    """F1: every rank (a requeued job's too) reads the frozen config when it starts, so a second submission
+    into the same run directory (here with another train.lr) writes files of its own, named by content, and
+    the first job's script still names its config, unchanged; the same submission again rewrites nothing, and
+    a file whose content no longer matches its name is refused, never overwritten."""
+    first = render_job(_base(tmp_path), tmp_path)
+    second = render_job(_base(tmp_path).model_copy(update={"train": _base(tmp_path).train.model_copy(
+        update={"lr": 5e-3})}), tmp_path)
+    write_job(first)
+    write_job(second)
+    write_job(first)  # the same submission again: the same names, nothing rewritten
+    names = sorted(os.listdir(first.run_dir / "slurm"))
+    assert names == sorted(p.name for p in (first.config_path, first.script_path, second.config_path,
+                                            second.script_path))
+    assert [re.sub("[0-9a-f]{16}", "H", n) for n in names] == ["config-H.toml"] * 2 + ["job-H.sbatch"] * 2
+    assert first.config_path.read_text() == first.config_text and "lr = 0.001\n" in first.config_text
+    assert second.config_path.read_text() == second.config_text and "lr = 0.005\n" in second.config_text
+    assert f"-m spartron.launch.cli train {first.config_path} &" in first.script_path.read_text()
+    assert f"-m spartron.launch.cli train {second.config_path} &" in second.script_path.read_text()
+    first.config_path.write_text(first.config_text.replace("lr = 0.001", "lr = 0.002"))
+    with pytest.raises(SlurmError) as err:
+        write_job(first)
+    assert str(err.value) == (f"{first.config_path} exists with other content than this submission's (it is "
+                              "named by its content, and a submitted job may read it): move it away")
+    assert "lr = 0.002" in first.config_path.read_text()
+
+
+def test_the_submitting_shell_s_launcher_variables_never_reach_the_tasks(tmp_path):
+    """F2: sbatch passes the submitting shell's environment on (--export=ALL); torchrun's RANK / WORLD_SIZE
+    / MASTER_* there would beat SLURM_* in rank discovery and make every task rank 0 of 1. The script unsets
+    them before srun; other variables pass."""
+    leaked = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29577", "KEEP_ME": "yes"}
+    script = render_job(_base(tmp_path), tmp_path).script
+    assert "unset GROUP_RANK LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT RANK WORLD_SIZE" in script.splitlines()
+    proc, calls = _run(script, tmp_path, environ=leaked)
+    assert proc.returncode == 0, proc.stderr
+    (srun,) = calls
+    assert [k for k in leaked if k in srun["env"]] == ["KEEP_ME"]
+
+
+# ---- submission: refusals before anything is written, and what `--wait` reports ------------------------
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--signal=USR1@120", "'--signal=USR1@120' sets the signal Slurm sends before the time limit: set "
+                          "launch.signal_before_s instead (it renders --signal=B:TERM@<seconds>; the ranks save a "
+                          "complete step on SIGTERM)"),
+    ("--sig=B:TERM@60", "'--sig=B:TERM@60' sets the signal Slurm sends before the time limit: set "
+                        "launch.signal_before_s instead (it renders --signal=B:TERM@<seconds>; the ranks save a "
+                        "complete step on SIGTERM)"),
+    ("--array=0-1", "'--array=0-1' makes an array job, whose tasks would all share one run directory: submit one "
+                    "`spartron sbatch` per run, each with its own name or train.run_dir"),
+])
+def test_signal_and_array_in_sbatch_args_are_refused_naming_the_key(arg, message, tmp_path, capsys, monkeypatch):
+    """F3 / F5: a USR1 warning signal would kill the ranks without a save (they save on SIGTERM; the script
+    traps TERM), and an array's tasks would share one run directory. sbatch takes abbreviations (`--sig`)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["sbatch", TINY, "--dry-run", "--set", f'launch.sbatch_args=["--comment=ok", "{arg}"]']) == 2
+    assert capsys.readouterr().err == f"spartron: error: invalid config: launch.sbatch_args: {message}\n"
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(SlurmError, match=r"^launch\.sbatch_args: " + re.escape(message) + "$"):
+        render_job(_bypass(_base(tmp_path), sbatch_args=[arg]), tmp_path)
+
+
+def _sbatch_stubs(tmp_path: Path, scontrol_line: str) -> Path:
+    """sbatch that queues job 42 (logging its call), scontrol that shows it ended as `scontrol_line` says."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", f'echo "$@" >> {tmp_path}/sbatch.calls; echo 42'),
+                       ("scontrol", f"echo '{scontrol_line}'")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_submitting_into_a_run_directory_a_run_holds_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """F1: a job training in the run directory holds its lock; a second `spartron sbatch` there is refused
+    before it writes or queues anything (the running job's files stay as they are)."""
+    from spartron.runtime.rundir import RunDirLock
+
+    work = tmp_path / "work"
+    run_dir = work / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    lock = RunDirLock(run_dir)
+    assert lock.acquire() is None
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PATH", f"{_sbatch_stubs(tmp_path, 'JobState=COMPLETED ExitCode=0:0')}:{os.environ['PATH']}")
+    try:
+        assert main(["sbatch", TINY, "--submit"]) == 2
+    finally:
+        lock.release()
+    assert capsys.readouterr().err == (
+        f"spartron: error: {run_dir} is in use by another run (pid {os.getpid()} on {socket.gethostname()}, "
+        f"lock {run_dir}/.lock): wait for it to end or stop it, or give this run another directory\n")
+    assert os.listdir(run_dir) == [".lock"] and not (tmp_path / "sbatch.calls").exists()
+
+
+_LEAK_LOG = ("spartron: attempt (Slurm restart count) 0\n"
+             "spartron: error: rank 0 of 1 (torchrun) cannot listen on 127.0.0.1:29577, the master port\n"
+             "srun: error: n2: task 1: Exited with exit code 2\n"
+             "srun: launch/slurm: _step_signal: Terminating StepId=42.0\n"
+             "spartron: SIGTERM: saved step 1 of 6 and stopped\n"
+             "srun: error: n1: task 0: Exited with exit code 75\n")
+_STOP_LOG = ("spartron: attempt (Slurm restart count) 0\n"
+             "srun: error: n1: task 0: Exited with exit code 75\nsrun: error: n2: task 1: Exited with exit code 75\n")
+
+
+@pytest.mark.parametrize(("log", "scontrol", "rc", "first"), [
+    (_LEAK_LOG, "JobState=FAILED ExitCode=75:0", 2, "rank 1 on n2: Exited with exit code 2"),
+    (_STOP_LOG + "spartron: attempt (Slurm restart count) 1\nsrun: error: n2: task 1: Exited with exit code 3\n"
+     "srun: error: n1: task 0: Killed\n", "JobState=FAILED ExitCode=0:15", 3, "rank 1 on n2: Exited with exit code 3"),
+    ("spartron: attempt (Slurm restart count) 0\nsrun: error: n1: tasks 0-1: Killed\n", "JobState=FAILED ExitCode=1:0",
+     137, "ranks 0-1 on n1: Killed"),
+    (_STOP_LOG, "JobState=FAILED ExitCode=75:0", 75, None),
+])
+def test_wait_reports_a_peer_s_failure_as_the_root_cause_not_as_a_stop(log, scontrol, rc, first, tmp_path, capsys,
+                                                                      monkeypatch):
+    """F2 / F7: when one task fails, srun's --kill-on-bad-exit SIGTERMs the others, which save and exit 75:
+    the job's status is then 75 (or 143), but it did not stop to be resumed. `--wait` shows the logs and the
+    first task srun saw fail in the last attempt, and exits with that task's status; only when the first to
+    end had saved and stopped (75) is the job reported as stopped."""
+    work = tmp_path / "work"
+    slurm_dir = work / "runs" / "tiny" / "slurm"
+    slurm_dir.mkdir(parents=True)
+    (slurm_dir / "42.err").write_text(log)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PATH", f"{_sbatch_stubs(tmp_path, 'JobId=42 ' + scontrol)}:{os.environ['PATH']}")
+    assert main(["sbatch", TINY, "--submit", "--wait"]) == rc
+    out, err = capsys.readouterr()
+    status = "75" if "75:0" in scontrol else ("143" if ":15" in scontrol else "1")
+    assert out.splitlines()[1] == f"spartron: job 42 FAILED with exit status {status}; run dir {slurm_dir.parent}"
+    if first is None:
+        assert out.splitlines()[2:] == ["spartron: the ranks got SIGTERM, saved a complete step and stopped "
+                                        "(status 75); submit again to resume from it"] and err == ""
+    else:
+        assert "saved a complete step" not in out and f"---- last lines of {slurm_dir}/42.err ----" in err
+        assert err.splitlines()[-1] == f"spartron: the first to fail, as srun saw it: {first}"
