@@ -22,10 +22,30 @@ from spartron.runtime.config import ConfigError, RunConfig
 from spartron.runtime.debug import check_fault
 
 
-def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, entry: str) -> None:
+def finished_before_the_requeue(cfg: RunConfig, environ: dict[str, str]) -> str | None:
+    """The note of a requeued Slurm job (SLURM_RESTART_COUNT > 0) whose run already saved step train.steps,
+    else None. A requeue (`scontrol requeue`, preemption, the time-limit signal) can land after the final step
+    was saved, while the job finishes: that job has nothing left to train and must end with 0, since a
+    failure would reach Slurm's accounting, mail and `afterok` dependencies for a finished run. Outside a
+    requeue, resuming a finished run stays plan_run's error (the user asked for training that cannot happen)."""
+    from spartron.parallel.env import slurm_restart_count
+    from spartron.runtime.rundir import latest_complete_step, step_dir
+
+    restarts = slurm_restart_count(environ)
+    run_dir = cfg.run_dir(Path.cwd())
+    last = latest_complete_step(run_dir) if restarts and cfg.train.resume else None
+    if last is None or last < cfg.train.steps:
+        return None
+    return (f"spartron: note: this Slurm job was requeued (restart {restarts}) after its run had saved step {last} "
+            f"of train.steps = {cfg.train.steps} ({step_dir(run_dir, last)}): nothing is left to train; ending "
+            "with status 0")
+
+
+def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, entry: str) -> bool:
     """Data file, batch division, device options, offload window, run dir: one line, exit 2, before any
     rank starts (a rank of srun/torchrun checks against the launcher's world size). `smoke` only brings
-    distributed up: of these only the device options matter to it."""
+    distributed up: of these only the device options matter to it. True when there is nothing to run: a
+    requeued Slurm job whose run had already finished (finished_before_the_requeue; rank 0 prints the note)."""
     from spartron.parallel.env import discover
     from spartron.runtime.preflight import check_before_launch, check_device_options
     from spartron.runtime.rundir import check_run_start
@@ -36,7 +56,12 @@ def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, 
             from spartron.runtime.rundir import check_not_in_use
 
             check_not_in_use(cfg.run_dir(Path.cwd()))
-        return
+        return False
+    note = finished_before_the_requeue(cfg, environ)  # also a one-task step, which is no multi-rank launch
+    if note:
+        if not is_rank or discover(environ).rank == 0:
+            print(note, file=sys.stderr, flush=True)
+        return True
     world_size = discover(environ).world_size if is_rank else cfg.launch.nproc
     check_before_launch(cfg, world_size, local_ranks=None if is_rank else cfg.launch.nproc)
     check_run_start(cfg, world_size)  # the run directory: new run into old steps, finished run, mismatches
@@ -46,6 +71,7 @@ def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, 
 
         if latest_complete_step(cfg.run_dir(Path.cwd())) is None:  # a new run: it reads the checkpoint
             check_init_from(cfg)
+    return False
 
 
 def run_ranks(args: argparse.Namespace, entry: str, on_failure: Callable[[int], int] | None = None) -> int:
@@ -60,7 +86,8 @@ def run_ranks(args: argparse.Namespace, entry: str, on_failure: Callable[[int], 
     os.environ.update(launch_env(cfg.observe, run_dir))  # read by torch when the process group starts
     os.environ.update(cfg.launch.env)  # the ranks' environment, as the Slurm job script exports it
     environ = process_environ()
-    check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry)
+    if check_before_launch(cfg, environ, existing_launcher(environ) is not None, entry):
+        return 0
     if existing_launcher(environ) is None and cfg.launch.nproc > 1:
         cfg.parallel.dims(cfg.launch.nproc)  # ParallelDimsError before any launch
         step = ["--step", args.step] if entry == "eval" else []

@@ -174,6 +174,18 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
                    launcher="single")
 
 
+def slurm_restart_count(environ: Mapping[str, str]) -> int:
+    """How many times Slurm has requeued this job (SLURM_RESTART_COUNT; 0 on a first run and outside Slurm).
+    Like SLURM_PROCID, what the launcher tells this process, not an option: a requeued job's ranks may find
+    their run already finished (spartron.launch.cmd_train.finished_before_the_requeue)."""
+    if "SLURM_RESTART_COUNT" not in environ:
+        return 0
+    count = _int(environ, "SLURM_RESTART_COUNT")
+    if count < 0:
+        raise DistEnvError(f"SLURM_RESTART_COUNT={count} is negative")
+    return count
+
+
 def process_environ() -> dict[str, str]:
     """A copy of this process's environment, for launchers that pass it on to the ranks they spawn."""
     return dict(os.environ)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -222,3 +223,35 @@ def test_cli_process_ends_without_interpreter_teardown_and_keeps_the_exit_code(t
     assert bad.returncode == 2
     assert bad.stderr.startswith("spartron: error: ")
     assert "interpreter teardown ran" not in bad.stdout
+
+
+def test_a_requeued_slurm_job_whose_run_already_finished_ends_with_0_and_one_note(tmp_path):
+    """Slurm audit F4: a requeue landing after the final step was saved (while the job finishes) starts the
+    ranks again with SLURM_RESTART_COUNT = 1; they find step train.steps saved and end with status 0 and one
+    note (a failure would reach Slurm's accounting and afterok dependencies for a finished run). The same
+    run started without a requeue (restart count 0, or outside Slurm) is still refused: nothing to train."""
+    from spartron.parallel.env import DistEnvError, slurm_restart_count
+
+    args = [sys.executable, "-m", "spartron.launch.cli", "train", TINY, "--set", "train.steps=2", "--set",
+            "train.save_every=2", "--set", "train.resume=true", "--set", "train.progress=false"]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                "MASTER_PORT") and not k.startswith("SLURM_")}
+    first = subprocess.run(args, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    task = {**clean, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost"}  # a 1-node, 1-task job's srun step
+    requeued = subprocess.run(args, cwd=tmp_path, env={**task, "SLURM_RESTART_COUNT": "1"}, capture_output=True,
+                              text=True, timeout=120)
+    assert (requeued.returncode, requeued.stdout, requeued.stderr) == (0, "", (
+        "spartron: note: this Slurm job was requeued (restart 1) after its run had saved step 2 of train.steps = 2 "
+        f"({run_dir}/step-00000002): nothing is left to train; ending with status 0\n"))
+    for env in ({**task, "SLURM_RESTART_COUNT": "0"}, clean):
+        again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert (again.returncode, again.stderr) == (2, (
+            "spartron: error: runs/tiny/step-00000002: this run already reached step 2 and train.steps = 2, so "
+            "nothing is left to train: raise train.steps to continue it, or start a new run (another run "
+            "directory)\n"))
+    assert slurm_restart_count({}) == 0 and slurm_restart_count({"SLURM_RESTART_COUNT": "3"}) == 3
+    with pytest.raises(DistEnvError, match=r"^SLURM_RESTART_COUNT='x' is not an integer$"):
+        slurm_restart_count({"SLURM_RESTART_COUNT": "x"})
