@@ -98,6 +98,7 @@ def step_report(step: dict, measured: dict, cluster: ClusterConfig, gpus_per_nod
             "compute_s": compute, "optimizer_s": segments[-1].seconds,
             "peak_allocated_bytes": rec["peak_memory_allocated_bytes"],
             "peak_reserved_bytes": rec["peak_memory_reserved_bytes"],
+            "alloc_retries": rec.get("alloc_retries"),
             "comm": comm,
             "comm_detail": sorted(detail.values(), key=lambda d: (d["category"], d["group"], d["kind"], d["purpose"])),
             "compute_only": rate(compute), "no_overlap": rate(compute + total_comm), "headline": rate(headline),
@@ -133,7 +134,7 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
                     "phase": plan.phase, "parameter_bytes": planned_params,
                     "measured_parameter_bytes": measured["param_bytes"]},
         "link_table": cluster.model_dump(), "peak_tflops": measured["peak_flops"] / 1e12,
-        "notes": measured["notes"] + _warm_up_note(steps),
+        "notes": measured["notes"] + _warm_up_note(steps) + _alloc_retry_note(steps),
         "kernels": measured.get("kernels"),
     }
 
@@ -148,6 +149,21 @@ def _warm_up_note(steps: list[dict[str, Any]]) -> list[str]:
     return [f"step {first['step']}'s compute ({first['compute_s']:.1f} s) is {ratio:.0f}x step {last['step']}'s: "
             "it ran one-time work (compiles, kernels built at first use, autotuning); the headline is step "
             f"{last['step']}"]
+
+
+def _alloc_retry_note(steps: list[dict[str, Any]]) -> list[str]:
+    """A line when the caching allocator freed its cache and retried allocations during the rehearsed steps (a
+    process-cumulative CUDA count; None on CPU): the rank ran near its memory, and a real rank's steps would
+    stall there (each retry synchronises), which the measured compute of those steps includes."""
+    counts = [s.get("alloc_retries") for s in steps]
+    if not counts or counts[-1] is None or not counts[-1]:
+        return []
+    at = [s["step"] for s, before, now in zip(steps, [0, *counts], counts, strict=False) if now > before]
+    return [f"the CUDA caching allocator freed its cache and retried {counts[-1]} allocations (at steps "
+            f"{', '.join(map(str, at))}; peak reserved {_gb(max(s['peak_reserved_bytes'] for s in steps))} against "
+            f"{_gb(max(s['peak_allocated_bytes'] for s in steps))} allocated): the rank runs near its memory and "
+            "such steps stall; expandable segments usually avoid it (launch.env = {PYTORCH_CUDA_ALLOC_CONF = "
+            "\"expandable_segments:True\"})"]
 
 
 def _gb(n: float) -> str:

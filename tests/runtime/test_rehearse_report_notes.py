@@ -43,3 +43,24 @@ def test_evaluation_and_saves_left_out_are_noted(tmp_path):
                      "train.save_every = 3 is not rehearsed: the steps and tokens/s leave out saves (async_save "
                      "included)"]
     assert rehearsal_config(load_config(TINY), 1, 1, str(tmp_path))[2] == []
+
+
+def test_allocator_retries_during_the_rehearsed_steps_are_noted_with_the_steps_they_came_in():
+    """CUDA's num_alloc_retries is cumulative over the process: the note names the steps whose count rose and the
+    reserved against allocated peak; a CPU rehearsal (None) and a run without retries say nothing."""
+    measured = run_rehearsal(load_config(TINY, ["train.seq_len=32"]), 1, 0, 3, balanced=True)
+    assert [s["record"]["alloc_retries"] for s in measured["steps"]] == [None] * 3  # CPU
+    assert not [n for n in build_report(measured, ClusterConfig())["notes"] if "caching allocator" in n]
+    for s, retries in zip(measured["steps"], (0, 0, 0), strict=True):
+        s["record"]["alloc_retries"] = retries
+    assert not [n for n in build_report(measured, ClusterConfig())["notes"] if "caching allocator" in n]
+    for s, retries, reserved in zip(measured["steps"], (0, 2, 5), (10e9, 60e9, 75e9), strict=True):
+        s["record"]["alloc_retries"], s["record"]["peak_memory_reserved_bytes"] = retries, reserved
+        s["record"]["peak_memory_allocated_bytes"] = 17e9
+    report = build_report(measured, ClusterConfig())
+    assert [s["alloc_retries"] for s in report["steps"]] == [0, 2, 5]
+    (note,) = [n for n in report["notes"] if "caching allocator" in n]
+    assert note == ("the CUDA caching allocator freed its cache and retried 5 allocations (at steps 2, 3; peak "
+                    "reserved 75.00 GB against 17.00 GB allocated): the rank runs near its memory and such steps "
+                    "stall; expandable segments usually avoid it (launch.env = {PYTORCH_CUDA_ALLOC_CONF = "
+                    "\"expandable_segments:True\"})")
