@@ -29,16 +29,21 @@ STOPPED_STATUS = 75
 # process printed one `spartron: error: ...` line and no traceback.
 USAGE_STATUS = 2
 ERROR_PREFIX = "spartron: error: "
+# Held from the start: SIGTERM, and SIGUSR1, which Slurm users send as the preemption / time-limit warning
+# (`scancel -s USR1`, site templates) and which the ranks treat like SIGTERM (spartron.runtime.preemption).
+HELD_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 def hold_sigterm() -> None:
-    """Keep a SIGTERM pending from now until `release_sigterm` (in this thread and threads it starts)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Keep a SIGTERM (or SIGUSR1) pending from now until `release_sigterm` (in this thread and threads it
+    starts)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
 
 
 def release_sigterm() -> None:
-    """Deliver a held SIGTERM (to the handler now installed, or the default action) and stop holding."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    """Deliver a held SIGTERM or SIGUSR1 (to the handler now installed, or the default action) and stop
+    holding."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
 def exit_process(code: int) -> NoReturn:

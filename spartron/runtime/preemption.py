@@ -7,6 +7,10 @@ saves the same complete step and stops. The rank then exits with
 `spartron.launch.process.STOPPED_STATUS` and `resume = true` continues from that step. A SIGTERM
 that came while the process started was held (spartron.launch.process.hold_sigterm): it reaches the
 handler as soon as the handler is in place.
+
+SIGUSR1 is handled the same way: many Slurm sites and templates (Lightning, submitit) send it as the warning
+before preemption or the time limit (`scancel -s USR1`), and its default action would kill the rank without a
+save. (`launch.sbatch_args` refuses `--signal`: launch.signal_before_s asks for SIGTERM.)
 """
 
 from __future__ import annotations
@@ -19,27 +23,28 @@ import torch.distributed as dist
 
 from spartron.comm import labelled
 
+# The same set spartron.launch.process holds from a process's start (runtime cannot import the launcher).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
 
 class StopOnSigterm:
-    """A SIGTERM handler, installed for the life of a `with` block (main thread only; elsewhere it
-    installs nothing and only a direct `request()` stops the run)."""
+    """A SIGTERM (and SIGUSR1) handler, installed for the life of a `with` block (main thread only; elsewhere
+    it installs nothing and only a direct `request()` stops the run)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
-        self._installed = False
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a held one arrives here now
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))  # a held one arrives here now
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame) -> None:  # a second SIGTERM changes nothing: the save is under way
         self.requested = True

@@ -1,0 +1,27 @@
+"""SIGUSR1, the preemption / time-limit warning many Slurm sites and templates send (`scancel -s USR1`), stops
+a run after saving exactly as SIGTERM does; held from the process's start like SIGTERM (Slurm audit F3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from spartron.launch.process import hold_sigterm, release_sigterm
+from spartron.runtime.preemption import StopOnSigterm
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_held_during_start_up_reaches_the_handler_and_the_default_returns_after(sig):
+    before = signal.getsignal(sig)
+    hold_sigterm()  # what the `spartron` process does on its first line
+    try:
+        os.kill(os.getpid(), sig)  # arrives while the rank still imports torch: kept pending, not fatal
+        assert sig in signal.sigpending()
+        with StopOnSigterm() as stop:
+            assert stop.requested is True
+            assert signal.getsignal(sig) not in (signal.SIG_DFL, before)
+    finally:
+        release_sigterm()
+    assert signal.getsignal(sig) == before and sig not in signal.sigpending()
