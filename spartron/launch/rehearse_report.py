@@ -130,7 +130,9 @@ def build_report(measured: dict, cluster: ClusterConfig) -> dict[str, Any]:
         "overlaps_in_headline": ["fsdp"] + (["ep"] if cfg.train.intra_layer_micro_batches > 1 else []),
         "steps": steps, "headline": last,
         "planner": {"predicted_peak_bytes": plan.peak, "measured_peak_bytes": peak,
-                    "difference_percent": 100.0 * (plan.peak - peak) / peak if peak else None,
+                    # on CPU the measured peak is the process's lifetime peak RSS (metrics.peak_memory): no comparison
+                    "difference_percent": (100.0 * (plan.peak - peak) / peak if peak and measured["device"] == "cuda"
+                                           else None),
                     "phase": plan.phase, "parameter_bytes": planned_params,
                     "measured_parameter_bytes": measured["param_bytes"]},
         "link_table": cluster.model_dump(), "peak_tflops": measured["peak_flops"] / 1e12,
@@ -200,7 +202,9 @@ def render(report: dict[str, Any]) -> str:
         comm.add_row(d["category"], d["kind"], d["purpose"] or "-", d["group"], str(d["group_size"]), d["link"],
                      f"{d['calls']:.0f}", _gb(d["bytes"]), f"{d['seconds']:.4f}")
     console.print(comm)
-    diff = "n/a" if p["difference_percent"] is None else f"{p['difference_percent']:+.1f}%"
+    diff = (f"{p['difference_percent']:+.1f}%" if p["difference_percent"] is not None else
+            "the process's peak RSS on CPU, not the step's allocation: not compared" if report["device"] == "cpu"
+            else "n/a")
     console.print(f"planner: predicted peak {_gb(p['predicted_peak_bytes'])} at {p['phase']}, measured "
                   f"{_gb(p['measured_peak_bytes'])} ({diff}); model parameter shards {_gb(p['parameter_bytes'])} "
                   f"planned, {_gb(p['measured_parameter_bytes'])} held (the model's own parameters: optimizer-held "

@@ -64,3 +64,13 @@ def test_allocator_retries_during_the_rehearsed_steps_are_noted_with_the_steps_t
                     "reserved 75.00 GB against 17.00 GB allocated): the rank runs near its memory and such steps "
                     "stall; expandable segments usually avoid it (launch.env = {PYTORCH_CUDA_ALLOC_CONF = "
                     "\"expandable_segments:True\"})")
+
+
+def test_a_cpu_rehearsal_does_not_compare_the_planner_with_the_process_rss():
+    """On CPU the measured peak is the interpreter's lifetime RSS: the planner line said -98% (read as a planner
+    error, outside audit F6); it is named for what it is and not compared."""
+    report = build_report(run_rehearsal(load_config(TINY, ["train.seq_len=32"]), 1, 0, 1, balanced=True),
+                          ClusterConfig())
+    assert report["planner"]["difference_percent"] is None and report["planner"]["measured_peak_bytes"] > 0
+    assert "(the process's peak RSS on CPU, not the step's allocation: not compared)" in " ".join(
+        render(report).split())
