@@ -25,3 +25,11 @@ def test_a_stop_signal_held_during_start_up_reaches_the_handler_and_the_default_
     finally:
         release_sigterm()
     assert signal.getsignal(sig) == before and sig not in signal.sigpending()
+
+
+def test_the_launcher_holds_exactly_the_signals_the_ranks_handle():
+    """process.HELD_SIGNALS is restated (the launcher's first line cannot import the runtime): one set."""
+    from spartron.launch.process import HELD_SIGNALS
+    from spartron.runtime.preemption import STOP_SIGNALS
+
+    assert HELD_SIGNALS == set(STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1}
