@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from spartron.checkpointing import replays
 from spartron.launch.rehearse_report import HGX_GPUS
-from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, training_flop_parts
+from spartron.layers.costs import PARAM_BYTES, is_routed_expert, param_shapes, receives_gradient, training_flop_parts
 from spartron.layers.fp8.wire import wire_row_bytes
 from spartron.parallel.dims import ParallelDimsError
 from spartron.runtime.config import ConfigError, RunConfig, apply_overrides, config_from_dict
@@ -133,8 +133,15 @@ def modelled_traffic(cfg: RunConfig, world: int) -> list[Traffic]:
     a2a_replay = float(replays(dispatch_op(cfg), cfg.ac.mode, cfg.ac.targets))
     kv_replay = float(replays("spartron_collectives::all_gather", cfg.ac.mode, cfg.ac.targets))
     shapes = param_shapes(m)
-    dense = sum(math.prod(s) for f, s in shapes.items() if not is_routed_expert(f))
-    experts = sum(math.prod(s) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
+
+    def runs(fqn: str) -> int:  # a weight-shared MTP block's layer (its FSDP unit) is gathered and reduce-scattered
+        return m.mtp.depth if m.mtp.share_weights and ".layer." in fqn and fqn.startswith("mtp.blocks.") else 1
+
+    dense = sum(math.prod(s) * runs(f) for f, s in shapes.items() if not is_routed_expert(f))
+    # FSDP2 reduce-scatters only the gradients that exist (a frozen indexer's stay None)
+    dense_grads = sum(math.prod(s) * runs(f) for f, s in shapes.items()
+                      if not is_routed_expert(f) and receives_gradient(m, f))
+    experts = sum(math.prod(s) * runs(f) for f, s in shapes.items() if is_routed_expert(f)) // dims.ep
     width, reduce = PARAM_BYTES[m.dtype], PARAM_BYTES[m.reduce_dtype or m.dtype]
     syncs = n_micro if t.grad_sync == "every_micro_batch" else 1
     moe_layers = m.n_layers - m.first_k_dense + m.mtp.depth
@@ -151,12 +158,12 @@ def modelled_traffic(cfg: RunConfig, world: int) -> list[Traffic]:
     a2a_calls, kv_gathers = a2a_passes * n_micro * moe_layers, (1 + kv_replay) * n_micro * m.n_layers
     out = [
         Traffic("fsdp", "all_gather", "fsdp_cp", 2 * n_micro * blocks, 2 * n_micro * dense * width),
-        Traffic("fsdp", "reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense * reduce),
+        Traffic("fsdp", "reduce_scatter", "fsdp_cp", syncs * blocks, syncs * dense_grads * reduce),
         Traffic("fsdp", "all_gather", "expert_fsdp", 2 * n_micro * moe_layers, 2 * n_micro * experts * width),
         Traffic("fsdp", "reduce_scatter", "expert_fsdp", syncs * moe_layers, syncs * experts * reduce),
     ]
     if dims.dp_replicate > 1:  # HSDP: each reduce-scattered shard all-reduced over the replicas
-        shards = (syncs * blocks, syncs * dense * reduce / (dims.fsdp * dims.cp)), \
+        shards = (syncs * blocks, syncs * dense_grads * reduce / (dims.fsdp * dims.cp)), \
             (syncs * moe_layers, syncs * experts * reduce / dims.expert_fsdp)
         out += [Traffic("fsdp", "all_reduce", "dp_replicate", calls, nbytes) for calls, nbytes in shards]
     return out + [
