@@ -217,6 +217,9 @@ class TrainConfig(ConfigSection):
     # preset at lr 100 goes 8.1 -> 73,878). Megatron-LM's --check-for-spiky-loss uses the same factor.
     max_loss: float | None = Field(None, gt=0)
     loss_spike_factor: float = Field(10.0, ge=0)
+    # Python's garbage collection: automatic collection off while training, a full collection every gc_every steps
+    # on every rank at the same step (spartron.runtime.gc_schedule); 0: Python's automatic collection.
+    gc_every: int = Field(50, ge=0)
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU; None: measured by a matmul loop
     progress: bool = True  # progress bar / per-step line and summary table on rank 0
     data: DataConfig = Field(default_factory=DataConfig)

@@ -40,6 +40,7 @@ from spartron.runtime.config import ConfigError, RunConfig, dump_config
 from spartron.runtime.data import build_train_loader
 from spartron.runtime.debug import check_fault, inject_fault
 from spartron.runtime.evaluate import Evaluator
+from spartron.runtime.gc_schedule import ScheduledGC
 from spartron.runtime.guards import LossGuardStop, LossSpikeError, NonFiniteLossError, TrainingError, check_loss_limits
 from spartron.runtime.indexer_metrics import IndexerProbe
 from spartron.runtime.init_from import init_from_factory
@@ -147,6 +148,7 @@ class Trainer:
         self.model_factory = model_factory or default_model_factory
         self.before_commit = before_commit
         self.stop = stop or StopOnSigterm()  # not installed: only stop.request() stops the run
+        self.gc = ScheduledGC(cfg.train.gc_every)  # the collector off from setup() to close()
         self.records: list[dict] = []
         self.stopped_at: int | None = None
         self.started = time.perf_counter()  # the summary's total time counts from here
@@ -249,6 +251,7 @@ class Trainer:
             stages = ["  stages", *self.stages.table()] if t.stages else []
             print("\n".join([banner(cfg, dims, self.model, run_dir, self.resumed_from, memory), *stages]),
                   file=sys.stderr, flush=True)
+        self.gc.start()
         self.phase = "running"
         return self
 
@@ -372,6 +375,7 @@ class Trainer:
         set_lr(optimizer, lr)
         M.reset_peak_memory(device)
         start = time.perf_counter()
+        self.gc.step(step)  # every rank at the same step; its pause is in the step's time
         stats, measured = StepStats(), {}
         n_micro = self.n_micro
         fetch = time.perf_counter()
@@ -428,6 +432,7 @@ class Trainer:
             self.pending_save.commit()
             self.last_saved, self.pending_save = self.pending_save.step, None
         self.phase = "closed"
+        self.gc.stop()
         saved = None if self.last_saved is None else f"{self.last_saved} ({step_dir(self.run_dir, self.last_saved)})"
         self.log.close(summary=ok and self.cfg.train.progress, first_loss=self.counters.get("first_loss"),
                        total_s=time.perf_counter() - self.started, saved=saved)
