@@ -66,6 +66,8 @@ def config_cases() -> list[Case]:
         ("dim-0", "model.dim=0", "model.dim"), ("min_lr-2", "train.min_lr_ratio=2", "train.min_lr_ratio"),
         ("warmup-neg", "train.warmup_steps=-1", "train.warmup_steps"),
         ("save_every-neg", "train.save_every=-1", "train.save_every"),
+        ("gc_every-neg", "train.gc_every=-1", "train.gc_every"),
+        ("gc_every-str", 'train.gc_every="often"', "train.gc_every"),
         ("topk-gt-experts", "model.moe.top_k=9", "model.moe.top_k"),
         ("groups-no-divide", "model.moe.n_groups=3", "model.moe.n_groups"),
         ("topk_groups-gt", "model.moe.topk_groups=3", "model.moe.topk_groups"),
