@@ -8,6 +8,7 @@ instead of hanging the test session.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -33,6 +34,7 @@ def _worker(fn, rank, world_size, store_path, timeout, args, kwargs, conn) -> No
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.setpgid(0, 0)  # a group of its own: what the rank starts (a library's helper process) ends with it
     status, payload = "ok", None
     try:
         store = dist.FileStore(store_path, world_size)
@@ -112,6 +114,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     break
         finally:
             for p in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # the rank and all it started
+                    os.killpg(p.pid, signal.SIGKILL)  # (Megatron's async checkpointing leaves a Manager process)
                 if p.is_alive():
                     p.kill()
             for p in procs:
