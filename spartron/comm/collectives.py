@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions, _resolve_process_group
 
-from spartron.comm.mirror import MirroredProcessGroup
+from spartron.comm.mirror import labelled
 
 NAMESPACE = "spartron_collectives"
 
@@ -115,8 +115,8 @@ def _all_gather_impl(x: Tensor, dim: int, purpose: str, group_name: str) -> Tens
 
 
 def _all_gather_on(pg: dist.ProcessGroup, x: Tensor, dim: int, purpose: str = "") -> Tensor:
-    if purpose and type(pg) is MirroredProcessGroup:  # a rehearsal: the call is recorded as `purpose`
-        with pg.ledger.labelled(purpose):
+    if purpose:  # recorded as `purpose` on a rehearsal's mirrored group (mirror.labelled); "" keeps an outer label
+        with labelled(purpose, pg):
             return _all_gather_on(pg, x, dim)
     front = (x.movedim(dim, 0) if dim else x).contiguous()  # the flat collectives work on dim 0
     out = front.new_empty(pg.size() * front.shape[0], *front.shape[1:])
@@ -143,8 +143,8 @@ def _reduce_scatter_impl(x: Tensor, dim: int, purpose: str, group_name: str) -> 
 
 
 def _reduce_scatter_on(pg: dist.ProcessGroup, x: Tensor, dim: int, purpose: str = "") -> Tensor:
-    if purpose and type(pg) is MirroredProcessGroup:  # a rehearsal: the call is recorded as `purpose`
-        with pg.ledger.labelled(purpose):
+    if purpose:  # recorded as `purpose` on a rehearsal's mirrored group (mirror.labelled); "" keeps an outer label
+        with labelled(purpose, pg):
             return _reduce_scatter_on(pg, x, dim)
     front = (x.movedim(dim, 0) if dim else x).contiguous()
     out = front.new_empty(front.shape[0] // pg.size(), *front.shape[1:])
