@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,9 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     cfg = load(args)
     cfg.parallel.dims(args.world_size)  # an impossible layout is one line before anything is built
     cfg.train.micro_steps(cfg.parallel.dims(args.world_size).dp)
+    # the rank's environment, as `spartron train` and the Slurm job script give it (an allocator setting such as
+    # PYTORCH_CUDA_ALLOC_CONF is read at the process's first CUDA use, which comes after this)
+    os.environ.update(cfg.launch.env)
     measured = run_rehearsal(cfg, args.world_size, args.rank, args.steps, args.routing == "balanced", args.profile)
     # what reproduces the report: the code's commit and the command's config file and overrides (a suggested
     # layout is the preset plus --set values); wall_s is the command's time up to the report

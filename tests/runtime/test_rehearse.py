@@ -6,6 +6,7 @@ run is refused by key; two rehearsals in one process give what two fresh process
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,18 @@ def test_report_file_names_the_commit_the_config_file_and_overrides_and_the_wall
     assert report["setup_s"] < report["wall_s"] < 600
     again = load_config(report["config_path"], report["overrides"])
     assert again.model_dump() == load_config(TINY, WORLD8).model_dump()
+
+
+def test_rehearsal_runs_in_the_ranks_launch_env(tmp_path, monkeypatch):
+    """launch.env is the ranks' environment (`spartron train` sets it in its process, the job script exports it);
+    a rehearsal left it out, so an allocator setting it names (PYTORCH_CUDA_ALLOC_CONF, which the report's
+    allocator-retry note suggests) could not be rehearsed."""
+    from spartron.launch.cli import main
+
+    monkeypatch.setenv("SPARTRON_REHEARSE_ENV_PROBE", "before")
+    sets = [x for s in [*WORLD8, 'launch.env={SPARTRON_REHEARSE_ENV_PROBE = "from launch.env"}'] for x in ("--set", s)]
+    assert main(["rehearse", str(TINY), "--world-size", "8", "--steps", "1", *sets]) == 0
+    assert os.environ["SPARTRON_REHEARSE_ENV_PROBE"] == "from launch.env"
 
 
 def test_profiled_rehearsal_lists_the_ops_of_one_more_step_and_reports_only_the_rehearsed_ones():
