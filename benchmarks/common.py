@@ -120,7 +120,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_di
         from spartron.testing import run_distributed
 
         return run_distributed(fn, world, *args, timeout=120)
-    from spartron.launch.local import held_port
+    from spartron.launch.rank_env import held_port
 
     with tempfile.TemporaryDirectory(prefix="spartron-bench-", dir=tmp_dir) as tmp, held_port() as port:
         path = os.path.join(tmp, "ranks.json")
@@ -130,12 +130,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, cuda: bool, tmp_di
 
 def bind_to_cores(rank: int, world: int) -> list[int]:
     """Pin this spawned rank to its slice of the cores it may run on (the launcher's rule,
-    `spartron.launch.local.core_slices`, as `launch.bind_cores = true` applies it); returns the slice.
+    `spartron.launch.rank_env.core_slices`, as `launch.bind_cores = true` applies it); returns the slice.
 
     Unpinned, the slowest rank's host paces both GPUs (see core_slices); a Slurm task launched with
     --cpus-per-task is bound the same way by srun, so pinned numbers are the ones a job sees.
     """
-    from spartron.launch.local import core_slices
+    from spartron.launch.rank_env import core_slices
 
     mine = core_slices(os.sched_getaffinity(0), world)[rank]
     os.sched_setaffinity(0, mine)

@@ -103,9 +103,9 @@ def paused_cli() -> Iterator:
 
 @pytest.fixture
 def master_port() -> Iterator[int]:
-    """A MASTER_PORT for a rank this test starts by hand, held for the test (launch.local.held_port): a port
+    """A MASTER_PORT for a rank this test starts by hand, held for the test (launch.rank_env.held_port): a port
     that was only free when picked can be taken by a concurrent test's gloo connection before the rank binds it."""
-    from spartron.launch.local import held_port
+    from spartron.launch.rank_env import held_port
 
     with held_port() as port:
         yield port

@@ -77,7 +77,8 @@ def check_before_launch(cfg: RunConfig, environ: dict[str, str], is_rank: bool, 
 def run_ranks(args: argparse.Namespace, entry: str, on_failure: Callable[[int], int] | None = None) -> int:
     """Run `entry` in this process when already a rank (or nproc = 1), else spawn launch.nproc ranks.
     `on_failure`: as_rank's, for the rank run in this process (spawned ranks' statuses are returned)."""
-    from spartron.launch.local import existing_launcher, launch_local, launch_with_temporary_logs
+    from spartron.launch.local import launch_local, launch_with_temporary_logs
+    from spartron.launch.rank_env import existing_launcher
     from spartron.parallel.env import process_environ
     from spartron.runtime.observe import launch_env
 

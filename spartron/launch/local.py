@@ -12,7 +12,8 @@ tail of its log; the knock-on "connection closed by peer" of its peers comes lat
 listed. Then every other rank is killed (SIGKILL: a failed job has nothing left to save, and a
 saved step is atomic) and the root cause's status is returned. A refusal (status 2: a mistake in the
 config or data, a loss guard's stop) is not a failure to diagnose: it is the root rank's one
-`spartron: error: ...` line alone (rank 0's is on the terminal already; another rank's comes from its log).
+`spartron: error: ...` line alone (rank 0's is on the terminal already; another rank's comes from its log),
+after the other ranks got `REFUSAL_GRACE_S` to end on their own (ranks refuse together).
 
 Ranks die with their launcher, SIGKILL of the launcher included: each rank is started with the
 parent-death signal SIGKILL (Linux `prctl(PR_SET_PDEATHSIG)`), which fires when the thread that
@@ -30,80 +31,20 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spartron.launch.process import ERROR_PREFIX, STOPPED_STATUS, USAGE_STATUS, release_sigterm
+from spartron.launch.rank_env import core_slices, held_port, rank_environ
 from spartron.runtime.safe_open import make_dir, open_file
 
 _PR_SET_PDEATHSIG = 1
-
-
-def existing_launcher(environ: Mapping[str, str]) -> str | None:
-    """'torchrun' or 'srun' when this process is already one rank of a multi-rank launch, else None.
-
-    An sbatch batch script also has SLURM_PROCID and SLURM_NTASKS set, but no SLURM_STEP_ID: only
-    the tasks of an `srun` step are ranks. Rank variables (torchrun, or our own spawn) win.
-    """
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        return "torchrun"
-    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        return "srun"
-    return None
-
-
-@contextmanager
-def held_port(host: str = "127.0.0.1") -> Iterator[int]:
-    """A TCP port the OS picked and this process holds (bound with SO_REUSEADDR, never listening) while the
-    block runs: rank 0's store binds it too (Linux lets a SO_REUSEADDR socket bind a port another one holds
-    unless that one listens) and nothing else can take it meanwhile. A port that was only free when picked was
-    taken by a concurrent test's gloo connection in CI: the kernel gives outgoing connections no bound port.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        yield sock.getsockname()[1]
-
-
-def rank_environ(environ: Mapping[str, str], rank: int, nproc: int, master_addr: str,
-                 master_port: int) -> dict[str, str]:
-    """The parent's environment plus the variables torchrun would set for `rank` of `nproc`."""
-    env = dict(environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               GROUP_RANK="0", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: N ranks must not each take every core
-    return env
-
-
-def core_slices(allowed: Sequence[int], nproc: int) -> list[list[int]]:
-    """Each local rank's cores: disjoint contiguous slices of `allowed` (the remainder to the first
-    ranks); with more ranks than cores, one core each, round-robin.
-
-    Why bind at all: unpinned ranks' Python threads and NCCL's proxy threads migrate and collide, and
-    the slowest rank's host paces every GPU. On the lent 2-GPU H200 VM the slice size (1 to 16 cores)
-    made no difference to the host time of an NCCL all-to-all call (25 us on a quiet core); which
-    vCPUs a slice holds did (some run Python ~1.6x slower). srun binds Slurm tasks the same way.
-    """
-    cores = sorted(allowed)
-    if nproc < 1 or not cores:
-        raise ValueError(f"need nproc >= 1 and at least one core, got nproc={nproc}, cores={cores}")
-    if nproc >= len(cores):
-        return [[cores[r % len(cores)]] for r in range(nproc)]
-    base, extra = divmod(len(cores), nproc)
-    slices, start = [], 0
-    for r in range(nproc):
-        size = base + (r < extra)
-        slices.append(cores[start:start + size])
-        start += size
-    return slices
 
 
 def signal_name(signum: int) -> str:
@@ -366,12 +307,19 @@ def _launch(command: Sequence[str], nproc: int, environ: Mapping[str, str], mast
             root = _root_cause(ranks, now, stopped_limit_s, forwarded_at is not None)
             if root is not None:
                 what, status = root.describe(), root.status  # before the kill below changes them
+                if status == USAGE_STATUS and root.returncode == USAGE_STATUS:
+                    problem = _let_refusing_ranks_exit(ranks)
+                    if problem is not None:
+                        for r in ranks:
+                            r.kill()
+                        print(ERROR_PREFIX + problem, file=sys.stderr)
+                        return USAGE_STATUS
                 failed_at = root.stopped_at if root.stopped_at is not None else root.ended_at
                 early = [r for r in ranks if r.returncode in (0, STOPPED_STATUS) and r.ended_at < failed_at]
                 for r in ranks:
                     r.kill()
-                # reaped by kill(): its line is printed. A rank 0 killed after its line but before its exit reads
-                # as not refused (its stderr is the terminal, unseen here): then the root's line follows its own
+                # reaped by kill() or on its own: its line is printed (rank 0's stderr is the terminal, unseen here:
+                # one that printed its line but had not exited within the grace would read as not refused)
                 zero_refused = ranks[0].returncode == USAGE_STATUS
                 if status == USAGE_STATUS and root.returncode == USAGE_STATUS:
                     refusal = None if zero_refused else _refusal_line(root)
@@ -455,6 +403,28 @@ def _forward_term(ranks: Sequence[_Rank], grace_s: float) -> None:
             os.kill(r.proc.pid, signal.SIGTERM)
             if r.stop_signal is not None:
                 os.kill(r.proc.pid, signal.SIGCONT)  # a stopped rank cannot act on it otherwise
+
+
+# How long the other ranks get to end on their own after one refused (status 2) before they are killed: ranks refuse
+# together (a config or data mistake, a loss guard at one step), and rank 0's line goes to the terminal, which the
+# launcher cannot read, so rank 0 has refused only once it has exited with status 2. Killed a moment after its line
+# and before its exit, it read as not refused and the root rank's line was printed after its own.
+REFUSAL_GRACE_S = 1.0
+
+
+def _let_refusing_ranks_exit(ranks: Sequence[_Rank], grace_s: float = REFUSAL_GRACE_S) -> str | None:
+    """Wait up to `grace_s` for the live ranks to end (their output copied meanwhile); a log's write error."""
+    deadline = time.monotonic() + grace_s
+    while any(r.returncode is None for r in ranks) and (left := deadline - time.monotonic()) > 0:
+        _wait_for_change(ranks, min(left, 0.05))
+        now = time.monotonic()
+        for r in ranks:
+            if r.returncode is None:
+                r.observe(now)
+            problem = r.copy_output()
+            if problem is not None:
+                return problem
+    return None
 
 
 def _endings(ranks: Sequence[_Rank]) -> str:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from spartron.launch.local import core_slices, existing_launcher, held_port, launch_local, rank_environ
+from spartron.launch.local import launch_local
 from spartron.launch.process import STOPPED_STATUS
+from spartron.launch.rank_env import core_slices, existing_launcher, held_port, rank_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
