@@ -289,18 +289,9 @@ def _launch(command: Sequence[str], nproc: int, environ: Mapping[str, str], mast
         release_sigterm()
         forwarded_at = None
         while any(r.returncode is None for r in ranks):
-            _wait_for_change(ranks, poll_s)
-            now = time.monotonic()
-            for r in ranks:
-                if r.returncode is None:
-                    r.observe(now)
-            for r in ranks:  # after observe: a rank seen ended has all its output in the pipe
-                problem = r.copy_output()
-                if problem is not None:
-                    for other in ranks:
-                        other.kill()
-                    print(ERROR_PREFIX + problem, file=sys.stderr)
-                    return USAGE_STATUS
+            now, problem = _observe(ranks, poll_s)
+            if problem is not None:
+                return _stop_for_unwritable_log(ranks, problem)
             if term.requested and forwarded_at is None:
                 forwarded_at = now
                 _forward_term(ranks, terminate_grace_s)
@@ -310,10 +301,7 @@ def _launch(command: Sequence[str], nproc: int, environ: Mapping[str, str], mast
                 if status == USAGE_STATUS and root.returncode == USAGE_STATUS:
                     problem = _let_refusing_ranks_exit(ranks)
                     if problem is not None:
-                        for r in ranks:
-                            r.kill()
-                        print(ERROR_PREFIX + problem, file=sys.stderr)
-                        return USAGE_STATUS
+                        return _stop_for_unwritable_log(ranks, problem)
                 failed_at = root.stopped_at if root.stopped_at is not None else root.ended_at
                 early = [r for r in ranks if r.returncode in (0, STOPPED_STATUS) and r.ended_at < failed_at]
                 for r in ranks:
@@ -416,15 +404,33 @@ def _let_refusing_ranks_exit(ranks: Sequence[_Rank], grace_s: float = REFUSAL_GR
     """Wait up to `grace_s` for the live ranks to end (their output copied meanwhile); a log's write error."""
     deadline = time.monotonic() + grace_s
     while any(r.returncode is None for r in ranks) and (left := deadline - time.monotonic()) > 0:
-        _wait_for_change(ranks, min(left, 0.05))
-        now = time.monotonic()
-        for r in ranks:
-            if r.returncode is None:
-                r.observe(now)
-            problem = r.copy_output()
-            if problem is not None:
-                return problem
+        problem = _observe(ranks, min(left, 0.05))[1]
+        if problem is not None:
+            return problem
     return None
+
+
+def _observe(ranks: Sequence[_Rank], timeout_s: float) -> tuple[float, str | None]:
+    """Wait up to timeout_s for a change, note each live rank's exit or stop, copy every rank's output into its log:
+    (the time observed, a log's write error or None)."""
+    _wait_for_change(ranks, timeout_s)
+    now = time.monotonic()
+    for r in ranks:
+        if r.returncode is None:
+            r.observe(now)
+    for r in ranks:  # after observe: a rank seen ended has all its output in the pipe
+        problem = r.copy_output()
+        if problem is not None:
+            return now, problem
+    return now, None
+
+
+def _stop_for_unwritable_log(ranks: Sequence[_Rank], problem: str) -> int:
+    """A rank log cannot be written: kill every rank and say so in one line."""
+    for r in ranks:
+        r.kill()
+    print(ERROR_PREFIX + problem, file=sys.stderr)
+    return USAGE_STATUS
 
 
 def _endings(ranks: Sequence[_Rank]) -> str:
