@@ -50,7 +50,9 @@ NS_BATCH_BYTES = 512 * 2**20  # default cap of one Newton-Schulz batch's input /
 
 
 def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
-    """Approximate U V^T of each matrix g = U S V^T (g: [..., m, n]) by the quintic Newton-Schulz iteration."""
+    """Approximate U V^T of each matrix g = U S V^T (g: [..., m, n]) by the quintic Newton-Schulz iteration
+    x <- a x + (b A + c A A) x with A = x x^T. Each step is three batched GEMMs whose scalings and sums run in
+    the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A between them."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16 if g.dtype == torch.bfloat16 else torch.float32)
     transposed = x.shape[-2] > x.shape[-1]
@@ -58,9 +60,12 @@ def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     x = (x / (norm + 1e-7)).to(x.dtype)
+    batch = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:])
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        gram = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.reshape(*batch, *x.shape[-2:])
     return (x.mT if transposed else x).to(g.dtype)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from spartron.runtime.config import TrainConfig
+from spartron.runtime.muon import NS_COEFFICIENTS
 from spartron.runtime.optim import (
     MuonWithAdamW,
     build_optimizer,
@@ -126,3 +127,23 @@ def test_muon_vocabulary_is_the_models_not_the_largest_trainable_matrix():
     head_only[0].requires_grad_(False)
     opt = build_optimizer(head_only, TrainConfig(optimizer="muon", lr=0.02))
     assert [g["muon"] for g in opt.param_groups] == [False, False]  # the head [50, 8] and its bias: AdamW
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (3, 6, 10), (2, 3, 10, 6)], ids=["wide", "tall", "stack", "4d"])
+def test_newton_schulz_is_the_quintic_iteration_per_matrix(shape):
+    """The fused form (scalings in the GEMMs' epilogues) computes x <- a x + (b A + c A A) x, A = x x^T, on each
+    matrix by itself: the textbook steps in float64 agree, and a stack equals its matrices one by one."""
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b, c = NS_COEFFICIENTS
+    x = g.mT if shape[-2] > shape[-1] else g
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    want = (x.mT if shape[-2] > shape[-1] else x).float()
+    got = newton_schulz_orthogonalize(g.float())
+    assert got.shape == g.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    flat = g.float().reshape(-1, *shape[-2:])
+    one_by_one = torch.stack([newton_schulz_orthogonalize(m) for m in flat]).reshape(shape)
+    assert torch.equal(got, one_by_one)
