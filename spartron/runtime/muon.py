@@ -10,8 +10,8 @@ One update, per matrix M with gradient G (lr and weight decay from its group):
   M *= 1 - lr * wd;  buf = momentum * buf + G;  U = G + momentum * buf (Nesterov)
   M -= lr * sqrt(max(1, rows / cols)) * NS5(U)
 NS5 is the quintic Newton-Schulz iteration (Muon's coefficients) on U / ||U||_F, in float32 (bfloat16
-for bfloat16 gradients, as Muon's own recipe runs it); the scale keeps tall matrices' update RMS like
-square ones' (the rule of the first Spartron Muon, kept).
+for bfloat16 gradients, as Muon's own recipe runs it; train.muon_ns_dtype can fix it); the scale keeps
+tall matrices' update RMS like square ones' (the rule of the first Spartron Muon, kept).
 
 Each matrix is orthogonalised once per data-parallel replica, never on every rank:
 - A tensor already whole on this rank (one rank; a replicated tensor; routed experts sharded over
@@ -49,12 +49,18 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_BATCH_BYTES = 512 * 2**20  # default cap of one Newton-Schulz batch's input / one exchange round
 
 
-def newton_schulz_orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
+def ns_working_dtype(update: torch.dtype, override: torch.dtype | None) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: `override`, else bfloat16 for a bfloat16 update, else float32."""
+    return override or (torch.bfloat16 if update == torch.bfloat16 else torch.float32)
+
+
+def newton_schulz_orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
     """Approximate U V^T of each matrix g = U S V^T (g: [..., m, n]) by the quintic Newton-Schulz iteration
     x <- a x + (b A + c A A) x with A = x x^T. Each step is three batched GEMMs whose scalings and sums run in
-    the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A between them."""
+    the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A between them. In `dtype`
+    (None: bfloat16 for a bfloat16 g, else float32); the result in g's dtype."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(torch.bfloat16 if g.dtype == torch.bfloat16 else torch.float32)
+    x = g.to(ns_working_dtype(g.dtype, dtype))
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
@@ -221,16 +227,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
     optimizer, so its state dict is the usual per-parameter one. `orthogonalized`: the matrices this
     rank orthogonalised in its last step (an expert stack counts its experts); `exchanges`: the all-to-all
     rounds of sharded tensors it took part in (two all-to-alls each); `ns_batch_bytes`: the byte cap
-    of a Newton-Schulz batch and of an exchange round (see the module docstring)."""
+    of a Newton-Schulz batch and of an exchange round (see the module docstring); `ns_dtype`: the dtype the
+    iteration runs in (None: the update's, see newton_schulz_orthogonalize)."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8,
-                 momentum: float = 0.95, ns_steps: int = 5, ns_batch_bytes: int = NS_BATCH_BYTES) -> None:
+                 momentum: float = 0.95, ns_steps: int = 5, ns_batch_bytes: int = NS_BATCH_BYTES,
+                 ns_dtype: torch.dtype | None = None) -> None:
         if ns_batch_bytes < 1:
             raise ValueError(f"Muon: ns_batch_bytes must be positive, got {ns_batch_bytes}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
                         muon=False)
         super().__init__(param_groups, defaults)
         self.ns_batch_bytes = ns_batch_bytes
+        self.ns_dtype = ns_dtype
         self.orthogonalized = 0
         self.exchanges = 0
         self._layout: tuple[tuple[int, ...], list[_Item], list[_Bucket]] | None = None
@@ -289,7 +298,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _per_batch(self, item: _Item, updates: dict) -> int:
         """Matrices of the item's shape in one Newton-Schulz batch: the byte cap of input in its working dtype."""
-        working = 2 if updates[id(item.param)].dtype == torch.bfloat16 else 4
+        working = ns_working_dtype(updates[id(item.param)].dtype, self.ns_dtype).itemsize
         return max(1, self.ns_batch_bytes // max(1, item.rows * item.cols * working))
 
     def _groups(self, items: list[_Item], updates: dict) -> list[list[_Item]]:
@@ -303,14 +312,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _ns(self, parts: list[Tensor], ns_steps: int) -> list[Tensor]:
         """One Newton-Schulz batch over `parts` ([k, rows, cols] each); each part's result."""
-        out = newton_schulz_orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), ns_steps)
+        out = newton_schulz_orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), ns_steps, self.ns_dtype)
         self.orthogonalized += len(out)
         return list(out.split([len(p) for p in parts])) if len(parts) > 1 else [out]
 
     def _lone(self, item: _Item, full: Tensor, updates: dict) -> Tensor:
         """A matrix alone in its group: orthogonalised as a 2-D tensor (as it always was)."""
         self.orthogonalized += 1
-        return newton_schulz_orthogonalize(full, updates[id(item.param)].ns_steps)
+        return newton_schulz_orthogonalize(full, updates[id(item.param)].ns_steps, self.ns_dtype)
 
     def _orthogonalize_whole(self, items: list[_Item], updates: dict) -> None:
         """Tensors whole here, in capped batches. A tensor's update is formed when its first batch needs it and

@@ -103,7 +103,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     adam_groups = [{"params": rest_decay, "weight_decay": cfg.weight_decay, "muon": False},
                    {"params": no_decay, "weight_decay": 0.0, "muon": False}]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + adam_groups
-    return MuonWithAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    ns_dtype = None if cfg.muon_ns_dtype == "auto" else getattr(torch, cfg.muon_ns_dtype)
+    return MuonWithAdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                         ns_dtype=ns_dtype)
 
 
 def _master_adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig,

@@ -12,7 +12,7 @@ DATA_TRAIN_KEYS = ("seed", "seq_len", "global_batch_size")
 # How training proceeds from the step on: a resume that changes one prints a note naming it (`training_notes`).
 TRAINING_TRAIN_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "steps", "grad_clip", "micro_batch_size",
                        "intra_layer_micro_batches", "intra_layer_micro_batch_scope", "grad_sync", "adamw_kernel",
-                       "adamw_moments_dtype", "compile", "max_loss", "loss_spike_factor")
+                       "adamw_moments_dtype", "muon_ns_dtype", "compile", "max_loss", "loss_spike_factor")
 
 
 def _flatten(data: Any, prefix: str) -> dict[str, Any]:

@@ -170,6 +170,11 @@ class TrainConfig(ConfigSection):
     # "muon": distributed Muon (spartron.runtime.muon) for hidden matrices and the routed experts (each expert
     # its own matrix), AdamW for embedding, head, norms and biases; its state reshards like AdamW's.
     optimizer: Literal["adamw", "muon"] = "adamw"
+    # The dtype of Muon's Newton-Schulz iteration. "auto": the gradients' (bfloat16 with bf16-only parameters,
+    # float32 with fp32 masters); "bfloat16": always, as Muon's own recipe runs it: with fp32 masters its GEMMs
+    # then run on bf16 tensor cores instead of float32 ones (the momentum, the update and its application stay
+    # in the parameters' dtype); "float32": always.
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # The AdamW update: torch's fused kernel, or one Triton pass that also applies the clip coefficient
     # (spartron.runtime.adamw_triton; CUDA + triton; the same optimizer state either way). "auto": the
     # Triton pass for CUDA parameters (an error naming this key if triton is missing), torch's on the CPU.
@@ -285,6 +290,9 @@ class TrainConfig(ConfigSection):
     def _adamw_kernel(self) -> TrainConfig:
         if self.adamw_kernel != "auto" and self.optimizer != "adamw":  # Muon's AdamW part is its own loop
             raise ValueError(f"train.adamw_kernel = {self.adamw_kernel!r} needs train.optimizer = 'adamw' "
+                             f"(got {self.optimizer!r}, which would ignore it)")
+        if self.muon_ns_dtype != "auto" and self.optimizer != "muon":
+            raise ValueError(f"train.muon_ns_dtype = {self.muon_ns_dtype!r} needs train.optimizer = 'muon' "
                              f"(got {self.optimizer!r}, which would ignore it)")
         if self.adamw_moments_dtype is not None and self.optimizer != "adamw":
             raise ValueError(f"train.adamw_moments_dtype = {self.adamw_moments_dtype!r} needs train.optimizer = "

@@ -193,3 +193,49 @@ def test_the_optimizer_switch_is_validated_and_selects_distributed_muon_for_expe
     assert "layers.1.ffn.experts.w1" in muon and "layers.1.attn.wo.weight" in muon
     assert not {"embed.weight", "head.weight", "norm.weight"} & set(muon)
     assert all(".experts." in n or model.get_parameter(n).ndim == 2 for n in muon)
+
+
+def test_muon_ns_dtype_is_validated_and_runs_newton_schulz_in_bfloat16_for_float32_parameters():
+    """train.muon_ns_dtype = "bfloat16" with float32 parameters (as fp32 masters have): each matrix moves by
+    lr x scale x NS in bfloat16 of its Nesterov update, the rest of the step in float32."""
+    from spartron.layers.model import build_model
+    from spartron.runtime.config import ConfigError
+    from spartron.runtime.muon import newton_schulz_orthogonalize
+    from spartron.runtime.optim import build_optimizer
+
+    with pytest.raises(ConfigError, match=r"train\.muon_ns_dtype = 'bfloat16' needs train\.optimizer = 'muon' "
+                                          r"\(got 'adamw', which would ignore it\)"):
+        load_config(TINY, ['train.muon_ns_dtype="bfloat16"'])
+    cfg = load_config(TINY, ['train.optimizer="muon"', 'train.muon_ns_dtype="bfloat16"'])
+    model = build_model(cfg.model, seed=0)
+    opt = build_optimizer(model, cfg.train)
+    assert opt.ns_dtype is torch.bfloat16
+    assert build_optimizer(model, load_config(TINY, ['train.optimizer="muon"']).train).ns_dtype is None
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = _grad(names[id(p)], list(p.shape), 1)
+    p = model.get_parameter("layers.1.attn.wo.weight")
+    assert p.dtype == torch.float32 and any(p is q for g in opt.param_groups if g["muon"] for q in g["params"])
+    before, g = p.detach().clone(), p.grad.clone()
+    lr, wd = opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]
+    scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+    update = torch.add(g, g, alpha=0.95)  # Nesterov on a fresh buffer: g + 0.95 x (0.95 x 0 + g)
+    opt.step()
+    ortho = newton_schulz_orthogonalize(update, 5, torch.bfloat16)
+    assert ortho.dtype == torch.float32
+    assert torch.equal(p.detach(), before.mul(1 - lr * wd).add_(ortho, alpha=-lr * scale))
+    in_fp32 = newton_schulz_orthogonalize(update, 5)
+    assert not torch.equal(ortho, in_fp32)  # the iteration ran in bfloat16, not in float32
+    torch.testing.assert_close(ortho, in_fp32, rtol=0, atol=0.02)  # bfloat16's rounding of the same iteration
+
+
+def test_a_resume_that_changes_muon_ns_dtype_says_so_and_an_older_step_says_nothing():
+    from spartron.runtime.saved_config import state_config, training_notes
+
+    saved = state_config(load_config(TINY, ['train.optimizer="muon"']))
+    now = state_config(load_config(TINY, ['train.optimizer="muon"', 'train.muon_ns_dtype="bfloat16"']))
+    assert training_notes(saved, now) == [
+        "spartron: note: train.muon_ns_dtype changed on resume: the saved step trained with 'auto', this run uses "
+        "'bfloat16'"]
+    older = {k: v for k, v in saved.items() if k != "train.muon_ns_dtype"}  # saved before the key was recorded
+    assert training_notes(older, now) == []
