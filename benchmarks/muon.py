@@ -121,7 +121,7 @@ def main() -> int:
     own = start_trainer_benchmark(args)
     world = dist.get_world_size()
     report = trainer_report_header("muon", args, world)
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, ['train.optimizer="muon"', *args.set])  # the shapes: --set may name Muon's keys
     flops = newton_schulz_flops(cfg)
     replicas = cfg.parallel.dp_replicate
     report["newton_schulz"] = {"tflop_per_step_whole_model": flops / 1e12, "peak_tflops": args.peak_tflops,
