@@ -56,23 +56,20 @@ def ns_working_dtype(update: torch.dtype, override: torch.dtype | None) -> torch
 
 def newton_schulz_orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
     """Approximate U V^T of each matrix g = U S V^T (g: [..., m, n]) by the quintic Newton-Schulz iteration
-    x <- a x + (b A + c A A) x with A = x x^T. Each step is three batched GEMMs whose scalings and sums run in
-    the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A between them. In `dtype`
-    (None: bfloat16 for a bfloat16 g, else float32); the result in g's dtype."""
+    x <- a x + (b A + c A A) x with A = x x^T (a tall matrix: x <- a x + x (b A + c A A) with A = x^T x, the
+    same iteration on its transpose, so the result keeps g's layout). Each step is three batched GEMMs whose
+    scalings and sums run in the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A
+    between them. In `dtype` (None: bfloat16 for a bfloat16 g, else float32); the result in g's dtype."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(ns_working_dtype(g.dtype, dtype))
-    transposed = x.shape[-2] > x.shape[-1]
-    if transposed:
-        x = x.mT
+    tall = x.shape[-2] > x.shape[-1]
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    x = (x / (norm + 1e-7)).to(x.dtype)
-    batch = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:])
+    x = (x / (norm + 1e-7)).to(x.dtype).reshape(-1, *x.shape[-2:])
     for _ in range(steps):
-        gram = torch.bmm(x, x.mT)
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    x = x.reshape(*batch, *x.shape[-2:])
-    return (x.mT if transposed else x).to(g.dtype)
+        gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+    return x.reshape(g.shape).to(g.dtype)
 
 
 def _local(t: Tensor) -> Tensor:
