@@ -41,6 +41,30 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_one(step: Callable[[], object], device: torch.device, top: int = 12) -> dict:
+    """`step()` once under torch.profiler: wall ms, kernel ms and launches (device kernels; CPU ops on CPU) and the
+    `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    ms = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 for e in events}
+    kernels = sorted(events, key=lambda e: -ms[e.key])
+    return {"wall_ms": wall, "kernel_ms": sum(ms.values()), "launches": sum(e.count for e in events),
+            "top": [{"name": e.key[:120], "ms": ms[e.key], "count": e.count} for e in kernels[:top]]}
+
+
 def write_report(path: Path | None, report: dict) -> None:
     """Write the JSON report (indented, one trailing newline) where --out says; no --out: nothing.
 

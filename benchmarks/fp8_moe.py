@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import profile_one, sync  # noqa: E402
 
 from spartron.layers.config import FP8Config  # noqa: E402
 from spartron.layers.ffn import FeedForward  # noqa: E402
@@ -54,29 +57,6 @@ SHAPES = {
 SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256), "ffn_smoke": dict(dim=128, inter=256, rows=256)}
 # mode: (model.fp8.weight_cache, micro-batches per optimizer step)
 MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def profile_one(step, device: torch.device, top: int = 12) -> dict:
-    """`step()` once under torch.profiler: wall ms, kernel ms and launches (device kernels; CPU ops on CPU) and the
-    `top` kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        wall = (time.perf_counter() - start) * 1e3
-    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
-    ms = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 for e in events}
-    kernels = sorted(events, key=lambda e: -ms[e.key])
-    return {"wall_ms": wall, "kernel_ms": sum(ms.values()), "launches": sum(e.count for e in events),
-            "top": [{"name": e.key[:120], "ms": ms[e.key], "count": e.count} for e in kernels[:top]]}
 
 
 def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device, warmup: int,
@@ -105,12 +85,12 @@ def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.de
 
     times = []
     for step in range(warmup + steps):
-        _sync(device)
+        sync(device)
         if step == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         one(step)
-        _sync(device)
+        sync(device)
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
         x.grad = None

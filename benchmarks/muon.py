@@ -13,6 +13,8 @@ are excluded from the medians; every step is in the JSON. The target (issue 38):
 step within 1.5x of AdamW's. Beside it, the Newton-Schulz work Muon cannot avoid: its FLOPs per step (5
 quintic iterations per matrix, each 4 m^2 n + 2 m^3 for an m x n matrix, m <= n, every expert one matrix)
 and their time at --peak-tflops, divided over the ranks that share them (one data-parallel replica).
+`--profile`: one more step per optimizer whose `step()` runs under torch.profiler (left out of the timings): its
+wall time, kernel time and launches and the kernels that take the most (`profile` in its row).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import start_trainer_benchmark, trainer_report_header, write_report  # noqa: E402
+from common import profile_one, start_trainer_benchmark, sync, trainer_report_header, write_report  # noqa: E402
 
 from spartron.layers.costs import muon_takes, param_shapes  # noqa: E402
 from spartron.runtime.config import load_config  # noqa: E402
@@ -54,13 +56,8 @@ def newton_schulz_flops(cfg) -> int:  # noqa: ANN001 - a RunConfig
     return total
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
-    overrides = [f'train.optimizer="{name}"', f"train.steps={args.steps}", "train.save_every=0",
+    overrides = [f'train.optimizer="{name}"', f"train.steps={args.steps + int(args.profile)}", "train.save_every=0",
                  "train.resume=false", "train.progress=false", f"train.run_dir={run_root / name}", *args.set]
     cfg = load_config(args.config, overrides)
     gc.collect()  # the previous run's trainer (model, grads, optimizer state) sits in reference cycles until now
@@ -71,11 +68,16 @@ def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
     step_ms: list[float] = []
     inner = optimizer.step
 
+    profiled: dict = {}
+
     def timed_step(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        _sync(device)
+        if len(step_ms) == args.steps:  # --profile's extra step
+            profiled.update(profile_one(lambda: inner(*a, **k), device))
+            return None
+        sync(device)
         t0 = time.perf_counter()
         out = inner(*a, **k)
-        _sync(device)
+        sync(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         return out
 
@@ -87,7 +89,7 @@ def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
 
             def mark(phase: str, marks: dict = marks) -> None:
                 if phase == "optimizer":
-                    _sync(device)
+                    sync(device)
                 marks[phase] = time.perf_counter()
 
             records.append(trainer.step(StepProbe(on_phase=mark)))
@@ -95,8 +97,10 @@ def run_optimizer(name: str, args: argparse.Namespace, run_root: Path) -> dict:
     finally:
         del optimizer.step  # the class's step again (timed_step -> inner -> optimizer is one of those cycles)
         trainer.close()
+    records, phase_ms = records[:args.steps], phase_ms[:args.steps]  # --profile's extra step is not timed
     w = args.warmup if len(records) > args.warmup else 0
-    return {"optimizer": name, "overrides": overrides, "steps": len(records), "timed_steps": len(records) - w,
+    row = {"profile": profiled} if profiled else {}
+    return row | {"optimizer": name, "overrides": overrides, "steps": len(records), "timed_steps": len(records) - w,
             "optimizer_step_ms": step_ms, "optimizer_phase_ms": phase_ms,
             "step_time_s": [r["step_time_s"] for r in records], "loss": [r["loss"] for r in records],
             "median_optimizer_step_ms": statistics.median(step_ms[w:]),
@@ -117,6 +121,7 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="the commit to record (a device copy's git may lie)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny preset on CPU, 3 steps after 1 warm-up")
+    parser.add_argument("--profile", action="store_true", help="one more step per optimizer, its step() profiled")
     args = parser.parse_args()
     own = start_trainer_benchmark(args)
     world = dist.get_world_size()
@@ -154,6 +159,11 @@ def main() -> int:
                 print(f"{r['optimizer']}: optimizer step {r['median_optimizer_step_ms']:.1f} ms, phase "
                       f"{r['median_optimizer_phase_ms']:.1f} ms, step {r['median_step_time_s'] * 1e3:.1f} ms, "
                       f"peak {r['peak_memory_allocated_gib']:.2f} GiB")
+                if "profile" in r:
+                    p = r["profile"]
+                    print(f"{r['optimizer']} profiled step(): wall {p['wall_ms']:.1f} ms, kernels "
+                          f"{p['kernel_ms']:.1f} ms in {p['launches']} launches; top: " + "; ".join(
+                              f"{k['name'][:60]} {k['ms']:.1f} ms / {k['count']}" for k in p["top"]))
         ns = report["newton_schulz"]
         print(f"Newton-Schulz: {ns['tflop_per_step_whole_model']:.4g} TFLOP per step"
               + (f", floor {ns['floor_ms_per_rank']:.1f} ms per rank" if ns["floor_ms_per_rank"] else ""))

@@ -81,3 +81,23 @@ def test_smoke_mode_runs(script, tmp_path):
     if script == "matrix":  # every cell trained, and each one compared with the baseline passes
         assert [c["rc"] for c in report["cells"]] == [0, 0, 0, 0]
         assert [c.get("regression", {}).get("passed") for c in report["cells"][2:]] == [True, True]
+
+
+def test_muon_benchmark_times_both_optimizers_and_profiles_one_more_step_apart(tmp_path):
+    """benchmarks/muon.py --smoke --profile: --steps timed steps per optimizer, the extra profiled step outside
+    them, its kernels listed (Muon's Newton-Schulz GEMMs among them); the ratio is of the two medians."""
+    out = tmp_path / "muon.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "muon.py"), "--smoke", "--profile", "--steps", "3",
+                           "--out", str(out)], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = {r["optimizer"]: r for r in report["rows"]}
+    assert sorted(rows) == ["adamw", "muon"]
+    for r in rows.values():
+        assert r["steps"] == 3 and len(r["optimizer_step_ms"]) == len(r["optimizer_phase_ms"]) == 3
+        assert r["profile"]["launches"] > 0 and r["profile"]["top"]
+    assert any(k["name"] == "aten::baddbmm" for k in rows["muon"]["profile"]["top"])
+    assert report["muon_over_adamw_optimizer_step"] == (rows["muon"]["median_optimizer_step_ms"]
+                                                       / rows["adamw"]["median_optimizer_step_ms"])
+    assert report["newton_schulz"]["tflop_per_step_whole_model"] > 0
