@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{k['name'][:40]} {k['ms']:.2f}/{k['count']}" for k in profiled["top"][:6]), flush=True)
         run["speedup"] = run["bf16"]["median_ms"] / run["fp8"]["median_ms"]
         result["runs"][name] = run
+        Path(args.out).write_text(json.dumps(result, indent=1))  # after every shape: a call cut short keeps those done
         if "experts" not in shape:
             print(f"{name}: bf16 {run['bf16']['median_ms']:.2f} ms, fp8 {run['fp8']['median_ms']:.2f} ms "
                   f"({run['speedup']:.2f}x)", flush=True)
@@ -150,7 +151,6 @@ def main(argv: list[str] | None = None) -> dict:
               f"({run['speedup']:.2f}x), no cache {run['fp8_nocache']['median_ms']:.2f} ms "
               f"({run['speedup_nocache']:.2f}x), 4 micro-batches a step {run['fp8_mb4']['mean_ms']:.2f} ms mean "
               f"({run['speedup_mb4']:.2f}x)", flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 
