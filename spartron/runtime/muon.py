@@ -64,7 +64,7 @@ def newton_schulz_orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype | 
     x = g.to(ns_working_dtype(g.dtype, dtype))
     tall = x.shape[-2] > x.shape[-1]
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    x = (x / (norm + 1e-7)).to(x.dtype).reshape(-1, *x.shape[-2:])
+    x = torch.div(x, norm + 1e-7, out=torch.empty_like(x)).reshape(-1, *x.shape[-2:])  # no float32 copy of x
     for _ in range(steps):
         gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
