@@ -56,10 +56,11 @@ def ns_working_dtype(update: torch.dtype, override: torch.dtype | None) -> torch
 
 def newton_schulz_orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
     """Approximate U V^T of each matrix g = U S V^T (g: [..., m, n]) by the quintic Newton-Schulz iteration
-    x <- a x + (b A + c A A) x with A = x x^T (a tall matrix: x <- a x + x (b A + c A A) with A = x^T x, the
-    same iteration on its transpose, so the result keeps g's layout). Each step is three batched GEMMs whose
-    scalings and sums run in the GEMMs' epilogues (baddbmm's alpha / beta): no elementwise pass over x or A
-    between them. In `dtype` (None: bfloat16 for a bfloat16 g, else float32); the result in g's dtype."""
+    x <- (a I + b A + c A A) x with A = x x^T (a tall matrix: x <- x (a I + b A + c A A) with A = x^T x, the same
+    iteration on its transpose, so the result keeps g's layout). Each step is three batched GEMMs: A; the
+    polynomial, b A + c A A in one GEMM's epilogue (baddbmm's beta / alpha), a added on its diagonal; its product
+    with x. No elementwise pass over x, and no copy of x into a GEMM's output (an epilogue term costs one). In
+    `dtype` (None: bfloat16 for a bfloat16 g, else float32); the result in g's dtype."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(ns_working_dtype(g.dtype, dtype))
     tall = x.shape[-2] > x.shape[-1]
@@ -68,7 +69,8 @@ def newton_schulz_orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype | 
     for _ in range(steps):
         gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = torch.bmm(x, poly) if tall else torch.bmm(poly, x)
     return x.reshape(g.shape).to(g.dtype)
 
 
