@@ -131,8 +131,9 @@ def test_muon_vocabulary_is_the_models_not_the_largest_trainable_matrix():
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6), (3, 6, 10), (2, 3, 10, 6)], ids=["wide", "tall", "stack", "4d"])
 def test_newton_schulz_is_the_quintic_iteration_per_matrix(shape):
-    """The fused form (scalings in the GEMMs' epilogues) computes x <- a x + (b A + c A A) x, A = x x^T, on each
-    matrix by itself: the textbook steps in float64 agree, and a stack equals its matrices one by one."""
+    """The three-GEMM form ((a I + b A + c A A) x; a tall matrix through x^T x, keeping its layout) is the textbook
+    x <- a x + (b A + c A A) x, A = x x^T, on each matrix by itself: the float64 textbook steps agree, the result
+    has g's shape, dtype and layout, and a stack equals its matrices one by one."""
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     a, b, c = NS_COEFFICIENTS
     x = g.mT if shape[-2] > shape[-1] else g
@@ -142,7 +143,7 @@ def test_newton_schulz_is_the_quintic_iteration_per_matrix(shape):
         x = a * x + (b * gram + c * gram @ gram) @ x
     want = (x.mT if shape[-2] > shape[-1] else x).float()
     got = newton_schulz_orthogonalize(g.float())
-    assert got.shape == g.shape and got.dtype == torch.float32
+    assert got.shape == g.shape and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     flat = g.float().reshape(-1, *shape[-2:])
     one_by_one = torch.stack([newton_schulz_orthogonalize(m) for m in flat]).reshape(shape)
