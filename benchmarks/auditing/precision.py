@@ -1,5 +1,6 @@
-"""model.master_weights and train.adamw_moments_dtype (issue 38 item 1): hostile values, contradicting keys, a
-layout it does not run on, and one real step on each (`spartron train` and `spartron plan`)."""
+"""model.master_weights, train.adamw_moments_dtype and train.muon_ns_dtype (issue 38 items 1 and 3): hostile
+values, contradicting keys, a layout it does not run on, and one real step on each (`spartron train` and
+`spartron plan`)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,11 @@ def cases() -> list[Case]:
     for holder in ("fsdp", "optimizer"):
         add(f"moments-step-{holder}", train(*MASTERS, f'model.master_weights="{holder}"',
                                             'train.adamw_moments_dtype="bfloat16"'), (), accept_ok=True)
+    key = ("train.muon_ns_dtype",)
+    add("muon-ns-unknown", train('train.optimizer="muon"', 'train.muon_ns_dtype="float8"'), key, quick=True)
+    add("muon-ns-float16", train('train.optimizer="muon"', 'train.muon_ns_dtype="float16"'), key, category="dtypes")
+    add("muon-ns-int", train('train.optimizer="muon"', "train.muon_ns_dtype=2"), key, category="dtypes")
+    add("muon-ns-adamw", train('train.muon_ns_dtype="bfloat16"'), key)
+    add("muon-ns-step-masters", train(*MASTERS, 'train.optimizer="muon"', 'train.muon_ns_dtype="bfloat16"'), (),
+        accept_ok=True)
     return out
