@@ -61,7 +61,8 @@ class StepShape:
 class MemoryPlan:
     """Predicted bytes on one rank. `parts`: what is live at the predicted peak, by kind; `peak` their
     sum; `phase`: when it happens (forward end = inside the loss of the last micro-batch, backward =
-    the last block's backward, optimizer = after backward with every gradient)."""
+    the last block's backward, root reduction = the end of backward, where FSDP2's root unit (embedding,
+    head, final norm) reduce-scatters its gradients, optimizer = after backward with every gradient)."""
 
     parts: dict[str, int]
     phase: str
@@ -200,6 +201,7 @@ def _attention_block(m: ModelConfig, tokens: int, step: StepShape, role, cp: int
 
 
 _KL_DENSE = ("kl_dense", "dense_warmup")  # the DSA modes whose KL runs spartron::kl_dense in query chunks
+_BLOCK_PREFIXES = ("layers.", "mtp.blocks.")  # each block its own FSDP2 unit; the rest is the root's
 
 
 def _dsa_mode(m: ModelConfig, step: StepShape) -> str | None:
@@ -355,7 +357,10 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     flight) on the device. FSDP2 all-gathers a block's parameters (and prefetches the next) in the
     compute dtype and reduce-scatters its gradients in model.reduce_dtype. The LM losses (main and MTP)
     keep what spartron.layers.loss keeps; the chunked loss's [chunk, vocab] temporaries are the forward's
-    peak. Three phase peaks are compared: forward end, backward of the last block, optimizer step.
+    peak. Four phase peaks are compared: forward end, backward of the last block, the root's gradient reduction
+    at the end of backward (FSDP2's root unit, the embedding, head and final norm, reduce-scatters last, its
+    weights still gathered: with a large vocabulary and small blocks, its gradients are the largest unit's),
+    optimizer step.
     model.master_weights = "optimizer" (one rank, no FSDP2): compute-dtype parameters beside fp32 masters;
     a single micro-batch's gradients stay in the compute dtype, several sum into fp32 main gradients (live
     through the step, plus the largest parameter's compute-dtype gradient and its first fp32 copy in flight);
@@ -415,8 +420,13 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     unsharded = 2 * biggest.params * a if fsdp else 0
     root = head * (1 if m.tie_embeddings else 2) * a if fsdp else 0
     reduction = trained * (a + reduce) if fsdp else 0
+    # the root unit's gradients (what no block holds), reduce-scattered at the end of backward
+    root_trained = sum(math.prod(s) for f, s in shapes.items() if not f.startswith(_BLOCK_PREFIXES)
+                       and _trains(step, f) and receives_gradient(m, f))
+    root_reduction = root_trained * (a + reduce) if fsdp else 0
     if fsdp and step.device == "cpu":  # gloo reduce-scatters through a second full-size buffer
         reduction += trained * reduce
+        root_reduction += root_trained * reduce
     grads_always = grads if (step.micro_steps > 1 or step.keep_grad_buffers) else 0
     largest = max((math.prod(s) for f, s in shapes.items() if _trains(step, f)), default=0)
     accumulate = update = 0
@@ -445,6 +455,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
         "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
         + last.work + kl_work + root + unsharded + reduction + accumulate,
+        "root reduction": static + grads + root + root_reduction,
         "optimizer": static + grads + reduction + update,
     }
     phase = max(phases, key=phases.get)
@@ -456,6 +467,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         parts["fp8_gathered_shards"] = fp8_shards
     if phase == "optimizer":
         parts |= {"gradients": grads, "gradient_reduction": phases[phase] - static - grads}
+    elif phase == "root reduction":
+        parts |= {"gradients": grads, "unsharded_parameters": root, "gradient_reduction": root_reduction}
     else:
         parts |= {"gradients": grads_always, "activations": acts,
                   "unsharded_parameters": root + unsharded // (2 if phase == "forward end" else 1)}

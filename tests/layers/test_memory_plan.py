@@ -130,3 +130,19 @@ def test_spartron_plan_prints_the_predicted_peak():
     assert f"# predicted peak allocated memory per rank (rank 0, eager step, ac.mode = 'selective'): " \
            f"{plan.peak / 2**20:.2f} MiB at {plan.phase}" in text
     assert "activations" in text and "optimizer_state" in text
+
+
+def test_the_roots_gradient_reduction_at_the_end_of_backward_is_planned(tmp_path):
+    """A large vocabulary beside small blocks (a small model on many ranks): FSDP2's root unit (embedding, head,
+    final norm) reduce-scatters the largest gradients last, its weights still gathered. That moment is the
+    tracked peak, above every other phase: a plan without it under-predicted (88.6 against 95.4 MB here)."""
+    extra = ("model.vocab_size=32768", "model.mtp.depth=0")
+    for rank, (measured, planned) in enumerate(run_distributed(_measured_and_planned, 2, "full", str(tmp_path),
+                                                               extra, timeout=300)):
+        plan = plan_memory(load_config(TINY, ["ac.mode=full", *extra]), 2, rank)
+        assert plan.phase == "root reduction" and plan.peak == planned
+        assert max(v for k, v in plan.phases.items() if k != "root reduction") < measured <= planned
+        assert planned / measured - 1 < 0.10, (planned, measured)
+        assert plan.parts["unsharded_parameters"] == 2 * 32768 * 64 * 4  # embedding + head, float32, gathered
+        trained = 2 * 32768 * 64 + 64  # and the final norm's weight
+        assert plan.parts["gradient_reduction"] == trained * 4 * 3  # gradients, reduce buffer, gloo's second
