@@ -125,8 +125,7 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.d
     for _ in range(iters):
         if setup:
             setup()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         times.append(elapsed_ms(fn, 1, device))
     return statistics.median(times)
 
