@@ -54,11 +54,12 @@ GEMM_CONFIGS = ((128, 8, 3), (128, 8, 4), (128, 8, 5), (64, 4, 3), (64, 4, 4))
 # (BN, warps, stages): 197 registers at BN 128 / 8 warps (one CTA an SM), 211 at BN 64 / 4 warps (two)
 WGRAD_CONFIGS = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
 # the quantisers' configs: (BM rows, warps) of quantize_rows (and the SwiGLU one), (BC columns, warps) of
-# quantize_cols_grouped, warps of quantize_blocks (sm_90a ptxas, benchmarks/triton_registers.py: rows 202-223
-# registers at 4 warps, cols 168, blocks 255 + a 2 KB spill at 4 warps, 128 at 16)
+# quantize_cols_grouped, (CHUNK rows at a time, warps) of quantize_blocks (sm_90a ptxas,
+# benchmarks/triton_registers.py: rows 202-223 registers at 4 warps, cols 168, blocks of 128 rows at once 255 + a 2 KB
+# spill at 4 warps, 128 at 16)
 QUANT_ROWS_CONFIGS = ((32, 4), (32, 8), (16, 4), (64, 8), (64, 4))
 QUANT_COLS_CONFIGS = ((64, 4), (64, 8), (32, 4), (128, 8))
-QUANT_BLOCKS_WARPS = (4, 8, 16)
+QUANT_BLOCKS_CONFIGS = ((128, 16), (128, 8), (64, 8), (64, 4), (32, 4), (32, 8), (16, 4))
 QUANT = ("quantize_rows", "swiglu_quantize_rows", "quantize_blocks", "quantize_blocks_t", "quantize_cols_grouped",
          "quantize_blocks_cat", "quantize_blocks_both")
 
@@ -141,9 +142,9 @@ def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool, sweep: boo
             kw = dict(block_c=bc, num_warps=warps)
             configs[f"quantize_cols_grouped_bc{bc}w{warps}"] = (
                 lambda kw=kw: impl.quantize_cols_grouped(x, counts, pow2, **kw), cols_bytes)
-        for warps in QUANT_BLOCKS_WARPS:
-            configs[f"quantize_blocks_both_w{warps}"] = (
-                lambda warps=warps: impl.quantize_blocks_both((w,), pow2, num_warps=warps), w.numel() * 4)
+        for chunk, warps in QUANT_BLOCKS_CONFIGS:
+            configs[f"quantize_blocks_both_c{chunk}w{warps}"] = (
+                lambda cfg=(chunk, warps): impl.quantize_blocks_both((w,), pow2, config=cfg), w.numel() * 4)
     return configs | {
         "quantize_rows": (lambda: impl.quantize_rows(x, pow2), rows_bytes),
         "swiglu_quantize_rows": (lambda: impl.swiglu_quantize_rows(gate, up, pow2), swiglu_bytes),

@@ -5,7 +5,9 @@ spartron_fp8::grouped_mm_pair and swiglu_grouped_mm), on rows
 already grouped by expert (balanced counts): the part of the MoE layer FP8 changes; the router,
 dispatch and combine are the same in both modes. Shapes: DeepSeek-V3 per rank (dim 7168, moe_inter
 2048, 8 local experts, 8k and 32k routed rows) and dsv3-12l on one GPU (dim 2048, moe_inter 1408,
-64 experts, 8192 tokens x top-6). Every timed step is in the JSON.
+64 experts, 8192 tokens x top-6). Every timed step is in the JSON; the modes take turns step by step (a GPU
+that heats under minutes of GEMMs slows its clock: each mode sees the same clocks), each mode's peak memory is
+measured with its module alone.
 
 Modes: "bf16"; "fp8" (model.fp8.weight_cache on, invalidated before every step as the Trainer does
 after each optimizer step: one micro-batch per step, the weights quantised once per step: 3 kernel
@@ -59,10 +61,9 @@ SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256), "ffn_smoke": di
 MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}
 
 
-def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device, warmup: int,
-              steps: int, profiled: bool = False) -> tuple[list[float], float | None, dict | None]:
-    """Step times (ms), the peak memory of the timed steps (GiB; None on CPU) and, `profiled`, profile_one of one
-    more step (None otherwise)."""
+def build(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device):
+    """The mode's module on fixed inputs -> (step(i): its i-th micro-batch's forward + backward, reset(): drop the
+    gradients, outside the timings)."""
     torch.manual_seed(0)
     cache, micro = MODES[mode] or ("off", 1)
     if "experts" in shape:
@@ -78,25 +79,65 @@ def time_mode(shape: dict, mode: str, backend: str, wgrad: str, device: torch.de
         assert names, f"nothing converted to FP8 at {shape}"
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
-    def one(step: int) -> None:
-        if step % micro == 0:  # an optimizer step before this micro-batch: the weights are new
+
+    def step(i: int) -> None:
+        if i % micro == 0:  # an optimizer step before this micro-batch: the weights are new
             invalidate_weight_caches(module)
         call(x).backward(grad)
 
-    times = []
-    for step in range(warmup + steps):
-        sync(device)
-        if step == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        one(step)
-        sync(device)
-        if step >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+    def reset() -> None:
         x.grad = None
         module.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return times, peak, profile_one(lambda: one(0), device) if profiled else None
+
+    return step, reset
+
+
+def time_modes(shape: dict, modes: list[str], backend: str, wgrad: str, device: torch.device, warmup: int,
+               steps: int, profiled: bool = False) -> dict[str, dict]:
+    """Per mode: every timed step (ms), the peak memory of one cycle run alone (GiB; None on CPU) and, `profiled`,
+    profile_one of one more step. The modes take turns: in round r (warm-up rounds, then timed ones) each mode
+    whose cycle (`micro` steps, the weights refreshed at its first) starts at r runs that cycle, so every mode's
+    steps are spread over the same minutes: the GPU's clock falls as it heats under minutes of GEMMs (bf16's
+    32k-row step rose 12.4 -> 14.0 ms over its ten steps on the H200 at fa67fe9), and modes timed one after the
+    other compared different clocks."""
+    runners = {mode: build(shape, mode, backend, wgrad, device) for mode in modes}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    rounds = [(r, False) for r in range(warmup)] + [(r, True) for r in range(steps)]
+    for r, timed in rounds:
+        for mode, (step, reset) in runners.items():
+            micro = (MODES[mode] or ("off", 1))[1]
+            if r % micro:
+                continue
+            for i in range(micro):
+                sync(device)
+                start = time.perf_counter()
+                step(i)
+                sync(device)
+                if timed:
+                    times[mode].append((time.perf_counter() - start) * 1e3)
+                reset()
+    out = {mode: {"step_ms": t} for mode, t in times.items()}
+    for mode, (step, reset) in runners.items():
+        if profiled:
+            out[mode]["profile"] = profile_one(lambda step=step: step(0), device)
+            reset()
+    del runners
+    for mode in modes:  # each mode's peak with its module alone
+        out[mode]["peak_gib"] = None
+        if device.type == "cuda":
+            step, reset = build(shape, mode, backend, wgrad, device)
+            micro = (MODES[mode] or ("off", 1))[1]
+            for i in range(micro):  # warm: the kernels compiled, the cache filled once
+                step(i)
+                reset()
+            sync(device)
+            torch.cuda.reset_peak_memory_stats()
+            for i in range(micro):
+                step(i)
+                reset()
+            out[mode]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del step, reset
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,17 +165,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name, shape in shapes.items():
         run = {"shape": shape}
         flops = 3 * 3 * 2 * shape["rows"] * shape["dim"] * shape["inter"]  # 3 GEMMs, fwd + 2 bwd
-        modes = MODES if "experts" in shape else {m: MODES[m] for m in ("bf16", "fp8")}
-        for mode, setting in modes.items():
-            micro = setting[1] if setting else 1
-            # whole cycles of `micro` steps, warm-up included (a cycle starts with the cache's refresh)
-            times, peak, profiled = time_mode(shape, mode, backend, args.wgrad, device, -(-warmup // micro) * micro,
-                                              -(-steps // micro) * micro, args.profile)
+        modes = list(MODES) if "experts" in shape else ["bf16", "fp8"]
+        timed = time_modes(shape, modes, backend, args.wgrad, device, warmup, steps, args.profile)
+        for mode in modes:
+            times = timed[mode]["step_ms"]
             median = sorted(times)[len(times) // 2]
             run[mode] = {"step_ms": times, "median_ms": median, "mean_ms": sum(times) / len(times),
-                         "tflops": flops / median / 1e9, "peak_gib": peak}
-            if profiled:
-                run[mode]["profile"] = profiled
+                         "tflops": flops / median / 1e9, "peak_gib": timed[mode]["peak_gib"]}
+            if "profile" in timed[mode]:
+                profiled = run[mode]["profile"] = timed[mode]["profile"]
                 print(f"{name} {mode} profiled step: wall {profiled['wall_ms']:.2f} ms, kernels "
                       f"{profiled['kernel_ms']:.2f} ms in {profiled['launches']} launches; top: " + ", ".join(
                           f"{k['name'][:40]} {k['ms']:.2f}/{k['count']}" for k in profiled["top"][:6]), flush=True)

@@ -22,7 +22,7 @@ ROWS_SIG = {"x_ptr": "*bf16", "up_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*f
             "K": "i32", "SX": "i32", "POW2": "constexpr", "SWIGLU": "constexpr", "GATHER": "constexpr",
             "BM": "constexpr"}
 BLOCKS_SIG = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": "i32", "K": "i32",
-              "N_OUT": "i32", "ROWS": "constexpr", "COLS": "constexpr", "POW2": "constexpr"}
+              "N_OUT": "i32", "ROWS": "constexpr", "COLS": "constexpr", "POW2": "constexpr", "CHUNK": "constexpr"}
 COLS_SIG = {"x_ptr": "*bf16", "idx_ptr": "*i64", "counts_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
             "C": "i32", "L": "i32", "N_GROUPS": "constexpr", "POW2": "constexpr", "GATHER": "constexpr",
             "BC": "constexpr"}
@@ -38,7 +38,8 @@ def launches(k) -> list[tuple[str, object, dict, dict, int]]:
                         {"POW2": True, "SWIGLU": swiglu, "GATHER": gather, "BM": 32}, 4))
     for rows, cols in ((True, False), (False, True), (True, True)):
         out.append(("quantize_blocks", k.quantize_blocks_kernel, BLOCKS_SIG,
-                    {"ROWS": rows, "COLS": cols, "POW2": True}, k.QUANTIZE_BLOCKS_WARPS))
+                    {"ROWS": rows, "COLS": cols, "POW2": True, "CHUNK": k.QUANTIZE_BLOCKS_CONFIG[0]},
+                    k.QUANTIZE_BLOCKS_CONFIG[1]))
     for gather in (False, True):
         out.append(("quantize_cols", k.quantize_cols_kernel, COLS_SIG,
                     {"N_GROUPS": 8, "POW2": True, "GATHER": gather, "BC": 64}, 4))

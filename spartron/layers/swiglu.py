@@ -12,7 +12,8 @@ On CUDA the op is one Triton pass (swiglu_triton_kernels.py: fp32 arithmetic, on
 elsewhere, and for layouts the kernel does not take, it computes with torch ops exactly as autograd's
 formulas (bitwise the non-in-place gradients) and copies them in. `swiglu_backward_into` is the same
 computation into other tensors (the FP8 experts' backward writes the two halves of one gradient with it, so
-they and the bf16 FFN run one SwiGLU backward).
+they and the bf16 FFN run one SwiGLU backward), and, asked, the forward's product in the same pass (bitwise
+`F.silu(gate) * up`: the FP8 experts' w2 weight gradient reads it).
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ from torch import Tensor
 from spartron.optional import require
 
 
-def swiglu_backward_into(grad: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tensor) -> None:
-    """d_gate <- d(silu(gate) * up)/d gate * grad, d_up <- silu(gate) * grad (d_gate, d_up may be gate, up)."""
-    tensors = (grad, gate, up, d_gate, d_up)
+def swiglu_backward_into(grad: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tensor,
+                         h: Tensor | None = None) -> None:
+    """d_gate <- d(silu(gate) * up)/d gate * grad, d_up <- silu(gate) * grad (d_gate, d_up may be gate, up), and
+    h <- silu(gate) * up when given (bitwise torch's eager F.silu(gate) * up)."""
+    tensors = (grad, gate, up, d_gate, d_up) + ((h,) if h is not None else ())
     rows = [_rows(t) for t in tensors] if gate.is_cuda else []
     if rows and all(r is not None for r in rows) and len({t.dtype for t in tensors}) == 1:
         kernels = require("spartron.layers.swiglu_triton_kernels", "swiglu's CUDA backward",
                           "pip install triton (it ships with torch's CUDA wheels)")
         kernels.swiglu_backward_rows(*rows)
         return
+    if h is not None:  # before d_gate / d_up overwrite gate / up
+        torch.mul(F.silu(gate), up, out=h)
     grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
     torch.mul(grad, F.silu(gate), out=d_up)
     d_gate.copy_(grad_gate)

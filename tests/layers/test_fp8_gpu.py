@@ -62,8 +62,9 @@ def test_triton_primitives_match_the_reference(counts, pow2):
 
 def test_every_quantiser_config_of_the_sweep_writes_the_reference_values():
     """benchmarks/fp8_gemms.py's quantiser configs (rows / SwiGLU rows by BM and warps, columns by BC and warps,
-    weight blocks by warps): each writes the reference's values bitwise, on ragged groups and gathered rows."""
-    from benchmarks.fp8_gemms import QUANT_BLOCKS_WARPS, QUANT_COLS_CONFIGS, QUANT_ROWS_CONFIGS
+    weight blocks by rows at a time and warps): each writes the reference's values bitwise, on ragged groups and
+    gathered rows."""
+    from benchmarks.fp8_gemms import QUANT_BLOCKS_CONFIGS, QUANT_COLS_CONFIGS, QUANT_ROWS_CONFIGS
     from spartron.layers.fp8 import triton_backend as tb
 
     def same(got, want, what):
@@ -83,10 +84,10 @@ def test_every_quantiser_config_of_the_sweep_writes_the_reference_values():
         kw = dict(block_c=bc, num_warps=warps)
         same(tb.quantize_cols_grouped(x, c, True, order, **kw), quant.quantize_cols_grouped(x[order], c, True),
              f"columns {kw}")
-    for warps in QUANT_BLOCKS_WARPS:
-        q, s, qt, st = tb.quantize_blocks_both((w,), True, num_warps=warps)
-        same((q, s), quant.quantize_blocks(w, True), f"blocks {warps} warps")
-        same((qt, st), quant.quantize_blocks_t(w, True), f"transposed blocks {warps} warps")
+    for config in QUANT_BLOCKS_CONFIGS:
+        q, s, qt, st = tb.quantize_blocks_both((w,), True, config=config)
+        same((q, s), quant.quantize_blocks(w, True), f"blocks {config}")
+        same((qt, st), quant.quantize_blocks_t(w, True), f"transposed blocks {config}")
 
 
 def _close_at_fp8_mma_precision(out, ref):

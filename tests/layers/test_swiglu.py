@@ -104,6 +104,24 @@ def test_feedforward_under_compiled_checkpoint_equals_eager():
         torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_into_also_writes_the_forward_product_bitwise(dtype, inplace):
+    """h = silu(gate) * up, as eager torch rounds it (the FP8 experts' w2 weight gradient reads it), written before
+    the gradients overwrite gate and up in place; the gradients are those written without h."""
+    g = torch.Generator().manual_seed(4)
+    both = (torch.randn(37, 2 * 96, generator=g) * 4).to(dtype)
+    grad = torch.randn(37, 96, generator=g).to(dtype)
+    want_h = F.silu(both[:, :96]) * both[:, 96:]
+    plain = torch.empty_like(both)
+    swiglu_backward_into(grad, both[:, :96], both[:, 96:], plain[:, :96], plain[:, 96:])
+    out = both if inplace else torch.empty_like(both)
+    h = torch.full_like(grad, float("nan"))
+    swiglu_backward_into(grad, both[:, :96], both[:, 96:], out[:, :96], out[:, 96:], h)
+    assert torch.equal(h, want_h)
+    assert torch.equal(out, plain)
+
+
 @pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("inplace", [True, False])
@@ -132,6 +150,26 @@ def test_triton_backward_writes_the_fp32_formula_rounded_once(dtype, shape, inpl
     torch.testing.assert_close(d_up, want_up, **tol)
     if not inplace:
         assert torch.equal(both, inputs)
+    # with h: the same gradients, and h bitwise eager torch's silu(gate) * up on this device (gate scaled up so
+    # that exp's and the division's roundings matter)
+    both = inputs * 8
+    gate, up = both[..., :shape[-1]], both[..., shape[-1]:]
+    want_h = F.silu(gate) * up
+
+    def run(out, *h):
+        tensors = (grad, gate, up, out[..., :shape[-1]], out[..., shape[-1]:], *h)
+        if KERNEL_DEVICE == "cuda":
+            swiglu_backward_into(*tensors)
+        else:
+            kernels.swiglu_backward_rows(*(t.reshape(-1, shape[-1]) for t in tensors))
+
+    plain = torch.empty_like(both)
+    run(plain)
+    out = both if inplace else torch.empty_like(both)
+    h = torch.full_like(grad, float("nan"))
+    run(out, h)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("inplace, buffers", [(False, 6), (True, 3)])

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from spartron.layers.swiglu import swiglu_backward_into
@@ -72,9 +71,14 @@ def backward(impl, grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, pow2: boo
              wt: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """`wt`: w's transposed blocks [q^T, s^T] when cached (None: quantise here)."""
     counts = impl.group_counts(counts)
-    wt = wt or impl.quantize_blocks_t(w, pow2)
-    dx = impl.dgrad(*_gemm_rows(impl, grad, counts, pow2), *wt, counts, x.dtype)
+    dx = _dgrad(impl, grad, w, counts, pow2, x.dtype, wt)
     return dx, _wgrad(impl, grad, x, counts, pow2, fp8_wgrad, w.dtype)
+
+
+def _dgrad(impl, grad: Tensor, w: Tensor, counts, pow2: bool, dtype: torch.dtype, wt: Sequence[Tensor] | None):
+    """grad @ w per group: `wt` w's transposed blocks when cached (None: quantised here)."""
+    wt = wt or impl.quantize_blocks_t(w, pow2)
+    return impl.dgrad(*_gemm_rows(impl, grad, counts, pow2), *wt, counts, dtype)
 
 
 def pair_forward(impl, x: Tensor, w1: Tensor, w3: Tensor, counts: Tensor, pow2: bool,
@@ -127,16 +131,17 @@ def swiglu_forward(impl, h13: Tensor, w: Tensor, counts: Tensor, pow2: bool, cac
 def swiglu_backward(impl, grad: Tensor, h13: Tensor, w: Tensor, counts: Tensor,
                     pow2: bool, fp8_wgrad: bool, cached: list[Tensor],
                     layout: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor]:
-    """The w2 GEMM's dgrad / wgrad on the recomputed h, then SwiGLU's backward as spartron.layers.swiglu runs
-    it (swiglu_backward_into: the same kernel on the same values as the bf16 FFN's), written into the two
-    halves of one [M, 2I] gradient (the pair's dgrad reads it whole)."""
+    """The w2 GEMM's dgrad, then SwiGLU's backward as spartron.layers.swiglu runs it (swiglu_backward_into: the
+    same kernel on the same values as the bf16 FFN's), written into the two halves of one [M, 2I] gradient (the
+    pair's dgrad reads it whole) and recomputing h = silu(gate) * up in the same pass, then w2's wgrad on h."""
     i = h13.shape[1] // 2
     counts = impl.group_counts(counts, layout)
     gate, up = h13[:, :i], h13[:, i:]
-    dh, dw = backward(impl, grad, F.silu(gate) * up, w, counts, pow2, fp8_wgrad, cached[2:4] if cached else None)
-    d13 = torch.empty_like(h13)
-    swiglu_backward_into(dh, gate, up, d13[:, :i], d13[:, i:])
-    return d13, dw
+    dh = _dgrad(impl, grad, w, counts, pow2, h13.dtype, cached[2:4] if cached else None)
+    d13, h = torch.empty_like(h13), gate.new_empty(gate.shape)
+    swiglu_backward_into(dh, gate, up, d13[:, :i], d13[:, i:], h)
+    del dh
+    return d13, _wgrad(impl, grad, h, counts, pow2, fp8_wgrad, w.dtype)
 
 
 def weight_blocks(impl, w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Tensor]:

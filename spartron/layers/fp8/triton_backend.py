@@ -82,7 +82,7 @@ def swiglu_quantize_rows(gate: Tensor, up: Tensor, pow2: bool, index: Tensor | N
 
 
 def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: bool,
-                     num_warps: int = k.QUANTIZE_BLOCKS_WARPS) -> list[Tensor]:
+                     config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG) -> list[Tensor]:
     """The weights [..., N_i, K] quantised into buffers concatenated along N (one kernel launch per
     weight, each writing its rows of the outputs: no concatenating copy): [q, s] (rows), [q^T, s^T]
     (cols) or [q, s, q^T, s^T] (both, from one read of each weight; s^T a view of s)."""
@@ -104,7 +104,8 @@ def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: 
         q_part, qt_part = (q_part if rows else qt_part), (qt_part if cols else q_part)  # an unwritten one: the other
         k.quantize_blocks_kernel[(w.numel() // (kc * TILE), kc // TILE)](w, q_part, qt_part, s[..., row0 // TILE:, :],
                                                                          n, kc, n_out, ROWS=rows, COLS=cols,
-                                                                         POW2=pow2, num_warps=num_warps)
+                                                                         POW2=pow2, CHUNK=config[0],
+                                                                         num_warps=config[1])
         row0 += n
     return ([q, s] if rows else []) + ([qt, s.transpose(-2, -1)] if cols else [])
 
@@ -123,10 +124,11 @@ def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool
     return tuple(_quantize_blocks(weights, pow2, rows=not transpose, cols=transpose))
 
 
-def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool, num_warps: int = k.QUANTIZE_BLOCKS_WARPS
-                         ) -> list[Tensor]:
-    """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once (num_warps: the sweep's)."""
-    return _quantize_blocks(weights, pow2, rows=True, cols=True, num_warps=num_warps)
+def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool,
+                         config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG) -> list[Tensor]:
+    """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once (config: (rows a chunk,
+    warps), the sweep's)."""
+    return _quantize_blocks(weights, pow2, rows=True, cols=True, config=config)
 
 
 def place_gathered(q: Tensor, out: Tensor | None, out_t: Tensor, start: int) -> None:

@@ -13,9 +13,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 FP8_MAX = tl.constexpr(448.0)  # a global a @triton.jit function reads must be a constexpr instance
-# quantize_blocks_kernel holds a 128 x 128 block: at 4 warps it needs 255 registers a thread and spills 2 KB (sm_90a
-# ptxas, benchmarks/triton_registers.py); at 16 warps 128 registers, no spill
-QUANTIZE_BLOCKS_WARPS = 16
+# quantize_blocks_kernel's (CHUNK rows, warps). A whole 128 x 128 block at once needs 255 registers a thread at 4
+# warps and spills 2 KB (sm_90a ptxas, benchmarks/triton_registers.py), 128 registers at 16 warps: one program an
+# SM, ~1.4 TB/s on the H100
+QUANTIZE_BLOCKS_CONFIG = (128, 16)
 
 
 @triton.jit
@@ -92,28 +93,33 @@ def quantize_rows_kernel(x_ptr, up_ptr, idx_ptr, q_ptr, s_ptr, M, K, SX, POW2: t
 
 @triton.jit
 def quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, N_OUT, ROWS: tl.constexpr, COLS: tl.constexpr,
-                           POW2: tl.constexpr):
+                           POW2: tl.constexpr, CHUNK: tl.constexpr):
     """128x128 blocks of w [G, N, K] -> (ROWS) q [G, N, K] and/or (COLS) q^T [G, K, N], scales
     [G, N/128, K/128] either way (the caller views them transposed for q^T): dgrad's operand without a
     transposing copy, both from one read of w when both are wanted (the experts' weight cache). N_OUT:
     the outputs' N per group (N, or 2N when w is one half of the experts' w1|w3 buffers, the pointers
-    at that half)."""
+    at that half). CHUNK rows at a time: the block's amax over all its chunks, then each chunk read again (from
+    L2) and cast; a whole block in registers (CHUNK = 128) leaves one program per SM and the loads unhidden."""
     row_block = tl.program_id(0)  # over groups x N/128
     kb = tl.program_id(1)
-    rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
     cols = kb * 128 + tl.arange(0, 128)
-    offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-    w = tl.load(w_ptr + offs).to(tl.float32)
-    scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = _cast(w, scale)
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in tl.static_range(0, 128, CHUNK):
+        rows = row_block * 128 + c + tl.arange(0, CHUNK)  # rows of the [G * N, K] view
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+    scale = _scale(tl.max(amax, axis=0), POW2)
     nblocks = N // 128
     group = (row_block // nblocks).to(tl.int64)
     nb = row_block % nblocks
-    n = nb * 128 + tl.arange(0, 128)
-    if COLS:
-        tl.store(qt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
-    if ROWS:
-        tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
+    for c in tl.static_range(0, 128, CHUNK):
+        rows = row_block * 128 + c + tl.arange(0, CHUNK)
+        q = _cast(tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32), scale)
+        n = nb * 128 + c + tl.arange(0, CHUNK)
+        if COLS:
+            tl.store(qt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
+        if ROWS:
+            tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
     tl.store(s_ptr + (group * (N_OUT // 128) + nb) * (K // 128) + kb, scale)
 
 
