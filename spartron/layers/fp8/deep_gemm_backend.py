@@ -135,14 +135,15 @@ def _deep_gemm():
     return deep_gemm
 
 
-def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts, dtype: torch.dtype) -> Tensor:
+def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts, dtype: torch.dtype,
+             rows: Tensor | None = None) -> Tensor:
     """aq [T*128, K] e4m3 in the slot layout (scales [K/128, T*128]) @ bq[g] [N, K]^T (scales
-    [G, N/128, K/128]) -> [M, N], the rows packed."""
+    [G, N/128, K/128]) -> [M, N], the rows packed (`rows`: packed rows in that order, one gather for both)."""
     if dtype != torch.bfloat16:
         raise ValueError(f"model.fp8.backend = 'deep_gemm' writes bf16 outputs, the experts run in {dtype}")
     if not isinstance(counts, SlotCounts) or counts.layout is None:
         if aq.shape[0] == 0:
-            return torch.empty(0, bq.shape[1], dtype=dtype, device=aq.device)
+            return torch.empty(0 if rows is None else rows.numel(), bq.shape[1], dtype=dtype, device=aq.device)
         raise ValueError("fp8 deep_gemm: the grouped GEMM's rows must be quantised through gemm_rows (slot layout)")
     source, dest, ends = counts.layout
     slot_rows = counts.rows if source is None else source.numel()
@@ -152,6 +153,8 @@ def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts,
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     # sa.t(): [T*128, K/128] MN-major, the layout DeepGEMM reads (no copy); bq's scales may be a transposed view
     _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((aq, sa.t()), (bq, sb), out, ends, use_psum_layout=True)
+    if rows is not None:
+        dest = rows if dest is None else dest.index_select(0, rows)
     return out if dest is None else out.index_select(0, dest)
 
 
@@ -160,10 +163,12 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.d
     return _grouped(xq, xs, wq, ws, group_counts(counts), dtype)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype,
+          rows: Tensor | None = None) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (K-major for DeepGEMM: N is
-    contiguous), its scales [G, K/128, N/128] a view."""
-    return _grouped(gq, gs, wtq, wts, group_counts(counts), dtype)
+    contiguous), its scales [G, K/128, N/128] a view. `rows`: the packed rows in that order, gathered from the
+    slot layout at once (the experts' gradient back through their regrouping: one gather, not two)."""
+    return _grouped(gq, gs, wtq, wts, group_counts(counts), dtype, rows)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:

@@ -60,14 +60,17 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
     return out.to(dtype)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype,
+          rows: Tensor | None = None) -> Tensor:
     """dx[rows of e] = grad[rows of e] @ w[e]: grad [M, N] 1x128 along N, w^T [E, K, N] the forward's
-    blocks transposed (quantize_blocks_t)."""
+    blocks transposed (quantize_blocks_t). `rows`: dx's rows in that order (dx[rows]; every backend's dgrad
+    takes it: "deep_gemm" folds it into its own gather from the slot layout)."""
     gd, wd = dequantize_rows(gq, gs), dequantize_blocks(wtq, wts).transpose(-2, -1).contiguous()
     out = torch.zeros(gq.shape[0], wtq.shape[1], dtype=torch.float32, device=gq.device)
     for e, (lo, hi) in enumerate(_segments(counts, gq.shape[0])):
         out[lo:hi] = gd[lo:hi] @ wd[e]
-    return out.to(dtype)
+    out = out.to(dtype)
+    return out if rows is None else out.index_select(0, rows)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:

@@ -195,12 +195,15 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.d
     return _dense_gemm("fprop", xq, xs, wq, ws, counts, dtype)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype) -> Tensor:
-    """A dense linear: cuBLAS; the routed experts: the Triton grouped kernel (see the module's docstring)."""
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype,
+          rows: Tensor | None = None) -> Tensor:
+    """A dense linear: cuBLAS; the routed experts: the Triton grouped kernel (see the module's docstring).
+    `rows`: the output's rows in that order."""
     counts = group_counts(counts)
     if not counts.dense:
-        return _triton().dgrad(gq, gs, wtq, wts, counts.device, dtype)
-    return _dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
+        return _triton().dgrad(gq, gs, wtq, wts, counts.device, dtype, rows)
+    out = _dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
+    return out if rows is None else out.index_select(0, rows)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:

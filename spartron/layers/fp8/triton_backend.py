@@ -197,10 +197,12 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
     return _gemm(xq, xs, wq, ws, counts, dtype, block_m, num_warps, num_stages)
 
 
-def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype, block_m: int = 128,
-          num_warps: int = 8, num_stages: int = 4) -> Tensor:
-    """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view)."""
-    return _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages)
+def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype,
+          rows: Tensor | None = None, block_m: int = 128, num_warps: int = 8, num_stages: int = 4) -> Tensor:
+    """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view);
+    `rows`: the output's rows in that order."""
+    out = _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages)
+    return out if rows is None else out.index_select(0, rows)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,
