@@ -60,9 +60,10 @@ class StepShape:
 @dataclass(frozen=True)
 class MemoryPlan:
     """Predicted bytes on one rank. `parts`: what is live at the predicted peak, by kind; `peak` their
-    sum; `phase`: when it happens (forward end = inside the loss of the last micro-batch, backward =
-    the last block's backward, root reduction = the end of backward, where FSDP2's root unit (embedding,
-    head, final norm) reduce-scatters its gradients, optimizer = after backward with every gradient)."""
+    sum; `phase`: when it happens (forward end = inside the loss of the last micro-batch, loss backward = inside
+    an LM loss's backward, before any block's, backward = the last block's backward, root reduction = the end of
+    backward, where FSDP2's root unit (embedding, head, final norm) reduce-scatters its gradients, optimizer =
+    after backward with every gradient)."""
 
     parts: dict[str, int]
     phase: str
@@ -284,15 +285,18 @@ def _blocks(m: ModelConfig, dims: ParallelDims, step: StepShape, a: int) -> list
 
 
 def _loss(m: ModelConfig, tokens: int, a: int) -> tuple[int, int, int]:
-    """(saved for backward, extra live at the forward's peak, extra live in its backward) of one LM loss."""
+    """(saved for backward, extra live at the forward's peak, live at its backward's peak, saved included) of one LM
+    loss. Chunked: the saved float32 weight gradient scaled (float32) and cast (compute dtype), the hidden one scaled;
+    plain: log_softmax's backward holds its saved output, the incoming gradient and its result, [N, V] float32 each
+    (the cast to the compute dtype after it holds less)."""
     v, c = m.vocab_size, m.loss_chunk_size
     norm = _norm(tokens, m.dim, a)
     if 0 < c < tokens:  # spartron.layers.loss: the gradients of each chunk at once, [N, V] never kept
         saved = norm + tokens * m.dim * a + v * m.dim * 4
-        return saved, c * v * (12 + a) + v * m.dim * (4 + a), tokens * m.dim * a
+        return saved, c * v * (12 + a) + v * m.dim * (4 + a), saved + tokens * m.dim * a + v * m.dim * (4 + a)
     f32 = tokens * v * 4
     saved = norm + f32  # log_softmax's output
-    return saved, f32 + tokens * v * a, 2 * f32 + tokens * v * a
+    return saved, f32 + tokens * v * a, norm + 3 * f32
 
 
 def comm_buffer_bytes(m: ModelConfig, dims: ParallelDims, tokens: int) -> int:
@@ -357,7 +361,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     flight) on the device. FSDP2 all-gathers a block's parameters (and prefetches the next) in the
     compute dtype and reduce-scatters its gradients in model.reduce_dtype. The LM losses (main and MTP)
     keep what spartron.layers.loss keeps; the chunked loss's [chunk, vocab] temporaries are the forward's
-    peak. Four phase peaks are compared: forward end, backward of the last block, the root's gradient reduction
+    peak. Five phase peaks are compared: forward end, the losses' backward (before any block's: its [T, vocab]
+    temporaries never meet a block's recompute), backward of the last block, the root's gradient reduction
     at the end of backward (FSDP2's root unit, the embedding, head and final norm, reduce-scatters last, its
     weights still gathered: with a large vocabulary and small blocks, its gradients are the largest unit's),
     optimizer step.
@@ -445,6 +450,14 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     head_trains = _trains(step, "embed.weight" if m.tie_embeddings else "head.weight")
     head_grad = 0 if grads_always or not head_trains else head * (a if masters else stored)  # backward's first
     last = blocks[-1]
+    # gradients made before the blocks' backward: the head's. With MTP the backward runs each depth's loss and block,
+    # deepest first, then the main loss: the head (and an untied embedding) serve every depth, so the deeper depths'
+    # gradients of them wait in autograd (compute dtype) for the main loss's (the main embedding's), and those of a
+    # weight-shared MTP block for its shallower depths'
+    early_grads = head_grad
+    if m.mtp.depth:
+        early_grads = head * a * sum(_trains(step, f) for f in ("embed.weight", "head.weight") if f in shapes)
+        early_grads += last.trained * a if m.mtp.depth > 1 and m.mtp.share_weights else 0
     # a kl_dense source's chunk temporaries, counted at the backward's peak (an upper bound: they live in its layer)
     kl_work = _kl_dense_work(m, step, dims.cp) if _dsa_mode(m, step) in _KL_DENSE else 0
     comm = comm_buffer_bytes(m, dims, tokens)
@@ -453,7 +466,12 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     static += comm + fp8_cache + fp8_shards
     phases = {
         "forward end": static + grads_always + acts + loss_fwd + root + unsharded // 2,
-        "backward": static + grads_always + head_grad + acts - n_losses * loss_saved + loss_bwd + recompute[-1]
+        # the losses' backward runs before any block's, so its [T, V] temporaries meet no recompute: the first (the
+        # deepest depth's) with the last block prefetched, a shallower MTP depth's after that depth's block, whose
+        # gradients reduce-scatter beside the early ones
+        "loss backward": static + grads_always + acts - loss_saved + loss_bwd + root + max(
+            unsharded // 2, m.mtp.depth and early_grads + unsharded + reduction - saved[-1] - loss_saved),
+        "backward": static + grads_always + early_grads + acts - n_losses * loss_saved + recompute[-1]
         + last.work + kl_work + root + unsharded + reduction + accumulate,
         "root reduction": static + grads + root + root_reduction,
         "optimizer": static + grads + reduction + update,
@@ -470,7 +488,8 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
     elif phase == "root reduction":
         parts |= {"gradients": grads, "unsharded_parameters": root, "gradient_reduction": root_reduction}
     else:
-        parts |= {"gradients": grads_always, "activations": acts,
-                  "unsharded_parameters": root + unsharded // (2 if phase == "forward end" else 1)}
+        freed = {"loss backward": loss_saved, "backward": n_losses * loss_saved}  # the losses' saved tensors
+        parts |= {"gradients": grads_always, "activations": acts - freed.get(phase, 0),
+                  "unsharded_parameters": root + unsharded // (1 if phase == "backward" else 2)}
         parts["working"] = phases[phase] - sum(parts.values())
     return MemoryPlan(parts=parts, phase=phase, phases=phases)
