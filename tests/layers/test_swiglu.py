@@ -150,26 +150,29 @@ def test_triton_backward_writes_the_fp32_formula_rounded_once(dtype, shape, inpl
     torch.testing.assert_close(d_up, want_up, **tol)
     if not inplace:
         assert torch.equal(both, inputs)
-    # with h: the same gradients, and h bitwise eager torch's silu(gate) * up on this device (gate scaled up so
-    # that exp's and the division's roundings matter)
-    both = inputs * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: the kernel's h uses libdevice's expf, which Triton's interpreter does not run")
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 1000), (33, 2048 + 5), (0, 64), (3, 4, 256)])
+def test_triton_backward_writes_h_bitwise_eager_torch(dtype, shape, inplace):
+    """With h (the FP8 experts' w2 weight gradient reads it): the gradients written without h, and h bitwise eager
+    torch's silu(gate) * up on the GPU (gate scaled up so that exp's and the division's roundings matter)."""
+    g = torch.Generator().manual_seed(6)
+    both = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 8).to(dtype).cuda()
     gate, up = both[..., :shape[-1]], both[..., shape[-1]:]
+    grad = torch.randn(shape, generator=g).to(dtype).cuda()
     want_h = F.silu(gate) * up
-
-    def run(out, *h):
-        tensors = (grad, gate, up, out[..., :shape[-1]], out[..., shape[-1]:], *h)
-        if KERNEL_DEVICE == "cuda":
-            swiglu_backward_into(*tensors)
-        else:
-            kernels.swiglu_backward_rows(*(t.reshape(-1, shape[-1]) for t in tensors))
-
     plain = torch.empty_like(both)
-    run(plain)
+    swiglu_backward_into(grad, gate, up, plain[..., :shape[-1]], plain[..., shape[-1]:])
     out = both if inplace else torch.empty_like(both)
     h = torch.full_like(grad, float("nan"))
-    run(out, h)
+    swiglu_backward_into(grad, gate, up, out[..., :shape[-1]], out[..., shape[-1]:], h)
     assert torch.equal(h, want_h)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("inplace, buffers", [(False, 6), (True, 3)])

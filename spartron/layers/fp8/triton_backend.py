@@ -110,18 +110,21 @@ def _quantize_blocks(weights: tuple[Tensor, ...], pow2: bool, rows: bool, cols: 
     return ([q, s] if rows else []) + ([qt, s.transpose(-2, -1)] if cols else [])
 
 
-def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    return tuple(_quantize_blocks((w,), pow2, rows=True, cols=False))
+def quantize_blocks(w: Tensor, pow2: bool, config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG
+                    ) -> tuple[Tensor, Tensor]:
+    return tuple(_quantize_blocks((w,), pow2, rows=True, cols=False, config=config))
 
 
-def quantize_blocks_t(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+def quantize_blocks_t(w: Tensor, pow2: bool, config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG
+                      ) -> tuple[Tensor, Tensor]:
     """q^T [..., K, N] written by the quantisation kernel itself (dgrad's contraction-contiguous operand)."""
-    return tuple(_quantize_blocks((w,), pow2, rows=False, cols=True))
+    return tuple(_quantize_blocks((w,), pow2, rows=False, cols=True, config=config))
 
 
-def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool = False,
+                        config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG) -> tuple[Tensor, Tensor]:
     """quantize_blocks (or _t) of the weights concatenated along N, without concatenating them."""
-    return tuple(_quantize_blocks(weights, pow2, rows=not transpose, cols=transpose))
+    return tuple(_quantize_blocks(weights, pow2, rows=not transpose, cols=transpose, config=config))
 
 
 def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool,

@@ -15,7 +15,8 @@ from triton.language.extra import libdevice
 FP8_MAX = tl.constexpr(448.0)  # a global a @triton.jit function reads must be a constexpr instance
 # quantize_blocks_kernel's (CHUNK rows, warps). A whole 128 x 128 block at once needs 255 registers a thread at 4
 # warps and spills 2 KB (sm_90a ptxas, benchmarks/triton_registers.py), 128 registers at 16 warps: one program an
-# SM, ~1.4 TB/s on the H100
+# SM, ~1.4 TB/s on the H100. Chunked, both outputs: 124 registers at (32, 8), 146 at (16, 4), two or three programs
+# an SM; not yet timed on a GPU (benchmarks/fp8_gemms.py sweeps them), so the default stays the whole block
 QUANTIZE_BLOCKS_CONFIG = (128, 16)
 
 
@@ -92,34 +93,46 @@ def quantize_rows_kernel(x_ptr, up_ptr, idx_ptr, q_ptr, s_ptr, M, K, SX, POW2: t
 
 
 @triton.jit
+def _store_blocks(q_ptr, qt_ptr, q, group, n, cols, K, N_OUT, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """q [len(n), 128] (rows n, columns cols of group's block) into q [G, N_OUT, K] and / or q^T [G, K, N_OUT]."""
+    if COLS:
+        tl.store(qt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
+    if ROWS:
+        tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
+
+
+@triton.jit
 def quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, N_OUT, ROWS: tl.constexpr, COLS: tl.constexpr,
                            POW2: tl.constexpr, CHUNK: tl.constexpr):
     """128x128 blocks of w [G, N, K] -> (ROWS) q [G, N, K] and/or (COLS) q^T [G, K, N], scales
     [G, N/128, K/128] either way (the caller views them transposed for q^T): dgrad's operand without a
     transposing copy, both from one read of w when both are wanted (the experts' weight cache). N_OUT:
     the outputs' N per group (N, or 2N when w is one half of the experts' w1|w3 buffers, the pointers
-    at that half). CHUNK rows at a time: the block's amax over all its chunks, then each chunk read again (from
-    L2) and cast; a whole block in registers (CHUNK = 128) leaves one program per SM and the loads unhidden."""
+    at that half). CHUNK < 128: CHUNK rows at a time, the block's amax over all its chunks, then each chunk read
+    again (from L2) and cast, for more programs an SM than a whole block in registers leaves (one at 16 warps:
+    the loads wait while it reduces, casts and stores); CHUNK = 128 reads it once."""
     row_block = tl.program_id(0)  # over groups x N/128
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in tl.static_range(0, 128, CHUNK):
-        rows = row_block * 128 + c + tl.arange(0, CHUNK)  # rows of the [G * N, K] view
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-    scale = _scale(tl.max(amax, axis=0), POW2)
     nblocks = N // 128
     group = (row_block // nblocks).to(tl.int64)
     nb = row_block % nblocks
-    for c in tl.static_range(0, 128, CHUNK):
-        rows = row_block * 128 + c + tl.arange(0, CHUNK)
-        q = _cast(tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32), scale)
-        n = nb * 128 + c + tl.arange(0, CHUNK)
-        if COLS:
-            tl.store(qt_ptr + group * N_OUT * K + cols[:, None].to(tl.int64) * N_OUT + n[None, :], tl.trans(q))
-        if ROWS:
-            tl.store(q_ptr + group * N_OUT * K + n[:, None].to(tl.int64) * K + cols[None, :], q)
+    if CHUNK == 128:  # the block read once, held whole
+        rows = row_block * 128 + tl.arange(0, 128)  # rows of the [G * N, K] view
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
+        scale = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+        _store_blocks(q_ptr, qt_ptr, _cast(w, scale), group, nb * 128 + tl.arange(0, 128), cols, K, N_OUT, ROWS, COLS)
+    else:
+        amax = tl.zeros([CHUNK], dtype=tl.float32)
+        for c in range(0, 128, CHUNK):  # loops, not unrolled: the second pass must not keep the first's loads
+            rows = row_block * 128 + c + tl.arange(0, CHUNK)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+        scale = _scale(tl.max(amax, axis=0), POW2)
+        for c in range(0, 128, CHUNK):
+            rows = row_block * 128 + c + tl.arange(0, CHUNK)
+            q = _cast(tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32), scale)
+            _store_blocks(q_ptr, qt_ptr, q, group, nb * 128 + c + tl.arange(0, CHUNK), cols, K, N_OUT, ROWS, COLS)
     tl.store(s_ptr + (group * (N_OUT // 128) + nb) * (K // 128) + kb, scale)
 
 
