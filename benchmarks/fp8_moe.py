@@ -61,11 +61,16 @@ SMOKE = {"smoke": dict(dim=128, inter=128, experts=2, rows=256), "ffn_smoke": di
 MODES = {"bf16": None, "fp8": ("on", 1), "fp8_nocache": ("off", 1), "fp8_mb4": ("on", 4)}
 
 
+def _micro(mode: str) -> int:
+    """Micro-batches per optimizer step of `mode` (bf16: 1)."""
+    return (MODES[mode] or ("off", 1))[1]
+
+
 def build(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device):
     """The mode's module on fixed inputs -> (step(i): its i-th micro-batch's forward + backward, reset(): drop the
     gradients, outside the timings)."""
     torch.manual_seed(0)
-    cache, micro = MODES[mode] or ("off", 1)
+    micro = _micro(mode)
     if "experts" in shape:
         module = GroupedExperts(shape["experts"], shape["dim"], shape["inter"], dtype=torch.bfloat16, device=device)
         counts = torch.full((shape["experts"],), shape["rows"] // shape["experts"], dtype=torch.int32, device=device)
@@ -75,7 +80,7 @@ def build(shape: dict, mode: str, backend: str, wgrad: str, device: torch.device
         call = module
     if MODES[mode] is not None:
         names = apply_fp8([module], FP8Config(backend=backend, modules=["experts" if "experts" in shape else "dense"],
-                                              weight_cache=cache, wgrad=wgrad))
+                                              weight_cache=MODES[mode][0], wgrad=wgrad))
         assert names, f"nothing converted to FP8 at {shape}"
     x = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.randn(shape["rows"], shape["dim"], dtype=torch.bfloat16, device=device)
@@ -105,10 +110,9 @@ def time_modes(shape: dict, modes: list[str], backend: str, wgrad: str, device: 
     rounds = [(r, False) for r in range(warmup)] + [(r, True) for r in range(steps)]
     for r, timed in rounds:
         for mode, (step, reset) in runners.items():
-            micro = (MODES[mode] or ("off", 1))[1]
-            if r % micro:
+            if r % _micro(mode):
                 continue
-            for i in range(micro):
+            for i in range(_micro(mode)):
                 sync(device)
                 start = time.perf_counter()
                 step(i)
@@ -117,8 +121,8 @@ def time_modes(shape: dict, modes: list[str], backend: str, wgrad: str, device: 
                     times[mode].append((time.perf_counter() - start) * 1e3)
                 reset()
     out = {mode: {"step_ms": t} for mode, t in times.items()}
-    for mode, (step, reset) in runners.items():
-        if profiled:
+    if profiled:
+        for mode, (step, reset) in runners.items():
             out[mode]["profile"] = profile_one(lambda step=step: step(0), device)
             reset()
     del runners
@@ -126,15 +130,13 @@ def time_modes(shape: dict, modes: list[str], backend: str, wgrad: str, device: 
         out[mode]["peak_gib"] = None
         if device.type == "cuda":
             step, reset = build(shape, mode, backend, wgrad, device)
-            micro = (MODES[mode] or ("off", 1))[1]
-            for i in range(micro):  # warm: the kernels compiled, the cache filled once
-                step(i)
-                reset()
-            sync(device)
-            torch.cuda.reset_peak_memory_stats()
-            for i in range(micro):
-                step(i)
-                reset()
+            for cycle in range(2):  # a warm cycle (the kernels compiled, the cache filled once), then the measured one
+                if cycle:
+                    sync(device)
+                    torch.cuda.reset_peak_memory_stats()
+                for i in range(_micro(mode)):
+                    step(i)
+                    reset()
             out[mode]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             del step, reset
     return out

@@ -470,7 +470,7 @@ def memory_plan(m: ModelConfig, dims: ParallelDims, step: StepShape, rank: int =
         # deepest depth's) with the last block prefetched, a shallower MTP depth's after that depth's block, whose
         # gradients reduce-scatter beside the early ones
         "loss backward": static + grads_always + acts - loss_saved + loss_bwd + root + max(
-            unsharded // 2, m.mtp.depth and early_grads + unsharded + reduction - saved[-1] - loss_saved),
+            unsharded // 2, early_grads + unsharded + reduction - saved[-1] - loss_saved if m.mtp.depth else 0),
         "backward": static + grads_always + early_grads + acts - n_losses * loss_saved + recompute[-1]
         + last.work + kl_work + root + unsharded + reduction + accumulate,
         "root reduction": static + grads + root + root_reduction,
