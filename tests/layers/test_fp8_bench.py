@@ -27,6 +27,12 @@ def test_fp8_moe_benchmark_smoke_writes_every_step(tmp_path):
     assert run["speedup_mb4"] == run["bf16"]["mean_ms"] / run["fp8_mb4"]["mean_ms"]
     assert run["fp8_mb4"]["mean_ms"] == sum(run["fp8_mb4"]["step_ms"]) / 4
     assert run["fp8"]["peak_gib"] is None  # measured on CUDA only
+    layer = result["runs"]["layer_smoke"]  # a whole MoELayer: router, local dispatch, experts, combine
+    assert layer["shape"] == {"dim": 128, "inter": 128, "experts": 4, "top_k": 2, "tokens": 128}
+    assert set(layer) == {"shape", "bf16", "fp8", "fp8_mb4", "speedup", "speedup_mb4"}
+    assert len(layer["fp8_mb4"]["step_ms"]) == 4
+    assert layer["speedup"] == layer["bf16"]["median_ms"] / layer["fp8"]["median_ms"]
+    assert layer["bf16"]["tflops"] == 3 * 3 * 2 * (128 * 2) * 128 * 128 / layer["bf16"]["median_ms"] / 1e9
     ffn = result["runs"]["ffn_smoke"]
     assert ffn["shape"] == {"dim": 128, "inter": 256, "rows": 256}
     assert set(ffn) == {"shape", "bf16", "fp8", "speedup"}  # dense weights are not cached: no cache modes
