@@ -143,8 +143,13 @@ def _quant_cases(impl, shape: dict, device: torch.device, pow2: bool, sweep: boo
             configs[f"quantize_cols_grouped_bc{bc}w{warps}"] = (
                 lambda kw=kw: impl.quantize_cols_grouped(x, counts, pow2, **kw), cols_bytes)
         for chunk, warps in QUANT_BLOCKS_CONFIGS:
+            cfg = (chunk, warps)
+            configs[f"quantize_blocks_c{chunk}w{warps}"] = (
+                lambda cfg=cfg: impl.quantize_blocks(w, pow2, config=cfg), w.numel() * 3)
+            configs[f"quantize_blocks_t_c{chunk}w{warps}"] = (
+                lambda cfg=cfg: impl.quantize_blocks_t(w, pow2, config=cfg), w.numel() * 3)
             configs[f"quantize_blocks_both_c{chunk}w{warps}"] = (
-                lambda cfg=(chunk, warps): impl.quantize_blocks_both((w,), pow2, config=cfg), w.numel() * 4)
+                lambda cfg=cfg: impl.quantize_blocks_both((w,), pow2, config=cfg), w.numel() * 4)
     return configs | {
         "quantize_rows": (lambda: impl.quantize_rows(x, pow2), rows_bytes),
         "swiglu_quantize_rows": (lambda: impl.swiglu_quantize_rows(gate, up, pow2), swiglu_bytes),

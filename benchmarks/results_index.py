@@ -137,7 +137,8 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "fp8_gemms": lambda d: f"{d['backend']} " + "; ".join(
         f"{name} expert GEMMs fp8 {r['summary']['fp8_gemms_ms']:.2f} ms vs bf16 {r['summary']['bf16_gemms_ms']:.2f} ms "
         f"({r['summary']['speedup']:.2f}x), wgrad {r['results']['up.wgrad.fp8']['tflops']:.0f} TFLOP/s"
-        for name, r in d["runs"].items()),
+        for name, r in d["runs"].items()) if "runs" in d else "quantisers alone (no GEMMs): " + "; ".join(
+        f"{name} {r['median_ms']:.3f} ms" for name, r in d["results"].items() if name.startswith("quantize_blocks")),
     "deep_gemm_candidates": lambda d: "; ".join(
         f"{shape} up13 " + ", ".join(
             f"{kind} {d['results'][f'{shape}.up13.{kind}.{best}']['tflops']:.0f}/"

@@ -128,7 +128,7 @@ def quantize_blocks_cat(weights: tuple[Tensor, ...], pow2: bool, transpose: bool
 
 
 def quantize_blocks_both(weights: tuple[Tensor, ...], pow2: bool,
-                         config: tuple[int, int] = k.QUANTIZE_BLOCKS_CONFIG) -> list[Tensor]:
+                         config: tuple[int, int] = k.QUANTIZE_BLOCKS_BOTH_CONFIG) -> list[Tensor]:
     """[q, s, q^T, s^T] of the weights concatenated along N, each weight read once (config: (rows a chunk,
     warps), the sweep's)."""
     return _quantize_blocks(weights, pow2, rows=True, cols=True, config=config)

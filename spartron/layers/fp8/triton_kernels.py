@@ -15,9 +15,12 @@ from triton.language.extra import libdevice
 FP8_MAX = tl.constexpr(448.0)  # a global a @triton.jit function reads must be a constexpr instance
 # quantize_blocks_kernel's (CHUNK rows, warps). A whole 128 x 128 block at once needs 255 registers a thread at 4
 # warps and spills 2 KB (sm_90a ptxas, benchmarks/triton_registers.py), 128 registers at 16 warps: one program an
-# SM, ~1.4 TB/s on the H100. Chunked, both outputs: 124 registers at (32, 8), 146 at (16, 4), two or three programs
-# an SM; not yet timed on a GPU (benchmarks/fp8_gemms.py sweeps them), so the default stays the whole block
+# SM. Chunked: 124 registers at (32, 8), 146 at (16, 4), two or three programs an SM. Writing both layouts (the
+# weight cache), the sweep of benchmarks/fp8_gemms.py on the H100 at 802d705 ran (32, 8) in 0.221 ms against the
+# whole block's 0.302 (1,869-2,126 GB/s against 1,554; fp8_gemms/fp8_quantisers_802d705_h100.json): one layout
+# alone already streams at ~2.6 TB/s whole-block, so it keeps that until a sweep of its own says otherwise.
 QUANTIZE_BLOCKS_CONFIG = (128, 16)
+QUANTIZE_BLOCKS_BOTH_CONFIG = (32, 8)
 
 
 @triton.jit
