@@ -51,6 +51,7 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "aten::baddbmm",
     "aten::_grouped_mm",
     "aten::_scaled_mm",
+    "spartron::moe_combine",  # the MoE finalize's gate-weighted top-k sum (spartron.layers.moe.combine), a bmm before
     "spartron_fp8::linear",  # blockwise FP8 GEMMs (spartron.layers.fp8.ops): kept like the GEMMs they replace
     "spartron_fp8::grouped_mm",
     "spartron_fp8::grouped_mm_pair",  # the experts' w1 / w3 on one quantisation of x (spartron.layers.fp8.expert_ops)

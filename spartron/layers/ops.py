@@ -22,6 +22,6 @@ def load_ops() -> frozenset[str]:
         sparse_mla_absorbed,
     )
     from spartron.layers.fp8 import ops as fp8_ops  # noqa: F401 (defines spartron_fp8:: ops)
-    from spartron.layers.moe import telemetry, topk  # noqa: F401 (each defines spartron:: ops)
+    from spartron.layers.moe import combine, telemetry, topk  # noqa: F401 (each defines spartron:: ops)
 
     return frozenset({"spartron", "spartron_fp8", collectives.NAMESPACE, copy_engine.NAMESPACE, deepep.NAMESPACE})

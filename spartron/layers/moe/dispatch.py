@@ -51,6 +51,7 @@ from spartron.comm.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 from spartron.comm.deepep_buffer import check_deepep_shape, load_deep_ep
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import MoEConfig
+from spartron.layers.moe.combine import combine_slots
 
 
 @dataclass
@@ -214,10 +215,9 @@ class LocalDispatcher:
         return y
 
     def finalize(self, y: Tensor, state: DispatchState) -> Tensor:
-        """Expert outputs in slot order -> [tokens, dim] gate-weighted sums over the top-k."""
-        tokens, top_k = state.topk_weights.shape
-        per_slot = permute_rows(y, state.slot_inverse, state.slot_order).view(tokens, top_k, y.shape[-1])
-        return gate_weighted_sum(state.topk_weights.to(y.dtype), per_slot)
+        """Expert outputs in slot order -> [tokens, dim] gate-weighted sums over the top-k (one op: the slots'
+        gather into token order and the weighted sum, spartron.layers.moe.combine)."""
+        return combine_slots(y, state.topk_weights, state.slot_inverse, state.slot_order)
 
 
 class AllToAllDispatcher(LocalDispatcher):
