@@ -84,6 +84,24 @@ def _backward(ctx, grad):
 moe_combine.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("spartron::moe_slot_sum", mutates_args=())
+def moe_slot_sum(rows: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
+    """rows [T * k, dim] in slot order -> [T, dim]: out[t] = sum_j rows[slot_inverse[t * k + j]], each token's k
+    rows summed (fp32, one rounding): the backward of the tokens' replication into their top-k slots
+    (spartron.layers.moe.dispatch.replicate_tokens). CUDA: the combine's forward kernel without weights (one pass
+    over the rows instead of a gather writing them and a sum reading them again); elsewhere the torch ops it
+    replaces, bitwise."""
+    kernels = _kernels(rows)
+    if kernels is not None:
+        return kernels.slot_sum(rows.contiguous(), slot_inverse, top_k)
+    return rows.index_select(0, slot_inverse).view(-1, top_k, rows.shape[-1]).sum(dim=1)
+
+
+@moe_slot_sum.register_fake
+def _(rows, slot_inverse, top_k):
+    return rows.new_empty(slot_inverse.shape[0] // top_k, rows.shape[-1])
+
+
 def combine_slots(y: Tensor, weights: Tensor, slot_inverse: Tensor, slot_order: Tensor) -> Tensor:
     """sum_j weights[t, j] * y[slot_inverse[t * k + j]] -> [T, dim] (weights cast to y's dtype)."""
     tokens, top_k = weights.shape

@@ -51,7 +51,7 @@ from spartron.comm.deepep import DeepEPHandle, deepep_combine, deepep_dispatch
 from spartron.comm.deepep_buffer import check_deepep_shape, load_deep_ep
 from spartron.comm.transport import EPTransport
 from spartron.layers.config import MoEConfig
-from spartron.layers.moe.combine import combine_slots
+from spartron.layers.moe.combine import combine_slots, moe_slot_sum
 
 
 @dataclass
@@ -111,8 +111,7 @@ class _ReplicateTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (slot_inverse,) = ctx.saved_tensors
-        per_slot = grad.index_select(0, slot_inverse).view(-1, ctx.top_k, grad.shape[-1])
-        return per_slot.sum(dim=1), None, None, None
+        return moe_slot_sum(grad, slot_inverse, ctx.top_k), None, None, None
 
 
 @dataclass
@@ -141,8 +140,9 @@ def replicate_tokens(x: Tensor, slot_order: Tensor, slot_inverse: Tensor, top_k:
 
     Why not plain indexing: its backward is index_put with accumulation over the top_k copies of each
     token, which sorts the indices (the same ~1 ms a call on the H200 as `permute_rows` avoids).
-    Here the backward gathers the slots back into token-major order (`slot_inverse`) and sums each
-    token's top_k rows: no sort, deterministic, the same sums (fp32 accumulation, one rounding)."""
+    Here the backward sums each token's top_k slot rows, found through `slot_inverse` (spartron::moe_slot_sum: on
+    CUDA one pass, elsewhere the gather into token-major order and a sum): no sort, deterministic, fp32
+    accumulation, one rounding."""
     return _ReplicateTokens.apply(x, slot_order, slot_inverse, top_k)
 
 

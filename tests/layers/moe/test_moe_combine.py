@@ -10,7 +10,7 @@ from triton_device import DEVICE as KERNEL_DEVICE  # tests/triton_device.py
 from triton_device import INTERPRET, needs_kernel
 
 from spartron.checkpointing.policy import DEFAULT_TARGETS, validate_targets
-from spartron.layers.moe.combine import combine_slots, moe_combine
+from spartron.layers.moe.combine import combine_slots, moe_combine, moe_slot_sum
 from spartron.layers.moe.dispatch import gate_weighted_sum, inverse_permutation, permute_rows
 from spartron.layers.ops import load_ops
 
@@ -52,6 +52,16 @@ def test_cpu_values_and_gradients_are_the_separate_ops_bitwise(dtype, top_k):
     rows = y.double()[slot_inverse[3 * top_k:4 * top_k]]
     torch.testing.assert_close(got[0][3].double(), (weights.double()[3, :, None] * rows).sum(0),
                                rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+
+
+@pytest.mark.parametrize("top_k", [1, 6])
+def test_slot_sum_is_the_gather_and_sum_bitwise_on_cpu(top_k):
+    """The replication's backward (dispatch.replicate_tokens): each token's k slot rows summed."""
+    slot_order, slot_inverse = _routing(21, top_k, 8, seed=5)
+    rows = torch.randn(21 * top_k, 40).bfloat16()
+    want = rows.index_select(0, slot_inverse).view(21, top_k, 40).sum(dim=1)
+    assert torch.equal(moe_slot_sum(rows, slot_inverse, top_k), want)
+    torch.library.opcheck(moe_slot_sum, (rows, slot_inverse, top_k))
 
 
 def test_the_op_passes_torchs_registration_checks():
@@ -109,6 +119,25 @@ def test_kernels_match_the_separate_ops(top_k, dim):
         rtol = 2 ** -7 if INTERPRET else 2 ** -8  # half a bf16 step rounding to nearest, a whole one truncating
         torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=1e-6)
         torch.testing.assert_close(d_w.double(), ref_dw, rtol=rtol, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("top_k,dim", [(1, 64), (6, 1000)])
+def test_slot_sum_kernel_matches_the_gather_and_sum(top_k, dim):
+    """Small integers (exact fp32 sums, bf16 values): bitwise; random values within one bf16 rounding."""
+    from spartron.layers.moe import combine_triton_kernels as kernels
+
+    slot_order, slot_inverse = _routing(33, top_k, 8, seed=dim)
+    g = torch.Generator().manual_seed(4)
+    for exact, rows in ((True, torch.randint(-8, 9, (33 * top_k, dim), generator=g).bfloat16()),
+                        (False, torch.randn(33 * top_k, dim, generator=g).bfloat16())):
+        got = kernels.slot_sum(rows.to(KERNEL_DEVICE), slot_inverse.to(KERNEL_DEVICE), top_k).cpu()
+        want = rows.index_select(0, slot_inverse).view(33, top_k, dim).sum(dim=1)
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            ref = rows.double().index_select(0, slot_inverse).view(33, top_k, dim).sum(dim=1)
+            torch.testing.assert_close(got.double(), ref, rtol=2 ** -7 if INTERPRET else 2 ** -8, atol=1e-6)
 
 
 @needs_kernel
