@@ -15,6 +15,7 @@ def _bytes(tensors):
     return [t.view(torch.uint8) if t.element_size() == 1 else t for t in tensors]
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("pair", [False, True])

@@ -84,6 +84,7 @@ def test_selective_ac_keeps_the_combine_as_it_kept_the_product():
     validate_targets(["spartron::moe_combine"])  # a registered op: the policy's name matches it
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("top_k,dim", [(1, 64), (6, 7168), (8, 1000)])
 def test_kernels_match_the_separate_ops(top_k, dim):
@@ -121,6 +122,7 @@ def test_kernels_match_the_separate_ops(top_k, dim):
         torch.testing.assert_close(d_w.double(), ref_dw, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("top_k,dim", [(1, 64), (6, 1000)])
 def test_slot_sum_kernel_matches_the_gather_and_sum(top_k, dim):
@@ -140,6 +142,7 @@ def test_slot_sum_kernel_matches_the_gather_and_sum(top_k, dim):
             torch.testing.assert_close(got.double(), ref, rtol=2 ** -7 if INTERPRET else 2 ** -8, atol=1e-6)
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_kernels_take_no_tokens():
     from spartron.layers.moe import combine_triton_kernels as kernels
