@@ -111,3 +111,30 @@ def test_trainer_attributes_are_declared_in_init(tmp_path):
     sample.write_text("class T:\n    def __init__(self):\n        self.a = 1\n        self.b: int\n"
                       "    def setup(self):\n        self.a, self.b = 2, 3\n        self.c = [self.a]\n")
     assert attributes_set_outside_init(sample, "T") == ["setup: self.c"]
+
+
+def kernel_tests_without_gpu_mark(root: Path) -> list[str]:
+    """'file:line name' for each test decorated with `needs_kernel` (GPU or Triton's interpreter) that lacks
+    `pytest.mark.gpu`: the device runs `pytest -m gpu` (benchmarks/run_gpu.sh), which would never select it."""
+    out = []
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            names = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list}
+            if "needs_kernel" in names and "pytest.mark.gpu" not in names:
+                out.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    return out
+
+
+def test_every_kernel_test_is_selected_by_the_devices_gpu_run():
+    assert kernel_tests_without_gpu_mark(ROOT) == []
+
+
+def test_the_kernel_mark_check_finds_a_test_without_it(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_k.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\n@needs_kernel\ndef test_marked():\n    pass\n\n\n"
+        "@needs_kernel\n@pytest.mark.parametrize('x', [1])\ndef test_unmarked(x):\n    pass\n")
+    assert kernel_tests_without_gpu_mark(tmp_path) == ["tests/test_k.py:11 test_unmarked"]

@@ -276,6 +276,7 @@ def test_gathered_dense_blocks_have_the_weight_caches_layout(shapes):
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, cache, strict=True))
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("joint", [True, False])
 def test_place_gathered_kernel_writes_both_places_as_the_torch_copies(joint):

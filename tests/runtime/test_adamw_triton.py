@@ -115,6 +115,7 @@ def _assert_states_close(ref_opt, mine_opt, ref, mine, **tol):  # noqa: ANN001
         torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"], **tol)
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("kernel", [dict(block=16, iters=2), dict(block=32, iters=1, per_tensor_min_numel=100)])
 def test_fp32_equals_torch_adamw_with_clipped_grads(kernel):
@@ -130,6 +131,7 @@ def test_fp32_equals_torch_adamw_with_clipped_grads(kernel):
     assert not torch.equal(ref[0].detach(), _params(torch.float32)[0].detach())  # it did train
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_table_and_per_tensor_launches_compute_the_same_update():
     """One launch for all tensors, one per tensor, or mixed: the same update (bitwise under the interpreter;
@@ -152,6 +154,7 @@ def test_table_and_per_tensor_launches_compute_the_same_update():
             torch.testing.assert_close(b, a, rtol=0 if INTERPRET else 2.0**-7, atol=0 if INTERPRET else 1e-5)
 
 
+@pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_state_equals_torch_fused_adamw(dtype):
@@ -167,6 +170,7 @@ def test_low_precision_state_equals_torch_fused_adamw(dtype):
     _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=2.0 ** (-10 if dtype == torch.float16 else -7), atol=1e-5)
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_bf16_moments_beside_fp32_parameters_equal_the_torch_reference():
     """train.adamw_moments_dtype = "bfloat16": the kernels load bf16 moments into fp32 and round them on store, as
@@ -185,6 +189,7 @@ def test_bf16_moments_beside_fp32_parameters_equal_the_torch_reference():
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)  # the fp32 parameters to fp32 rounding
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_unaligned_views_take_the_unhinted_kernel_and_agree():
     """A parameter at a 4-byte offset into its storage cannot take the 16-byte hints; it is bucketed apart."""
@@ -200,6 +205,7 @@ def test_unaligned_views_take_the_unhinted_kernel_and_agree():
     _assert_states_close(ref_opt, mine_opt, ref, mine, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_state_dict_is_torch_fused_adamw_s_and_resumes_either_way():
     """Same state_dict keys / step tensors as torch.optim.AdamW(fused=True); a state saved by either loads
@@ -228,6 +234,7 @@ def test_state_dict_is_torch_fused_adamw_s_and_resumes_either_way():
     assert mine_from_torch.state[swapped_mine[0]]["step"].item() == 3
 
 
+@pytest.mark.gpu
 @needs_kernel
 def test_unsupported_inputs_are_errors():
     from spartron.runtime.adamw_triton import AdamWKernelConfig, TritonAdamW
