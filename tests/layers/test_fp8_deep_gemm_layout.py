@@ -68,6 +68,11 @@ def test_slot_layout_operands_give_the_packed_rows_gemm(stand_in, counts):
         got = backend.dgrad(*quant.quantize_rows(_rows(grad, rows if backend is dg else None), True), *wt,
                             slots if backend is dg else c, torch.bfloat16, order)
         assert torch.equal(got, want.index_select(0, order)), backend.__name__
+    # the one-rank replication's top-k: each token's k rows (consecutive in that order) summed in the same gather
+    for backend in (dg, reference):  # every count sums to an even row count: 2 slots a token
+        got = backend.dgrad(*quant.quantize_rows(_rows(grad, rows if backend is dg else None), True), *wt,
+                            slots if backend is dg else c, torch.bfloat16, order, 2)
+        assert torch.equal(got, want.index_select(0, order).view(-1, 2, want.shape[-1]).sum(dim=1)), backend.__name__
 
 
 def test_the_experts_layout_computed_once_serves_every_gemm_of_their_ops(stand_in):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from spartron.layers.fp8 import quant, scaled_mm_backend
-from spartron.layers.fp8.quant import TILE, tile_slots
+from spartron.layers.fp8.quant import TILE, rows_in_order, tile_slots
 
 # the Triton quantisers, imported at first use (scaled_mm_backend's wrappers: this module loads without triton)
 quantize_rows = scaled_mm_backend.quantize_rows
@@ -136,14 +136,15 @@ def _deep_gemm():
 
 
 def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts, dtype: torch.dtype,
-             rows: Tensor | None = None) -> Tensor:
+             rows: Tensor | None = None, k: int = 1) -> Tensor:
     """aq [T*128, K] e4m3 in the slot layout (scales [K/128, T*128]) @ bq[g] [N, K]^T (scales
-    [G, N/128, K/128]) -> [M, N], the rows packed (`rows`: packed rows in that order, one gather for both)."""
+    [G, N/128, K/128]) -> [M, N], the rows packed (`rows`, `k`: quant.rows_in_order of the packed rows, one
+    gather from the slot layout for both)."""
     if dtype != torch.bfloat16:
         raise ValueError(f"model.fp8.backend = 'deep_gemm' writes bf16 outputs, the experts run in {dtype}")
     if not isinstance(counts, SlotCounts) or counts.layout is None:
         if aq.shape[0] == 0:
-            return torch.empty(0 if rows is None else rows.numel(), bq.shape[1], dtype=dtype, device=aq.device)
+            return torch.empty(0 if rows is None else rows.numel() // k, bq.shape[1], dtype=dtype, device=aq.device)
         raise ValueError("fp8 deep_gemm: the grouped GEMM's rows must be quantised through gemm_rows (slot layout)")
     source, dest, ends = counts.layout
     slot_rows = counts.rows if source is None else source.numel()
@@ -155,7 +156,7 @@ def _grouped(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, counts: SlotCounts,
     _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((aq, sa.t()), (bq, sb), out, ends, use_psum_layout=True)
     if rows is not None:
         dest = rows if dest is None else dest.index_select(0, rows)
-    return out if dest is None else out.index_select(0, dest)
+    return out if dest is None else rows_in_order(out, dest, k if rows is not None else 1)
 
 
 def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.dtype) -> Tensor:
@@ -164,11 +165,12 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.d
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype,
-          rows: Tensor | None = None) -> Tensor:
+          rows: Tensor | None = None, k: int = 1) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (K-major for DeepGEMM: N is
     contiguous), its scales [G, K/128, N/128] a view. `rows`: the packed rows in that order, gathered from the
-    slot layout at once (the experts' gradient back through their regrouping: one gather, not two)."""
-    return _grouped(gq, gs, wtq, wts, group_counts(counts), dtype, rows)
+    slot layout at once (the experts' gradient back through their regrouping: one gather, not two), `k` > 1 each
+    k consecutive of them summed in the same pass (quant.rows_in_order)."""
+    return _grouped(gq, gs, wtq, wts, group_counts(counts), dtype, rows, k)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:

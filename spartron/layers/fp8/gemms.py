@@ -105,10 +105,8 @@ def pair_backward(impl, g13: Tensor, x: Tensor, w1: Tensor, w3: Tensor, counts: 
     counts = impl.group_counts(counts, layout)
     wt = cached[2:4] if cached else impl.quantize_blocks_cat((w1, w3), pow2, transpose=True)
     # with `order`: the rows' gradient back to x (permute_rows' / replicate_tokens' backward), its gather by
-    # `inverse` inside the dgrad's own
-    dx = impl.dgrad(*_gemm_rows(impl, g13, counts, pow2), *wt, counts, x.dtype, inverse)
-    if order is not None and k > 1:
-        dx = dx.view(-1, k, dx.shape[-1]).sum(dim=1)
+    # `inverse` and the sum of each token's k rows inside the dgrad's own gather
+    dx = impl.dgrad(*_gemm_rows(impl, g13, counts, pow2), *wt, counts, x.dtype, inverse, k if order is not None else 1)
     i = w1.shape[1]
     if not fp8_wgrad:
         rows = x if order is None else x.index_select(0, _index(order, k))

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from spartron.layers.moe.combine import moe_slot_sum
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TILE = 128
@@ -108,6 +110,15 @@ def gemm_rows(counts, rows: int, index: Tensor | None) -> Tensor | None:
     """The row index the quantiser reads a grouped fprop / dgrad operand through: `index` itself, the rows packed
     (the "deep_gemm" backend starts each group at a 128-row slot: its own gemm_rows)."""
     return index
+
+
+def rows_in_order(out: Tensor, rows: Tensor | None, k: int = 1) -> Tensor:
+    """A dgrad output's rows in the order `rows` names (every backend's dgrad takes it: the experts' gradient back
+    through their regrouping); k > 1: each k consecutive of them summed (the one-rank replication of each token
+    into its top-k slots, spartron.layers.moe.combine.moe_slot_sum: on CUDA one pass, not a gather then a sum)."""
+    if rows is None:
+        return out
+    return out.index_select(0, rows) if k == 1 else moe_slot_sum(out, rows, k)
 
 
 def one_group(x2d: Tensor) -> Tensor:

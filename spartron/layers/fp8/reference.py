@@ -23,6 +23,7 @@ from spartron.layers.fp8.quant import (
     one_group,
     quantize_blocks,
     quantize_blocks_t,
+    rows_in_order,
     slot_layout,
 )
 
@@ -61,16 +62,15 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype,
-          rows: Tensor | None = None) -> Tensor:
+          rows: Tensor | None = None, k: int = 1) -> Tensor:
     """dx[rows of e] = grad[rows of e] @ w[e]: grad [M, N] 1x128 along N, w^T [E, K, N] the forward's
-    blocks transposed (quantize_blocks_t). `rows`: dx's rows in that order (dx[rows]; every backend's dgrad
-    takes it: "deep_gemm" folds it into its own gather from the slot layout)."""
+    blocks transposed (quantize_blocks_t). `rows`, `k`: quant.rows_in_order (every backend's dgrad takes them:
+    "deep_gemm" folds them into its own gather from the slot layout)."""
     gd, wd = dequantize_rows(gq, gs), dequantize_blocks(wtq, wts).transpose(-2, -1).contiguous()
     out = torch.zeros(gq.shape[0], wtq.shape[1], dtype=torch.float32, device=gq.device)
     for e, (lo, hi) in enumerate(_segments(counts, gq.shape[0])):
         out[lo:hi] = gd[lo:hi] @ wd[e]
-    out = out.to(dtype)
-    return out if rows is None else out.index_select(0, rows)
+    return rows_in_order(out.to(dtype), rows, k)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spartron.layers.fp8.quant import TILE, gemm_rows, slot_layout  # noqa: F401 (this backend's rows stay packed)
+from spartron.layers.fp8.quant import TILE, gemm_rows, rows_in_order, slot_layout  # noqa: F401 (this backend's rows stay packed)
 
 ROW, BLOCK = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
 
@@ -196,14 +196,13 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts, dtype: torch.d
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts, dtype: torch.dtype,
-          rows: Tensor | None = None) -> Tensor:
+          rows: Tensor | None = None, k: int = 1) -> Tensor:
     """A dense linear: cuBLAS; the routed experts: the Triton grouped kernel (see the module's docstring).
-    `rows`: the output's rows in that order."""
+    `rows`, `k`: quant.rows_in_order."""
     counts = group_counts(counts)
     if not counts.dense:
-        return _triton().dgrad(gq, gs, wtq, wts, counts.device, dtype, rows)
-    out = _dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype)
-    return out if rows is None else out.index_select(0, rows)
+        return _triton().dgrad(gq, gs, wtq, wts, counts.device, dtype, rows, k)
+    return rows_in_order(_dense_gemm("dgrad", gq, gs, wtq, wts, counts, dtype), rows, k)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts, dtype: torch.dtype) -> Tensor:

@@ -23,6 +23,7 @@ from spartron.layers.fp8.quant import (
     gemm_rows,
     group_counts,
     one_group,
+    rows_in_order,
     slot_layout,
     tile_slots,
 )
@@ -201,11 +202,11 @@ def fprop(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, counts: Tensor, dtype:
 
 
 def dgrad(gq: Tensor, gs: Tensor, wtq: Tensor, wts: Tensor, counts: Tensor, dtype: torch.dtype,
-          rows: Tensor | None = None, block_m: int = 128, num_warps: int = 8, num_stages: int = 4) -> Tensor:
+          rows: Tensor | None = None, k: int = 1, block_m: int = 128, num_warps: int = 8,
+          num_stages: int = 4) -> Tensor:
     """dgrad contracts over N: w^T [G, K, N] as quantize_blocks_t wrote it (scales [G, K/128, N/128], a view);
-    `rows`: the output's rows in that order."""
-    out = _gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages)
-    return out if rows is None else out.index_select(0, rows)
+    `rows`, `k`: quant.rows_in_order."""
+    return rows_in_order(_gemm(gq, gs, wtq, wts, counts, dtype, block_m, num_warps, num_stages), rows, k)
 
 
 def wgrad(gt: Tensor, gts: Tensor, xt: Tensor, xts: Tensor, counts: Tensor, dtype: torch.dtype,
