@@ -247,12 +247,17 @@ def _pid_gone(pid: int) -> bool:
 
 
 def test_the_rank_that_failed_first_is_reported_not_the_lowest(tmp_path, capfd):
-    """Rank 1 fails, rank 0 fails 0.2 s later (its knock-on error): rank 1 is the root cause."""
+    """Rank 1 fails, rank 0 fails 2 s after it (its knock-on error): rank 1 is the root cause. Ordered by a file rank 1
+    writes as it exits, not by two timers: under a loaded CI machine rank 1's interpreter started late enough that
+    timers 0.2 s apart let rank 0 fail first (a fresh-clone run with the audit beside it)."""
     code = ("import os, sys, time\n"
             "if os.environ['RANK'] == '1':\n"
-            "    time.sleep(0.5); print('the real error', flush=True); os._exit(3)\n"
-            "time.sleep(0.7); print('connection closed by peer', flush=True); sys.exit(1)\n")
-    status = launch_local([sys.executable, "-c", code], 2, {"PATH": "/usr/bin:/bin"}, tmp_path)
+            "    print('the real error', flush=True); open(sys.argv[1], 'w').close(); os._exit(3)\n"
+            "while not os.path.exists(sys.argv[1]):\n"
+            "    time.sleep(0.01)\n"
+            "time.sleep(2); print('connection closed by peer', flush=True); sys.exit(1)\n")
+    status = launch_local([sys.executable, "-c", code, str(tmp_path / "rank1-failed")], 2, {"PATH": "/usr/bin:/bin"},
+                          tmp_path)
     err = capfd.readouterr().err
     assert status == 3
     assert ("spartron: rank 1 exited with status 3, the first rank to fail; stopped the other ranks; last "
