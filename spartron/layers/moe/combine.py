@@ -34,6 +34,11 @@ def _kernels(y: Tensor):
                    "pip install triton (it ships with torch's CUDA wheels)")
 
 
+def _per_token(rows: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
+    """rows [T * k, dim] in slot order -> [T, k, dim] in token order (the torch form: a gather)."""
+    return rows.index_select(0, slot_inverse).view(-1, top_k, rows.shape[-1])
+
+
 @torch.library.custom_op("spartron::moe_combine", mutates_args=())
 def moe_combine(y: Tensor, weights: Tensor, slot_inverse: Tensor, slot_order: Tensor) -> Tensor:
     """y [T * k, dim] in slot order, weights [T, k] (y's dtype), slot_inverse / slot_order [T * k] (each the
@@ -41,8 +46,7 @@ def moe_combine(y: Tensor, weights: Tensor, slot_inverse: Tensor, slot_order: Te
     kernels = _kernels(y)
     if kernels is not None:
         return kernels.combine_forward(y, weights, slot_inverse)
-    per_slot = y.index_select(0, slot_inverse).view(*weights.shape, y.shape[-1])
-    return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
+    return torch.bmm(weights.unsqueeze(1), _per_token(y, slot_inverse, weights.shape[1])).squeeze(1)
 
 
 @moe_combine.register_fake
@@ -57,9 +61,8 @@ def moe_combine_backward(grad: Tensor, y: Tensor, weights: Tensor, slot_inverse:
     kernels = _kernels(y)
     if kernels is not None:
         return kernels.combine_backward(grad, y, weights, slot_inverse)
-    tokens, top_k = weights.shape
-    per_slot = y.index_select(0, slot_inverse).view(tokens, top_k, y.shape[-1])
-    d_weights = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1)
+    top_k = weights.shape[1]
+    d_weights = torch.bmm(_per_token(y, slot_inverse, top_k), grad.unsqueeze(-1)).squeeze(-1)
     # slot s is token slot_order[s] // k's (slot_order[s] % k)-th: its gradient is that weight times the token's
     d_y = weights.reshape(-1).index_select(0, slot_order).unsqueeze(-1) * grad.index_select(0, slot_order // top_k)
     return d_y, d_weights
@@ -94,7 +97,7 @@ def moe_slot_sum(rows: Tensor, slot_inverse: Tensor, top_k: int) -> Tensor:
     kernels = _kernels(rows)
     if kernels is not None:
         return kernels.slot_sum(rows.contiguous(), slot_inverse, top_k)
-    return rows.index_select(0, slot_inverse).view(-1, top_k, rows.shape[-1]).sum(dim=1)
+    return _per_token(rows, slot_inverse, top_k).sum(dim=1)
 
 
 @moe_slot_sum.register_fake

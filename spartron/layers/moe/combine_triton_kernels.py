@@ -68,7 +68,7 @@ def _check(y: Tensor, weights: Tensor, slot_inverse: Tensor) -> tuple[int, int, 
 
 
 def combine_forward(y: Tensor, weights: Tensor, slot_inverse: Tensor) -> Tensor:
-    tokens, top_k, cols = _check(y, weights, slot_inverse)
+    tokens, top_k, _ = _check(y, weights, slot_inverse)
     return _sum_slots(y, weights, slot_inverse, tokens, top_k)
 
 
