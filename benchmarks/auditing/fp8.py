@@ -1,8 +1,9 @@
 """model.fp8 (issue 38 item 2): hostile recipe / backend / modules values, dims the 128-wide tiles do not divide, a
 compute dtype FP8 cannot sit in, a GPU backend (deep_gemm included) on a CPU machine, weight_cache, wgrad and
-bf16-layer values (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (and a
-rehearsed EP-2 rank that does), the FP8 parameter all-gather (param_gather) where it cannot run and on two ranks,
-and FP8 beside the other precision and optimizer options (`spartron train` and `spartron plan`)."""
+bf16-layer values (and weight_cache 'on' with train.compile), FP8 dispatch on layouts that cannot send it (one EP
+rank; the copy engines and DeepEP on a CPU machine; and a rehearsed EP-2 rank that sends it), the FP8 parameter
+all-gather (param_gather) where it cannot run and on two ranks, and FP8 beside the other precision and optimizer
+options (`spartron train` and `spartron plan`)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ def cases() -> list[Case]:
         ("model.fp8.weight_cache", "train.compile"))
     add("dispatch-one-ep-rank", train(*FP8, "model.fp8.dispatch=true"), ("model.fp8.dispatch", "parallel.ep"))
     add("dispatch-string", train(*FP8, 'model.fp8.dispatch="yes"'), ("model.fp8.dispatch",), category="dtypes")
-    add("dispatch-copy-engine", train(*FP8, "model.fp8.dispatch=true", "parallel.ep=2",
-                                      'model.moe.all_to_all_transport="copy_engine"'),
-        ("model.fp8.dispatch", "all_to_all_transport"))
+    # FP8 rows over the copy engines and DeepEP: accepted by the config; on a CPU machine both transports refuse
+    add("dispatch-copy-engine", train(*FP8, "model.fp8.dispatch=true", "parallel.ep=2", "launch.nproc=2",
+                                      'model.moe.all_to_all_transport="copy_engine"'), ("all_to_all_transport",))
+    add("dispatch-deepep", train(*FP8, "model.fp8.dispatch=true", "parallel.ep=2", "launch.nproc=2",
+                                 'model.moe.dispatcher="deepep"'), ("model.moe.dispatcher",))
     add("dispatch-not-pow2", train(*FP8, "model.fp8.dispatch=true", "model.fp8.power_of_two_scales=false"),
         ("model.fp8.dispatch", "model.fp8.power_of_two_scales"))
     add("dispatch-dense-only", train(*FP8, "model.fp8.dispatch=true", 'model.fp8.modules=["dense"]'),

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from spartron.comm.deepep_buffer import DeepEPBuffer, DeepEPBufferRef
+from spartron.comm.fp8_rows import dequantize_tiles
 
 NAMESPACE = "spartron_deepep"
 OPS: tuple[str, ...] = tuple(f"{NAMESPACE}::{n}" for n in
@@ -84,23 +85,27 @@ def _deep_ep_handle(handle: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 # ---------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{NAMESPACE}::dispatch", mutates_args=())
-def _dispatch(buffer: DeepEPBufferRef, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
-              num_ranks: int, num_sms: int
+def _dispatch(buffer: DeepEPBufferRef, x: Tensor, x_fp8: Tensor | None, x_scales: Tensor | None, topk_idx: Tensor,
+              topk_weights: Tensor, num_experts: int, num_ranks: int, num_sms: int
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`x_fp8` / `x_scales`: x's rows as E4M3 with fp32 scales per 128 values (model.fp8.dispatch), sent in x's
+    place by DeepEP's FP8 dispatch and dequantised to x's dtype on arrival; None: x is sent."""
     buffer, rt = _runtime(buffer, num_sms)
     if (buffer.ep, buffer.n_experts) != (num_ranks, num_experts):
         raise RuntimeError(f"spartron_deepep::dispatch for {num_ranks} ranks / {num_experts} experts, but the "
                            f"buffer serves {buffer.ep} / {buffer.n_experts}")
     per_rank, _, per_expert, in_rank, _ = rt.get_dispatch_layout(topk_idx, num_experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = rt.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights, config=buffer.dispatch_config)
+        x if x_fp8 is None else (x_fp8, x_scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, config=buffer.dispatch_config)
+    if x_fp8 is not None:
+        recv_x = dequantize_tiles(*recv_x, x.dtype)
     host_counts = torch.tensor(list(counts), dtype=torch.int64)
     return (recv_x, recv_idx, recv_w, host_counts, *handle)
 
 
 @_dispatch.register_fake
-def _(buffer, x, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
+def _(buffer, x, x_fp8, x_scales, topk_idx, topk_weights, num_experts, num_ranks, num_sms):
     received = torch.library.get_ctx().new_dynamic_size()
     tokens, top_k = topk_idx.shape
     channels = num_sms // 2
@@ -174,7 +179,7 @@ def _(buffer, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_
 # ---------------------------------------------------------------------------------------------
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.buffer, x, topk_idx, _, _, _, ctx.num_sms = inputs
+    ctx.buffer, x, _, _, topk_idx, _, _, _, ctx.num_sms = inputs
     ctx.hidden, ctx.top_k, ctx.x_dtype = x.shape[1], topk_idx.shape[1], x.dtype
     ctx.save_for_backward(output[1], *output[4:])
 
@@ -190,7 +195,7 @@ def _dispatch_grad(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, *_gra
         grad_recv_w = grad_recv_w.float().masked_fill(recv_idx < 0, 0.0)
     grad_x, grad_w = _dispatch_backward(ctx.buffer, grad_recv_x.contiguous(), grad_recv_w.float().contiguous(),
                                         *handle, ctx.num_sms)
-    return None, grad_x, None, grad_w, None, None, None
+    return None, grad_x, None, None, None, grad_w, None, None, None  # FP8 rows: x's gradient, straight through
 
 
 _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
@@ -213,16 +218,19 @@ _combine.register_autograd(_combine_grad, setup_context=_combine_setup)
 # Wrappers (the buffer is a spartron.comm.deepep_buffer.DeepEPBuffer; its ops get `buffer.ref`)
 # ---------------------------------------------------------------------------------------------
 
-def deepep_dispatch(buffer: DeepEPBuffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, DeepEPHandle]:
+def deepep_dispatch(buffer: DeepEPBuffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
+                    fp8: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, DeepEPHandle]:
     """Send each token once to every EP rank holding one of its experts.
 
     Returns (recv_x [R, dim], recv_topk_idx [R, top_k] local expert ids or -1, recv_topk_weights
     [R, top_k] float32 (0 where -1), rows per local expert [E_local] int64 on the host, handle).
-    Differentiable in x and topk_weights.
+    Differentiable in x and topk_weights. `fp8`: x's rows as (E4M3 [tokens, dim], fp32 scales
+    [tokens, dim / 128]), sent instead of x (model.fp8.dispatch); recv_x is then their dequantised values in
+    x's dtype, and x's gradient comes back in that dtype as without them.
     """
     buffer.check_input(x, topk_idx)
-    out = _dispatch(buffer.ref, x.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
+    q, scales = (None, None) if fp8 is None else buffer.check_fp8(x, *fp8)
+    out = _dispatch(buffer.ref, x.contiguous(), q, scales, topk_idx.contiguous(), topk_weights.float().contiguous(),
                     buffer.n_experts, buffer.ep, buffer.num_sms)
     return out[0], out[1], out[2], out[3], DeepEPHandle(*out[4:])
 

@@ -168,3 +168,16 @@ class DeepEPBuffer:
         if topk_ids.shape != (x.shape[0], self.top_k) or topk_ids.dtype != torch.int64:
             raise ValueError(f"{FEATURE}: topk_ids must be int64 [{x.shape[0]}, {self.top_k}], got "
                              f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+
+    def check_fp8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's FP8 rows as DeepEP's FP8 dispatch takes them (checked before the collective, as check_input): q
+        float8_e4m3fn [tokens, dim] (made contiguous), scales float32 [tokens, dim / 128] (any strides: DeepEP reads
+        them through theirs)."""
+        tiles = x.shape[1] // 128
+        if x.shape[1] % 128 or q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
+            raise ValueError(f"{FEATURE}: FP8 rows must be float8_e4m3fn {tuple(x.shape)} with dim a multiple of 128, "
+                             f"got {q.dtype} {tuple(q.shape)}")
+        if scales.dtype != torch.float32 or scales.shape != (x.shape[0], tiles):
+            raise ValueError(f"{FEATURE}: FP8 scales must be float32 [{x.shape[0]}, {tiles}] (one per 128 values), "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+        return q.contiguous(), scales

@@ -168,7 +168,8 @@ class FP8Config(ConfigSection):
     MoE all-to-all sends the routed rows as E4M3 with their 1x128 scales (spartron.layers.fp8.wire: 0.52x
     the bf16 bytes at dim 7168), as DeepSeek-V3 dispatches; the gradients go back in model.dtype. Needs
     "experts", power-of-two scales (the experts' own quantisation of the received rows then gives the sent
-    FP8 values back exactly) and the NCCL all-to-all dispatcher over more than one EP rank.
+    FP8 values back exactly) and more than one EP rank; every dispatcher that moves rows sends them so (the
+    all-to-all over NCCL or the copy engines, DeepEP through its own FP8 dispatch).
     `layers_at_start_in_bf16` / `layers_at_end_in_bf16`: that many of the first / last decoder layers keep every
     GEMM in model.dtype (Megatron's first_last_layers_bf16 with num_layers_at_start/end_in_bf16, for stability
     where the activations are least regular); the MTP modules run FP8 as Megatron's do. `param_gather` (Megatron's

@@ -101,8 +101,7 @@ class RunConfig(ConfigSection):
                              f"divisible by parallel.ep {self.parallel.ep}")
         check_dispatcher(self.model.moe.dispatcher, self.parallel.ep)
         if self.model.fp8 is not None and self.model.fp8.dispatch:
-            refusal = fp8_dispatch_refusal(self.model.moe.dispatcher, self.model.moe.all_to_all_transport,
-                                           self.parallel.ep)
+            refusal = fp8_dispatch_refusal(self.parallel.ep)
             if refusal:
                 raise ValueError(refusal)
         if self.model.fp8 is not None and self.model.fp8.param_gather:

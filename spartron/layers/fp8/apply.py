@@ -20,7 +20,7 @@ from spartron.layers.ffn import FeedForward
 from spartron.layers.fp8.modules import FP8FeedForward, FP8GroupedExperts, FP8Linear
 from spartron.layers.fp8.weight_cache import WeightCache, clear_after_load
 from spartron.layers.fp8.wire import FP8Wire
-from spartron.layers.moe.dispatch import AllToAllDispatcher
+from spartron.layers.moe.dispatch import AllToAllDispatcher, DeepEPDispatcher
 from spartron.layers.moe.experts import GroupedExperts
 from spartron.layers.moe.router import Router
 
@@ -158,14 +158,14 @@ def apply_fp8(blocks: list[nn.Module], cfg: FP8Config, compiled: bool = False, e
 
 def install_wire(blocks: list[nn.Module], backend: str) -> None:
     """model.fp8.dispatch: every MoE layer's dispatcher sends its rows as FP8 (spartron.layers.fp8.wire). A
-    dispatcher that cannot (one EP rank, DeepEP, the copy engines) is an error naming the key, on any path
+    dispatcher that moves no rows (one EP rank: the local dispatcher) is an error naming the key, on any path
     that builds the layers (the run config refuses the same layouts when it loads)."""
     for block in blocks:
         for module in block.modules():
             dispatcher = getattr(module, "dispatcher", None)
             if dispatcher is None:
                 continue
-            if type(dispatcher) is not AllToAllDispatcher:  # the copy-engine subclass too
-                raise ConfigError(f"model.fp8.dispatch = true needs the NCCL all-to-all dispatcher over more than one "
-                                  f"EP rank; this MoE layer has {type(dispatcher).__name__}")
+            if not isinstance(dispatcher, (AllToAllDispatcher, DeepEPDispatcher)):
+                raise ConfigError(f"model.fp8.dispatch = true needs a dispatcher that moves rows between more than "
+                                  f"one EP rank; this MoE layer has {type(dispatcher).__name__}")
             dispatcher.wire = FP8Wire(backend)

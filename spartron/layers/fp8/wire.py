@@ -1,9 +1,11 @@
-"""FP8 on the wire: the MoE dispatch all-to-all sends the routed rows as E4M3 with their 1x128 scales
-(model.fp8.dispatch), as DeepSeek-V3 dispatches: 0.52x the bf16 bytes at dim 7168.
+"""FP8 on the wire: the MoE dispatch sends the routed rows as E4M3 with their 1x128 scales (model.fp8.dispatch),
+as DeepSeek-V3 dispatches: 0.52x the bf16 bytes at dim 7168.
 
-Each row travels as one uint8 row: dim E4M3 bytes, then its dim/128 fp32 scales (4 bytes each), so one
-all-to-all with the dispatcher's split sizes moves values and scales together and the receiving side's
-row permutation stays a row permutation. On arrival the rows are dequantised to the compute dtype. With
+The all-to-all dispatchers (NCCL or the copy engines) send each row as one uint8 row: dim E4M3 bytes, then its
+dim/128 fp32 scales (4 bytes each), so one exchange with the dispatcher's split sizes moves values and scales
+together and the receiving side's row permutation stays a row permutation. DeepEP takes the values and the
+scales as its own FP8 dispatch does (a pair of tensors; its handle and combine unchanged). On arrival the rows
+are dequantised to the compute dtype (spartron.comm.fp8_rows, one rule for every dispatcher). With
 power-of-two scales that is exact (an E4M3 value times 2^k is a bf16 value), and the experts' own 1x128
 quantisation of the received rows gives back the FP8 values that were sent: their forward GEMM is the
 recipe's, bitwise the one without this option. Their weight gradient reads the received (dequantised)
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from spartron.comm.fp8_rows import dequantize_tiles
 from spartron.layers.fp8.ops import backend_impl
 from spartron.layers.fp8.quant import FP8, TILE, check_tiled
 
@@ -29,31 +32,35 @@ def wire_row_bytes(dim: int) -> int:
     return dim + SCALE_BYTES * (dim // TILE)
 
 
-def fp8_dispatch_refusal(dispatcher: str, transport: str, ep: int) -> str | None:
-    """THE rule for model.fp8.dispatch against the MoE layout: why it cannot run (None: it can)."""
+def fp8_dispatch_refusal(ep: int) -> str | None:
+    """THE rule for model.fp8.dispatch against the MoE layout: why it cannot run (None: it can). Every dispatcher
+    that moves rows sends them as FP8 (all_to_all over NCCL or the copy engines, deepep)."""
     if ep == 1:
         return "model.fp8.dispatch = true needs parallel.ep > 1: with one EP rank no rows are dispatched"
-    if dispatcher != "all_to_all" or transport != "nccl":
-        return ("model.fp8.dispatch = true is built for model.moe.dispatcher = 'all_to_all' with "
-                f"all_to_all_transport = 'nccl', got dispatcher {dispatcher!r}, transport {transport!r}")
     return None
 
 
-def pack(x: Tensor, backend: str) -> Tensor:
-    """[rows, dim] in the compute dtype -> [rows, wire_row_bytes(dim)] uint8 (power-of-two scales)."""
+def quantize(x: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    """[rows, dim] in the compute dtype -> what a dispatch sends: (E4M3 [rows, dim], fp32 scales [rows, dim / 128],
+    a transposed view of the backend's [dim / 128, rows]), power-of-two scales."""
     if x.shape[0] == 0:  # an EP rank that routes nothing this micro-batch: no kernel launch
-        return x.new_empty(0, wire_row_bytes(x.shape[1]), dtype=torch.uint8)
-    q, scales = backend_impl(backend).quantize_rows(x, True)  # scales [dim/128, rows]
-    return torch.cat((q.view(torch.uint8), scales.t().contiguous().view(torch.uint8)), dim=1)
+        return x.new_empty(x.shape, dtype=FP8), x.new_empty(0, x.shape[1] // TILE, dtype=torch.float32)
+    q, scales = backend_impl(backend).quantize_rows(x, True)
+    return q, scales.t()
+
+
+def pack(x: Tensor, backend: str) -> Tensor:
+    """[rows, dim] in the compute dtype -> [rows, wire_row_bytes(dim)] uint8: each row's E4M3 values, then its
+    scales."""
+    q, scales = quantize(x, backend)
+    return torch.cat((q.view(torch.uint8), scales.contiguous().view(torch.uint8)), dim=1)
 
 
 def unpack(wire: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     """pack's rows back in `dtype` (values times their tile's scale), computed in `dtype`: an E4M3 value and a
     power-of-two scale are both exact there, and so is their product (no fp32 intermediate to write)."""
-    rows = wire.shape[0]
-    q = wire[:, :dim].contiguous().view(FP8).to(dtype).view(rows, dim // TILE, TILE)
-    scales = wire[:, dim:].contiguous().view(torch.float32).to(dtype).view(rows, dim // TILE, 1)
-    return (q * scales).view(rows, dim)
+    return dequantize_tiles(wire[:, :dim].contiguous().view(FP8), wire[:, dim:].contiguous().view(torch.float32),
+                            dtype)
 
 
 class _FP8Send(torch.autograd.Function):
@@ -69,7 +76,8 @@ class _FP8Send(torch.autograd.Function):
 
 
 class FP8Wire:
-    """The hook an AllToAllDispatcher sends its dispatch rows through (apply_fp8 installs it)."""
+    """The hook a dispatcher sends its dispatch rows through (install_wire puts it on the all-to-all dispatchers,
+    NCCL or copy engine, and on DeepEP's)."""
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
@@ -79,3 +87,10 @@ class FP8Wire:
         scales, returned dequantised in x's dtype; the gradient goes back by `send_back` in that dtype."""
         check_tiled("model.dim", x.shape[1])
         return _FP8Send.apply(x, self.backend, send, send_back)
+
+    def rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [rows, dim] as DeepEP's FP8 dispatch takes it: (E4M3 [rows, dim], fp32 scales [rows, dim / 128]). The
+        dispatch op sends these in x's place, dequantises them on arrival (spartron.comm.fp8_rows) and sends the
+        gradient back in x's dtype."""
+        check_tiled("model.dim", x.shape[1])
+        return quantize(x.detach(), self.backend)

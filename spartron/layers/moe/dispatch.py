@@ -370,6 +370,7 @@ class DeepEPDispatcher:
         self.ep = ep
         self.n_local_experts = cfg.n_routed_experts // ep
         self.buffer = transport.deepep_buffer(cfg.top_k, cfg.n_routed_experts, cfg.deepep_num_sms, hidden)
+        self.wire = None  # model.fp8.dispatch: spartron.layers.fp8.wire.FP8Wire, whose rows() DeepEP sends as FP8
 
     def prepare(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[Tensor, DeepEPDispatchState]:
         """x [tokens, dim] -> the same tokens (DeepEP sends whole tokens); counts per global expert."""
@@ -380,8 +381,9 @@ class DeepEPDispatcher:
         return x, DeepEPDispatchState(topk_ids=topk_ids, topk_weights=topk_weights, tokens_per_expert=counts)
 
     def dispatch(self, x: Tensor, state: DeepEPDispatchState) -> Tensor:
+        fp8 = None if self.wire is None else self.wire.rows(x)  # model.fp8.dispatch: DeepEP's FP8 dispatch
         recv_x, state.recv_topk_ids, state.recv_topk_weights, state.tokens_per_local_expert, state.handle = \
-            deepep_dispatch(self.buffer, x, state.topk_ids, state.topk_weights)
+            deepep_dispatch(self.buffer, x, state.topk_ids, state.topk_weights, fp8)
         return recv_x
 
     def post_dispatch(self, x: Tensor, state: DeepEPDispatchState) -> tuple[Tensor, Tensor]:

@@ -4,8 +4,9 @@ DeepEP needs SM90 GPUs and NVLink, so CPU CI cannot run it. This double implemen
 calls Spartron makes with the same signatures, handle layout (six tensors, DeepEP's dtypes and
 shapes), receive order (by source rank, then token index), per-rank id translation (-1 and weight 0
 for other ranks' experts), fp32 reduction in combine, and the in-place rewrite of `send_head` that
-DeepEP's combine performs. The transport is `all_to_all_single`. It counts its calls, so a test can
-prove that a checkpoint replay did not redo the layout or the exchanges.
+DeepEP's combine performs, and its FP8 dispatch (x given as E4M3 values with fp32 scales per 128, received as
+such a pair). The transport is `all_to_all_single`. It counts its calls, so a test can prove that a checkpoint
+replay did not redo the layout or the exchanges, and the tokens' bytes its dispatches send.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.calls: collections.Counter = collections.Counter()
+        self.dispatched_bytes = 0  # the tokens' bytes the (uncached) dispatches sent from this rank
         dist.barrier(group=group)  # creating the real buffer is collective too
 
     def destroy(self) -> None:
@@ -82,7 +84,13 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        assert config is not None and x.dim() == 2 and x.is_contiguous()
+        assert config is not None
+        fp8 = isinstance(x, tuple)  # DeepEP's FP8 dispatch: (E4M3 [tokens, hidden], fp32 scales [tokens, hidden/128])
+        if fp8:
+            x, scales = x
+            assert x.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and handle is None
+            assert scales.shape == (x.shape[0], x.shape[1] // 128)  # any strides: DeepEP reads them through theirs
+        assert x.dim() == 2 and x.is_contiguous()
         channels = config.num_sms // 2
         if handle is not None:
             self.calls["cached_dispatch"] += 1
@@ -110,7 +118,16 @@ class Buffer:
             mine = (local >= 0) & (local < n_local)
             ids.append(torch.where(mine, local, -1))
             weights.append(torch.where(mine, topk_weights[t], 0.0))
-        recv_x = self._exchange([x[t].float() for t in tokens], recv_counts).to(x.dtype)
+        if fp8:
+            rows = [torch.cat((x.view(torch.uint8)[t], scales[t].contiguous().view(torch.uint8)), 1) for t in tokens]
+            wire = self._exchange(rows, recv_counts)
+            dim = x.shape[1]
+            recv_x = (wire[:, :dim].contiguous().view(x.dtype), wire[:, dim:].contiguous().view(torch.float32))
+        else:
+            rows = [x[t].float() for t in tokens]
+            recv_x = self._exchange(rows, recv_counts).to(x.dtype)
+        self.dispatched_bytes += sum(r.shape[0] for r in rows) * (x.shape[1] * x.element_size() + (
+            4 * scales.shape[1] if fp8 else 0))  # what DeepEP sends of the tokens
         recv_idx = self._exchange(ids, recv_counts)
         recv_w = self._exchange(weights, recv_counts)
         recv_src = self._exchange([t.to(torch.int64) for t in tokens], recv_counts).to(torch.int32)

@@ -92,7 +92,10 @@ def test_fake_impls_give_deepep_shapes():
         x = torch.empty(10, 64, dtype=torch.bfloat16)
         idx = torch.empty(10, 4, dtype=torch.int64)
         w = torch.empty(10, 4, dtype=torch.float32)
-        out = torch.ops.spartron_deepep.dispatch(ref, x, idx, w, 16, 2, 24)
+        out = torch.ops.spartron_deepep.dispatch(ref, x, None, None, idx, w, 16, 2, 24)
+        q, s = torch.empty(10, 64, dtype=torch.float8_e4m3fn), torch.empty(1, 10).t()  # FP8 rows: recv_x in x's dtype
+        fp8 = torch.ops.spartron_deepep.dispatch(ref, x, q, s, idx, w, 16, 2, 24)
+        assert fp8[0].dtype == torch.bfloat16 and fp8[0].shape[1] == 64
         recv = out[0].shape[0]
         assert isinstance(recv, torch.SymInt)  # data-dependent: decided by the exchange
         got = [(tuple(o.shape), o.dtype) for o in out]
