@@ -16,6 +16,8 @@ worst rank reported.
   exchange; the combine stays bf16), on the same bf16 experts: what FP8 dispatch costs and saves on the
   wire alone, bytes per direction counted (issue 38: time it on 2 GPUs). Backend triton on CUDA,
   reference on CPU.
+- deepep_fp8: DeepEP with model.fp8.dispatch (its own FP8 dispatch: E4M3 values and their 1x128 fp32 scales,
+  quantised before the dispatch op and dequantised in it; the combine stays bf16), on the same buffer.
 - replay dispatch: what a checkpoint replay of the dispatch would cost: `fresh` recomputes the layout
   + notify + exchange, `cached_handle` re-sends along the original handle, `saved_op` is Spartron's
   replay (the mandatory-save op's outputs handed back by the checkpoint policy, no communication).
@@ -86,18 +88,25 @@ def _measure_all_to_all(layer, x, x3, g, routing, group, iters, warmup) -> dict:
     return res
 
 
-def _measure_deepep(layer, x, x3, g, routing, iters, warmup) -> dict:
+def _measure_deepep(layer, x, x3, g, routing, iters, warmup, replay: bool = True) -> dict:
+    """`replay`: also time the replay variants of the dispatch (bf16 rows only)."""
     dev = x.device
-    buf = layer.dispatcher.buffer
+    buf, wire = layer.dispatcher.buffer, layer.dispatcher.wire
     ids, weights = routing["topk_ids"], routing["topk_weights"]
+
+    def dispatch():  # with model.fp8.dispatch the rows' quantisation is part of the dispatch's cost
+        return deepep_dispatch(buf, x, ids, weights, None if wire is None else wire.rows(x))
+
     with torch.no_grad():
-        recv, _, _, _, handle = deepep_dispatch(buf, x, ids, weights)
-    sent = int(handle.is_token_in_rank.sum()) * x.shape[1] * x.element_size()
+        recv, _, _, _, handle = dispatch()
+    tokens_sent = int(handle.is_token_in_rank.sum())
+    sent = tokens_sent * x.shape[1] * x.element_size()  # the combine's bytes; the dispatch's too without a wire
+    dispatched = tokens_sent * wire_row_bytes(x.shape[1]) if wire is not None else sent
     recv_rows = torch.randn_like(recv)
 
     def exchanges():
         with torch.no_grad():
-            r, _, _, _, h = deepep_dispatch(buf, x, ids, weights)
+            r, _, _, _, h = dispatch()
             deepep_combine(buf, r, h)
 
     def fresh():
@@ -116,23 +125,23 @@ def _measure_deepep(layer, x, x3, g, routing, iters, warmup) -> dict:
         with torch.no_grad(), PolicyMode(saved["ops"], "original"):
             deepep_dispatch(buf, x, ids, weights)
 
-    def replay():  # the replay: the policy hands the saved outputs back
+    def replay_saved():  # the replay: the policy hands the saved outputs back
         with torch.no_grad(), PolicyMode(saved["ops"], "replay"):
             deepep_dispatch(buf, x, ids, weights)
         saved["ops"].finish_replay()
 
-    res = {"bytes_sent_per_direction": sent, "received_tokens": recv.shape[0],
-           "num_sms": buf.num_sms, "num_nvl_bytes": buf.num_nvl_bytes,
+    res = {"bytes_sent_per_direction": sent, "dispatch_bytes": dispatched, "combine_bytes": sent,
+           "received_tokens": recv.shape[0], "num_sms": buf.num_sms, "num_nvl_bytes": buf.num_nvl_bytes,
            "token_path_ms": median_ms(lambda: _token_path(layer, x, routing), iters, warmup, dev),
            "exchanges_ms": median_ms(exchanges, iters, warmup, dev),
            "combine_only_ms": median_ms(lambda: deepep_combine(buf, recv_rows, handle), iters, warmup, dev),
-           "layer_fwd_bwd_ms": median_ms(lambda: _layer_fwd_bwd(layer, x3, g), iters, warmup, dev),
-           "replay_dispatch_ms": {
-               "fresh": median_ms(fresh, iters, warmup, dev),
-               "cached_handle": median_ms(cached, iters, warmup, dev),
-               "saved_op": median_ms(replay, iters, warmup, dev, setup=record)}}
-    res["exchanges_GBps"] = 2 * sent / res["exchanges_ms"] / 1e6
-    res["token_path_GBps"] = 2 * sent / res["token_path_ms"] / 1e6
+           "layer_fwd_bwd_ms": median_ms(lambda: _layer_fwd_bwd(layer, x3, g), iters, warmup, dev)}
+    if replay:
+        res["replay_dispatch_ms"] = {"fresh": median_ms(fresh, iters, warmup, dev),
+                                     "cached_handle": median_ms(cached, iters, warmup, dev),
+                                     "saved_op": median_ms(replay_saved, iters, warmup, dev, setup=record)}
+    res["exchanges_GBps"] = (dispatched + sent) / res["exchanges_ms"] / 1e6
+    res["token_path_GBps"] = (dispatched + sent) / res["token_path_ms"] / 1e6
     return res
 
 
@@ -149,21 +158,26 @@ def _rank_measure(rank: int, world: int, configs: dict, shape: dict, dtype: str,
     with torch.no_grad():
         routing = a2a.router(x3)
     res = {"rank": rank, "all_to_all": _measure_all_to_all(a2a, x, x3, g, routing, group, iters, warmup)}
+    backend = "triton" if cuda else "reference"
     fp8 = MoELayer(configs["all_to_all"], EPTransport(group), device=device)
     fp8.load_state_dict(a2a.state_dict())
-    install_wire([fp8], "triton" if cuda else "reference")
+    install_wire([fp8], backend)
     res["all_to_all_fp8"] = _measure_all_to_all(fp8, x, x3, g, routing, group, iters, warmup)
     try:
-        dep = MoELayer(configs["deepep"], EPTransport(group), device=device)
+        transport = EPTransport(group)  # one DeepEP buffer for both layers
+        dep, dep_fp8 = (MoELayer(configs["deepep"], transport, device=device) for _ in range(2))
         dep.load_state_dict(a2a.state_dict())
+        dep_fp8.load_state_dict(a2a.state_dict())
+        install_wire([dep_fp8], backend)
         try:
             res["deepep"] = _measure_deepep(dep, x, x3, g, routing, iters, warmup)
+            res["deepep_fp8"] = _measure_deepep(dep_fp8, x, x3, g, routing, iters, warmup, replay=False)
         finally:
-            dep.dispatcher.buffer.destroy()  # collective; DeepEP's destructor must not run at exit
+            transport.destroy()  # collective; DeepEP's destructor must not run at exit
     except ValueError as err:  # DeepEP missing or unsupported here: every rank reports the same
-        res["deepep"] = {"error": str(err)}
+        res["deepep"] = res["deepep_fp8"] = {"error": str(err)}
     except Exception:  # noqa: BLE001 - keep the all_to_all numbers; the traceback goes into the JSON
-        res["deepep"] = {"error": traceback.format_exc()}
+        res["deepep"] = res["deepep_fp8"] = {"error": traceback.format_exc()}
     if cuda:
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     dist.barrier()
@@ -199,13 +213,14 @@ def run(args) -> dict:
     measure_args = (configs, shape, dtype, iters, warmup)
     ranks = run_ranks(_rank_measure, WORLD, *measure_args, cuda=cuda)
     summary = {}
-    for name in ("all_to_all", "all_to_all_fp8", "deepep"):
+    for name in ("all_to_all", "all_to_all_fp8", "deepep", "deepep_fp8"):
         summary[name] = {k: _worst(ranks, (name, k)) for k in
                          ("token_path_ms", "exchanges_ms", "layer_fwd_bwd_ms")}
-    summary["all_to_all_fp8"]["dispatch_bytes_over_bf16"] = (
-        ranks[0]["all_to_all_fp8"]["dispatch_bytes"] / ranks[0]["all_to_all"]["dispatch_bytes"])
-    b, f = summary["all_to_all"]["exchanges_ms"], summary["all_to_all_fp8"]["exchanges_ms"]
-    summary["all_to_all_fp8"]["exchanges_speedup"] = b / f
+    for plain, fp8 in (("all_to_all", "all_to_all_fp8"), ("deepep", "deepep_fp8")):
+        bytes_bf16, bytes_fp8 = _worst(ranks, (plain, "dispatch_bytes")), _worst(ranks, (fp8, "dispatch_bytes"))
+        b, f = summary[plain]["exchanges_ms"], summary[fp8]["exchanges_ms"]
+        summary[fp8]["dispatch_bytes_over_bf16"] = bytes_fp8 / bytes_bf16 if bytes_bf16 and bytes_fp8 else None
+        summary[fp8]["exchanges_speedup"] = b / f if b and f else None
     summary["deepep_replay_dispatch_ms"] = {k: _worst(ranks, ("deepep", "replay_dispatch_ms", k))
                                             for k in ("fresh", "cached_handle", "saved_op")}
     a, d = summary["all_to_all"]["layer_fwd_bwd_ms"], summary["deepep"]["layer_fwd_bwd_ms"]
@@ -228,14 +243,15 @@ def print_table(r: dict) -> None:
     s = r["summary"]
     print(f"DeepEP vs all_to_all on {r['device']} (torch {r['torch']}, {r['dtype']}, commit {r['commit'][:10]}, "
           f"{r['num_sms']} SMs): {r['shape']}")
-    print(f"  {'(worst rank)':28s} {'all_to_all':>12s} {'+ fp8 wire':>12s} {'deepep':>12s}")
+    names = ("all_to_all", "all_to_all_fp8", "deepep", "deepep_fp8")
+    print(f"  {'(worst rank)':28s} {'all_to_all':>12s} {'+ fp8 wire':>12s} {'deepep':>12s} {'+ fp8 wire':>12s}")
     for key, label in (("token_path_ms", "dispatch+combine path"), ("exchanges_ms", "exchanges only"),
                        ("layer_fwd_bwd_ms", "MoE layer fwd+bwd")):
-        print(f"  {label:28s} {_fmt(s['all_to_all'][key])} {_fmt(s['all_to_all_fp8'][key])} "
-              f"{_fmt(s['deepep'][key])}")
-    f = s["all_to_all_fp8"]
-    print(f"  fp8 dispatch: {f['dispatch_bytes_over_bf16']:.3f}x the bf16 dispatch bytes, exchanges "
-          f"{f['exchanges_speedup']:.2f}x the bf16 ones")
+        print(f"  {label:28s} " + " ".join(_fmt(s[name][key]) for name in names))
+    for name in ("all_to_all_fp8", "deepep_fp8"):
+        f = s[name]
+        print(f"  {name}: {_fmt(f['dispatch_bytes_over_bf16'], 'x')} the bf16 dispatch bytes, exchanges "
+              f"{_fmt(f['exchanges_speedup'], 'x')} as fast as the bf16 ones")
     for rank in r["ranks"]:
         a, d = rank["all_to_all"], rank["deepep"]
         line = f"  rank {rank['rank']}: all_to_all {a['exchanges_GBps']:.1f} GB/s"
