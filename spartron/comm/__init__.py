@@ -3,7 +3,10 @@
 - `spartron_collectives` (collectives.py): all_to_all (uneven splits), all_gather, reduce_scatter,
   splits_to_host, as torch.library ops with fake impls and autograd;
 - `spartron_symm` (copy_engine.py): the MoE token exchange over the GPUs' copy engines (symmetric memory);
-- `spartron_deepep` (deepep.py): DeepEP's intranode dispatch / combine (DeepEP is imported only when used);
+- `spartron_deepep` (deepep.py): DeepEP's intranode dispatch / combine (DeepEP is imported only when used), its
+  FP8 dispatch included;
+- fp8_rows.py: rows sent as E4M3 with 1x128 scales (model.fp8.dispatch) back in the compute dtype, one rule for
+  every dispatcher;
 - `EPTransport` (transport.py): the buffers of one EP group (exchange, DeepEP), made, shared and destroyed
   in one place, handed to every MoE dispatcher of a model when it is built;
 - `labelled` (mirror.py): names what the collectives called inside are for, recorded by a rehearsal's
