@@ -114,7 +114,8 @@ def main() -> int:
 
         results = [Result(**json.loads(p.read_text())) for p in sorted(Path(args.root).glob("*/result.json"))]
         out = args.out or str(ROOT / "benchmarks" / "results" / "audit")
-        write_results(results, Path(out + ".md"), Path(out + ".json"), 0.0, args.jobs)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        write_results(results, Path(out + ".md"), Path(out + ".json"), None, args.jobs)
         print(f"wrote {out}.md and {out}.json from {len(results)} cases")
         return 0
     cases = all_cases()
@@ -132,10 +133,12 @@ def main() -> int:
         return 0
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="spartron-audit-"))
     root.mkdir(parents=True, exist_ok=True)
+    out = args.out or (None if (args.only or args.quick) else str(ROOT / "benchmarks" / "results" / "audit"))
+    if out:  # made before the cases run: a full audit takes an hour, and its results must have somewhere to go
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = run_audit(cases, root, jobs=args.jobs)
     wall = time.perf_counter() - start
-    out = args.out or (None if (args.only or args.quick) else str(ROOT / "benchmarks" / "results" / "audit"))
     if out:
         write_results(results, Path(out + ".md"), Path(out + ".json"), wall, args.jobs)
         print(f"wrote {out}.md and {out}.json")

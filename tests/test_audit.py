@@ -97,3 +97,25 @@ def test_information_lines_do_not_count_as_output_of_a_refusal():
            "spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1\n")
     assert error_lines(err) == ["spartron: error: loss 8.12279 at step 1 is above train.max_loss = 1"]
     assert error_lines("spartron: step 1 running for 10 s (rank 1)\n") == ["spartron: step 1 running for 10 s (rank 1)"]
+
+
+def test_results_reach_a_folder_that_did_not_exist_and_collect_says_it_has_no_wall_time(tmp_path):
+    """--out into a missing folder: the folder is made before the cases run (an hour-long audit once lost its
+    results when the write failed at the end); --collect writes what the case folders hold, the wall not known."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "new" / "deeper" / "audit"
+    args = [sys.executable, str(ROOT / "benchmarks" / "audit.py"), "--only", "fp8-dispatch-string",
+            "--root", str(tmp_path / "cases")]
+    done = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(out.with_suffix(".json").read_text())["summary"]
+    assert summary["cases"] == 1 and summary["counts"]["clear"] == 1 and summary["wall_seconds"] > 0
+    again = tmp_path / "other" / "audit"
+    done = subprocess.run([*args, "--collect", "--out", str(again)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(again.with_suffix(".json").read_text())["summary"]["wall_seconds"] is None
+    assert "s of cases (collected: wall not recorded) (1 at a time)" in again.with_suffix(".md").read_text()

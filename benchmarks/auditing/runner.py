@@ -119,16 +119,20 @@ def _share(entry: dict) -> str:
     return "-" if n == 0 else f"{entry['one_line']}/{n} ({100 * entry['one_line'] / n:.1f}%)"
 
 
-def write_results(results: list[Result], out_md: Path, out_json: Path, wall_s: float, jobs: int) -> None:
+def write_results(results: list[Result], out_md: Path, out_json: Path, wall_s: float | None, jobs: int) -> None:
+    """`wall_s` None: not known (results collected from an earlier run's case folders)."""
     s = summary(results)
-    s.update(case_seconds=round(sum(r.seconds for r in results), 1), wall_seconds=round(wall_s, 1), jobs=jobs,
+    wall = None if wall_s is None else round(wall_s, 1)
+    s.update(case_seconds=round(sum(r.seconds for r in results), 1), wall_seconds=wall, jobs=jobs,
              commit=_commit())
     out_json.write_text(json.dumps({"summary": s, "results": [r.__dict__ for r in results]}, indent=1) + "\n")
     total_refusals = sum(e["refusals"] for e in s["one_line_refusals"].values())
     total_one = sum(e["one_line"] for e in s["one_line_refusals"].values())
     good = s["counts"]["clear"] + s["counts"]["accepted safely"]
     lines = ["# Adversarial audit (`python benchmarks/audit.py`)", "",
-             f"{s['cases']} cases in {s['wall_seconds']} s ({jobs} at a time) at commit {s['commit']}. "
+             f"{s['cases']} cases in "
+             + (f"{wall} s" if wall is not None else f"{s['case_seconds']} s of cases (collected: wall not recorded)")
+             + f" ({jobs} at a time) at commit {s['commit']}. "
              f"Clear or accepted safely: {good} ({100 * good / max(s['cases'], 1):.1f}%). "
              f"**Escapes: {s['escapes']}, silent harmful: {s['silent_harmful']}, hangs: {s['hangs']}**; "
              f"one-line errors among refusals: {_share({'refusals': total_refusals, 'one_line': total_one})}.", "",
