@@ -1,4 +1,5 @@
-"""Suite-wide collection rules and the fixture that stops a `spartron` command at a chosen point.
+"""Suite-wide collection rules, the fixture that stops a `spartron` command at a chosen point, and the collector
+given back after every test.
 
 Tests marked `slurm` share one single-machine Slurm of 2 nodes (scripts/slurm.sh): under pytest-xdist
 (`-n 2 --dist loadgroup`, as scripts/test.sh runs the suite) they all go to one worker, so their jobs never
@@ -99,6 +100,20 @@ def paused_cli() -> Iterator:
     yield start
     for command in started:
         command.close()
+
+
+@pytest.fixture(autouse=True)
+def collector_given_back() -> Iterator[None]:
+    """Python's automatic garbage collection as the test found it: a Trainer turns it off from setup() to close()
+    (train.gc_every), and a test whose Trainer raises before close() would leave it off for every later test of
+    its worker process, and for the ranks those tests fork (tests/runtime/test_gc_schedule.py saw them start with
+    the collector off in a fresh-clone CI run)."""
+    import gc
+
+    enabled = gc.isenabled()
+    yield
+    if enabled and not gc.isenabled():
+        gc.enable()
 
 
 @pytest.fixture
