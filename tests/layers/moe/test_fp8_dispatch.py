@@ -204,6 +204,25 @@ def test_layouts_that_cannot_send_fp8_are_refused():
         apply_fp8([layer], FP8Config(backend="reference", modules=["experts"], dispatch=True))
 
 
+def test_deepep_takes_fp8_rows_only_as_its_fp8_dispatch_does():
+    """A wrong pair is a one-line error before any rank enters DeepEP's collective (a bad shape there hangs the
+    peers); the scales may be a transposed view (DeepEP reads them through their strides)."""
+    from spartron.comm.deepep_buffer import DeepEPBuffer
+
+    with mirrored_world(0, 2):
+        buffer = DeepEPBuffer(dist.group.WORLD, 2, 4, 8, DIM, library=deepep_emulator)
+    x = torch.zeros(6, DIM, dtype=torch.bfloat16)
+    q, scales = torch.zeros(6, DIM, dtype=torch.float8_e4m3fn), torch.ones(DIM // 128, 6).t()
+    got_q, got_scales = buffer.check_fp8(x, q.t().contiguous().t(), scales)
+    assert got_q.is_contiguous() and got_scales is scales
+    with pytest.raises(ValueError, match=r"^model.moe.dispatcher = 'deepep': FP8 rows must be float8_e4m3fn \(6, 256\) "
+                                         r"with dim a multiple of 128, got torch.uint8 \(6, 256\)$"):
+        buffer.check_fp8(x, q.view(torch.uint8), scales)
+    with pytest.raises(ValueError, match=r"^model.moe.dispatcher = 'deepep': FP8 scales must be float32 \[6, 2\] "
+                                         r"\(one per 128 values\), got torch.float32 \(2, 6\)$"):
+        buffer.check_fp8(x, q, scales.t())
+
+
 def _compiled_worker(rank, world, kind, shared):
     from torch._dynamo.utils import counters
 
