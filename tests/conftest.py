@@ -105,9 +105,9 @@ def paused_cli() -> Iterator:
 @pytest.fixture(autouse=True)
 def collector_given_back() -> Iterator[None]:
     """Python's automatic garbage collection as the test found it: a Trainer turns it off from setup() to close()
-    (train.gc_every), and a test whose Trainer raises before close() would leave it off for every later test of
-    its worker process, and for the ranks those tests fork (tests/runtime/test_gc_schedule.py saw them start with
-    the collector off in a fresh-clone CI run)."""
+    (train.gc_every), and a test whose Trainer raised before close() would leave it off for every later test of
+    its worker process and for the ranks those tests fork (tests/runtime/test_gc_schedule.py asserts the state
+    its ranks start in). No test of the suite does so today; this keeps one that does from failing others."""
     import gc
 
     enabled = gc.isenabled()

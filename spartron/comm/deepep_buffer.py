@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase  # torch >= 2.11: opaque types derive from it
 
+from spartron.comm.fp8_rows import TILE
 from spartron.optional import MissingDependencyError, require
 
 FEATURE = "model.moe.dispatcher = 'deepep'"
@@ -173,8 +174,8 @@ class DeepEPBuffer:
         """x's FP8 rows as DeepEP's FP8 dispatch takes them (checked before the collective, as check_input): q
         float8_e4m3fn [tokens, dim] (made contiguous), scales float32 [tokens, dim / 128] (any strides: DeepEP reads
         them through theirs)."""
-        tiles = x.shape[1] // 128
-        if x.shape[1] % 128 or q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
+        tiles = x.shape[1] // TILE
+        if x.shape[1] % TILE or q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
             raise ValueError(f"{FEATURE}: FP8 rows must be float8_e4m3fn {tuple(x.shape)} with dim a multiple of 128, "
                              f"got {q.dtype} {tuple(q.shape)}")
         if scales.dtype != torch.float32 or scales.shape != (x.shape[0], tiles):

@@ -22,8 +22,8 @@ def _collections(rank, world, root: str, every: int):
     full, enabled = [], []
 
     def on_gc(phase, info):  # the full collections made while the automatic collector is off: the Trainer's own
-        # (set-up runs, and close() ends, with it on: its collections there follow the allocations, which differ
-        # with what the pytest worker this rank forked from ran before: a fresh-clone CI run saw one)
+        # (set-up runs, and close() ends, with it on: collections there follow the allocation counts, which differ
+        # with what the pytest worker this rank forked from ran before; the likely cause of one fresh-clone failure)
         if phase == "start" and info["generation"] == 2 and not gc.isenabled():
             full.append(trainer.step_no)
 
